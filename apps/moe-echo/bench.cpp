@@ -1,0 +1,272 @@
+// moe-echo bench: training steps (forward + backward) of one MoE layer on synthetic tokens with
+// skewed expert popularity, one table row per step and a summary; --json writes every number.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "commands.hpp"
+#include "core/random.hpp"
+#include "core/synthetic.hpp"
+#include "layer_options.hpp"
+#include "moe_echo/backends.hpp"
+#include "moe_echo/comm.hpp"
+#include "moe_echo/error.hpp"
+#include "moe_echo/layer.hpp"
+
+namespace moe_echo::cli {
+namespace {
+
+struct BenchOptions {
+  LayerOptions layer;
+  int steps = 20;
+  int warmup = 1;
+  std::string skew = "zipf:1.2";
+  std::string json;
+};
+
+struct StepRow {
+  int step = 0;
+  double fwd_ms = 0, bwd_ms = 0, tokens_per_s = 0;
+  double mm_no_echo = 0, mm_echo = 0;
+  int clones = 0;
+  int64_t clone_bytes = 0, overflow_rows = 0;
+  int spill_rounds = 0;
+  double aux_loss = 0, z_loss = 0;
+  std::vector<int32_t> load_before, load_after;
+};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0 : s / double(v.size());
+}
+
+double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, size_t(q * double(v.size() - 1) + 0.5));
+  return v[i];
+}
+
+int run_bench(const BenchOptions& o) {
+  if (o.steps < 1)
+    throw ConfigError("steps", "steps = " + std::to_string(o.steps) + " is invalid: allowed steps >= 1");
+  if (o.warmup < 0 || o.warmup >= o.steps)
+    throw ConfigError("warmup", "warmup = " + std::to_string(o.warmup) +
+                                    " is invalid: allowed 0 <= warmup < steps (" +
+                                    std::to_string(o.steps) + ")");
+  auto probe = make_backend(o.layer.backend);
+  const bool cpu = std::string(probe->name()).rfind("cpu", 0) == 0;
+  const ResolvedLayer L = resolve(o.layer, cpu);
+  const SkewSpec skew = parse_skew(o.skew, "skew");
+  const MoeConfig& moe = L.moe;
+  const int R = L.ep, T = moe.max_tokens, H = moe.hidden;
+  if (moe.experts > moe.hidden)
+    throw ConfigError("experts", "experts = " + std::to_string(moe.experts) +
+                                     " is invalid for bench: synthetic routing needs experts <= "
+                                     "hidden (" + std::to_string(moe.hidden) + ")");
+  SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
+
+  std::printf("moe-echo bench: preset %s, backend %s, H %d, F %d, E %d, top-%d %s, %d tokens/rank, "
+              "EP %d, ECHO %s (spare slots %d, max clones %d), capacity factor %.2f, skew %s\n",
+              L.preset.c_str(), probe->name(), H, moe.ffn, moe.experts, moe.top_k,
+              to_string(moe.score_function), T, R, L.echo.enabled ? "on" : "off",
+              L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.echo.capacity_factor,
+              o.skew.c_str());
+  if (L.tokens_reduced_for_cpu)
+    std::printf("note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
+                "change)\n", L.preset.c_str(), T);
+  std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "step", "fwd_ms", "bwd_ms", "tokens/s",
+              "max/mean", "max/mean", "clones", "overflow", "spill");
+  std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "", "", "", "", "(no ECHO)",
+              L.echo.enabled ? "(ECHO)" : "(ECHO off)", "", "rows", "rounds");
+
+  std::vector<StepRow> rows(size_t(o.steps));
+  std::vector<std::vector<double>> fwd(size_t(R), std::vector<double>(size_t(o.steps))),
+      bwd = fwd;
+  size_t workspace = 0;
+  const auto start = std::chrono::steady_clock::now();
+  InProcessWorld world(R);
+  world.run([&](int rank) {
+    auto backend = make_backend(o.layer.backend);
+    Communicator& comm = world.communicator(rank);
+    MoeLayer layer(*backend, comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed);
+    if (rank == 0) workspace = layer.workspace_bytes();
+    write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
+    const DType act = backend->activation_dtype();
+    auto alloc = [&](std::initializer_list<int64_t> dims) {
+      Tensor t(nullptr, act, dims);
+      t.data = backend->allocate(t.bytes());
+      return t;
+    };
+    Tensor x = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}), dx = alloc({T, H});
+    std::vector<double> dy_host(size_t(T) * size_t(H));
+    for (int step = 0; step < o.steps; ++step) {
+      write_tensor(*backend, x, synth.tokens(step, rank, T));
+      Rng rng(o.layer.seed ^ 0xd1ull, uint64_t(step), uint64_t(rank));
+      for (auto& v : dy_host) v = rng.normal() / double(T);
+      write_tensor(*backend, dy, dy_host);
+      layer.zero_grad();
+      comm.barrier();
+      const auto t0 = std::chrono::steady_clock::now();
+      layer.forward(x, y);
+      backend->synchronize();
+      const auto t1 = std::chrono::steady_clock::now();
+      layer.backward(dy, dx);
+      backend->synchronize();
+      const auto t2 = std::chrono::steady_clock::now();
+      fwd[size_t(rank)][size_t(step)] = std::chrono::duration<double, std::milli>(t1 - t0).count();
+      bwd[size_t(rank)][size_t(step)] = std::chrono::duration<double, std::milli>(t2 - t1).count();
+      comm.barrier();
+      if (rank != 0) continue;
+      const StepStats st = layer.stats();
+      StepRow& row = rows[size_t(step)];
+      row.step = step;
+      for (int r = 0; r < R; ++r) {
+        row.fwd_ms = std::max(row.fwd_ms, fwd[size_t(r)][size_t(step)]);
+        row.bwd_ms = std::max(row.bwd_ms, bwd[size_t(r)][size_t(step)]);
+      }
+      row.tokens_per_s = double(R) * T / ((row.fwd_ms + row.bwd_ms) * 1e-3);
+      row.mm_no_echo = st.max_over_mean_before;
+      row.mm_echo = st.max_over_mean_after;
+      row.clones = st.clones;
+      row.clone_bytes = st.clone_bytes;
+      row.overflow_rows = st.overflow_rows_all;
+      row.spill_rounds = st.spill_rounds;
+      row.aux_loss = st.aux_loss;
+      row.z_loss = st.z_loss;
+      row.load_before = st.load_before;
+      row.load_after = st.load_after;
+      std::printf("%5d %9.2f %9.2f %11.0f %12.3f %12.3f %6d %9lld %6d\n", step, row.fwd_ms,
+                  row.bwd_ms, row.tokens_per_s, row.mm_no_echo, row.mm_echo, row.clones,
+                  (long long)row.overflow_rows, row.spill_rounds);
+      std::fflush(stdout);
+      const double elapsed =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (elapsed > 3.0 && step + 1 < o.steps)
+        std::fprintf(stderr, "[bench] step %d/%d, %.1f s elapsed, about %.0f s left\n", step + 1,
+                     o.steps, elapsed, elapsed / (step + 1) * (o.steps - step - 1));
+    }
+  });
+
+  std::vector<double> f, b, tps, before, after, clones, clone_bytes;
+  int64_t overflow = 0;
+  int spill_steps = 0;
+  for (const StepRow& r : rows) {
+    if (r.step >= o.warmup) {
+      f.push_back(r.fwd_ms);
+      b.push_back(r.bwd_ms);
+      tps.push_back(r.tokens_per_s);
+    }
+    before.push_back(r.mm_no_echo);
+    after.push_back(r.mm_echo);
+    clones.push_back(r.clones);
+    clone_bytes.push_back(double(r.clone_bytes));
+    overflow += r.overflow_rows;
+    spill_steps += r.spill_rounds > 0;
+  }
+  const double fwd_ms = median(f), bwd_ms = median(b);
+  const double tokens_per_s = double(R) * T / ((fwd_ms + bwd_ms) * 1e-3);
+  std::printf("\nsummary over %d steps (times: median of steps %d..%d)\n", o.steps, o.warmup,
+              o.steps - 1);
+  std::printf("  forward %.2f ms, backward %.2f ms, %.0f tokens/s (all %d ranks)\n", fwd_ms,
+              bwd_ms, tokens_per_s, R);
+  std::printf("  rank load max/mean without ECHO: mean %.3f, p99 %.3f\n", mean(before),
+              percentile(before, 0.99));
+  if (L.echo.enabled)
+    std::printf("  rank load max/mean with ECHO:    mean %.3f, p99 %.3f; %.2f clones/step, "
+                "%.1f KiB clone traffic/step\n",
+                mean(after), percentile(after, 0.99), mean(clones), mean(clone_bytes) / 1024);
+  std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
+              (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
+
+  if (!o.json.empty()) {
+    using nlohmann::json;
+    json j;
+    j["command"] = "bench";
+    j["version"] = "0.1.0";
+    j["backend"] = probe->name();
+    j["config"] = {{"preset", L.preset},       {"hidden", H},
+                   {"ffn", moe.ffn},           {"experts", moe.experts},
+                   {"top_k", moe.top_k},       {"tokens_per_rank", T},
+                   {"ep", R},                  {"score_function", to_string(moe.score_function)},
+                   {"echo", L.echo.enabled},   {"spare_slots", L.echo.spare_slots_per_rank},
+                   {"max_clones", L.echo.max_clones_per_expert},
+                   {"capacity_factor", L.echo.capacity_factor},
+                   {"capacity_rows", capacity_rows(moe, L.echo)},
+                   {"clone_cost_rows", L.echo.clone_cost_rows},
+                   {"skew", o.skew},           {"steps", o.steps},
+                   {"warmup", o.warmup},       {"seed", o.layer.seed},
+                   {"workspace_bytes_per_rank", workspace}};
+    j["steps"] = json::array();
+    for (const StepRow& r : rows)
+      j["steps"].push_back({{"step", r.step},
+                            {"fwd_ms", r.fwd_ms},
+                            {"bwd_ms", r.bwd_ms},
+                            {"tokens_per_s", r.tokens_per_s},
+                            {"load_max_over_mean_no_echo", r.mm_no_echo},
+                            {"load_max_over_mean_echo", r.mm_echo},
+                            {"rank_rows_no_echo", r.load_before},
+                            {"rank_rows_echo", r.load_after},
+                            {"clones", r.clones},
+                            {"clone_bytes", r.clone_bytes},
+                            {"overflow_rows", r.overflow_rows},
+                            {"spill_rounds", r.spill_rounds},
+                            {"aux_loss", r.aux_loss},
+                            {"z_loss", r.z_loss}});
+    json s = {{"fwd_ms", fwd_ms},
+              {"bwd_ms", bwd_ms},
+              {"tokens_per_s", tokens_per_s},
+              {"load_max_over_mean_no_echo", mean(before)},
+              {"load_max_over_mean_no_echo_p99", percentile(before, 0.99)},
+              {"clones_per_step", mean(clones)},
+              {"clone_bytes_per_step", mean(clone_bytes)},
+              {"overflow_rows", overflow},
+              {"steps_with_spill", spill_steps}};
+    if (L.echo.enabled) {
+      s["load_max_over_mean_echo"] = mean(after);
+      s["load_max_over_mean_echo_p99"] = percentile(after, 0.99);
+    } else {
+      s["load_max_over_mean_echo"] = nullptr;
+      s["load_max_over_mean_echo_p99"] = nullptr;
+    }
+    j["summary"] = s;
+    std::ofstream out(o.json);
+    if (!out) throw Error("cannot write --json file '" + o.json + "'");
+    out << j.dump(2) << "\n";
+    std::printf("wrote %s\n", o.json.c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app, Runner& run) {
+  auto opts = std::make_shared<BenchOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench",
+      "Time training steps (forward + backward) of one MoE layer on synthetic tokens with skewed "
+      "expert popularity; report rank load balance with and without ECHO, clones and overflow.");
+  add_layer_options(cmd, opts->layer);
+  cmd->add_option("--steps", opts->steps, "Steps to run (default 20)");
+  cmd->add_option("--warmup", opts->warmup, "Leading steps left out of the timing summary (default 1)");
+  cmd->add_option("--skew", opts->skew,
+                  "Expert popularity: uniform or zipf:S (default zipf:1.2), drifting slowly "
+                  "across steps");
+  cmd->add_option("--json", opts->json, "Write every number printed to this JSON file");
+  cmd->callback([opts, &run] { run = [opts] { return run_bench(*opts); }; });
+}
+
+}  // namespace moe_echo::cli

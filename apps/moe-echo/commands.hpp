@@ -1,0 +1,15 @@
+// The subcommands of `moe-echo`. Each add_* registers its options on `app` and, when its
+// subcommand is chosen, sets `run` to the function that executes it and returns the exit code.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <functional>
+
+namespace moe_echo::cli {
+
+using Runner = std::function<int()>;
+
+void add_bench(CLI::App& app, Runner& run);
+void add_train(CLI::App& app, Runner& run);
+
+}  // namespace moe_echo::cli

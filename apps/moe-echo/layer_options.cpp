@@ -1,0 +1,94 @@
+#include "layer_options.hpp"
+
+#include <map>
+
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::cli {
+namespace {
+
+struct Preset {
+  int hidden, ffn, experts, top_k, tokens, ep;
+  ScoreFunction score;
+};
+
+// Shapes of one MoE layer of each model (tokens per rank as in ANCHORS.md).
+const std::map<std::string, Preset>& presets() {
+  static const std::map<std::string, Preset> p = {
+      {"tiny", {64, 128, 16, 2, 256, 4, ScoreFunction::softmax}},
+      {"qwen3-30b-a3b", {2048, 768, 128, 8, 8192, 4, ScoreFunction::softmax}},
+      {"deepseek-v3", {7168, 2048, 256, 8, 8192, 4, ScoreFunction::sigmoid}},
+      {"mixtral-8x7b", {4096, 14336, 8, 2, 8192, 4, ScoreFunction::softmax}},
+  };
+  return p;
+}
+
+// Tokens per rank for a GPU-sized preset on the CPU backend, unless --tokens is given.
+constexpr int kCpuPresetTokens = 64;
+
+}  // namespace
+
+void add_layer_options(CLI::App* cmd, LayerOptions& o) {
+  cmd->add_option("--preset", o.preset,
+                  "Layer shape: tiny (default, seconds on a CPU), qwen3-30b-a3b, deepseek-v3, "
+                  "mixtral-8x7b. Explicit flags below override it.");
+  cmd->add_option("--backend", o.backend,
+                  "auto (the GPU when there is one, else the CPU) or cpu");
+  cmd->add_option("--hidden", o.hidden, "Hidden size H");
+  cmd->add_option("--ffn", o.ffn, "Expert FFN size F (SwiGLU: fc1 H x 2F, fc2 F x H)");
+  cmd->add_option("--experts", o.experts, "Routed experts E (a multiple of --ep)");
+  cmd->add_option("--top-k", o.top_k, "Experts per token K (1 <= K <= E)");
+  cmd->add_option("--tokens", o.tokens, "Tokens per rank per step T");
+  cmd->add_option("--ep", o.ep, "Expert-parallel ranks R (CPU: simulated as threads)");
+  cmd->add_option("--score", o.score, "Router score function: softmax or sigmoid");
+  cmd->add_option("--aux-loss", o.aux_loss_coeff, "Aux load-balancing loss coefficient (default 0)");
+  cmd->add_option("--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
+  cmd->add_flag("--bias-update", o.bias_update, "Aux-loss-free balancing bias updates");
+  cmd->add_option("--echo", o.echo, "ECHO cloning of hot experts: on (default) or off");
+  cmd->add_option("--spare-slots", o.spare_slots, "Spare expert slots per rank for clones (default 2)");
+  cmd->add_option("--max-clones", o.max_clones, "Clones per expert per step (default 2)");
+  cmd->add_option("--capacity-factor", o.capacity_factor,
+                  "Receive buffer rows = ceil(factor * T * K); rows beyond it run in spill "
+                  "rounds, never dropped (default 1.25)");
+  cmd->add_option("--clone-cost-rows", o.clone_cost_rows,
+                  "A clone must lower the busiest rank's load by more than this many rows "
+                  "(default 0)");
+  cmd->add_option("--seed", o.seed, "Seed of weights and synthetic data (default 1)");
+}
+
+ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend) {
+  const auto it = presets().find(o.preset);
+  if (it == presets().end())
+    throw ConfigError("preset", "preset = '" + o.preset +
+                                    "' is invalid: allowed tiny, qwen3-30b-a3b, deepseek-v3, "
+                                    "mixtral-8x7b");
+  const Preset& p = it->second;
+  ResolvedLayer r;
+  r.preset = o.preset;
+  r.moe.hidden = o.hidden.value_or(p.hidden);
+  r.moe.ffn = o.ffn.value_or(p.ffn);
+  r.moe.experts = o.experts.value_or(p.experts);
+  r.moe.top_k = o.top_k.value_or(p.top_k);
+  r.moe.max_tokens = o.tokens.value_or(p.tokens);
+  if (!o.tokens && cpu_backend && o.preset != "tiny") {
+    r.moe.max_tokens = kCpuPresetTokens;
+    r.tokens_reduced_for_cpu = true;
+  }
+  r.moe.score_function = o.score ? parse_score_function(*o.score, "score") : p.score;
+  r.moe.aux_loss_coeff = o.aux_loss_coeff;
+  r.moe.z_loss_coeff = o.z_loss_coeff;
+  r.moe.bias_update = o.bias_update;
+  r.ep = o.ep.value_or(p.ep);
+  if (o.echo != "on" && o.echo != "off")
+    throw ConfigError("echo", "echo = '" + o.echo + "' is invalid: allowed on or off");
+  r.echo.enabled = o.echo == "on";
+  r.echo.spare_slots_per_rank = o.spare_slots.value_or(2);
+  r.echo.max_clones_per_expert = o.max_clones.value_or(2);
+  r.echo.capacity_factor = o.capacity_factor.value_or(1.25);
+  r.echo.clone_cost_rows = o.clone_cost_rows;
+  ParallelConfig par{r.ep, 0};
+  validate(r.moe, par, r.echo);
+  return r;
+}
+
+}  // namespace moe_echo::cli

@@ -1,0 +1,37 @@
+// Options shared by `bench` and `train`: a preset plus explicit overrides, resolved into configs.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <optional>
+#include <string>
+
+#include "moe_echo/config.hpp"
+
+namespace moe_echo::cli {
+
+struct LayerOptions {
+  std::string preset = "tiny";
+  std::string backend = "auto";
+  std::optional<int> hidden, ffn, experts, top_k, tokens, ep, spare_slots, max_clones;
+  std::optional<double> capacity_factor;
+  std::optional<std::string> score;
+  std::string echo = "on";
+  double aux_loss_coeff = 0.0, z_loss_coeff = 0.0;
+  bool bias_update = false;
+  int64_t clone_cost_rows = 0;
+  uint64_t seed = 1;
+};
+
+struct ResolvedLayer {
+  MoeConfig moe;
+  int ep = 1;
+  EchoConfig echo;
+  std::string preset;
+  bool tokens_reduced_for_cpu = false;  // a GPU-sized preset run with fewer tokens on the CPU
+};
+
+void add_layer_options(CLI::App* cmd, LayerOptions& o);
+// Applies the preset, then the explicit flags; validates (throws ConfigError).
+ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend);
+
+}  // namespace moe_echo::cli

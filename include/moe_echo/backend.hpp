@@ -1,0 +1,163 @@
+// The ops of one MoE layer step, as a backend implements them (CPU reference, CUDA).
+//
+// Contract for every per-step op:
+// - It allocates nothing and never waits on the host: every buffer comes from the caller (the
+//   layer's workspace), so a whole step can be captured in one CUDA graph.
+// - Shapes are host values fixed at layer build; routing-dependent extents (group sizes, valid
+//   rows, overflow) are read from device memory by the op itself.
+// - Expert ops touch only valid rows: rows of the receive window that belong to no group are
+//   neither read nor written.
+// - Outputs named "+=" accumulate into what the caller holds; all others are overwritten.
+// - `float` tensors below have the backend's float_dtype() (router, probabilities, losses);
+//   activations and expert weights have activation_dtype().
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "moe_echo/config.hpp"
+#include "moe_echo/planner.hpp"
+#include "moe_echo/tensor.hpp"
+
+namespace moe_echo {
+
+// Rows of the receive window of one round: receive rows [row_lo, row_lo + rows) of this rank,
+// grouped by slot. group_offsets[g] is the first receive row (global, over all rounds) of slot g,
+// group_offsets[groups] the total; group g's rows in this window are
+// [max(off[g], row_lo), min(off[g+1], row_lo + rows)) - row_lo.
+struct GroupWindow {
+  const int32_t* group_offsets = nullptr;  // device, [groups + 1]
+  int groups = 0;
+  int64_t row_lo = 0;
+  int64_t rows = 0;  // window size (the capacity)
+};
+
+struct RouterForwardArgs {
+  Tensor x;            // [T, H] activation
+  Tensor weight;       // [E, H] float
+  Tensor bias;         // [E] float, added to scores for expert selection only
+  Tensor logits;       // out [T, E] float (kept for backward)
+  Tensor scores;       // out [T, E] float: softmax probabilities, or sigmoid scores
+  Tensor topk_idx;     // out [T, K] i32, experts in descending order of selection score
+  Tensor topk_weight;  // out [T, K] float, combine weights
+  Tensor counts;       // out [E] i32, (token, k) pairs routed to each expert
+  Tensor losses;       // out [2] float: aux loss, z loss (coefficients applied)
+  ScoreFunction score_function = ScoreFunction::softmax;
+  bool normalize_topk = true;
+  double aux_loss_coeff = 0;
+  double z_loss_coeff = 0;
+};
+
+struct RouterBackwardArgs {
+  Tensor x, weight, logits, scores, topk_idx, topk_weight, counts;  // as in the forward
+  Tensor d_topk_weight;  // [T, K] float, gradient of the task loss w.r.t. the combine weights
+  Tensor d_weight;       // += [E, H] float
+  Tensor dx;             // += [T, H] activation
+  ScoreFunction score_function = ScoreFunction::softmax;
+  bool normalize_topk = true;
+  double aux_loss_coeff = 0;  // the aux and z losses enter with upstream gradient 1
+  double z_loss_coeff = 0;
+};
+
+// Where every (token, k) row goes, from the routing map and the plan; identical on every rank.
+struct LayoutArgs {
+  Tensor routing_map;   // [R, E] i32, C[src][e]
+  Tensor plan;          // [plan_ints] i32 (PlanView layout)
+  Tensor topk_idx;      // [T, K] i32, this rank's routes
+  Tensor assign;        // scratch [R * E * M] i32
+  Tensor dest_rank;     // out [T * K] i32
+  Tensor dest_row;      // out [T * K] i32: receive row on dest_rank (global over rounds)
+  Tensor group_offsets; // out [slots + 1] i32: this rank's receive rows per slot
+  Tensor rank_rows;     // out [R] i32: rows every rank receives
+  Tensor round_active;  // out [max_rounds] i32: 1 where some rank has rows in that round
+  PlannerConfig planner;
+  int rank = 0;
+  int slots = 0;        // home + spare slots per rank
+  int64_t capacity = 0; // receive rows per round
+};
+
+struct GemmArgs {
+  GroupWindow window;
+  Tensor a;  // fprop: x [rows, K]          dgrad: dy [rows, N]     wgrad: x [rows, K]
+  Tensor b;  // fprop: w [G, K, N]          dgrad: w [G, K, N]      wgrad: dy [rows, N]
+  Tensor c;  // fprop: out y [rows, N]      dgrad: out dx [rows, K] wgrad: += dw [G, K, N]
+};
+
+struct SwigluArgs {
+  GroupWindow window;  // only rows in some group are touched
+  Tensor h;            // [rows, 2F]: gate | up
+  Tensor a;            // [rows, F]: silu(gate) * up            (forward out; backward in)
+  Tensor da;           // [rows, F]                              (backward in)
+  Tensor dh;           // [rows, 2F]                             (backward out)
+};
+
+struct CombineArgs {
+  Tensor gathered;  // [T * K, H]: expert output rows back at their source
+  Tensor weight;    // [T, K] float, or empty for an unweighted sum
+  Tensor y;         // out [T, H]: y[t] = sum_k weight[t,k] * gathered[t*K+k]
+};
+
+struct CombineBackwardArgs {
+  Tensor dy;              // [T, H]
+  Tensor gathered;        // [T * K, H] (from the forward)
+  Tensor weight;          // [T, K] float
+  Tensor d_gathered;      // out [T * K, H]: weight[t,k] * dy[t]
+  Tensor d_weight;        // out [T, K] float: <dy[t], gathered[t*K+k]>
+};
+
+struct AdamWArgs {
+  Tensor param, grad, m, v;  // same shape; param in its dtype, m and v float
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual const char* name() const = 0;
+  virtual DType activation_dtype() const = 0;
+  virtual DType float_dtype() const = 0;
+
+  // Memory, used when a layer is built (never inside a step).
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* p) = 0;
+  virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+  virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
+  virtual void synchronize() = 0;
+
+  // Per-step ops (capture-safe).
+  virtual void fill_zero(const Tensor& t, Stream s) = 0;
+  virtual void copy(const Tensor& dst, const Tensor& src, Stream s) = 0;
+  virtual void router_forward(const RouterForwardArgs& a, Stream s) = 0;
+  virtual void router_backward(const RouterBackwardArgs& a, Stream s) = 0;
+  // bias[e] += rate * sign(mean_e' count - count_e), count_e = sum over sources of C[src][e].
+  virtual void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
+                                  Stream s) = 0;
+  virtual void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo,
+                    const Tensor& plan, Stream s) = 0;
+  virtual void layout(const LayoutArgs& a, Stream s) = 0;
+  virtual void gemm_fprop(const GemmArgs& a, Stream s) = 0;
+  virtual void gemm_dgrad(const GemmArgs& a, Stream s) = 0;
+  virtual void gemm_wgrad(const GemmArgs& a, Stream s) = 0;
+  virtual void swiglu_forward(const SwigluArgs& a, Stream s) = 0;
+  virtual void swiglu_backward(const SwigluArgs& a, Stream s) = 0;
+  virtual void combine_forward(const CombineArgs& a, Stream s) = 0;
+  virtual void combine_backward(const CombineBackwardArgs& a, Stream s) = 0;
+  virtual void adamw(const AdamWArgs& a, Stream s) = 0;
+  // Runs `body` (which enqueues ops) only when the device flag is non-zero. The CPU backend tests
+  // the flag directly; a capturing CUDA backend turns it into a conditional graph node.
+  virtual void run_if(const int32_t* device_flag, const std::function<void()>& body,
+                      Stream s) = 0;
+};
+
+}  // namespace moe_echo
+
+namespace moe_echo {
+
+// Host-side helpers (build time and tests only; they synchronise): read a tensor into doubles,
+// write doubles into a tensor, converting to and from its dtype (bf16 rounds to nearest even).
+std::vector<double> read_tensor(Backend& backend, const Tensor& t);
+void write_tensor(Backend& backend, const Tensor& t, const std::vector<double>& values);
+
+}  // namespace moe_echo

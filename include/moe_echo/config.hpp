@@ -1,0 +1,69 @@
+// Configuration of one MoE layer, its expert-parallel placement and ECHO.
+//
+// Configs are plain structs that grow by appending fields. `validate()` checks every field and
+// every combination; a violation throws moe_echo::ConfigError whose message names the field, the
+// value given and what is allowed. Everything a layer allocates is sized from these structs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moe_echo {
+
+inline constexpr int kVersionMajor = 0;
+inline constexpr int kVersionMinor = 1;
+inline constexpr int kVersionPatch = 0;
+
+enum class ScoreFunction { softmax, sigmoid };
+
+const char* to_string(ScoreFunction f);
+// Parses "softmax" or "sigmoid"; throws ConfigError naming `field` otherwise.
+ScoreFunction parse_score_function(const std::string& s, const char* field = "score_function");
+
+struct MoeConfig {
+  int hidden = 0;       // H
+  int ffn = 0;          // F: fc1 is H x 2F (gate | up), fc2 is F x H
+  int experts = 0;      // E, routed experts of the layer (all ranks together)
+  int top_k = 0;        // K, experts chosen per token
+  int max_tokens = 0;   // T, the most tokens one rank feeds the layer in one step
+  ScoreFunction score_function = ScoreFunction::softmax;
+  bool normalize_topk = true;       // rescale the K chosen weights to sum to 1
+  double aux_loss_coeff = 0.0;      // Switch-style load-balancing loss: coeff * E * sum_e f_e P_e
+  double z_loss_coeff = 0.0;        // coeff * mean_t logsumexp(logits_t)^2
+  bool bias_update = false;         // aux-loss-free balancing: b_e += rate * sign(mean - count_e)
+  double bias_update_rate = 1e-3;
+};
+
+struct ParallelConfig {
+  int ep_size = 1;  // R
+  int ep_rank = 0;  // r
+};
+
+struct EchoConfig {
+  bool enabled = true;
+  int spare_slots_per_rank = 1;     // S: slots per rank that may hold a clone for one step
+  double capacity_factor = 1.25;    // receive buffer rows = ceil(capacity_factor * T * K)
+  int max_clones_per_expert = 2;    // clones of one expert in one step (replicas = 1 + clones)
+  // Cost of one clone (weights in, gradient out) in routed rows of expert work: a clone is made
+  // only when it lowers the busiest rank's load by more than this.
+  int64_t clone_cost_rows = 0;
+};
+
+// Throws ConfigError on the first invalid field or combination.
+void validate(const MoeConfig& moe);
+void validate(const ParallelConfig& par, const MoeConfig& moe);
+void validate(const EchoConfig& echo, const ParallelConfig& par);
+void validate(const MoeConfig& moe, const ParallelConfig& par, const EchoConfig& echo);
+
+// Derived sizes (valid configs only).
+inline int experts_per_rank(const MoeConfig& m, const ParallelConfig& p) {
+  return m.experts / p.ep_size;
+}
+// Expert slots on every rank: home slots then spare slots.
+int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
+// Rows a rank's receive buffer holds in one round: ceil(capacity_factor * T * K).
+int64_t capacity_rows(const MoeConfig& m, const EchoConfig& e);
+// Upper bound on rounds (first round plus spill rounds) for any routing.
+int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
+
+}  // namespace moe_echo

@@ -1,0 +1,111 @@
+// MoeLayer: one dropless MoE layer on one expert-parallel rank, forward and backward, written
+// once over the Backend and Communicator interfaces (DESIGN.md sections 2 and 7).
+//
+// Building a layer validates the configs, sizes and allocates its whole workspace (collectively:
+// symmetric buffers are registered with the communicator). forward() and backward() allocate
+// nothing and never wait on the host; every rank of the layer must call them in the same order.
+//
+// Gradients accumulate (+=) across backward calls until zero_grad(). Home expert weights are
+// the parameters; spare slots hold clones for one step only and are not parameters.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "moe_echo/backend.hpp"
+#include "moe_echo/comm.hpp"
+#include "moe_echo/config.hpp"
+#include "moe_echo/planner.hpp"
+#include "moe_echo/tensor.hpp"
+
+namespace moe_echo {
+
+enum class Param {
+  router_weight,  // [E, H] float
+  router_bias,    // [E] float (aux-loss-free balancing; updated by the layer, no gradient)
+  w1,             // [E/R, H, 2F] activation: fc1 of this rank's home experts (gate | up)
+  w2,             // [E/R, F, H] activation: fc2 of this rank's home experts
+};
+const char* to_string(Param p);
+
+struct StepStats {
+  double aux_loss = 0;  // this rank's aux loss (coefficient applied)
+  double z_loss = 0;
+  std::vector<int32_t> load_before;  // [R] rows each rank would receive without ECHO
+  std::vector<int32_t> load_after;   // [R] rows each rank received
+  double max_over_mean_before = 0;   // busiest rank over the mean, without ECHO
+  double max_over_mean_after = 0;    // ... with this step's plan
+  int clones = 0;                    // spare slots filled this step (all ranks)
+  int64_t clone_bytes = 0;           // clone traffic, all ranks: weights in + gradients home
+  int64_t received_rows = 0;         // rows this rank's experts processed
+  int64_t overflow_rows = 0;         // rows beyond this rank's capacity (done in spill rounds)
+  int64_t overflow_rows_all = 0;     // the same over all ranks
+  int spill_rounds = 0;              // rounds beyond the first (identical on all ranks)
+};
+
+struct AdamWConfig {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+};
+
+class MoeLayer {
+ public:
+  // Validates (throws ConfigError), then allocates everything. Collective across the ranks of
+  // `comm`. Parameters are initialised from `seed` per global expert, so any EP layout of the
+  // same config and seed holds the same weights.
+  MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe, const ParallelConfig& par,
+           const EchoConfig& echo, uint64_t seed = 1);
+  ~MoeLayer();
+  MoeLayer(const MoeLayer&) = delete;
+  MoeLayer& operator=(const MoeLayer&) = delete;
+
+  // x, y: [T, H] activation, T <= max_tokens (T may be 0). Capture-safe.
+  void forward(const Tensor& x, const Tensor& y, Stream stream = nullptr);
+  // dy: [T, H] for the last forward, whose x must still hold the same values; dx: [T, H] out. Accumulates parameter gradients; the aux and
+  // z losses enter with gradient 1. Reduces clone gradients into their home experts and, when
+  // enabled, applies the aux-loss-free bias update. Capture-safe.
+  void backward(const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+
+  // Device views of a parameter and its gradient (router_bias has no gradient).
+  Tensor param(Param p) const;
+  Tensor grad(Param p) const;
+  void zero_grad(Stream stream = nullptr);
+  // The router weight is replicated on every EP rank: sum its gradient over the ranks before the
+  // optimizer (a framework that owns data-parallel gradient reduction does this itself).
+  void all_reduce_router_grad(Stream stream = nullptr);
+  // AdamW on every parameter with a gradient (router weight, home w1, w2).
+  void optimizer_step(const AdamWConfig& cfg, Stream stream = nullptr);
+
+  // Statistics of the last forward (read after the step; the CPU backend has them at once).
+  StepStats stats() const;
+
+  const MoeConfig& moe_config() const { return moe_; }
+  const ParallelConfig& parallel_config() const { return par_; }
+  const EchoConfig& echo_config() const { return echo_; }
+  const PlannerConfig& planner_config() const { return planner_; }
+  int64_t capacity() const { return capacity_; }
+  int slots() const { return slots_; }
+  size_t workspace_bytes() const;
+
+ private:
+  void run_round(int round, const Tensor& x, int64_t T);
+  void run_round_backward(int round, const Tensor& x, int64_t T);
+  void init_parameters(uint64_t seed);
+
+  struct Buffers;
+  Backend& backend_;
+  Communicator& comm_;
+  MoeConfig moe_;
+  ParallelConfig par_;
+  EchoConfig echo_;
+  PlannerConfig planner_;
+  int slots_ = 0;
+  int64_t capacity_ = 0;
+  int rounds_ = 0;
+  int64_t last_tokens_ = 0;
+  Tensor last_x_;
+  int64_t optimizer_steps_ = 0;
+  std::unique_ptr<Buffers> buf_;
+};
+
+}  // namespace moe_echo

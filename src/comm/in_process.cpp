@@ -1,0 +1,259 @@
+// In-process communicator: R ranks as threads sharing one address space. Symmetric buffers are a
+// table of every rank's pointer per id; collective ops are "barrier, move rows, barrier", the
+// same shape as the LSA kernels of the device communicator:
+//   entry barrier: peers are done with the buffers about to be written (write-after-read),
+//   exit barrier:  every write is visible before anyone consumes it (read-after-write).
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "moe_echo/comm.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo {
+
+struct InProcessWorld::State {
+  explicit State(int r) : ranks(r) {}
+
+  // A reusable barrier that can be aborted, so that a failing rank never leaves the others
+  // waiting forever.
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mu);
+    if (aborted) throw Error("in-process world aborted: another rank failed");
+    const uint64_t gen = generation;
+    if (++arrived == ranks) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+      return;
+    }
+    cv.wait(lock, [&] { return generation != gen || aborted; });
+    if (aborted && generation == gen) throw Error("in-process world aborted: another rank failed");
+  }
+  void abort() {
+    std::lock_guard<std::mutex> lock(mu);
+    aborted = true;
+    cv.notify_all();
+  }
+
+  const int ranks;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  uint64_t generation = 0;
+  bool aborted = false;
+  // Symmetric buffers: table[id][rank].
+  std::vector<std::vector<void*>> table;
+  std::vector<std::vector<size_t>> table_bytes;
+  std::vector<const void*> staging;  // per rank, for all-gathers
+  std::vector<std::unique_ptr<Communicator>> comms;
+};
+
+namespace {
+
+char* row_ptr(void* base, int64_t row, size_t row_bytes) {
+  return static_cast<char*>(base) + size_t(row) * row_bytes;
+}
+
+template <class T>
+void add_into(void* dst, const void* src, int64_t n) {
+  T* d = static_cast<T*>(dst);
+  const T* s = static_cast<const T*>(src);
+  for (int64_t i = 0; i < n; ++i) d[i] += s[i];
+}
+
+class InProcessCommunicator final : public Communicator {
+ public:
+  InProcessCommunicator(InProcessWorld::State& w, int rank) : w_(w), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return w_.ranks; }
+
+  SymmetricBuffer alloc_symmetric(Backend& backend, size_t bytes) override {
+    SymmetricBuffer buf;
+    buf.local = backend.allocate(bytes);
+    buf.bytes = bytes;
+    buf.id = next_id_++;
+    {
+      std::lock_guard<std::mutex> lock(w_.mu);
+      if (int(w_.table.size()) <= buf.id) {
+        w_.table.resize(size_t(buf.id) + 1, std::vector<void*>(size_t(w_.ranks), nullptr));
+        w_.table_bytes.resize(size_t(buf.id) + 1, std::vector<size_t>(size_t(w_.ranks), 0));
+      }
+      w_.table[size_t(buf.id)][size_t(rank_)] = buf.local;
+      w_.table_bytes[size_t(buf.id)][size_t(rank_)] = bytes;
+    }
+    w_.barrier();
+    for (int r = 0; r < w_.ranks; ++r)
+      MOE_ECHO_CHECK(w_.table_bytes[size_t(buf.id)][size_t(r)] == bytes,
+                     "symmetric buffer " << buf.id << ": rank " << r << " allocated "
+                                         << w_.table_bytes[size_t(buf.id)][size_t(r)]
+                                         << " bytes, rank " << rank_ << " " << bytes);
+    w_.barrier();
+    return buf;
+  }
+
+  void free_symmetric(Backend& backend, SymmetricBuffer& buf) override {
+    if (!buf.local) return;
+    w_.barrier();
+    backend.deallocate(buf.local);
+    buf.local = nullptr;
+  }
+
+  void barrier() override { w_.barrier(); }
+
+  void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, Stream) override {
+    w_.staging[size_t(rank_)] = local;
+    w_.barrier();
+    for (int r = 0; r < w_.ranks; ++r)
+      std::memcpy(all + int64_t(r) * n, w_.staging[size_t(r)], size_t(n) * sizeof(int32_t));
+    w_.barrier();
+  }
+
+  void all_reduce_sum(const Tensor& t, Stream) override {
+    MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
+                   "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
+    const int64_t n = t.numel();
+    std::vector<double> sum(static_cast<size_t>(n), 0.0);
+    w_.staging[size_t(rank_)] = t.data;
+    w_.barrier();
+    for (int r = 0; r < w_.ranks; ++r) {
+      const void* p = w_.staging[size_t(r)];
+      for (int64_t i = 0; i < n; ++i)
+        sum[size_t(i)] += t.dtype == DType::f32 ? double(static_cast<const float*>(p)[i])
+                                                : static_cast<const double*>(p)[i];
+    }
+    w_.barrier();
+    for (int64_t i = 0; i < n; ++i) {
+      if (t.dtype == DType::f32)
+        t.as<float>()[i] = float(sum[size_t(i)]);
+      else
+        t.as<double>()[i] = sum[size_t(i)];
+    }
+  }
+
+  void dispatch(const RowRoute& route, RoundWindow win, const void* src, size_t row_bytes,
+                const SymmetricBuffer& recv, Stream) override {
+    w_.barrier();
+    for (int64_t i = 0; i < route.n; ++i) {
+      const int64_t row = route.dest_row[i] - win.row_lo;
+      if (row < 0 || row >= win.rows) continue;
+      void* peer = w_.table[size_t(recv.id)][size_t(route.dest_rank[i])];
+      std::memcpy(row_ptr(peer, row, row_bytes),
+                  static_cast<const char*>(src) + size_t(i / route.src_div) * row_bytes, row_bytes);
+    }
+    w_.barrier();
+  }
+
+  void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& out,
+               size_t row_bytes, void* gathered, Stream) override {
+    w_.barrier();
+    for (int64_t i = 0; i < route.n; ++i) {
+      const int64_t row = route.dest_row[i] - win.row_lo;
+      if (row < 0 || row >= win.rows) continue;
+      void* peer = w_.table[size_t(out.id)][size_t(route.dest_rank[i])];
+      std::memcpy(row_ptr(gathered, i, row_bytes), row_ptr(peer, row, row_bytes), row_bytes);
+    }
+    w_.barrier();
+  }
+
+  void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
+                          const SymmetricBuffer& weights, size_t slot_bytes, Stream) override {
+    w_.barrier();
+    const int EPR = cfg.experts_per_rank();
+    for (int s = 0; s < cfg.spare_slots; ++s) {
+      const int e = plan.spare_expert[rank_ * cfg.spare_slots + s];
+      if (e < 0) continue;
+      const void* home = w_.table[size_t(weights.id)][size_t(cfg.home_rank(e))];
+      std::memcpy(row_ptr(weights.local, EPR + s, slot_bytes),
+                  row_ptr(const_cast<void*>(home), cfg.home_slot(e), slot_bytes), slot_bytes);
+    }
+    w_.barrier();
+  }
+
+  void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
+                          const SymmetricBuffer& grads, int64_t slot_elems, DType dtype,
+                          Stream) override {
+    w_.barrier();
+    const int EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
+    const size_t slot_bytes = size_t(slot_elems) * dtype_size(dtype);
+    for (int j = 0; j < EPR; ++j) {
+      const int e = rank_ * EPR + j;
+      for (int rep = 1; rep < M; ++rep) {
+        const int r = plan.replica_rank[e * M + rep];
+        if (r < 0) continue;
+        const void* peer = w_.table[size_t(grads.id)][size_t(r)];
+        const void* src = row_ptr(const_cast<void*>(peer), plan.replica_slot[e * M + rep], slot_bytes);
+        void* dst = row_ptr(grads.local, j, slot_bytes);
+        if (dtype == DType::f32)
+          add_into<float>(dst, src, slot_elems);
+        else if (dtype == DType::f64)
+          add_into<double>(dst, src, slot_elems);
+        else
+          MOE_ECHO_CHECK(false, "in-process gradient reduction supports f32 and f64, not "
+                                    << to_string(dtype));
+      }
+    }
+    w_.barrier();
+  }
+
+ private:
+  InProcessWorld::State& w_;
+  const int rank_;
+  int next_id_ = 0;
+};
+
+}  // namespace
+
+InProcessWorld::InProcessWorld(int ranks) : state_(std::make_unique<State>(ranks)) {
+  MOE_ECHO_CHECK(ranks >= 1, "ranks = " << ranks << ", need >= 1");
+  state_->staging.resize(size_t(ranks), nullptr);
+  for (int r = 0; r < ranks; ++r)
+    state_->comms.push_back(std::make_unique<InProcessCommunicator>(*state_, r));
+}
+
+InProcessWorld::~InProcessWorld() = default;
+
+int InProcessWorld::size() const { return state_->ranks; }
+
+Communicator& InProcessWorld::communicator(int rank) {
+  MOE_ECHO_CHECK(rank >= 0 && rank < state_->ranks, "rank " << rank << " outside the world");
+  return *state_->comms[size_t(rank)];
+}
+
+void InProcessWorld::run(const std::function<void(int)>& fn) {
+  std::vector<std::exception_ptr> errors(size_t(state_->ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < state_->ranks; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        fn(r);
+      } catch (...) {
+        errors[size_t(r)] = std::current_exception();
+        state_->abort();
+      }
+    });
+  for (auto& t : threads) t.join();
+  // Report the first failure that is not just another rank noticing the abort.
+  std::exception_ptr first;
+  for (auto& e : errors) {
+    if (!e) continue;
+    if (!first) first = e;
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      if (std::string(err.what()).find("world aborted") == std::string::npos) {
+        first = e;
+        break;
+      }
+    } catch (...) {
+      first = e;
+      break;
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace moe_echo

@@ -1,0 +1,105 @@
+#include "moe_echo/config.hpp"
+
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "moe_echo/error.hpp"
+
+namespace moe_echo {
+namespace {
+
+template <class V>
+[[noreturn]] void reject(const char* field, V value, const std::string& allowed) {
+  std::ostringstream s;
+  s << field << " = " << value << " is invalid: allowed " << allowed;
+  throw ConfigError(field, s.str());
+}
+
+std::string range(const char* lo, const char* field, const std::string& hi) {
+  return std::string(lo) + " <= " + field + " <= " + hi;
+}
+
+constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();
+
+}  // namespace
+
+const char* to_string(ScoreFunction f) {
+  return f == ScoreFunction::softmax ? "softmax" : "sigmoid";
+}
+
+ScoreFunction parse_score_function(const std::string& s, const char* field) {
+  if (s == "softmax") return ScoreFunction::softmax;
+  if (s == "sigmoid") return ScoreFunction::sigmoid;
+  reject(field, "'" + s + "'", "softmax or sigmoid");
+}
+
+void validate(const MoeConfig& m) {
+  if (m.hidden < 1) reject("hidden", m.hidden, "hidden >= 1");
+  if (m.ffn < 1) reject("ffn", m.ffn, "ffn >= 1");
+  if (m.experts < 1) reject("experts", m.experts, "experts >= 1");
+  if (m.top_k < 1 || m.top_k > m.experts)
+    reject("top_k", m.top_k,
+           range("1", "top_k", "experts (" + std::to_string(m.experts) + ")"));
+  if (m.max_tokens < 1) reject("max_tokens", m.max_tokens, "max_tokens >= 1");
+  if (int64_t(m.max_tokens) * m.top_k > kMaxRows)
+    reject("max_tokens", m.max_tokens,
+           "max_tokens * top_k <= 2^31-1 (top_k = " + std::to_string(m.top_k) + ")");
+  if (!std::isfinite(m.aux_loss_coeff) || m.aux_loss_coeff < 0)
+    reject("aux_loss_coeff", m.aux_loss_coeff, "a finite value >= 0");
+  if (!std::isfinite(m.z_loss_coeff) || m.z_loss_coeff < 0)
+    reject("z_loss_coeff", m.z_loss_coeff, "a finite value >= 0");
+  if (!std::isfinite(m.bias_update_rate) || m.bias_update_rate < 0)
+    reject("bias_update_rate", m.bias_update_rate, "a finite value >= 0");
+}
+
+void validate(const ParallelConfig& p, const MoeConfig& m) {
+  if (p.ep_size < 1) reject("ep_size", p.ep_size, "ep_size >= 1");
+  if (p.ep_rank < 0 || p.ep_rank >= p.ep_size)
+    reject("ep_rank", p.ep_rank,
+           range("0", "ep_rank", "ep_size - 1 (" + std::to_string(p.ep_size - 1) + ")"));
+  if (m.experts % p.ep_size != 0)
+    reject("experts", m.experts,
+           "a multiple of ep_size (" + std::to_string(p.ep_size) + ")");
+  if (int64_t(m.max_tokens) * m.top_k * p.ep_size > kMaxRows)
+    reject("ep_size", p.ep_size, "max_tokens * top_k * ep_size <= 2^31-1");
+}
+
+void validate(const EchoConfig& e, const ParallelConfig& p) {
+  if (e.spare_slots_per_rank < 0)
+    reject("spare_slots_per_rank", e.spare_slots_per_rank, "spare_slots_per_rank >= 0");
+  if (!std::isfinite(e.capacity_factor) || e.capacity_factor <= 0)
+    reject("capacity_factor", e.capacity_factor, "a finite value > 0");
+  if (e.max_clones_per_expert < 0)
+    reject("max_clones_per_expert", e.max_clones_per_expert, "max_clones_per_expert >= 0");
+  if (e.clone_cost_rows < 0) reject("clone_cost_rows", e.clone_cost_rows, "clone_cost_rows >= 0");
+  (void)p;
+}
+
+void validate(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
+  validate(m);
+  validate(p, m);
+  validate(e, p);
+  const double cap = std::ceil(e.capacity_factor * double(m.max_tokens) * m.top_k);
+  if (cap > double(kMaxRows))
+    reject("capacity_factor", e.capacity_factor, "capacity_factor * max_tokens * top_k <= 2^31-1");
+  if (int64_t(m.experts) / p.ep_size + e.spare_slots_per_rank > 1 << 20)
+    reject("spare_slots_per_rank", e.spare_slots_per_rank, "experts / ep_size + spare slots <= 2^20");
+}
+
+int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
+  return experts_per_rank(m, p) + (e.enabled ? e.spare_slots_per_rank : 0);
+}
+
+int64_t capacity_rows(const MoeConfig& m, const EchoConfig& e) {
+  const double cap = std::ceil(e.capacity_factor * double(m.max_tokens) * m.top_k);
+  return std::max<int64_t>(1, int64_t(cap));
+}
+
+int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
+  const int64_t worst = int64_t(m.max_tokens) * m.top_k * p.ep_size;  // every row to one rank
+  const int64_t cap = capacity_rows(m, e);
+  return int((worst + cap - 1) / cap);
+}
+
+}  // namespace moe_echo

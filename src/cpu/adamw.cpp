@@ -1,0 +1,31 @@
+// AdamW with decoupled weight decay and bias correction (Loshchilov & Hutter).
+#include <cmath>
+
+#include "cpu/cpu_ops.hpp"
+
+namespace moe_echo::cpu {
+
+template <class T>
+void adamw(const AdamWArgs& a) {
+  const int64_t n = a.param.numel();
+  T* p = a.param.as<T>();
+  const T* g = a.grad.as<T>();
+  T* m = a.m.as<T>();
+  T* v = a.v.as<T>();
+  const double c1 = 1.0 - std::pow(a.beta1, double(a.step));
+  const double c2 = 1.0 - std::pow(a.beta2, double(a.step));
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = double(g[i]);
+    const double mi = a.beta1 * double(m[i]) + (1.0 - a.beta1) * gi;
+    const double vi = a.beta2 * double(v[i]) + (1.0 - a.beta2) * gi * gi;
+    m[i] = T(mi);
+    v[i] = T(vi);
+    const double update = (mi / c1) / (std::sqrt(vi / c2) + a.eps);
+    p[i] = T(double(p[i]) * (1.0 - a.lr * a.weight_decay) - a.lr * update);
+  }
+}
+
+template void adamw<float>(const AdamWArgs&);
+template void adamw<double>(const AdamWArgs&);
+
+}  // namespace moe_echo::cpu

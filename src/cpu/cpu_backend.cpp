@@ -1,0 +1,117 @@
+// The CPU backend: host memory, ops run synchronously on the calling thread (one rank).
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "cpu/cpu_ops.hpp"
+#include "moe_echo/backends.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(DType dtype) : dtype_(dtype) {
+    MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
+                   "the CPU backend computes in f32 or f64, not " << to_string(dtype));
+  }
+  const char* name() const override { return dtype_ == DType::f32 ? "cpu" : "cpu-f64"; }
+  DType activation_dtype() const override { return dtype_; }
+  DType float_dtype() const override { return dtype_; }
+
+  void* allocate(size_t bytes) override {
+    if (bytes == 0) bytes = 64;
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void deallocate(void* p) override { std::free(p); }
+  void copy_from_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void synchronize() override {}
+
+  void fill_zero(const Tensor& t, Stream) override {
+    if (t.bytes()) std::memset(t.data, 0, t.bytes());
+  }
+  void copy(const Tensor& dst, const Tensor& src, Stream) override {
+    MOE_ECHO_CHECK(dst.bytes() == src.bytes(),
+                   "copy " << src.describe() << " into " << dst.describe());
+    if (src.bytes()) std::memmove(dst.data, src.data, src.bytes());
+  }
+  void router_forward(const RouterForwardArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::router_forward<T>(a); });
+  }
+  void router_backward(const RouterBackwardArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::router_backward<T>(a); });
+  }
+  void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
+                          Stream) override {
+    dispatch([&]<class T>() { cpu::router_bias_update<T>(routing_map, bias, rate); });
+  }
+  void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const Tensor& plan,
+            Stream) override {
+    const PlanView view = plan_view(plan.as<int32_t>(), cfg);
+    if (echo)
+      plan_echo(routing_map.as<int32_t>(), cfg, view);
+    else
+      plan_none(routing_map.as<int32_t>(), cfg, view);
+  }
+  void layout(const LayoutArgs& a, Stream) override { cpu::layout(a); }
+  void gemm_fprop(const GemmArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::gemm_fprop<T>(a); });
+  }
+  void gemm_dgrad(const GemmArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::gemm_dgrad<T>(a); });
+  }
+  void gemm_wgrad(const GemmArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::gemm_wgrad<T>(a); });
+  }
+  void swiglu_forward(const SwigluArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::swiglu_forward<T>(a); });
+  }
+  void swiglu_backward(const SwigluArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::swiglu_backward<T>(a); });
+  }
+  void combine_forward(const CombineArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::combine_forward<T>(a); });
+  }
+  void combine_backward(const CombineBackwardArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::combine_backward<T>(a); });
+  }
+  void adamw(const AdamWArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::adamw<T>(a); });
+  }
+  void run_if(const int32_t* device_flag, const std::function<void()>& body, Stream) override {
+    if (*device_flag != 0) body();
+  }
+
+ private:
+  template <class F>
+  void dispatch(F&& f) {
+    if (dtype_ == DType::f32)
+      f.template operator()<float>();
+    else
+      f.template operator()<double>();
+  }
+  DType dtype_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(DType dtype) { return std::make_unique<CpuBackend>(dtype); }
+
+bool cuda_backend_available() { return false; }
+
+std::unique_ptr<Backend> make_backend(const std::string& name) {
+  if (name == "cpu") return make_cpu_backend(DType::f32);
+  if (name == "auto") return make_cpu_backend(DType::f32);
+  throw ConfigError("backend", "backend = '" + name + "' is invalid: allowed auto or cpu" +
+                                   std::string(cuda_backend_available() ? " or cuda" : ""));
+}
+
+}  // namespace moe_echo

@@ -1,0 +1,32 @@
+// The CPU reference ops, one function per op, templated on the element type T (float or
+// double). Every activation, weight and probability is a T; sums accumulate in double.
+// These are the specification every CUDA kernel is tested against: plain loops a reader can
+// check by eye, no tiling, no threads.
+#pragma once
+
+#include "moe_echo/backend.hpp"
+
+namespace moe_echo::cpu {
+
+template <class T> void router_forward(const RouterForwardArgs& a);
+template <class T> void router_backward(const RouterBackwardArgs& a);
+template <class T> void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate);
+void layout(const LayoutArgs& a);
+template <class T> void gemm_fprop(const GemmArgs& a);
+template <class T> void gemm_dgrad(const GemmArgs& a);
+template <class T> void gemm_wgrad(const GemmArgs& a);
+template <class T> void swiglu_forward(const SwigluArgs& a);
+template <class T> void swiglu_backward(const SwigluArgs& a);
+template <class T> void combine_forward(const CombineArgs& a);
+template <class T> void combine_backward(const CombineBackwardArgs& a);
+template <class T> void adamw(const AdamWArgs& a);
+
+// Rows [begin, end) of the window that group g owns (window-relative), and the valid rows of the
+// window (groups are contiguous from receive row 0, so valid rows are a prefix).
+struct RowRange {
+  int64_t begin, end;
+};
+RowRange group_rows(const GroupWindow& w, int g);
+int64_t valid_rows(const GroupWindow& w);
+
+}  // namespace moe_echo::cpu

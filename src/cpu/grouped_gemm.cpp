@@ -1,0 +1,79 @@
+// Grouped GEMM over the receive window: group g (an expert slot) multiplies its rows by its own
+// weight matrix. Group extents are read from the device-side offsets; rows outside every group
+// are never touched. Weights are [G, K, N] row-major (fc1: K = H, N = 2F; fc2: K = F, N = H).
+#include <vector>
+
+#include "cpu/cpu_ops.hpp"
+
+namespace moe_echo::cpu {
+
+template <class T>
+void gemm_fprop(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]
+  const int64_t Kd = a.a.size(1), N = a.b.size(2);
+  std::vector<double> acc(static_cast<size_t>(N));
+  for (int g = 0; g < a.window.groups; ++g) {
+    const RowRange rr = group_rows(a.window, g);
+    const T* w = a.b.as<T>() + int64_t(g) * Kd * N;
+    for (int64_t i = rr.begin; i < rr.end; ++i) {
+      std::fill(acc.begin(), acc.end(), 0.0);
+      const T* x = a.a.as<T>() + i * Kd;
+      for (int64_t k = 0; k < Kd; ++k) {
+        const double xv = double(x[k]);
+        const T* wk = w + k * N;
+        for (int64_t n = 0; n < N; ++n) acc[size_t(n)] += xv * double(wk[n]);
+      }
+      T* y = a.c.as<T>() + i * N;
+      for (int64_t n = 0; n < N; ++n) y[n] = T(acc[size_t(n)]);
+    }
+  }
+}
+
+template <class T>
+void gemm_dgrad(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]^T
+  const int64_t N = a.a.size(1), Kd = a.b.size(1);
+  for (int g = 0; g < a.window.groups; ++g) {
+    const RowRange rr = group_rows(a.window, g);
+    const T* w = a.b.as<T>() + int64_t(g) * Kd * N;
+    for (int64_t i = rr.begin; i < rr.end; ++i) {
+      const T* dy = a.a.as<T>() + i * N;
+      T* dx = a.c.as<T>() + i * Kd;
+      for (int64_t k = 0; k < Kd; ++k) {
+        const T* wk = w + k * N;
+        double acc = 0;
+        for (int64_t n = 0; n < N; ++n) acc += double(dy[n]) * double(wk[n]);
+        dx[k] = T(acc);
+      }
+    }
+  }
+}
+
+template <class T>
+void gemm_wgrad(const GemmArgs& a) {  // c[g] += a[rows of g]^T @ b[rows of g]
+  const int64_t Kd = a.a.size(1), N = a.b.size(1);
+  std::vector<double> acc(size_t(Kd * N));
+  for (int g = 0; g < a.window.groups; ++g) {
+    const RowRange rr = group_rows(a.window, g);
+    if (rr.end <= rr.begin) continue;  // an empty group leaves its gradient as it was
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t i = rr.begin; i < rr.end; ++i) {
+      const T* x = a.a.as<T>() + i * Kd;
+      const T* dy = a.b.as<T>() + i * N;
+      for (int64_t k = 0; k < Kd; ++k) {
+        const double xv = double(x[k]);
+        double* row = acc.data() + k * N;
+        for (int64_t n = 0; n < N; ++n) row[n] += xv * double(dy[n]);
+      }
+    }
+    T* dw = a.c.as<T>() + int64_t(g) * Kd * N;
+    for (int64_t j = 0; j < Kd * N; ++j) dw[j] = T(double(dw[j]) + acc[size_t(j)]);
+  }
+}
+
+template void gemm_fprop<float>(const GemmArgs&);
+template void gemm_fprop<double>(const GemmArgs&);
+template void gemm_dgrad<float>(const GemmArgs&);
+template void gemm_dgrad<double>(const GemmArgs&);
+template void gemm_wgrad<float>(const GemmArgs&);
+template void gemm_wgrad<double>(const GemmArgs&);
+
+}  // namespace moe_echo::cpu

@@ -1,0 +1,45 @@
+// SwiGLU over the valid rows of the receive window only: a = silu(gate) * up with h = gate | up.
+#include <cmath>
+
+#include "cpu/cpu_ops.hpp"
+
+namespace moe_echo::cpu {
+namespace {
+double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
+}  // namespace
+
+template <class T>
+void swiglu_forward(const SwigluArgs& a) {
+  const int64_t F = a.a.size(1), rows = valid_rows(a.window);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* h = a.h.as<T>() + i * 2 * F;
+    T* out = a.a.as<T>() + i * F;
+    for (int64_t f = 0; f < F; ++f) {
+      const double gate = double(h[f]), up = double(h[F + f]);
+      out[f] = T(gate * sigmoid(gate) * up);
+    }
+  }
+}
+
+template <class T>
+void swiglu_backward(const SwigluArgs& a) {
+  const int64_t F = a.da.size(1), rows = valid_rows(a.window);
+  for (int64_t i = 0; i < rows; ++i) {
+    const T* h = a.h.as<T>() + i * 2 * F;
+    const T* da = a.da.as<T>() + i * F;
+    T* dh = a.dh.as<T>() + i * 2 * F;
+    for (int64_t f = 0; f < F; ++f) {
+      const double gate = double(h[f]), up = double(h[F + f]), sg = sigmoid(gate);
+      const double silu = gate * sg;
+      dh[f] = T(double(da[f]) * up * sg * (1.0 + gate * (1.0 - sg)));
+      dh[F + f] = T(double(da[f]) * silu);
+    }
+  }
+}
+
+template void swiglu_forward<float>(const SwigluArgs&);
+template void swiglu_forward<double>(const SwigluArgs&);
+template void swiglu_backward<float>(const SwigluArgs&);
+template void swiglu_backward<double>(const SwigluArgs&);
+
+}  // namespace moe_echo::cpu

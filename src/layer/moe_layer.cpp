@@ -1,0 +1,434 @@
+// The step orchestration of DESIGN.md section 2, written once over Backend and Communicator.
+//
+// Rounds: receive buffers hold `capacity` rows. Round r handles receive rows
+// [r * capacity, (r + 1) * capacity) of every rank; round 0 always runs, a spill round only when
+// some rank received more rows than the rounds before it hold (decided from the routing map,
+// which every rank shares, so all ranks take the same branch). The forward runs the spill rounds
+// first and round 0 last, so round 0's activations stay in the workspace for the backward; the
+// backward runs round 0 on them and recomputes each spill round's activations. Memory is bounded
+// by the capacity whatever the routing, and no row is ever dropped.
+#include "moe_echo/layer.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/random.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo {
+
+const char* to_string(Param p) {
+  switch (p) {
+    case Param::router_weight: return "router_weight";
+    case Param::router_bias: return "router_bias";
+    case Param::w1: return "w1";
+    case Param::w2: return "w2";
+  }
+  return "?";
+}
+
+struct MoeLayer::Buffers {
+  // Parameters and gradients. w1/w2 hold [home slots + spare slots]; the home part is the
+  // parameter, spare slots hold this step's clones.
+  Tensor router_weight, router_bias, d_router_weight;
+  SymmetricBuffer w1_sym, w2_sym, dw1_sym, dw2_sym;
+  Tensor w1, w2, dw1, dw2;  // [slots, ...]
+  // Optimizer state (float dtype), for router weight, w1 home, w2 home.
+  Tensor m_router, v_router, m_w1, v_w1, m_w2, v_w2;
+  // Routing.
+  Tensor logits, scores, topk_idx, topk_weight, counts, losses;
+  Tensor routing_map, plan, assign, dest_rank, dest_row, group_offsets, rank_rows, round_active;
+  // Receive windows and expert activations (capacity rows).
+  SymmetricBuffer recv_x_sym, recv_out_sym;  // forward: rows in; expert output rows out
+  Tensor recv_x, recv_out, h, a;
+  // Source side.
+  Tensor gathered, d_gathered, d_topk_weight;
+  // Backward expert side (the forward receive windows are reused: recv_out holds dy rows, and
+  // a second window holds dx rows for the combine).
+  SymmetricBuffer recv_dx_sym;
+  Tensor recv_dx, da, dh;
+
+  std::vector<void*> owned;
+  std::vector<SymmetricBuffer*> symmetric;
+};
+
+MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
+                   const ParallelConfig& par, const EchoConfig& echo, uint64_t seed)
+    : backend_(backend), comm_(comm), moe_(moe), par_(par), echo_(echo) {
+  validate(moe_, par_, echo_);
+  MOE_ECHO_CHECK(comm.size() == par.ep_size,
+                 "communicator has " << comm.size() << " ranks but ep_size = " << par.ep_size);
+  MOE_ECHO_CHECK(comm.rank() == par.ep_rank,
+                 "communicator rank " << comm.rank() << " but ep_rank = " << par.ep_rank);
+  planner_.ranks = par.ep_size;
+  planner_.experts = moe.experts;
+  planner_.spare_slots = echo.enabled ? echo.spare_slots_per_rank : 0;
+  planner_.max_clones = echo.enabled ? echo.max_clones_per_expert : 0;
+  planner_.clone_cost_rows = echo.clone_cost_rows;
+  validate(planner_);
+  slots_ = slots_per_rank(moe, par, echo);
+  capacity_ = capacity_rows(moe, echo);
+  rounds_ = max_rounds(moe, par, echo);
+
+  buf_ = std::make_unique<Buffers>();
+  Buffers& b = *buf_;
+  const DType act = backend.activation_dtype(), fl = backend.float_dtype();
+  const int64_t T = moe.max_tokens, H = moe.hidden, F = moe.ffn, E = moe.experts, K = moe.top_k;
+  const int64_t R = par.ep_size, EPR = E / R, G = slots_, cap = capacity_;
+  auto dev = [&](DType t, std::initializer_list<int64_t> dims) {
+    Tensor view(nullptr, t, dims);
+    view.data = backend.allocate(view.bytes());
+    b.owned.push_back(view.data);
+    return view;
+  };
+  auto sym = [&](SymmetricBuffer& s, DType t, std::initializer_list<int64_t> dims) {
+    Tensor view(nullptr, t, dims);
+    s = comm.alloc_symmetric(backend, view.bytes());
+    b.symmetric.push_back(&s);
+    view.data = s.local;
+    return view;
+  };
+  b.router_weight = dev(fl, {E, H});
+  b.router_bias = dev(fl, {E});
+  b.d_router_weight = dev(fl, {E, H});
+  b.w1 = sym(b.w1_sym, act, {G, H, 2 * F});
+  b.w2 = sym(b.w2_sym, act, {G, F, H});
+  b.dw1 = sym(b.dw1_sym, act, {G, H, 2 * F});
+  b.dw2 = sym(b.dw2_sym, act, {G, F, H});
+  b.m_router = dev(fl, {E, H});
+  b.v_router = dev(fl, {E, H});
+  b.m_w1 = dev(fl, {EPR, H, 2 * F});
+  b.v_w1 = dev(fl, {EPR, H, 2 * F});
+  b.m_w2 = dev(fl, {EPR, F, H});
+  b.v_w2 = dev(fl, {EPR, F, H});
+
+  b.logits = dev(fl, {T, E});
+  b.scores = dev(fl, {T, E});
+  b.topk_idx = dev(DType::i32, {T, K});
+  b.topk_weight = dev(fl, {T, K});
+  b.counts = dev(DType::i32, {E});
+  b.losses = dev(fl, {2});
+  b.routing_map = dev(DType::i32, {R, E});
+  b.plan = dev(DType::i32, {plan_ints(planner_)});
+  b.assign = dev(DType::i32, {R * E * planner_.max_replicas()});
+  b.dest_rank = dev(DType::i32, {T * K});
+  b.dest_row = dev(DType::i32, {T * K});
+  b.group_offsets = dev(DType::i32, {G + 1});
+  b.rank_rows = dev(DType::i32, {R});
+  b.round_active = dev(DType::i32, {rounds_});
+
+  b.recv_x = sym(b.recv_x_sym, act, {cap, H});
+  b.recv_out = sym(b.recv_out_sym, act, {cap, H});
+  b.h = dev(act, {cap, 2 * F});
+  b.a = dev(act, {cap, F});
+  b.gathered = dev(act, {T * K, H});
+  b.d_gathered = dev(act, {T * K, H});
+  b.d_topk_weight = dev(fl, {T, K});
+  b.recv_dx = sym(b.recv_dx_sym, act, {cap, H});
+  b.da = dev(act, {cap, F});
+  b.dh = dev(act, {cap, 2 * F});
+
+  for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
+                    &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.losses, &b.counts,
+                    &b.routing_map, &b.plan, &b.group_offsets, &b.rank_rows})
+    backend.fill_zero(*t, nullptr);
+  init_parameters(seed);
+  backend.synchronize();
+  comm.barrier();
+}
+
+MoeLayer::~MoeLayer() {
+  if (!buf_) return;
+  try {
+    backend_.synchronize();
+    for (SymmetricBuffer* s : buf_->symmetric) comm_.free_symmetric(backend_, *s);
+  } catch (...) {
+    // A peer that failed cannot take part in the collective free; release locally.
+    for (SymmetricBuffer* s : buf_->symmetric)
+      if (s->local) backend_.deallocate(s->local);
+  }
+  for (void* p : buf_->owned) backend_.deallocate(p);
+}
+
+void MoeLayer::init_parameters(uint64_t seed) {
+  Buffers& b = *buf_;
+  const int64_t H = moe_.hidden, F = moe_.ffn, E = moe_.experts, EPR = E / par_.ep_size;
+  // Router: small, so that initial routing is close to uniform; the same on every rank.
+  std::vector<double> rw(size_t(E * H));
+  Rng rr(seed, 0x5eed, 0);
+  for (auto& v : rw) v = rr.uniform(-1.0, 1.0) / std::sqrt(double(H));
+  write_tensor(backend_, b.router_weight, rw);
+  // Experts, keyed by the global expert index.
+  std::vector<double> w1(size_t(H * 2 * F)), w2(size_t(F * H));
+  for (int64_t j = 0; j < EPR; ++j) {
+    const int64_t e = par_.ep_rank * EPR + j;
+    Rng r1(seed, 1000 + uint64_t(e), 1), r2(seed, 1000 + uint64_t(e), 2);
+    for (auto& v : w1) v = r1.uniform(-1.0, 1.0) / std::sqrt(double(H));
+    for (auto& v : w2) v = r2.uniform(-1.0, 1.0) / std::sqrt(double(F));
+    write_tensor(backend_, b.w1.rows(j, 1), w1);
+    write_tensor(backend_, b.w2.rows(j, 1), w2);
+  }
+}
+
+Tensor MoeLayer::param(Param p) const {
+  const int64_t EPR = moe_.experts / par_.ep_size;
+  switch (p) {
+    case Param::router_weight: return buf_->router_weight;
+    case Param::router_bias: return buf_->router_bias;
+    case Param::w1: return buf_->w1.rows(0, EPR);
+    case Param::w2: return buf_->w2.rows(0, EPR);
+  }
+  return {};
+}
+
+Tensor MoeLayer::grad(Param p) const {
+  const int64_t EPR = moe_.experts / par_.ep_size;
+  switch (p) {
+    case Param::router_weight: return buf_->d_router_weight;
+    case Param::router_bias: throw Error("router_bias has no gradient");
+    case Param::w1: return buf_->dw1.rows(0, EPR);
+    case Param::w2: return buf_->dw2.rows(0, EPR);
+  }
+  return {};
+}
+
+void MoeLayer::zero_grad(Stream s) {
+  backend_.fill_zero(buf_->d_router_weight, s);
+  backend_.fill_zero(buf_->dw1, s);
+  backend_.fill_zero(buf_->dw2, s);
+}
+
+void MoeLayer::all_reduce_router_grad(Stream s) { comm_.all_reduce_sum(buf_->d_router_weight, s); }
+
+void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
+  Buffers& b = *buf_;
+  ++optimizer_steps_;
+  auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
+    AdamWArgs a{p, g, m, v, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
+                optimizer_steps_};
+    backend_.adamw(a, s);
+  };
+  step(b.router_weight, b.d_router_weight, b.m_router, b.v_router);
+  step(param(Param::w1), grad(Param::w1), b.m_w1, b.v_w1);
+  step(param(Param::w2), grad(Param::w2), b.m_w2, b.v_w2);
+}
+
+size_t MoeLayer::workspace_bytes() const {
+  size_t total = 0;
+  const Buffers& b = *buf_;
+  for (const Tensor* t :
+       {&b.router_weight, &b.router_bias, &b.d_router_weight, &b.w1, &b.w2, &b.dw1, &b.dw2,
+        &b.m_router, &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.logits, &b.scores,
+        &b.topk_idx, &b.topk_weight, &b.counts, &b.losses, &b.routing_map, &b.plan, &b.assign,
+        &b.dest_rank, &b.dest_row, &b.group_offsets, &b.rank_rows, &b.round_active, &b.recv_x,
+        &b.recv_out, &b.h, &b.a, &b.gathered, &b.d_gathered, &b.d_topk_weight, &b.recv_dx, &b.da,
+        &b.dh})
+    total += t->bytes();
+  return total;
+}
+
+void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
+  Buffers& b = *buf_;
+  const int64_t T = x.ndim == 2 ? x.size(0) : -1, H = moe_.hidden, K = moe_.top_k;
+  check_tensor(x, "x", backend_.activation_dtype(), {-1, H});
+  check_tensor(y, "y", backend_.activation_dtype(), {T, H});
+  MOE_ECHO_CHECK(T <= moe_.max_tokens,
+                 "x has " << T << " tokens, more than max_tokens = " << moe_.max_tokens);
+  last_tokens_ = T;
+  last_x_ = x;  // the router backward and spill-round recompute read it again
+
+  RouterForwardArgs ra;
+  ra.x = x;
+  ra.weight = b.router_weight;
+  ra.bias = b.router_bias;
+  ra.logits = b.logits.rows(0, T);
+  ra.scores = b.scores.rows(0, T);
+  ra.topk_idx = b.topk_idx.rows(0, T);
+  ra.topk_weight = b.topk_weight.rows(0, T);
+  ra.counts = b.counts;
+  ra.losses = b.losses;
+  ra.score_function = moe_.score_function;
+  ra.normalize_topk = moe_.normalize_topk;
+  ra.aux_loss_coeff = moe_.aux_loss_coeff;
+  ra.z_loss_coeff = moe_.z_loss_coeff;
+  backend_.router_forward(ra, s);
+
+  comm_.all_gather_i32(b.counts.as<int32_t>(), b.routing_map.as<int32_t>(), moe_.experts, s);
+  backend_.plan(b.routing_map, planner_, echo_.enabled, b.plan, s);
+
+  LayoutArgs la;
+  la.routing_map = b.routing_map;
+  la.plan = b.plan;
+  la.topk_idx = b.topk_idx.rows(0, T);
+  la.assign = b.assign;
+  la.dest_rank = b.dest_rank.rows(0, T * K);
+  la.dest_row = b.dest_row.rows(0, T * K);
+  la.group_offsets = b.group_offsets;
+  la.rank_rows = b.rank_rows;
+  la.round_active = b.round_active;
+  la.planner = planner_;
+  la.rank = par_.ep_rank;
+  la.slots = slots_;
+  la.capacity = capacity_;
+  backend_.layout(la, s);
+
+  if (planner_.spare_slots > 0) {
+    const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
+    comm_.pull_clone_weights(plan, planner_, b.w1_sym, b.w1.row_numel() * dtype_size(b.w1.dtype), s);
+    comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2.row_numel() * dtype_size(b.w2.dtype), s);
+  }
+
+  for (int r = rounds_ - 1; r >= 0; --r) {
+    if (r == 0)
+      run_round(0, x, T);
+    else
+      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] { run_round(r, x, T); }, s);
+  }
+
+  CombineArgs ca;
+  ca.gathered = b.gathered.rows(0, T * K);
+  ca.weight = b.topk_weight.rows(0, T);
+  ca.y = y;
+  backend_.combine_forward(ca, s);
+}
+
+void MoeLayer::run_round(int round, const Tensor& x, int64_t T) {
+  Buffers& b = *buf_;
+  const Stream s = nullptr;
+  const int64_t K = moe_.top_k;
+  const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
+  const RoundWindow win{round * capacity_, capacity_};
+  const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
+  const RowRoute route{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), T * K, int(K)};
+
+  comm_.dispatch(route, win, x.data, row_bytes, b.recv_x_sym, s);
+  backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
+  backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+  backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
+  comm_.combine(route, win, b.recv_out_sym, row_bytes, b.gathered.data, s);
+}
+
+void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
+  Buffers& b = *buf_;
+  const int64_t T = last_tokens_, H = moe_.hidden, K = moe_.top_k;
+  check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
+  check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
+  CombineBackwardArgs cb;
+  cb.dy = dy;
+  cb.gathered = b.gathered.rows(0, T * K);
+  cb.weight = b.topk_weight.rows(0, T);
+  cb.d_gathered = b.d_gathered.rows(0, T * K);
+  cb.d_weight = b.d_topk_weight.rows(0, T);
+  backend_.combine_backward(cb, s);
+
+  // Clone slots accumulate this step's gradients only; home slots accumulate across steps.
+  const int64_t EPR = moe_.experts / par_.ep_size;
+  if (slots_ > EPR) {
+    backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
+    backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
+  }
+  for (int r = 0; r < rounds_; ++r) {
+    if (r == 0)
+      run_round_backward(0, last_x_, T);
+    else
+      backend_.run_if(b.round_active.as<int32_t>() + r,
+                      [&, r] { run_round_backward(r, last_x_, T); }, s);
+  }
+
+  // dx[t] = sum_k dx rows (the combine weight was applied to dy already), then the router.
+  CombineArgs ca;
+  ca.gathered = b.gathered.rows(0, T * K);  // now holds the dx rows
+  ca.weight = Tensor();
+  ca.y = dx;
+  backend_.combine_forward(ca, s);
+
+  RouterBackwardArgs rb;
+  rb.x = last_x_;
+  rb.weight = b.router_weight;
+  rb.logits = b.logits.rows(0, T);
+  rb.scores = b.scores.rows(0, T);
+  rb.topk_idx = b.topk_idx.rows(0, T);
+  rb.topk_weight = b.topk_weight.rows(0, T);
+  rb.counts = b.counts;
+  rb.d_topk_weight = b.d_topk_weight.rows(0, T);
+  rb.d_weight = b.d_router_weight;
+  rb.dx = dx;
+  rb.score_function = moe_.score_function;
+  rb.normalize_topk = moe_.normalize_topk;
+  rb.aux_loss_coeff = moe_.aux_loss_coeff;
+  rb.z_loss_coeff = moe_.z_loss_coeff;
+  backend_.router_backward(rb, s);
+
+  if (planner_.spare_slots > 0) {
+    const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
+    comm_.reduce_clone_grads(plan, planner_, b.dw1_sym, b.dw1.row_numel(), b.dw1.dtype, s);
+    comm_.reduce_clone_grads(plan, planner_, b.dw2_sym, b.dw2.row_numel(), b.dw2.dtype, s);
+  }
+  if (moe_.bias_update)
+    backend_.router_bias_update(b.routing_map, b.router_bias, moe_.bias_update_rate, s);
+}
+
+void MoeLayer::run_round_backward(int round, const Tensor& x, int64_t T) {
+  Buffers& b = *buf_;
+  const Stream s = nullptr;
+  const int64_t K = moe_.top_k;
+  const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
+  const RoundWindow win{round * capacity_, capacity_};
+  const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
+  const RowRoute token_route{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), T * K, int(K)};
+  const RowRoute entry_route{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), T * K, 1};
+
+  if (round > 0) {  // recompute this spill round's activations
+    comm_.dispatch(token_route, win, x.data, row_bytes, b.recv_x_sym, s);
+    backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
+    backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+  }
+  // dy rows (already weighted) to the experts; recv_out is free after the forward combine.
+  comm_.dispatch(entry_route, win, b.d_gathered.data, row_bytes, b.recv_out_sym, s);
+  backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
+  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2}, s);
+  backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
+  backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_dx}, s);
+  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1}, s);
+  comm_.combine(entry_route, win, b.recv_dx_sym, row_bytes, b.gathered.data, s);
+}
+
+StepStats MoeLayer::stats() const {
+  Buffers& b = *buf_;
+  StepStats st;
+  const auto losses = read_tensor(backend_, b.losses);
+  st.aux_loss = losses[0];
+  st.z_loss = losses[1];
+  const int R = par_.ep_size;
+  std::vector<int32_t> plan(size_t(plan_ints(planner_)));
+  backend_.copy_to_host(plan.data(), b.plan.data, plan.size() * sizeof(int32_t));
+  const PlanView pv = plan_view(plan.data(), planner_);
+  st.load_before.assign(pv.load_before, pv.load_before + R);
+  st.load_after.assign(pv.load_after, pv.load_after + R);
+  auto max_over_mean = [](const std::vector<int32_t>& l) {
+    double sum = 0, mx = 0;
+    for (int32_t v : l) {
+      sum += v;
+      mx = std::max(mx, double(v));
+    }
+    return sum > 0 ? mx / (sum / double(l.size())) : 1.0;
+  };
+  st.max_over_mean_before = max_over_mean(st.load_before);
+  st.max_over_mean_after = max_over_mean(st.load_after);
+  st.clones = pv.num_clones[0];
+  // Per clone: fc1 and fc2 weights pulled in, their gradients reduced home.
+  const int64_t expert_bytes =
+      int64_t(3) * moe_.hidden * moe_.ffn * int64_t(dtype_size(backend_.activation_dtype()));
+  st.clone_bytes = int64_t(st.clones) * 2 * expert_bytes;
+  st.received_rows = st.load_after[size_t(par_.ep_rank)];
+  st.overflow_rows = std::max<int64_t>(0, st.received_rows - capacity_);
+  int64_t max_rows = 0;
+  for (int32_t v : st.load_after) {
+    st.overflow_rows_all += std::max<int64_t>(0, v - capacity_);
+    max_rows = std::max<int64_t>(max_rows, v);
+  }
+  st.spill_rounds = max_rows > 0 ? int((max_rows + capacity_ - 1) / capacity_) - 1 : 0;
+  return st;
+}
+
+}  // namespace moe_echo

@@ -1,0 +1,129 @@
+// Every validation rule: the error names the field, the value and what is allowed.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <limits>
+
+#include "core/synthetic.hpp"
+#include "moe_echo/config.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo {
+namespace {
+
+MoeConfig good_moe() {
+  MoeConfig m;
+  m.hidden = 64;
+  m.ffn = 128;
+  m.experts = 16;
+  m.top_k = 2;
+  m.max_tokens = 256;
+  return m;
+}
+
+void expect_rejected(const std::function<void()>& f, const std::string& field,
+                     const std::string& value) {
+  try {
+    f();
+    FAIL() << "no error for " << field;
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.field(), field);
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(field + " = " + value), std::string::npos) << msg;
+    EXPECT_NE(msg.find("allowed"), std::string::npos) << msg;
+  }
+}
+
+TEST(Config, DefaultsOfAGoodConfigPass) {
+  EXPECT_NO_THROW(validate(good_moe(), ParallelConfig{4, 3}, EchoConfig{}));
+}
+
+TEST(Config, MoeFields) {
+  auto with = [](auto edit) {
+    return [edit] {
+      MoeConfig m = good_moe();
+      edit(m);
+      validate(m);
+    };
+  };
+  expect_rejected(with([](MoeConfig& m) { m.hidden = 0; }), "hidden", "0");
+  expect_rejected(with([](MoeConfig& m) { m.hidden = -3; }), "hidden", "-3");
+  expect_rejected(with([](MoeConfig& m) { m.ffn = 0; }), "ffn", "0");
+  expect_rejected(with([](MoeConfig& m) { m.experts = 0; }), "experts", "0");
+  expect_rejected(with([](MoeConfig& m) { m.top_k = 0; }), "top_k", "0");
+  expect_rejected(with([](MoeConfig& m) { m.top_k = 17; }), "top_k", "17");
+  expect_rejected(with([](MoeConfig& m) { m.max_tokens = 0; }), "max_tokens", "0");
+  expect_rejected(with([](MoeConfig& m) { m.max_tokens = 1 << 30; m.top_k = 8; }), "max_tokens",
+                  std::to_string(1 << 30));
+  expect_rejected(with([](MoeConfig& m) { m.aux_loss_coeff = -1; }), "aux_loss_coeff", "-1");
+  expect_rejected(with([](MoeConfig& m) { m.z_loss_coeff = std::numeric_limits<double>::infinity(); }),
+                  "z_loss_coeff", "inf");
+  expect_rejected(with([](MoeConfig& m) { m.bias_update_rate = -0.5; }), "bias_update_rate", "-0.5");
+}
+
+TEST(Config, TopKMessageNamesTheBound) {
+  MoeConfig m = good_moe();
+  m.top_k = 0;
+  try {
+    validate(m);
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_STREQ(e.what(), "top_k = 0 is invalid: allowed 1 <= top_k <= experts (16)");
+  }
+}
+
+TEST(Config, ParallelFields) {
+  const MoeConfig m = good_moe();
+  expect_rejected([&] { validate(ParallelConfig{0, 0}, m); }, "ep_size", "0");
+  expect_rejected([&] { validate(ParallelConfig{4, 4}, m); }, "ep_rank", "4");
+  expect_rejected([&] { validate(ParallelConfig{4, -1}, m); }, "ep_rank", "-1");
+  expect_rejected([&] { validate(ParallelConfig{3, 0}, m); }, "experts", "16");
+  MoeConfig big = m;
+  big.max_tokens = 1 << 26;
+  big.top_k = 8;
+  big.experts = 1024;
+  expect_rejected([&] { validate(ParallelConfig{1024, 0}, big); }, "ep_size", "1024");
+}
+
+TEST(Config, EchoFields) {
+  const ParallelConfig p{4, 0};
+  auto with = [&](auto edit) {
+    return [edit, p] {
+      EchoConfig e;
+      edit(e);
+      validate(e, p);
+    };
+  };
+  expect_rejected(with([](EchoConfig& e) { e.spare_slots_per_rank = -1; }), "spare_slots_per_rank", "-1");
+  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = 0; }), "capacity_factor", "0");
+  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = -2; }), "capacity_factor", "-2");
+  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = std::nan(""); }), "capacity_factor", "nan");
+  expect_rejected(with([](EchoConfig& e) { e.max_clones_per_expert = -1; }), "max_clones_per_expert", "-1");
+  expect_rejected(with([](EchoConfig& e) { e.clone_cost_rows = -5; }), "clone_cost_rows", "-5");
+}
+
+TEST(Config, DerivedSizes) {
+  MoeConfig m = good_moe();
+  EchoConfig e;
+  e.capacity_factor = 1.25;
+  e.spare_slots_per_rank = 3;
+  EXPECT_EQ(capacity_rows(m, e), 640);  // ceil(1.25 * 256 * 2)
+  EXPECT_EQ(slots_per_rank(m, ParallelConfig{4, 0}, e), 7);
+  e.enabled = false;
+  EXPECT_EQ(slots_per_rank(m, ParallelConfig{4, 0}, e), 4);
+  EXPECT_EQ(max_rounds(m, ParallelConfig{4, 0}, e), 4);  // 2048 rows / 640 per round
+}
+
+TEST(Config, ScoreFunctionAndSkewParsing) {
+  EXPECT_EQ(parse_score_function("sigmoid"), ScoreFunction::sigmoid);
+  expect_rejected([] { parse_score_function("relu", "score"); }, "score", "'relu'");
+  EXPECT_DOUBLE_EQ(parse_skew("zipf:1.2").exponent, 1.2);
+  EXPECT_EQ(parse_skew("uniform").exponent, 0.0);
+  expect_rejected([] { parse_skew("zipf:-1"); }, "skew", "'zipf:-1'");
+  expect_rejected([] { parse_skew("zipf:"); }, "skew", "'zipf:'");
+  expect_rejected([] { parse_skew("pareto"); }, "skew", "'pareto'");
+}
+
+}  // namespace
+}  // namespace moe_echo

@@ -1,0 +1,75 @@
+#include "layer_harness.hpp"
+
+#include <mutex>
+
+namespace moe_echo::test {
+
+LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,
+                   const std::vector<std::vector<double>>& g,
+                   const std::optional<GlobalParams>& params) {
+  const int R = c.ranks;
+  const int64_t H = c.moe.hidden, F = c.moe.ffn, E = c.moe.experts, EPR = E / R;
+  LayerRun out;
+  out.y.resize(size_t(R));
+  out.dx.resize(size_t(R));
+  out.d_router.resize(size_t(R));
+  out.stats.resize(size_t(R));
+  out.dw1.assign(size_t(E * H * 2 * F), 0.0);
+  out.dw2.assign(size_t(E * F * H), 0.0);
+  out.params.w1.assign(size_t(E * H * 2 * F), 0.0);
+  out.params.w2.assign(size_t(E * F * H), 0.0);
+  std::vector<double> objective(size_t(R), 0.0);
+  InProcessWorld world(R);
+  world.run([&](int r) {
+    auto be = make_cpu_backend(c.dtype);
+    MoeLayer layer(*be, world.communicator(r), c.moe, ParallelConfig{R, r}, c.echo, c.seed);
+    const size_t w1n = size_t(H * 2 * F), w2n = size_t(F * H);
+    if (params) {
+      write_tensor(*be, layer.param(Param::router_weight), params->router_weight);
+      write_tensor(*be, layer.param(Param::router_bias), params->router_bias);
+      write_tensor(*be, layer.param(Param::w1),
+                   std::vector<double>(params->w1.begin() + r * EPR * w1n,
+                                       params->w1.begin() + (r + 1) * EPR * w1n));
+      write_tensor(*be, layer.param(Param::w2),
+                   std::vector<double>(params->w2.begin() + r * EPR * w2n,
+                                       params->w2.begin() + (r + 1) * EPR * w2n));
+    }
+    const int64_t T = int64_t(x[size_t(r)].size()) / H;
+    auto alloc = [&](const std::vector<double>* init) {
+      Tensor t(nullptr, be->activation_dtype(), {T, H});
+      t.data = be->allocate(t.bytes() ? t.bytes() : 1);
+      std::vector<double> poison(size_t(T * H), 1e30);
+      write_tensor(*be, t, init ? *init : poison);
+      return t;
+    };
+    Tensor xt = alloc(&x[size_t(r)]), yt = alloc(nullptr), gt = alloc(&g[size_t(r)]),
+           dxt = alloc(nullptr);
+    layer.zero_grad();
+    layer.forward(xt, yt);
+    layer.backward(gt, dxt);
+    out.y[size_t(r)] = read_tensor(*be, yt);
+    out.dx[size_t(r)] = read_tensor(*be, dxt);
+    out.d_router[size_t(r)] = read_tensor(*be, layer.grad(Param::router_weight));
+    out.stats[size_t(r)] = layer.stats();
+    const auto dw1 = read_tensor(*be, layer.grad(Param::w1));
+    const auto dw2 = read_tensor(*be, layer.grad(Param::w2));
+    const auto w1 = read_tensor(*be, layer.param(Param::w1));
+    const auto w2 = read_tensor(*be, layer.param(Param::w2));
+    std::copy(dw1.begin(), dw1.end(), out.dw1.begin() + r * EPR * w1n);
+    std::copy(dw2.begin(), dw2.end(), out.dw2.begin() + r * EPR * w2n);
+    std::copy(w1.begin(), w1.end(), out.params.w1.begin() + r * EPR * w1n);
+    std::copy(w2.begin(), w2.end(), out.params.w2.begin() + r * EPR * w2n);
+    if (r == 0) {
+      out.params.router_weight = read_tensor(*be, layer.param(Param::router_weight));
+      out.params.router_bias = read_tensor(*be, layer.param(Param::router_bias));
+    }
+    double obj = out.stats[size_t(r)].aux_loss + out.stats[size_t(r)].z_loss;
+    for (size_t i = 0; i < out.y[size_t(r)].size(); ++i) obj += out.y[size_t(r)][i] * g[size_t(r)][i];
+    objective[size_t(r)] = obj;
+    for (Tensor* t : {&xt, &yt, &gt, &dxt}) be->deallocate(t->data);
+  });
+  for (double o : objective) out.objective += o;
+  return out;
+}
+
+}  // namespace moe_echo::test

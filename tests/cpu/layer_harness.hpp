@@ -1,0 +1,43 @@
+// Runs one forward + backward of a MoE layer on R in-process ranks and collects everything on
+// the host, so layer tests can compare layouts (R ranks vs 1, ECHO on vs off, capacities).
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include "moe_echo/backends.hpp"
+#include "moe_echo/comm.hpp"
+#include "moe_echo/layer.hpp"
+
+namespace moe_echo::test {
+
+struct LayerCase {
+  MoeConfig moe;
+  int ranks = 1;
+  EchoConfig echo;
+  uint64_t seed = 7;
+  DType dtype = DType::f64;
+};
+
+// Parameters of the whole layer (all experts), to override the seeded initial values.
+struct GlobalParams {
+  std::vector<double> router_weight;  // [E, H]
+  std::vector<double> router_bias;    // [E]
+  std::vector<double> w1;             // [E, H, 2F]
+  std::vector<double> w2;             // [E, F, H]
+};
+
+struct LayerRun {
+  std::vector<std::vector<double>> y, dx, d_router;  // per rank
+  std::vector<double> dw1, dw2;                      // all experts, home gradients concatenated
+  GlobalParams params;                               // as initialised (or overridden)
+  std::vector<StepStats> stats;                      // per rank
+  double objective = 0;  // sum over ranks of <y_r, g_r> + aux_r + z_r
+};
+
+// x[r] holds T_r * H values (T_r may differ per rank, <= max_tokens); g[r] the same shape.
+LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,
+                   const std::vector<std::vector<double>>& g,
+                   const std::optional<GlobalParams>& params = std::nullopt);
+
+}  // namespace moe_echo::test

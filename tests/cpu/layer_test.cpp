@@ -1,0 +1,308 @@
+// The whole layer on in-process ranks: R ranks equal one rank holding all experts, ECHO on equals
+// ECHO off, forced overflow stays exact, edge shapes, and gradients against finite differences.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/random.hpp"
+#include "core/synthetic.hpp"
+#include "layer_harness.hpp"
+#include "moe_echo/error.hpp"
+#include "test_util.hpp"
+
+namespace moe_echo::test {
+namespace {
+
+MoeConfig small_moe(int experts = 8, int top_k = 2, int tokens = 12) {
+  MoeConfig m;
+  m.hidden = 16;
+  m.ffn = 12;
+  m.experts = experts;
+  m.top_k = top_k;
+  m.max_tokens = tokens;
+  return m;
+}
+
+std::vector<std::vector<double>> per_rank(int ranks, int64_t tokens, int64_t hidden, uint64_t seed) {
+  std::vector<std::vector<double>> v;
+  for (int r = 0; r < ranks; ++r) v.push_back(random_values(size_t(tokens * hidden), seed + r));
+  return v;
+}
+
+std::vector<double> concat(const std::vector<std::vector<double>>& parts) {
+  std::vector<double> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+std::vector<double> sum(const std::vector<std::vector<double>>& parts) {
+  std::vector<double> s(parts[0].size(), 0.0);
+  for (const auto& p : parts)
+    for (size_t i = 0; i < p.size(); ++i) s[i] += p[i];
+  return s;
+}
+
+// Tokens that route with Zipf-skewed popularity: the router weight is overridden to match.
+struct SkewedInput {
+  std::vector<std::vector<double>> x;
+  GlobalParams params;
+};
+
+SkewedInput skewed(const LayerCase& c, int tokens, double exponent, uint64_t seed) {
+  SkewSpec spec;
+  spec.exponent = exponent;
+  SyntheticTokens synth(c.moe.experts, c.moe.hidden, spec, seed);
+  SkewedInput in;
+  for (int r = 0; r < c.ranks; ++r) in.x.push_back(synth.tokens(0, r, tokens));
+  in.params = run_layer(c, in.x, in.x).params;  // the seeded experts
+  in.params.router_weight = synth.router_weight();
+  return in;
+}
+
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol,
+                  const char* what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  EXPECT_LE(rel_error(a, b), tol) << what;
+}
+
+TEST(Layer, RRanksEqualOneRankHoldingAllExperts) {
+  for (int R : {2, 4}) {
+    for (bool echo : {false, true}) {
+      LayerCase multi;
+      multi.moe = small_moe(8, 2, 10);
+      multi.ranks = R;
+      multi.echo.enabled = echo;
+      multi.echo.spare_slots_per_rank = 1;
+      multi.echo.capacity_factor = 0.6;  // forces spill rounds on busy ranks
+      LayerCase single = multi;
+      single.ranks = 1;
+      single.moe.max_tokens = multi.moe.max_tokens * R;
+      single.echo.enabled = false;
+      const auto x = per_rank(R, 10, 16, 100);
+      const auto g = per_rank(R, 10, 16, 200);
+      const LayerRun m = run_layer(multi, x, g);
+      const LayerRun s = run_layer(single, {concat(x)}, {concat(g)});
+      SCOPED_TRACE("R = " + std::to_string(R) + (echo ? " echo on" : " echo off"));
+      expect_close(concat(m.y), s.y[0], 1e-13, "y");
+      expect_close(concat(m.dx), s.dx[0], 1e-13, "dx");
+      expect_close(m.dw1, s.dw1, 1e-13, "dw1");
+      expect_close(m.dw2, s.dw2, 1e-13, "dw2");
+      expect_close(sum(m.d_router), s.d_router[0], 1e-13, "router weight gradient");
+    }
+  }
+}
+
+TEST(Layer, EchoOnEqualsEchoOffUnderSkew) {
+  for (auto score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
+    LayerCase on;
+    on.moe = small_moe(16, 2, 64);
+    on.moe.score_function = score;
+    on.moe.aux_loss_coeff = 0.01;
+    on.moe.z_loss_coeff = 0.001;
+    on.ranks = 4;
+    on.echo.enabled = true;
+    on.echo.spare_slots_per_rank = 2;
+    on.echo.max_clones_per_expert = 2;
+    LayerCase off = on;
+    off.echo.enabled = false;
+    const SkewedInput in = skewed(on, 64, 1.5, 11);
+    const auto g = per_rank(4, 64, 16, 300);
+    const LayerRun a = run_layer(on, in.x, g, in.params);
+    const LayerRun b = run_layer(off, in.x, g, in.params);
+    EXPECT_GT(a.stats[0].clones, 0) << "skewed routing should make ECHO clone";
+    EXPECT_LT(a.stats[0].max_over_mean_after, a.stats[0].max_over_mean_before);
+    EXPECT_DOUBLE_EQ(b.stats[0].max_over_mean_after, b.stats[0].max_over_mean_before);
+    for (int r = 0; r < 4; ++r) {
+      expect_close(a.y[size_t(r)], b.y[size_t(r)], 1e-14, "y");
+      expect_close(a.dx[size_t(r)], b.dx[size_t(r)], 1e-13, "dx");
+      expect_close(a.d_router[size_t(r)], b.d_router[size_t(r)], 1e-13, "router gradient");
+    }
+    expect_close(a.dw1, b.dw1, 1e-13, "dw1");
+    expect_close(a.dw2, b.dw2, 1e-13, "dw2");
+  }
+}
+
+TEST(Layer, ForcedOverflowIsExactAndCounted) {
+  LayerCase roomy;
+  roomy.moe = small_moe(8, 2, 32);
+  roomy.ranks = 4;
+  roomy.echo.enabled = false;
+  roomy.echo.capacity_factor = 4.0;  // never overflows
+  const SkewedInput in = skewed(roomy, 32, 1.5, 5);
+  const auto g = per_rank(4, 32, 16, 400);
+  const LayerRun ref = run_layer(roomy, in.x, g, in.params);
+  for (double cf : {0.05, 0.3, 1.0}) {
+    for (bool echo : {false, true}) {
+      LayerCase tight = roomy;
+      tight.echo.capacity_factor = cf;
+      tight.echo.enabled = echo;
+      const LayerRun t = run_layer(tight, in.x, g, in.params);
+      SCOPED_TRACE("capacity factor " + std::to_string(cf) + (echo ? " echo" : ""));
+      const int64_t cap = capacity_rows(tight.moe, tight.echo);
+      int64_t expected_overflow = 0, max_rows = 0;
+      for (int32_t rows : t.stats[0].load_after) {
+        expected_overflow += std::max<int64_t>(0, rows - cap);
+        max_rows = std::max<int64_t>(max_rows, rows);
+      }
+      EXPECT_EQ(t.stats[0].overflow_rows_all, expected_overflow);
+      EXPECT_EQ(t.stats[0].spill_rounds, int((max_rows + cap - 1) / cap) - 1);
+      if (cf < 1.0) {
+        EXPECT_GT(t.stats[0].overflow_rows_all, 0);
+      }
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(t.stats[size_t(r)].overflow_rows,
+                  std::max<int64_t>(0, t.stats[size_t(r)].received_rows - cap));
+        expect_close(t.y[size_t(r)], ref.y[size_t(r)], 1e-13, "y");
+        expect_close(t.dx[size_t(r)], ref.dx[size_t(r)], 1e-13, "dx");
+      }
+      expect_close(t.dw1, ref.dw1, 1e-13, "dw1");
+      expect_close(t.dw2, ref.dw2, 1e-13, "dw2");
+    }
+  }
+}
+
+TEST(Layer, ZeroAndOneTokenAndUnevenRanks) {
+  LayerCase c;
+  c.moe = small_moe(8, 2, 4);
+  c.ranks = 2;
+  c.echo.spare_slots_per_rank = 1;
+  // rank 0 has no tokens, rank 1 one token; then both empty.
+  for (auto tokens : {std::vector<int>{0, 1}, std::vector<int>{0, 0}, std::vector<int>{1, 4}}) {
+    std::vector<std::vector<double>> x, g;
+    for (int r = 0; r < 2; ++r) {
+      x.push_back(random_values(size_t(tokens[size_t(r)] * 16), 10 + r));
+      g.push_back(random_values(size_t(tokens[size_t(r)] * 16), 20 + r));
+    }
+    const LayerRun m = run_layer(c, x, g);
+    LayerCase single = c;
+    single.ranks = 1;
+    single.moe.max_tokens = 8;
+    const LayerRun s = run_layer(single, {concat(x)}, {concat(g)});
+    expect_close(concat(m.y), s.y[0], 1e-13, "y");
+    expect_close(concat(m.dx), s.dx[0], 1e-13, "dx");
+    expect_close(m.dw1, s.dw1, 1e-13, "dw1");
+    for (double v : concat(m.y)) EXPECT_TRUE(std::isfinite(v));
+  }
+}
+
+TEST(Layer, AllTokensOnOneExpert) {
+  LayerCase c;
+  c.moe = small_moe(8, 1, 16);
+  c.ranks = 4;
+  c.echo.spare_slots_per_rank = 2;
+  c.echo.max_clones_per_expert = 3;
+  c.echo.capacity_factor = 1.0;
+  const auto x = per_rank(4, 16, 16, 50);
+  const auto g = per_rank(4, 16, 16, 60);
+  GlobalParams p = run_layer(c, x, g).params;
+  p.router_bias.assign(8, 0.0);
+  p.router_bias[5] = 100.0;  // every token selects expert 5
+  const LayerRun on = run_layer(c, x, g, p);
+  LayerCase off = c;
+  off.echo.enabled = false;
+  const LayerRun ref = run_layer(off, x, g, p);
+  EXPECT_EQ(ref.stats[0].load_before[2], 64);  // expert 5 lives on rank 2
+  EXPECT_EQ(on.stats[0].clones, 3);
+  EXPECT_EQ(on.stats[0].load_after[2], 16);  // split over 4 replicas
+  EXPECT_GT(ref.stats[0].overflow_rows_all, 0);
+  for (int r = 0; r < 4; ++r) expect_close(on.y[size_t(r)], ref.y[size_t(r)], 1e-14, "y");
+  expect_close(on.dw1, ref.dw1, 1e-13, "dw1");
+  expect_close(on.dw2, ref.dw2, 1e-13, "dw2");
+}
+
+TEST(Layer, OddShapes) {
+  LayerCase c;
+  c.moe.hidden = 13;
+  c.moe.ffn = 7;
+  c.moe.experts = 6;
+  c.moe.top_k = 3;
+  c.moe.max_tokens = 9;
+  c.ranks = 3;
+  c.echo.spare_slots_per_rank = 1;
+  c.echo.capacity_factor = 0.7;
+  const auto x = per_rank(3, 9, 13, 70);
+  const auto g = per_rank(3, 9, 13, 80);
+  const LayerRun m = run_layer(c, x, g);
+  LayerCase single = c;
+  single.ranks = 1;
+  single.moe.max_tokens = 27;
+  const LayerRun s = run_layer(single, {concat(x)}, {concat(g)});
+  expect_close(concat(m.y), s.y[0], 1e-13, "y");
+  expect_close(m.dw2, s.dw2, 1e-13, "dw2");
+}
+
+// Central differences of the objective sum_r <y_r, g_r> + aux_r + z_r (fp64) against backward.
+TEST(Layer, GradientsMatchFiniteDifferences) {
+  for (auto score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
+    LayerCase c;
+    c.moe = small_moe(4, 2, 6);
+    c.moe.hidden = 8;
+    c.moe.ffn = 5;
+    c.moe.score_function = score;
+    c.moe.aux_loss_coeff = 0.1;
+    c.moe.z_loss_coeff = 0.01;
+    c.ranks = 2;
+    c.echo.spare_slots_per_rank = 1;
+    c.echo.capacity_factor = 0.5;
+    const auto x = per_rank(2, 6, 8, 90);
+    const auto g = per_rank(2, 6, 8, 91);
+    const LayerRun base = run_layer(c, x, g);
+    const double eps = 1e-6;
+    Rng pick(3, 0);
+    auto fd = [&](auto mutate) {
+      GlobalParams p = base.params;
+      auto xp = x;
+      mutate(p, xp, +eps);
+      const double up = run_layer(c, xp, g, p).objective;
+      p = base.params;
+      xp = x;
+      mutate(p, xp, -eps);
+      const double down = run_layer(c, xp, g, p).objective;
+      return (up - down) / (2 * eps);
+    };
+    for (int trial = 0; trial < 6; ++trial) {
+      const size_t i1 = pick.below(base.params.w1.size()), i2 = pick.below(base.params.w2.size());
+      const size_t ir = pick.below(base.params.router_weight.size()), ix = pick.below(x[1].size());
+      const double d1 = fd([&](GlobalParams& p, auto&, double e) { p.w1[i1] += e; });
+      const double d2 = fd([&](GlobalParams& p, auto&, double e) { p.w2[i2] += e; });
+      const double dr = fd([&](GlobalParams& p, auto&, double e) { p.router_weight[ir] += e; });
+      const double dxv = fd([&](GlobalParams&, auto& xp, double e) { xp[1][ix] += e; });
+      EXPECT_NEAR(base.dw1[i1], d1, 1e-6 * (1 + std::fabs(d1))) << "w1[" << i1 << "]";
+      EXPECT_NEAR(base.dw2[i2], d2, 1e-6 * (1 + std::fabs(d2))) << "w2[" << i2 << "]";
+      EXPECT_NEAR(base.d_router[0][ir] + base.d_router[1][ir], dr, 1e-6 * (1 + std::fabs(dr)))
+          << "router[" << ir << "]";
+      EXPECT_NEAR(base.dx[1][ix], dxv, 1e-6 * (1 + std::fabs(dxv))) << "x[1][" << ix << "]";
+    }
+  }
+}
+
+TEST(Layer, RejectsBadTensorsAndConfigs) {
+  auto be = make_cpu_backend(DType::f32);
+  InProcessWorld world(1);
+  MoeConfig m = small_moe();
+  // The communicator's size must match ep_size (checked before anything collective).
+  EXPECT_THROW(MoeLayer(*be, world.communicator(0), m, ParallelConfig{2, 0}, EchoConfig{}, 1),
+               Error);
+  MoeConfig bad = m;
+  bad.top_k = 0;
+  try {
+    MoeLayer layer(*be, world.communicator(0), bad, ParallelConfig{1, 0}, EchoConfig{}, 1);
+    FAIL() << "top_k = 0 accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.field(), "top_k");
+  }
+  MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, EchoConfig{}, 1);
+  std::vector<float> host(size_t(13 * 16), 0.5f);
+  Tensor too_many(host.data(), DType::f32, {13, 16});  // max_tokens is 12
+  std::vector<float> yh(size_t(13 * 16));
+  Tensor y(yh.data(), DType::f32, {13, 16});
+  EXPECT_THROW(layer.forward(too_many, y), Error);
+  Tensor wrong_width(host.data(), DType::f32, {4, 15});
+  EXPECT_THROW(layer.forward(wrong_width, y), Error);
+  std::vector<double> dh(size_t(4 * 16));
+  Tensor wrong_dtype(dh.data(), DType::f64, {4, 16});
+  EXPECT_THROW(layer.forward(wrong_dtype, y), Error);
+}
+
+}  // namespace
+}  // namespace moe_echo::test
