@@ -7,6 +7,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <vector>
 
 #include "commands.hpp"
@@ -24,7 +25,7 @@ namespace {
 struct BenchOptions {
   LayerOptions layer;
   int steps = 20;
-  int warmup = 1;
+  std::optional<int> warmup;
   std::string skew = "zipf:1.2";
   std::string json;
 };
@@ -60,16 +61,19 @@ double percentile(std::vector<double> v, double q) {
   return v[i];
 }
 
-int run_bench(const BenchOptions& o) {
+int run_bench(const BenchOptions& opts) {
+  auto probe = make_backend(opts.layer.backend);
+  const bool cpu = std::string(probe->name()).rfind("cpu", 0) == 0;
+  const ResolvedLayer L = resolve(opts.layer, cpu);
+  BenchOptions o = opts;
   if (o.steps < 1)
     throw ConfigError("steps", "steps = " + std::to_string(o.steps) + " is invalid: allowed steps >= 1");
-  if (o.warmup < 0 || o.warmup >= o.steps)
-    throw ConfigError("warmup", "warmup = " + std::to_string(o.warmup) +
+  if (!o.warmup) o.warmup = std::min(1, o.steps - 1);
+  if (*o.warmup < 0 || *o.warmup >= o.steps)
+    throw ConfigError("warmup", "warmup = " + std::to_string(*o.warmup) +
                                     " is invalid: allowed 0 <= warmup < steps (" +
                                     std::to_string(o.steps) + ")");
-  auto probe = make_backend(o.layer.backend);
-  const bool cpu = std::string(probe->name()).rfind("cpu", 0) == 0;
-  const ResolvedLayer L = resolve(o.layer, cpu);
+  const int warmup = *o.warmup;
   const SkewSpec skew = parse_skew(o.skew, "skew");
   const MoeConfig& moe = L.moe;
   const int R = L.ep, T = moe.max_tokens, H = moe.hidden;
@@ -165,7 +169,7 @@ int run_bench(const BenchOptions& o) {
   int64_t overflow = 0;
   int spill_steps = 0;
   for (const StepRow& r : rows) {
-    if (r.step >= o.warmup) {
+    if (r.step >= warmup) {
       f.push_back(r.fwd_ms);
       b.push_back(r.bwd_ms);
       tps.push_back(r.tokens_per_s);
@@ -179,7 +183,7 @@ int run_bench(const BenchOptions& o) {
   }
   const double fwd_ms = median(f), bwd_ms = median(b);
   const double tokens_per_s = double(R) * T / ((fwd_ms + bwd_ms) * 1e-3);
-  std::printf("\nsummary over %d steps (times: median of steps %d..%d)\n", o.steps, o.warmup,
+  std::printf("\nsummary over %d steps (times: median of steps %d..%d)\n", o.steps, warmup,
               o.steps - 1);
   std::printf("  forward %.2f ms, backward %.2f ms, %.0f tokens/s (all %d ranks)\n", fwd_ms,
               bwd_ms, tokens_per_s, R);
@@ -208,7 +212,7 @@ int run_bench(const BenchOptions& o) {
                    {"capacity_rows", capacity_rows(moe, L.echo)},
                    {"clone_cost_rows", L.echo.clone_cost_rows},
                    {"skew", o.skew},           {"steps", o.steps},
-                   {"warmup", o.warmup},       {"seed", o.layer.seed},
+                   {"warmup", warmup},       {"seed", o.layer.seed},
                    {"workspace_bytes_per_rank", workspace}};
     j["steps"] = json::array();
     for (const StepRow& r : rows)

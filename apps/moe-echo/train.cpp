@@ -24,10 +24,10 @@ namespace {
 struct TrainOptions {
   LayerOptions layer;
   int steps = 60;
-  double lr = 3e-3;
+  double lr = 1e-2;
   double weight_decay = 0.0;
   std::string compare = "both";
-  double tolerance = 1e-3;
+  double tolerance = 1e-5;
   std::string json;
 };
 
@@ -48,10 +48,10 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
     MoeLayer teacher(*backend, comm, moe, ParallelConfig{R, rank}, teacher_echo,
                      o.layer.seed + 7919);
     MoeLayer student(*backend, comm, moe, ParallelConfig{R, rank}, student_echo, o.layer.seed);
-    // A sharper teacher router, so that the teacher's routing is far from uniform.
-    std::vector<double> tw = read_tensor(*backend, teacher.param(Param::router_weight));
-    for (auto& v : tw) v *= 4.0;
-    write_tensor(*backend, teacher.param(Param::router_weight), tw);
+    // The teacher routes like the student at initialisation (its experts are its own), so the
+    // student can reach it: it must learn the teacher's experts and keep the routing.
+    write_tensor(*backend, teacher.param(Param::router_weight),
+                 read_tensor(*backend, student.param(Param::router_weight)));
     const DType act = backend->activation_dtype();
     auto alloc = [&](std::initializer_list<int64_t> dims) {
       Tensor t(nullptr, act, dims);
@@ -170,11 +170,11 @@ void add_train(CLI::App& app, Runner& run) {
       "Which runs: both (default: ECHO on and off, compared), on, off");
   opts->layer.echo = "both";
   cmd->add_option("--steps", opts->steps, "Optimizer steps (default 60)");
-  cmd->add_option("--lr", opts->lr, "AdamW learning rate (default 3e-3)");
+  cmd->add_option("--lr", opts->lr, "AdamW learning rate (default 1e-2)");
   cmd->add_option("--weight-decay", opts->weight_decay, "AdamW decoupled weight decay (default 0)");
   cmd->add_option("--tolerance", opts->tolerance,
                   "Largest relative difference allowed between the ECHO on and off curves "
-                  "(default 1e-3)");
+                  "(default 1e-5)");
   cmd->add_option("--json", opts->json, "Write the loss curves to this JSON file");
   cmd->callback([opts, &run] {
     opts->compare = opts->layer.echo;

@@ -1,0 +1,27 @@
+# The README's promise: on the tiny preset with Zipf 1.2 skew and 4 ranks, rank load max/mean is
+# above 1.3 without ECHO and at most 1.15 with it; the JSON summary holds every documented field.
+set(json_file ${WORK_DIR}/bench_tiny.json)
+execute_process(COMMAND ${EXE} bench --ep 4 --skew zipf:1.2 --steps 8 --json ${json_file}
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "bench failed (${rc}): ${err}")
+endif()
+file(READ ${json_file} j)
+foreach(field load_max_over_mean_no_echo load_max_over_mean_echo clones_per_step overflow_rows
+              fwd_ms bwd_ms tokens_per_s)
+  string(JSON v ERROR_VARIABLE e GET "${j}" summary ${field})
+  if(e)
+    message(FATAL_ERROR "summary.${field} missing: ${e}")
+  endif()
+  set(${field} ${v})
+endforeach()
+message(STATUS "max/mean without ECHO ${load_max_over_mean_no_echo}, with ECHO ${load_max_over_mean_echo}")
+if(NOT load_max_over_mean_no_echo GREATER 1.3)
+  message(FATAL_ERROR "without ECHO max/mean ${load_max_over_mean_no_echo} is not above 1.3")
+endif()
+if(load_max_over_mean_echo GREATER 1.15)
+  message(FATAL_ERROR "with ECHO max/mean ${load_max_over_mean_echo} is above 1.15")
+endif()
+if(NOT out MATCHES "summary over 8 steps")
+  message(FATAL_ERROR "no summary printed: ${out}")
+endif()
