@@ -1,0 +1,153 @@
+#include "tools/cost_model.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace moe_echo::tools {
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+std::vector<std::string> gpu_preset_names() { return {"h200", "h100"}; }
+
+GpuSpec gpu_preset(const std::string& name) {
+  const std::string n = lower(name);
+  GpuSpec g;  // the defaults are the H200 of ANCHORS
+  if (n == "h200") return g;
+  if (n == "h100") {
+    // H100 SXM datasheet: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3, 80 GB, NVLink 4 at 900 GB/s
+    // both directions (450 GB/s each way), the same as the H200's. Achieved rates take the
+    // fractions measured on the H200 (ANCHORS): grouped GEMM 690/989 = 0.70 of peak, copy
+    // 4.2/4.8 = 0.875 of HBM, all-to-all 310/450 = 0.69 of one direction of NVLink.
+    g.name = "h100";
+    g.memory_gb = 80.0;
+    g.peak_tflops = 989.0;
+    g.gemm_tflops = 690.0;
+    g.hbm_tbps = 3.35 * 0.875;
+    g.nvlink_gbps = 310.0;
+    return g;
+  }
+  reject("gpu", "'" + name + "'", "h200 or h100 (or a measured-results file, --measured)");
+}
+
+void validate(const GpuSpec& g) {
+  const std::pair<const char*, double> fields[] = {
+      {"memory_gb", g.memory_gb},     {"peak_tflops", g.peak_tflops},
+      {"gemm_tflops", g.gemm_tflops}, {"hbm_tbps", g.hbm_tbps},
+      {"nvlink_gbps", g.nvlink_gbps}, {"network_gbps", g.network_gbps}};
+  for (const auto& [field, v] : fields)
+    if (!std::isfinite(v) || v <= 0) reject(field, v, "a finite value > 0");
+  if (!std::isfinite(g.launch_us) || g.launch_us < 0)
+    reject("launch_us", g.launch_us, "a finite value >= 0");
+  if (!std::isfinite(g.graph_node_us) || g.graph_node_us < 0)
+    reject("graph_node_us", g.graph_node_us, "a finite value >= 0");
+  if (g.gpus_per_node < 1) reject("gpus_per_node", g.gpus_per_node, "gpus_per_node >= 1");
+}
+
+void apply_measured_json(GpuSpec& g, const std::string& text, const std::string& origin) {
+  nlohmann::json doc;
+  try {
+    doc = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ConfigError("measured", origin + ": not valid JSON: " + e.what());
+  }
+  if (!doc.is_object()) throw ConfigError("measured", origin + ": expected a JSON object");
+  const nlohmann::json& obj = doc.contains("cost_model") ? doc["cost_model"] : doc;
+  if (!obj.is_object())
+    throw ConfigError("measured", origin + ": \"cost_model\" must be a JSON object");
+  for (const char* key : {"gpu", "name"}) {
+    if (obj.contains(key)) {
+      if (!obj[key].is_string())
+        throw ConfigError("measured", origin + ": \"" + key + "\" must be a string");
+      g = gpu_preset(obj[key].get<std::string>());
+    }
+  }
+  struct Field {
+    const char* key;
+    double* value;
+  };
+  const Field fields[] = {{"memory_gb", &g.memory_gb},     {"peak_tflops", &g.peak_tflops},
+                          {"gemm_tflops", &g.gemm_tflops}, {"hbm_tbps", &g.hbm_tbps},
+                          {"nvlink_gbps", &g.nvlink_gbps}, {"network_gbps", &g.network_gbps},
+                          {"launch_us", &g.launch_us},     {"graph_node_us", &g.graph_node_us}};
+  std::string allowed = "gpu, name, gpus_per_node";
+  for (const Field& f : fields) allowed += std::string(", ") + f.key;
+  for (auto it = obj.begin(); it != obj.end(); ++it) {
+    const std::string& key = it.key();
+    if (key == "gpu" || key == "name") continue;
+    if (key == "gpus_per_node") {
+      if (!it->is_number_integer())
+        throw ConfigError("measured", origin + ": \"gpus_per_node\" must be an integer");
+      g.gpus_per_node = it->get<int>();
+      continue;
+    }
+    const Field* f = std::find_if(std::begin(fields), std::end(fields),
+                                  [&](const Field& x) { return key == x.key; });
+    if (f == std::end(fields))  // other top-level keys are allowed next to a "cost_model" object
+      throw ConfigError("measured", origin + ": unknown key \"" + key + "\": allowed " + allowed);
+    if (!it->is_number())
+      throw ConfigError("measured", origin + ": \"" + key + "\" must be a number");
+    *f->value = it->get<double>();
+  }
+  try {
+    validate(g);
+  } catch (const ConfigError& e) {
+    throw ConfigError(e.field(), origin + ": " + e.what());
+  }
+}
+
+void apply_measured_file(GpuSpec& g, const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError("measured", path + ": cannot open the file");
+  std::stringstream s;
+  s << in.rdbuf();
+  apply_measured_json(g, s.str(), path);
+}
+
+double intra_node_fraction(int ep, int etp, int gpus_per_node) {
+  if (ep <= 1) return 1.0;
+  const int ranks_per_node = std::max(1, gpus_per_node / std::max(1, etp));
+  return double(std::min(ep, ranks_per_node)) / double(ep);
+}
+
+double CostModel::gemm_ms(double flops) const { return flops / (gpu.gemm_tflops * 1e12) * 1e3; }
+
+double CostModel::all_to_all_ms(double bytes, int ep, int etp) const {
+  if (ep <= 1 || bytes <= 0) return 0.0;
+  // `bytes` is what leaves the GPU for other ranks; of the ep - 1 other ranks, the ones on this
+  // node take their share over NVLink and the rest over the network, in parallel.
+  const double intra_ranks = intra_node_fraction(ep, etp, gpu.gpus_per_node) * ep - 1.0;
+  const double others = double(ep - 1);
+  const double intra = bytes * std::max(0.0, intra_ranks) / others;
+  const double inter = bytes - intra;
+  return std::max(intra / (gpu.nvlink_gbps * 1e9), inter / (gpu.network_gbps * 1e9)) * 1e3;
+}
+
+double CostModel::nvlink_ms(double bytes) const { return bytes / (gpu.nvlink_gbps * 1e9) * 1e3; }
+
+double CostModel::launch_ms(int kernels, bool cuda_graph) const {
+  return kernels * (cuda_graph ? gpu.graph_node_us : gpu.launch_us) * 1e-3;
+}
+
+double CostModel::row_ms(int hidden, int ffn) const {
+  return gemm_ms(train_flops(1.0, hidden, ffn));
+}
+
+double CostModel::clone_ms(int hidden, int ffn, int grad_bytes) const {
+  return nvlink_ms(clone_bytes(hidden, ffn, grad_bytes));
+}
+
+int64_t CostModel::clone_cost_rows(int hidden, int ffn, int grad_bytes) const {
+  return int64_t(std::ceil(clone_ms(hidden, ffn, grad_bytes) / row_ms(hidden, ffn)));
+}
+
+}  // namespace moe_echo::tools

@@ -1,0 +1,102 @@
+// Cost model of the CPU-only tools (`moe-echo simulate`, `moe-echo plan`): what a GPU reaches, and
+// the time of the three kinds of MoE work on it (expert GEMMs, dispatch/combine, clone traffic).
+//
+// Invariants:
+// - Every constant is an achieved rate, not a datasheet peak, except `peak_tflops` which is kept
+//   for reference only. Defaults are the H200 measurements of docs/ANCHORS (see docs/simulate.md
+//   for where every number comes from); a measured-results file overrides any of them.
+// - Units are in the names: `_tflops` 1e12 FLOP/s, `_gbps` 1e9 bytes/s (GB/s, not Gbit/s),
+//   `_tbps` 1e12 bytes/s, `_gb` 1e9 bytes, `_us` / `_ms` time. Every function returns ms.
+// - Pure functions of their inputs: no clock, no state.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::tools {
+
+// Throws ConfigError reading "field = value is invalid: allowed ...", the style of config.hpp.
+template <class V>
+[[noreturn]] void reject(const std::string& field, const V& value, const std::string& allowed) {
+  std::ostringstream s;
+  s << field << " = " << value << " is invalid: allowed " << allowed;
+  throw ConfigError(field, s.str());
+}
+
+struct GpuSpec {
+  std::string name = "h200";
+  double memory_gb = 141.0;       // device memory (datasheet, 1e9 bytes)
+  double peak_tflops = 989.0;     // dense bf16 datasheet peak (reference only)
+  double gemm_tflops = 690.0;     // bf16 grouped GEMM reached (ANCHORS: 692-697 TFLOP/s)
+  double hbm_tbps = 4.2;          // device-to-device copy reached (ANCHORS: 4.2 TB/s)
+  double nvlink_gbps = 310.0;     // all-to-all bytes leaving one GPU per second, within a node
+  double network_gbps = 40.0;     // bytes leaving one GPU per second across nodes (400 Gb/s NIC)
+  int gpus_per_node = 8;          // GPUs joined by NVLink
+  double launch_us = 4.0;         // host cost of one kernel launch outside a CUDA graph
+  double graph_node_us = 0.5;     // cost of one kernel node inside a replayed CUDA graph
+};
+
+// "h200" or "h100" (case-insensitive); throws ConfigError naming `gpu` otherwise.
+GpuSpec gpu_preset(const std::string& name);
+// The names gpu_preset accepts, for help texts and messages.
+std::vector<std::string> gpu_preset_names();
+
+// Overrides fields of `gpu` from a measured-results JSON file. The file is an object whose keys
+// are the GpuSpec field names above (all optional), either at the top level or inside a
+// "cost_model" object; "gpu" or "name" names the preset to start from. Unknown keys, wrong types
+// and values <= 0 throw ConfigError naming the file and the key.
+void apply_measured_file(GpuSpec& gpu, const std::string& path);
+// The same from JSON text (`origin` names the source in messages).
+void apply_measured_json(GpuSpec& gpu, const std::string& json_text, const std::string& origin);
+
+// Throws ConfigError naming the first field <= 0 (or gpus_per_node < 1).
+void validate(const GpuSpec& gpu);
+
+// Where the all-to-all traffic of one GPU goes: `ep` ranks, each a group of `etp` GPUs; ranks are
+// numbered with expert tensor parallelism innermost (as Megatron does), so min(ep, G / etp) EP
+// ranks share a node of G GPUs and the rest of the destinations are across the network.
+double intra_node_fraction(int ep, int etp, int gpus_per_node);
+
+struct CostModel {
+  GpuSpec gpu;
+
+  // Expert GEMM FLOPs of `rows` routed rows of a SwiGLU expert (H x 2F then F x H): forward 6HF
+  // per row; backward (dgrad + wgrad) twice that.
+  static double forward_flops(double rows, int hidden, int ffn) {
+    return 6.0 * rows * double(hidden) * double(ffn);
+  }
+  static double train_flops(double rows, int hidden, int ffn) {
+    return 3.0 * forward_flops(rows, hidden, ffn);
+  }
+  // Time of `flops` of expert GEMM work at gemm_tflops.
+  double gemm_ms(double flops) const;
+  // Time to move `bytes` out of (or into) one GPU in an all-to-all over `ep` ranks of `etp` GPUs:
+  // the intra-node share at nvlink_gbps and the rest at network_gbps, both links busy at once.
+  double all_to_all_ms(double bytes, int ep, int etp = 1) const;
+  // Point-to-point bytes over NVLink (clone weights in, clone gradients out).
+  double nvlink_ms(double bytes) const;
+  // Host overhead of `kernels` launches, in a CUDA graph or not.
+  double launch_ms(int kernels, bool cuda_graph) const;
+  // Time of one routed row of training work (forward + backward) and of one clone (weights in +
+  // gradient out over NVLink); their ratio is the clone cost in rows the ECHO planner compares a
+  // clone's saving with.
+  double row_ms(int hidden, int ffn) const;
+  double clone_ms(int hidden, int ffn, int grad_bytes) const;
+  int64_t clone_cost_rows(int hidden, int ffn, int grad_bytes) const;
+};
+
+// Bytes of one expert's weights (SwiGLU: 3 * H * F parameters) at `bytes_per_param`.
+inline double expert_bytes(int hidden, int ffn, double bytes_per_param) {
+  return 3.0 * double(hidden) * double(ffn) * bytes_per_param;
+}
+// Traffic of one clone for one step: weights in (bf16, 2 bytes a parameter) and its gradient out
+// to the home expert (`grad_bytes` a parameter: 2 for bf16, 4 for fp32).
+inline double clone_bytes(int hidden, int ffn, int grad_bytes) {
+  return expert_bytes(hidden, ffn, 2.0) + expert_bytes(hidden, ffn, double(grad_bytes));
+}
+
+}  // namespace moe_echo::tools
