@@ -1,0 +1,595 @@
+// The ECHO planner against its contract (include/moe_echo/planner.hpp): every plan is checked for
+// every invariant (slots, clone limits, conservation of rows, assignment sums, locality first),
+// and its busiest load is compared with no cloning, the brute-force optimum and DeepSeek EPLB.
+#include "moe_echo/planner.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "moe_echo/error.hpp"
+#include "test_util.hpp"
+
+namespace moe_echo {
+namespace {
+
+using RoutingMap = std::vector<int32_t>;
+
+PlannerConfig make_cfg(int R, int E, int S, int max_clones, int64_t cost = 0) {
+  PlannerConfig c;
+  c.ranks = R;
+  c.experts = E;
+  c.spare_slots = S;
+  c.max_clones = max_clones;
+  c.clone_cost_rows = cost;
+  return c;
+}
+
+// Counts uniform in [0, hi].
+RoutingMap uniform_map(int R, int E, int hi, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> u(0, hi);
+  RoutingMap C(size_t(R) * E);
+  for (auto& c : C) c = u(rng);
+  return C;
+}
+
+// Zipf-like popularity (p_e ~ 1 / (i + 1)^alpha over a random permutation of the experts), each
+// source routing about `rows_per_src` rows with +-50% noise per entry.
+RoutingMap zipf_map(int R, int E, double alpha, int rows_per_src, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int> perm(static_cast<size_t>(E));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<double> p(static_cast<size_t>(E));
+  double sum = 0;
+  for (int i = 0; i < E; ++i) sum += p[size_t(perm[size_t(i)])] = 1.0 / std::pow(i + 1.0, alpha);
+  std::uniform_real_distribution<double> noise(0.5, 1.5);
+  RoutingMap C(size_t(R) * E);
+  for (int src = 0; src < R; ++src)
+    for (int e = 0; e < E; ++e)
+      C[size_t(src) * E + e] = int32_t(rows_per_src * p[size_t(e)] / sum * noise(rng));
+  return C;
+}
+
+std::vector<int64_t> expert_rows(const RoutingMap& C, const PlannerConfig& cfg) {
+  std::vector<int64_t> w(size_t(cfg.experts), 0);
+  for (int src = 0; src < cfg.ranks; ++src)
+    for (int e = 0; e < cfg.experts; ++e) w[size_t(e)] += C[size_t(src) * cfg.experts + e];
+  return w;
+}
+
+// Checks every invariant of a plan and of its assignment; returns the plan's busiest load.
+// `balancing`: the plan must not raise the busiest load (ECHO's promise; EPLB's even split over a
+// fixed placement may raise it).
+int64_t check_plan(const RoutingMap& C, const PlannerConfig& cfg, Plan& plan,
+                   bool balancing = true) {
+  const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, M = cfg.max_replicas();
+  const int epr = cfg.experts_per_rank();
+  PlanView v = plan.view();
+  const auto w = expert_rows(C, cfg);
+  std::vector<int64_t> before(size_t(R), 0), after(size_t(R), 0);
+  for (int e = 0; e < E; ++e) before[size_t(e / epr)] += w[size_t(e)];
+
+  int spare_filled = 0;
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < S; ++s) {
+      const int e = v.spare_expert[r * S + s];
+      EXPECT_GE(e, -1);
+      EXPECT_LT(e, E);
+      if (e < 0) continue;
+      ++spare_filled;
+      EXPECT_NE(cfg.home_rank(e), r) << "expert " << e << " cloned onto its home rank";
+      // The clone appears among the expert's replicas with this rank and slot.
+      bool found = false;
+      for (int j = 1; j < M; ++j)
+        found |= v.replica_rank[e * M + j] == r && v.replica_slot[e * M + j] == epr + s;
+      EXPECT_TRUE(found) << "spare slot " << s << " of rank " << r << " holds expert " << e
+                         << " but no replica points to it";
+    }
+  EXPECT_EQ(v.num_clones[0], spare_filled);
+
+  int clones = 0;
+  for (int e = 0; e < E; ++e) {
+    const int32_t* rank = v.replica_rank + e * M;
+    const int32_t* slot = v.replica_slot + e * M;
+    const int32_t* rows = v.replica_rows + e * M;
+    EXPECT_EQ(rank[0], cfg.home_rank(e));
+    EXPECT_EQ(slot[0], cfg.home_slot(e));
+    int64_t sum = 0;
+    bool unused = false;
+    for (int j = 0; j < M; ++j) {
+      if (rank[j] < 0) {
+        unused = true;
+        EXPECT_EQ(slot[j], -1);
+        EXPECT_EQ(rows[j], 0);
+        continue;
+      }
+      EXPECT_FALSE(unused) << "used replica after an unused one, expert " << e;
+      EXPECT_GE(rows[j], 0);
+      sum += rows[j];
+      after[size_t(rank[j])] += rows[j];
+      if (j >= 1) {
+        ++clones;
+        if (j >= 2) {
+          EXPECT_GT(rank[j], rank[j - 1]) << "clones not in ascending rank order";
+        }
+        EXPECT_NE(rank[j], rank[0]) << "two replicas of expert " << e << " on one rank";
+        EXPECT_GE(slot[j], epr);
+        EXPECT_LT(slot[j], epr + S);
+        if (slot[j] >= epr && slot[j] < epr + S) {
+          EXPECT_EQ(v.spare_expert[rank[j] * S + slot[j] - epr], e);
+        }
+      }
+    }
+    EXPECT_EQ(sum, w[size_t(e)]) << "rows of expert " << e << " not conserved";
+  }
+  EXPECT_EQ(clones, spare_filled);
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(v.load_before[r], before[size_t(r)]);
+    EXPECT_EQ(v.load_after[r], after[size_t(r)]);
+  }
+  if (balancing) {
+    EXPECT_LE(plan.max_load_after(), plan.max_load_before());
+  }
+  EXPECT_EQ(plan.max_load_before(), *std::max_element(before.begin(), before.end()));
+
+  // Assignment: sums both ways, locality first.
+  std::vector<int32_t> assign(size_t(R) * E * M, -7);
+  compute_assignment(C.data(), cfg, v, assign.data());
+  for (int e = 0; e < E; ++e) {
+    std::vector<int64_t> quota(size_t(M), 0);
+    for (int src = 0; src < R; ++src) {
+      const int32_t* a = assign.data() + (size_t(src) * E + e) * M;
+      int64_t sum = 0;
+      for (int j = 0; j < M; ++j) {
+        EXPECT_GE(a[j], 0);
+        if (v.replica_rank[e * M + j] < 0) {
+          EXPECT_EQ(a[j], 0);
+        }
+        sum += a[j];
+        quota[size_t(j)] += a[j];
+      }
+      const int32_t c = C[size_t(src) * E + e];
+      EXPECT_EQ(sum, c) << "source " << src << " expert " << e;
+      for (int j = 0; j < M; ++j) {
+        if (v.replica_rank[e * M + j] == src) {
+          EXPECT_EQ(a[j], std::min(c, v.replica_rows[e * M + j]))
+              << "source " << src << " does not keep its rows of expert " << e << " local";
+        }
+      }
+    }
+    for (int j = 0; j < M; ++j) EXPECT_EQ(quota[size_t(j)], v.replica_rows[e * M + j]);
+  }
+  return plan.max_load_after();
+}
+
+Plan run_echo(const RoutingMap& C, const PlannerConfig& cfg) {
+  Plan p(cfg);
+  plan_echo(C.data(), cfg, p.view());
+  return p;
+}
+
+struct Shape {
+  int R, E, S, max_clones;
+};
+
+const Shape kShapes[] = {{1, 1, 1, 1},    {1, 8, 2, 2},   {2, 2, 1, 1},    {4, 4, 1, 2},
+                         {4, 16, 2, 2},   {8, 8, 1, 1},   {8, 64, 2, 3},   {16, 16, 4, 2},
+                         {32, 256, 1, 2}, {64, 64, 3, 4}, {256, 256, 4, 2}};
+
+TEST(Planner, DeterministicSameInputSamePlan) {
+  for (const Shape& sh : kShapes) {
+    const auto cfg = make_cfg(sh.R, sh.E, sh.S, sh.max_clones);
+    const auto C = zipf_map(sh.R, sh.E, 1.2, 1000, 7 + sh.R);
+    Plan a = run_echo(C, cfg);
+    Plan b(cfg);
+    std::fill(b.storage.begin(), b.storage.end(), 12345);  // every entry must be written
+    plan_echo(C.data(), cfg, b.view());
+    EXPECT_EQ(a.storage, b.storage) << "R=" << sh.R << " E=" << sh.E;
+  }
+}
+
+TEST(Planner, InvariantsRandomAndSkewed) {
+  uint64_t seed = 1;
+  for (const Shape& sh : kShapes)
+    for (int kind = 0; kind < 4; ++kind)
+      for (int64_t cost : {int64_t(0), int64_t(50)}) {
+        const auto cfg = make_cfg(sh.R, sh.E, sh.S, sh.max_clones, cost);
+        const RoutingMap C = kind == 0   ? uniform_map(sh.R, sh.E, 100, seed++)
+                             : kind == 1 ? zipf_map(sh.R, sh.E, 1.2, 4096, seed++)
+                             : kind == 2 ? zipf_map(sh.R, sh.E, 2.0, 4096, seed++)
+                                         : zipf_map(sh.R, sh.E, 0.6, 300, seed++);
+        SCOPED_TRACE("R=" + std::to_string(sh.R) + " E=" + std::to_string(sh.E) +
+                     " S=" + std::to_string(sh.S) + " kind=" + std::to_string(kind) +
+                     " cost=" + std::to_string(cost));
+        Plan p = run_echo(C, cfg);
+        check_plan(C, cfg, p);
+        // Clone limits per expert.
+        for (int e = 0; e < cfg.experts; ++e) {
+          int n = 0;
+          for (int j = 1; j < cfg.max_replicas(); ++j)
+            n += p.view().replica_rank[e * cfg.max_replicas() + j] >= 0;
+          EXPECT_LE(n, cfg.max_clones);
+        }
+      }
+}
+
+TEST(Planner, SkewedLoadIsBalanced) {
+  // One hot expert per rank pair: cloning must bring the busiest rank well below no-clone.
+  const auto cfg = make_cfg(16, 64, 2, 3);
+  const auto C = zipf_map(16, 64, 1.2, 4096, 99);
+  Plan p = run_echo(C, cfg);
+  check_plan(C, cfg, p);
+  EXPECT_GT(p.view().num_clones[0], 0);
+  EXPECT_LT(p.max_load_after(), p.max_load_before());
+}
+
+TEST(Planner, HugeCloneCostMakesNoClones) {
+  const auto C = zipf_map(8, 32, 1.2, 4096, 5);
+  const auto cfg = make_cfg(8, 32, 2, 2, int64_t(1) << 40);
+  Plan p = run_echo(C, cfg);
+  check_plan(C, cfg, p);
+  EXPECT_EQ(p.view().num_clones[0], 0);
+  EXPECT_EQ(p.max_load_after(), p.max_load_before());
+}
+
+TEST(Planner, CloneCostIsRespected) {
+  // A clone is kept only when it lowers the busiest load by more than its cost: with a cost just
+  // above what the first clone could save, nothing is cloned.
+  const auto cfg0 = make_cfg(2, 2, 1, 1);
+  const RoutingMap C = {100, 0, 0, 0};  // expert 0: 100 rows, expert 1: none
+  Plan p0 = run_echo(C, cfg0);
+  EXPECT_EQ(p0.max_load_after(), 50);
+  Plan p49 = run_echo(C, make_cfg(2, 2, 1, 1, 49));
+  EXPECT_EQ(p49.view().num_clones[0], 1);
+  Plan p50 = run_echo(C, make_cfg(2, 2, 1, 1, 50));
+  EXPECT_EQ(p50.view().num_clones[0], 0);
+  EXPECT_EQ(p50.max_load_after(), 100);
+}
+
+TEST(Planner, NoClonesWithoutSpareSlotsOrClones) {
+  const auto C = zipf_map(8, 16, 1.5, 2048, 11);
+  for (const auto& cfg : {make_cfg(8, 16, 0, 2), make_cfg(8, 16, 2, 0)}) {
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_EQ(p.view().num_clones[0], 0);
+    EXPECT_EQ(p.max_load_after(), p.max_load_before());
+  }
+  const auto cfg = make_cfg(8, 16, 2, 2);
+  Plan none(cfg);
+  std::fill(none.storage.begin(), none.storage.end(), 777);
+  plan_none(C.data(), cfg, none.view());
+  check_plan(C, cfg, none);
+  EXPECT_EQ(none.view().num_clones[0], 0);
+  for (int r = 0; r < cfg.ranks; ++r)
+    EXPECT_EQ(none.view().load_after[r], none.view().load_before[r]);
+}
+
+TEST(Planner, EdgeCases) {
+  // All zero.
+  {
+    const auto cfg = make_cfg(4, 8, 2, 2);
+    RoutingMap C(32, 0);
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_EQ(p.view().num_clones[0], 0);
+    EXPECT_EQ(p.max_load_after(), 0);
+  }
+  // All rows on one expert: it is spread over 1 + max_clones ranks.
+  {
+    const auto cfg = make_cfg(4, 8, 1, 3);
+    RoutingMap C(32, 0);
+    for (int src = 0; src < 4; ++src) C[size_t(src) * 8 + 5] = 250;
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_EQ(p.view().num_clones[0], 3);
+    EXPECT_EQ(p.max_load_after(), 250);
+    // Every source keeps its rows local.
+    std::vector<int32_t> assign(size_t(4) * 8 * cfg.max_replicas());
+    compute_assignment(C.data(), cfg, p.view(), assign.data());
+    for (int src = 0; src < 4; ++src)
+      for (int j = 0; j < cfg.max_replicas(); ++j) {
+        const int32_t a = assign[(size_t(src) * 8 + 5) * cfg.max_replicas() + j];
+        EXPECT_EQ(a, p.view().replica_rank[5 * cfg.max_replicas() + j] == src ? 250 : 0);
+      }
+  }
+  // One rank: nowhere to clone to.
+  {
+    const auto cfg = make_cfg(1, 4, 2, 2);
+    const RoutingMap C = {5, 100, 0, 3};
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_EQ(p.view().num_clones[0], 0);
+    EXPECT_EQ(p.max_load_after(), 108);
+  }
+  // E = R, one expert per rank, with a single row and with odd counts.
+  for (int hi : {1, 3, 1000}) {
+    const auto cfg = make_cfg(8, 8, 1, 1);
+    const auto C = uniform_map(8, 8, hi, 3 + hi);
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+  }
+  // A single row in the whole map.
+  {
+    const auto cfg = make_cfg(4, 4, 2, 3);
+    RoutingMap C(16, 0);
+    C[6] = 1;
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_EQ(p.view().num_clones[0], 0);
+    EXPECT_EQ(p.max_load_after(), 1);
+  }
+}
+
+TEST(Planner, MaxClonesAboveRanksIsCapped) {
+  const auto cfg = make_cfg(3, 3, 4, 8);
+  RoutingMap C(9, 0);
+  C[0] = 900;
+  Plan p = run_echo(C, cfg);
+  check_plan(C, cfg, p);
+  EXPECT_EQ(p.view().num_clones[0], 2);
+  EXPECT_EQ(p.max_load_after(), 300);
+}
+
+TEST(Planner, NearBruteForceOptimum) {
+  std::mt19937_64 rng(2024);
+  int cases = 0, exact = 0;
+  double worst = 1.0;
+  for (int it = 0; cases < 240; ++it) {
+    const int R = 2 + int(rng() % 3), epr = 1 + int(rng() % 3);
+    const int S = 1 + int(rng() % 2), mc = 1 + int(rng() % 2);
+    const int E = R * epr;
+    const auto cfg = make_cfg(R, E, S, mc);
+    const uint64_t seed = rng();
+    const RoutingMap C = (it % 2 == 0) ? uniform_map(R, E, 200, seed)
+                                       : zipf_map(R, E, 1.0 + double(rng() % 10) / 10, 600, seed);
+    const int64_t opt = brute_force_min_max_load(C.data(), cfg);
+    Plan p = run_echo(C, cfg);
+    const int64_t got = check_plan(C, cfg, p);
+    EXPECT_GE(got, opt) << "plan better than the optimum: brute force is wrong";
+    EXPECT_LE(double(got), 1.05 * double(opt))
+        << "case " << it << " R=" << R << " E=" << E << " S=" << S << " mc=" << mc;
+    if (opt > 0) worst = std::max(worst, double(got) / double(opt));
+    exact += got == opt;
+    ++cases;
+  }
+  std::printf("[ planner ] %d small cases: %d at the optimum, worst ratio %.4f\n", cases, exact,
+              worst);
+}
+
+TEST(Planner, NeverWorseThanRestrictedEplbOnSkewedLoads) {
+  const Shape shapes[] = {{4, 16, 1, 2},   {8, 32, 2, 2},   {8, 64, 1, 3},    {16, 64, 2, 3},
+                          {32, 128, 2, 2}, {64, 256, 1, 4}, {256, 256, 4, 2}, {256, 256, 2, 4}};
+  int wins = 0, total = 0;
+  for (const Shape& sh : shapes)
+    for (uint64_t seed = 0; seed < 6; ++seed) {
+      const auto cfg = make_cfg(sh.R, sh.E, sh.S, sh.max_clones);
+      const auto C = zipf_map(sh.R, sh.E, 1.2, 8192, 1000 * sh.R + seed);
+      Plan echo = run_echo(C, cfg);
+      Plan eplb(cfg);
+      plan_eplb_restricted(C.data(), cfg, eplb.view());
+      check_plan(C, cfg, eplb, false);
+      EXPECT_LE(echo.max_load_after(), eplb.max_load_after())
+          << "R=" << sh.R << " E=" << sh.E << " S=" << sh.S << " seed=" << seed;
+      wins += echo.max_load_after() < eplb.max_load_after();
+      ++total;
+    }
+  std::printf("[ planner ] ECHO strictly better than restricted EPLB in %d of %d cases\n", wins,
+              total);
+}
+
+// Exhaustive over placements and every integer split, for maps small enough to enumerate
+// splits directly: checks brute_force_min_max_load's flow-based search independently.
+int64_t exhaustive_split(const std::vector<int64_t>& w, const std::vector<std::vector<int>>& ranks,
+                         std::vector<int64_t>& load, size_t e) {
+  if (e == w.size()) return *std::max_element(load.begin(), load.end());
+  int64_t best = INT64_MAX;
+  const auto& rs = ranks[e];
+  // Every composition of w[e] into rs.size() parts (at most 3 here).
+  std::vector<int64_t> part(rs.size(), 0);
+  auto rec = [&](auto&& self, size_t i, int64_t left) -> void {
+    if (i + 1 == rs.size()) {
+      part[i] = left;
+      for (size_t j = 0; j < rs.size(); ++j) load[size_t(rs[j])] += part[j];
+      best = std::min(best, exhaustive_split(w, ranks, load, e + 1));
+      for (size_t j = 0; j < rs.size(); ++j) load[size_t(rs[j])] -= part[j];
+      return;
+    }
+    for (int64_t x = 0; x <= left; ++x) {
+      part[i] = x;
+      self(self, i + 1, left - x);
+    }
+  };
+  rec(rec, 0, w[e]);
+  return best;
+}
+
+int64_t exhaustive_min_max(const RoutingMap& C, const PlannerConfig& cfg) {
+  const auto w = expert_rows(C, cfg);
+  const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots;
+  std::vector<std::vector<int>> ranks(static_cast<size_t>(E));
+  for (int e = 0; e < E; ++e) ranks[size_t(e)] = {cfg.home_rank(e)};
+  int64_t best = INT64_MAX;
+  // Slot (r, s) takes an expert or stays empty; duplicates and limits are filtered at the leaf.
+  std::vector<int> fill(size_t(R) * S, -1);
+  auto rec = [&](auto&& self, size_t slot) -> void {
+    if (slot == fill.size()) {
+      std::vector<std::vector<int>> rs = ranks;
+      for (int r = 0; r < R; ++r)
+        for (int s = 0; s < S; ++s) {
+          const int e = fill[size_t(r) * S + s];
+          if (e < 0) continue;
+          if (std::find(rs[size_t(e)].begin(), rs[size_t(e)].end(), r) != rs[size_t(e)].end())
+            return;
+          rs[size_t(e)].push_back(r);
+        }
+      for (int e = 0; e < E; ++e)
+        if (int(rs[size_t(e)].size()) > cfg.max_replicas()) return;
+      std::vector<int64_t> load(size_t(R), 0);
+      best = std::min(best, exhaustive_split(w, rs, load, 0));
+      return;
+    }
+    for (int e = -1; e < E; ++e) {
+      fill[slot] = e;
+      self(self, slot + 1);
+    }
+  };
+  rec(rec, 0);
+  return best;
+}
+
+TEST(Planner, BruteForceMatchesExhaustiveSplits) {
+  std::mt19937_64 rng(31);
+  for (int it = 0; it < 40; ++it) {
+    const int R = 2 + int(rng() % 2), S = 1, mc = 1 + int(rng() % 2);
+    const int E = R * (1 + int(rng() % 2));
+    const auto cfg = make_cfg(R, E, S, mc);
+    const auto C = uniform_map(R, E, 4, rng());
+    EXPECT_EQ(brute_force_min_max_load(C.data(), cfg), exhaustive_min_max(C, cfg))
+        << "case " << it << " R=" << R << " E=" << E << " mc=" << mc;
+  }
+}
+
+TEST(Planner, RandomConfigsKeepInvariants) {
+  std::mt19937_64 rng(77);
+  for (int it = 0; it < 300; ++it) {
+    const int R = 1 + int(rng() % 24), epr = 1 + int(rng() % 5);
+    const int S = int(rng() % 4), mc = int(rng() % 5);
+    const int64_t cost = (rng() % 3 == 0) ? int64_t(rng() % 200) : 0;
+    const auto cfg = make_cfg(R, R * epr, S, mc, cost);
+    RoutingMap C;
+    switch (it % 4) {
+      case 0:
+        C = uniform_map(R, R * epr, 50, rng());
+        break;
+      case 1:
+        C = zipf_map(R, R * epr, 1.4, 2000, rng());
+        break;
+      case 2: {  // sparse: most entries zero
+        C = uniform_map(R, R * epr, 1000, rng());
+        for (auto& c : C) c = (rng() % 5 == 0) ? c : 0;
+        break;
+      }
+      default:
+        C = uniform_map(R, R * epr, 2, rng());
+        break;
+    }
+    SCOPED_TRACE("case " + std::to_string(it));
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    Plan q(cfg);
+    plan_eplb_restricted(C.data(), cfg, q.view());
+    check_plan(C, cfg, q, false);
+  }
+}
+
+TEST(Planner, PlanViewLayout) {
+  const auto cfg = make_cfg(4, 8, 2, 3);
+  const int64_t R = 4, E = 8, S = 2, M = 4;
+  EXPECT_EQ(plan_ints(cfg), R * S + 3 * E * M + 2 * R + 1);
+  std::vector<int32_t> base(size_t(plan_ints(cfg)));
+  const PlanView v = plan_view(base.data(), cfg);
+  EXPECT_EQ(v.spare_expert, base.data());
+  EXPECT_EQ(v.replica_rank, base.data() + R * S);
+  EXPECT_EQ(v.replica_slot, v.replica_rank + E * M);
+  EXPECT_EQ(v.replica_rows, v.replica_slot + E * M);
+  EXPECT_EQ(v.load_before, v.replica_rows + E * M);
+  EXPECT_EQ(v.load_after, v.load_before + R);
+  EXPECT_EQ(v.num_clones, v.load_after + R);
+  EXPECT_EQ(v.num_clones + 1, base.data() + base.size());
+}
+
+TEST(Planner, BruteForceKnownAnswers) {
+  // Expert 0 has 100 rows on rank 0; one clone on rank 1 halves it.
+  EXPECT_EQ(brute_force_min_max_load(RoutingMap{100, 0, 0, 0}.data(), make_cfg(2, 2, 1, 1)), 50);
+  // No spare slot: the home load.
+  EXPECT_EQ(brute_force_min_max_load(RoutingMap{100, 0, 0, 0}.data(), make_cfg(2, 2, 0, 1)), 100);
+  // Two hot experts on three ranks with one slot each: 200 rows over 3 ranks -> 67.
+  EXPECT_EQ(brute_force_min_max_load(RoutingMap{100, 100, 0, 0, 0, 0, 0, 0, 0}.data(),
+                                     make_cfg(3, 3, 1, 1)),
+            67);
+  // Too large a case is refused.
+  const auto big = make_cfg(16, 64, 2, 2);
+  RoutingMap C = uniform_map(16, 64, 10, 1);
+  EXPECT_THROW(brute_force_min_max_load(C.data(), big), Error);
+}
+
+TEST(Planner, EplbPlacementAndLoads) {
+  // 4 experts, 2 ranks x 3 slots: the two extra replicas go to the hottest experts.
+  const std::vector<double> load = {400, 100, 200, 100};
+  const EplbPlacement p = eplb_place(load, 2, 3);
+  ASSERT_EQ(p.slot_expert.size(), 6u);
+  std::vector<int> n(4, 0);
+  for (int32_t e : p.slot_expert) {
+    ASSERT_GE(e, 0);
+    ++n[size_t(e)];
+  }
+  EXPECT_EQ(n, (std::vector<int>{2, 1, 2, 1}));  // 400/2 = 200 ties 200/1: lowest expert first
+  // Served by this placement, a map with the same proportions is balanced exactly.
+  const RoutingMap C = {200, 50, 100, 50, 200, 50, 100, 50};
+  const auto rank_loads = eplb_rank_loads(p, C.data(), 2, 4);
+  EXPECT_EQ(rank_loads, (std::vector<int64_t>{400, 400}));
+  EXPECT_EQ(std::accumulate(rank_loads.begin(), rank_loads.end(), int64_t(0)), 800);
+}
+
+TEST(Planner, ValidateNamesTheField) {
+  auto field_of = [](PlannerConfig c) -> std::string {
+    try {
+      validate(c);
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(e.field()), std::string::npos) << e.what();
+      return e.field();
+    }
+    return "";
+  };
+  EXPECT_EQ(field_of(make_cfg(4, 8, 1, 1)), "");
+  EXPECT_EQ(field_of(make_cfg(0, 8, 1, 1)), "ranks");
+  EXPECT_EQ(field_of(make_cfg(4, 0, 1, 1)), "experts");
+  EXPECT_EQ(field_of(make_cfg(4, 6, 1, 1)), "experts");
+  EXPECT_EQ(field_of(make_cfg(4, 8, -1, 1)), "spare_slots");
+  EXPECT_EQ(field_of(make_cfg(4, 8, 1, -1)), "max_clones");
+  EXPECT_EQ(field_of(make_cfg(4, 8, 1, 1, -5)), "clone_cost_rows");
+  const auto bad = make_cfg(4, 6, 1, 1);
+  RoutingMap C(24, 1);
+  Plan p(make_cfg(4, 8, 1, 1));
+  EXPECT_THROW(plan_echo(C.data(), bad, p.view()), ConfigError);
+}
+
+TEST(Planner, RejectsNegativeCounts) {
+  const auto cfg = make_cfg(2, 2, 1, 1);
+  RoutingMap C = {1, -1, 0, 0};
+  Plan p(cfg);
+  EXPECT_THROW(plan_echo(C.data(), cfg, p.view()), Error);
+}
+
+// Prints the time of one 256 x 256 plan (no assertion on time: a loaded machine would flake).
+// Mild skews are the slow ones: many clones each lower the busiest load a little.
+TEST(Planner, Time256x256) {
+  for (double alpha : {0.0, 0.3, 0.6, 1.2})
+    for (int S = 1; S <= 4; ++S) {
+      const auto cfg = make_cfg(256, 256, S, 2);
+      const auto C = zipf_map(256, 256, alpha, 8192, 77 + S);
+      Plan p(cfg);
+      const int reps = 20;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < reps; ++i) plan_echo(C.data(), cfg, p.view());
+      const auto t1 = std::chrono::steady_clock::now();
+      const double ms = std::chrono::duration<double, std::milli>(t1 - t0).count() / reps;
+      std::printf(
+          "[ planner ] R=256 E=256 S=%d max_clones=2 zipf %.1f: %.3f ms per plan, "
+          "%3d clones, max load %d -> %d\n",
+          S, alpha, ms, p.view().num_clones[0], p.max_load_before(), p.max_load_after());
+    }
+}
+
+}  // namespace
+}  // namespace moe_echo
