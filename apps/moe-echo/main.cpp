@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   // subcommands are registered here
   moe_echo::cli::add_bench(app, run);
   moe_echo::cli::add_train(app, run);
+  moe_echo::cli::add_simulate(app, run);
+  moe_echo::cli::add_plan(app, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,319 @@
+// moe-echo plan: memory, communication and compute of the MoE layers on one GPU of a parallel
+// layout, which wall binds, the validation rules of the combination, and a capacity factor and
+// spare-slot count suggested by the simulator. docs/plan.md documents the model and every field.
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "commands.hpp"
+#include "moe_echo/error.hpp"
+#include "tools/cost_model.hpp"
+#include "tools/simulator.hpp"
+#include "tools/trace.hpp"
+#include "tools/walls.hpp"
+
+namespace moe_echo::cli {
+namespace {
+
+using namespace moe_echo::tools;
+
+struct PlanOptions {
+  std::string model = "deepseek-v3";
+  std::optional<int> hidden, ffn, experts, top_k, layers;
+  int seq_len = 4096, micro_batch = 1;
+  std::string dtype = "bf16";
+  LayoutSpec layout;
+  TrainingSpec train;
+  std::string gpu = "h200", measured;
+  std::optional<double> memory_gb, gemm_tflops, nvlink_gbps, network_gbps;
+  std::optional<int> gpus_per_node;
+  std::optional<double> imbalance;
+  std::string trace, json;
+  SweepOptions sweep;
+};
+
+std::string fmt(double v, int precision) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", precision, v);
+  return buf;
+}
+
+const char* severity(Severity s) { return s == Severity::error ? "error" : "warning"; }
+
+int run_plan(const PlanOptions& o) {
+  WallsInput in;
+  in.model = model_preset(o.model);
+  if (o.hidden) in.model.hidden = *o.hidden;
+  if (o.ffn) in.model.ffn = *o.ffn;
+  if (o.experts) in.model.experts = *o.experts;
+  if (o.top_k) in.model.top_k = *o.top_k;
+  if (o.layers) in.model.layers = *o.layers;
+  in.model.seq_len = o.seq_len;
+  in.model.micro_batch = o.micro_batch;
+  in.model.dtype = o.dtype;
+  in.layout = o.layout;
+  in.train = o.train;
+  in.gpu = gpu_preset(o.gpu);
+  if (!o.measured.empty()) apply_measured_file(in.gpu, o.measured);
+  if (o.memory_gb) in.gpu.memory_gb = *o.memory_gb;
+  if (o.gemm_tflops) in.gpu.gemm_tflops = *o.gemm_tflops;
+  if (o.nvlink_gbps) in.gpu.nvlink_gbps = *o.nvlink_gbps;
+  if (o.network_gbps) in.gpu.network_gbps = *o.network_gbps;
+  if (o.gpus_per_node) in.gpu.gpus_per_node = *o.gpus_per_node;
+  validate(in);  // every error rule, before the simulation
+  if (o.imbalance && (!std::isfinite(*o.imbalance) || *o.imbalance < 1.0))
+    reject("imbalance", *o.imbalance, "a finite value >= 1 (busiest rank / mean)");
+  if (o.sweep.steps < 1) reject("sim_steps", o.sweep.steps, "sim_steps >= 1");
+  if (o.sweep.layers < 1) reject("sim_layers", o.sweep.layers, "sim_layers >= 1");
+
+  const ModelSpec& m = in.model;
+  const LayoutSpec& l = in.layout;
+  Imbalance imb;
+  Suggestion sug;
+  bool simulated = false;
+  if (o.imbalance) {
+    imb.mean = imb.p99 = *o.imbalance;
+    imb.spill_fraction = in.train.capacity_factor < *o.imbalance ? 1.0 : 0.0;
+    imb.source = "given";
+  } else if (l.ep == 1) {
+    imb.source = "ep = 1: one rank takes every row";
+  } else {
+    std::unique_ptr<TraceFile> trace;
+    if (!o.trace.empty()) trace = std::make_unique<TraceFile>(TraceFile::read(o.trace, m.experts));
+    std::vector<SimulationResult> runs;
+    sug = suggest(in, o.sweep, trace.get(), &runs);
+    simulated = true;
+    const int want_clones =
+        in.train.spare_slots == 0 ? 0 : std::min(in.train.max_clones, l.ep - 1);
+    for (const SimulationResult& r : runs)
+      if (r.config.spare_slots == in.train.spare_slots && r.config.max_clones == want_clones) {
+        const PolicyStats& p = r.policies[0];
+        imb.mean = p.max_over_mean_mean;
+        imb.p99 = p.max_over_mean_p99;
+        imb.spill_fraction = p.spill_fraction(in.train.capacity_factor);
+        imb.source = "ECHO with " + std::to_string(in.train.spare_slots) + " spare slot(s) and " +
+                     std::to_string(in.train.max_clones) + " clone(s) per expert, " +
+                     (trace ? "trace " + o.trace : std::string("generator")) + ", " +
+                     std::to_string(r.steps) + " steps x " + std::to_string(r.layers) + " layers";
+      }
+  }
+  const WallsReport rep = estimate_walls(in, imb);
+  const MemoryBreakdown& mem = rep.memory;
+  const LayerTimes& lt = rep.layer;
+
+  std::ostringstream out;
+  out << "moe-echo plan: " << m.name << " (H " << m.hidden << ", F " << m.ffn << ", " << m.experts
+      << " experts, top-" << m.top_k << ", " << m.layers << " MoE layers), seq " << m.seq_len
+      << " x micro-batch " << m.micro_batch << ", " << m.dtype << "\n"
+      << "layout: etp " << l.etp << " x ep " << l.ep << " x dp " << l.dp << " x pp " << l.pp
+      << " (vpp " << l.vpp << ") = " << rep.world_size << " GPUs; " << in.gpu.name << " ("
+      << fmt(in.gpu.memory_gb, 0) << " GB, GEMM " << fmt(in.gpu.gemm_tflops, 0)
+      << " TFLOP/s, NVLink " << fmt(in.gpu.nvlink_gbps, 0) << " GB/s, network "
+      << fmt(in.gpu.network_gbps, 0) << " GB/s, " << in.gpu.gpus_per_node << " GPUs/node)\n"
+      << "imbalance: busiest rank " << fmt(imb.mean, 2) << "x the mean (p99 " << fmt(imb.p99, 2)
+      << "), " << imb.source << "\n\n";
+  char line[256];
+  auto row = [&](const char* what, double gb) {
+    std::snprintf(line, sizeof line, "  %-50s %9.2f\n", what, gb);
+    out << line;
+  };
+  out << "memory per GPU, GB (first pipeline stage: " << rep.layers_per_stage << " MoE layers, "
+      << fmt(mem.microbatches_in_flight, 2) << " micro-batches in flight)\n";
+  row("expert weights", mem.weights_gb);
+  row("expert gradients", mem.grads_gb);
+  row(in.train.distributed_optimizer ? "optimizer state (sharded over dp)" : "optimizer state",
+      mem.optimizer_gb);
+  row("spare-slot weights (clones)", mem.spare_weights_gb);
+  row("spare-slot gradients", mem.spare_grads_gb);
+  row(("activations saved for backward (recompute " + in.train.recompute + ")").c_str(),
+      mem.activations_gb);
+  row("MoE buffers (receive/combine windows)", mem.buffers_gb);
+  row("reserve (attention, dense layers, framework)", mem.reserve_gb);
+  row("total", mem.total_gb);
+  out << "  " << (mem.fits() ? "fits in " : "does NOT fit in ") << fmt(mem.capacity_gb, 0)
+      << " GB; recompute swiglu would save " << fmt(mem.recompute_swiglu_saves_gb, 2)
+      << " GB, recompute experts " << fmt(mem.recompute_experts_saves_gb, 2) << " GB\n\n";
+  out << "per MoE layer and micro-batch, forward + backward, busiest rank:\n"
+      << "  tokens per GPU " << lt.tokens << "; receive window " << lt.capacity_rows
+      << " rows (capacity factor " << fmt(in.train.capacity_factor, 2) << ")\n"
+      << "  dispatch " << fmt(lt.dispatch_bytes / 1e6, 1) << " MB, combine "
+      << fmt(lt.combine_bytes / 1e6, 1) << " MB leaving each GPU per direction (forward)";
+  if (l.etp > 1) out << ", ETP gather " << fmt(lt.etp_bytes / 1e6, 1) << " MB";
+  out << "\n";
+  std::snprintf(line, sizeof line,
+                "  dispatch/combine %.3f ms, clones %.3f ms, expert GEMM %.3f ms, launches %.3f "
+                "ms -> %.3f ms per layer%s\n",
+                lt.comm_ms, lt.clone_ms, lt.gemm_ms, lt.host_ms, lt.layer_ms,
+                in.train.overlap ? " (overlapped)" : "");
+  out << line << "  MoE time of one micro-batch on one stage: " << fmt(rep.stage_ms, 2)
+      << " ms\n\n";
+  out << "binding wall: " << rep.binding_wall << " (" << rep.reason << ")\n";
+  for (const std::string& a : rep.advice) out << "  - " << a << "\n";
+  if (simulated) {
+    out << "\nsuggestion: --spare-slots " << sug.spare_slots << " --max-clones " << sug.max_clones
+        << " --capacity-factor "
+        << fmt(sug.capacity_factor, 2) << " (" << sug.reason << ")\n";
+    std::snprintf(line, sizeof line, "  %11s %10s %9s %7s %12s %10s\n", "spare slots",
+                  "max clones", "max/mean", "p99", "clones/step", "memory GB");
+    out << line;
+    for (const SpareSlotOption& s : sug.sweep) {
+      std::snprintf(line, sizeof line, "  %11d %10d %9.3f %7.3f %12.1f %10.2f\n", s.spare_slots,
+                    s.max_clones, s.mean, s.p99, s.clones_per_step, s.memory_gb);
+      out << line;
+    }
+  }
+  if (!rep.findings.empty()) out << "\n";
+  for (const Finding& f : rep.findings) out << severity(f.severity) << ": " << f.message << "\n";
+  std::cout << out.str() << std::flush;
+
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["tool"] = "moe-echo plan";
+    j["model"] = {{"name", m.name},       {"hidden", m.hidden},   {"ffn", m.ffn},
+                  {"experts", m.experts}, {"top_k", m.top_k},     {"layers", m.layers},
+                  {"seq_len", m.seq_len}, {"micro_batch", m.micro_batch}, {"dtype", m.dtype}};
+    j["layout"] = {{"ep", l.ep}, {"etp", l.etp}, {"dp", l.dp}, {"pp", l.pp}, {"vpp", l.vpp},
+                   {"world_size", rep.world_size}};
+    const TrainingSpec& t = in.train;
+    j["training"] = {{"capacity_factor", t.capacity_factor},
+                     {"spare_slots", t.spare_slots},
+                     {"max_clones", t.max_clones},
+                     {"overlap", t.overlap},
+                     {"distributed_optimizer", t.distributed_optimizer},
+                     {"recompute", t.recompute},
+                     {"grad_dtype", t.grad_dtype},
+                     {"cuda_graphs", t.cuda_graphs},
+                     {"kernels_per_layer", t.kernels_per_layer},
+                     {"reserve_gb", t.reserve_gb}};
+    j["gpu"] = {{"name", in.gpu.name},
+                {"memory_gb", in.gpu.memory_gb},
+                {"gemm_tflops", in.gpu.gemm_tflops},
+                {"nvlink_gbps", in.gpu.nvlink_gbps},
+                {"network_gbps", in.gpu.network_gbps},
+                {"gpus_per_node", in.gpu.gpus_per_node},
+                {"launch_us", in.gpu.launch_us},
+                {"graph_node_us", in.gpu.graph_node_us}};
+    j["imbalance"] = {{"mean", imb.mean}, {"p99", imb.p99},
+                      {"spill_fraction", imb.spill_fraction}, {"source", imb.source}};
+    j["memory_gb"] = {{"weights", mem.weights_gb},
+                      {"grads", mem.grads_gb},
+                      {"optimizer", mem.optimizer_gb},
+                      {"spare_weights", mem.spare_weights_gb},
+                      {"spare_grads", mem.spare_grads_gb},
+                      {"activations", mem.activations_gb},
+                      {"buffers", mem.buffers_gb},
+                      {"reserve", mem.reserve_gb},
+                      {"total", mem.total_gb},
+                      {"capacity", mem.capacity_gb},
+                      {"fits", mem.fits()},
+                      {"microbatches_in_flight", mem.microbatches_in_flight},
+                      {"recompute_swiglu_saves", mem.recompute_swiglu_saves_gb},
+                      {"recompute_experts_saves", mem.recompute_experts_saves_gb}};
+    j["layer"] = {{"tokens", lt.tokens},
+                  {"capacity_rows", lt.capacity_rows},
+                  {"dispatch_bytes", lt.dispatch_bytes},
+                  {"combine_bytes", lt.combine_bytes},
+                  {"etp_bytes", lt.etp_bytes},
+                  {"clone_bytes", lt.clone_bytes},
+                  {"comm_ms", lt.comm_ms},
+                  {"clone_ms", lt.clone_ms},
+                  {"gemm_ms", lt.gemm_ms},
+                  {"host_ms", lt.host_ms},
+                  {"exposed_comm_ms", lt.exposed_comm_ms},
+                  {"layer_ms", lt.layer_ms}};
+    j["stage_ms"] = rep.stage_ms;
+    j["binding_wall"] = rep.binding_wall;
+    j["reason"] = rep.reason;
+    j["advice"] = rep.advice;
+    j["findings"] = nlohmann::json::array();
+    for (const Finding& f : rep.findings)
+      j["findings"].push_back(
+          {{"severity", severity(f.severity)}, {"field", f.field}, {"message", f.message}});
+    if (simulated) {
+      j["suggestion"] = {{"spare_slots", sug.spare_slots},
+                         {"max_clones", sug.max_clones},
+                         {"capacity_factor", sug.capacity_factor},
+                         {"reason", sug.reason}};
+      j["suggestion"]["sweep"] = nlohmann::json::array();
+      for (const SpareSlotOption& s : sug.sweep)
+        j["suggestion"]["sweep"].push_back({{"spare_slots", s.spare_slots},
+                                            {"max_clones", s.max_clones},
+                                            {"max_over_mean_mean", s.mean},
+                                            {"max_over_mean_p99", s.p99},
+                                            {"clones_per_step", s.clones_per_step},
+                                            {"memory_gb", s.memory_gb}});
+    }
+    std::ofstream f(o.json);
+    if (!f) throw Error(o.json + ": cannot open for writing");
+    f << j.dump(1) << "\n";
+    if (!f) throw Error(o.json + ": write failed");
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_plan(CLI::App& app, Runner& run) {
+  auto o = std::make_shared<PlanOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan",
+      "Memory, communication and compute of the MoE layers per GPU for a model, parallel layout "
+      "and GPU: which wall binds, validation of the combination, and a capacity factor and "
+      "spare-slot count from the simulator (docs/plan.md)");
+  cmd->add_option("--model", o->model, "preset: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b")
+      ->capture_default_str();
+  cmd->add_option("--hidden", o->hidden, "hidden size H (overrides the preset)");
+  cmd->add_option("--ffn", o->ffn, "expert FFN size F");
+  cmd->add_option("--experts", o->experts, "routed experts E");
+  cmd->add_option("--top-k", o->top_k, "experts per token K");
+  cmd->add_option("--layers", o->layers, "MoE layers");
+  cmd->add_option("--seq-len", o->seq_len, "sequence length")->capture_default_str();
+  cmd->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")->capture_default_str();
+  cmd->add_option("--dtype", o->dtype, "bf16, fp16 or fp32")->capture_default_str();
+  cmd->add_option("--ep", o->layout.ep, "expert parallel size")->capture_default_str();
+  cmd->add_option("--etp", o->layout.etp, "expert tensor parallel size")->capture_default_str();
+  cmd->add_option("--dp", o->layout.dp, "expert data parallel size")->capture_default_str();
+  cmd->add_option("--pp", o->layout.pp, "pipeline parallel size")->capture_default_str();
+  cmd->add_option("--vpp", o->layout.vpp, "virtual pipeline stages per rank")->capture_default_str();
+  cmd->add_option("--gpu", o->gpu, "h200 or h100")->capture_default_str();
+  cmd->add_option("--measured", o->measured, "measured-results JSON overriding the GPU constants");
+  cmd->add_option("--memory-gb", o->memory_gb, "GPU memory, GB");
+  cmd->add_option("--gemm-tflops", o->gemm_tflops, "grouped GEMM TFLOP/s reached");
+  cmd->add_option("--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
+  cmd->add_option("--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
+  cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
+  cmd->add_option("--capacity-factor", o->train.capacity_factor, "receive window / balanced rows")
+      ->capture_default_str();
+  cmd->add_option("--spare-slots", o->train.spare_slots, "spare slots per rank")->capture_default_str();
+  cmd->add_option("--max-clones", o->train.max_clones, "ECHO clones per expert per step")
+      ->capture_default_str();
+  cmd->add_option("--overlap", o->train.overlap, "overlap dispatch/combine with computation (on/off)")
+      ->capture_default_str();
+  cmd->add_option("--distributed-optimizer", o->train.distributed_optimizer,
+                  "shard optimizer state over dp (on/off)")->capture_default_str();
+  cmd->add_option("--recompute", o->train.recompute, "none, swiglu or experts")->capture_default_str();
+  cmd->add_option("--grad-dtype", o->train.grad_dtype, "main gradients: fp32 or bf16")
+      ->capture_default_str();
+  cmd->add_option("--cuda-graphs", o->train.cuda_graphs, "the step replays as a CUDA graph (on/off)")
+      ->capture_default_str();
+  cmd->add_option("--kernels-per-layer", o->train.kernels_per_layer,
+                  "kernel launches per MoE layer, forward + backward")->capture_default_str();
+  cmd->add_option("--reserve-gb", o->train.reserve_gb, "memory of everything but the MoE layers")
+      ->capture_default_str();
+  cmd->add_option("--imbalance", o->imbalance, "busiest rank / mean to plan for (skips the simulator)");
+  cmd->add_option("--trace", o->trace, "routing trace for the simulator (.csv or .json)");
+  cmd->add_option("--sim-steps", o->sweep.steps, "simulator steps per spare-slot count")
+      ->capture_default_str();
+  cmd->add_option("--sim-layers", o->sweep.layers, "simulator layers")->capture_default_str();
+  cmd->add_option("--seed", o->sweep.seed, "simulator seed")->capture_default_str();
+  cmd->add_option("--threads", o->sweep.threads, "simulator threads")->capture_default_str();
+  cmd->add_option("--json", o->json, "write the report as JSON");
+  cmd->callback([&run, o] { run = [o] { return run_plan(*o); }; });
+}
+
+}  // namespace moe_echo::cli

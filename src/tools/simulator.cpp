@@ -1,0 +1,333 @@
+#include "tools/simulator.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <exception>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "moe_echo/error.hpp"
+#include "moe_echo/planner.hpp"
+
+namespace moe_echo::tools {
+
+const char* to_string(Policy p) {
+  switch (p) {
+    case Policy::echo: return "echo";
+    case Policy::eplb: return "eplb";
+    case Policy::eplb_periodic: return "eplb_periodic";
+    case Policy::none: return "none";
+  }
+  return "?";
+}
+
+void validate(const SimulatorConfig& c) {
+  if (c.ranks < 1) reject("ep", c.ranks, "ep >= 1");
+  if (c.experts < 1) reject("experts", c.experts, "experts >= 1");
+  if (c.experts % c.ranks != 0)
+    reject("experts", c.experts, "a multiple of ep (" + std::to_string(c.ranks) + ")");
+  if (c.top_k < 1 || c.top_k > c.experts)
+    reject("top_k", c.top_k, "1 <= top_k <= experts (" + std::to_string(c.experts) + ")");
+  if (c.steps < 0) reject("steps", c.steps, "steps >= 1 (or 0: every step of the trace)");
+  if (c.layers < 0) reject("layers", c.layers, "layers >= 1 (or 0: every layer of the trace)");
+  if (c.spare_slots < 0) reject("spare_slots", c.spare_slots, "spare_slots >= 0");
+  if (c.max_clones < 0) reject("max_clones", c.max_clones, "max_clones >= 0");
+  if (c.clone_cost_rows < -1)
+    reject("clone_cost_rows", c.clone_cost_rows, "clone_cost_rows >= 0 (or -1: from the cost model)");
+  if (c.eplb_period < 1) reject("eplb_period", c.eplb_period, "eplb_period >= 1");
+  if (c.threads < 1) reject("threads", c.threads, "threads >= 1");
+  if (c.hidden < 1) reject("hidden", c.hidden, "hidden >= 1");
+  if (c.ffn < 1) reject("ffn", c.ffn, "ffn >= 1");
+  if (c.grad_bytes != 2 && c.grad_bytes != 4) reject("grad_bytes", c.grad_bytes, "2 (bf16) or 4 (fp32)");
+  if (c.master_state_bytes < 0)
+    reject("master_state_bytes", c.master_state_bytes, "master_state_bytes >= 0");
+  if (c.policies.empty()) reject("policies", "(none)", "at least one of echo, eplb, eplb_periodic, none");
+  validate(c.cost.gpu);
+}
+
+double percentile_sorted(const std::vector<double>& sorted, double q) {
+  if (sorted.empty()) return 0;
+  const double rank = std::ceil(q * double(sorted.size()));
+  const size_t i = size_t(std::clamp(rank, 1.0, double(sorted.size()))) - 1;
+  return sorted[i];
+}
+
+double PolicyStats::spill_fraction(double capacity_factor) const {
+  if (samples_sorted.empty()) return 0;
+  const auto it = std::upper_bound(samples_sorted.begin(), samples_sorted.end(), capacity_factor);
+  return double(samples_sorted.end() - it) / double(samples_sorted.size());
+}
+
+const PolicyStats* SimulationResult::find(Policy p) const {
+  for (const PolicyStats& s : policies)
+    if (s.policy == p) return &s;
+  return nullptr;
+}
+
+namespace {
+
+// Per (policy, step, layer) sample of one run.
+struct Samples {
+  std::vector<double> ratio, compute_ms, comm_ms, clone_ms;
+  std::vector<int32_t> clones;
+  double migration_bytes = 0, migration_ms = 0;
+  int64_t replacements = 0;
+  double planner_s = 0;
+  int64_t planner_calls = 0;
+  std::mutex mu;  // guards the scalars above (summed from the layer threads)
+};
+
+// State of EPLB with periodic re-placement for one layer.
+struct PeriodicEplb {
+  EplbPlacement placement;
+  std::vector<double> observed;     // [E] rows since the last re-placement
+  std::vector<int32_t> master;      // [E] rank of each expert's first replica
+  std::vector<int32_t> hosted;      // [R] redundant replicas on each rank
+  std::vector<int32_t> served;      // [R] redundant replicas whose master is on each rank
+  int32_t redundant = 0;
+
+  void set(EplbPlacement p, int experts) {
+    placement = std::move(p);
+    const int R = placement.ranks, slots = placement.slots_per_rank;
+    master.assign(size_t(experts), -1);
+    hosted.assign(size_t(R), 0);
+    served.assign(size_t(R), 0);
+    redundant = 0;
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < slots; ++s) {
+        const int e = placement.slot_expert[size_t(r) * slots + size_t(s)];
+        if (e < 0) continue;
+        if (master[size_t(e)] < 0) {
+          master[size_t(e)] = r;
+        } else {
+          ++hosted[size_t(r)];
+          ++served[size_t(master[size_t(e)])];
+          ++redundant;
+        }
+      }
+  }
+};
+
+}  // namespace
+
+SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_in) {
+  SimulatorConfig cfg = cfg_in;
+  validate(cfg);
+  if (trace.experts() != cfg.experts)
+    reject("experts", cfg.experts,
+           "the trace's expert count (" + std::to_string(trace.experts()) + ", " + trace.describe() + ")");
+  if (cfg.steps == 0) cfg.steps = trace.steps();
+  if (cfg.layers == 0) cfg.layers = trace.layers();
+  if (cfg.steps > trace.steps())
+    reject("steps", cfg.steps, "steps <= the trace's " + std::to_string(trace.steps()));
+  if (cfg.layers > trace.layers())
+    reject("layers", cfg.layers, "layers <= the trace's " + std::to_string(trace.layers()));
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, N = cfg.steps, L = cfg.layers;
+  const int64_t clone_cost_rows = cfg.clone_cost_rows >= 0
+                                      ? cfg.clone_cost_rows
+                                      : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
+  PlannerConfig pc;
+  pc.ranks = R;
+  pc.experts = E;
+  pc.spare_slots = S;
+  pc.max_clones = cfg.max_clones;
+  pc.clone_cost_rows = clone_cost_rows;
+  validate(pc);
+
+  const size_t P = cfg.policies.size();
+  const size_t samples = size_t(N) * size_t(L);
+  std::vector<Samples> out(P);
+  for (Samples& s : out) {
+    s.ratio.assign(samples, 0);
+    s.compute_ms.assign(samples, 0);
+    s.comm_ms.assign(samples, 0);
+    s.clone_ms.assign(samples, 0);
+    s.clones.assign(samples, 0);
+  }
+  std::vector<double> mean_rows(samples, 0);
+
+  const double row_bytes = double(cfg.hidden) * 2.0;  // bf16 activation row
+  const double link_bytes_per_clone =
+      expert_bytes(cfg.hidden, cfg.ffn, double(std::max(2, cfg.grad_bytes)));
+  const double master_bytes = expert_bytes(cfg.hidden, cfg.ffn, double(cfg.master_state_bytes));
+  const double remote = R > 1 ? double(R - 1) / double(R) : 0.0;
+  const CostModel& cost = cfg.cost;
+
+  auto run_layer = [&](int layer) {
+    auto stream = trace.open_layer(layer, R);
+    std::vector<int32_t> C(size_t(R) * size_t(E));
+    std::vector<int64_t> expert_load(static_cast<size_t>(E));
+    std::vector<Plan> plans;
+    for (size_t p = 0; p < P; ++p) plans.emplace_back(pc);
+    PeriodicEplb periodic;
+    std::vector<int32_t> hosted(static_cast<size_t>(R)), served(static_cast<size_t>(R));
+    std::vector<double> planner_s(P, 0);
+    double migration_bytes = 0, migration_ms = 0;
+    int64_t replacements = 0;
+    for (int step = 0; step < N; ++step) {
+      stream->next(C.data());
+      std::fill(expert_load.begin(), expert_load.end(), 0);
+      for (int r = 0; r < R; ++r)
+        for (int e = 0; e < E; ++e) expert_load[size_t(e)] += C[size_t(r) * E + size_t(e)];
+      const int64_t total = std::accumulate(expert_load.begin(), expert_load.end(), int64_t(0));
+      const double mean = double(total) / double(R);
+      const size_t idx = size_t(step) * size_t(L) + size_t(layer);
+      mean_rows[idx] = mean;
+      for (size_t p = 0; p < P; ++p) {
+        const Policy policy = cfg.policies[p];
+        int64_t max_load = 0;
+        int32_t clones = 0;
+        std::fill(hosted.begin(), hosted.end(), 0);
+        std::fill(served.begin(), served.end(), 0);
+        const auto c0 = std::chrono::steady_clock::now();
+        if (policy == Policy::eplb_periodic) {
+          if (step == 0) {
+            periodic.set(eplb_place(std::vector<double>(size_t(E), 1.0), R, E / R + S), E);
+            periodic.observed.assign(size_t(E), 0.0);
+          } else if (step % cfg.eplb_period == 0) {
+            const std::vector<int32_t> old_master = periodic.master;
+            periodic.set(eplb_place(periodic.observed, R, E / R + S), E);
+            std::fill(periodic.observed.begin(), periodic.observed.end(), 0.0);
+            ++replacements;
+            std::vector<int32_t> moved_in(size_t(R), 0), moved_out(size_t(R), 0);
+            for (int e = 0; e < E; ++e)
+              if (old_master[size_t(e)] != periodic.master[size_t(e)]) {
+                ++moved_in[size_t(periodic.master[size_t(e)])];
+                ++moved_out[size_t(old_master[size_t(e)])];
+              }
+            int32_t worst = 0, moved = 0;
+            for (int r = 0; r < R; ++r) {
+              worst = std::max({worst, moved_in[size_t(r)], moved_out[size_t(r)]});
+              moved += moved_in[size_t(r)];
+            }
+            migration_bytes += double(moved) * master_bytes;
+            migration_ms += cost.all_to_all_ms(double(worst) * master_bytes, R);
+          }
+          const std::vector<int64_t> loads = eplb_rank_loads(periodic.placement, C.data(), R, E);
+          max_load = *std::max_element(loads.begin(), loads.end());
+          for (int e = 0; e < E; ++e) periodic.observed[size_t(e)] += double(expert_load[size_t(e)]);
+          clones = periodic.redundant;
+          hosted = periodic.hosted;
+          served = periodic.served;
+        } else {
+          PlanView v = plans[p].view();
+          if (policy == Policy::echo)
+            plan_echo(C.data(), pc, v);
+          else if (policy == Policy::eplb)
+            plan_eplb_restricted(C.data(), pc, v);
+          else
+            plan_none(C.data(), pc, v);
+          max_load = *std::max_element(v.load_after, v.load_after + R);
+          for (int r = 0; r < R; ++r)
+            for (int s = 0; s < S; ++s) {
+              const int e = v.spare_expert[size_t(r) * S + size_t(s)];
+              if (e < 0) continue;
+              ++clones;
+              ++hosted[size_t(r)];
+              ++served[size_t(pc.home_rank(e))];
+            }
+        }
+        planner_s[p] += std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+        int32_t clone_links = 0;
+        for (int r = 0; r < R; ++r)
+          clone_links = std::max(clone_links, hosted[size_t(r)] + served[size_t(r)]);
+        Samples& o = out[p];
+        o.ratio[idx] = mean > 0 ? double(max_load) / mean : 1.0;
+        o.clones[idx] = clones;
+        o.compute_ms[idx] = cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
+        // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's rows
+        o.comm_ms[idx] = 4.0 * cost.all_to_all_ms(double(max_load) * remote * row_bytes, R);
+        o.clone_ms[idx] = cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
+      }
+    }
+    for (size_t p = 0; p < P; ++p) {
+      std::lock_guard<std::mutex> lock(out[p].mu);
+      out[p].planner_s += planner_s[p];
+      out[p].planner_calls += N;
+      if (cfg.policies[p] == Policy::eplb_periodic) {
+        out[p].migration_bytes += migration_bytes;
+        out[p].migration_ms += migration_ms;
+        out[p].replacements += replacements;
+      }
+    }
+  };
+
+  // Layers over threads; the first exception stops the others' pickup and is rethrown.
+  std::atomic<int> next_layer{0};
+  std::exception_ptr error;
+  std::mutex error_mu;
+  auto worker = [&] {
+    for (int l; (l = next_layer.fetch_add(1)) < L;) {
+      try {
+        run_layer(l);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+        next_layer = L;
+      }
+    }
+  };
+  const int threads = std::min(cfg.threads, L);
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+
+  SimulationResult res;
+  res.config = cfg;
+  res.steps = N;
+  res.layers = L;
+  res.clone_cost_rows = clone_cost_rows;
+  res.trace = trace.describe();
+  res.mean_rows_per_rank = std::accumulate(mean_rows.begin(), mean_rows.end(), 0.0) / double(samples);
+  const double bytes_per_clone = clone_bytes(cfg.hidden, cfg.ffn, cfg.grad_bytes);
+  for (size_t p = 0; p < P; ++p) {
+    Samples& o = out[p];
+    PolicyStats st;
+    st.policy = cfg.policies[p];
+    st.samples_sorted = o.ratio;
+    std::sort(st.samples_sorted.begin(), st.samples_sorted.end());
+    st.max_over_mean_mean =
+        std::accumulate(o.ratio.begin(), o.ratio.end(), 0.0) / double(samples);
+    st.max_over_mean_p50 = percentile_sorted(st.samples_sorted, 0.50);
+    st.max_over_mean_p99 = percentile_sorted(st.samples_sorted, 0.99);
+    st.max_over_mean_max = st.samples_sorted.back();
+    st.max_over_mean_per_step.assign(size_t(N), 0);
+    double clones = 0, compute = 0, comm = 0, clone = 0, overlap = 0;
+    for (int s = 0; s < N; ++s) {
+      double acc = 0;
+      for (int l = 0; l < L; ++l) {
+        const size_t i = size_t(s) * size_t(L) + size_t(l);
+        acc += o.ratio[i];
+        clones += o.clones[i];
+        compute += o.compute_ms[i];
+        comm += o.comm_ms[i];
+        clone += o.clone_ms[i];
+        overlap += std::max(o.compute_ms[i], o.comm_ms[i] + o.clone_ms[i]);
+      }
+      st.max_over_mean_per_step[size_t(s)] = acc / double(L);
+    }
+    st.clones_per_step = clones / double(N);
+    st.clone_bytes_per_step = st.clones_per_step * bytes_per_clone;
+    st.migration_bytes_per_step = o.migration_bytes / double(N);
+    st.replacements = o.replacements / std::max(1, L);
+    st.compute_ms = compute / double(N);
+    st.comm_ms = comm / double(N);
+    st.clone_ms = clone / double(N);
+    st.migration_ms = o.migration_ms / double(N);
+    st.est_step_ms = st.compute_ms + st.comm_ms + st.clone_ms + st.migration_ms;
+    st.est_step_ms_overlap = overlap / double(N) + st.migration_ms;
+    st.planner_ms_per_call = o.planner_calls ? o.planner_s * 1e3 / double(o.planner_calls) : 0;
+    res.policies.push_back(std::move(st));
+  }
+  res.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return res;
+}
+
+}  // namespace moe_echo::tools

@@ -1,0 +1,100 @@
+// Load-balance simulator: runs the balancing policies on the same routing maps, step after step
+// and layer after layer, and reports how evenly each spreads the rows over the EP ranks, what
+// clones it makes and what it costs in bytes and (estimated) time.
+//
+// Policies (all see exactly the same maps):
+//   echo           plan_echo each step and layer (S spare slots per rank)
+//   eplb           plan_eplb_restricted each step: DeepSeek EPLB confined to the same spare slots
+//   eplb_periodic  eplb_place every `eplb_period` steps from the loads observed since the last
+//                  re-placement (E/R + S slots per rank, R*S redundant replicas, unrestricted),
+//                  then eplb_rank_loads each step; the first period uses a placement built from
+//                  uniform loads (nothing observed yet)
+//   none           plan_none: every expert on its home rank
+//
+// Invariants:
+// - A sample is one (step, layer): max over ranks of the rank load (rows) over the mean. The
+//   mean is the same for every policy (all rows are processed somewhere).
+// - Results do not depend on `threads` (layers are split over threads; each layer's trace stream
+//   and policy state are sequential in steps).
+// - Training accounting: a replica that is not an expert's master (an ECHO clone, an EPLB
+//   redundant expert) must pull the expert's weights and push back its gradient every step,
+//   because the optimizer changes the weights every step. EPLB's periodic re-placement also moves
+//   masters (with their optimizer state) between ranks; those bytes are counted apart.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "tools/cost_model.hpp"
+#include "tools/trace.hpp"
+
+namespace moe_echo::tools {
+
+enum class Policy { echo, eplb, eplb_periodic, none };
+const char* to_string(Policy p);
+inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::eplb_periodic,
+                                          Policy::none};
+
+struct SimulatorConfig {
+  int ranks = 32;            // R, the EP size
+  int experts = 256;         // E
+  int top_k = 8;             // K (for the text report; rows come from the trace)
+  int steps = 0;             // 0: every step of the trace
+  int layers = 0;            // 0: every layer of the trace
+  int spare_slots = 1;       // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas)
+  int max_clones = 2;        // ECHO: clones per expert per step
+  int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (clone_ms / row_ms)
+  int eplb_period = 100;     // steps between EPLB re-placements
+  int threads = 2;
+  std::vector<Policy> policies{std::begin(kAllPolicies), std::end(kAllPolicies)};
+  // Model and cost model, for bytes and time.
+  int hidden = 7168;         // H
+  int ffn = 2048;            // F
+  int grad_bytes = 2;        // bytes per parameter of a clone's gradient sent home (bf16)
+  int master_state_bytes = 14;  // bytes per parameter moved with a master: bf16 weight + fp32
+                                // master copy + Adam m and v (2 + 4 + 4 + 4)
+  CostModel cost;
+};
+
+// Throws ConfigError naming the first invalid field.
+void validate(const SimulatorConfig& cfg);
+
+struct PolicyStats {
+  Policy policy = Policy::none;
+  // max/mean over ranks, over all (step, layer) samples
+  double max_over_mean_mean = 0, max_over_mean_p50 = 0, max_over_mean_p99 = 0,
+         max_over_mean_max = 0;
+  std::vector<double> max_over_mean_per_step;  // [steps]: mean over layers
+  std::vector<double> samples_sorted;          // [steps * layers], ascending
+  double clones_per_step = 0;        // summed over layers, mean over steps
+  double clone_bytes_per_step = 0;   // clones_per_step * clone_bytes
+  double migration_bytes_per_step = 0;  // EPLB periodic: master moves, amortised over steps
+  int64_t replacements = 0;          // EPLB periodic: re-placements made
+  // Estimated time per step (all simulated layers, forward + backward): the busiest rank's
+  // expert GEMMs, all-to-all (dispatch + combine, both directions) and clone traffic.
+  double compute_ms = 0, comm_ms = 0, clone_ms = 0, migration_ms = 0;
+  double est_step_ms = 0;          // serial: compute + comm + clone + migration
+  double est_step_ms_overlap = 0;  // max(compute, comm + clone) per layer, + migration
+  double planner_ms_per_call = 0;  // host time of one planner call (this machine)
+  // Fraction of samples with max/mean above `capacity_factor` (they spill).
+  double spill_fraction(double capacity_factor) const;
+};
+
+struct SimulationResult {
+  SimulatorConfig config;
+  int steps = 0, layers = 0;
+  double mean_rows_per_rank = 0;  // mean over samples of the mean rank load
+  int64_t clone_cost_rows = 0;    // what ECHO used
+  std::string trace;              // describe() of the source
+  std::vector<PolicyStats> policies;  // in config.policies order
+  double elapsed_s = 0;
+  const PolicyStats* find(Policy p) const;
+};
+
+SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg);
+
+// Nearest-rank percentile (q in [0, 1]) of ascending values.
+double percentile_sorted(const std::vector<double>& sorted, double q);
+
+}  // namespace moe_echo::tools

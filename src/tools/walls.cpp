@@ -1,0 +1,418 @@
+// GCC 12 reports a false -Wrestrict inside std::string's operator+ (GCC bug 105329) for the
+// messages below; the pragma must precede the standard headers to reach that code.
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic ignored "-Wrestrict"
+#endif
+
+#include "tools/walls.hpp"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <sstream>
+
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::tools {
+namespace {
+
+std::string lower(std::string s) {
+  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string fmt(double v, int precision = 2) {
+  std::ostringstream s;
+  s.setf(std::ios::fixed);
+  s.precision(precision);
+  s << v;
+  return s.str();
+}
+
+template <class V>
+std::string invalid(const std::string& field, const V& value, const std::string& allowed) {
+  std::ostringstream s;
+  s << field << " = " << value << " is invalid: allowed " << allowed;
+  return s.str();
+}
+
+constexpr double kGB = 1e9;
+
+// Micro-batches whose activations the first stage holds (1F1B: pp; interleaved: more,
+// Korthikanti et al. 2022: factor 1 + (pp - 1) / (pp * vpp)).
+double microbatches_in_flight(const LayoutSpec& l) {
+  if (l.pp == 1) return 1.0;
+  return l.pp * (l.vpp > 1 ? 1.0 + double(l.pp - 1) / double(l.pp * l.vpp) : 1.0);
+}
+
+// Spare-slot memory per GPU: a clone's weights live from its layer's forward to its backward, so
+// one set per layer and micro-batch in flight; its gradient goes home right after the backward,
+// so one set per GPU.
+double spare_weights_gb(const WallsInput& in, int spare_slots) {
+  const double P = 3.0 * double(in.model.hidden) * double(in.model.ffn) / in.layout.etp;
+  return double(in.model.layers / in.layout.pp) * microbatches_in_flight(in.layout) * spare_slots *
+         P * dtype_bytes(in.model.dtype) / kGB;
+}
+double spare_grads_gb(const WallsInput& in, int spare_slots) {
+  const double P = 3.0 * double(in.model.hidden) * double(in.model.ffn) / in.layout.etp;
+  return spare_slots * P * dtype_bytes(in.model.dtype) / kGB;
+}
+
+}  // namespace
+
+std::vector<std::string> model_preset_names() {
+  return {"deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"};
+}
+
+ModelSpec model_preset(const std::string& name) {
+  const std::string n = lower(name);
+  ModelSpec m;  // defaults: DeepSeek-V3 (61 layers, the first 3 dense: 58 MoE layers)
+  if (n == "deepseek-v3") return m;
+  if (n == "qwen3-30b-a3b") {
+    m.name = n;
+    m.hidden = 2048;
+    m.ffn = 768;
+    m.experts = 128;
+    m.top_k = 8;
+    m.layers = 48;
+    return m;
+  }
+  if (n == "mixtral-8x7b") {
+    m.name = n;
+    m.hidden = 4096;
+    m.ffn = 14336;
+    m.experts = 8;
+    m.top_k = 2;
+    m.layers = 32;
+    return m;
+  }
+  reject("model", "'" + name + "'", "deepseek-v3, qwen3-30b-a3b or mixtral-8x7b");
+}
+
+int dtype_bytes(const std::string& dtype) {
+  if (dtype == "bf16" || dtype == "fp16") return 2;
+  if (dtype == "fp32") return 4;
+  return 0;
+}
+
+std::vector<Finding> check(const WallsInput& in) {
+  std::vector<Finding> f;
+  auto error = [&](const std::string& field, const std::string& msg) {
+    f.push_back({Severity::error, field, msg});
+  };
+  auto warning = [&](const std::string& field, const std::string& msg) {
+    f.push_back({Severity::warning, field, msg});
+  };
+  const ModelSpec& m = in.model;
+  const LayoutSpec& l = in.layout;
+  const TrainingSpec& t = in.train;
+
+  // Ranges of single values.
+  const std::pair<const char*, int> positive[] = {
+      {"hidden", m.hidden}, {"ffn", m.ffn}, {"experts", m.experts}, {"layers", m.layers},
+      {"seq_len", m.seq_len}, {"micro_batch", m.micro_batch}, {"ep", l.ep}, {"etp", l.etp},
+      {"dp", l.dp}, {"pp", l.pp}, {"vpp", l.vpp}, {"kernels_per_layer", t.kernels_per_layer}};
+  for (const auto& [field, v] : positive)
+    if (v < 1) error(field, invalid(field, v, std::string(field) + " >= 1"));
+  if (!f.empty()) return f;  // the rules below divide by these
+  if (m.top_k < 1 || m.top_k > m.experts)
+    error("top_k", invalid("top_k", m.top_k,
+                           "1 <= top_k <= experts (" + std::to_string(m.experts) + ")"));
+  if (dtype_bytes(m.dtype) == 0)
+    error("dtype", invalid("dtype", "'" + m.dtype + "'", "bf16, fp16 or fp32"));
+  if (t.grad_dtype != "fp32" && t.grad_dtype != "bf16")
+    error("grad_dtype", invalid("grad_dtype", "'" + t.grad_dtype + "'", "fp32 or bf16"));
+  if (t.recompute != "none" && t.recompute != "swiglu" && t.recompute != "experts")
+    error("recompute", invalid("recompute", "'" + t.recompute + "'", "none, swiglu or experts"));
+  if (!std::isfinite(t.capacity_factor) || t.capacity_factor <= 0)
+    error("capacity_factor", invalid("capacity_factor", t.capacity_factor, "a finite value > 0"));
+  if (t.spare_slots < 0) error("spare_slots", invalid("spare_slots", t.spare_slots, "spare_slots >= 0"));
+  if (t.max_clones < 0) error("max_clones", invalid("max_clones", t.max_clones, "max_clones >= 0"));
+  if (!std::isfinite(t.reserve_gb) || t.reserve_gb < 0)
+    error("reserve_gb", invalid("reserve_gb", t.reserve_gb, "a finite value >= 0"));
+
+  // Combinations.
+  if (m.experts % l.ep != 0)
+    error("experts", invalid("experts", m.experts, "a multiple of ep (" + std::to_string(l.ep) + ")"));
+  if (m.ffn % l.etp != 0)
+    error("etp", invalid("etp", l.etp, "a divisor of ffn (" + std::to_string(m.ffn) +
+                                           "): expert tensor parallelism shards F"));
+  if (m.layers % l.pp != 0)
+    error("pp", invalid("pp", l.pp, "a divisor of layers (" + std::to_string(m.layers) + ")"));
+  if (l.vpp > 1 && l.pp == 1)
+    error("vpp", invalid("vpp", l.vpp, "vpp = 1 when pp = 1 (an interleaved schedule needs "
+                                       "pipeline parallelism)"));
+  if (l.vpp > 1 && m.layers % l.pp == 0 && (m.layers / l.pp) % l.vpp != 0)
+    error("vpp", invalid("vpp", l.vpp, "a divisor of the layers per pipeline stage (" +
+                                           std::to_string(m.layers / l.pp) + ")"));
+  if (t.overlap && l.ep == 1)
+    error("overlap", invalid("overlap", "true", "only with ep > 1 (ep = 1 has no dispatch or "
+                                                "combine to overlap)"));
+  if (t.overlap && m.dtype == "fp32")
+    error("dtype", invalid("dtype", "fp32", "bf16 or fp16 with overlap (the overlapped "
+                                            "dispatch/combine kernels move 16-bit rows)"));
+  if (t.overlap && l.pp > 1 && l.vpp == 1)
+    error("vpp", invalid("vpp", 1, "vpp >= 2 with overlap and pp = " + std::to_string(l.pp) +
+                                       " (the overlap interleaves one virtual stage's "
+                                       "communication with another's computation)"));
+  const int64_t rows = int64_t(m.seq_len) * m.micro_batch * m.top_k * l.etp;
+  if (rows > std::numeric_limits<int32_t>::max())
+    error("micro_batch", invalid("micro_batch", m.micro_batch,
+                                 "seq_len * micro_batch * top_k * etp <= 2^31-1"));
+  else if (std::ceil(t.capacity_factor * double(rows)) > std::numeric_limits<int32_t>::max())
+    error("capacity_factor", invalid("capacity_factor", t.capacity_factor,
+                                     "capacity_factor * seq_len * micro_batch * top_k * etp "
+                                     "<= 2^31-1"));
+  try {
+    validate(in.gpu);
+  } catch (const ConfigError& e) {
+    error(e.field(), e.what());
+  }
+  if (!f.empty()) return f;
+
+  // Advice: valid, but probably not what was meant.
+  if (t.spare_slots > 0 && l.ep == 1)
+    warning("spare_slots", "spare_slots = " + std::to_string(t.spare_slots) +
+                               " has no effect with ep = 1: there is no other rank to clone to");
+  if (t.spare_slots > 0 && t.max_clones == 0 && l.ep > 1)
+    warning("max_clones", "max_clones = 0 leaves the " + std::to_string(t.spare_slots) +
+                              " spare slot(s) empty: ECHO makes no clones");
+  if (l.etp > in.gpu.gpus_per_node || in.gpu.gpus_per_node % l.etp != 0)
+    warning("etp", "etp = " + std::to_string(l.etp) + " does not fit the " +
+                       std::to_string(in.gpu.gpus_per_node) +
+                       "-GPU NVLink domain: expert tensor-parallel collectives cross the network");
+  if (int64_t(l.ep) * l.etp > in.gpu.gpus_per_node)
+    warning("ep", "ep * etp = " + std::to_string(int64_t(l.ep) * l.etp) + " GPUs spans " +
+                      std::to_string((int64_t(l.ep) * l.etp + in.gpu.gpus_per_node - 1) /
+                                     in.gpu.gpus_per_node) +
+                      " nodes: " + fmt(100 * (1 - intra_node_fraction(l.ep, l.etp, in.gpu.gpus_per_node)), 0) +
+                      "% of dispatch/combine traffic crosses the network at " +
+                      fmt(in.gpu.network_gbps, 0) + " GB/s per GPU");
+  const double rows_per_expert =
+      double(m.seq_len) * m.micro_batch * m.top_k * l.ep * l.etp / double(m.experts);
+  if (rows_per_expert < 128)
+    warning("micro_batch", "about " + fmt(rows_per_expert, 0) +
+                               " rows per local expert per micro-batch: grouped GEMM tiles "
+                               "(128 rows) run mostly empty; raise micro_batch or seq_len");
+  if (t.overlap && !t.cuda_graphs)
+    warning("cuda_graphs", "overlap without CUDA graphs: the host launches both streams' kernels "
+                           "every step, and the host-overhead wall comes closer");
+  return f;
+}
+
+void validate(const WallsInput& in) {
+  for (const Finding& f : check(in))
+    if (f.severity == Severity::error) throw ConfigError(f.field, f.message);
+}
+
+std::vector<Finding> check_capacity(const WallsInput& in, const Imbalance& imb) {
+  std::vector<Finding> f;
+  const double cf = in.train.capacity_factor;
+  const std::string what = "capacity_factor = " + fmt(cf, 2);
+  const std::string need = fmt(std::ceil(imb.p99 * 20.0 - 1e-9) / 20.0, 2);
+  if (cf < imb.mean || imb.spill_fraction >= 0.99)
+    f.push_back({Severity::warning, "capacity_factor",
+                 what + " is below the planned imbalance (busiest rank " + fmt(imb.mean, 2) +
+                     "x the mean on average, " + imb.source +
+                     "): the receive window overflows and spills every step; allowed "
+                     "capacity_factor >= " + need + " (p99) to spill rarely"});
+  else if (cf < imb.p99)
+    f.push_back({Severity::warning, "capacity_factor",
+                 what + " is below the p99 imbalance " + fmt(imb.p99, 2) + " (" + imb.source +
+                     "): the busiest rank spills on " +
+                     fmt(100 * imb.spill_fraction, 1) + "% of layer-steps; capacity_factor >= " +
+                     need + " spills on about 1%"});
+  return f;
+}
+
+WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
+  validate(in);
+  const ModelSpec& m = in.model;
+  const LayoutSpec& l = in.layout;
+  const TrainingSpec& t = in.train;
+  const CostModel cost{in.gpu};
+  WallsReport r;
+  r.imbalance = imb;
+  r.findings = check(in);
+  for (Finding& f : check_capacity(in, imb)) r.findings.push_back(std::move(f));
+  r.world_size = l.etp * l.ep * l.dp * l.pp;
+  r.layers_per_stage = m.layers / l.pp;
+  const double Lp = r.layers_per_stage;
+  const double a = dtype_bytes(m.dtype);              // weight and activation bytes
+  const double g = t.grad_dtype == "fp32" ? 4.0 : 2.0;  // main gradient bytes
+  const double opt = a == 4 ? 8.0 : 12.0;  // Adam m, v (+ fp32 master copy of 16-bit weights)
+  const double H = m.hidden, F = m.ffn, K = m.top_k, E = m.experts;
+  const double P = 3.0 * H * F / l.etp;  // parameters of one expert shard
+  const double local = E / l.ep;
+
+  const double inflight = microbatches_in_flight(l);
+
+  MemoryBreakdown& mem = r.memory;
+  mem.microbatches_in_flight = inflight;
+  mem.weights_gb = Lp * local * P * a / kGB;
+  mem.grads_gb = Lp * local * P * g / kGB;
+  mem.optimizer_gb = Lp * local * P * opt / (t.distributed_optimizer ? l.dp : 1) / kGB;
+  mem.spare_weights_gb = spare_weights_gb(in, t.spare_slots);
+  mem.spare_grads_gb = spare_grads_gb(in, t.spare_slots);
+
+  LayerTimes& lt = r.layer;
+  lt.tokens = int64_t(m.seq_len) * m.micro_batch;
+  const double T = double(lt.tokens);
+  lt.capacity_rows = int64_t(std::ceil(t.capacity_factor * T * K)) * l.etp;
+  const double rows_cap = double(lt.capacity_rows);
+  const double saved_input = rows_cap * H * a;       // fc1 input (the receive window)
+  const double saved_fc1 = rows_cap * 2.0 * F / l.etp * a;  // SwiGLU input
+  const double saved_swiglu = rows_cap * F / l.etp * a;     // fc2 input
+  const double saved_router = T * K * 8.0 + T * E * 4.0 * 2.0;  // idx, prob; logits, scores
+  double saved = saved_input + saved_fc1 + saved_swiglu + saved_router;
+  const double layer_mb = Lp * inflight;  // layer-micro-batches held
+  mem.recompute_swiglu_saves_gb = layer_mb * saved_swiglu / kGB;
+  mem.recompute_experts_saves_gb = layer_mb * (saved_fc1 + saved_swiglu) / kGB;
+  if (t.recompute == "swiglu") saved -= saved_swiglu;
+  if (t.recompute == "experts") saved -= saved_fc1 + saved_swiglu;
+  mem.activations_gb = layer_mb * saved / kGB;
+  // Workspace of the layer running now: fc2 output and the backward's gradients of the window,
+  // fc1 output and SwiGLU output (capacity rows), and the combine output of the T*K rows.
+  mem.buffers_gb = (rows_cap * (2.0 * H + 3.0 * F / l.etp) * a + T * K * H * a) / kGB;
+  mem.reserve_gb = t.reserve_gb;
+  mem.total_gb = mem.weights_gb + mem.spare_weights_gb + mem.grads_gb + mem.spare_grads_gb +
+                 mem.optimizer_gb + mem.activations_gb + mem.buffers_gb + mem.reserve_gb;
+  mem.capacity_gb = in.gpu.memory_gb;
+
+  // Communication of the busiest rank: it receives imbalance x the mean rows.
+  const double remote = double(l.ep - 1) / double(l.ep);
+  lt.dispatch_bytes = T * K * remote * H * a;
+  lt.combine_bytes = lt.dispatch_bytes;
+  lt.etp_bytes = double(l.etp - 1) * T * K * H * a;
+  const double busiest = imb.mean;  // the average step's busiest rank
+  const double a2a = cost.all_to_all_ms(lt.dispatch_bytes * busiest, l.ep, l.etp);
+  const double etp_ms = l.etp > 1 ? cost.nvlink_ms(lt.etp_bytes * busiest) : 0.0;
+  // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward the same again
+  lt.comm_ms = 2.0 * (2.0 * a2a + 2.0 * etp_ms);
+  lt.clone_bytes = l.ep > 1 ? t.spare_slots * P * (a + 2.0) : 0.0;  // weights in, bf16 grad out
+  lt.clone_ms = cost.all_to_all_ms(lt.clone_bytes, l.ep, l.etp);
+  const double busiest_rows = T * K * l.etp * busiest;
+  double flops = CostModel::train_flops(busiest_rows, m.hidden, m.ffn) / l.etp;
+  if (t.recompute == "experts") flops += 4.0 * busiest_rows * H * F / l.etp;  // fc1 again
+  lt.gemm_ms = cost.gemm_ms(flops);
+  lt.host_ms = cost.launch_ms(t.kernels_per_layer, t.cuda_graphs);
+  const double comm = lt.comm_ms + lt.clone_ms;
+  const double gpu_ms = t.overlap ? std::max(lt.gemm_ms, comm) : lt.gemm_ms + comm;
+  lt.exposed_comm_ms = t.overlap ? std::max(0.0, comm - lt.gemm_ms) : comm;
+  lt.layer_ms = std::max(gpu_ms, lt.host_ms);
+  r.stage_ms = Lp * lt.layer_ms;
+
+  // Which wall binds.
+  if (!mem.fits()) {
+    r.binding_wall = "memory";
+    r.reason = "needs " + fmt(mem.total_gb, 1) + " GB of " + fmt(mem.capacity_gb, 0) + " GB";
+    const double more = t.recompute == "experts" ? 0.0
+                        : mem.recompute_experts_saves_gb -
+                              (t.recompute == "swiglu" ? mem.recompute_swiglu_saves_gb : 0.0);
+    if (more > 0)
+      r.advice.push_back("--recompute experts saves " + fmt(more, 1) + " GB" +
+                         (mem.total_gb - more <= mem.capacity_gb ? " and would fit" : ""));
+    if (!t.distributed_optimizer && l.dp > 1)
+      r.advice.push_back("a distributed optimizer shards " + fmt(mem.optimizer_gb, 1) +
+                         " GB of optimizer state over dp = " + std::to_string(l.dp));
+    if (m.experts % (l.ep * 2) == 0)
+      r.advice.push_back("ep = " + std::to_string(l.ep * 2) + " halves expert weights, gradients "
+                         "and optimizer state per GPU (" +
+                         fmt((mem.weights_gb + mem.grads_gb + mem.optimizer_gb) / 2, 1) + " GB saved)");
+    if (l.pp > 1 || m.layers % 2 == 0)
+      r.advice.push_back("more pipeline stages hold fewer layers per GPU");
+  } else if (lt.host_ms >= gpu_ms) {
+    r.binding_wall = "host-overhead";
+    r.reason = "kernel launches take " + fmt(lt.host_ms * 1e3, 0) + " us per layer, the GPU work " +
+               fmt(gpu_ms * 1e3, 0) + " us";
+    if (!t.cuda_graphs) r.advice.push_back("capture the step in a CUDA graph (--cuda-graphs on)");
+    r.advice.push_back("raise micro_batch: GPU work grows with tokens, launches do not");
+  } else if (comm > lt.gemm_ms) {
+    r.binding_wall = "communication";
+    r.reason = "dispatch/combine + clones take " + fmt(comm, 3) + " ms per layer, expert GEMMs " +
+               fmt(lt.gemm_ms, 3) + " ms" + (t.overlap ? " (overlapped: " + fmt(lt.exposed_comm_ms, 3) + " ms exposed)" : "");
+    if (!t.overlap && l.ep > 1) r.advice.push_back("--overlap hides up to " + fmt(std::min(comm, lt.gemm_ms), 3) + " ms per layer");
+    if (int64_t(l.ep) * l.etp > in.gpu.gpus_per_node)
+      r.advice.push_back("keep ep * etp within one NVLink domain (" + std::to_string(in.gpu.gpus_per_node) +
+                         " GPUs): network is " + fmt(in.gpu.nvlink_gbps / in.gpu.network_gbps, 1) + "x slower");
+    r.advice.push_back("bytes and FLOPs both grow with tokens: a larger micro-batch does not move this wall");
+  } else {
+    r.binding_wall = "compute";
+    r.reason = "expert GEMMs take " + fmt(lt.gemm_ms, 3) + " ms per layer, dispatch/combine + clones " +
+               fmt(comm, 3) + " ms";
+    r.advice.push_back("the busiest rank sets the pace: imbalance " + fmt(imb.mean, 2) +
+                       "x costs " + fmt(100 * (1 - 1 / std::max(1.0, imb.mean)), 0) +
+                       "% of the GEMM time; profile the grouped GEMM next");
+  }
+  return r;
+}
+
+Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSource* trace,
+                   std::vector<SimulationResult>* results) {
+  validate(in);
+  const ModelSpec& m = in.model;
+  const LayoutSpec& l = in.layout;
+  Suggestion s;
+  std::vector<std::pair<int, int>> cands;
+  for (int S : opt.spare_slots)
+    for (int mc : opt.max_clones) cands.emplace_back(S, mc);
+  cands.emplace_back(in.train.spare_slots, in.train.max_clones);
+  for (auto& c : cands) {
+    if (c.first == 0) c.second = 0;  // no spare slot, no clone
+    c.second = std::min(c.second, l.ep - 1);
+  }
+  std::sort(cands.begin(), cands.end());
+  cands.erase(std::unique(cands.begin(), cands.end()), cands.end());
+  GeneratorConfig g;
+  g.experts = m.experts;
+  g.top_k = m.top_k;
+  g.tokens = m.seq_len * m.micro_batch * l.etp;  // rows an EP rank (etp GPUs) sends per step
+  g.steps = opt.steps;
+  g.layers = opt.layers;
+  g.seed = opt.seed;
+  std::unique_ptr<TraceSource> owned;
+  if (!trace) owned = std::make_unique<TraceGenerator>(g);
+  const TraceFile totals = TraceFile::totals_of(trace ? *trace : *owned, l.ep);
+  for (const auto& [S, mc] : cands) {
+    SimulatorConfig sc;
+    sc.ranks = l.ep;
+    sc.experts = m.experts;
+    sc.top_k = m.top_k;
+    sc.steps = std::min(opt.steps, totals.steps());
+    sc.layers = std::min(opt.layers, totals.layers());
+    sc.spare_slots = S;
+    sc.max_clones = mc;
+    sc.threads = opt.threads;
+    sc.hidden = m.hidden;
+    sc.ffn = m.ffn;
+    sc.policies = {Policy::echo};
+    sc.cost.gpu = in.gpu;
+    SimulationResult res = simulate(totals, sc);
+    res.trace = trace ? trace->describe() : owned->describe();
+    const PolicyStats& p = res.policies[0];
+    SpareSlotOption o;
+    o.spare_slots = S;
+    o.max_clones = mc;
+    o.mean = p.max_over_mean_mean;
+    o.p99 = p.max_over_mean_p99;
+    o.clones_per_step = p.clones_per_step;
+    o.memory_gb = spare_weights_gb(in, S) + spare_grads_gb(in, S);
+    s.sweep.push_back(o);
+    if (results) results->push_back(std::move(res));
+  }
+  double best = s.sweep[0].p99;
+  for (const SpareSlotOption& o : s.sweep) best = std::min(best, o.p99);
+  for (const SpareSlotOption& o : s.sweep)
+    if (o.p99 <= best * 1.02) {
+      s.spare_slots = o.spare_slots;
+      s.max_clones = o.max_clones;
+      s.capacity_factor = std::max(1.0, std::ceil(o.p99 * 20.0 - 1e-9) / 20.0);
+      s.reason = "the fewest spare slots, then clones, within 2% of the best p99 (" +
+                 fmt(best, 2) + "); capacity factor at that p99, rounded up to 0.05";
+      break;
+    }
+  return s;
+}
+
+}  // namespace moe_echo::tools

@@ -1,0 +1,168 @@
+// The three walls of MoE training, estimated on the CPU for one GPU of a parallel layout
+// (`moe-echo plan`): memory (does it fit), communication (dispatch/combine against expert
+// GEMMs) and compute / host overhead; plus the validation rules production frameworks apply to
+// the combination, and a capacity factor and spare-slot count suggested by the simulator.
+//
+// Scope and assumptions (docs/plan.md says them in full):
+// - Only the MoE layers are modelled (routed experts, router, dispatch/combine buffers); the
+//   attention, dense layers and framework take `reserve_gb` of memory.
+// - Megatron-style layout: world = etp * ep * dp * pp with expert tensor parallelism innermost;
+//   `dp` is the expert data-parallel size (copies of each expert shard). Each GPU feeds
+//   T = seq_len * micro_batch tokens per micro-batch to each MoE layer.
+// - Memory is that of the first pipeline stage (the one holding the most micro-batches).
+// - Every number is per GPU; times are per MoE layer and micro-batch, forward + backward.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "tools/cost_model.hpp"
+#include "tools/simulator.hpp"
+
+namespace moe_echo::tools {
+
+struct ModelSpec {
+  std::string name = "deepseek-v3";
+  int hidden = 7168;     // H
+  int ffn = 2048;        // F (expert FFN size)
+  int experts = 256;     // E
+  int top_k = 8;         // K
+  int layers = 58;       // MoE layers
+  int seq_len = 4096;
+  int micro_batch = 1;
+  std::string dtype = "bf16";  // bf16, fp16 or fp32 (weights and activations)
+};
+// "deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"; throws ConfigError naming `model` otherwise.
+ModelSpec model_preset(const std::string& name);
+std::vector<std::string> model_preset_names();
+
+struct LayoutSpec {
+  int ep = 8;   // expert parallel size
+  int etp = 1;  // expert tensor parallel size (shards F)
+  int dp = 1;   // expert data parallel size
+  int pp = 1;   // pipeline stages
+  int vpp = 1;  // virtual pipeline stages per rank (1: no interleaving)
+};
+
+struct TrainingSpec {
+  double capacity_factor = 1.25;  // receive window rows = ceil(cf * T * K) (* etp)
+  int spare_slots = 1;            // S per rank
+  int max_clones = 2;             // ECHO: clones per expert per step
+  bool overlap = false;           // overlap dispatch/combine with expert computation
+  bool distributed_optimizer = true;  // optimizer state sharded over dp
+  std::string recompute = "none";     // none, swiglu, experts
+  std::string grad_dtype = "fp32";    // main gradients: fp32 or bf16
+  bool cuda_graphs = true;            // the step replays as a CUDA graph
+  int kernels_per_layer = 30;         // kernel launches of one MoE layer, forward + backward
+  double reserve_gb = 6.0;            // memory for everything that is not an MoE layer
+};
+
+struct WallsInput {
+  ModelSpec model;
+  LayoutSpec layout;
+  TrainingSpec train;
+  GpuSpec gpu;
+};
+
+enum class Severity { error, warning };
+struct Finding {
+  Severity severity = Severity::error;
+  std::string field;    // the parameter the message is about
+  std::string message;  // "field = value is invalid: allowed ..." (errors) or advice (warnings)
+};
+
+// Every rule that does not need the simulator, in a fixed order (docs/plan.md lists them).
+std::vector<Finding> check(const WallsInput& in);
+// Throws ConfigError for the first error of check(in).
+void validate(const WallsInput& in);
+
+// Imbalance the plan is sized for: busiest rank / mean under ECHO at the chosen spare slots.
+struct Imbalance {
+  double mean = 1.0, p99 = 1.0;
+  double spill_fraction = 0.0;  // share of (step, layer) samples above the capacity factor
+  std::string source = "assumed";  // "simulated ..." or "given"
+};
+// The capacity-factor rule: a warning when capacity_factor < the p99 imbalance (or the mean).
+std::vector<Finding> check_capacity(const WallsInput& in, const Imbalance& imb);
+
+struct MemoryBreakdown {
+  double weights_gb = 0, spare_weights_gb = 0, grads_gb = 0, spare_grads_gb = 0,
+         optimizer_gb = 0;
+  double activations_gb = 0;  // saved for backward (after the chosen recompute)
+  double buffers_gb = 0;      // transient workspace (receive/combine windows, gradients)
+  double reserve_gb = 0;
+  double total_gb = 0, capacity_gb = 0;
+  double microbatches_in_flight = 1;  // on the first pipeline stage (layer-micro-batches / Lp)
+  double recompute_swiglu_saves_gb = 0, recompute_experts_saves_gb = 0;
+  bool fits() const { return total_gb <= capacity_gb; }
+};
+
+struct LayerTimes {
+  int64_t tokens = 0;          // T per GPU per micro-batch
+  int64_t capacity_rows = 0;   // receive window rows per GPU
+  double dispatch_bytes = 0;   // forward, leaving one GPU to other EP ranks (balanced)
+  double combine_bytes = 0;
+  double etp_bytes = 0;        // forward, ETP all-gather of received rows (0 when etp = 1)
+  double clone_bytes = 0;      // clone weights in + gradients out
+  double comm_ms = 0;          // dispatch + combine + ETP, forward + backward, busiest rank
+  double clone_ms = 0;
+  double gemm_ms = 0;          // expert GEMMs forward + backward (+ recompute), busiest rank
+  double host_ms = 0;          // kernel launch overhead
+  double layer_ms = 0;         // max(gpu time, host time); gpu = overlap ? max : sum
+  double exposed_comm_ms = 0;
+};
+
+struct SpareSlotOption {
+  int spare_slots = 0;
+  int max_clones = 0;
+  double mean = 0, p99 = 0;   // ECHO busiest rank / mean
+  double clones_per_step = 0;
+  double memory_gb = 0;       // spare-slot weights and gradients per GPU
+};
+
+struct Suggestion {
+  int spare_slots = 0;
+  int max_clones = 0;
+  double capacity_factor = 1.0;
+  std::vector<SpareSlotOption> sweep;
+  std::string reason;
+};
+
+struct WallsReport {
+  int world_size = 0;
+  int layers_per_stage = 0;
+  MemoryBreakdown memory;
+  LayerTimes layer;
+  double stage_ms = 0;  // layers_per_stage * layer_ms: MoE time of one micro-batch on a stage
+  std::string binding_wall;   // memory, communication, compute, host-overhead
+  std::string reason;
+  std::vector<std::string> advice;
+  Imbalance imbalance;
+  std::vector<Finding> findings;
+};
+
+// Memory, times and the binding wall at `imbalance` (validate first).
+WallsReport estimate_walls(const WallsInput& in, const Imbalance& imbalance);
+
+// Runs the simulator (generator, or `trace` when non-null) with ECHO at the layout's EP size
+// for every pair of spare slots in `spare_slots` and max clones in `max_clones` (plus the
+// training spec's own pair; max clones above ep - 1 are dropped), and suggests the first pair in
+// (spare slots, max clones) order whose p99 is within 2% of the best, with a capacity factor at
+// that p99 rounded up to 0.05. The routing counts are generated once and reused (ECHO's loads
+// depend on the per-expert totals only). `results`, when given, gets one simulation per sweep
+// entry, in the same order.
+struct SweepOptions {
+  int steps = 200;
+  int layers = 4;
+  int threads = 2;
+  uint64_t seed = 1;
+  std::vector<int> spare_slots{0, 1, 2, 4};
+  std::vector<int> max_clones{2, 4, 8};
+};
+Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSource* trace,
+                   std::vector<SimulationResult>* results = nullptr);
+
+// Bytes per element of "bf16", "fp16", "fp32".
+int dtype_bytes(const std::string& dtype);
+
+}  // namespace moe_echo::tools
