@@ -17,6 +17,18 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
 fi
 
+# CUDA builds need the CUTLASS 4.2 headers: the pinned PyPI wheel's, copied into third_party/.
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -f third_party/cutlass/include/cutlass/cutlass.h ]; then
+  echo "setup: installing CUTLASS 4.2 headers (nvidia-cutlass==4.2.0.0) into third_party/cutlass"
+  tmp=$(mktemp -d)
+  python3 -m pip install -q --no-deps --target "$tmp" nvidia-cutlass==4.2.0.0
+  mkdir -p third_party/cutlass/tools/util
+  rm -rf third_party/cutlass/include third_party/cutlass/tools/util/include
+  cp -r "$tmp/cutlass_library/source/include" third_party/cutlass/include
+  cp -r "$tmp/cutlass_library/source/tools/util/include" third_party/cutlass/tools/util/include
+  rm -rf "$tmp"
+fi
+
 build_dir=${BUILD_DIR:-build}
 jobs=${JOBS:-$(nproc)}
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release ${CMAKE_ARGS:-} >/dev/null

@@ -81,7 +81,7 @@ struct GemmArgs {
   GroupWindow window;
   Tensor a;  // fprop: x [rows, K]          dgrad: dy [rows, N]     wgrad: x [rows, K]
   Tensor b;  // fprop: w [G, K, N]          dgrad: w [G, K, N]      wgrad: dy [rows, N]
-  Tensor c;  // fprop: out y [rows, N]      dgrad: out dx [rows, K] wgrad: += dw [G, K, N]
+  Tensor c;  // fprop: out y [rows, N]      dgrad: out dx [rows, K] wgrad: += dw [G, K, N] float
 };
 
 struct SwigluArgs {
@@ -107,9 +107,18 @@ struct CombineBackwardArgs {
 };
 
 struct AdamWArgs {
-  Tensor param, grad, m, v;  // same shape; param in its dtype, m and v float
+  Tensor param, grad, m, v;  // same shape; param in its dtype, grad, m and v float
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   int64_t step = 1;  // 1-based, for bias correction
+};
+
+// What one layer's per-step ops will need at most; given to Backend::reserve at layer build so a
+// backend can size fixed workspaces (GEMM schedules, scratch) before any step runs.
+struct Reservation {
+  int max_groups = 0;      // expert slots per rank
+  int64_t max_rows = 0;    // receive window rows (the capacity)
+  int64_t max_tokens = 0;  // tokens per rank
+  int hidden = 0, ffn = 0, experts = 0, top_k = 0, ranks = 1;
 };
 
 class Backend {
@@ -125,6 +134,8 @@ class Backend {
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void synchronize() = 0;
+  // Build time (may allocate): called by every layer built on this backend.
+  virtual void reserve(const Reservation& r) {}
 
   // Per-step ops (capture-safe).
   virtual void fill_zero(const Tensor& t, Stream s) = 0;

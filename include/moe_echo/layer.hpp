@@ -5,7 +5,7 @@
 // symmetric buffers are registered with the communicator). forward() and backward() allocate
 // nothing and never wait on the host; every rank of the layer must call them in the same order.
 //
-// Gradients accumulate (+=) across backward calls until zero_grad(). Home expert weights are
+// Gradients accumulate (+=) across backward calls until zero_grad(), in the backend's float dtype. Home expert weights are
 // the parameters; spare slots hold clones for one step only and are not parameters.
 #pragma once
 
@@ -88,8 +88,8 @@ class MoeLayer {
   size_t workspace_bytes() const;
 
  private:
-  void run_round(int round, const Tensor& x, int64_t T);
-  void run_round_backward(int round, const Tensor& x, int64_t T);
+  void run_round(int round, const Tensor& x, int64_t T, Stream s);
+  void run_round_backward(int round, const Tensor& x, int64_t T, Stream s);
   void init_parameters(uint64_t seed);
 
   struct Buffers;

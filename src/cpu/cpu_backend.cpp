@@ -105,13 +105,4 @@ class CpuBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cpu_backend(DType dtype) { return std::make_unique<CpuBackend>(dtype); }
 
-bool cuda_backend_available() { return false; }
-
-std::unique_ptr<Backend> make_backend(const std::string& name) {
-  if (name == "cpu") return make_cpu_backend(DType::f32);
-  if (name == "auto") return make_cpu_backend(DType::f32);
-  throw ConfigError("backend", "backend = '" + name + "' is invalid: allowed auto or cpu" +
-                                   std::string(cuda_backend_available() ? " or cuda" : ""));
-}
-
 }  // namespace moe_echo

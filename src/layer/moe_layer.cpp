@@ -70,6 +70,17 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   capacity_ = capacity_rows(moe, echo);
   rounds_ = max_rounds(moe, par, echo);
 
+  Reservation reservation;
+  reservation.max_groups = slots_;
+  reservation.max_rows = capacity_;
+  reservation.max_tokens = moe.max_tokens;
+  reservation.hidden = moe.hidden;
+  reservation.ffn = moe.ffn;
+  reservation.experts = moe.experts;
+  reservation.top_k = moe.top_k;
+  reservation.ranks = par.ep_size;
+  backend.reserve(reservation);
+
   buf_ = std::make_unique<Buffers>();
   Buffers& b = *buf_;
   const DType act = backend.activation_dtype(), fl = backend.float_dtype();
@@ -93,8 +104,8 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   b.d_router_weight = dev(fl, {E, H});
   b.w1 = sym(b.w1_sym, act, {G, H, 2 * F});
   b.w2 = sym(b.w2_sym, act, {G, F, H});
-  b.dw1 = sym(b.dw1_sym, act, {G, H, 2 * F});
-  b.dw2 = sym(b.dw2_sym, act, {G, F, H});
+  b.dw1 = sym(b.dw1_sym, fl, {G, H, 2 * F});  // gradients accumulate in the float dtype
+  b.dw2 = sym(b.dw2_sym, fl, {G, F, H});
   b.m_router = dev(fl, {E, H});
   b.v_router = dev(fl, {E, H});
   b.m_w1 = dev(fl, {EPR, H, 2 * F});
@@ -280,9 +291,9 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
 
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
-      run_round(0, x, T);
+      run_round(0, x, T, s);
     else
-      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] { run_round(r, x, T); }, s);
+      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] { run_round(r, x, T, s); }, s);
   }
 
   CombineArgs ca;
@@ -292,9 +303,8 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   backend_.combine_forward(ca, s);
 }
 
-void MoeLayer::run_round(int round, const Tensor& x, int64_t T) {
+void MoeLayer::run_round(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
-  const Stream s = nullptr;
   const int64_t K = moe_.top_k;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
@@ -329,10 +339,10 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   }
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
-      run_round_backward(0, last_x_, T);
+      run_round_backward(0, last_x_, T, s);
     else
       backend_.run_if(b.round_active.as<int32_t>() + r,
-                      [&, r] { run_round_backward(r, last_x_, T); }, s);
+                      [&, r] { run_round_backward(r, last_x_, T, s); }, s);
   }
 
   // dx[t] = sum_k dx rows (the combine weight was applied to dy already), then the router.
@@ -368,9 +378,8 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
     backend_.router_bias_update(b.routing_map, b.router_bias, moe_.bias_update_rate, s);
 }
 
-void MoeLayer::run_round_backward(int round, const Tensor& x, int64_t T) {
+void MoeLayer::run_round_backward(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
-  const Stream s = nullptr;
   const int64_t K = moe_.top_k;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
