@@ -1,0 +1,305 @@
+// `moe-echo plan`: every validation rule (errors name the parameter, its value and what is
+// allowed; warnings name the parameter), the memory and time formulas against hand computation,
+// which wall binds, and the simulator's suggestion of spare slots and capacity factor.
+#include "tools/walls.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::tools {
+namespace {
+
+// A small valid input: 8 GPUs of one node, EP 8, Qwen3-like sizes.
+WallsInput base() {
+  WallsInput in;
+  in.model = model_preset("qwen3-30b-a3b");
+  in.model.seq_len = 4096;
+  in.layout.ep = 8;
+  in.gpu = gpu_preset("h200");
+  return in;
+}
+
+const Finding* find(const std::vector<Finding>& f, const std::string& field, Severity s) {
+  for (const Finding& x : f)
+    if (x.field == field && x.severity == s) return &x;
+  return nullptr;
+}
+
+struct Rule {
+  std::string name;
+  std::function<void(WallsInput&)> mutate;
+  std::string field;
+  std::string message;  // a substring of the message
+};
+
+TEST(WallsValidation, BaseInputIsClean) {
+  EXPECT_TRUE(check(base()).empty());
+  EXPECT_NO_THROW(validate(base()));
+}
+
+TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
+  const std::vector<Rule> rules = {
+      {"hidden", [](WallsInput& i) { i.model.hidden = 0; }, "hidden", "hidden = 0 is invalid: allowed hidden >= 1"},
+      {"ffn", [](WallsInput& i) { i.model.ffn = -2; }, "ffn", "ffn = -2 is invalid: allowed ffn >= 1"},
+      {"experts", [](WallsInput& i) { i.model.experts = 0; }, "experts", "experts = 0 is invalid"},
+      {"layers", [](WallsInput& i) { i.model.layers = 0; }, "layers", "layers = 0 is invalid"},
+      {"seq_len", [](WallsInput& i) { i.model.seq_len = 0; }, "seq_len", "seq_len = 0 is invalid"},
+      {"micro_batch", [](WallsInput& i) { i.model.micro_batch = 0; }, "micro_batch", "micro_batch = 0 is invalid"},
+      {"ep", [](WallsInput& i) { i.layout.ep = 0; }, "ep", "ep = 0 is invalid: allowed ep >= 1"},
+      {"etp", [](WallsInput& i) { i.layout.etp = 0; }, "etp", "etp = 0 is invalid"},
+      {"dp", [](WallsInput& i) { i.layout.dp = 0; }, "dp", "dp = 0 is invalid"},
+      {"pp", [](WallsInput& i) { i.layout.pp = 0; }, "pp", "pp = 0 is invalid"},
+      {"vpp", [](WallsInput& i) { i.layout.vpp = 0; }, "vpp", "vpp = 0 is invalid"},
+      {"kernels", [](WallsInput& i) { i.train.kernels_per_layer = 0; }, "kernels_per_layer", "kernels_per_layer = 0 is invalid"},
+      {"top_k", [](WallsInput& i) { i.model.top_k = 129; }, "top_k", "top_k = 129 is invalid: allowed 1 <= top_k <= experts (128)"},
+      {"dtype", [](WallsInput& i) { i.model.dtype = "fp8"; }, "dtype", "dtype = 'fp8' is invalid: allowed bf16, fp16 or fp32"},
+      {"grad_dtype", [](WallsInput& i) { i.train.grad_dtype = "fp16"; }, "grad_dtype", "grad_dtype = 'fp16' is invalid: allowed fp32 or bf16"},
+      {"recompute", [](WallsInput& i) { i.train.recompute = "all"; }, "recompute", "recompute = 'all' is invalid: allowed none, swiglu or experts"},
+      {"capacity_factor", [](WallsInput& i) { i.train.capacity_factor = 0; }, "capacity_factor", "capacity_factor = 0 is invalid: allowed a finite value > 0"},
+      {"spare_slots", [](WallsInput& i) { i.train.spare_slots = -1; }, "spare_slots", "spare_slots = -1 is invalid"},
+      {"max_clones", [](WallsInput& i) { i.train.max_clones = -1; }, "max_clones", "max_clones = -1 is invalid"},
+      {"reserve_gb", [](WallsInput& i) { i.train.reserve_gb = -1; }, "reserve_gb", "reserve_gb = -1 is invalid"},
+      {"experts % ep", [](WallsInput& i) { i.layout.ep = 6; }, "experts", "experts = 128 is invalid: allowed a multiple of ep (6)"},
+      {"ffn % etp", [](WallsInput& i) { i.layout.etp = 5; }, "etp", "etp = 5 is invalid: allowed a divisor of ffn (768)"},
+      {"layers % pp", [](WallsInput& i) { i.layout.pp = 5; }, "pp", "pp = 5 is invalid: allowed a divisor of layers (48)"},
+      {"vpp needs pp", [](WallsInput& i) { i.layout.vpp = 2; }, "vpp", "vpp = 2 is invalid: allowed vpp = 1 when pp = 1"},
+      {"vpp divides stage", [](WallsInput& i) { i.layout.pp = 4; i.layout.vpp = 5; }, "vpp", "vpp = 5 is invalid: allowed a divisor of the layers per pipeline stage (12)"},
+      {"overlap needs ep > 1", [](WallsInput& i) { i.layout.ep = 1; i.train.overlap = true; }, "overlap", "overlap = true is invalid: allowed only with ep > 1"},
+      {"overlap needs 16-bit", [](WallsInput& i) { i.model.dtype = "fp32"; i.train.overlap = true; }, "dtype", "dtype = fp32 is invalid: allowed bf16 or fp16 with overlap"},
+      {"overlap with pp needs vpp", [](WallsInput& i) { i.layout.pp = 4; i.train.overlap = true; }, "vpp", "vpp = 1 is invalid: allowed vpp >= 2 with overlap and pp = 4"},
+      {"rows fit int32", [](WallsInput& i) { i.model.micro_batch = 100000; }, "micro_batch", "micro_batch = 100000 is invalid: allowed seq_len * micro_batch * top_k * etp <= 2^31-1"},
+      {"capacity fits int32", [](WallsInput& i) { i.model.micro_batch = 60000; i.train.capacity_factor = 2; }, "capacity_factor", "capacity_factor = 2 is invalid: allowed capacity_factor * seq_len"},
+      {"gpu constants", [](WallsInput& i) { i.gpu.network_gbps = 0; }, "network_gbps", "network_gbps = 0 is invalid: allowed a finite value > 0"},
+      {"gpus per node", [](WallsInput& i) { i.gpu.gpus_per_node = 0; }, "gpus_per_node", "gpus_per_node = 0 is invalid"},
+  };
+  for (const Rule& r : rules) {
+    WallsInput in = base();
+    r.mutate(in);
+    const std::vector<Finding> f = check(in);
+    const Finding* hit = find(f, r.field, Severity::error);
+    ASSERT_NE(hit, nullptr) << r.name << ": no error for " << r.field;
+    EXPECT_NE(hit->message.find(r.message), std::string::npos)
+        << r.name << "\ngot:  " << hit->message << "\nwant: " << r.message;
+    try {
+      validate(in);
+      ADD_FAILURE() << r.name << ": validate did not throw";
+    } catch (const ConfigError& e) {
+      EXPECT_FALSE(e.field().empty()) << r.name;
+    }
+  }
+}
+
+TEST(WallsValidation, EveryWarningRuleNamesTheParameter) {
+  const std::vector<Rule> rules = {
+      {"spare slots with ep 1", [](WallsInput& i) { i.layout.ep = 1; }, "spare_slots", "spare_slots = 1 has no effect with ep = 1"},
+      {"spare slots without clones", [](WallsInput& i) { i.train.max_clones = 0; }, "max_clones", "max_clones = 0 leaves the 1 spare slot(s) empty"},
+      {"etp beyond the node", [](WallsInput& i) { i.layout.etp = 16; }, "etp", "etp = 16 does not fit the 8-GPU NVLink domain"},
+      {"ep spans nodes", [](WallsInput& i) { i.layout.ep = 32; }, "ep", "ep * etp = 32 GPUs spans 4 nodes: 75% of dispatch/combine traffic crosses the network"},
+      {"few rows per expert", [](WallsInput& i) { i.model.seq_len = 128; }, "micro_batch", "rows per local expert per micro-batch"},
+      {"overlap without graphs", [](WallsInput& i) { i.train.overlap = true; i.train.cuda_graphs = false; }, "cuda_graphs", "overlap without CUDA graphs"},
+  };
+  for (const Rule& r : rules) {
+    WallsInput in = base();
+    r.mutate(in);
+    const std::vector<Finding> f = check(in);
+    const Finding* hit = find(f, r.field, Severity::warning);
+    ASSERT_NE(hit, nullptr) << r.name;
+    EXPECT_NE(hit->message.find(r.message), std::string::npos)
+        << r.name << "\ngot:  " << hit->message << "\nwant: " << r.message;
+    EXPECT_NO_THROW(validate(in)) << r.name << ": a warning must not stop the run";
+  }
+}
+
+TEST(WallsValidation, CapacityFactorBelowThePlannedImbalanceSpills) {
+  WallsInput in = base();
+  Imbalance imb;
+  imb.mean = 1.3;
+  imb.p99 = 1.6;
+  imb.source = "test";
+  in.train.capacity_factor = 1.25;  // below the mean: every step
+  imb.spill_fraction = 0.7;
+  auto f = check_capacity(in, imb);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_EQ(f[0].field, "capacity_factor");
+  EXPECT_EQ(f[0].severity, Severity::warning);
+  EXPECT_NE(f[0].message.find("capacity_factor = 1.25 is below the planned imbalance"), std::string::npos) << f[0].message;
+  EXPECT_NE(f[0].message.find("spills every step"), std::string::npos);
+  EXPECT_NE(f[0].message.find("capacity_factor >= 1.60"), std::string::npos) << f[0].message;
+  in.train.capacity_factor = 1.4;  // between mean and p99: a share of steps
+  imb.spill_fraction = 0.123;
+  f = check_capacity(in, imb);
+  ASSERT_EQ(f.size(), 1u);
+  EXPECT_NE(f[0].message.find("spills on 12.3% of layer-steps"), std::string::npos) << f[0].message;
+  in.train.capacity_factor = 1.6;  // at the p99: fine
+  imb.spill_fraction = 0.01;
+  EXPECT_TRUE(check_capacity(in, imb).empty());
+  // the estimate carries it into its findings
+  in.train.capacity_factor = 1.0;
+  imb.spill_fraction = 1.0;
+  const WallsReport r = estimate_walls(in, imb);
+  EXPECT_NE(find(r.findings, "capacity_factor", Severity::warning), nullptr);
+}
+
+TEST(WallsModel, Presets) {
+  const ModelSpec d = model_preset("DeepSeek-V3");
+  EXPECT_EQ(d.hidden, 7168);
+  EXPECT_EQ(d.ffn, 2048);
+  EXPECT_EQ(d.experts, 256);
+  EXPECT_EQ(d.top_k, 8);
+  EXPECT_EQ(d.layers, 58);
+  const ModelSpec m = model_preset("mixtral-8x7b");
+  EXPECT_EQ(m.experts, 8);
+  EXPECT_EQ(m.top_k, 2);
+  try {
+    model_preset("gpt-5");
+    ADD_FAILURE();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.field(), "model");
+    EXPECT_NE(std::string(e.what()).find("model = 'gpt-5' is invalid: allowed deepseek-v3, qwen3-30b-a3b or mixtral-8x7b"), std::string::npos);
+  }
+}
+
+TEST(WallsModel, MemoryMatchesHandComputation) {
+  WallsInput in = base();  // H 2048, F 768, E 128, K 8, 48 layers, EP 8
+  in.layout.dp = 4;
+  in.layout.pp = 4;
+  in.layout.vpp = 2;
+  in.train.spare_slots = 2;
+  Imbalance imb;
+  const WallsReport r = estimate_walls(in, imb);
+  const double P = 3.0 * 2048 * 768, local = 16, Lp = 12;
+  const double inflight = 4 * (1 + 3.0 / 8);  // interleaved 1F1B on the first stage
+  EXPECT_EQ(r.layers_per_stage, 12);
+  EXPECT_EQ(r.world_size, 8 * 4 * 4);
+  EXPECT_DOUBLE_EQ(r.memory.microbatches_in_flight, inflight);
+  EXPECT_NEAR(r.memory.weights_gb, Lp * local * P * 2 / 1e9, 1e-12);
+  EXPECT_NEAR(r.memory.grads_gb, Lp * local * P * 4 / 1e9, 1e-12);       // fp32 main grads
+  EXPECT_NEAR(r.memory.optimizer_gb, Lp * local * P * 12 / 4 / 1e9, 1e-12);  // sharded over dp
+  EXPECT_NEAR(r.memory.spare_weights_gb, Lp * inflight * 2 * P * 2 / 1e9, 1e-12);
+  EXPECT_NEAR(r.memory.spare_grads_gb, 2 * P * 2 / 1e9, 1e-12);
+  const double T = 4096, K = 8, cap = std::ceil(1.25 * T * K), H = 2048, F = 768;
+  EXPECT_EQ(r.layer.capacity_rows, int64_t(cap));
+  const double saved = cap * H * 2 + cap * 2 * F * 2 + cap * F * 2 + T * K * 8 + T * 128 * 8;
+  EXPECT_NEAR(r.memory.activations_gb, Lp * inflight * saved / 1e9, 1e-9);
+  EXPECT_NEAR(r.memory.recompute_swiglu_saves_gb, Lp * inflight * cap * F * 2 / 1e9, 1e-9);
+  EXPECT_NEAR(r.memory.recompute_experts_saves_gb, Lp * inflight * cap * 3 * F * 2 / 1e9, 1e-9);
+  const double sum = r.memory.weights_gb + r.memory.grads_gb + r.memory.optimizer_gb +
+                     r.memory.spare_weights_gb + r.memory.spare_grads_gb +
+                     r.memory.activations_gb + r.memory.buffers_gb + r.memory.reserve_gb;
+  EXPECT_NEAR(r.memory.total_gb, sum, 1e-9);
+  // recompute applies its saving; no distributed optimizer keeps the whole state
+  in.train.recompute = "experts";
+  in.train.distributed_optimizer = false;
+  const WallsReport r2 = estimate_walls(in, imb);
+  EXPECT_NEAR(r2.memory.activations_gb, r.memory.activations_gb - r.memory.recompute_experts_saves_gb, 1e-9);
+  EXPECT_NEAR(r2.memory.optimizer_gb, 4 * r.memory.optimizer_gb, 1e-9);
+}
+
+TEST(WallsModel, TimesMatchTheCostModel) {
+  WallsInput in = base();
+  Imbalance imb;
+  imb.mean = 1.2;
+  imb.p99 = 1.5;
+  const WallsReport r = estimate_walls(in, imb);
+  const CostModel cost{in.gpu};
+  const double T = 4096, K = 8, H = 2048, F = 768;
+  EXPECT_EQ(r.layer.tokens, 4096);
+  EXPECT_NEAR(r.layer.dispatch_bytes, T * K * 7.0 / 8 * H * 2, 1e-6);
+  EXPECT_NEAR(r.layer.gemm_ms, cost.gemm_ms(18 * T * K * 1.2 * H * F), 1e-12);
+  EXPECT_NEAR(r.layer.comm_ms, 4 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8), 1e-12);
+  EXPECT_NEAR(r.layer.clone_bytes, 3 * H * F * 4, 1e-6);
+  EXPECT_NEAR(r.layer.host_ms, 30 * 0.5e-3, 1e-12);
+  EXPECT_NEAR(r.layer.layer_ms, r.layer.gemm_ms + r.layer.comm_ms + r.layer.clone_ms, 1e-12);
+  EXPECT_NEAR(r.stage_ms, 48 * r.layer.layer_ms, 1e-9);
+  in.train.overlap = true;
+  const WallsReport o = estimate_walls(in, imb);
+  EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms), 1e-12);
+}
+
+TEST(WallsModel, EachWallBindsWhereItShould) {
+  Imbalance imb;
+  {  // memory: a tiny GPU
+    WallsInput in = base();
+    in.gpu.memory_gb = 10;
+    const WallsReport r = estimate_walls(in, imb);
+    EXPECT_EQ(r.binding_wall, "memory");
+    EXPECT_FALSE(r.memory.fits());
+    EXPECT_FALSE(r.advice.empty());
+  }
+  {  // communication: EP across nodes over a slow network
+    WallsInput in = base();
+    in.layout.ep = 64;
+    in.layout.pp = 4;
+    const WallsReport r = estimate_walls(in, imb);
+    EXPECT_EQ(r.binding_wall, "communication") << r.reason;
+  }
+  {  // compute: big experts inside one node
+    WallsInput in = base();
+    in.model = model_preset("mixtral-8x7b");
+    in.layout.ep = 8;
+    in.layout.pp = 8;
+    in.gpu.memory_gb = 1000;
+    const WallsReport r = estimate_walls(in, imb);
+    EXPECT_EQ(r.binding_wall, "compute") << r.reason;
+  }
+  {  // host overhead: a tiny layer launched without CUDA graphs
+    WallsInput in = base();
+    in.model.hidden = 256;
+    in.model.ffn = 128;
+    in.model.seq_len = 256;
+    in.train.cuda_graphs = false;
+    const WallsReport r = estimate_walls(in, imb);
+    EXPECT_EQ(r.binding_wall, "host-overhead") << r.reason;
+  }
+}
+
+TEST(WallsSuggest, SweepsSpareSlotsAndClonesAndPicksTheFewestNearTheBest) {
+  WallsInput in;
+  in.model.hidden = 256;
+  in.model.ffn = 128;
+  in.model.experts = 32;
+  in.model.top_k = 4;
+  in.model.layers = 4;
+  in.model.seq_len = 1024;
+  in.layout.ep = 8;
+  SweepOptions opt;
+  opt.steps = 60;
+  opt.layers = 2;
+  std::vector<SimulationResult> runs;
+  const Suggestion s = suggest(in, opt, nullptr, &runs);
+  // (0, 0), then spare slots 1, 2, 4 with clones 2, 4, 7 (8 capped at ep - 1)
+  ASSERT_EQ(s.sweep.size(), 10u);
+  ASSERT_EQ(runs.size(), s.sweep.size());
+  EXPECT_EQ(s.sweep[0].spare_slots, 0);
+  EXPECT_EQ(s.sweep[0].max_clones, 0);
+  EXPECT_EQ(s.sweep[0].memory_gb, 0.0);
+  EXPECT_EQ(s.sweep[3].max_clones, 7);
+  double best = 1e9;
+  for (size_t i = 0; i < s.sweep.size(); ++i) {
+    best = std::min(best, s.sweep[i].p99);
+    EXPECT_EQ(runs[i].config.spare_slots, s.sweep[i].spare_slots);
+    EXPECT_EQ(runs[i].config.max_clones, s.sweep[i].max_clones);
+  }
+  const SpareSlotOption* chosen = nullptr;
+  for (const SpareSlotOption& o : s.sweep)
+    if (o.spare_slots == s.spare_slots && o.max_clones == s.max_clones) chosen = &o;
+  ASSERT_NE(chosen, nullptr);
+  EXPECT_LE(chosen->p99, best * 1.02);
+  for (const SpareSlotOption& o : s.sweep)  // nothing earlier in the order qualifies
+    if (&o == chosen) break;
+    else EXPECT_GT(o.p99, best * 1.02);
+  EXPECT_GE(s.capacity_factor, chosen->p99);
+  EXPECT_LT(s.capacity_factor, chosen->p99 + 0.05 + 1e-9);
+  EXPECT_NEAR(s.capacity_factor * 20, std::round(s.capacity_factor * 20), 1e-9);
+  EXPECT_LT(s.sweep[0].p99, 10.0);
+  EXPECT_LT(chosen->p99, s.sweep[0].p99);  // clones help on the default skew
+}
+
+}  // namespace
+}  // namespace moe_echo::tools
