@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what MoE Echo needs to build: Debian packages, and, where nvcc exists, the CUTLASS 4.2
+# headers of the pinned PyPI wheel (into the git-ignored third_party/cutlass).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  sudo_cmd=""
+  [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${missing[@]}"
+fi
+
+# CUDA builds need the CUTLASS 4.2 headers: the pinned PyPI wheel's, copied into third_party/.
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -f third_party/cutlass/include/cutlass/cutlass.h ]; then
+  echo "setup: installing CUTLASS 4.2 headers (nvidia-cutlass==4.2.0.0) into third_party/cutlass"
+  tmp=$(mktemp -d)
+  python3 -m pip install -q --no-deps --target "$tmp" nvidia-cutlass==4.2.0.0
+  mkdir -p third_party/cutlass/tools/util
+  rm -rf third_party/cutlass/include third_party/cutlass/tools/util/include
+  cp -r "$tmp/cutlass_library/source/include" third_party/cutlass/include
+  cp -r "$tmp/cutlass_library/source/tools/util/include" third_party/cutlass/tools/util/include
+  rm -rf "$tmp"
+fi
