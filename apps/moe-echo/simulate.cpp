@@ -181,7 +181,14 @@ int run_simulate(const SimulateOptions& o) {
                    {"grad_bytes", c.grad_bytes},
                    {"seed", o.seed},
                    {"trace", res.trace}};
-    if (o.trace.empty()) j["config"]["tokens"] = o.tokens;
+    if (const auto* gen = dynamic_cast<const TraceGenerator*>(source.get())) {
+      const GeneratorConfig& g = gen->config();
+      std::vector<double> zipf;
+      for (int l = 0; l < g.layers; ++l) zipf.push_back(g.zipf_exponent(l));
+      j["config"]["generator"] = {{"tokens", g.tokens},           {"zipf_per_layer", zipf},
+                                  {"drift_std", g.drift_std},     {"drift_steps", g.drift_steps},
+                                  {"switch_prob", g.switch_prob}, {"seed", g.seed}};
+    }
     j["cost_model"] = {{"gpu", gpu.name},
                        {"gemm_tflops", gpu.gemm_tflops},
                        {"nvlink_gbps", gpu.nvlink_gbps},
