@@ -88,8 +88,7 @@ int run_plan(const PlanOptions& o) {
     std::vector<SimulationResult> runs;
     sug = suggest(in, o.sweep, trace.get(), &runs);
     simulated = true;
-    const int want_clones =
-        in.train.spare_slots == 0 ? 0 : std::min(in.train.max_clones, l.ep - 1);
+    const int want_clones = in.train.spare_slots == 0 ? 0 : std::min(in.train.max_clones, l.ep - 1);
     for (const SimulationResult& r : runs)
       if (r.config.spare_slots == in.train.spare_slots && r.config.max_clones == want_clones) {
         const PolicyStats& p = r.policies[0];
@@ -156,10 +155,9 @@ int run_plan(const PlanOptions& o) {
   for (const std::string& a : rep.advice) out << "  - " << a << "\n";
   if (simulated) {
     out << "\nsuggestion: --spare-slots " << sug.spare_slots << " --max-clones " << sug.max_clones
-        << " --capacity-factor "
-        << fmt(sug.capacity_factor, 2) << " (" << sug.reason << ")\n";
-    std::snprintf(line, sizeof line, "  %11s %10s %9s %7s %12s %10s\n", "spare slots",
-                  "max clones", "max/mean", "p99", "clones/step", "memory GB");
+        << " --capacity-factor " << fmt(sug.capacity_factor, 2) << " (" << sug.reason << ")\n";
+    std::snprintf(line, sizeof line, "  %11s %10s %9s %7s %12s %10s\n", "spare slots", "max clones",
+                  "max/mean", "p99", "clones/step", "memory GB");
     out << line;
     for (const SpareSlotOption& s : sug.sweep) {
       std::snprintf(line, sizeof line, "  %11d %10d %9.3f %7.3f %12.1f %10.2f\n", s.spare_slots,
@@ -174,11 +172,13 @@ int run_plan(const PlanOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json j;
     j["tool"] = "moe-echo plan";
-    j["model"] = {{"name", m.name},       {"hidden", m.hidden},   {"ffn", m.ffn},
-                  {"experts", m.experts}, {"top_k", m.top_k},     {"layers", m.layers},
-                  {"seq_len", m.seq_len}, {"micro_batch", m.micro_batch}, {"dtype", m.dtype}};
-    j["layout"] = {{"ep", l.ep}, {"etp", l.etp}, {"dp", l.dp}, {"pp", l.pp}, {"vpp", l.vpp},
-                   {"world_size", rep.world_size}};
+    j["model"] = {{"name", m.name},       {"hidden", m.hidden},
+                  {"ffn", m.ffn},         {"experts", m.experts},
+                  {"top_k", m.top_k},     {"layers", m.layers},
+                  {"seq_len", m.seq_len}, {"micro_batch", m.micro_batch},
+                  {"dtype", m.dtype}};
+    j["layout"] = {{"ep", l.ep}, {"etp", l.etp}, {"dp", l.dp},
+                   {"pp", l.pp}, {"vpp", l.vpp}, {"world_size", rep.world_size}};
     const TrainingSpec& t = in.train;
     j["training"] = {{"capacity_factor", t.capacity_factor},
                      {"spare_slots", t.spare_slots},
@@ -198,8 +198,10 @@ int run_plan(const PlanOptions& o) {
                 {"gpus_per_node", in.gpu.gpus_per_node},
                 {"launch_us", in.gpu.launch_us},
                 {"graph_node_us", in.gpu.graph_node_us}};
-    j["imbalance"] = {{"mean", imb.mean}, {"p99", imb.p99},
-                      {"spill_fraction", imb.spill_fraction}, {"source", imb.source}};
+    j["imbalance"] = {{"mean", imb.mean},
+                      {"p99", imb.p99},
+                      {"spill_fraction", imb.spill_fraction},
+                      {"source", imb.source}};
     j["memory_gb"] = {{"weights", mem.weights_gb},
                       {"grads", mem.grads_gb},
                       {"optimizer", mem.optimizer_gb},
@@ -273,13 +275,15 @@ void add_plan(CLI::App& app, Runner& run) {
   cmd->add_option("--top-k", o->top_k, "experts per token K");
   cmd->add_option("--layers", o->layers, "MoE layers");
   cmd->add_option("--seq-len", o->seq_len, "sequence length")->capture_default_str();
-  cmd->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")->capture_default_str();
+  cmd->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")
+      ->capture_default_str();
   cmd->add_option("--dtype", o->dtype, "bf16, fp16 or fp32")->capture_default_str();
   cmd->add_option("--ep", o->layout.ep, "expert parallel size")->capture_default_str();
   cmd->add_option("--etp", o->layout.etp, "expert tensor parallel size")->capture_default_str();
   cmd->add_option("--dp", o->layout.dp, "expert data parallel size")->capture_default_str();
   cmd->add_option("--pp", o->layout.pp, "pipeline parallel size")->capture_default_str();
-  cmd->add_option("--vpp", o->layout.vpp, "virtual pipeline stages per rank")->capture_default_str();
+  cmd->add_option("--vpp", o->layout.vpp, "virtual pipeline stages per rank")
+      ->capture_default_str();
   cmd->add_option("--gpu", o->gpu, "h200 or h100")->capture_default_str();
   cmd->add_option("--measured", o->measured, "measured-results JSON overriding the GPU constants");
   cmd->add_option("--memory-gb", o->memory_gb, "GPU memory, GB");
@@ -289,23 +293,30 @@ void add_plan(CLI::App& app, Runner& run) {
   cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
   cmd->add_option("--capacity-factor", o->train.capacity_factor, "receive window / balanced rows")
       ->capture_default_str();
-  cmd->add_option("--spare-slots", o->train.spare_slots, "spare slots per rank")->capture_default_str();
+  cmd->add_option("--spare-slots", o->train.spare_slots, "spare slots per rank")
+      ->capture_default_str();
   cmd->add_option("--max-clones", o->train.max_clones, "ECHO clones per expert per step")
       ->capture_default_str();
-  cmd->add_option("--overlap", o->train.overlap, "overlap dispatch/combine with computation (on/off)")
+  cmd->add_option("--overlap", o->train.overlap,
+                  "overlap dispatch/combine with computation (on/off)")
       ->capture_default_str();
   cmd->add_option("--distributed-optimizer", o->train.distributed_optimizer,
-                  "shard optimizer state over dp (on/off)")->capture_default_str();
-  cmd->add_option("--recompute", o->train.recompute, "none, swiglu or experts")->capture_default_str();
+                  "shard optimizer state over dp (on/off)")
+      ->capture_default_str();
+  cmd->add_option("--recompute", o->train.recompute, "none, swiglu or experts")
+      ->capture_default_str();
   cmd->add_option("--grad-dtype", o->train.grad_dtype, "main gradients: fp32 or bf16")
       ->capture_default_str();
-  cmd->add_option("--cuda-graphs", o->train.cuda_graphs, "the step replays as a CUDA graph (on/off)")
+  cmd->add_option("--cuda-graphs", o->train.cuda_graphs,
+                  "the step replays as a CUDA graph (on/off)")
       ->capture_default_str();
   cmd->add_option("--kernels-per-layer", o->train.kernels_per_layer,
-                  "kernel launches per MoE layer, forward + backward")->capture_default_str();
+                  "kernel launches per MoE layer, forward + backward")
+      ->capture_default_str();
   cmd->add_option("--reserve-gb", o->train.reserve_gb, "memory of everything but the MoE layers")
       ->capture_default_str();
-  cmd->add_option("--imbalance", o->imbalance, "busiest rank / mean to plan for (skips the simulator)");
+  cmd->add_option("--imbalance", o->imbalance,
+                  "busiest rank / mean to plan for (skips the simulator)");
   cmd->add_option("--trace", o->trace, "routing trace for the simulator (.csv or .json)");
   cmd->add_option("--sim-steps", o->sweep.steps, "simulator steps per spare-slot count")
       ->capture_default_str();

@@ -150,7 +150,8 @@ int run_simulate(const SimulateOptions& o) {
                 "overlap", "planner ms");
   out << line;
   for (const PolicyStats& p : res.policies) {
-    std::snprintf(line, sizeof line, "%-14s %9.3f %6.3f %6.3f %6.3f %12.1f %13.2f %9.2f %9.2f %10.3f\n",
+    std::snprintf(line, sizeof line,
+                  "%-14s %9.3f %6.3f %6.3f %6.3f %12.1f %13.2f %9.2f %9.2f %10.3f\n",
                   to_string(p.policy), p.max_over_mean_mean, p.max_over_mean_p50,
                   p.max_over_mean_p99, p.max_over_mean_max, p.clones_per_step,
                   (p.clone_bytes_per_step + p.migration_bytes_per_step) / 1e9, p.est_step_ms,
@@ -229,30 +230,39 @@ void add_simulate(CLI::App& app, Runner& run) {
   cmd->add_option("--ep", o->ep, "EP size R (source and destination ranks)")->capture_default_str();
   cmd->add_option("--experts", o->experts, "routed experts E")->capture_default_str();
   cmd->add_option("--top-k", o->top_k, "experts per token K")->capture_default_str();
-  cmd->add_option("--tokens", o->tokens, "generator: tokens per rank per step T")->capture_default_str();
+  cmd->add_option("--tokens", o->tokens, "generator: tokens per rank per step T")
+      ->capture_default_str();
   cmd->add_option("--steps", o->steps, "steps (default 1000; with --trace every step of the file)");
-  cmd->add_option("--layers", o->layers, "MoE layers (default 8; with --trace every layer of the file)");
+  cmd->add_option("--layers", o->layers,
+                  "MoE layers (default 8; with --trace every layer of the file)");
   cmd->add_option("--spare-slots", o->spare_slots, "spare slots per rank S")->capture_default_str();
-  cmd->add_option("--max-clones", o->max_clones, "ECHO: clones per expert per step")->capture_default_str();
+  cmd->add_option("--max-clones", o->max_clones, "ECHO: clones per expert per step")
+      ->capture_default_str();
   cmd->add_option("--clone-cost-rows", o->clone_cost_rows,
-                  "ECHO: rows a clone must save (-1: from the cost model)")->capture_default_str();
+                  "ECHO: rows a clone must save (-1: from the cost model)")
+      ->capture_default_str();
   cmd->add_option("--eplb-period", o->eplb_period, "eplb_periodic: steps between re-placements")
       ->capture_default_str();
   cmd->add_option("--threads", o->threads, "worker threads (layers are split over them)")
       ->capture_default_str();
   cmd->add_option("--seed", o->seed, "generator seed")->capture_default_str();
-  cmd->add_option("--trace", o->trace, "routing trace file (.csv or .json) instead of the generator");
+  cmd->add_option("--trace", o->trace,
+                  "routing trace file (.csv or .json) instead of the generator");
   cmd->add_option("--write-trace", o->write_trace, "write the routing counts used as a CSV trace");
   cmd->add_option("--zipf", o->zipf, "generator: Zipf exponent, one value or one per layer")
       ->delimiter(',');
   cmd->add_option("--zipf-lo", o->zipf_lo, "generator: exponent of the first layer (default 0.5)");
   cmd->add_option("--zipf-hi", o->zipf_hi, "generator: exponent of the last layer (default 0.7)");
-  cmd->add_option("--drift-std", o->drift_std, "generator: stationary std of log-popularity (default 0.3)");
-  cmd->add_option("--drift-steps", o->drift_steps, "generator: mean-reversion time in steps (default 50)");
-  cmd->add_option("--switch-prob", o->switch_prob, "generator: domain switches per step (default 0.002)");
+  cmd->add_option("--drift-std", o->drift_std,
+                  "generator: stationary std of log-popularity (default 0.3)");
+  cmd->add_option("--drift-steps", o->drift_steps,
+                  "generator: mean-reversion time in steps (default 50)");
+  cmd->add_option("--switch-prob", o->switch_prob,
+                  "generator: domain switches per step (default 0.002)");
   cmd->add_option("--hidden", o->hidden, "hidden size H (bytes and time)")->capture_default_str();
   cmd->add_option("--ffn", o->ffn, "expert FFN size F (bytes and time)")->capture_default_str();
-  cmd->add_option("--grad-bytes", o->grad_bytes, "bytes per parameter of a clone's gradient (2 or 4)")
+  cmd->add_option("--grad-bytes", o->grad_bytes,
+                  "bytes per parameter of a clone's gradient (2 or 4)")
       ->capture_default_str();
   cmd->add_option("--gpu", o->gpu, "cost model preset: h200 or h100")->capture_default_str();
   cmd->add_option("--measured", o->measured, "measured-results JSON overriding the cost model");
@@ -260,7 +270,8 @@ void add_simulate(CLI::App& app, Runner& run) {
   cmd->add_option("--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
   cmd->add_option("--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
   cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
-  cmd->add_option("--policies", o->policies, "subset of echo,eplb,eplb_periodic,none")->delimiter(',');
+  cmd->add_option("--policies", o->policies, "subset of echo,eplb,eplb_periodic,none")
+      ->delimiter(',');
   cmd->add_option("--json", o->json, "write the results as JSON");
   cmd->add_option("--plot", o->plot, "write an SVG plot of max/mean over steps");
   cmd->callback([&run, o] { run = [o] { return run_simulate(*o); }; });

@@ -41,9 +41,8 @@ GpuSpec gpu_preset(const std::string& name) {
 
 void validate(const GpuSpec& g) {
   const std::pair<const char*, double> fields[] = {
-      {"memory_gb", g.memory_gb},     {"peak_tflops", g.peak_tflops},
-      {"gemm_tflops", g.gemm_tflops}, {"hbm_tbps", g.hbm_tbps},
-      {"nvlink_gbps", g.nvlink_gbps}, {"network_gbps", g.network_gbps}};
+      {"memory_gb", g.memory_gb}, {"peak_tflops", g.peak_tflops}, {"gemm_tflops", g.gemm_tflops},
+      {"hbm_tbps", g.hbm_tbps},   {"nvlink_gbps", g.nvlink_gbps}, {"network_gbps", g.network_gbps}};
   for (const auto& [field, v] : fields)
     if (!std::isfinite(v) || v <= 0) reject(field, v, "a finite value > 0");
   if (!std::isfinite(g.launch_us) || g.launch_us < 0)

@@ -29,15 +29,15 @@ template <class V>
 
 struct GpuSpec {
   std::string name = "h200";
-  double memory_gb = 141.0;       // device memory (datasheet, 1e9 bytes)
-  double peak_tflops = 989.0;     // dense bf16 datasheet peak (reference only)
-  double gemm_tflops = 690.0;     // bf16 grouped GEMM reached (ANCHORS: 692-697 TFLOP/s)
-  double hbm_tbps = 4.2;          // device-to-device copy reached (ANCHORS: 4.2 TB/s)
-  double nvlink_gbps = 310.0;     // all-to-all bytes leaving one GPU per second, within a node
-  double network_gbps = 40.0;     // bytes leaving one GPU per second across nodes (400 Gb/s NIC)
-  int gpus_per_node = 8;          // GPUs joined by NVLink
-  double launch_us = 4.0;         // host cost of one kernel launch outside a CUDA graph
-  double graph_node_us = 0.5;     // cost of one kernel node inside a replayed CUDA graph
+  double memory_gb = 141.0;    // device memory (datasheet, 1e9 bytes)
+  double peak_tflops = 989.0;  // dense bf16 datasheet peak (reference only)
+  double gemm_tflops = 690.0;  // bf16 grouped GEMM reached (ANCHORS: 692-697 TFLOP/s)
+  double hbm_tbps = 4.2;       // device-to-device copy reached (ANCHORS: 4.2 TB/s)
+  double nvlink_gbps = 310.0;  // all-to-all bytes leaving one GPU per second, within a node
+  double network_gbps = 40.0;  // bytes leaving one GPU per second across nodes (400 Gb/s NIC)
+  int gpus_per_node = 8;       // GPUs joined by NVLink
+  double launch_us = 4.0;      // host cost of one kernel launch outside a CUDA graph
+  double graph_node_us = 0.5;  // cost of one kernel node inside a replayed CUDA graph
 };
 
 // "h200" or "h100" (case-insensitive); throws ConfigError naming `gpu` otherwise.

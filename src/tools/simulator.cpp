@@ -16,10 +16,14 @@ namespace moe_echo::tools {
 
 const char* to_string(Policy p) {
   switch (p) {
-    case Policy::echo: return "echo";
-    case Policy::eplb: return "eplb";
-    case Policy::eplb_periodic: return "eplb_periodic";
-    case Policy::none: return "none";
+    case Policy::echo:
+      return "echo";
+    case Policy::eplb:
+      return "eplb";
+    case Policy::eplb_periodic:
+      return "eplb_periodic";
+    case Policy::none:
+      return "none";
   }
   return "?";
 }
@@ -36,15 +40,18 @@ void validate(const SimulatorConfig& c) {
   if (c.spare_slots < 0) reject("spare_slots", c.spare_slots, "spare_slots >= 0");
   if (c.max_clones < 0) reject("max_clones", c.max_clones, "max_clones >= 0");
   if (c.clone_cost_rows < -1)
-    reject("clone_cost_rows", c.clone_cost_rows, "clone_cost_rows >= 0 (or -1: from the cost model)");
+    reject("clone_cost_rows", c.clone_cost_rows,
+           "clone_cost_rows >= 0 (or -1: from the cost model)");
   if (c.eplb_period < 1) reject("eplb_period", c.eplb_period, "eplb_period >= 1");
   if (c.threads < 1) reject("threads", c.threads, "threads >= 1");
   if (c.hidden < 1) reject("hidden", c.hidden, "hidden >= 1");
   if (c.ffn < 1) reject("ffn", c.ffn, "ffn >= 1");
-  if (c.grad_bytes != 2 && c.grad_bytes != 4) reject("grad_bytes", c.grad_bytes, "2 (bf16) or 4 (fp32)");
+  if (c.grad_bytes != 2 && c.grad_bytes != 4)
+    reject("grad_bytes", c.grad_bytes, "2 (bf16) or 4 (fp32)");
   if (c.master_state_bytes < 0)
     reject("master_state_bytes", c.master_state_bytes, "master_state_bytes >= 0");
-  if (c.policies.empty()) reject("policies", "(none)", "at least one of echo, eplb, eplb_periodic, none");
+  if (c.policies.empty())
+    reject("policies", "(none)", "at least one of echo, eplb, eplb_periodic, none");
   validate(c.cost.gpu);
 }
 
@@ -83,10 +90,10 @@ struct Samples {
 // State of EPLB with periodic re-placement for one layer.
 struct PeriodicEplb {
   EplbPlacement placement;
-  std::vector<double> observed;     // [E] rows since the last re-placement
-  std::vector<int32_t> master;      // [E] rank of each expert's first replica
-  std::vector<int32_t> hosted;      // [R] redundant replicas on each rank
-  std::vector<int32_t> served;      // [R] redundant replicas whose master is on each rank
+  std::vector<double> observed;  // [E] rows since the last re-placement
+  std::vector<int32_t> master;   // [E] rank of each expert's first replica
+  std::vector<int32_t> hosted;   // [R] redundant replicas on each rank
+  std::vector<int32_t> served;   // [R] redundant replicas whose master is on each rank
   int32_t redundant = 0;
 
   void set(EplbPlacement p, int experts) {
@@ -118,7 +125,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   validate(cfg);
   if (trace.experts() != cfg.experts)
     reject("experts", cfg.experts,
-           "the trace's expert count (" + std::to_string(trace.experts()) + ", " + trace.describe() + ")");
+           "the trace's expert count (" + std::to_string(trace.experts()) + ", " +
+               trace.describe() + ")");
   if (cfg.steps == 0) cfg.steps = trace.steps();
   if (cfg.layers == 0) cfg.layers = trace.layers();
   if (cfg.steps > trace.steps())
@@ -128,9 +136,9 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
 
   const auto t0 = std::chrono::steady_clock::now();
   const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, N = cfg.steps, L = cfg.layers;
-  const int64_t clone_cost_rows = cfg.clone_cost_rows >= 0
-                                      ? cfg.clone_cost_rows
-                                      : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
+  const int64_t clone_cost_rows =
+      cfg.clone_cost_rows >= 0 ? cfg.clone_cost_rows
+                               : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
   PlannerConfig pc;
   pc.ranks = R;
   pc.experts = E;
@@ -210,7 +218,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
           }
           const std::vector<int64_t> loads = eplb_rank_loads(periodic.placement, C.data(), R, E);
           max_load = *std::max_element(loads.begin(), loads.end());
-          for (int e = 0; e < E; ++e) periodic.observed[size_t(e)] += double(expert_load[size_t(e)]);
+          for (int e = 0; e < E; ++e)
+            periodic.observed[size_t(e)] += double(expert_load[size_t(e)]);
           clones = periodic.redundant;
           hosted = periodic.hosted;
           served = periodic.served;
@@ -232,14 +241,16 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
               ++served[size_t(pc.home_rank(e))];
             }
         }
-        planner_s[p] += std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
+        planner_s[p] +=
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
         int32_t clone_links = 0;
         for (int r = 0; r < R; ++r)
           clone_links = std::max(clone_links, hosted[size_t(r)] + served[size_t(r)]);
         Samples& o = out[p];
         o.ratio[idx] = mean > 0 ? double(max_load) / mean : 1.0;
         o.clones[idx] = clones;
-        o.compute_ms[idx] = cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
+        o.compute_ms[idx] =
+            cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
         // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's rows
         o.comm_ms[idx] = 4.0 * cost.all_to_all_ms(double(max_load) * remote * row_bytes, R);
         o.clone_ms[idx] = cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
@@ -285,7 +296,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   res.layers = L;
   res.clone_cost_rows = clone_cost_rows;
   res.trace = trace.describe();
-  res.mean_rows_per_rank = std::accumulate(mean_rows.begin(), mean_rows.end(), 0.0) / double(samples);
+  res.mean_rows_per_rank =
+      std::accumulate(mean_rows.begin(), mean_rows.end(), 0.0) / double(samples);
   const double bytes_per_clone = clone_bytes(cfg.hidden, cfg.ffn, cfg.grad_bytes);
   for (size_t p = 0; p < P; ++p) {
     Samples& o = out[p];
@@ -293,8 +305,7 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
     st.policy = cfg.policies[p];
     st.samples_sorted = o.ratio;
     std::sort(st.samples_sorted.begin(), st.samples_sorted.end());
-    st.max_over_mean_mean =
-        std::accumulate(o.ratio.begin(), o.ratio.end(), 0.0) / double(samples);
+    st.max_over_mean_mean = std::accumulate(o.ratio.begin(), o.ratio.end(), 0.0) / double(samples);
     st.max_over_mean_p50 = percentile_sorted(st.samples_sorted, 0.50);
     st.max_over_mean_p99 = percentile_sorted(st.samples_sorted, 0.99);
     st.max_over_mean_max = st.samples_sorted.back();

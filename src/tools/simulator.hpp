@@ -37,21 +37,21 @@ inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::ep
                                           Policy::none};
 
 struct SimulatorConfig {
-  int ranks = 32;            // R, the EP size
-  int experts = 256;         // E
-  int top_k = 8;             // K (for the text report; rows come from the trace)
-  int steps = 0;             // 0: every step of the trace
-  int layers = 0;            // 0: every layer of the trace
-  int spare_slots = 1;       // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas)
-  int max_clones = 2;        // ECHO: clones per expert per step
+  int ranks = 32;       // R, the EP size
+  int experts = 256;    // E
+  int top_k = 8;        // K (for the text report; rows come from the trace)
+  int steps = 0;        // 0: every step of the trace
+  int layers = 0;       // 0: every layer of the trace
+  int spare_slots = 1;  // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas)
+  int max_clones = 2;   // ECHO: clones per expert per step
   int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (clone_ms / row_ms)
-  int eplb_period = 100;     // steps between EPLB re-placements
+  int eplb_period = 100;         // steps between EPLB re-placements
   int threads = 2;
   std::vector<Policy> policies{std::begin(kAllPolicies), std::end(kAllPolicies)};
   // Model and cost model, for bytes and time.
-  int hidden = 7168;         // H
-  int ffn = 2048;            // F
-  int grad_bytes = 2;        // bytes per parameter of a clone's gradient sent home (bf16)
+  int hidden = 7168;            // H
+  int ffn = 2048;               // F
+  int grad_bytes = 2;           // bytes per parameter of a clone's gradient sent home (bf16)
   int master_state_bytes = 14;  // bytes per parameter moved with a master: bf16 weight + fp32
                                 // master copy + Adam m and v (2 + 4 + 4 + 4)
   CostModel cost;
@@ -67,10 +67,10 @@ struct PolicyStats {
          max_over_mean_max = 0;
   std::vector<double> max_over_mean_per_step;  // [steps]: mean over layers
   std::vector<double> samples_sorted;          // [steps * layers], ascending
-  double clones_per_step = 0;        // summed over layers, mean over steps
-  double clone_bytes_per_step = 0;   // clones_per_step * clone_bytes
-  double migration_bytes_per_step = 0;  // EPLB periodic: master moves, amortised over steps
-  int64_t replacements = 0;          // EPLB periodic: re-placements made
+  double clones_per_step = 0;                  // summed over layers, mean over steps
+  double clone_bytes_per_step = 0;             // clones_per_step * clone_bytes
+  double migration_bytes_per_step = 0;         // EPLB periodic: master moves, amortised over steps
+  int64_t replacements = 0;                    // EPLB periodic: re-placements made
   // Estimated time per step (all simulated layers, forward + backward): the busiest rank's
   // expert GEMMs, all-to-all (dispatch + combine, both directions) and clone traffic.
   double compute_ms = 0, comm_ms = 0, clone_ms = 0, migration_ms = 0;
@@ -84,9 +84,9 @@ struct PolicyStats {
 struct SimulationResult {
   SimulatorConfig config;
   int steps = 0, layers = 0;
-  double mean_rows_per_rank = 0;  // mean over samples of the mean rank load
-  int64_t clone_cost_rows = 0;    // what ECHO used
-  std::string trace;              // describe() of the source
+  double mean_rows_per_rank = 0;      // mean over samples of the mean rank load
+  int64_t clone_cost_rows = 0;        // what ECHO used
+  std::string trace;                  // describe() of the source
   std::vector<PolicyStats> policies;  // in config.policies order
   double elapsed_s = 0;
   const PolicyStats* find(Policy p) const;

@@ -18,11 +18,20 @@ std::string escape(const std::string& s) {
   std::string o;
   for (char c : s) {
     switch (c) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      default: o += c;
+      case '&':
+        o += "&amp;";
+        break;
+      case '<':
+        o += "&lt;";
+        break;
+      case '>':
+        o += "&gt;";
+        break;
+      case '"':
+        o += "&quot;";
+        break;
+      default:
+        o += c;
     }
   }
   return o;
@@ -36,7 +45,8 @@ std::string num(double v, int precision = 2) {
 
 std::string tick_label(double v, double step) {
   int digits = 0;
-  while (digits < 6 && std::fabs(step * std::pow(10.0, digits) - std::round(step * std::pow(10.0, digits))) > 1e-9)
+  while (digits < 6 && std::fabs(step * std::pow(10.0, digits) -
+                                 std::round(step * std::pow(10.0, digits))) > 1e-9)
     ++digits;
   return num(v, digits);
 }
@@ -88,7 +98,8 @@ std::string render_svg(const LinePlot& plot) {
   std::ostringstream o;
   o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
     << "<svg xmlns=\"http://www.w3.org/2000/svg\" version=\"1.1\" width=\"" << W << "\" height=\""
-    << H << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << H << "\" viewBox=\"0 0 " << W << " " << H
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
     << "<rect x=\"0\" y=\"0\" width=\"" << W << "\" height=\"" << H << "\" fill=\"white\"/>\n"
     << "<text x=\"" << num(left + pw / 2) << "\" y=\"24\" text-anchor=\"middle\" font-size=\"15\">"
     << escape(plot.title) << "</text>\n";
@@ -131,8 +142,8 @@ std::string render_svg(const LinePlot& plot) {
     o << "<line x1=\"" << num(left + pw + 12) << "\" y1=\"" << num(ly) << "\" x2=\""
       << num(left + pw + 36) << "\" y2=\"" << num(ly) << "\" stroke=\"" << color
       << "\" stroke-width=\"2\"/>\n"
-      << "<text x=\"" << num(left + pw + 42) << "\" y=\"" << num(ly + 4) << "\">"
-      << escape(s.label) << "</text>\n";
+      << "<text x=\"" << num(left + pw + 42) << "\" y=\"" << num(ly + 4) << "\">" << escape(s.label)
+      << "</text>\n";
   }
   o << "</svg>\n";
   return o.str();

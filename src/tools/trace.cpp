@@ -130,7 +130,8 @@ void cap_probabilities(std::vector<double>& p, double cap) {
   if (n == 0 || cap * double(n) < 1.0 - 1e-12) return;
   std::vector<int> idx(n);
   std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  std::sort(idx.begin(), idx.end(),
+            [&](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
   // suffix sums of the sorted weights
   std::vector<double> rest(n + 1, 0.0);
   for (size_t i = n; i-- > 0;) rest[i] = rest[i + 1] + p[idx[i]];
@@ -167,8 +168,10 @@ void validate(const GeneratorConfig& c) {
            "one value, or one per layer (" + std::to_string(c.layers) + ")");
   for (double s : c.zipf)
     if (!std::isfinite(s) || s < 0) reject("zipf", s, "finite exponents >= 0");
-  if (!std::isfinite(c.zipf_lo) || c.zipf_lo < 0) reject("zipf_lo", c.zipf_lo, "a finite value >= 0");
-  if (!std::isfinite(c.zipf_hi) || c.zipf_hi < 0) reject("zipf_hi", c.zipf_hi, "a finite value >= 0");
+  if (!std::isfinite(c.zipf_lo) || c.zipf_lo < 0)
+    reject("zipf_lo", c.zipf_lo, "a finite value >= 0");
+  if (!std::isfinite(c.zipf_hi) || c.zipf_hi < 0)
+    reject("zipf_hi", c.zipf_hi, "a finite value >= 0");
   if (!std::isfinite(c.drift_std) || c.drift_std < 0)
     reject("drift_std", c.drift_std, "a finite value >= 0");
   if (!std::isfinite(c.drift_steps) || c.drift_steps < 1)
@@ -194,9 +197,8 @@ std::string TraceGenerator::describe() const {
     s << cfg_.zipf[0];
   else
     s << "per layer";
-  s << ", drift_std " << cfg_.drift_std << ", drift_steps " << cfg_.drift_steps
-    << ", switch_prob " << cfg_.switch_prob << ", tokens " << cfg_.tokens << ", seed "
-    << cfg_.seed << ")";
+  s << ", drift_std " << cfg_.drift_std << ", drift_steps " << cfg_.drift_steps << ", switch_prob "
+    << cfg_.switch_prob << ", tokens " << cfg_.tokens << ", seed " << cfg_.seed << ")";
   return s.str();
 }
 
@@ -222,7 +224,8 @@ void GeneratorStream::draw_ranking(uint64_t key) {
   for (size_t i = ranking_.size(); i > 1; --i)  // Fisher-Yates
     std::swap(ranking_[i - 1], ranking_[size_t(rng.next_u64() % i)]);
   const double s = gen_.config().zipf_exponent(layer_);
-  for (size_t i = 0; i < ranking_.size(); ++i) mu_[size_t(ranking_[i])] = -s * std::log(double(i + 1));
+  for (size_t i = 0; i < ranking_.size(); ++i)
+    mu_[size_t(ranking_[i])] = -s * std::log(double(i + 1));
 }
 
 void GeneratorStream::next(int32_t* routing_map) {
@@ -252,8 +255,9 @@ void GeneratorStream::next(int32_t* routing_map) {
   for (double& v : p_) v /= sum;
   cap_probabilities(p_, 1.0 / c.top_k);
   std::iota(order_.begin(), order_.end(), 0);
-  std::sort(order_.begin(), order_.end(),
-            [&](int a, int b) { return p_[size_t(a)] > p_[size_t(b)] || (p_[size_t(a)] == p_[size_t(b)] && a < b); });
+  std::sort(order_.begin(), order_.end(), [&](int a, int b) {
+    return p_[size_t(a)] > p_[size_t(b)] || (p_[size_t(a)] == p_[size_t(b)] && a < b);
+  });
   const int64_t rows = int64_t(c.tokens) * c.top_k;
   for (int src = 0; src < ranks_; ++src) {
     Rng rng(stream_seed(c.seed, (kTagSource << 32) | layer, step, uint64_t(src)));
@@ -284,7 +288,8 @@ std::vector<std::string> split_csv(std::string_view line) {
   size_t start = 0;
   while (true) {
     const size_t comma = line.find(',', start);
-    out.push_back(trim(line.substr(start, comma == std::string_view::npos ? line.npos : comma - start)));
+    out.push_back(
+        trim(line.substr(start, comma == std::string_view::npos ? line.npos : comma - start)));
     if (comma == std::string_view::npos) break;
     start = comma + 1;
   }
@@ -297,8 +302,7 @@ int64_t parse_count(const std::string& field, const std::string& column, const s
   const char* end = field.data() + field.size();
   const auto [ptr, ec] = std::from_chars(field.data(), end, v);
   if (field.empty() || ec != std::errc() || ptr != end || v < 0)
-    file_error(origin, line,
-               "column '" + column + "': '" + field + "' is not an integer >= 0");
+    file_error(origin, line, "column '" + column + "': '" + field + "' is not an integer >= 0");
   if (v > max)
     file_error(origin, line,
                "column '" + column + "': " + field + " is too large (at most " +
@@ -328,7 +332,8 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
     header_line = line_no;
     break;
   }
-  if (header.empty()) file_error(origin, "no header line (expected step,layer,expert,count or step,layer,e0,e1,...)");
+  if (header.empty())
+    file_error(origin, "no header line (expected step,layer,expert,count or step,layer,e0,e1,...)");
 
   auto column = [&](const std::string& name) -> int {
     int found = -1;
@@ -368,8 +373,9 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
       file_error(origin, header_line, "no expert columns (e0, e1, ...) and no 'expert','count'");
     if (experts > 0 && int(expert_columns.size()) != experts)
       file_error(origin, header_line,
-                 std::to_string(expert_columns.size()) + " expert columns, but the simulation has " +
-                     std::to_string(experts) + " experts");
+                 std::to_string(expert_columns.size()) +
+                     " expert columns, but the simulation has " + std::to_string(experts) +
+                     " experts");
   }
 
   constexpr int64_t kMaxIndex = 1 << 24;
@@ -396,28 +402,31 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
       if (experts > 0 && e >= experts)
         file_error(origin, line_no,
                    "expert " + std::to_string(e) + " is out of range: the simulation has " +
-                       std::to_string(experts) + " experts (0.." + std::to_string(experts - 1) + ")");
+                       std::to_string(experts) + " experts (0.." + std::to_string(experts - 1) +
+                       ")");
       values.push_back(e);
       values.push_back(parse_count(f[size_t(c_count)], "count", origin, line_no));
       max_expert = std::max(max_expert, e);
     } else {
       for (size_t e = 0; e < expert_columns.size(); ++e)
-        values.push_back(parse_count(f[size_t(expert_columns[e])], header[size_t(expert_columns[e])],
-                                     origin, line_no));
+        values.push_back(parse_count(f[size_t(expert_columns[e])],
+                                     header[size_t(expert_columns[e])], origin, line_no));
     }
     max_step = std::max(max_step, r.step);
     max_layer = std::max(max_layer, r.layer);
     max_src = std::max(max_src, r.src);
     rows.push_back(r);
   }
-  if (rows.empty()) file_error(origin, "no data rows after the header (line " + std::to_string(header_line) + ")");
+  if (rows.empty())
+    file_error(origin, "no data rows after the header (line " + std::to_string(header_line) + ")");
 
   TraceFile tf;
   tf.origin_ = origin;
   tf.steps_ = int(max_step + 1);
   tf.layers_ = int(max_layer + 1);
   tf.source_ranks_ = c_src >= 0 ? int(max_src + 1) : 0;
-  tf.experts_ = long_form ? (experts > 0 ? experts : int(max_expert + 1)) : int(expert_columns.size());
+  tf.experts_ =
+      long_form ? (experts > 0 ? experts : int(max_expert + 1)) : int(expert_columns.size());
   const size_t srcs = size_t(std::max(1, tf.source_ranks_));
   const size_t cells = size_t(tf.steps_) * size_t(tf.layers_) * srcs * size_t(tf.experts_);
   if (cells > (size_t(1) << 31))
@@ -434,15 +443,17 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
       if (seen[cell])
         file_error(origin, r.line,
                    "a second count for step " + std::to_string(r.step) + ", layer " +
-                       std::to_string(r.layer) + (c_src >= 0 ? ", src " + std::to_string(r.src) : "") +
-                       ", expert " + std::to_string(values[r.first]));
+                       std::to_string(r.layer) +
+                       (c_src >= 0 ? ", src " + std::to_string(r.src) : "") + ", expert " +
+                       std::to_string(values[r.first]));
       seen[cell] = 1;
       tf.counts_[cell] = int32_t(values[r.first + 1]);
     } else {
       if (seen[base])
         file_error(origin, r.line,
                    "a second row for step " + std::to_string(r.step) + ", layer " +
-                       std::to_string(r.layer) + (c_src >= 0 ? ", src " + std::to_string(r.src) : ""));
+                       std::to_string(r.layer) +
+                       (c_src >= 0 ? ", src " + std::to_string(r.src) : ""));
       seen[base] = 1;
       for (size_t e = 0; e < size_t(tf.experts_); ++e)
         tf.counts_[base * tf.experts_ + e] = int32_t(values[r.first + e]);
@@ -451,16 +462,18 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
   for (int s = 0; s < tf.steps_; ++s)
     for (int l = 0; l < tf.layers_; ++l)
       if (!step_layer[size_t(s) * tf.layers_ + size_t(l)])
-        file_error(origin, "no rows for step " + std::to_string(s) + ", layer " + std::to_string(l) +
-                               " (steps 0.." + std::to_string(tf.steps_ - 1) + " and layers 0.." +
-                               std::to_string(tf.layers_ - 1) + " must all appear)");
+        file_error(origin, "no rows for step " + std::to_string(s) + ", layer " +
+                               std::to_string(l) + " (steps 0.." + std::to_string(tf.steps_ - 1) +
+                               " and layers 0.." + std::to_string(tf.layers_ - 1) +
+                               " must all appear)");
   // Per-layer totals must fit the int32 routing map.
   for (int s = 0; s < tf.steps_; ++s)
     for (int l = 0; l < tf.layers_; ++l)
       for (int e = 0; e < tf.experts_; ++e)
         if (tf.total(s, l, e) > std::numeric_limits<int32_t>::max())
           file_error(origin, "step " + std::to_string(s) + ", layer " + std::to_string(l) +
-                                 ", expert " + std::to_string(e) + ": total over sources exceeds 2^31-1");
+                                 ", expert " + std::to_string(e) +
+                                 ": total over sources exceeds 2^31-1");
   return tf;
 }
 
@@ -479,8 +492,8 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
       return 0;
     }
     if (!doc[key].is_number_integer() || doc[key].get<int64_t>() < lo)
-      file_error(origin, std::string("\"") + key + "\" must be an integer >= " + std::to_string(lo) +
-                             ", got " + doc[key].dump());
+      file_error(origin, std::string("\"") + key + "\" must be an integer >= " +
+                             std::to_string(lo) + ", got " + doc[key].dump());
     return doc[key].get<int64_t>();
   };
   if (!doc.contains("format") || doc["format"] != "moe-echo-trace")
@@ -497,7 +510,8 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
     file_error(origin, "\"experts\" is " + std::to_string(tf.experts_) +
                            ", but the simulation has " + std::to_string(experts) + " experts");
   if (!doc.contains("counts") || !doc["counts"].is_array())
-    file_error(origin, "missing array \"counts\" ([step][layer][expert] or [step][layer][src][expert])");
+    file_error(origin,
+               "missing array \"counts\" ([step][layer][expert] or [step][layer][src][expert])");
   const nlohmann::json& counts = doc["counts"];
   const size_t srcs = size_t(std::max(1, tf.source_ranks_));
   const size_t cells = size_t(tf.steps_) * size_t(tf.layers_) * srcs * size_t(tf.experts_);
@@ -506,8 +520,9 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
   auto expect_array = [&](const nlohmann::json& j, size_t n, const std::string& path,
                           const char* what) {
     if (!j.is_array() || j.size() != n)
-      file_error(origin, path + ": expected an array of " + std::to_string(n) + " " + what +
-                             ", got " + (j.is_array() ? std::to_string(j.size()) + " entries" : j.type_name()));
+      file_error(origin,
+                 path + ": expected an array of " + std::to_string(n) + " " + what + ", got " +
+                     (j.is_array() ? std::to_string(j.size()) + " entries" : j.type_name()));
   };
   expect_array(counts, size_t(tf.steps_), "counts", "steps");
   for (size_t s = 0; s < size_t(tf.steps_); ++s) {
@@ -586,7 +601,8 @@ class TraceFileStream final : public LayerStream {
     MOE_ECHO_CHECK(step_ < f_.steps_, "trace " << f_.origin_ << " has " << f_.steps_ << " steps");
     const size_t E = size_t(f_.experts_);
     const size_t srcs = size_t(std::max(1, f_.source_ranks_));
-    const int32_t* base = f_.counts_.data() + (size_t(step_) * f_.layers_ + size_t(layer_)) * srcs * E;
+    const int32_t* base =
+        f_.counts_.data() + (size_t(step_) * f_.layers_ + size_t(layer_)) * srcs * E;
     if (f_.source_ranks_ == ranks_) {
       std::copy(base, base + srcs * E, C);
       return;
@@ -613,12 +629,16 @@ std::unique_ptr<LayerStream> TraceFile::open_layer(int layer, int ranks) const {
   return std::make_unique<TraceFileStream>(*this, layer, ranks);
 }
 
-void write_trace_csv(const TraceSource& source, int ranks, bool per_source, const std::string& path) {
+void write_trace_csv(const TraceSource& source, int ranks, bool per_source,
+                     const std::string& path) {
   std::ofstream out(path);
   if (!out) throw Error(path + ": cannot open for writing");
   const int E = source.experts(), L = source.layers();
   out << "# moe-echo routing trace: " << source.describe() << "\n";
-  out << "# " << (per_source ? "per source rank" : "per-expert totals over " + std::to_string(ranks) + " source ranks") << "\n";
+  out << "# "
+      << (per_source ? "per source rank"
+                     : "per-expert totals over " + std::to_string(ranks) + " source ranks")
+      << "\n";
   out << "step,layer" << (per_source ? ",src" : "");
   for (int e = 0; e < E; ++e) out << ",e" << e;
   out << "\n";

@@ -61,9 +61,9 @@ struct GeneratorConfig {
   std::vector<double> zipf;
   double zipf_lo = 0.5;
   double zipf_hi = 0.7;
-  double drift_std = 0.3;     // stationary std of an expert's log-weight around its base
-  double drift_steps = 50.0;  // mean-reversion time in steps (AR coefficient 1 - 1/drift_steps)
-  double switch_prob = 0.002; // probability of a domain switch per step
+  double drift_std = 0.3;      // stationary std of an expert's log-weight around its base
+  double drift_steps = 50.0;   // mean-reversion time in steps (AR coefficient 1 - 1/drift_steps)
+  double switch_prob = 0.002;  // probability of a domain switch per step
   uint64_t seed = 1;
 
   double zipf_exponent(int layer) const;
@@ -139,7 +139,7 @@ class GeneratorStream final : public LayerStream {
   int layer_, ranks_, step_ = -1;
   std::vector<int> ranking_;  // ranking_[i]: expert ranked i
   std::vector<double> mu_, x_, p_;
-  std::vector<int> order_;    // experts by descending p
+  std::vector<int> order_;  // experts by descending p
 };
 
 // ---- Trace files -----------------------------------------------------------------------------
@@ -161,8 +161,7 @@ class TraceFile final : public TraceSource {
   // naming the file and the line (CSV) or the JSON path.
   static TraceFile read(const std::string& path, int experts = 0);
   static TraceFile parse_csv(const std::string& text, const std::string& origin, int experts = 0);
-  static TraceFile parse_json(const std::string& text, const std::string& origin,
-                              int experts = 0);
+  static TraceFile parse_json(const std::string& text, const std::string& origin, int experts = 0);
   // The per-expert totals of every map of `source` (read with `ranks` sources), kept in memory:
   // a cheap source for repeated simulations whose policies depend on expert loads only.
   static TraceFile totals_of(const TraceSource& source, int ranks);

@@ -110,15 +110,16 @@ std::vector<Finding> check(const WallsInput& in) {
 
   // Ranges of single values.
   const std::pair<const char*, int> positive[] = {
-      {"hidden", m.hidden}, {"ffn", m.ffn}, {"experts", m.experts}, {"layers", m.layers},
-      {"seq_len", m.seq_len}, {"micro_batch", m.micro_batch}, {"ep", l.ep}, {"etp", l.etp},
-      {"dp", l.dp}, {"pp", l.pp}, {"vpp", l.vpp}, {"kernels_per_layer", t.kernels_per_layer}};
+      {"hidden", m.hidden}, {"ffn", m.ffn},         {"experts", m.experts},
+      {"layers", m.layers}, {"seq_len", m.seq_len}, {"micro_batch", m.micro_batch},
+      {"ep", l.ep},         {"etp", l.etp},         {"dp", l.dp},
+      {"pp", l.pp},         {"vpp", l.vpp},         {"kernels_per_layer", t.kernels_per_layer}};
   for (const auto& [field, v] : positive)
     if (v < 1) error(field, invalid(field, v, std::string(field) + " >= 1"));
   if (!f.empty()) return f;  // the rules below divide by these
   if (m.top_k < 1 || m.top_k > m.experts)
-    error("top_k", invalid("top_k", m.top_k,
-                           "1 <= top_k <= experts (" + std::to_string(m.experts) + ")"));
+    error("top_k",
+          invalid("top_k", m.top_k, "1 <= top_k <= experts (" + std::to_string(m.experts) + ")"));
   if (dtype_bytes(m.dtype) == 0)
     error("dtype", invalid("dtype", "'" + m.dtype + "'", "bf16, fp16 or fp32"));
   if (t.grad_dtype != "fp32" && t.grad_dtype != "bf16")
@@ -127,39 +128,47 @@ std::vector<Finding> check(const WallsInput& in) {
     error("recompute", invalid("recompute", "'" + t.recompute + "'", "none, swiglu or experts"));
   if (!std::isfinite(t.capacity_factor) || t.capacity_factor <= 0)
     error("capacity_factor", invalid("capacity_factor", t.capacity_factor, "a finite value > 0"));
-  if (t.spare_slots < 0) error("spare_slots", invalid("spare_slots", t.spare_slots, "spare_slots >= 0"));
+  if (t.spare_slots < 0)
+    error("spare_slots", invalid("spare_slots", t.spare_slots, "spare_slots >= 0"));
   if (t.max_clones < 0) error("max_clones", invalid("max_clones", t.max_clones, "max_clones >= 0"));
   if (!std::isfinite(t.reserve_gb) || t.reserve_gb < 0)
     error("reserve_gb", invalid("reserve_gb", t.reserve_gb, "a finite value >= 0"));
 
   // Combinations.
   if (m.experts % l.ep != 0)
-    error("experts", invalid("experts", m.experts, "a multiple of ep (" + std::to_string(l.ep) + ")"));
+    error("experts",
+          invalid("experts", m.experts, "a multiple of ep (" + std::to_string(l.ep) + ")"));
   if (m.ffn % l.etp != 0)
-    error("etp", invalid("etp", l.etp, "a divisor of ffn (" + std::to_string(m.ffn) +
-                                           "): expert tensor parallelism shards F"));
+    error("etp", invalid("etp", l.etp,
+                         "a divisor of ffn (" + std::to_string(m.ffn) +
+                             "): expert tensor parallelism shards F"));
   if (m.layers % l.pp != 0)
     error("pp", invalid("pp", l.pp, "a divisor of layers (" + std::to_string(m.layers) + ")"));
   if (l.vpp > 1 && l.pp == 1)
-    error("vpp", invalid("vpp", l.vpp, "vpp = 1 when pp = 1 (an interleaved schedule needs "
-                                       "pipeline parallelism)"));
+    error("vpp", invalid("vpp", l.vpp,
+                         "vpp = 1 when pp = 1 (an interleaved schedule needs "
+                         "pipeline parallelism)"));
   if (l.vpp > 1 && m.layers % l.pp == 0 && (m.layers / l.pp) % l.vpp != 0)
-    error("vpp", invalid("vpp", l.vpp, "a divisor of the layers per pipeline stage (" +
-                                           std::to_string(m.layers / l.pp) + ")"));
+    error("vpp", invalid("vpp", l.vpp,
+                         "a divisor of the layers per pipeline stage (" +
+                             std::to_string(m.layers / l.pp) + ")"));
   if (t.overlap && l.ep == 1)
-    error("overlap", invalid("overlap", "true", "only with ep > 1 (ep = 1 has no dispatch or "
-                                                "combine to overlap)"));
+    error("overlap", invalid("overlap", "true",
+                             "only with ep > 1 (ep = 1 has no dispatch or "
+                             "combine to overlap)"));
   if (t.overlap && m.dtype == "fp32")
-    error("dtype", invalid("dtype", "fp32", "bf16 or fp16 with overlap (the overlapped "
-                                            "dispatch/combine kernels move 16-bit rows)"));
+    error("dtype", invalid("dtype", "fp32",
+                           "bf16 or fp16 with overlap (the overlapped "
+                           "dispatch/combine kernels move 16-bit rows)"));
   if (t.overlap && l.pp > 1 && l.vpp == 1)
-    error("vpp", invalid("vpp", 1, "vpp >= 2 with overlap and pp = " + std::to_string(l.pp) +
-                                       " (the overlap interleaves one virtual stage's "
-                                       "communication with another's computation)"));
+    error("vpp", invalid("vpp", 1,
+                         "vpp >= 2 with overlap and pp = " + std::to_string(l.pp) +
+                             " (the overlap interleaves one virtual stage's "
+                             "communication with another's computation)"));
   const int64_t rows = int64_t(m.seq_len) * m.micro_batch * m.top_k * l.etp;
   if (rows > std::numeric_limits<int32_t>::max())
-    error("micro_batch", invalid("micro_batch", m.micro_batch,
-                                 "seq_len * micro_batch * top_k * etp <= 2^31-1"));
+    error("micro_batch",
+          invalid("micro_batch", m.micro_batch, "seq_len * micro_batch * top_k * etp <= 2^31-1"));
   else if (std::ceil(t.capacity_factor * double(rows)) > std::numeric_limits<int32_t>::max())
     error("capacity_factor", invalid("capacity_factor", t.capacity_factor,
                                      "capacity_factor * seq_len * micro_batch * top_k * etp "
@@ -186,7 +195,8 @@ std::vector<Finding> check(const WallsInput& in) {
     warning("ep", "ep * etp = " + std::to_string(int64_t(l.ep) * l.etp) + " GPUs spans " +
                       std::to_string((int64_t(l.ep) * l.etp + in.gpu.gpus_per_node - 1) /
                                      in.gpu.gpus_per_node) +
-                      " nodes: " + fmt(100 * (1 - intra_node_fraction(l.ep, l.etp, in.gpu.gpus_per_node)), 0) +
+                      " nodes: " +
+                      fmt(100 * (1 - intra_node_fraction(l.ep, l.etp, in.gpu.gpus_per_node)), 0) +
                       "% of dispatch/combine traffic crosses the network at " +
                       fmt(in.gpu.network_gbps, 0) + " GB/s per GPU");
   const double rows_per_expert =
@@ -196,8 +206,9 @@ std::vector<Finding> check(const WallsInput& in) {
                                " rows per local expert per micro-batch: grouped GEMM tiles "
                                "(128 rows) run mostly empty; raise micro_batch or seq_len");
   if (t.overlap && !t.cuda_graphs)
-    warning("cuda_graphs", "overlap without CUDA graphs: the host launches both streams' kernels "
-                           "every step, and the host-overhead wall comes closer");
+    warning("cuda_graphs",
+            "overlap without CUDA graphs: the host launches both streams' kernels "
+            "every step, and the host-overhead wall comes closer");
   return f;
 }
 
@@ -216,13 +227,13 @@ std::vector<Finding> check_capacity(const WallsInput& in, const Imbalance& imb) 
                  what + " is below the planned imbalance (busiest rank " + fmt(imb.mean, 2) +
                      "x the mean on average, " + imb.source +
                      "): the receive window overflows and spills every step; allowed "
-                     "capacity_factor >= " + need + " (p99) to spill rarely"});
+                     "capacity_factor >= " +
+                     need + " (p99) to spill rarely"});
   else if (cf < imb.p99)
     f.push_back({Severity::warning, "capacity_factor",
                  what + " is below the p99 imbalance " + fmt(imb.p99, 2) + " (" + imb.source +
-                     "): the busiest rank spills on " +
-                     fmt(100 * imb.spill_fraction, 1) + "% of layer-steps; capacity_factor >= " +
-                     need + " spills on about 1%"});
+                     "): the busiest rank spills on " + fmt(100 * imb.spill_fraction, 1) +
+                     "% of layer-steps; capacity_factor >= " + need + " spills on about 1%"});
   return f;
 }
 
@@ -239,7 +250,7 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   r.world_size = l.etp * l.ep * l.dp * l.pp;
   r.layers_per_stage = m.layers / l.pp;
   const double Lp = r.layers_per_stage;
-  const double a = dtype_bytes(m.dtype);              // weight and activation bytes
+  const double a = dtype_bytes(m.dtype);                // weight and activation bytes
   const double g = t.grad_dtype == "fp32" ? 4.0 : 2.0;  // main gradient bytes
   const double opt = a == 4 ? 8.0 : 12.0;  // Adam m, v (+ fp32 master copy of 16-bit weights)
   const double H = m.hidden, F = m.ffn, K = m.top_k, E = m.experts;
@@ -261,9 +272,9 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   const double T = double(lt.tokens);
   lt.capacity_rows = int64_t(std::ceil(t.capacity_factor * T * K)) * l.etp;
   const double rows_cap = double(lt.capacity_rows);
-  const double saved_input = rows_cap * H * a;       // fc1 input (the receive window)
-  const double saved_fc1 = rows_cap * 2.0 * F / l.etp * a;  // SwiGLU input
-  const double saved_swiglu = rows_cap * F / l.etp * a;     // fc2 input
+  const double saved_input = rows_cap * H * a;                  // fc1 input (the receive window)
+  const double saved_fc1 = rows_cap * 2.0 * F / l.etp * a;      // SwiGLU input
+  const double saved_swiglu = rows_cap * F / l.etp * a;         // fc2 input
   const double saved_router = T * K * 8.0 + T * E * 4.0 * 2.0;  // idx, prob; logits, scores
   double saved = saved_input + saved_fc1 + saved_swiglu + saved_router;
   const double layer_mb = Lp * inflight;  // layer-micro-batches held
@@ -307,9 +318,10 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   if (!mem.fits()) {
     r.binding_wall = "memory";
     r.reason = "needs " + fmt(mem.total_gb, 1) + " GB of " + fmt(mem.capacity_gb, 0) + " GB";
-    const double more = t.recompute == "experts" ? 0.0
-                        : mem.recompute_experts_saves_gb -
-                              (t.recompute == "swiglu" ? mem.recompute_swiglu_saves_gb : 0.0);
+    const double more = t.recompute == "experts"
+                            ? 0.0
+                            : mem.recompute_experts_saves_gb -
+                                  (t.recompute == "swiglu" ? mem.recompute_swiglu_saves_gb : 0.0);
     if (more > 0)
       r.advice.push_back("--recompute experts saves " + fmt(more, 1) + " GB" +
                          (mem.total_gb - more <= mem.capacity_gb ? " and would fit" : ""));
@@ -317,9 +329,11 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
       r.advice.push_back("a distributed optimizer shards " + fmt(mem.optimizer_gb, 1) +
                          " GB of optimizer state over dp = " + std::to_string(l.dp));
     if (m.experts % (l.ep * 2) == 0)
-      r.advice.push_back("ep = " + std::to_string(l.ep * 2) + " halves expert weights, gradients "
+      r.advice.push_back("ep = " + std::to_string(l.ep * 2) +
+                         " halves expert weights, gradients "
                          "and optimizer state per GPU (" +
-                         fmt((mem.weights_gb + mem.grads_gb + mem.optimizer_gb) / 2, 1) + " GB saved)");
+                         fmt((mem.weights_gb + mem.grads_gb + mem.optimizer_gb) / 2, 1) +
+                         " GB saved)");
     if (l.pp > 1 || m.layers % 2 == 0)
       r.advice.push_back("more pipeline stages hold fewer layers per GPU");
   } else if (lt.host_ms >= gpu_ms) {
@@ -331,16 +345,21 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   } else if (comm > lt.gemm_ms) {
     r.binding_wall = "communication";
     r.reason = "dispatch/combine + clones take " + fmt(comm, 3) + " ms per layer, expert GEMMs " +
-               fmt(lt.gemm_ms, 3) + " ms" + (t.overlap ? " (overlapped: " + fmt(lt.exposed_comm_ms, 3) + " ms exposed)" : "");
-    if (!t.overlap && l.ep > 1) r.advice.push_back("--overlap hides up to " + fmt(std::min(comm, lt.gemm_ms), 3) + " ms per layer");
+               fmt(lt.gemm_ms, 3) + " ms" +
+               (t.overlap ? " (overlapped: " + fmt(lt.exposed_comm_ms, 3) + " ms exposed)" : "");
+    if (!t.overlap && l.ep > 1)
+      r.advice.push_back("--overlap hides up to " + fmt(std::min(comm, lt.gemm_ms), 3) +
+                         " ms per layer");
     if (int64_t(l.ep) * l.etp > in.gpu.gpus_per_node)
-      r.advice.push_back("keep ep * etp within one NVLink domain (" + std::to_string(in.gpu.gpus_per_node) +
-                         " GPUs): network is " + fmt(in.gpu.nvlink_gbps / in.gpu.network_gbps, 1) + "x slower");
-    r.advice.push_back("bytes and FLOPs both grow with tokens: a larger micro-batch does not move this wall");
+      r.advice.push_back("keep ep * etp within one NVLink domain (" +
+                         std::to_string(in.gpu.gpus_per_node) + " GPUs): network is " +
+                         fmt(in.gpu.nvlink_gbps / in.gpu.network_gbps, 1) + "x slower");
+    r.advice.push_back(
+        "bytes and FLOPs both grow with tokens: a larger micro-batch does not move this wall");
   } else {
     r.binding_wall = "compute";
-    r.reason = "expert GEMMs take " + fmt(lt.gemm_ms, 3) + " ms per layer, dispatch/combine + clones " +
-               fmt(comm, 3) + " ms";
+    r.reason = "expert GEMMs take " + fmt(lt.gemm_ms, 3) +
+               " ms per layer, dispatch/combine + clones " + fmt(comm, 3) + " ms";
     r.advice.push_back("the busiest rank sets the pace: imbalance " + fmt(imb.mean, 2) +
                        "x costs " + fmt(100 * (1 - 1 / std::max(1.0, imb.mean)), 0) +
                        "% of the GEMM time; profile the grouped GEMM next");
@@ -408,8 +427,8 @@ Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSou
       s.spare_slots = o.spare_slots;
       s.max_clones = o.max_clones;
       s.capacity_factor = std::max(1.0, std::ceil(o.p99 * 20.0 - 1e-9) / 20.0);
-      s.reason = "the fewest spare slots, then clones, within 2% of the best p99 (" +
-                 fmt(best, 2) + "); capacity factor at that p99, rounded up to 0.05";
+      s.reason = "the fewest spare slots, then clones, within 2% of the best p99 (" + fmt(best, 2) +
+                 "); capacity factor at that p99, rounded up to 0.05";
       break;
     }
   return s;

@@ -23,11 +23,11 @@ namespace moe_echo::tools {
 
 struct ModelSpec {
   std::string name = "deepseek-v3";
-  int hidden = 7168;     // H
-  int ffn = 2048;        // F (expert FFN size)
-  int experts = 256;     // E
-  int top_k = 8;         // K
-  int layers = 58;       // MoE layers
+  int hidden = 7168;  // H
+  int ffn = 2048;     // F (expert FFN size)
+  int experts = 256;  // E
+  int top_k = 8;      // K
+  int layers = 58;    // MoE layers
   int seq_len = 4096;
   int micro_batch = 1;
   std::string dtype = "bf16";  // bf16, fp16 or fp32 (weights and activations)
@@ -45,10 +45,10 @@ struct LayoutSpec {
 };
 
 struct TrainingSpec {
-  double capacity_factor = 1.25;  // receive window rows = ceil(cf * T * K) (* etp)
-  int spare_slots = 1;            // S per rank
-  int max_clones = 2;             // ECHO: clones per expert per step
-  bool overlap = false;           // overlap dispatch/combine with expert computation
+  double capacity_factor = 1.25;      // receive window rows = ceil(cf * T * K) (* etp)
+  int spare_slots = 1;                // S per rank
+  int max_clones = 2;                 // ECHO: clones per expert per step
+  bool overlap = false;               // overlap dispatch/combine with expert computation
   bool distributed_optimizer = true;  // optimizer state sharded over dp
   std::string recompute = "none";     // none, swiglu, experts
   std::string grad_dtype = "fp32";    // main gradients: fp32 or bf16
@@ -79,15 +79,14 @@ void validate(const WallsInput& in);
 // Imbalance the plan is sized for: busiest rank / mean under ECHO at the chosen spare slots.
 struct Imbalance {
   double mean = 1.0, p99 = 1.0;
-  double spill_fraction = 0.0;  // share of (step, layer) samples above the capacity factor
+  double spill_fraction = 0.0;     // share of (step, layer) samples above the capacity factor
   std::string source = "assumed";  // "simulated ..." or "given"
 };
 // The capacity-factor rule: a warning when capacity_factor < the p99 imbalance (or the mean).
 std::vector<Finding> check_capacity(const WallsInput& in, const Imbalance& imb);
 
 struct MemoryBreakdown {
-  double weights_gb = 0, spare_weights_gb = 0, grads_gb = 0, spare_grads_gb = 0,
-         optimizer_gb = 0;
+  double weights_gb = 0, spare_weights_gb = 0, grads_gb = 0, spare_grads_gb = 0, optimizer_gb = 0;
   double activations_gb = 0;  // saved for backward (after the chosen recompute)
   double buffers_gb = 0;      // transient workspace (receive/combine windows, gradients)
   double reserve_gb = 0;
@@ -98,26 +97,26 @@ struct MemoryBreakdown {
 };
 
 struct LayerTimes {
-  int64_t tokens = 0;          // T per GPU per micro-batch
-  int64_t capacity_rows = 0;   // receive window rows per GPU
-  double dispatch_bytes = 0;   // forward, leaving one GPU to other EP ranks (balanced)
+  int64_t tokens = 0;         // T per GPU per micro-batch
+  int64_t capacity_rows = 0;  // receive window rows per GPU
+  double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced)
   double combine_bytes = 0;
-  double etp_bytes = 0;        // forward, ETP all-gather of received rows (0 when etp = 1)
-  double clone_bytes = 0;      // clone weights in + gradients out
-  double comm_ms = 0;          // dispatch + combine + ETP, forward + backward, busiest rank
+  double etp_bytes = 0;    // forward, ETP all-gather of received rows (0 when etp = 1)
+  double clone_bytes = 0;  // clone weights in + gradients out
+  double comm_ms = 0;      // dispatch + combine + ETP, forward + backward, busiest rank
   double clone_ms = 0;
-  double gemm_ms = 0;          // expert GEMMs forward + backward (+ recompute), busiest rank
-  double host_ms = 0;          // kernel launch overhead
-  double layer_ms = 0;         // max(gpu time, host time); gpu = overlap ? max : sum
+  double gemm_ms = 0;   // expert GEMMs forward + backward (+ recompute), busiest rank
+  double host_ms = 0;   // kernel launch overhead
+  double layer_ms = 0;  // max(gpu time, host time); gpu = overlap ? max : sum
   double exposed_comm_ms = 0;
 };
 
 struct SpareSlotOption {
   int spare_slots = 0;
   int max_clones = 0;
-  double mean = 0, p99 = 0;   // ECHO busiest rank / mean
+  double mean = 0, p99 = 0;  // ECHO busiest rank / mean
   double clones_per_step = 0;
-  double memory_gb = 0;       // spare-slot weights and gradients per GPU
+  double memory_gb = 0;  // spare-slot weights and gradients per GPU
 };
 
 struct Suggestion {
@@ -133,8 +132,8 @@ struct WallsReport {
   int layers_per_stage = 0;
   MemoryBreakdown memory;
   LayerTimes layer;
-  double stage_ms = 0;  // layers_per_stage * layer_ms: MoE time of one micro-batch on a stage
-  std::string binding_wall;   // memory, communication, compute, host-overhead
+  double stage_ms = 0;       // layers_per_stage * layer_ms: MoE time of one micro-batch on a stage
+  std::string binding_wall;  // memory, communication, compute, host-overhead
   std::string reason;
   std::vector<std::string> advice;
   Imbalance imbalance;

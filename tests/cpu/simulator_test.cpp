@@ -5,13 +5,12 @@
 
 #include <gtest/gtest.h>
 
-#include <functional>
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -51,7 +50,7 @@ TEST(CostModel, AllToAllSplitsIntraAndInterNode) {
   c.gpu.nvlink_gbps = 300;
   c.gpu.network_gbps = 50;
   c.gpu.gpus_per_node = 8;
-  EXPECT_EQ(c.all_to_all_ms(1e9, 1), 0.0);  // nothing leaves a lone rank
+  EXPECT_EQ(c.all_to_all_ms(1e9, 1), 0.0);           // nothing leaves a lone rank
   EXPECT_NEAR(c.all_to_all_ms(3e9, 8), 10.0, 1e-9);  // all 7 peers on the node: 3 GB / 300 GB/s
   // EP 16 over 2 nodes: 7 of 15 peers on the node, 8 across; the network takes 8/15 of the bytes
   EXPECT_NEAR(c.all_to_all_ms(1.5e9, 16), 1.5e9 * 8 / 15 / 50e9 * 1e3, 1e-9);
@@ -91,13 +90,17 @@ TEST(CostModel, Presets) {
   EXPECT_DOUBLE_EQ(h100.memory_gb, 80);
   EXPECT_DOUBLE_EQ(h100.peak_tflops, 989);
   EXPECT_NEAR(h100.hbm_tbps, 3.35 * 0.875, 1e-12);
-  EXPECT_NE(config_error([] { gpu_preset("a100"); }).find("gpu = 'a100' is invalid: allowed h200 or h100"),
+  EXPECT_NE(config_error([] {
+              gpu_preset("a100");
+            }).find("gpu = 'a100' is invalid: allowed h200 or h100"),
             std::string::npos);
 }
 
 TEST(CostModel, MeasuredResultsOverrideConstants) {
   GpuSpec g;
-  apply_measured_json(g, R"({"gpu": "h100", "gemm_tflops": 600, "nvlink_gbps": 250.5, "gpus_per_node": 4})", "m.json");
+  apply_measured_json(
+      g, R"({"gpu": "h100", "gemm_tflops": 600, "nvlink_gbps": 250.5, "gpus_per_node": 4})",
+      "m.json");
   EXPECT_EQ(g.name, "h100");
   EXPECT_DOUBLE_EQ(g.memory_gb, 80);  // from the preset
   EXPECT_DOUBLE_EQ(g.gemm_tflops, 600);
@@ -105,11 +108,13 @@ TEST(CostModel, MeasuredResultsOverrideConstants) {
   EXPECT_EQ(g.gpus_per_node, 4);
   // constants under "cost_model", next to other keys of a results file
   GpuSpec h;
-  apply_measured_json(h, R"({"date": "2026-11-21", "rows": [1, 2], "cost_model": {"network_gbps": 45}})", "r.json");
+  apply_measured_json(
+      h, R"({"date": "2026-11-21", "rows": [1, 2], "cost_model": {"network_gbps": 45}})", "r.json");
   EXPECT_DOUBLE_EQ(h.network_gbps, 45);
   EXPECT_DOUBLE_EQ(h.gemm_tflops, 690);
   // from a file
-  const std::string path = (std::filesystem::temp_directory_path() / "moe_echo_measured.json").string();
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "moe_echo_measured.json").string();
   std::ofstream(path) << R"({"hbm_tbps": 4.0})";
   GpuSpec k;
   apply_measured_file(k, path);
@@ -119,7 +124,8 @@ TEST(CostModel, MeasuredResultsOverrideConstants) {
 
 TEST(CostModel, BadMeasuredFilesNameTheKey) {
   const std::pair<std::string, std::string> cases[] = {
-      {R"({"gemm_tflop": 600})", "m.json: unknown key \"gemm_tflop\": allowed gpu, name, gpus_per_node, memory_gb"},
+      {R"({"gemm_tflop": 600})",
+       "m.json: unknown key \"gemm_tflop\": allowed gpu, name, gpus_per_node, memory_gb"},
       {R"({"gemm_tflops": "fast"})", "m.json: \"gemm_tflops\" must be a number"},
       {R"({"gemm_tflops": -1})", "m.json: gemm_tflops = -1 is invalid: allowed a finite value > 0"},
       {R"({"gpus_per_node": 2.5})", "\"gpus_per_node\" must be an integer"},
@@ -169,7 +175,8 @@ SimulatorConfig small_sim(int R, int E) {
 
 TEST(Simulator, UniformRoutingIsBalancedUnderEveryPolicy) {
   const int R = 4, E = 8;
-  std::vector<std::vector<std::vector<int>>> counts(5, std::vector<std::vector<int>>(2, std::vector<int>(E, 100)));
+  std::vector<std::vector<std::vector<int>>> counts(
+      5, std::vector<std::vector<int>>(2, std::vector<int>(E, 100)));
   const TraceFile t = totals_trace(E, counts);
   const SimulationResult r = simulate(t, small_sim(R, E));
   ASSERT_EQ(r.policies.size(), 4u);
@@ -229,7 +236,8 @@ TEST(Simulator, NoneMatchesTheHomePlacementAndEchoNeverWorse) {
 
 TEST(Simulator, EchoAndEplbMatchThePlannerOnEachMap) {
   // two steps, one layer, R = 2: [0, 1] home on rank 0, [2, 3] on rank 1
-  const std::vector<std::vector<std::vector<int>>> counts = {{{400, 0, 50, 50}}, {{100, 100, 100, 100}}};
+  const std::vector<std::vector<std::vector<int>>> counts = {{{400, 0, 50, 50}},
+                                                             {{100, 100, 100, 100}}};
   const TraceFile t = totals_trace(4, counts);
   SimulatorConfig c = small_sim(2, 4);
   const SimulationResult r = simulate(t, c);
@@ -338,15 +346,19 @@ TEST(Simulator, SpillFractionAndPercentiles) {
 TEST(Simulator, InvalidConfigsNameTheField) {
   const TraceFile t = totals_trace(8, {{{1, 1, 1, 1, 1, 1, 1, 1}}});
   const std::pair<std::function<void(SimulatorConfig&)>, std::string> cases[] = {
-      {[](SimulatorConfig& c) { c.ranks = 3; }, "experts = 8 is invalid: allowed a multiple of ep (3)"},
+      {[](SimulatorConfig& c) { c.ranks = 3; },
+       "experts = 8 is invalid: allowed a multiple of ep (3)"},
       {[](SimulatorConfig& c) { c.ranks = 0; }, "ep = 0 is invalid"},
-      {[](SimulatorConfig& c) { c.experts = 16; }, "experts = 16 is invalid: allowed the trace's expert count (8"},
-      {[](SimulatorConfig& c) { c.steps = 5; }, "steps = 5 is invalid: allowed steps <= the trace's 1"},
+      {[](SimulatorConfig& c) { c.experts = 16; },
+       "experts = 16 is invalid: allowed the trace's expert count (8"},
+      {[](SimulatorConfig& c) { c.steps = 5; },
+       "steps = 5 is invalid: allowed steps <= the trace's 1"},
       {[](SimulatorConfig& c) { c.layers = 2; }, "layers = 2 is invalid"},
       {[](SimulatorConfig& c) { c.spare_slots = -1; }, "spare_slots = -1 is invalid"},
       {[](SimulatorConfig& c) { c.eplb_period = 0; }, "eplb_period = 0 is invalid"},
       {[](SimulatorConfig& c) { c.threads = 0; }, "threads = 0 is invalid"},
-      {[](SimulatorConfig& c) { c.grad_bytes = 3; }, "grad_bytes = 3 is invalid: allowed 2 (bf16) or 4 (fp32)"},
+      {[](SimulatorConfig& c) { c.grad_bytes = 3; },
+       "grad_bytes = 3 is invalid: allowed 2 (bf16) or 4 (fp32)"},
       {[](SimulatorConfig& c) { c.top_k = 9; }, "top_k = 9 is invalid"},
       {[](SimulatorConfig& c) { c.policies.clear(); }, "policies = (none) is invalid"},
       {[](SimulatorConfig& c) { c.cost.gpu.nvlink_gbps = 0; }, "nvlink_gbps = 0 is invalid"},

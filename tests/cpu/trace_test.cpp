@@ -5,13 +5,12 @@
 
 #include <gtest/gtest.h>
 
-#include <functional>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -328,7 +327,8 @@ TEST(TraceGenerator, DefaultsAreCalibratedToDeepSeekR1AtEP32) {
 TEST(TraceGenerator, InvalidParametersNameTheField) {
   const std::pair<std::function<void(GeneratorConfig&)>, std::string> cases[] = {
       {[](GeneratorConfig& c) { c.experts = 0; }, "experts = 0 is invalid"},
-      {[](GeneratorConfig& c) { c.top_k = 300; }, "top_k = 300 is invalid: allowed 1 <= top_k <= experts (256)"},
+      {[](GeneratorConfig& c) { c.top_k = 300; },
+       "top_k = 300 is invalid: allowed 1 <= top_k <= experts (256)"},
       {[](GeneratorConfig& c) { c.tokens = 0; }, "tokens = 0 is invalid"},
       {[](GeneratorConfig& c) { c.tokens = 1 << 30; }, "tokens * top_k <= 2^31-1"},
       {[](GeneratorConfig& c) { c.steps = 0; }, "steps = 0 is invalid"},
@@ -341,7 +341,8 @@ TEST(TraceGenerator, InvalidParametersNameTheField) {
   for (const auto& [mutate, message] : cases) {
     GeneratorConfig c;
     mutate(c);
-    EXPECT_NE(expect_config_error([&] { validate(c); }).find(message), std::string::npos) << message;
+    EXPECT_NE(expect_config_error([&] { validate(c); }).find(message), std::string::npos)
+        << message;
   }
 }
 
@@ -468,47 +469,69 @@ TEST(TraceFile, BadCsvFilesNameTheLine) {
       {"", "bad.csv: no header line"},
       {"# only a comment\n", "bad.csv: no header line"},
       {"step,layer,expert,count\n", "bad.csv: no data rows"},
-      {"step,layer,expert,count\n0,0,1,5\n0,0,2,abc\n", "bad.csv:3: column 'count': 'abc' is not an integer >= 0"},
-      {"step,layer,expert,count\n0,0,1,-4\n", "bad.csv:2: column 'count': '-4' is not an integer >= 0"},
+      {"step,layer,expert,count\n0,0,1,5\n0,0,2,abc\n",
+       "bad.csv:3: column 'count': 'abc' is not an integer >= 0"},
+      {"step,layer,expert,count\n0,0,1,-4\n",
+       "bad.csv:2: column 'count': '-4' is not an integer >= 0"},
       {"step,layer,expert,count\n0,0,1,1.5\n", "bad.csv:2: column 'count': '1.5'"},
-      {"step,layer,expert,count\n0,0,1,99999999999\n", "bad.csv:2: column 'count': 99999999999 is too large"},
+      {"step,layer,expert,count\n0,0,1,99999999999\n",
+       "bad.csv:2: column 'count': 99999999999 is too large"},
       {"step,layer,expert,count\n0,0,1\n", "bad.csv:2: 3 fields, but the header has 4"},
-      {"step,layer,expert,count\n0,0,1,2\n\n0,0,1,3\n", "bad.csv:4: a second count for step 0, layer 0, expert 1"},
-      {"step,layer,expert,count\n0,0,9,2\n", "bad.csv:2: expert 9 is out of range: the simulation has 4 experts"},
+      {"step,layer,expert,count\n0,0,1,2\n\n0,0,1,3\n",
+       "bad.csv:4: a second count for step 0, layer 0, expert 1"},
+      {"step,layer,expert,count\n0,0,9,2\n",
+       "bad.csv:2: expert 9 is out of range: the simulation has 4 experts"},
       {"step,layer,expert,count,weight\n0,0,1,2,3\n", "bad.csv:1: unknown column 'weight'"},
       {"step,layer,expert\n0,0,1\n", "bad.csv:1: the long form needs both columns"},
-      {"layer,expert,count\n0,0,1\n", "bad.csv:1: the header must name the columns 'step' and 'layer'"},
+      {"layer,expert,count\n0,0,1\n",
+       "bad.csv:1: the header must name the columns 'step' and 'layer'"},
       {"step,layer,e0,e2\n0,0,1,2\n", "bad.csv:1: column 'e2': expected 'e1'"},
-      {"step,layer,e0,e1\n0,0,1,2\n", "bad.csv:1: 2 expert columns, but the simulation has 4 experts"},
-      {"step,layer,e0,e1,e2,e3\n0,0,1,2,3,4\n0,0,1,2,3,4\n", "bad.csv:3: a second row for step 0, layer 0"},
+      {"step,layer,e0,e1\n0,0,1,2\n",
+       "bad.csv:1: 2 expert columns, but the simulation has 4 experts"},
+      {"step,layer,e0,e1,e2,e3\n0,0,1,2,3,4\n0,0,1,2,3,4\n",
+       "bad.csv:3: a second row for step 0, layer 0"},
       {"step,layer,expert,count\n0,0,1,2\n2,0,1,2\n", "bad.csv: no rows for step 1, layer 0"},
       {"step,layer,step,expert,count\n", "bad.csv:1: column 'step' appears twice"},
   };
   for (const BadFile& c : cases) {
-    const std::string msg = expect_config_error([&] { TraceFile::parse_csv(c.text, "bad.csv", 4); });
+    const std::string msg =
+        expect_config_error([&] { TraceFile::parse_csv(c.text, "bad.csv", 4); });
     EXPECT_NE(msg.find(c.message), std::string::npos) << "got: " << msg << "\nwant: " << c.message;
   }
 }
 
 TEST(TraceFile, BadJsonFilesNameTheLineOrThePath) {
   const BadFile cases[] = {
-      {"{\"format\": \"moe-echo-trace\",\n \"experts\": 2,\n \"layers\": [}", "bad.json: not valid JSON"},
+      {"{\"format\": \"moe-echo-trace\",\n \"experts\": 2,\n \"layers\": [}",
+       "bad.json: not valid JSON"},
       {"{\n\"format\": \"moe-echo-trace\",\n\"experts\": 2 \"layers\": 1}", "line 3"},
       {"[1, 2]", "bad.json: expected a JSON object"},
-      {R"({"experts": 2, "layers": 1, "steps": 1, "counts": [[[1, 2]]]})", "\"format\" must be \"moe-echo-trace\""},
-      {R"({"format": "moe-echo-trace", "version": 2, "experts": 2, "layers": 1, "steps": 1, "counts": []})", "\"version\" 2 is not supported"},
-      {R"({"format": "moe-echo-trace", "layers": 1, "steps": 1, "counts": []})", "missing key \"experts\""},
-      {R"({"format": "moe-echo-trace", "experts": 0, "layers": 1, "steps": 1, "counts": []})", "\"experts\" must be an integer >= 1, got 0"},
-      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 2, "counts": [[[1, 2]]]})", "counts: expected an array of 2 steps, got 1 entries"},
-      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "counts": [[[1, 2, 3]]]})", "counts[0][0]: expected an array of 2 expert counts, got 3 entries"},
-      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "counts": [[[1, -2]]]})", "counts[0][0][1]: -2 is not an integer"},
-      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "counts": [[[1, "x"]]]})", "counts[0][0][1]: \"x\" is not an integer"},
-      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "source_ranks": 2, "counts": [[[[1, 2]]]]})", "counts[0][0]: expected an array of 2 source ranks, got 1 entries"},
-      {R"({"format": "moe-echo-trace", "experts": 3, "layers": 1, "steps": 1, "counts": [[[1, 2, 3]]]})", "\"experts\" is 3, but the simulation has 2 experts"},
-      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1})", "missing array \"counts\""},
+      {R"({"experts": 2, "layers": 1, "steps": 1, "counts": [[[1, 2]]]})",
+       "\"format\" must be \"moe-echo-trace\""},
+      {R"({"format": "moe-echo-trace", "version": 2, "experts": 2, "layers": 1, "steps": 1, "counts": []})",
+       "\"version\" 2 is not supported"},
+      {R"({"format": "moe-echo-trace", "layers": 1, "steps": 1, "counts": []})",
+       "missing key \"experts\""},
+      {R"({"format": "moe-echo-trace", "experts": 0, "layers": 1, "steps": 1, "counts": []})",
+       "\"experts\" must be an integer >= 1, got 0"},
+      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 2, "counts": [[[1, 2]]]})",
+       "counts: expected an array of 2 steps, got 1 entries"},
+      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "counts": [[[1, 2, 3]]]})",
+       "counts[0][0]: expected an array of 2 expert counts, got 3 entries"},
+      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "counts": [[[1, -2]]]})",
+       "counts[0][0][1]: -2 is not an integer"},
+      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "counts": [[[1, "x"]]]})",
+       "counts[0][0][1]: \"x\" is not an integer"},
+      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1, "source_ranks": 2, "counts": [[[[1, 2]]]]})",
+       "counts[0][0]: expected an array of 2 source ranks, got 1 entries"},
+      {R"({"format": "moe-echo-trace", "experts": 3, "layers": 1, "steps": 1, "counts": [[[1, 2, 3]]]})",
+       "\"experts\" is 3, but the simulation has 2 experts"},
+      {R"({"format": "moe-echo-trace", "experts": 2, "layers": 1, "steps": 1})",
+       "missing array \"counts\""},
   };
   for (const BadFile& c : cases) {
-    const std::string msg = expect_config_error([&] { TraceFile::parse_json(c.text, "bad.json", 2); });
+    const std::string msg =
+        expect_config_error([&] { TraceFile::parse_json(c.text, "bad.json", 2); });
     EXPECT_NE(msg.find(c.message), std::string::npos) << "got: " << msg << "\nwant: " << c.message;
   }
 }

@@ -45,38 +45,82 @@ TEST(WallsValidation, BaseInputIsClean) {
 
 TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
   const std::vector<Rule> rules = {
-      {"hidden", [](WallsInput& i) { i.model.hidden = 0; }, "hidden", "hidden = 0 is invalid: allowed hidden >= 1"},
-      {"ffn", [](WallsInput& i) { i.model.ffn = -2; }, "ffn", "ffn = -2 is invalid: allowed ffn >= 1"},
+      {"hidden", [](WallsInput& i) { i.model.hidden = 0; }, "hidden",
+       "hidden = 0 is invalid: allowed hidden >= 1"},
+      {"ffn", [](WallsInput& i) { i.model.ffn = -2; }, "ffn",
+       "ffn = -2 is invalid: allowed ffn >= 1"},
       {"experts", [](WallsInput& i) { i.model.experts = 0; }, "experts", "experts = 0 is invalid"},
       {"layers", [](WallsInput& i) { i.model.layers = 0; }, "layers", "layers = 0 is invalid"},
       {"seq_len", [](WallsInput& i) { i.model.seq_len = 0; }, "seq_len", "seq_len = 0 is invalid"},
-      {"micro_batch", [](WallsInput& i) { i.model.micro_batch = 0; }, "micro_batch", "micro_batch = 0 is invalid"},
+      {"micro_batch", [](WallsInput& i) { i.model.micro_batch = 0; }, "micro_batch",
+       "micro_batch = 0 is invalid"},
       {"ep", [](WallsInput& i) { i.layout.ep = 0; }, "ep", "ep = 0 is invalid: allowed ep >= 1"},
       {"etp", [](WallsInput& i) { i.layout.etp = 0; }, "etp", "etp = 0 is invalid"},
       {"dp", [](WallsInput& i) { i.layout.dp = 0; }, "dp", "dp = 0 is invalid"},
       {"pp", [](WallsInput& i) { i.layout.pp = 0; }, "pp", "pp = 0 is invalid"},
       {"vpp", [](WallsInput& i) { i.layout.vpp = 0; }, "vpp", "vpp = 0 is invalid"},
-      {"kernels", [](WallsInput& i) { i.train.kernels_per_layer = 0; }, "kernels_per_layer", "kernels_per_layer = 0 is invalid"},
-      {"top_k", [](WallsInput& i) { i.model.top_k = 129; }, "top_k", "top_k = 129 is invalid: allowed 1 <= top_k <= experts (128)"},
-      {"dtype", [](WallsInput& i) { i.model.dtype = "fp8"; }, "dtype", "dtype = 'fp8' is invalid: allowed bf16, fp16 or fp32"},
-      {"grad_dtype", [](WallsInput& i) { i.train.grad_dtype = "fp16"; }, "grad_dtype", "grad_dtype = 'fp16' is invalid: allowed fp32 or bf16"},
-      {"recompute", [](WallsInput& i) { i.train.recompute = "all"; }, "recompute", "recompute = 'all' is invalid: allowed none, swiglu or experts"},
-      {"capacity_factor", [](WallsInput& i) { i.train.capacity_factor = 0; }, "capacity_factor", "capacity_factor = 0 is invalid: allowed a finite value > 0"},
-      {"spare_slots", [](WallsInput& i) { i.train.spare_slots = -1; }, "spare_slots", "spare_slots = -1 is invalid"},
-      {"max_clones", [](WallsInput& i) { i.train.max_clones = -1; }, "max_clones", "max_clones = -1 is invalid"},
-      {"reserve_gb", [](WallsInput& i) { i.train.reserve_gb = -1; }, "reserve_gb", "reserve_gb = -1 is invalid"},
-      {"experts % ep", [](WallsInput& i) { i.layout.ep = 6; }, "experts", "experts = 128 is invalid: allowed a multiple of ep (6)"},
-      {"ffn % etp", [](WallsInput& i) { i.layout.etp = 5; }, "etp", "etp = 5 is invalid: allowed a divisor of ffn (768)"},
-      {"layers % pp", [](WallsInput& i) { i.layout.pp = 5; }, "pp", "pp = 5 is invalid: allowed a divisor of layers (48)"},
-      {"vpp needs pp", [](WallsInput& i) { i.layout.vpp = 2; }, "vpp", "vpp = 2 is invalid: allowed vpp = 1 when pp = 1"},
-      {"vpp divides stage", [](WallsInput& i) { i.layout.pp = 4; i.layout.vpp = 5; }, "vpp", "vpp = 5 is invalid: allowed a divisor of the layers per pipeline stage (12)"},
-      {"overlap needs ep > 1", [](WallsInput& i) { i.layout.ep = 1; i.train.overlap = true; }, "overlap", "overlap = true is invalid: allowed only with ep > 1"},
-      {"overlap needs 16-bit", [](WallsInput& i) { i.model.dtype = "fp32"; i.train.overlap = true; }, "dtype", "dtype = fp32 is invalid: allowed bf16 or fp16 with overlap"},
-      {"overlap with pp needs vpp", [](WallsInput& i) { i.layout.pp = 4; i.train.overlap = true; }, "vpp", "vpp = 1 is invalid: allowed vpp >= 2 with overlap and pp = 4"},
-      {"rows fit int32", [](WallsInput& i) { i.model.micro_batch = 100000; }, "micro_batch", "micro_batch = 100000 is invalid: allowed seq_len * micro_batch * top_k * etp <= 2^31-1"},
-      {"capacity fits int32", [](WallsInput& i) { i.model.micro_batch = 60000; i.train.capacity_factor = 2; }, "capacity_factor", "capacity_factor = 2 is invalid: allowed capacity_factor * seq_len"},
-      {"gpu constants", [](WallsInput& i) { i.gpu.network_gbps = 0; }, "network_gbps", "network_gbps = 0 is invalid: allowed a finite value > 0"},
-      {"gpus per node", [](WallsInput& i) { i.gpu.gpus_per_node = 0; }, "gpus_per_node", "gpus_per_node = 0 is invalid"},
+      {"kernels", [](WallsInput& i) { i.train.kernels_per_layer = 0; }, "kernels_per_layer",
+       "kernels_per_layer = 0 is invalid"},
+      {"top_k", [](WallsInput& i) { i.model.top_k = 129; }, "top_k",
+       "top_k = 129 is invalid: allowed 1 <= top_k <= experts (128)"},
+      {"dtype", [](WallsInput& i) { i.model.dtype = "fp8"; }, "dtype",
+       "dtype = 'fp8' is invalid: allowed bf16, fp16 or fp32"},
+      {"grad_dtype", [](WallsInput& i) { i.train.grad_dtype = "fp16"; }, "grad_dtype",
+       "grad_dtype = 'fp16' is invalid: allowed fp32 or bf16"},
+      {"recompute", [](WallsInput& i) { i.train.recompute = "all"; }, "recompute",
+       "recompute = 'all' is invalid: allowed none, swiglu or experts"},
+      {"capacity_factor", [](WallsInput& i) { i.train.capacity_factor = 0; }, "capacity_factor",
+       "capacity_factor = 0 is invalid: allowed a finite value > 0"},
+      {"spare_slots", [](WallsInput& i) { i.train.spare_slots = -1; }, "spare_slots",
+       "spare_slots = -1 is invalid"},
+      {"max_clones", [](WallsInput& i) { i.train.max_clones = -1; }, "max_clones",
+       "max_clones = -1 is invalid"},
+      {"reserve_gb", [](WallsInput& i) { i.train.reserve_gb = -1; }, "reserve_gb",
+       "reserve_gb = -1 is invalid"},
+      {"experts % ep", [](WallsInput& i) { i.layout.ep = 6; }, "experts",
+       "experts = 128 is invalid: allowed a multiple of ep (6)"},
+      {"ffn % etp", [](WallsInput& i) { i.layout.etp = 5; }, "etp",
+       "etp = 5 is invalid: allowed a divisor of ffn (768)"},
+      {"layers % pp", [](WallsInput& i) { i.layout.pp = 5; }, "pp",
+       "pp = 5 is invalid: allowed a divisor of layers (48)"},
+      {"vpp needs pp", [](WallsInput& i) { i.layout.vpp = 2; }, "vpp",
+       "vpp = 2 is invalid: allowed vpp = 1 when pp = 1"},
+      {"vpp divides stage",
+       [](WallsInput& i) {
+         i.layout.pp = 4;
+         i.layout.vpp = 5;
+       },
+       "vpp", "vpp = 5 is invalid: allowed a divisor of the layers per pipeline stage (12)"},
+      {"overlap needs ep > 1",
+       [](WallsInput& i) {
+         i.layout.ep = 1;
+         i.train.overlap = true;
+       },
+       "overlap", "overlap = true is invalid: allowed only with ep > 1"},
+      {"overlap needs 16-bit",
+       [](WallsInput& i) {
+         i.model.dtype = "fp32";
+         i.train.overlap = true;
+       },
+       "dtype", "dtype = fp32 is invalid: allowed bf16 or fp16 with overlap"},
+      {"overlap with pp needs vpp",
+       [](WallsInput& i) {
+         i.layout.pp = 4;
+         i.train.overlap = true;
+       },
+       "vpp", "vpp = 1 is invalid: allowed vpp >= 2 with overlap and pp = 4"},
+      {"rows fit int32", [](WallsInput& i) { i.model.micro_batch = 100000; }, "micro_batch",
+       "micro_batch = 100000 is invalid: allowed seq_len * micro_batch * top_k * etp <= 2^31-1"},
+      {"capacity fits int32",
+       [](WallsInput& i) {
+         i.model.micro_batch = 60000;
+         i.train.capacity_factor = 2;
+       },
+       "capacity_factor", "capacity_factor = 2 is invalid: allowed capacity_factor * seq_len"},
+      {"gpu constants", [](WallsInput& i) { i.gpu.network_gbps = 0; }, "network_gbps",
+       "network_gbps = 0 is invalid: allowed a finite value > 0"},
+      {"gpus per node", [](WallsInput& i) { i.gpu.gpus_per_node = 0; }, "gpus_per_node",
+       "gpus_per_node = 0 is invalid"},
   };
   for (const Rule& r : rules) {
     WallsInput in = base();
@@ -97,12 +141,22 @@ TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
 
 TEST(WallsValidation, EveryWarningRuleNamesTheParameter) {
   const std::vector<Rule> rules = {
-      {"spare slots with ep 1", [](WallsInput& i) { i.layout.ep = 1; }, "spare_slots", "spare_slots = 1 has no effect with ep = 1"},
-      {"spare slots without clones", [](WallsInput& i) { i.train.max_clones = 0; }, "max_clones", "max_clones = 0 leaves the 1 spare slot(s) empty"},
-      {"etp beyond the node", [](WallsInput& i) { i.layout.etp = 16; }, "etp", "etp = 16 does not fit the 8-GPU NVLink domain"},
-      {"ep spans nodes", [](WallsInput& i) { i.layout.ep = 32; }, "ep", "ep * etp = 32 GPUs spans 4 nodes: 75% of dispatch/combine traffic crosses the network"},
-      {"few rows per expert", [](WallsInput& i) { i.model.seq_len = 128; }, "micro_batch", "rows per local expert per micro-batch"},
-      {"overlap without graphs", [](WallsInput& i) { i.train.overlap = true; i.train.cuda_graphs = false; }, "cuda_graphs", "overlap without CUDA graphs"},
+      {"spare slots with ep 1", [](WallsInput& i) { i.layout.ep = 1; }, "spare_slots",
+       "spare_slots = 1 has no effect with ep = 1"},
+      {"spare slots without clones", [](WallsInput& i) { i.train.max_clones = 0; }, "max_clones",
+       "max_clones = 0 leaves the 1 spare slot(s) empty"},
+      {"etp beyond the node", [](WallsInput& i) { i.layout.etp = 16; }, "etp",
+       "etp = 16 does not fit the 8-GPU NVLink domain"},
+      {"ep spans nodes", [](WallsInput& i) { i.layout.ep = 32; }, "ep",
+       "ep * etp = 32 GPUs spans 4 nodes: 75% of dispatch/combine traffic crosses the network"},
+      {"few rows per expert", [](WallsInput& i) { i.model.seq_len = 128; }, "micro_batch",
+       "rows per local expert per micro-batch"},
+      {"overlap without graphs",
+       [](WallsInput& i) {
+         i.train.overlap = true;
+         i.train.cuda_graphs = false;
+       },
+       "cuda_graphs", "overlap without CUDA graphs"},
   };
   for (const Rule& r : rules) {
     WallsInput in = base();
@@ -128,7 +182,9 @@ TEST(WallsValidation, CapacityFactorBelowThePlannedImbalanceSpills) {
   ASSERT_EQ(f.size(), 1u);
   EXPECT_EQ(f[0].field, "capacity_factor");
   EXPECT_EQ(f[0].severity, Severity::warning);
-  EXPECT_NE(f[0].message.find("capacity_factor = 1.25 is below the planned imbalance"), std::string::npos) << f[0].message;
+  EXPECT_NE(f[0].message.find("capacity_factor = 1.25 is below the planned imbalance"),
+            std::string::npos)
+      << f[0].message;
   EXPECT_NE(f[0].message.find("spills every step"), std::string::npos);
   EXPECT_NE(f[0].message.find("capacity_factor >= 1.60"), std::string::npos) << f[0].message;
   in.train.capacity_factor = 1.4;  // between mean and p99: a share of steps
@@ -161,7 +217,9 @@ TEST(WallsModel, Presets) {
     ADD_FAILURE();
   } catch (const ConfigError& e) {
     EXPECT_EQ(e.field(), "model");
-    EXPECT_NE(std::string(e.what()).find("model = 'gpt-5' is invalid: allowed deepseek-v3, qwen3-30b-a3b or mixtral-8x7b"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find(
+                  "model = 'gpt-5' is invalid: allowed deepseek-v3, qwen3-30b-a3b or mixtral-8x7b"),
+              std::string::npos);
   }
 }
 
@@ -179,7 +237,7 @@ TEST(WallsModel, MemoryMatchesHandComputation) {
   EXPECT_EQ(r.world_size, 8 * 4 * 4);
   EXPECT_DOUBLE_EQ(r.memory.microbatches_in_flight, inflight);
   EXPECT_NEAR(r.memory.weights_gb, Lp * local * P * 2 / 1e9, 1e-12);
-  EXPECT_NEAR(r.memory.grads_gb, Lp * local * P * 4 / 1e9, 1e-12);       // fp32 main grads
+  EXPECT_NEAR(r.memory.grads_gb, Lp * local * P * 4 / 1e9, 1e-12);           // fp32 main grads
   EXPECT_NEAR(r.memory.optimizer_gb, Lp * local * P * 12 / 4 / 1e9, 1e-12);  // sharded over dp
   EXPECT_NEAR(r.memory.spare_weights_gb, Lp * inflight * 2 * P * 2 / 1e9, 1e-12);
   EXPECT_NEAR(r.memory.spare_grads_gb, 2 * P * 2 / 1e9, 1e-12);
@@ -190,14 +248,15 @@ TEST(WallsModel, MemoryMatchesHandComputation) {
   EXPECT_NEAR(r.memory.recompute_swiglu_saves_gb, Lp * inflight * cap * F * 2 / 1e9, 1e-9);
   EXPECT_NEAR(r.memory.recompute_experts_saves_gb, Lp * inflight * cap * 3 * F * 2 / 1e9, 1e-9);
   const double sum = r.memory.weights_gb + r.memory.grads_gb + r.memory.optimizer_gb +
-                     r.memory.spare_weights_gb + r.memory.spare_grads_gb +
-                     r.memory.activations_gb + r.memory.buffers_gb + r.memory.reserve_gb;
+                     r.memory.spare_weights_gb + r.memory.spare_grads_gb + r.memory.activations_gb +
+                     r.memory.buffers_gb + r.memory.reserve_gb;
   EXPECT_NEAR(r.memory.total_gb, sum, 1e-9);
   // recompute applies its saving; no distributed optimizer keeps the whole state
   in.train.recompute = "experts";
   in.train.distributed_optimizer = false;
   const WallsReport r2 = estimate_walls(in, imb);
-  EXPECT_NEAR(r2.memory.activations_gb, r.memory.activations_gb - r.memory.recompute_experts_saves_gb, 1e-9);
+  EXPECT_NEAR(r2.memory.activations_gb,
+              r.memory.activations_gb - r.memory.recompute_experts_saves_gb, 1e-9);
   EXPECT_NEAR(r2.memory.optimizer_gb, 4 * r.memory.optimizer_gb, 1e-9);
 }
 
@@ -219,7 +278,8 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   EXPECT_NEAR(r.stage_ms, 48 * r.layer.layer_ms, 1e-9);
   in.train.overlap = true;
   const WallsReport o = estimate_walls(in, imb);
-  EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms), 1e-12);
+  EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms),
+              1e-12);
 }
 
 TEST(WallsModel, EachWallBindsWhereItShould) {
@@ -292,8 +352,10 @@ TEST(WallsSuggest, SweepsSpareSlotsAndClonesAndPicksTheFewestNearTheBest) {
   ASSERT_NE(chosen, nullptr);
   EXPECT_LE(chosen->p99, best * 1.02);
   for (const SpareSlotOption& o : s.sweep)  // nothing earlier in the order qualifies
-    if (&o == chosen) break;
-    else EXPECT_GT(o.p99, best * 1.02);
+    if (&o == chosen)
+      break;
+    else
+      EXPECT_GT(o.p99, best * 1.02);
   EXPECT_GE(s.capacity_factor, chosen->p99);
   EXPECT_LT(s.capacity_factor, chosen->p99 + 0.05 + 1e-9);
   EXPECT_NEAR(s.capacity_factor * 20, std::round(s.capacity_factor * 20), 1e-9);
