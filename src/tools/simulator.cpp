@@ -195,7 +195,15 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
         const auto c0 = std::chrono::steady_clock::now();
         if (policy == Policy::eplb_periodic) {
           if (step == 0) {
-            periodic.set(eplb_place(std::vector<double>(size_t(E), 1.0), R, E / R + S), E);
+            // Nothing observed yet: experts stay home and the redundant slots stay empty.
+            EplbPlacement home;
+            home.ranks = R;
+            home.slots_per_rank = E / R + S;
+            home.slot_expert.assign(size_t(R) * size_t(home.slots_per_rank), -1);
+            for (int e = 0; e < E; ++e)
+              home.slot_expert[size_t(pc.home_rank(e)) * size_t(home.slots_per_rank) +
+                               size_t(pc.home_slot(e))] = e;
+            periodic.set(std::move(home), E);
             periodic.observed.assign(size_t(E), 0.0);
           } else if (step % cfg.eplb_period == 0) {
             const std::vector<int32_t> old_master = periodic.master;

@@ -7,8 +7,8 @@
 //   eplb           plan_eplb_restricted each step: DeepSeek EPLB confined to the same spare slots
 //   eplb_periodic  eplb_place every `eplb_period` steps from the loads observed since the last
 //                  re-placement (E/R + S slots per rank, R*S redundant replicas, unrestricted),
-//                  then eplb_rank_loads each step; the first period uses a placement built from
-//                  uniform loads (nothing observed yet)
+//                  then eplb_rank_loads each step; until the first re-placement nothing has
+//                  been observed, so experts stay home and the redundant slots stay empty
 //   none           plan_none: every expert on its home rank
 //
 // Invariants:
