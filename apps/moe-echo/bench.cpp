@@ -10,6 +10,8 @@
 #include <optional>
 #include <vector>
 
+#include <unistd.h>
+
 #include "commands.hpp"
 #include "core/random.hpp"
 #include "core/synthetic.hpp"
@@ -40,6 +42,11 @@ struct StepRow {
   double aux_loss = 0, z_loss = 0;
   std::vector<int32_t> load_before, load_after;
 };
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
+}
 
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
@@ -81,6 +88,22 @@ int run_bench(const BenchOptions& opts) {
     throw ConfigError("experts", "experts = " + std::to_string(moe.experts) +
                                      " is invalid for bench: synthetic routing needs experts <= "
                                      "hidden (" + std::to_string(moe.hidden) + ")");
+  // Ranks of the CPU backend share this process: refuse what cannot fit rather than swap or die.
+  const size_t per_rank = MoeLayer::memory_bytes(moe, ParallelConfig{R, 0}, L.echo,
+                                                 probe->activation_dtype(), probe->float_dtype(),
+                                                 /*optimizer_state=*/false);
+  if (cpu) {
+    const double need = double(per_rank) * R, have = physical_memory_bytes();
+    if (have > 0 && need > 0.8 * have) {
+      char msg[512];
+      std::snprintf(msg, sizeof msg,
+                    "memory = %.1f GiB is invalid: the CPU backend holds all %d ranks in this "
+                    "process (%.1f GiB each) and allowed is at most 80%% of this machine's "
+                    "%.1f GiB; lower --experts, --hidden, --ffn or --tokens, or run on a GPU",
+                    need / (1 << 30), R, double(per_rank) / (1 << 30), have / (1 << 30));
+      throw ConfigError("memory", msg);
+    }
+  }
   SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
 
   std::printf("moe-echo bench: preset %s, backend %s, H %d, F %d, E %d, top-%d %s, %d tokens/rank, "
@@ -106,7 +129,8 @@ int run_bench(const BenchOptions& opts) {
   world.run([&](int rank) {
     auto backend = make_backend(o.layer.backend);
     Communicator& comm = world.communicator(rank);
-    MoeLayer layer(*backend, comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed);
+    MoeLayer layer(*backend, comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
+                   /*optimizer_state=*/false);
     if (rank == 0) workspace = layer.workspace_bytes();
     write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
     const DType act = backend->activation_dtype();

@@ -52,9 +52,10 @@ class MoeLayer {
  public:
   // Validates (throws ConfigError), then allocates everything. Collective across the ranks of
   // `comm`. Parameters are initialised from `seed` per global expert, so any EP layout of the
-  // same config and seed holds the same weights.
+  // same config and seed holds the same weights. AdamW state (2 floats per parameter) is
+  // allocated only with optimizer_state.
   MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe, const ParallelConfig& par,
-           const EchoConfig& echo, uint64_t seed = 1);
+           const EchoConfig& echo, uint64_t seed = 1, bool optimizer_state = true);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
@@ -85,14 +86,20 @@ class MoeLayer {
   const PlannerConfig& planner_config() const { return planner_; }
   int64_t capacity() const { return capacity_; }
   int slots() const { return slots_; }
+  // Bytes this layer allocated on its rank (parameters, gradients, optimizer state, workspace).
   size_t workspace_bytes() const;
+  // The same, before building: what a layer of this config would allocate on one rank.
+  static size_t memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
+                             const EchoConfig& echo, DType activation, DType float_dtype,
+                             bool optimizer_state = true);
+
+  struct Buffers;
 
  private:
   void run_round(int round, const Tensor& x, int64_t T, Stream s);
   void run_round_backward(int round, const Tensor& x, int64_t T, Stream s);
   void init_parameters(uint64_t seed);
 
-  struct Buffers;
   Backend& backend_;
   Communicator& comm_;
   MoeConfig moe_;

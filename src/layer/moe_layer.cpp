@@ -50,10 +50,77 @@ struct MoeLayer::Buffers {
 
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
+  size_t bytes = 0;
 };
 
+// Every buffer of a layer, in one place: `dev` allocates a device tensor, `sym` a symmetric one
+// (or both only count bytes, for MoeLayer::memory_bytes).
+struct BufferShapes {
+  const MoeConfig& moe;
+  const ParallelConfig& par;
+  const PlannerConfig& planner;
+  int slots;
+  int64_t capacity;
+  int rounds;
+  DType act, fl;
+  bool optimizer_state;
+};
+
+template <class Dev, class Sym>
+void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym&& sym) {
+  const DType act = s.act, fl = s.fl;
+  const int64_t T = s.moe.max_tokens, H = s.moe.hidden, F = s.moe.ffn, E = s.moe.experts,
+                K = s.moe.top_k;
+  const int64_t R = s.par.ep_size, EPR = E / R, G = s.slots, cap = s.capacity;
+  const bool optimizer_state = s.optimizer_state;
+  const PlannerConfig& planner_ = s.planner;
+  const int rounds_ = s.rounds;
+  b.router_weight = dev(fl, {E, H});
+  b.router_bias = dev(fl, {E});
+  b.d_router_weight = dev(fl, {E, H});
+  b.w1 = sym(b.w1_sym, act, {G, H, 2 * F});
+  b.w2 = sym(b.w2_sym, act, {G, F, H});
+  b.dw1 = sym(b.dw1_sym, fl, {G, H, 2 * F});  // gradients accumulate in the float dtype
+  b.dw2 = sym(b.dw2_sym, fl, {G, F, H});
+  if (optimizer_state) {
+    b.m_router = dev(fl, {E, H});
+    b.v_router = dev(fl, {E, H});
+    b.m_w1 = dev(fl, {EPR, H, 2 * F});
+    b.v_w1 = dev(fl, {EPR, H, 2 * F});
+    b.m_w2 = dev(fl, {EPR, F, H});
+    b.v_w2 = dev(fl, {EPR, F, H});
+  }
+
+  b.logits = dev(fl, {T, E});
+  b.scores = dev(fl, {T, E});
+  b.topk_idx = dev(DType::i32, {T, K});
+  b.topk_weight = dev(fl, {T, K});
+  b.counts = dev(DType::i32, {E});
+  b.losses = dev(fl, {2});
+  b.routing_map = dev(DType::i32, {R, E});
+  b.plan = dev(DType::i32, {plan_ints(planner_)});
+  b.assign = dev(DType::i32, {R * E * planner_.max_replicas()});
+  b.dest_rank = dev(DType::i32, {T * K});
+  b.dest_row = dev(DType::i32, {T * K});
+  b.group_offsets = dev(DType::i32, {G + 1});
+  b.rank_rows = dev(DType::i32, {R});
+  b.round_active = dev(DType::i32, {rounds_});
+
+  b.recv_x = sym(b.recv_x_sym, act, {cap, H});
+  b.recv_out = sym(b.recv_out_sym, act, {cap, H});
+  b.h = dev(act, {cap, 2 * F});
+  b.a = dev(act, {cap, F});
+  b.gathered = dev(act, {T * K, H});
+  b.d_gathered = dev(act, {T * K, H});
+  b.d_topk_weight = dev(fl, {T, K});
+  b.recv_dx = sym(b.recv_dx_sym, act, {cap, H});
+  b.da = dev(act, {cap, F});
+  b.dh = dev(act, {cap, 2 * F});
+}
+
 MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
-                   const ParallelConfig& par, const EchoConfig& echo, uint64_t seed)
+                   const ParallelConfig& par, const EchoConfig& echo, uint64_t seed,
+                   bool optimizer_state)
     : backend_(backend), comm_(comm), moe_(moe), par_(par), echo_(echo) {
   validate(moe_, par_, echo_);
   MOE_ECHO_CHECK(comm.size() == par.ep_size,
@@ -83,66 +150,29 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
 
   buf_ = std::make_unique<Buffers>();
   Buffers& b = *buf_;
-  const DType act = backend.activation_dtype(), fl = backend.float_dtype();
-  const int64_t T = moe.max_tokens, H = moe.hidden, F = moe.ffn, E = moe.experts, K = moe.top_k;
-  const int64_t R = par.ep_size, EPR = E / R, G = slots_, cap = capacity_;
   auto dev = [&](DType t, std::initializer_list<int64_t> dims) {
     Tensor view(nullptr, t, dims);
     view.data = backend.allocate(view.bytes());
     b.owned.push_back(view.data);
+    b.bytes += view.bytes();
     return view;
   };
-  auto sym = [&](SymmetricBuffer& s, DType t, std::initializer_list<int64_t> dims) {
+  auto sym = [&](SymmetricBuffer& sb, DType t, std::initializer_list<int64_t> dims) {
     Tensor view(nullptr, t, dims);
-    s = comm.alloc_symmetric(backend, view.bytes());
-    b.symmetric.push_back(&s);
-    view.data = s.local;
+    sb = comm.alloc_symmetric(backend, view.bytes());
+    b.symmetric.push_back(&sb);
+    b.bytes += view.bytes();
+    view.data = sb.local;
     return view;
   };
-  b.router_weight = dev(fl, {E, H});
-  b.router_bias = dev(fl, {E});
-  b.d_router_weight = dev(fl, {E, H});
-  b.w1 = sym(b.w1_sym, act, {G, H, 2 * F});
-  b.w2 = sym(b.w2_sym, act, {G, F, H});
-  b.dw1 = sym(b.dw1_sym, fl, {G, H, 2 * F});  // gradients accumulate in the float dtype
-  b.dw2 = sym(b.dw2_sym, fl, {G, F, H});
-  b.m_router = dev(fl, {E, H});
-  b.v_router = dev(fl, {E, H});
-  b.m_w1 = dev(fl, {EPR, H, 2 * F});
-  b.v_w1 = dev(fl, {EPR, H, 2 * F});
-  b.m_w2 = dev(fl, {EPR, F, H});
-  b.v_w2 = dev(fl, {EPR, F, H});
-
-  b.logits = dev(fl, {T, E});
-  b.scores = dev(fl, {T, E});
-  b.topk_idx = dev(DType::i32, {T, K});
-  b.topk_weight = dev(fl, {T, K});
-  b.counts = dev(DType::i32, {E});
-  b.losses = dev(fl, {2});
-  b.routing_map = dev(DType::i32, {R, E});
-  b.plan = dev(DType::i32, {plan_ints(planner_)});
-  b.assign = dev(DType::i32, {R * E * planner_.max_replicas()});
-  b.dest_rank = dev(DType::i32, {T * K});
-  b.dest_row = dev(DType::i32, {T * K});
-  b.group_offsets = dev(DType::i32, {G + 1});
-  b.rank_rows = dev(DType::i32, {R});
-  b.round_active = dev(DType::i32, {rounds_});
-
-  b.recv_x = sym(b.recv_x_sym, act, {cap, H});
-  b.recv_out = sym(b.recv_out_sym, act, {cap, H});
-  b.h = dev(act, {cap, 2 * F});
-  b.a = dev(act, {cap, F});
-  b.gathered = dev(act, {T * K, H});
-  b.d_gathered = dev(act, {T * K, H});
-  b.d_topk_weight = dev(fl, {T, K});
-  b.recv_dx = sym(b.recv_dx_sym, act, {cap, H});
-  b.da = dev(act, {cap, F});
-  b.dh = dev(act, {cap, 2 * F});
+  declare_buffers(b, {moe, par, planner_, slots_, capacity_, rounds_, backend.activation_dtype(),
+                      backend.float_dtype(), optimizer_state},
+                  dev, sym);
 
   for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
                     &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.losses, &b.counts,
                     &b.routing_map, &b.plan, &b.group_offsets, &b.rank_rows})
-    backend.fill_zero(*t, nullptr);
+    if (t->data) backend.fill_zero(*t, nullptr);
   init_parameters(seed);
   backend.synchronize();
   comm.barrier();
@@ -213,6 +243,8 @@ void MoeLayer::all_reduce_router_grad(Stream s) { comm_.all_reduce_sum(buf_->d_r
 
 void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   Buffers& b = *buf_;
+  MOE_ECHO_CHECK(b.m_router.data != nullptr,
+                 "optimizer_step on a layer built without optimizer state (optimizer_state = false)");
   ++optimizer_steps_;
   auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
     AdamWArgs a{p, g, m, v, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
@@ -224,17 +256,30 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   step(param(Param::w2), grad(Param::w2), b.m_w2, b.v_w2);
 }
 
-size_t MoeLayer::workspace_bytes() const {
+size_t MoeLayer::workspace_bytes() const { return buf_->bytes; }
+
+size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
+                              const EchoConfig& echo, DType activation, DType float_dtype,
+                              bool optimizer_state) {
+  validate(moe, par, echo);
+  PlannerConfig planner;
+  planner.ranks = par.ep_size;
+  planner.experts = moe.experts;
+  planner.spare_slots = echo.enabled ? echo.spare_slots_per_rank : 0;
+  planner.max_clones = echo.enabled ? echo.max_clones_per_expert : 0;
+  Buffers b;
   size_t total = 0;
-  const Buffers& b = *buf_;
-  for (const Tensor* t :
-       {&b.router_weight, &b.router_bias, &b.d_router_weight, &b.w1, &b.w2, &b.dw1, &b.dw2,
-        &b.m_router, &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.logits, &b.scores,
-        &b.topk_idx, &b.topk_weight, &b.counts, &b.losses, &b.routing_map, &b.plan, &b.assign,
-        &b.dest_rank, &b.dest_row, &b.group_offsets, &b.rank_rows, &b.round_active, &b.recv_x,
-        &b.recv_out, &b.h, &b.a, &b.gathered, &b.d_gathered, &b.d_topk_weight, &b.recv_dx, &b.da,
-        &b.dh})
-    total += t->bytes();
+  auto dev = [&](DType t, std::initializer_list<int64_t> dims) {
+    Tensor view(nullptr, t, dims);
+    total += view.bytes();
+    return view;
+  };
+  auto sym = [&](SymmetricBuffer&, DType t, std::initializer_list<int64_t> dims) {
+    return dev(t, dims);
+  };
+  declare_buffers(b, {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
+                      max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
+                  dev, sym);
   return total;
 }
 

@@ -276,6 +276,24 @@ TEST(Layer, GradientsMatchFiniteDifferences) {
   }
 }
 
+TEST(Layer, MemoryEstimateMatchesWhatIsAllocated) {
+  for (bool optimizer : {false, true}) {
+    for (bool echo : {false, true}) {
+      auto be = make_cpu_backend(DType::f32);
+      InProcessWorld world(1);
+      MoeConfig m = small_moe();
+      EchoConfig e;
+      e.enabled = echo;
+      MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 1, optimizer);
+      EXPECT_EQ(layer.workspace_bytes(),
+                MoeLayer::memory_bytes(m, ParallelConfig{1, 0}, e, DType::f32, DType::f32, optimizer));
+      if (!optimizer) {
+        EXPECT_THROW(layer.optimizer_step(AdamWConfig{}), Error);
+      }
+    }
+  }
+}
+
 TEST(Layer, RejectsBadTensorsAndConfigs) {
   auto be = make_cpu_backend(DType::f32);
   InProcessWorld world(1);
