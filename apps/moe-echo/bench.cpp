@@ -74,12 +74,10 @@ int run_bench(const BenchOptions& opts) {
   const ResolvedLayer L = resolve(opts.layer, cpu);
   BenchOptions o = opts;
   if (o.steps < 1)
-    throw ConfigError("steps", "steps = " + std::to_string(o.steps) + " is invalid: allowed steps >= 1");
+    reject("steps", o.steps, "steps >= 1");
   if (!o.warmup) o.warmup = std::min(1, o.steps - 1);
   if (*o.warmup < 0 || *o.warmup >= o.steps)
-    throw ConfigError("warmup", "warmup = " + std::to_string(*o.warmup) +
-                                    " is invalid: allowed 0 <= warmup < steps (" +
-                                    std::to_string(o.steps) + ")");
+    reject("warmup", *o.warmup, "0 <= warmup < steps (" + std::to_string(o.steps) + ")");
   const int warmup = *o.warmup;
   const SkewSpec skew = parse_skew(o.skew, "skew");
   const MoeConfig& moe = L.moe;

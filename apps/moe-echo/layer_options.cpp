@@ -59,9 +59,7 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
 ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend) {
   const auto it = presets().find(o.preset);
   if (it == presets().end())
-    throw ConfigError("preset", "preset = '" + o.preset +
-                                    "' is invalid: allowed tiny, qwen3-30b-a3b, deepseek-v3, "
-                                    "mixtral-8x7b");
+    reject("preset", "'" + o.preset + "'", "tiny, qwen3-30b-a3b, deepseek-v3, mixtral-8x7b");
   const Preset& p = it->second;
   ResolvedLayer r;
   r.preset = o.preset;
@@ -80,7 +78,7 @@ ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend) {
   r.moe.bias_update = o.bias_update;
   r.ep = o.ep.value_or(p.ep);
   if (o.echo != "on" && o.echo != "off")
-    throw ConfigError("echo", "echo = '" + o.echo + "' is invalid: allowed on or off");
+    reject("echo", "'" + o.echo + "'", "on or off");
   r.echo.enabled = o.echo == "on";
   r.echo.spare_slots_per_rank = o.spare_slots.value_or(2);
   r.echo.max_clones_per_expert = o.max_clones.value_or(2);

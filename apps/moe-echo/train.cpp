@@ -100,11 +100,11 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
 
 int run_train(const TrainOptions& o) {
   if (o.steps < 2)
-    throw ConfigError("steps", "steps = " + std::to_string(o.steps) + " is invalid: allowed steps >= 2");
+    reject("steps", o.steps, "steps >= 2");
   if (!(o.lr > 0) || !std::isfinite(o.lr))
-    throw ConfigError("lr", "lr = " + std::to_string(o.lr) + " is invalid: allowed a finite value > 0");
+    reject("lr", o.lr, "a finite value > 0");
   if (o.compare != "both" && o.compare != "on" && o.compare != "off")
-    throw ConfigError("echo", "echo = '" + o.compare + "' is invalid: allowed both, on or off");
+    reject("echo", "'" + o.compare + "'", "both, on or off");
   auto probe = make_backend(o.layer.backend);
   const bool cpu = std::string(probe->name()).rfind("cpu", 0) == 0;
   LayerOptions lo = o.layer;

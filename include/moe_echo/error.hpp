@@ -29,6 +29,15 @@ class ConfigError : public Error {
   std::string field_;
 };
 
+// Throws ConfigError(field, "<field> = <value> is invalid: allowed <allowed>"). Quote string
+// values by passing them as "'" + s + "'".
+template <class V>
+[[noreturn]] void reject(const std::string& field, const V& value, const std::string& allowed) {
+  std::ostringstream s;
+  s << field << " = " << value << " is invalid: allowed " << allowed;
+  throw ConfigError(field, s.str());
+}
+
 namespace detail {
 [[noreturn]] void fail(const char* file, int line, const std::string& message);
 }  // namespace detail

@@ -27,8 +27,7 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
   }
 #endif
   if (name == "auto") return make_cpu_backend(DType::f32);
-  throw ConfigError("backend", "backend = '" + name + "' is invalid: allowed auto, cpu" +
-                                   std::string(cuda_backend_available() ? " or cuda" : ""));
+  reject("backend", "'" + name + "'", cuda_backend_available() ? "auto, cpu or cuda" : "auto or cpu");
 }
 
 }  // namespace moe_echo

@@ -9,13 +9,6 @@
 namespace moe_echo {
 namespace {
 
-template <class V>
-[[noreturn]] void reject(const char* field, V value, const std::string& allowed) {
-  std::ostringstream s;
-  s << field << " = " << value << " is invalid: allowed " << allowed;
-  throw ConfigError(field, s.str());
-}
-
 std::string range(const char* lo, const char* field, const std::string& hi) {
   return std::string(lo) + " <= " + field + " <= " + hi;
 }

@@ -25,8 +25,7 @@ SkewSpec parse_skew(const std::string& s, const char* field) {
     } catch (const std::exception&) {
     }
   }
-  throw ConfigError(field, std::string(field) + " = '" + s +
-                               "' is invalid: allowed uniform or zipf:S with S >= 0 (e.g. zipf:1.2)");
+  reject(field, "'" + s + "'", "uniform or zipf:S with S >= 0 (e.g. zipf:1.2)");
 }
 
 std::string to_string(const SkewSpec& s) {

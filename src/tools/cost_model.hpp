@@ -19,13 +19,7 @@
 
 namespace moe_echo::tools {
 
-// Throws ConfigError reading "field = value is invalid: allowed ...", the style of config.hpp.
-template <class V>
-[[noreturn]] void reject(const std::string& field, const V& value, const std::string& allowed) {
-  std::ostringstream s;
-  s << field << " = " << value << " is invalid: allowed " << allowed;
-  throw ConfigError(field, s.str());
-}
+using moe_echo::reject;  // "field = value is invalid: allowed ..." (error.hpp)
 
 struct GpuSpec {
   std::string name = "h200";
