@@ -1,0 +1,261 @@
+// The CUDA backend: device memory through cudaMalloc (never managed memory), every per-step op a
+// kernel (or an async memset/copy) on the caller's stream, expert GEMMs through GroupedGemm
+// (CUTLASS, grouped_gemm*.cu), run_if as a CUDA-graph conditional IF node while the stream is
+// capturing. Op semantics are those of the CPU reference (src/cpu); see ops.hpp for the kernels.
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "cuda/cuda_backend.hpp"
+#include "cuda/grouped_gemm.hpp"
+#include "cuda/ops.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::cuda {
+namespace {
+
+// The capture state of a stream; throws when a capture was invalidated by an earlier error.
+bool is_capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  MOE_ECHO_CUDA_CHECK(cudaStreamIsCapturing(s, &st));
+  MOE_ECHO_CHECK(st != cudaStreamCaptureStatusInvalidated,
+                 "the stream's graph capture was invalidated by an earlier error");
+  return st == cudaStreamCaptureStatusActive;
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend() { MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_)); }
+  ~CudaBackend() override {
+    (void)cudaDeviceSynchronize();
+    gemm_.reset();
+    retired_gemms_.clear();
+    for (void* p : arenas_) (void)cudaFree(p);
+  }
+
+  const char* name() const override { return "cuda"; }
+  DType activation_dtype() const override { return DType::bf16; }
+  DType float_dtype() const override { return DType::f32; }
+
+  void* allocate(size_t bytes) override {
+    void* p = nullptr;
+    MOE_ECHO_CUDA_CHECK(cudaMalloc(&p, bytes == 0 ? 256 : bytes));
+    return p;
+  }
+  void deallocate(void* p) override {
+    if (p) MOE_ECHO_CUDA_CHECK(cudaFree(p));
+  }
+  void copy_from_host(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());  // after all queued work, on any stream
+    MOE_ECHO_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+    MOE_ECHO_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  }
+  void synchronize() override { MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+  // Build time: the grouped GEMM for the largest group count seen, and a scratch arena for the
+  // largest router/layout/planner needs. The planner config is not part of a Reservation, so the
+  // arena assumes up to max(R - 1, 8) clones per expert; a config beyond that grows the arena at
+  // its first step outside a capture (and throws inside one).
+  void reserve(const Reservation& r) override {
+    if (!gemm_ || gemm_->max_groups() < r.max_groups) {
+      if (gemm_) retired_gemms_.push_back(std::move(gemm_));  // captured graphs may use it
+      gemm_ = std::make_unique<GroupedGemm>(r.max_groups);
+    }
+    PlannerConfig cfg;
+    cfg.ranks = r.ranks;
+    cfg.experts = r.experts;
+    cfg.spare_slots = r.max_groups - r.experts / r.ranks;
+    cfg.max_clones = std::max(r.ranks - 1, 8);
+    const int64_t entries = r.max_tokens * r.top_k;
+    size_t need = router_scratch_bytes(r.max_tokens, r.experts);
+    need = std::max(need, layout_scratch_bytes(cfg, r.max_groups, entries));
+    need = std::max(need, planner_scratch_bytes(cfg));
+    grow_arena(need);
+  }
+
+  void fill_zero(const Tensor& t, Stream s) override {
+    if (t.bytes()) MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(t.data, 0, t.bytes(), as_cuda(s)));
+  }
+  void copy(const Tensor& dst, const Tensor& src, Stream s) override {
+    MOE_ECHO_CHECK(dst.bytes() == src.bytes(),
+                   "copy " << src.describe() << " into " << dst.describe());
+    if (src.bytes() && dst.data != src.data)
+      MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(),
+                                          cudaMemcpyDeviceToDevice, as_cuda(s)));
+  }
+  void router_forward(const RouterForwardArgs& a, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::router_forward(a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0)), cs), cs);
+  }
+  void router_backward(const RouterBackwardArgs& a, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::router_backward(a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0)), cs), cs);
+  }
+  void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
+                          Stream s) override {
+    cuda::router_bias_update(routing_map, bias, rate, as_cuda(s));
+  }
+  void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const Tensor& plan,
+            Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::plan(routing_map, cfg, echo, plan, scratch(planner_scratch_bytes(cfg), cs), cs);
+  }
+  void layout(const LayoutArgs& a, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::layout(a, scratch(layout_scratch_bytes(a.planner, a.slots, a.topk_idx.numel()), cs), cs);
+  }
+  void gemm_fprop(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).fprop(a, as_cuda(s)); }
+  void gemm_dgrad(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).dgrad(a, as_cuda(s)); }
+  void gemm_wgrad(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).wgrad(a, as_cuda(s)); }
+  void swiglu_forward(const SwigluArgs& a, Stream s) override { cuda::swiglu_forward(a, as_cuda(s)); }
+  void swiglu_backward(const SwigluArgs& a, Stream s) override { cuda::swiglu_backward(a, as_cuda(s)); }
+  void combine_forward(const CombineArgs& a, Stream s) override { cuda::combine_forward(a, as_cuda(s)); }
+  void combine_backward(const CombineBackwardArgs& a, Stream s) override {
+    cuda::combine_backward(a, as_cuda(s));
+  }
+  void adamw(const AdamWArgs& a, Stream s) override { cuda::adamw(a, as_cuda(s)); }
+
+  // Not capturing: the body runs unconditionally. That is exact, because every op of a round
+  // touches only rows inside its window, and an inactive round's window holds none.
+  // Capturing: a one-thread kernel sets a conditional handle from the flag, an IF node follows,
+  // and the body is captured into the IF node's body graph. The capture of `s` is ended and
+  // resumed around the body (the body enqueues on `s` itself), so the stream must have no other
+  // streams forked into the capture that are not joined back at this point.
+  void run_if(const int32_t* device_flag, const std::function<void()>& body,
+              Stream stream) override {
+    const cudaStream_t s = as_cuda(stream);
+    if (!is_capturing(s)) {
+      body();
+      return;
+    }
+    cudaStreamCaptureStatus st;
+    cudaGraph_t graph = nullptr;
+    MOE_ECHO_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, &graph));
+    cudaGraphConditionalHandle handle;
+    MOE_ECHO_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault));
+    set_conditional_from_flag(handle, device_flag, s);
+
+    const cudaGraphNode_t* deps = nullptr;
+    size_t num_deps = 0;
+    MOE_ECHO_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, &graph, &deps, nullptr, &num_deps));
+    cudaGraphNodeParams params{};
+    params.type = cudaGraphNodeTypeConditional;
+    params.conditional.handle = handle;
+    params.conditional.type = cudaGraphCondTypeIf;
+    params.conditional.size = 1;
+    cudaGraphNode_t node;
+    MOE_ECHO_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, nullptr, num_deps, &params));
+    cudaGraph_t body_graph = params.conditional.phGraph_out[0];
+    MOE_ECHO_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(s, &node, nullptr, 1,
+                                                            cudaStreamSetCaptureDependencies));
+    // Suspend the main capture (its graph keeps growing from `node` afterwards).
+    cudaGraph_t main_graph = nullptr;
+    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(s, &main_graph));
+    const cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
+    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCaptureToGraph(s, body_graph, nullptr, nullptr, 0, mode));
+    try {
+      body();
+    } catch (...) {
+      cudaGraph_t discard = nullptr;
+      (void)cudaStreamEndCapture(s, &discard);
+      throw;
+    }
+    cudaGraph_t captured_body = nullptr;
+    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(s, &captured_body));
+    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCaptureToGraph(s, main_graph, &node, nullptr, 1, mode));
+  }
+
+ private:
+  GroupedGemm& gemm(int groups, Stream s) {
+    if (!gemm_ || gemm_->max_groups() < groups) {
+      MOE_ECHO_CHECK(!is_capturing(as_cuda(s)),
+                     "grouped GEMM for " << groups << " groups not reserved before capture: "
+                                         "build the layer (Backend::reserve) first");
+      if (gemm_) retired_gemms_.push_back(std::move(gemm_));
+      gemm_ = std::make_unique<GroupedGemm>(groups);
+    }
+    return *gemm_;
+  }
+
+  // Scratch of `bytes` for the op about to be enqueued on `s`. The arena only grows, outside a
+  // capture; old arenas stay allocated until the backend dies (captured graphs may use them).
+  void* scratch(size_t bytes, cudaStream_t s) {
+    if (bytes > arena_bytes_) {
+      MOE_ECHO_CHECK(!is_capturing(s), "op scratch of " << bytes << " bytes exceeds the "
+                                                        << arena_bytes_
+                                                        << " reserved: reserve() before capture");
+      grow_arena(bytes);
+    }
+    return arena_;
+  }
+  void grow_arena(size_t bytes) {
+    if (bytes <= arena_bytes_) return;
+    bytes = std::max(bytes, 2 * arena_bytes_);
+    arena_ = allocate(bytes);
+    arenas_.push_back(arena_);
+    arena_bytes_ = bytes;
+  }
+
+  int device_ = 0;
+  std::unique_ptr<GroupedGemm> gemm_;
+  std::vector<std::unique_ptr<GroupedGemm>> retired_gemms_;
+  void* arena_ = nullptr;
+  size_t arena_bytes_ = 0;
+  std::vector<void*> arenas_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+// ---- CapturedGraph ------------------------------------------------------------------------------
+
+CapturedGraph::CapturedGraph(cudaStream_t stream, const std::function<void()>& enqueue) {
+  MOE_ECHO_CHECK(stream != nullptr, "capture needs a stream other than the legacy default stream");
+  MOE_ECHO_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaGraph_t discard = nullptr;
+    if (cudaStreamEndCapture(stream, &discard) == cudaSuccess && discard)
+      (void)cudaGraphDestroy(discard);
+    (void)cudaGetLastError();
+    throw;
+  }
+  MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+  MOE_ECHO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
+}
+
+CapturedGraph::~CapturedGraph() {
+  if (exec_) (void)cudaGraphExecDestroy(exec_);
+  if (graph_) (void)cudaGraphDestroy(graph_);
+}
+
+void CapturedGraph::launch(cudaStream_t stream) {
+  MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(exec_, stream));
+}
+
+size_t CapturedGraph::top_level_nodes() const {
+  size_t n = 0;
+  MOE_ECHO_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &n));
+  return n;
+}
+
+size_t CapturedGraph::conditional_nodes() const {
+  size_t n = top_level_nodes();
+  std::vector<cudaGraphNode_t> nodes(n);
+  MOE_ECHO_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &n));
+  size_t count = 0;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    MOE_ECHO_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    if (type == cudaGraphNodeTypeConditional) ++count;
+  }
+  return count;
+}
+
+}  // namespace moe_echo::cuda

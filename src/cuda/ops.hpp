@@ -1,0 +1,71 @@
+// The CUDA backend's per-step ops, one host launcher per op (the kernels live in one .cu file per
+// op family: router.cu, layout.cu, planner.cu, swiglu.cu, combine.cu, adamw.cu). Semantics are
+// exactly those of the CPU reference ops in src/cpu (the spec), in the CUDA backend's dtypes:
+// activations and expert weights bf16; router weights, logits, scores, combine weights, losses,
+// gradients and optimizer state f32. Every launcher is capture-safe: it allocates nothing, reads
+// nothing back to the host and launches grids sized from host shapes only.
+//
+// Some ops need temporary device memory ("scratch"), carved from one arena owned by the backend
+// (`*_scratch_bytes` say how much). The arena is shared by all ops of a backend, so a backend's
+// ops must be ordered on one stream at a time.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moe_echo/backend.hpp"
+
+namespace moe_echo::cuda {
+
+// Router (router.cu). T tokens, E experts.
+size_t router_scratch_bytes(int64_t tokens, int64_t experts);
+void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s);
+void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s);
+void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
+                        cudaStream_t s);
+
+// Layout (layout.cu): `entries` = T * K routes of this rank.
+size_t layout_scratch_bytes(const PlannerConfig& cfg, int slots, int64_t entries);
+void layout(const LayoutArgs& a, void* scratch, cudaStream_t s);
+
+// Planner (planner.cu): plan_echo / plan_none of src/echo/planner.cpp on the device.
+size_t planner_scratch_bytes(const PlannerConfig& cfg);
+void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const Tensor& plan,
+          void* scratch, cudaStream_t s);
+
+// SwiGLU (swiglu.cu), valid rows of the window only.
+void swiglu_forward(const SwigluArgs& a, cudaStream_t s);
+void swiglu_backward(const SwigluArgs& a, cudaStream_t s);
+
+// Combine (combine.cu).
+void combine_forward(const CombineArgs& a, cudaStream_t s);
+void combine_backward(const CombineBackwardArgs& a, cudaStream_t s);
+
+// AdamW (adamw.cu): param f32 or bf16; grad, m, v f32.
+void adamw(const AdamWArgs& a, cudaStream_t s);
+
+// Sets a CUDA-graph conditional handle from a device flag (graph.cu).
+void set_conditional_from_flag(unsigned long long handle, const int32_t* flag, cudaStream_t s);
+
+// Carves aligned pieces out of a scratch buffer (host-side pointer arithmetic only).
+class ScratchCarver {
+ public:
+  // base: 256-byte aligned, or nullptr to only measure (used() is then the bytes needed).
+  explicit ScratchCarver(void* base) : base_(static_cast<char*>(base)) {}
+  template <class T>
+  T* take(int64_t n) {
+    T* p = base_ ? reinterpret_cast<T*>(base_ + used_) : nullptr;
+    used_ += round_up(size_t(n < 0 ? 0 : n) * sizeof(T));
+    return p;
+  }
+  size_t used() const { return used_; }
+  static size_t round_up(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace moe_echo::cuda

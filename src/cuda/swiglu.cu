@@ -1,0 +1,61 @@
+// SwiGLU on the GPU over the valid rows of a receive window only: a = silu(gate) * up with
+// h = gate | up, and its backward. Semantics: src/cpu/swiglu.cpp. bf16 in and out, f32 math.
+// The grid is sized by the window (capacity rows); the valid prefix is read on the device.
+#include "cuda/common.cuh"
+#include "cuda/ops.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::cuda {
+namespace {
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + expf(-v)); }
+
+__global__ void swiglu_forward_kernel(const int32_t* __restrict__ offsets, int groups,
+                                      int64_t row_lo, int64_t rows, int64_t F,
+                                      const bf16* __restrict__ h, bf16* a) {
+  const int64_t n = valid_window_rows(offsets, groups, row_lo, rows) * F;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / F, f = i - r * F;
+    const float gate = __bfloat162float(h[r * 2 * F + f]), up = __bfloat162float(h[r * 2 * F + F + f]);
+    a[i] = __float2bfloat16_rn(gate * sigmoidf_(gate) * up);
+  }
+}
+
+__global__ void swiglu_backward_kernel(const int32_t* __restrict__ offsets, int groups,
+                                       int64_t row_lo, int64_t rows, int64_t F,
+                                       const bf16* __restrict__ h, const bf16* __restrict__ da,
+                                       bf16* dh) {
+  const int64_t n = valid_window_rows(offsets, groups, row_lo, rows) * F;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / F, f = i - r * F;
+    const float gate = __bfloat162float(h[r * 2 * F + f]), up = __bfloat162float(h[r * 2 * F + F + f]);
+    const float sg = sigmoidf_(gate), d = __bfloat162float(da[i]);
+    dh[r * 2 * F + f] = __float2bfloat16_rn(d * up * sg * (1.f + gate * (1.f - sg)));
+    dh[r * 2 * F + F + f] = __float2bfloat16_rn(d * gate * sg);
+  }
+}
+
+}  // namespace
+
+void swiglu_forward(const SwigluArgs& a, cudaStream_t s) {
+  MOE_ECHO_CHECK(a.h.dtype == DType::bf16 && a.a.dtype == DType::bf16,
+                 "swiglu needs bf16 h and a, got " << a.h.describe() << ", " << a.a.describe());
+  const GroupWindow& w = a.window;
+  const int64_t F = a.a.size(1);
+  MOE_ECHO_LAUNCH(swiglu_forward_kernel, blocks_for(w.rows * F, 256, grid_cap()), 256, 0, s,
+                  w.group_offsets, w.groups, w.row_lo, w.rows, F, a.h.as<bf16>(), a.a.as<bf16>());
+}
+
+void swiglu_backward(const SwigluArgs& a, cudaStream_t s) {
+  MOE_ECHO_CHECK(a.h.dtype == DType::bf16 && a.da.dtype == DType::bf16 && a.dh.dtype == DType::bf16,
+                 "swiglu backward needs bf16 h, da and dh");
+  const GroupWindow& w = a.window;
+  const int64_t F = a.da.size(1);
+  MOE_ECHO_LAUNCH(swiglu_backward_kernel, blocks_for(w.rows * F, 256, grid_cap()), 256, 0, s,
+                  w.group_offsets, w.groups, w.row_lo, w.rows, F, a.h.as<bf16>(),
+                  a.da.as<bf16>(), a.dh.as<bf16>());
+}
+
+}  // namespace moe_echo::cuda

@@ -1,0 +1,458 @@
+// The ECHO planner's core, written once for the host (src/echo/planner.cpp) and the device
+// (src/cuda/planner.cu): the same loops over the same flat arrays, so both produce the same plan
+// bit for bit. The algorithm and its invariants are described in planner.cpp.
+//
+// No allocation, no exceptions, no standard library containers: every array lives in a caller's
+// scratch buffer (PlannerCore::bytes(cfg) bytes, 8-byte aligned) bound by bind(). On the device,
+// the expert and rank initialisation may run on a whole block (init_experts / init_ranks over
+// disjoint indices, a barrier between them); placement, refinement and writing run on one thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "moe_echo/planner.hpp"
+
+#if defined(__CUDACC__)
+#define MOE_ECHO_HD __host__ __device__
+#else
+#define MOE_ECHO_HD
+#endif
+
+namespace moe_echo::planner_core {
+
+constexpr int kMaxRefinePasses = 64;
+
+template <class T>
+MOE_ECHO_HD inline T min_of(T a, T b) {
+  return b < a ? b : a;
+}
+template <class T>
+MOE_ECHO_HD inline T max_of(T a, T b) {
+  return a < b ? b : a;
+}
+
+// Integer water-filling: split `rows` over k replicas, given in ascending rank order, whose ranks
+// carry `base[i]` rows of other work, so that the largest total base[i] + out[i] is as small as
+// possible. Finds the largest level L with sum max(0, L - base[i]) <= rows, gives every replica
+// max(0, L - base[i]), then one more row to each replica at the level in index (= rank) order
+// until none is left: the lowest rank gets the remainder first. `order` is scratch for k indices.
+// The result is the integer min-max split.
+MOE_ECHO_HD inline void water_fill(int k, const int64_t* base, int64_t rows, int64_t* out,
+                                   int* order) {
+  // Indices sorted by base (stable: equal bases keep rank order). Insertion sort: k is small.
+  for (int i = 0; i < k; ++i) {
+    int j = i;
+    while (j > 0 && base[order[j - 1]] > base[i]) {
+      order[j] = order[j - 1];
+      --j;
+    }
+    order[j] = i;
+  }
+  // On [base_(m-1), base_m] (the m smallest bases) the poured rows are m * L - prefix_m.
+  int64_t prefix = 0, level = base[order[0]];
+  for (int m = 1; m <= k; ++m) {
+    prefix += base[order[m - 1]];
+    level = (rows + prefix) / m;
+    if (m == k || level < base[order[m]]) break;
+  }
+  int64_t left = rows;
+  for (int i = 0; i < k; ++i) {
+    out[i] = base[i] < level ? level - base[i] : 0;
+    left -= out[i];
+  }
+  // Fewer rows are left than replicas at the level (base[i] <= L); lowest rank first.
+  for (int i = 0; i < k && left > 0; ++i)
+    if (base[i] <= level) {
+      out[i] += 1;
+      --left;
+    }
+}
+
+// Working state of one planning run, in flat arrays. Replicas of expert e are kept sorted by rank
+// in rep_rank[e*M .. e*M + nrep[e]); the home replica is the one on home_rank(e).
+struct PlannerCore {
+  int R = 0, E = 0, S = 0, M = 0, epr = 0, clone_limit = 0, max_resplits = 0;
+  int64_t *w = nullptr, *load = nullptr, *rep_rows = nullptr;
+  int32_t *rep_rank = nullptr, *nrep = nullptr, *spare = nullptr, *spare_used = nullptr;
+  // Scratch of one water-fill (k <= M replicas).
+  int64_t *sc_base = nullptr, *sc_rows = nullptr;
+  int32_t* sc_rank = nullptr;
+  int* order = nullptr;
+  // Scratch of the greedy step: epochs instead of clearing per step (`stamp` marks the busiest
+  // group and the candidates of one step, `trial` the ranks touched and experts queued by one
+  // trial clone).
+  int32_t stamp = 0, trial = 0;
+  int32_t *group_stamp = nullptr, *touched_stamp = nullptr, *cand_stamp = nullptr,
+          *replica_stamp = nullptr, *queued = nullptr;
+  // Lists: group and touched hold distinct ranks (<= R), cand distinct experts (<= E); queue is a
+  // FIFO ring of E entries (an expert is queued again only after it was taken out, so at most E
+  // wait at once).
+  int32_t *group = nullptr, *touched = nullptr, *cand = nullptr, *queue = nullptr;
+  int n_group = 0, n_touched = 0, n_cand = 0;
+  int64_t q_head = 0, q_tail = 0;
+  int64_t* cand_score = nullptr;
+  // Undo log of a trial clone: per change, the expert's replica list and its ranks' loads before.
+  bool journaling = false;
+  int j_count = 0;
+  int32_t *j_expert = nullptr, *j_nrep = nullptr, *j_rank = nullptr;
+  int64_t *j_rows = nullptr, *j_load = nullptr;
+
+  // Binds the arrays to `base` (nullptr: only measures); returns the bytes used.
+  MOE_ECHO_HD size_t bind(const PlannerConfig& cfg, void* base) {
+    R = cfg.ranks;
+    E = cfg.experts;
+    S = cfg.spare_slots;
+    M = 1 + cfg.max_clones;  // cfg.max_replicas(), written out for the device
+    epr = cfg.experts / cfg.ranks;
+    clone_limit = min_of(cfg.max_clones, cfg.ranks - 1);
+    max_resplits = 2 * M + 16;
+    size_t at = 0;
+    char* b = static_cast<char*>(base);
+    auto take = [&](auto& p, int64_t n) { take_array(p, n, b, at); };
+    const int64_t EM = int64_t(E) * M, J = int64_t(max_resplits) + 1;
+    take(w, E);
+    take(load, R);
+    take(rep_rows, EM);
+    take(rep_rank, EM);
+    take(nrep, E);
+    take(spare, int64_t(R) * S);
+    take(spare_used, R);
+    take(sc_base, M + 1);
+    take(sc_rows, M + 1);
+    take(sc_rank, M + 1);
+    take(order, M + 1);
+    take(group_stamp, R);
+    take(touched_stamp, R);
+    take(cand_stamp, E);
+    take(replica_stamp, R);
+    take(queued, E);
+    take(group, R);
+    take(touched, R);
+    take(cand, E);
+    take(queue, E);
+    take(cand_score, E);
+    take(j_expert, J);
+    take(j_nrep, J);
+    take(j_rank, J * M);
+    take(j_rows, J * M);
+    take(j_load, J * M);
+    return at;
+  }
+  static size_t bytes(const PlannerConfig& cfg) {
+    PlannerCore c;
+    return c.bind(cfg, nullptr);
+  }
+
+  // Expert loads from the routing map and the no-clone state, for experts first, first + step, ...
+  MOE_ECHO_HD void init_experts(const int32_t* routing_map, int first, int step) {
+    for (int e = first; e < E; e += step) {
+      int64_t sum = 0;
+      for (int src = 0; src < R; ++src) sum += routing_map[int64_t(src) * E + e];
+      w[e] = sum;
+      const int64_t at = int64_t(e) * M;
+      for (int j = 0; j < M; ++j) {
+        rep_rank[at + j] = j == 0 ? e / epr : -1;
+        rep_rows[at + j] = j == 0 ? sum : 0;
+      }
+      nrep[e] = 1;
+      cand_stamp[e] = 0;
+      queued[e] = 0;
+    }
+  }
+  // Rank loads and slots, for ranks first, first + step, ... (after every init_experts).
+  MOE_ECHO_HD void init_ranks(int first, int step) {
+    for (int r = first; r < R; r += step) {
+      int64_t sum = 0;
+      for (int e = r * epr; e < (r + 1) * epr; ++e) sum += w[e];
+      load[r] = sum;
+      spare_used[r] = 0;
+      group_stamp[r] = 0;
+      touched_stamp[r] = 0;
+      replica_stamp[r] = 0;
+      for (int s = 0; s < S; ++s) spare[int64_t(r) * S + s] = -1;
+    }
+  }
+
+  MOE_ECHO_HD int64_t rows_on(int e, int r) const {
+    for (int j = 0; j < nrep[e]; ++j)
+      if (rep_rank[int64_t(e) * M + j] == r) return rep_rows[int64_t(e) * M + j];
+    return 0;
+  }
+
+  // Calls f(e) for every expert with a replica on rank r: home experts, then spare slots.
+  template <class F>
+  MOE_ECHO_HD void for_experts_on(int r, F&& f) const {
+    for (int e = r * epr; e < (r + 1) * epr; ++e) f(e);
+    for (int s = 0; s < spare_used[r]; ++s) f(spare[int64_t(r) * S + s]);
+  }
+
+  // Water-fills expert e over its replicas plus (when extra >= 0) a new one on rank `extra`.
+  // Leaves ranks (ascending), bases and rows in the sc_* scratch; returns the count.
+  MOE_ECHO_HD int trial_fill(int e, int extra) {
+    int k = 0;
+    const int64_t at = int64_t(e) * M;
+    bool inserted = extra < 0;
+    for (int j = 0; j < nrep[e]; ++j) {
+      const int r = rep_rank[at + j];
+      if (!inserted && extra < r) {
+        sc_rank[k] = extra;
+        sc_base[k] = load[extra];
+        ++k;
+        inserted = true;
+      }
+      sc_rank[k] = r;
+      sc_base[k] = load[r] - rep_rows[at + j];
+      ++k;
+    }
+    if (!inserted) {
+      sc_rank[k] = extra;
+      sc_base[k] = load[extra];
+      ++k;
+    }
+    water_fill(k, sc_base, w[e], sc_rows, order);
+    return k;
+  }
+
+  MOE_ECHO_HD void save(int e) {
+    const int64_t at = int64_t(e) * M, i = j_count++;
+    j_expert[i] = e;
+    j_nrep[i] = nrep[e];
+    for (int j = 0; j < nrep[e]; ++j) {
+      j_rank[i * M + j] = rep_rank[at + j];
+      j_rows[i * M + j] = rep_rows[at + j];
+      j_load[i * M + j] = load[rep_rank[at + j]];
+    }
+  }
+
+  // Undoes a trial in reverse order, so every rank's load returns to its value before its first
+  // change. The rank that got the new clone is not among the clone's saved ranks: the caller
+  // restores it.
+  MOE_ECHO_HD void rollback() {
+    while (j_count > 0) {
+      const int64_t i = --j_count;
+      const int e = j_expert[i];
+      const int64_t at = int64_t(e) * M;
+      for (int j = j_nrep[i]; j < nrep[e]; ++j) {
+        rep_rank[at + j] = -1;
+        rep_rows[at + j] = 0;
+      }
+      nrep[e] = j_nrep[i];
+      for (int j = 0; j < nrep[e]; ++j) {
+        rep_rank[at + j] = j_rank[i * M + j];
+        rep_rows[at + j] = j_rows[i * M + j];
+        load[rep_rank[at + j]] = j_load[i * M + j];
+      }
+    }
+  }
+
+  // Commits the split left by trial_fill (k replicas sorted by rank) for expert e; ranks whose
+  // load changed are marked touched and their cloned experts queued for a re-split.
+  MOE_ECHO_HD void commit(int e, int k, bool propagate) {
+    const int64_t at = int64_t(e) * M;
+    for (int j = 0; j < k; ++j) {
+      const int r = sc_rank[j];
+      const int64_t now = sc_base[j] + sc_rows[j];
+      if (now != load[r]) {
+        load[r] = now;
+        if (touched_stamp[r] != trial) {
+          touched_stamp[r] = trial;
+          touched[n_touched++] = r;
+        }
+        if (propagate)
+          for_experts_on(r, [&](int z) {
+            if (z != e && nrep[z] > 1 && queued[z] != trial) {
+              queued[z] = trial;
+              queue[q_tail % E] = z;
+              ++q_tail;
+            }
+          });
+      }
+      rep_rank[at + j] = r;
+      rep_rows[at + j] = sc_rows[j];
+    }
+    nrep[e] = k;
+  }
+
+  // Re-splits expert e by water-filling; true when its rows moved.
+  MOE_ECHO_HD bool refill(int e, bool propagate) {
+    const int k = trial_fill(e, -1);
+    const int64_t at = int64_t(e) * M;
+    bool diff = false;
+    for (int j = 0; j < k; ++j) diff |= sc_rows[j] != rep_rows[at + j];
+    if (!diff) return false;
+    if (journaling) save(e);
+    commit(e, k, propagate);
+    return true;
+  }
+
+  // Step 2 of planner.cpp: greedy placement of clones into spare slots (see there).
+  MOE_ECHO_HD void place_clones(int64_t clone_cost_rows) {
+    if (S == 0 || clone_limit == 0) return;
+    int64_t free_slots = int64_t(R) * S;
+    while (free_slots > 0) {
+      ++stamp;
+      int top = 0;
+      for (int r = 1; r < R; ++r)
+        if (load[r] > load[top]) top = r;
+      const int64_t level = load[top];
+      if (level == 0) break;
+      // The busiest group, by breadth-first search over cloned experts with rows on a member.
+      n_group = 0;
+      group[n_group++] = top;
+      group_stamp[top] = stamp;
+      for (int g = 0; g < n_group; ++g) {
+        const int b = group[g];
+        for_experts_on(b, [&](int x) {
+          if (nrep[x] < 2 || rows_on(x, b) == 0) return;
+          for (int j = 0; j < nrep[x]; ++j) {
+            const int r = rep_rank[int64_t(x) * M + j];
+            if (group_stamp[r] != stamp && load[r] >= level - 1) {
+              group_stamp[r] = stamp;
+              group[n_group++] = r;
+            }
+          }
+        });
+      }
+      // Candidates: experts with rows in the group and clones left, by rows in the group.
+      n_cand = 0;
+      for (int gi = 0; gi < n_group; ++gi)
+        for_experts_on(group[gi], [&](int x) {
+          if (cand_stamp[x] == stamp || nrep[x] > clone_limit) return;
+          cand_stamp[x] = stamp;
+          int64_t in_group = 0;
+          for (int j = 0; j < nrep[x]; ++j) {
+            const int r = rep_rank[int64_t(x) * M + j];
+            if (group_stamp[r] == stamp) in_group += rep_rows[int64_t(x) * M + j];
+          }
+          if (in_group == 0) return;
+          cand[n_cand] = x;
+          cand_score[n_cand] = in_group;
+          ++n_cand;
+        });
+      // Hottest first, ties by lowest expert index (insertion sort: few candidates).
+      for (int i = 1; i < n_cand; ++i) {
+        const int x = cand[i];
+        const int64_t sc = cand_score[i];
+        int j = i;
+        while (j > 0 && (cand_score[j - 1] < sc || (cand_score[j - 1] == sc && cand[j - 1] > x))) {
+          cand[j] = cand[j - 1];
+          cand_score[j] = cand_score[j - 1];
+          --j;
+        }
+        cand[j] = x;
+        cand_score[j] = sc;
+      }
+
+      bool placed = false;
+      for (int c = 0; c < n_cand && !placed; ++c) {
+        const int x = cand[c];
+        const int32_t rstamp = x + 1;  // replica_stamp[r] == x + 1: rank r holds a replica of x
+        for (int j = 0; j < nrep[x]; ++j) replica_stamp[rep_rank[int64_t(x) * M + j]] = rstamp;
+        int target = -1;
+        for (int r = 0; r < R; ++r)
+          if (spare_used[r] < S && group_stamp[r] != stamp && replica_stamp[r] != rstamp &&
+              (target < 0 || load[r] < load[target]))
+            target = r;
+        for (int j = 0; j < nrep[x]; ++j) replica_stamp[rep_rank[int64_t(x) * M + j]] = 0;
+        if (target < 0 || load[target] >= level - 1) continue;
+
+        // Trial: clone, re-split, propagate; measure the group's new busiest load.
+        ++trial;
+        journaling = true;
+        j_count = 0;
+        n_touched = 0;
+        q_head = q_tail = 0;
+        save(x);  // rollback restores the loads of x's ranks; the target's is kept here
+        const int64_t target_load = load[target];
+        commit(x, trial_fill(x, target), true);
+        int resplits = 0;
+        while (q_head < q_tail && resplits < max_resplits) {
+          const int z = queue[q_head % E];
+          ++q_head;
+          queued[z] = 0;  // may be queued again if its ranks change later in this trial
+          if (refill(z, true)) ++resplits;
+        }
+        int64_t new_max = 0;
+        for (int gi = 0; gi < n_group; ++gi) new_max = max_of(new_max, load[group[gi]]);
+        for (int ti = 0; ti < n_touched; ++ti) new_max = max_of(new_max, load[touched[ti]]);
+        journaling = false;
+        if (level - new_max > clone_cost_rows) {
+          spare[int64_t(target) * S + spare_used[target]] = x;
+          ++spare_used[target];
+          --free_slots;
+          placed = true;
+        } else {
+          rollback();
+          load[target] = target_load;
+        }
+      }
+      if (!placed) break;
+    }
+  }
+
+  // Step 3: re-split every cloned expert by water-filling, in expert order, until nothing
+  // changes or the pass budget is spent.
+  MOE_ECHO_HD void refine() {
+    ++trial;
+    n_touched = 0;  // the touched list is not read here; only its stamps keep it short
+    for (int pass = 0; pass < kMaxRefinePasses; ++pass) {
+      bool changed = false;
+      for (int e = 0; e < E; ++e)
+        if (nrep[e] > 1) changed |= refill(e, false);
+      if (!changed) break;
+    }
+  }
+
+  // Step 4: writes the plan. Replica 0 is home, then the clones in ascending rank order; a clone
+  // that ended with no rows is dropped (its slot stays empty).
+  MOE_ECHO_HD void write(PlanView out) const {
+    for (int r = 0; r < R; ++r) {
+      int64_t before = 0;
+      for (int e = r * epr; e < (r + 1) * epr; ++e) before += w[e];
+      out.load_before[r] = int32_t(before);
+      out.load_after[r] = int32_t(load[r]);
+    }
+    for (int64_t i = 0; i < int64_t(R) * S; ++i) out.spare_expert[i] = -1;
+    int32_t clones = 0;
+    for (int e = 0; e < E; ++e) {
+      const int64_t at = int64_t(e) * M;
+      const int home = e / epr;
+      int j_out = 1;
+      for (int j = 0; j < M; ++j) {
+        out.replica_rank[at + j] = -1;
+        out.replica_slot[at + j] = -1;
+        out.replica_rows[at + j] = 0;
+      }
+      for (int j = 0; j < nrep[e]; ++j) {
+        const int r = rep_rank[at + j];
+        const int64_t rows = rep_rows[at + j];
+        if (r == home) {
+          out.replica_rank[at] = r;
+          out.replica_slot[at] = e % epr;
+          out.replica_rows[at] = int32_t(rows);
+          continue;
+        }
+        if (rows == 0) continue;
+        int s = 0;
+        while (spare[int64_t(r) * S + s] != e) ++s;
+        out.spare_expert[int64_t(r) * S + s] = e;
+        out.replica_rank[at + j_out] = r;
+        out.replica_slot[at + j_out] = epr + s;
+        out.replica_rows[at + j_out] = int32_t(rows);
+        ++j_out;
+        ++clones;
+      }
+    }
+    out.num_clones[0] = clones;
+  }
+
+ private:
+  template <class T>
+  MOE_ECHO_HD static void take_array(T*& p, int64_t n, char* base, size_t& at) {
+    p = base ? reinterpret_cast<T*>(base + at) : nullptr;
+    at += (size_t(n > 0 ? n : 0) * sizeof(T) + 7) / 8 * 8;
+  }
+};
+
+}  // namespace moe_echo::planner_core

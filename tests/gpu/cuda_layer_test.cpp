@@ -1,0 +1,318 @@
+// The whole MoE layer on the CUDA backend (EP size 1, the local communicator) against the CPU
+// layer (f32, the in-process communicator) on the same parameters and inputs: forward and
+// backward, then a whole training step captured in one CUDA graph and replayed with new tokens.
+//
+// Parameters and inputs are rounded to what the GPU holds (bf16 experts and activations, f32
+// router) and given to both layers. Tokens are drawn so that every top-k choice is clear (gaps
+// between the best K + 1 selection keys above 1e-6), so routing, loads and spill rounds must agree
+// exactly; outputs and gradients within kLayerTol (bf16 intermediates), losses within 1e-4.
+// With one rank the rank receives T * K rows whatever the routing, so spill rounds come from a
+// capacity factor below 1 (rounds = ceil(T K / capacity)); the cases below cover no spill, one
+// and two spill rounds, and a configured round that stays inactive. Skipped without a GPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "layer_harness.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::test {
+namespace {
+
+// Host selection keys (score + bias) in double; tokens whose best K + 1 keys are not separated
+// by more than `margin` are redrawn. `hot` >= 0 pulls every token towards that expert.
+std::vector<double> draw_tokens(int64_t T, const MoeConfig& m, const std::vector<double>& w,
+                                const std::vector<double>& bias, uint64_t seed, int hot = -1) {
+  const int64_t H = m.hidden, E = m.experts, K = m.top_k;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<double> x(size_t(T * H));
+  auto draw_row = [&](int64_t t) {
+    for (int64_t h = 0; h < H; ++h) {
+      double v = u(rng);
+      if (hot >= 0) v = 0.3 * v + (w[size_t(hot * H + h)] > 0 ? 1.0 : -1.0);
+      x[size_t(t * H + h)] = round_bf16(v);
+    }
+  };
+  std::vector<double> key(static_cast<size_t>(E)), l(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int attempt = 0;; ++attempt) {
+      draw_row(t);
+      double mx = -INFINITY;
+      for (int64_t e = 0; e < E; ++e) {
+        double acc = 0;
+        for (int64_t h = 0; h < H; ++h) acc += x[size_t(t * H + h)] * w[size_t(e * H + h)];
+        l[size_t(e)] = double(float(acc));
+        mx = std::max(mx, l[size_t(e)]);
+      }
+      double se = 0;
+      for (int64_t e = 0; e < E; ++e) se += std::exp(l[size_t(e)] - mx);
+      for (int64_t e = 0; e < E; ++e) {
+        const double s = m.score_function == ScoreFunction::softmax
+                             ? std::exp(l[size_t(e)] - mx) / se
+                             : 1.0 / (1.0 + std::exp(-l[size_t(e)]));
+        key[size_t(e)] = double(float(s)) + bias[size_t(e)];
+      }
+      std::sort(key.begin(), key.end(), std::greater<double>());
+      bool clear = true;
+      for (int64_t k = 0; k < std::min(K, E - 1); ++k)
+        clear = clear && key[size_t(k)] - key[size_t(k + 1)] > 1e-6;
+      if (clear) break;
+      if (attempt > 100) {
+        ADD_FAILURE() << "no token with clear top-k margins";
+        break;
+      }
+    }
+  }
+  return x;
+}
+
+GlobalParams rounded_params(const MoeConfig& m, uint64_t seed, int hot_bias = -1) {
+  const int64_t H = m.hidden, F = m.ffn, E = m.experts;
+  GlobalParams p;
+  p.router_weight = round_f32(random_values(size_t(E * H), seed, -1, 1));
+  for (auto& v : p.router_weight) v = double(float(v / std::sqrt(double(H))));
+  p.router_bias = round_f32(random_values(size_t(E), seed + 1, -0.01, 0.01));
+  if (hot_bias >= 0) p.router_bias[size_t(hot_bias)] = 2.0;
+  p.w1 = round_bf16(random_values(size_t(E * H * 2 * F), seed + 2, -1, 1));
+  p.w2 = round_bf16(random_values(size_t(E * F * H), seed + 3, -1, 1));
+  for (auto& v : p.w1) v = round_bf16(v / std::sqrt(double(H)));
+  for (auto& v : p.w2) v = round_bf16(v / std::sqrt(double(F)));
+  return p;
+}
+
+struct GpuLayer {
+  std::unique_ptr<Backend> be = cuda::make_cuda_backend();
+  std::unique_ptr<Communicator> comm = cuda::make_local_communicator();
+  MoeLayer layer;
+  GpuLayer(const MoeConfig& m, const EchoConfig& e, uint64_t seed)
+      : layer(*be, *comm, m, ParallelConfig{1, 0}, e, seed) {}
+  void set(const GlobalParams& p) {
+    write_tensor(*be, layer.param(Param::router_weight), p.router_weight);
+    write_tensor(*be, layer.param(Param::router_bias), p.router_bias);
+    write_tensor(*be, layer.param(Param::w1), p.w1);
+    write_tensor(*be, layer.param(Param::w2), p.w2);
+  }
+};
+
+::testing::AssertionResult close(const std::vector<double>& gpu, const std::vector<double>& cpu,
+                                 double tol, const std::string& what) {
+  if (gpu.size() != cpu.size())
+    return ::testing::AssertionFailure() << what << ": sizes " << gpu.size() << " vs " << cpu.size();
+  if (!all_finite(gpu)) return ::testing::AssertionFailure() << what << ": non-finite GPU values";
+  const double err = rel_error(gpu, cpu);
+  if (err > tol) return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
+  return ::testing::AssertionSuccess() << what << ": rel error " << err;
+}
+
+void expect_stats_equal(const StepStats& g, const StepStats& c) {
+  EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);
+  EXPECT_NEAR(g.z_loss, c.z_loss, 1e-4 * std::abs(c.z_loss) + 1e-9);
+  EXPECT_EQ(g.load_before, c.load_before);
+  EXPECT_EQ(g.load_after, c.load_after);
+  EXPECT_EQ(g.clones, c.clones);
+  EXPECT_EQ(g.received_rows, c.received_rows);
+  EXPECT_EQ(g.overflow_rows, c.overflow_rows);
+  EXPECT_EQ(g.spill_rounds, c.spill_rounds);
+}
+
+// =================================================================================================
+// Forward + backward against the CPU layer
+// =================================================================================================
+
+struct LayerParam {
+  std::string name;
+  int H, F, E, K, max_tokens, T;
+  ScoreFunction sf;
+  double capacity_factor;
+  int hot = -1;  // expert every token picks first (bias), or -1
+  bool aux_z = true;
+};
+
+class CudaLayerTest : public ::testing::TestWithParam<LayerParam> {};
+
+std::string layer_name(const ::testing::TestParamInfo<LayerParam>& p) { return p.param.name; }
+
+TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  const LayerParam lp = GetParam();
+  LayerCase c;
+  c.moe.hidden = lp.H;
+  c.moe.ffn = lp.F;
+  c.moe.experts = lp.E;
+  c.moe.top_k = lp.K;
+  c.moe.max_tokens = lp.max_tokens;
+  c.moe.score_function = lp.sf;
+  c.moe.aux_loss_coeff = lp.aux_z ? 0.01 : 0.0;
+  c.moe.z_loss_coeff = lp.aux_z ? 0.001 : 0.0;
+  c.echo.capacity_factor = lp.capacity_factor;
+  c.ranks = 1;
+  c.dtype = DType::f32;
+  const uint64_t seed = uint64_t(lp.H + lp.E * 3 + lp.T * 7 + lp.K);
+  const GlobalParams p = rounded_params(c.moe, seed, lp.hot);
+  const auto x = draw_tokens(lp.T, c.moe, p.router_weight, p.router_bias, seed + 10);
+  const auto g = round_bf16(random_values(size_t(lp.T * lp.H), seed + 11, -1, 1));
+  const LayerRun cpu = run_layer(c, {x}, {g}, p);
+
+  GpuLayer gl(c.moe, c.echo, c.seed);
+  gl.set(p);
+  OwnedTensor xt(*gl.be, DType::bf16, {lp.T, lp.H}), yt(*gl.be, DType::bf16, {lp.T, lp.H}),
+      gt(*gl.be, DType::bf16, {lp.T, lp.H}), dxt(*gl.be, DType::bf16, {lp.T, lp.H});
+  xt.write(x);
+  gt.write(g);
+  poison(yt);
+  poison(dxt);
+  gl.layer.zero_grad();
+  gl.layer.forward(*xt, *yt);
+  gl.layer.backward(*gt, *dxt);
+  const StepStats st = gl.layer.stats();
+  expect_stats_equal(st, cpu.stats[0]);
+  EXPECT_TRUE(close(yt.read(), cpu.y[0], kLayerTol, "y"));
+  EXPECT_TRUE(close(dxt.read(), cpu.dx[0], kLayerTol, "dx"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), cpu.d_router[0],
+                    kLayerTol, "d_router"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu.dw1, kLayerTol, "dw1"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu.dw2, kLayerTol, "dw2"));
+  if (lp.hot >= 0) {
+    EXPECT_EQ(st.load_after[0], lp.T * lp.K);
+  }
+  RecordProperty("spill_rounds", st.spill_rounds);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configs, CudaLayerTest,
+    ::testing::Values(
+        LayerParam{"small", 64, 32, 8, 2, 128, 100, ScoreFunction::softmax, 1.25},
+        LayerParam{"no_tokens", 64, 32, 8, 2, 16, 0, ScoreFunction::softmax, 1.25},
+        LayerParam{"one_token", 64, 32, 8, 2, 16, 1, ScoreFunction::softmax, 1.25},
+        LayerParam{"one_spill_round", 64, 32, 8, 2, 64, 64, ScoreFunction::softmax, 0.6},
+        LayerParam{"two_spill_rounds_one_idle", 64, 32, 8, 2, 64, 48, ScoreFunction::sigmoid, 0.3},
+        LayerParam{"all_on_one_expert", 64, 32, 8, 2, 64, 64, ScoreFunction::softmax, 0.5, 3},
+        LayerParam{"empty_experts", 128, 64, 32, 1, 16, 8, ScoreFunction::softmax, 1.0},
+        LayerParam{"t255", 128, 64, 16, 4, 255, 255, ScoreFunction::softmax, 1.0},
+        LayerParam{"t256", 128, 64, 16, 4, 256, 256, ScoreFunction::sigmoid, 0.75},
+        LayerParam{"t257", 128, 64, 16, 4, 257, 257, ScoreFunction::softmax, 1.0, -1, false},
+        LayerParam{"wide", 256, 128, 64, 8, 512, 512, ScoreFunction::softmax, 1.25}),
+    layer_name);
+
+// =================================================================================================
+// One training step captured in a CUDA graph, replayed with new tokens
+// =================================================================================================
+
+TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  MoeConfig m;
+  m.hidden = 64;
+  m.ffn = 32;
+  m.experts = 8;
+  m.top_k = 2;
+  m.max_tokens = 64;
+  m.aux_loss_coeff = 0.01;
+  m.z_loss_coeff = 0.001;
+  m.bias_update = true;
+  m.bias_update_rate = 1e-3;
+  EchoConfig echo;
+  echo.capacity_factor = 0.4;  // capacity 52 rows, 3 rounds configured
+  const int64_t T = 48, H = m.hidden;  // 96 rows: rounds 0 and 1 run, round 2 stays idle
+  // The optimizer step number is a host value baked into the graph at capture (AdamWArgs::step),
+  // so replays use beta1 = beta2 = 0, where bias correction is 1 at every step.
+  AdamWConfig adam;
+  adam.lr = 1e-3;
+  adam.beta1 = 0.0;
+  adam.beta2 = 0.0;
+  adam.weight_decay = 0.01;
+
+  GpuLayer gl(m, echo, 5);
+  gl.set(rounded_params(m, 21));
+  auto cpu_be = make_cpu_backend(DType::f32);
+  InProcessWorld world(1);
+  MoeLayer cpu(*cpu_be, world.communicator(0), m, ParallelConfig{1, 0}, echo, 5);
+
+  OwnedTensor x(*gl.be, DType::bf16, {T, H}), y(*gl.be, DType::bf16, {T, H}),
+      dy(*gl.be, DType::bf16, {T, H}), dx(*gl.be, DType::bf16, {T, H});
+  OwnedTensor cx(*cpu_be, DType::f32, {T, H}), cy(*cpu_be, DType::f32, {T, H}),
+      cdy(*cpu_be, DType::f32, {T, H}), cdx(*cpu_be, DType::f32, {T, H});
+  x.write(std::vector<double>(size_t(T * H), 0.5));
+  dy.write(std::vector<double>(size_t(T * H), 0.5));
+
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Stream s = stream;
+  // Any host sync, allocation or host copy inside the step would make the capture fail.
+  std::unique_ptr<cuda::CapturedGraph> graph;
+  ASSERT_NO_THROW(graph = std::make_unique<cuda::CapturedGraph>(stream, [&] {
+                    gl.layer.zero_grad(s);
+                    gl.layer.forward(*x, *y, s);
+                    gl.layer.backward(*dy, *dx, s);
+                    gl.layer.optimizer_step(adam, s);
+                  }));
+  // Spill rounds 1 and 2 are conditional, in the forward and in the backward.
+  EXPECT_EQ(graph->conditional_nodes(), 4u);
+
+  const Param params[] = {Param::router_weight, Param::router_bias, Param::w1, Param::w2};
+  for (int replay = 0; replay < 6; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    // Both layers start the step from the GPU's parameters (optimizer moments do not carry over
+    // with beta = 0), so every replay is checked on its own.
+    for (Param p : params) write_tensor(*cpu_be, cpu.param(p), read_tensor(*gl.be, gl.layer.param(p)));
+    const auto w = read_tensor(*gl.be, gl.layer.param(Param::router_weight));
+    const auto bias = read_tensor(*gl.be, gl.layer.param(Param::router_bias));
+    const int hot = replay == 3 ? 5 : -1;  // replay 3: every token picks expert 5 first
+    const auto xv = draw_tokens(T, m, w, bias, 100 + uint64_t(replay), hot);
+    const auto dyv = round_bf16(random_values(size_t(T * H), 200 + uint64_t(replay), -1, 1));
+    x.write(xv);
+    dy.write(dyv);
+    cx.write(xv);
+    cdy.write(dyv);
+    poison(y);
+    poison(dx);
+
+    graph->launch(stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+
+    cpu.zero_grad();
+    cpu.forward(*cx, *cy);
+    cpu.backward(*cdy, *cdx);
+    const std::vector<double> cpu_grads[] = {read_tensor(*cpu_be, cpu.grad(Param::router_weight)),
+                                             read_tensor(*cpu_be, cpu.grad(Param::w1)),
+                                             read_tensor(*cpu_be, cpu.grad(Param::w2))};
+    cpu.optimizer_step(adam);
+
+    const StepStats gs = gl.layer.stats(), cs = cpu.stats();
+    expect_stats_equal(gs, cs);
+    EXPECT_EQ(gs.spill_rounds, 1);
+    if (hot >= 0) {
+      const auto idx_counts = gs.load_after;  // all rows on the one rank
+      EXPECT_EQ(idx_counts[0], T * m.top_k);
+    }
+    EXPECT_TRUE(close(y.read(), cy.read(), kLayerTol, "y"));
+    EXPECT_TRUE(close(dx.read(), cdx.read(), kLayerTol, "dx"));
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), cpu_grads[0],
+                      kLayerTol, "d_router"));
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu_grads[1], kLayerTol, "dw1"));
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu_grads[2], kLayerTol, "dw2"));
+    // After the optimizer: the router (f32) closely, experts within bf16 rounding, and the bias
+    // (integer counts, the same double arithmetic) bit for bit.
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.param(Param::router_weight)),
+                      read_tensor(*cpu_be, cpu.param(Param::router_weight)), 1e-3, "router_weight"));
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.param(Param::w1)),
+                      read_tensor(*cpu_be, cpu.param(Param::w1)), kBf16Tol, "w1"));
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.param(Param::w2)),
+                      read_tensor(*cpu_be, cpu.param(Param::w2)), kBf16Tol, "w2"));
+    EXPECT_EQ(read_tensor(*gl.be, gl.layer.param(Param::router_bias)),
+              read_tensor(*cpu_be, cpu.param(Param::router_bias)));
+    if (HasFailure()) break;
+  }
+  graph.reset();
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace moe_echo::test

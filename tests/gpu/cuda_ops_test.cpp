@@ -1,0 +1,542 @@
+// Every CUDA backend op (except the grouped GEMMs: grouped_gemm_test.cpp) against the CPU
+// reference backend (src/cpu, f32) on the same inputs. Inputs are fresh random values rounded to
+// bf16 first (activations) or to f32; outputs are poisoned (NaN, or -77777 for integers) before
+// each call. Routes, counts, offsets and layouts must match exactly; floating-point outputs by
+// relative norm (gpu_test_util.hpp states the tolerances). Router inputs are drawn so that the
+// top-k margins are clear (every gap between consecutive keys among the best K + 1 above 1e-6,
+// while f32 logits differ from the reference by ~1e-8), so exact route equality is a fair test.
+// Skipped where no GPU is visible.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::test {
+namespace {
+
+struct Backends {
+  std::unique_ptr<Backend> cpu = make_cpu_backend(DType::f32);
+  std::unique_ptr<Backend> gpu = cuda::make_cuda_backend();
+};
+
+// The same logical tensor on both backends: activations are f32 on the CPU and bf16 on the GPU.
+enum class Kind { act, flt, i32 };
+struct Pair {
+  OwnedTensor c, g;
+  Pair(Backends& b, Kind k, std::initializer_list<int64_t> dims)
+      : c(*b.cpu, k == Kind::i32 ? DType::i32 : DType::f32, dims),
+        g(*b.gpu, k == Kind::i32 ? DType::i32 : (k == Kind::act ? DType::bf16 : DType::f32), dims) {}
+  // Writes v (already rounded to what the GPU tensor holds) to both.
+  void write(const std::vector<double>& v) const {
+    c.write(v);
+    g.write(v);
+  }
+  void poison_both() const {
+    poison(c);
+    poison(g);
+  }
+};
+
+std::vector<double> uniform(size_t n, uint64_t seed, double lo = -1, double hi = 1) {
+  return random_values(n, seed, lo, hi);
+}
+
+// Relative error and NaN guard in one message.
+::testing::AssertionResult close(const std::vector<double>& gpu, const std::vector<double>& cpu,
+                                 double tol, const char* what) {
+  if (gpu.size() != cpu.size())
+    return ::testing::AssertionFailure() << what << ": sizes " << gpu.size() << " vs " << cpu.size();
+  if (!all_finite(gpu)) return ::testing::AssertionFailure() << what << ": non-finite GPU output";
+  const double err = rel_error(gpu, cpu);
+  if (err > tol) return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
+  return ::testing::AssertionSuccess();
+}
+
+// =================================================================================================
+// Router
+// =================================================================================================
+
+struct RouterCase {
+  int64_t T, H, E, K;
+  ScoreFunction sf;
+  bool normalize;
+};
+std::string router_name(const ::testing::TestParamInfo<RouterCase>& info) {
+  const RouterCase& c = info.param;
+  std::ostringstream s;
+  s << "T" << c.T << "_H" << c.H << "_E" << c.E << "_K" << c.K << "_" << to_string(c.sf)
+    << (c.normalize ? "_norm" : "_raw");
+  return s.str();
+}
+
+struct RouterTensors {
+  Pair x, w, bias, logits, scores, idx, weight, counts, losses;
+  RouterTensors(Backends& b, int64_t T, int64_t H, int64_t E, int64_t K)
+      : x(b, Kind::act, {T, H}),
+        w(b, Kind::flt, {E, H}),
+        bias(b, Kind::flt, {E}),
+        logits(b, Kind::flt, {T, E}),
+        scores(b, Kind::flt, {T, E}),
+        idx(b, Kind::i32, {T, K}),
+        weight(b, Kind::flt, {T, K}),
+        counts(b, Kind::i32, {E}),
+        losses(b, Kind::flt, {2}) {}
+  RouterForwardArgs args(bool gpu, const RouterCase& c, double aux, double z) const {
+    auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
+    RouterForwardArgs a;
+    a.x = t(x);
+    a.weight = t(w);
+    a.bias = t(bias);
+    a.logits = t(logits);
+    a.scores = t(scores);
+    a.topk_idx = t(idx);
+    a.topk_weight = t(weight);
+    a.counts = t(counts);
+    a.losses = t(losses);
+    a.score_function = c.sf;
+    a.normalize_topk = c.normalize;
+    a.aux_loss_coeff = aux;
+    a.z_loss_coeff = z;
+    return a;
+  }
+};
+
+// Tokens whose best K + 1 selection keys (score + bias, as the CPU computed them) are not all
+// separated by more than `margin`.
+std::vector<int64_t> unclear_tokens(const std::vector<double>& scores,
+                                    const std::vector<double>& bias, int64_t T, int64_t E,
+                                    int64_t K, double margin) {
+  std::vector<int64_t> bad;
+  std::vector<double> key(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t e = 0; e < E; ++e) key[size_t(e)] = scores[size_t(t * E + e)] + bias[size_t(e)];
+    std::sort(key.begin(), key.end(), std::greater<double>());
+    for (int64_t k = 0; k < std::min(K, E - 1); ++k)
+      if (key[size_t(k)] - key[size_t(k + 1)] <= margin) {
+        bad.push_back(t);
+        break;
+      }
+  }
+  return bad;
+}
+
+// Draws x (bf16 values) so that every token's top-k is clear on the CPU reference; runs the CPU
+// forward on it. Returns x.
+std::vector<double> draw_clear_tokens(Backends& b, RouterTensors& rt, const RouterCase& c,
+                                      const std::vector<double>& bias, uint64_t seed) {
+  std::vector<double> x = round_bf16(uniform(size_t(c.T * c.H), seed));
+  std::mt19937_64 rng(seed ^ 0x9e37);
+  for (int attempt = 0;; ++attempt) {
+    rt.x.c.write(x);
+    b.cpu->router_forward(rt.args(false, c, 0.01, 0.001), nullptr);
+    const auto bad = unclear_tokens(rt.scores.c.read(), bias, c.T, c.E, c.K, 1e-6);
+    if (bad.empty()) return x;
+    EXPECT_LT(attempt, 50) << "could not draw tokens with clear top-k margins";
+    if (attempt >= 50) return x;
+    std::uniform_real_distribution<double> u(-1, 1);
+    for (int64_t t : bad)
+      for (int64_t h = 0; h < c.H; ++h) x[size_t(t * c.H + h)] = round_bf16(u(rng));
+  }
+}
+
+class RouterTest : public ::testing::TestWithParam<RouterCase> {};
+
+TEST_P(RouterTest, ForwardAndBackwardMatchCpu) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  const RouterCase c = GetParam();
+  Backends b;
+  RouterTensors rt(b, c.T, c.H, c.E, c.K);
+  const uint64_t seed = uint64_t(c.T * 131 + c.H * 17 + c.E * 7 + c.K) + (c.normalize ? 1 : 0);
+  const auto w = round_f32(uniform(size_t(c.E * c.H), seed + 1, -0.5, 0.5));
+  const auto bias = round_f32(uniform(size_t(c.E), seed + 2, -0.05, 0.05));
+  rt.w.write(w);
+  rt.bias.write(bias);
+  const double aux = 0.01, z = 0.001;
+  const auto x = draw_clear_tokens(b, rt, c, bias, seed + 3);
+  rt.x.g.write(x);
+  for (Pair* p : {&rt.logits, &rt.scores, &rt.idx, &rt.weight, &rt.counts, &rt.losses})
+    p->g.fill(p == &rt.idx || p == &rt.counts ? kPoisonInt : std::nan(""));
+  b.gpu->router_forward(rt.args(true, c, aux, z), nullptr);
+
+  EXPECT_EQ(rt.idx.g.read(), rt.idx.c.read()) << "top-k experts";
+  EXPECT_EQ(rt.counts.g.read(), rt.counts.c.read()) << "counts";
+  EXPECT_TRUE(close(rt.logits.g.read(), rt.logits.c.read(), kF32Tol, "logits"));
+  EXPECT_TRUE(close(rt.scores.g.read(), rt.scores.c.read(), kF32Tol, "scores"));
+  EXPECT_TRUE(close(rt.weight.g.read(), rt.weight.c.read(), kF32Tol, "topk_weight"));
+  const auto lg = rt.losses.g.read(), lc = rt.losses.c.read();
+  EXPECT_NEAR(lg[0], lc[0], 1e-5 * std::abs(lc[0]) + 1e-9) << "aux loss";
+  EXPECT_NEAR(lg[1], lc[1], 1e-5 * std::abs(lc[1]) + 1e-9) << "z loss";
+  if (c.T == 0) {
+    EXPECT_EQ(lg, (std::vector<double>{0, 0}));
+  }
+
+  // Backward: += into random dW and dx.
+  Pair g(b, Kind::flt, {c.T, c.K}), dw(b, Kind::flt, {c.E, c.H}), dx(b, Kind::act, {c.T, c.H});
+  g.write(round_f32(uniform(size_t(c.T * c.K), seed + 4)));
+  dw.write(round_f32(uniform(size_t(c.E * c.H), seed + 5)));
+  dx.write(round_bf16(uniform(size_t(c.T * c.H), seed + 6)));
+  for (bool gpu : {false, true}) {
+    const RouterForwardArgs f = rt.args(gpu, c, aux, z);
+    RouterBackwardArgs a;
+    a.x = f.x;
+    a.weight = f.weight;
+    a.logits = f.logits;
+    a.scores = f.scores;
+    a.topk_idx = f.topk_idx;
+    a.topk_weight = f.topk_weight;
+    a.counts = f.counts;
+    a.d_topk_weight = gpu ? *g.g : *g.c;
+    a.d_weight = gpu ? *dw.g : *dw.c;
+    a.dx = gpu ? *dx.g : *dx.c;
+    a.score_function = c.sf;
+    a.normalize_topk = c.normalize;
+    a.aux_loss_coeff = aux;
+    a.z_loss_coeff = z;
+    (gpu ? b.gpu : b.cpu)->router_backward(a, nullptr);
+  }
+  EXPECT_TRUE(close(dw.g.read(), dw.c.read(), 10 * kF32Tol, "d_weight"));
+  EXPECT_TRUE(close(dx.g.read(), dx.c.read(), kBf16Tol, "dx"));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, RouterTest,
+    ::testing::Values(RouterCase{0, 64, 8, 2, ScoreFunction::softmax, true},
+                      RouterCase{1, 64, 8, 2, ScoreFunction::softmax, true},
+                      RouterCase{1, 37, 5, 5, ScoreFunction::sigmoid, false},
+                      RouterCase{255, 64, 16, 4, ScoreFunction::softmax, true},
+                      RouterCase{256, 96, 64, 8, ScoreFunction::sigmoid, true},
+                      RouterCase{257, 37, 33, 1, ScoreFunction::softmax, false},
+                      RouterCase{257, 128, 128, 8, ScoreFunction::softmax, true},
+                      RouterCase{1000, 256, 40, 6, ScoreFunction::sigmoid, false}),
+    router_name);
+
+TEST(Router, TiesGoToTheLowerIndexAndOneExpertCanTakeEveryToken) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  Backends b;
+  const RouterCase c{257, 32, 8, 3, ScoreFunction::softmax, true};
+  RouterTensors rt(b, c.T, c.H, c.E, c.K);
+  // Experts 2 and 5 have identical weights (equal logits and scores on both backends, bit for
+  // bit), and a large bias sends every token to expert 6 first.
+  auto w = round_f32(uniform(size_t(c.E * c.H), 11, -0.5, 0.5));
+  for (int64_t h = 0; h < c.H; ++h) w[size_t(5 * c.H + h)] = w[size_t(2 * c.H + h)];
+  std::vector<double> bias(size_t(c.E), 0.0);
+  bias[6] = 4.0;
+  rt.w.write(w);
+  rt.bias.write(bias);
+  const auto x = round_bf16(uniform(size_t(c.T * c.H), 12));
+  rt.x.write(x);
+  b.cpu->router_forward(rt.args(false, c, 0.01, 0.0), nullptr);
+  poison(rt.idx.g);
+  b.gpu->router_forward(rt.args(true, c, 0.01, 0.0), nullptr);
+  const auto idx = to_i32(rt.idx.g.read());
+  EXPECT_EQ(idx, to_i32(rt.idx.c.read()));
+  for (int64_t t = 0; t < c.T; ++t) {
+    EXPECT_EQ(idx[size_t(t * c.K)], 6);
+    for (int64_t k = 0; k < c.K; ++k) EXPECT_NE(idx[size_t(t * c.K + k)], 5) << "token " << t;
+  }
+  EXPECT_EQ(to_i32(rt.counts.g.read())[6], c.T);
+}
+
+TEST(Router, BiasUpdateIsBitIdentical) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  Backends b;
+  for (auto [R, E] : {std::pair{1, 8}, {4, 16}, {3, 300}}) {
+    Pair C(b, Kind::i32, {R, E}), bias(b, Kind::flt, {E});
+    std::mt19937_64 rng(uint64_t(R * E));
+    std::vector<double> counts(size_t(R * E));
+    for (auto& v : counts) v = double(rng() % 50);
+    counts[0] = 0;
+    C.write(counts);
+    bias.write(round_f32(uniform(size_t(E), uint64_t(E), -0.1, 0.1)));
+    b.cpu->router_bias_update(*C.c, *bias.c, 1e-3, nullptr);
+    b.gpu->router_bias_update(*C.g, *bias.g, 1e-3, nullptr);
+    EXPECT_EQ(bias.g.read(), bias.c.read()) << "R " << R << " E " << E;
+  }
+}
+
+// =================================================================================================
+// Layout (against the CPU layout, exactly, for every rank of random and skewed routing maps)
+// =================================================================================================
+
+std::vector<int32_t> random_routes(int64_t T, int K, int E, bool hot, std::mt19937_64& rng) {
+  std::vector<int32_t> idx(size_t(T) * size_t(K));
+  std::vector<int32_t> perm(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    if (hot) std::iter_swap(perm.begin(), std::find(perm.begin(), perm.end(), 0));
+    for (int k = 0; k < K; ++k) idx[size_t(t * K + k)] = perm[size_t(k)];
+  }
+  return idx;
+}
+
+struct LayoutCase {
+  int R, EPR, K, S, max_clones;
+  bool echo;
+};
+
+class LayoutTest : public ::testing::TestWithParam<LayoutCase> {};
+
+TEST_P(LayoutTest, MatchesCpuExactly) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  const LayoutCase lc = GetParam();
+  Backends b;
+  const int R = lc.R, E = lc.R * lc.EPR, K = lc.K;
+  PlannerConfig cfg;
+  cfg.ranks = R;
+  cfg.experts = E;
+  cfg.spare_slots = lc.S;
+  cfg.max_clones = lc.max_clones;
+  const int slots = lc.EPR + lc.S, M = cfg.max_replicas();
+  uint64_t seed = uint64_t(R * 1000 + E * 10 + K);
+  for (int64_t T : {int64_t(0), int64_t(1), int64_t(255), int64_t(256), int64_t(257), int64_t(3000)})
+    for (bool hot : {false, true})
+      for (double cf : {1.25, 0.3}) {
+        SCOPED_TRACE("T " + std::to_string(T) + (hot ? " hot" : " uniform") + " cf " +
+                     std::to_string(cf));
+        std::mt19937_64 rng(++seed);
+        std::vector<std::vector<int32_t>> routes(static_cast<size_t>(R));
+        std::vector<double> C(size_t(R * E), 0.0);
+        for (int src = 0; src < R; ++src) {
+          const int64_t Ts = src == 0 ? T : int64_t(rng() % size_t(T + 1));
+          routes[size_t(src)] = random_routes(Ts, K, E, hot, rng);
+          for (int32_t e : routes[size_t(src)]) C[size_t(src * E + e)] += 1;
+        }
+        std::vector<int32_t> Ci(C.begin(), C.end());
+        Plan plan(cfg);
+        if (lc.echo)
+          plan_echo(Ci.data(), cfg, plan.view());
+        else
+          plan_none(Ci.data(), cfg, plan.view());
+        const int64_t capacity = std::max<int64_t>(1, int64_t(std::ceil(cf * double(T) * K)));
+        const int64_t total = std::accumulate(C.begin(), C.end(), int64_t(0));
+        const int rounds = int(std::max<int64_t>(1, (total + capacity - 1) / capacity));
+        Pair map(b, Kind::i32, {R, E}), plan_t(b, Kind::i32, {plan_ints(cfg)});
+        map.write(C);
+        plan_t.write(std::vector<double>(plan.storage.begin(), plan.storage.end()));
+        for (int me = 0; me < R; ++me) {
+          SCOPED_TRACE("rank " + std::to_string(me));
+          const int64_t n = int64_t(routes[size_t(me)].size());
+          Pair idx(b, Kind::i32, {n / K, K}), assign(b, Kind::i32, {R * E * M}),
+              dest_rank(b, Kind::i32, {n}), dest_row(b, Kind::i32, {n}),
+              offsets(b, Kind::i32, {slots + 1}), rank_rows(b, Kind::i32, {R}),
+              active(b, Kind::i32, {rounds});
+          idx.write(std::vector<double>(routes[size_t(me)].begin(), routes[size_t(me)].end()));
+          for (const Pair* p : {&assign, &dest_rank, &dest_row, &offsets, &rank_rows, &active})
+            p->poison_both();
+          for (bool gpu : {false, true}) {
+            auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
+            LayoutArgs a;
+            a.routing_map = t(map);
+            a.plan = t(plan_t);
+            a.topk_idx = t(idx);
+            a.assign = t(assign);
+            a.dest_rank = t(dest_rank);
+            a.dest_row = t(dest_row);
+            a.group_offsets = t(offsets);
+            a.rank_rows = t(rank_rows);
+            a.round_active = t(active);
+            a.planner = cfg;
+            a.rank = me;
+            a.slots = slots;
+            a.capacity = capacity;
+            (gpu ? b.gpu : b.cpu)->layout(a, nullptr);
+          }
+          EXPECT_EQ(dest_rank.g.read(), dest_rank.c.read());
+          EXPECT_EQ(dest_row.g.read(), dest_row.c.read());
+          EXPECT_EQ(offsets.g.read(), offsets.c.read());
+          EXPECT_EQ(rank_rows.g.read(), rank_rows.c.read());
+          EXPECT_EQ(active.g.read(), active.c.read());
+          EXPECT_EQ(assign.g.read(), assign.c.read());
+          if (HasFailure()) return;
+        }
+      }
+}
+
+std::string layout_name(const ::testing::TestParamInfo<LayoutCase>& p) {
+  const LayoutCase& c = p.param;
+  std::ostringstream s;
+  s << "R" << c.R << "_EPR" << c.EPR << "_K" << c.K << "_S" << c.S << "_C" << c.max_clones
+    << (c.echo ? "_echo" : "_none");
+  return s.str();
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, LayoutTest,
+    ::testing::Values(LayoutCase{1, 8, 2, 1, 2, true}, LayoutCase{1, 1, 1, 0, 0, false},
+                      LayoutCase{1, 64, 8, 0, 0, false}, LayoutCase{2, 4, 2, 1, 1, true},
+                      LayoutCase{4, 2, 3, 2, 2, true}, LayoutCase{4, 8, 4, 1, 3, true},
+                      LayoutCase{8, 32, 8, 2, 2, true}, LayoutCase{3, 5, 2, 0, 0, false}),
+    layout_name);
+
+// =================================================================================================
+// SwiGLU (valid prefix only; rows beyond keep their poison)
+// =================================================================================================
+
+struct WindowCase {
+  std::vector<double> offsets;  // [groups + 1]
+  int64_t row_lo, rows, F;
+};
+
+class SwigluTest : public ::testing::TestWithParam<WindowCase> {};
+
+TEST_P(SwigluTest, ForwardAndBackwardOnValidRowsOnly) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  const WindowCase w = GetParam();
+  Backends b;
+  const int64_t rows = w.rows, F = w.F;
+  const int groups = int(w.offsets.size()) - 1;
+  const int64_t valid = std::clamp<int64_t>(int64_t(w.offsets.back()) - w.row_lo, 0, rows);
+  Pair off(b, Kind::i32, {groups + 1}), h(b, Kind::act, {rows, 2 * F}), a(b, Kind::act, {rows, F}),
+      da(b, Kind::act, {rows, F}), dh(b, Kind::act, {rows, 2 * F});
+  off.write(w.offsets);
+  h.write(round_bf16(uniform(size_t(rows * 2 * F), uint64_t(rows + F), -3, 3)));
+  da.write(round_bf16(uniform(size_t(rows * F), uint64_t(rows + F + 1))));
+  a.poison_both();
+  dh.poison_both();
+  for (bool gpu : {false, true}) {
+    auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
+    const GroupWindow gw{t(off).as<int32_t>(), groups, w.row_lo, rows};
+    Backend& be = gpu ? *b.gpu : *b.cpu;
+    be.swiglu_forward({gw, t(h), t(a), Tensor(), Tensor()}, nullptr);
+    be.swiglu_backward({gw, t(h), t(a), t(da), t(dh)}, nullptr);
+  }
+  for (auto [p, width] : {std::pair{&a, F}, {&dh, 2 * F}}) {
+    const auto g = p->g.read(), c = p->c.read();
+    const std::vector<double> gv(g.begin(), g.begin() + valid * width),
+        cv(c.begin(), c.begin() + valid * width);
+    EXPECT_TRUE(close(gv, cv, kBf16Tol, p == &a ? "a" : "dh"));
+    for (int64_t i = valid * width; i < rows * width; ++i)
+      ASSERT_TRUE(std::isnan(g[size_t(i)])) << "row " << i / width << " beyond the valid prefix";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Windows, SwigluTest,
+    ::testing::Values(WindowCase{{0, 0, 0}, 0, 16, 8},            // nothing valid
+                      WindowCase{{0, 0}, 0, 0, 8},                // an empty window
+                      WindowCase{{0, 1}, 0, 1, 37},               // one row, odd F
+                      WindowCase{{0, 100, 100, 255}, 0, 256, 64}, // an empty group, 255 of 256
+                      WindowCase{{0, 256}, 0, 256, 24},           // full
+                      WindowCase{{0, 200, 257}, 0, 257, 40},      // full, 257
+                      WindowCase{{0, 300, 700}, 256, 256, 16},    // second round, full
+                      WindowCase{{0, 300, 600}, 512, 256, 16},    // third round, 88 valid
+                      WindowCase{{0, 300, 500}, 512, 256, 16}));  // third round, none valid
+
+// =================================================================================================
+// Combine
+// =================================================================================================
+
+struct CombineCase {
+  int64_t T, K, H;
+  bool weighted;
+};
+
+class CombineTest : public ::testing::TestWithParam<CombineCase> {};
+
+TEST_P(CombineTest, ForwardAndBackwardMatchCpu) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  const CombineCase c = GetParam();
+  Backends b;
+  const uint64_t seed = uint64_t(c.T * 7 + c.K * 3 + c.H);
+  Pair gathered(b, Kind::act, {c.T * c.K, c.H}), weight(b, Kind::flt, {c.T, c.K}),
+      y(b, Kind::act, {c.T, c.H}), dy(b, Kind::act, {c.T, c.H}),
+      d_gathered(b, Kind::act, {c.T * c.K, c.H}), d_weight(b, Kind::flt, {c.T, c.K});
+  gathered.write(round_bf16(uniform(size_t(c.T * c.K * c.H), seed)));
+  weight.write(round_f32(uniform(size_t(c.T * c.K), seed + 1, 0, 1)));
+  dy.write(round_bf16(uniform(size_t(c.T * c.H), seed + 2)));
+  for (const Pair* p : {&y, &d_gathered, &d_weight}) p->poison_both();
+  for (bool gpu : {false, true}) {
+    auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
+    Backend& be = gpu ? *b.gpu : *b.cpu;
+    be.combine_forward({t(gathered), c.weighted ? t(weight) : Tensor(), t(y)}, nullptr);
+    be.combine_backward({t(dy), t(gathered), t(weight), t(d_gathered), t(d_weight)}, nullptr);
+  }
+  EXPECT_TRUE(close(y.g.read(), y.c.read(), kBf16Tol, "y"));
+  EXPECT_TRUE(close(d_gathered.g.read(), d_gathered.c.read(), kBf16Tol, "d_gathered"));
+  EXPECT_TRUE(close(d_weight.g.read(), d_weight.c.read(), kF32Tol, "d_weight"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CombineTest,
+                         ::testing::Values(CombineCase{0, 2, 64, true}, CombineCase{1, 1, 8, true},
+                                           CombineCase{1, 8, 37, false},
+                                           CombineCase{255, 2, 64, true},
+                                           CombineCase{256, 4, 128, false},
+                                           CombineCase{257, 3, 65, true},
+                                           CombineCase{2048, 8, 256, true}));
+
+// =================================================================================================
+// AdamW
+// =================================================================================================
+
+TEST(AdamW, TwoStepsMatchCpuForF32AndBf16Parameters) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  Backends b;
+  for (Kind kind : {Kind::flt, Kind::act})
+    for (int64_t n : {int64_t(0), int64_t(1), int64_t(257), int64_t(100000)})
+      for (double wd : {0.0, 0.1}) {
+        SCOPED_TRACE(std::string(kind == Kind::act ? "bf16" : "f32") + " n " + std::to_string(n) +
+                     " wd " + std::to_string(wd));
+        Pair p(b, kind, {n}), g(b, Kind::flt, {n}), m(b, Kind::flt, {n}), v(b, Kind::flt, {n});
+        auto pv = uniform(size_t(n), uint64_t(n) + 1);
+        p.write(kind == Kind::act ? round_bf16(pv) : round_f32(pv));
+        m.write(round_f32(uniform(size_t(n), uint64_t(n) + 2, -0.1, 0.1)));
+        v.write(round_f32(uniform(size_t(n), uint64_t(n) + 3, 0.001, 0.01)));
+        for (int64_t step = 1; step <= 2; ++step) {
+          g.write(round_f32(uniform(size_t(n), uint64_t(n) + 10 + uint64_t(step))));
+          for (bool gpu : {false, true}) {
+            auto t = [&](const Pair& x) { return gpu ? *x.g : *x.c; };
+            AdamWArgs a{t(p), t(g), t(m), t(v), 1e-2, 0.9, 0.95, 1e-8, wd, step};
+            (gpu ? b.gpu : b.cpu)->adamw(a, nullptr);
+          }
+          // bf16 parameters round the update once more (see adamw.cu); m and v are f32.
+          EXPECT_TRUE(close(p.g.read(), p.c.read(), kind == Kind::act ? kBf16Tol : 1e-6, "param"));
+          EXPECT_TRUE(close(m.g.read(), m.c.read(), 1e-6, "m"));
+          EXPECT_TRUE(close(v.g.read(), v.c.read(), 1e-6, "v"));
+          // The next step starts both from what the GPU holds.
+          for (const Pair* x : {&p, &m, &v}) x->c.write(x->g.read());
+        }
+      }
+}
+
+// =================================================================================================
+// Memory, copies and errors
+// =================================================================================================
+
+TEST(CudaBackend, DtypesCopiesAndErrorsNameTheCudaError) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  Backends b;
+  EXPECT_EQ(b.gpu->activation_dtype(), DType::bf16);
+  EXPECT_EQ(b.gpu->float_dtype(), DType::f32);
+  EXPECT_STREQ(b.gpu->name(), "cuda");
+  EXPECT_EQ(make_backend("auto")->name(), std::string("cuda"));
+  OwnedTensor a(*b.gpu, DType::f32, {1000}), c(*b.gpu, DType::f32, {1000});
+  const auto v = round_f32(uniform(1000, 5));
+  a.write(v);
+  poison(c);
+  b.gpu->copy(*c, *a, nullptr);
+  EXPECT_EQ(c.read(), v);
+  b.gpu->fill_zero(*c, nullptr);
+  EXPECT_EQ(c.read(), std::vector<double>(1000, 0.0));
+  OwnedTensor empty(*b.gpu, DType::f32, {0});
+  b.gpu->fill_zero(*empty, nullptr);
+  b.gpu->copy(*empty, *empty, nullptr);
+  try {
+    (void)b.gpu->allocate(size_t(1) << 62);
+    FAIL() << "allocating 4 EiB succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cudaErrorMemoryAllocation"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace moe_echo::test
