@@ -222,11 +222,15 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
   echo.capacity_factor = 0.4;  // capacity 52 rows, 3 rounds configured
   const int64_t T = 48, H = m.hidden;  // 96 rows: rounds 0 and 1 run, round 2 stays idle
   // The optimizer step number is a host value baked into the graph at capture (AdamWArgs::step),
-  // so replays use beta1 = beta2 = 0, where bias correction is 1 at every step.
+  // so replays use beta1 = beta2 = 0, where bias correction is 1 at every step. The update is
+  // then lr * g / (|g| + eps); eps = 1e-2 keeps it a smooth function of g (with a tiny eps it is
+  // lr * sign(g), and gradients near 0 that differ in sign between GPU and CPU would move a weight
+  // by 2 lr).
   AdamWConfig adam;
   adam.lr = 1e-3;
   adam.beta1 = 0.0;
   adam.beta2 = 0.0;
+  adam.eps = 1e-2;
   adam.weight_decay = 0.01;
 
   GpuLayer gl(m, echo, 5);
@@ -311,6 +315,104 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
     if (HasFailure()) break;
   }
   graph.reset();
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace moe_echo::test
+
+namespace moe_echo::test {
+namespace {
+
+// Not a correctness check: the time of one captured training step (forward + backward) at a
+// Qwen3-30B-A3B-sized single-GPU slice (H 2048, F 768, E 16, top-8, 8192 tokens), for the record.
+// ANCHORS.md: the plain PyTorch layer takes 7.03 ms for this step on an H200.
+TEST(CudaLayerTiming, Qwen3SizedStepInOneGraph) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  MoeConfig m;
+  m.hidden = 2048;
+  m.ffn = 768;
+  m.experts = 16;
+  m.top_k = 8;
+  m.max_tokens = 8192;
+  m.aux_loss_coeff = 0.01;
+  EchoConfig echo;
+  GpuLayer gl(m, echo, 3);
+  const int64_t T = m.max_tokens, H = m.hidden;
+  OwnedTensor x(*gl.be, DType::bf16, {T, H}), y(*gl.be, DType::bf16, {T, H}),
+      dy(*gl.be, DType::bf16, {T, H}), dx(*gl.be, DType::bf16, {T, H});
+  x.write(round_bf16(random_values(size_t(T * H), 1, -1, 1)));
+  dy.write(round_bf16(random_values(size_t(T * H), 2, -1e-3, 1e-3)));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Stream s = stream;
+  cuda::CapturedGraph fwd(stream, [&] { gl.layer.forward(*x, *y, s); });
+  cuda::CapturedGraph step(stream, [&] {
+    gl.layer.zero_grad(s);
+    gl.layer.forward(*x, *y, s);
+    gl.layer.backward(*dy, *dx, s);
+  });
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  auto median_ms = [&](cuda::CapturedGraph& g) {
+    for (int i = 0; i < 3; ++i) g.launch(stream);
+    std::vector<float> ms;
+    for (int i = 0; i < 15; ++i) {
+      cudaEventRecord(a, stream);
+      g.launch(stream);
+      cudaEventRecord(b, stream);
+      cudaEventSynchronize(b);
+      float t = 0;
+      cudaEventElapsedTime(&t, a, b);
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    return double(ms[ms.size() / 2]);
+  };
+  const double f_ms = median_ms(fwd), s_ms = median_ms(step);
+  // The router alone (its f32 GEMMs are plain tiled kernels, not tensor-core GEMMs).
+  const int64_t E = m.experts, K = m.top_k;
+  OwnedTensor logits(*gl.be, DType::f32, {T, E}), scores(*gl.be, DType::f32, {T, E}),
+      idx(*gl.be, DType::i32, {T, K}), tw(*gl.be, DType::f32, {T, K}),
+      counts(*gl.be, DType::i32, {E}), losses(*gl.be, DType::f32, {2}),
+      dtw(*gl.be, DType::f32, {T, K}), dw(*gl.be, DType::f32, {E, H});
+  dtw.write(random_values(size_t(T * K), 3, -1, 1));
+  RouterForwardArgs rf;
+  rf.x = *x;
+  rf.weight = gl.layer.param(Param::router_weight);
+  rf.bias = gl.layer.param(Param::router_bias);
+  rf.logits = *logits;
+  rf.scores = *scores;
+  rf.topk_idx = *idx;
+  rf.topk_weight = *tw;
+  rf.counts = *counts;
+  rf.losses = *losses;
+  RouterBackwardArgs rb;
+  rb.x = *x;
+  rb.weight = rf.weight;
+  rb.logits = *logits;
+  rb.scores = *scores;
+  rb.topk_idx = *idx;
+  rb.topk_weight = *tw;
+  rb.counts = *counts;
+  rb.d_topk_weight = *dtw;
+  rb.d_weight = *dw;
+  rb.dx = *dx;
+  cuda::CapturedGraph router_f(stream, [&] { gl.be->router_forward(rf, s); });
+  cuda::CapturedGraph router_b(stream, [&] { gl.be->router_backward(rb, s); });
+  const double rf_ms = median_ms(router_f), rb_ms = median_ms(router_b);
+  std::printf("[ timing ] router alone: forward %.3f ms, backward %.3f ms\n", rf_ms, rb_ms);
+  const double rows = double(T) * m.top_k, flops = 18.0 * rows * H * m.ffn;
+  std::printf("[ timing ] Qwen3-sized step (T %lld, H %lld, F %d, E %d, K %d): forward %.3f ms, "
+              "forward+backward %.3f ms, expert TFLOP/s %.0f\n",
+              (long long)T, (long long)H, m.ffn, m.experts, m.top_k, f_ms, s_ms,
+              flops / (s_ms * 1e-3) / 1e12);
+  RecordProperty("forward_ms", std::to_string(f_ms));
+  RecordProperty("step_ms", std::to_string(s_ms));
+  EXPECT_TRUE(all_finite(dx.read()));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
   cudaStreamDestroy(stream);
 }
 
