@@ -13,5 +13,6 @@ void add_bench(CLI::App& app, Runner& run);
 void add_train(CLI::App& app, Runner& run);
 void add_simulate(CLI::App& app, Runner& run);
 void add_plan(CLI::App& app, Runner& run);
+void add_launch(CLI::App& app, Runner& run);
 
 }  // namespace moe_echo::cli

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   moe_echo::cli::add_train(app, run);
   moe_echo::cli::add_simulate(app, run);
   moe_echo::cli::add_plan(app, run);
+  moe_echo::cli::add_launch(app, run);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,139 @@
+// Processes and bootstrap: one process per GPU.
+//
+// Ranks learn who they are from torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+// MASTER_PORT); `moe-echo launch -n N` sets the same ones. They meet at a small TCP rendezvous on
+// MASTER_ADDR:MASTER_PORT (rank 0 listens, the others connect) to exchange the NCCL unique id and
+// to wait for each other. Every blocking call has a deadline and names the ranks that did not
+// arrive; a Watchdog ends a process whose steps stop making progress, so that one dead or hung
+// rank never leaves the others waiting forever. docs/launch.md is the user's side of this.
+//
+// None of this needs NCCL or a GPU: it is plain POSIX sockets and threads, tested in CI.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace moe_echo {
+
+// Where this process sits among the ranks of a job.
+struct DistEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;  // index of this process on its node: its GPU among CUDA_VISIBLE_DEVICES
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;  // of the rendezvous: MASTER_PORT, + 1 under torchrun's agent store
+
+  // Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. With none of them set, the
+  // process is rank 0 of 1 (the defaults above). Otherwise RANK, WORLD_SIZE and LOCAL_RANK must
+  // be set, and MASTER_ADDR and MASTER_PORT too when WORLD_SIZE > 1. When torchrun's agent
+  // hosts its own store on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True, its default), the
+  // rendezvous uses MASTER_PORT + 1 on the same host. A missing or malformed
+  // variable throws ConfigError naming it, its value and what is allowed, e.g.
+  // "RANK = 'x' is invalid: allowed an integer 0 <= RANK < WORLD_SIZE (4)".
+  static DistEnv from_env();
+};
+
+// The deadline of every blocking rendezvous call and of the watchdog: MOE_ECHO_TIMEOUT_S seconds
+// (an integer >= 1; ConfigError otherwise), 300 s when unset.
+std::chrono::seconds default_timeout();
+
+// A TCP port on 127.0.0.1 that was free when asked (the OS picks it; another process may take it
+// before it is used, which is rare). For tests and `moe-echo launch --master-port 0`.
+int free_tcp_port();
+
+using Bytes = std::vector<uint8_t>;
+
+// A star-shaped rendezvous store: rank 0 listens on MASTER_ADDR:MASTER_PORT (every interface,
+// like torchrun), ranks 1..N-1 connect to it. The constructor returns once all N ranks are
+// connected, so it is itself a barrier. Every operation is collective: all ranks call the same
+// operations in the same order (a mismatch is detected and reported). Each call blocks for at
+// most `timeout` and then throws moe_echo::Error naming the ranks that did not arrive, e.g.
+// "rendezvous at 127.0.0.1:29500: ranks 2, 3 did not connect within 30 s"; rank 0 sends the same
+// message to the ranks that did arrive, so every rank reports the same cause. A rank whose
+// process dies closes its socket: the others fail at once instead of waiting for the timeout.
+// A failed Rendezvous is unusable (it throws on every later call). Host-side setup only: never
+// on a step's hot path. With WORLD_SIZE 1 there are no sockets and every call returns at once.
+class Rendezvous {
+ public:
+  explicit Rendezvous(const DistEnv& env, std::chrono::milliseconds timeout = default_timeout());
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  int rank() const { return env_.rank; }
+  int world_size() const { return env_.world_size; }
+
+  // Returns every rank's `local`, indexed by rank. Sizes may differ between ranks.
+  std::vector<Bytes> all_gather_bytes(const Bytes& local);
+  // Returns the root's `bytes` on every rank (the others' `bytes` are ignored). The NCCL unique
+  // id (128 bytes) is shared this way from rank 0.
+  Bytes broadcast_bytes(const Bytes& bytes, int root = 0);
+  // Returns once every rank has called barrier().
+  void barrier();
+
+ private:
+  using Deadline = std::chrono::steady_clock::time_point;
+  void connect_to_rank0(Deadline deadline);
+  void accept_ranks(Deadline deadline);
+  std::vector<Bytes> exchange(uint8_t op, const Bytes& local);
+  [[noreturn]] void fail(const std::string& message);
+  std::string where() const;
+
+  DistEnv env_;
+  std::chrono::milliseconds timeout_;
+  uint64_t sequence_ = 0;  // number of operations so far; ranks must agree on it
+  bool failed_ = false;
+  // Rank 0: fds_[r] is the socket of rank r (fds_[0] unused). Other ranks: fds_[0] is rank 0's.
+  std::vector<int> fds_;
+};
+
+// Ends the process when the step loop stops making progress.
+//
+// A background thread waits for kick(); when none arrives within `timeout` while armed, it
+// prints "moe-echo: rank R: no progress in <what> for N s (watchdog timeout; set
+// MOE_ECHO_TIMEOUT_S to change it); aborting" to stderr and calls _exit(kExitCode).
+//
+// This is the one place where library code ends the process instead of throwing: a rank stuck
+// in a collective (an NCCL kernel spinning on a peer that died, a device-API barrier) cannot be
+// interrupted or unwound from another thread, and its peers wait on it in turn. Exiting frees
+// the GPU and closes the rendezvous sockets, so the launcher (or torchrun) sees the exit code and
+// stops the job with a message instead of hanging forever. _exit skips destructors and atexit
+// handlers on purpose: CUDA and NCCL teardown can block on the very kernel that is stuck.
+class Watchdog {
+ public:
+  static constexpr int kExitCode = 124;  // as timeout(1); `moe-echo launch` reports it as such
+
+  // Starts armed. `rank` < 0 reads RANK from the environment (0 when unset or malformed).
+  Watchdog(std::chrono::milliseconds timeout, std::string what, int rank = -1);
+  ~Watchdog();  // stops the thread; never fires afterwards
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+  // Progress: the timeout restarts from now. Lock-free; cheap enough to call every step.
+  void kick();
+  // arm() restarts the timeout and enables the watchdog; disarm() pauses it (for work that may
+  // legitimately take longer, such as writing a checkpoint).
+  void arm();
+  void disarm();
+
+ private:
+  void watch();
+
+  std::chrono::milliseconds timeout_;
+  std::string what_;
+  int rank_;
+  std::atomic<int64_t> last_kick_ns_;  // steady_clock
+  std::atomic<bool> armed_{true};
+  std::mutex mutex_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace moe_echo
