@@ -29,6 +29,7 @@ struct RouterScratch {
   double* partial = nullptr;    // [blocks, E] per-block sums of the normalised scores
   double* partial_z = nullptr;  // [blocks] per-block sums of lse^2
   float* dl = nullptr;          // [T, E] gradient w.r.t. the logits (backward)
+  float* split = nullptr;       // split-K partial sums of the tiled GEMMs
 };
 
 int64_t loss_blocks(int64_t T) { return (T + kTokensPerLossBlock - 1) / kTokensPerLossBlock; }
@@ -40,6 +41,7 @@ RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E) {
   r.partial = c.take<double>(loss_blocks(T) * E);
   r.partial_z = c.take<double>(loss_blocks(T));
   r.dl = c.take<float>(T * E);
+  r.split = c.take<float>(tiled_gemm_scratch_floats());
   return r;
 }
 
@@ -334,7 +336,8 @@ void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
   const RouterScratch sc = carve(c, T, E);
   float* logits = a.logits.as<float>();
   tiled_gemm<true, true>("router_logits", T, E, H, LoadTokenRow{a.x.as<bf16>(), H},
-                         LoadWeightT{a.weight.as<float>(), H}, StoreLogits{logits, E}, s);
+                         LoadWeightT{a.weight.as<float>(), H}, StoreLogits{logits, E}, s,
+                         sc.split);
   const bool sigmoid = a.score_function == ScoreFunction::sigmoid;
   MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E),
                   int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
@@ -362,10 +365,10 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s)
   // dW[E, H] += dl^T x (reduction over tokens), dx[T, H] += dl W (reduction over experts).
   tiled_gemm<false, false>("router_weight_grad", E, H, T, LoadDlT{sc.dl, E},
                            LoadTokenCol{a.x.as<bf16>(), H},
-                           AccumulateWeightGrad{a.d_weight.as<float>(), H}, s);
+                           AccumulateWeightGrad{a.d_weight.as<float>(), H}, s, sc.split);
   tiled_gemm<true, false>("router_token_grad", T, H, E, LoadDl{sc.dl, E},
                           LoadWeight{a.weight.as<float>(), H},
-                          AccumulateTokenGrad{a.dx.as<bf16>(), H}, s);
+                          AccumulateTokenGrad{a.dx.as<bf16>(), H}, s, sc.split);
 }
 
 void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
