@@ -184,6 +184,21 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
     EXPECT_EQ(st.load_after[0], lp.T * lp.K);
   }
   RecordProperty("spill_rounds", st.spill_rounds);
+
+  // Deterministic: the same step again gives the same bits.
+  const auto y1 = yt.read(), dx1 = dxt.read();
+  const auto dw1_1 = read_tensor(*gl.be, gl.layer.grad(Param::w1));
+  const auto dr_1 = read_tensor(*gl.be, gl.layer.grad(Param::router_weight));
+  poison(yt);
+  poison(dxt);
+  gl.layer.zero_grad();
+  gl.layer.forward(*xt, *yt);
+  gl.layer.backward(*gt, *dxt);
+  EXPECT_EQ(yt.read(), y1) << "y differs between two runs";
+  EXPECT_EQ(dxt.read(), dx1) << "dx differs between two runs";
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_1) << "dw1 differs between two runs";
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), dr_1)
+      << "d_router differs between two runs";
 }
 
 INSTANTIATE_TEST_SUITE_P(

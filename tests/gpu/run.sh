@@ -83,7 +83,11 @@ if [ "${SANITIZE:-1}" = 1 ] && [ -x "$build/tests/gpu/cuda_layer_test" ]; then
   run_sanitizer racecheck ops cuda_ops_test "$ops"
   run_sanitizer memcheck comm local_comm_test '*'
   run_sanitizer memcheck planner cuda_planner_test '*'
-  SAN_EXTRA="--kernel-name-exclude kns=cutlass" run_sanitizer initcheck layer cuda_layer_test "$small"
+  # initcheck only where no CUTLASS kernel runs: it does not see the GEMMs' TMA stores, so it
+  # would report every read of a GEMM output as uninitialized.
+  run_sanitizer initcheck ops cuda_ops_test "$ops"
+  run_sanitizer initcheck comm local_comm_test '*'
+  run_sanitizer initcheck planner cuda_planner_test '*' 
 fi
 
 # Per-suite counts from the CTest log.
