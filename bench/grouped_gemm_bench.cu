@@ -1,0 +1,521 @@
+// Grouped GEMM benchmark: GroupedGemm's fprop, dgrad and wgrad at the ANCHORS.md shapes
+// (balanced groups, bf16, all rows valid), plus optional alternative kernel configurations.
+//
+// For every (shape, op, kernel): one call checked first against an fp64 reference at sampled
+// output entries (rel. error over the samples), then timed under sustained load, interleaved
+// with the other kernels of the same (shape, op) over several rounds (see Bench). A timed call
+// is what a layer pays: the prep kernel plus the CUTLASS kernel, between two CUDA events.
+// FLOPs = 2 * rows * K * N for every op. Inputs: uniform [-1, 1) bf16 with full mantissas
+// (bench/torch_grouped_mm.py draws the same distribution: power, hence clocks, depend on it).
+// Output: one JSON file (--out) and a table on stdout; bench/torch_grouped_mm.py adds
+// torch._grouped_mm measured on the same GPU and the ratios.
+//
+// This one source file is also compiled once per variant kernel (MOE_ECHO_GG_VARIANT = index,
+// CMake option MOE_ECHO_GEMM_VARIANTS): each such object instantiates one alternative CUTLASS
+// configuration and registers it; the main program (no MOE_ECHO_GG_VARIANT) times them all.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <memory>
+#include <vector>
+
+#include "cuda/grouped_gemm_detail.hpp"
+
+namespace gg_bench {
+using moe_echo::cuda::gemm_detail::GemmOp;
+using moe_echo::cuda::gemm_detail::KernelRunner;
+using moe_echo::cuda::gemm_detail::ProblemArrays;
+using moe_echo::cuda::gemm_detail::RunnerOptions;
+using MakeRunner = std::unique_ptr<KernelRunner> (*)(const ProblemArrays&, int,
+                                                     const RunnerOptions&);
+struct Variant {
+  GemmOp op;
+  const char* name;
+  MakeRunner make;
+};
+bool add_variant(const Variant& v);
+}  // namespace gg_bench
+
+#if defined(MOE_ECHO_GG_VARIANT)
+// ---- one alternative kernel configuration -----------------------------------------------------
+#include "cuda/grouped_gemm_cutlass.cuh"
+
+namespace gg_bench {
+namespace {
+namespace gd = moe_echo::cuda::gemm_detail;
+using bf16 = cutlass::bfloat16_t;
+using Row = cutlass::layout::RowMajor;
+using Col = cutlass::layout::ColumnMajor;
+// Layouts per op as in grouped_gemm_{fprop,dgrad,wgrad}.cu; only tile, cluster and schedule vary.
+#if MOE_ECHO_GG_VARIANT == 0
+constexpr GemmOp kOp = GemmOp::fprop;
+using Config = gd::KernelConfig<bf16, Row, Row, 256, 128, 64, 2, 1, false>;
+constexpr const char* kName = "fprop 256x128x64 c2x1 coop";
+#elif MOE_ECHO_GG_VARIANT == 1
+constexpr GemmOp kOp = GemmOp::fprop;
+using Config = gd::KernelConfig<bf16, Row, Row, 128, 256, 64, 1, 2, false>;
+constexpr const char* kName = "fprop 128x256x64 c1x2 coop";
+#elif MOE_ECHO_GG_VARIANT == 2
+constexpr GemmOp kOp = GemmOp::dgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 256, 64, 1, 2, false>;
+constexpr const char* kName = "dgrad 128x256x64 c1x2 coop";
+#elif MOE_ECHO_GG_VARIANT == 3
+constexpr GemmOp kOp = GemmOp::dgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 64, 2, 1, true>;
+constexpr const char* kName = "dgrad 128x128x64 c2x1 pingpong";
+#elif MOE_ECHO_GG_VARIANT == 4
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Col, Row, 128, 256, 64, 2, 1, false>;
+constexpr const char* kName = "wgrad 128x256x64 c2x1 coop";
+#elif MOE_ECHO_GG_VARIANT == 5
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Col, Row, 128, 128, 64, 1, 2, true>;
+constexpr const char* kName = "wgrad 128x128x64 c1x2 pingpong";
+#elif MOE_ECHO_GG_VARIANT == 6
+constexpr GemmOp kOp = GemmOp::fprop;
+using Config = gd::KernelConfig<bf16, Row, Row, 128, 128, 64, 2, 1, true>;
+constexpr const char* kName = "fprop 128x128x64 c2x1 pingpong";
+#else
+#error "unknown MOE_ECHO_GG_VARIANT"
+#endif
+
+std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const RunnerOptions& o) {
+  return std::make_unique<gd::CutlassRunner<Config>>(p, max_groups, o,
+                                                     kOp == GemmOp::wgrad ? 1.0f : 0.0f, kName);
+}
+[[maybe_unused]] const bool registered = add_variant({kOp, kName, &make});
+}  // namespace
+}  // namespace gg_bench
+
+#else
+// ---- the benchmark program ---------------------------------------------------------------------
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/grouped_gemm.hpp"
+#include "moe_echo/backend.hpp"
+
+namespace gg_bench {
+
+std::vector<Variant>& variants() {
+  static std::vector<Variant> v;
+  return v;
+}
+bool add_variant(const Variant& v) {
+  variants().push_back(v);
+  return true;
+}
+
+namespace {
+
+namespace gd = moe_echo::cuda::gemm_detail;
+using moe_echo::DType;
+using moe_echo::GemmArgs;
+using moe_echo::Tensor;
+
+void ck(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+#define CK(expr) ck((expr), #expr)
+
+struct Shape {
+  const char* name;
+  int experts;
+  int64_t rows, K, N;  // K = H, N = 2F (fc1)
+};
+
+__device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+__global__ void fill_uniform(__nv_bfloat16* p, size_t n, uint64_t seed) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float u = float(mix64(seed * 0x100000001B3ull + i) >> 40) * (1.0f / 16777216.0f);
+    p[i] = __float2bfloat16(2.0f * u - 1.0f);
+  }
+}
+
+// One sampled output entry per block: an fp64 dot product of the bf16 inputs, and what the
+// kernel wrote there. idx = (row or group, column) as chosen on the host.
+__global__ void sample_reference(GemmOp op, const __nv_bfloat16* a, const __nv_bfloat16* b,
+                                 const void* c, const int32_t* offsets, int groups, int64_t K,
+                                 int64_t N, const int64_t* idx, double* ref, double* got) {
+  const int s = blockIdx.x;
+  const int64_t i = idx[2 * s], j = idx[2 * s + 1];
+  int g = 0;
+  if (op != GemmOp::wgrad)
+    while (g + 1 < groups && offsets[g + 1] <= i) ++g;
+  double acc = 0;
+  if (op == GemmOp::fprop) {  // y[i, j] = sum_k x[i, k] w[g, k, j]
+    for (int64_t k = threadIdx.x; k < K; k += blockDim.x)
+      acc += double(__bfloat162float(a[i * K + k])) *
+             double(__bfloat162float(b[(g * K + k) * N + j]));
+  } else if (op == GemmOp::dgrad) {  // dx[i, j] = sum_n dy[i, n] w[g, j, n]
+    for (int64_t n = threadIdx.x; n < N; n += blockDim.x)
+      acc += double(__bfloat162float(a[i * N + n])) *
+             double(__bfloat162float(b[(g * K + j) * N + n]));
+  } else {  // dw[i = group, j = k * N + n] = sum_r x[r, k] dy[r, n]
+    const int64_t k = j / N, n = j % N;
+    for (int64_t r = offsets[i] + threadIdx.x; r < offsets[i + 1]; r += blockDim.x)
+      acc += double(__bfloat162float(a[r * K + k])) * double(__bfloat162float(b[r * N + n]));
+  }
+  __shared__ double part[256];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    ref[s] = part[0];
+    if (op == GemmOp::wgrad) {
+      got[s] = double(static_cast<const float*>(c)[i * K * N + j]);
+    } else {
+      const int64_t width = op == GemmOp::fprop ? N : K;
+      got[s] = double(__bfloat162float(static_cast<const __nv_bfloat16*>(c)[i * width + j]));
+    }
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Result {
+  std::string shape, op, kernel;
+  double ms_median, ms_min, ms_max_round, ms_min_round, tflops, rel_err;
+  int calls;
+};
+
+struct Candidate {
+  std::string label;
+  std::function<void()> call;
+};
+
+// Timing protocol (the GPU's clocks follow its power draw, so a kernel timed right after idle
+// runs faster than the same kernel under sustained load, as in training): per (shape, op), all
+// candidates are checked, then the GPU is pre-heated with the first one for preheat_ms, then
+// `rounds` rounds each time every candidate in turn (a few untimed calls, then per-call CUDA
+// events over at least block_ms and 20 calls). A candidate's time is the median of its round
+// medians; the spread of the round medians is reported too.
+class Bench {
+ public:
+  Bench(double preheat_ms, double block_ms, int rounds)
+      : preheat_ms_(preheat_ms), block_ms_(block_ms), rounds_(rounds) {
+    CK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+    CK(cudaMalloc(&d_idx_, kSamples * 2 * sizeof(int64_t)));
+    CK(cudaMalloc(&d_ref_, kSamples * sizeof(double)));
+    CK(cudaMalloc(&d_got_, kSamples * sizeof(double)));
+  }
+  ~Bench() {
+    cudaFree(d_idx_);
+    cudaFree(d_ref_);
+    cudaFree(d_got_);
+    cudaStreamDestroy(s_);
+  }
+
+  void run_shape(const Shape& sh) {
+    const int E = sh.experts;
+    const int64_t R = sh.rows, K = sh.K, N = sh.N;
+    std::vector<int32_t> offs(size_t(E) + 1);
+    for (int g = 0; g <= E; ++g) offs[size_t(g)] = int32_t(R * g / E);
+    // Buffers: x [R, K], w [E, K, N], y [R, N], dy [R, N], dx [R, K] bf16; dw [E, K, N] fp32.
+    auto alloc = [](size_t bytes) {
+      void* p = nullptr;
+      CK(cudaMalloc(&p, bytes));
+      return p;
+    };
+    void* x = alloc(size_t(R * K) * 2);
+    void* w = alloc(size_t(E) * size_t(K * N) * 2);
+    void* y = alloc(size_t(R * N) * 2);
+    void* dy = alloc(size_t(R * N) * 2);
+    void* dx = alloc(size_t(R * K) * 2);
+    void* dw = alloc(size_t(E) * size_t(K * N) * 4);
+    int32_t* d_offs = static_cast<int32_t*>(alloc(offs.size() * 4));
+    CK(cudaMemcpy(d_offs, offs.data(), offs.size() * 4, cudaMemcpyHostToDevice));
+    fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(x), size_t(R * K), 11);
+    fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(w), size_t(E) * size_t(K * N), 12);
+    fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(dy), size_t(R * N), 13);
+    CK(cudaGetLastError());
+
+    moe_echo::GroupWindow win;
+    win.group_offsets = d_offs;
+    win.groups = E;
+    win.row_lo = 0;
+    win.rows = R;
+    GemmArgs fa, da, wa;
+    fa.window = da.window = wa.window = win;
+    fa.a = Tensor(x, DType::bf16, {R, K});
+    fa.b = Tensor(w, DType::bf16, {E, K, N});
+    fa.c = Tensor(y, DType::bf16, {R, N});
+    da.a = Tensor(dy, DType::bf16, {R, N});
+    da.b = Tensor(w, DType::bf16, {E, K, N});
+    da.c = Tensor(dx, DType::bf16, {R, K});
+    wa.a = Tensor(x, DType::bf16, {R, K});
+    wa.b = Tensor(dy, DType::bf16, {R, N});
+    wa.c = Tensor(dw, DType::f32, {E, K, N});
+
+    moe_echo::cuda::GroupedGemm gg(E);
+    const double flop = 2.0 * double(R) * double(K) * double(N);
+    const struct {
+      GemmOp op;
+      const GemmArgs* args;
+      std::function<void()> call;
+    } ops[] = {{GemmOp::fprop, &fa, [&] { gg.fprop(fa, s_); }},
+               {GemmOp::dgrad, &da, [&] { gg.dgrad(da, s_); }},
+               {GemmOp::wgrad, &wa, [&] { gg.wgrad(wa, s_); }}};
+    // The production kernel of each op under another raster order, and the variant kernels.
+    const Variant production[] = {{GemmOp::fprop, "fprop production kernel", &gd::make_fprop_runner},
+                                  {GemmOp::dgrad, "dgrad production kernel", &gd::make_dgrad_runner},
+                                  {GemmOp::wgrad, "wgrad production kernel", &gd::make_wgrad_runner}};
+    RunnerOptions along_n;
+    along_n.raster_along_n = true;
+    for (const auto& o : ops) {
+      std::vector<Candidate> cands{{"GroupedGemm (production)", o.call}};
+      std::vector<std::unique_ptr<gd::ProblemBuffers>> buffers;
+      std::vector<std::unique_ptr<KernelRunner>> runners;
+      auto add = [&](const Variant& v, const RunnerOptions& opt, const char* suffix) {
+        buffers.push_back(std::make_unique<gd::ProblemBuffers>(E));
+        runners.push_back(v.make(buffers.back()->arrays(), E, opt));
+        const gd::GemmDims dims = gd::check_args(v.op, *o.args, E);
+        const gd::ProblemArrays& arrays = buffers.back()->arrays();
+        KernelRunner* r = runners.back().get();
+        const GemmArgs* args = o.args;
+        cands.push_back({std::string(v.name) + suffix + " [" + r->describe() + "]", [=, this] {
+                           gd::launch_prep(v.op, *args, dims, arrays, E, s_);
+                           r->run(s_);
+                         }});
+      };
+      for (const Variant& v : production)
+        if (v.op == o.op) add(v, along_n, " +raster N");
+      for (const Variant& v : variants())
+        if (v.op == o.op) add(v, RunnerOptions{}, "");
+      run_op(sh, o.op, *o.args, cands, flop);
+    }
+    for (void* p : {x, w, y, dy, dx, dw, static_cast<void*>(d_offs)}) CK(cudaFree(p));
+  }
+
+  const std::vector<Result>& results() const { return results_; }
+
+ private:
+  static constexpr int kSamples = 192;
+
+  // Sampled fp64 check of one call (outputs poisoned first; wgrad's accumulator zeroed).
+  double check(const Shape& sh, GemmOp op, const GemmArgs& a, const Candidate& c) {
+    const int64_t K = sh.K, N = sh.N;
+    if (op == GemmOp::wgrad) {
+      CK(cudaMemsetAsync(a.c.data, 0, a.c.bytes(), s_));
+    } else {
+      CK(cudaMemsetAsync(a.c.data, 0xFF, a.c.bytes(), s_));
+    }
+    c.call();
+    std::mt19937_64 rng(std::hash<std::string>{}(c.label) ^ uint64_t(sh.rows * 31 + K * 7 + N));
+    std::vector<int64_t> idx(2 * kSamples);
+    for (int s = 0; s < kSamples; ++s) {
+      if (op == GemmOp::wgrad) {
+        idx[2 * s] = int64_t(rng() % uint64_t(sh.experts));
+        idx[2 * s + 1] = int64_t(rng() % uint64_t(K * N));
+      } else {
+        idx[2 * s] = int64_t(rng() % uint64_t(sh.rows));
+        idx[2 * s + 1] = int64_t(rng() % uint64_t(op == GemmOp::fprop ? N : K));
+      }
+    }
+    CK(cudaMemcpyAsync(d_idx_, idx.data(), idx.size() * 8, cudaMemcpyHostToDevice, s_));
+    sample_reference<<<kSamples, 256, 0, s_>>>(
+        op, static_cast<const __nv_bfloat16*>(a.a.data), static_cast<const __nv_bfloat16*>(a.b.data),
+        a.c.data, a.window.group_offsets, sh.experts, K, N, d_idx_, d_ref_, d_got_);
+    CK(cudaGetLastError());
+    std::vector<double> ref(kSamples), got(kSamples);
+    CK(cudaMemcpyAsync(ref.data(), d_ref_, kSamples * 8, cudaMemcpyDeviceToHost, s_));
+    CK(cudaMemcpyAsync(got.data(), d_got_, kSamples * 8, cudaMemcpyDeviceToHost, s_));
+    CK(cudaStreamSynchronize(s_));
+    double num = 0, den = 0;
+    for (int s = 0; s < kSamples; ++s) {
+      const double d = std::isfinite(got[s]) ? got[s] - ref[s] : 1e30;
+      num += d * d;
+      den += ref[s] * ref[s];
+    }
+    return std::sqrt(num / std::max(den, 1e-300));
+  }
+
+  // Per-call times (ms) of chunks of calls until at least min_ms and min_calls are covered.
+  std::vector<double> time_calls(const std::function<void()>& call, double min_ms, int min_calls) {
+    constexpr int kChunk = 10;
+    std::vector<cudaEvent_t> ev(2 * kChunk);
+    for (cudaEvent_t& e : ev) CK(cudaEventCreate(&e));
+    std::vector<double> ms;
+    double total = 0;
+    while (total < min_ms || int(ms.size()) < min_calls) {
+      for (int i = 0; i < kChunk; ++i) {
+        CK(cudaEventRecord(ev[size_t(2 * i)], s_));
+        call();
+        CK(cudaEventRecord(ev[size_t(2 * i + 1)], s_));
+      }
+      CK(cudaStreamSynchronize(s_));
+      for (int i = 0; i < kChunk; ++i) {
+        float t = 0;
+        CK(cudaEventElapsedTime(&t, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]));
+        ms.push_back(t);
+        total += t;
+      }
+    }
+    for (cudaEvent_t& e : ev) CK(cudaEventDestroy(e));
+    return ms;
+  }
+
+  void run_op(const Shape& sh, GemmOp op, const GemmArgs& a, const std::vector<Candidate>& cands,
+              double flop) {
+    std::vector<double> err;
+    for (const Candidate& c : cands) err.push_back(check(sh, op, a, c));
+    time_calls(cands.front().call, preheat_ms_, 1);
+    std::vector<std::vector<double>> round_medians(cands.size());
+    std::vector<double> best(cands.size(), 1e300);
+    std::vector<int> calls(cands.size(), 0);
+    for (int r = 0; r < rounds_; ++r) {
+      for (size_t i = 0; i < cands.size(); ++i) {
+        for (int w = 0; w < 3; ++w) cands[i].call();
+        const std::vector<double> ms = time_calls(cands[i].call, block_ms_, 20);
+        round_medians[i].push_back(median(ms));
+        best[i] = std::min(best[i], *std::min_element(ms.begin(), ms.end()));
+        calls[i] += int(ms.size());
+      }
+    }
+    for (size_t i = 0; i < cands.size(); ++i) {
+      Result res;
+      res.shape = sh.name;
+      res.op = gd::to_string(op);
+      res.kernel = cands[i].label;
+      res.ms_median = median(round_medians[i]);
+      res.ms_min = best[i];
+      res.ms_min_round = *std::min_element(round_medians[i].begin(), round_medians[i].end());
+      res.ms_max_round = *std::max_element(round_medians[i].begin(), round_medians[i].end());
+      res.tflops = flop / (res.ms_median * 1e-3) / 1e12;
+      res.rel_err = err[i];
+      res.calls = calls[i];
+      std::printf("%-13s %-5s %7.4f ms %6.1f TFLOP/s rounds %.1f%% err %.1e %s%s\n",
+                  res.shape.c_str(), res.op.c_str(), res.ms_median, res.tflops,
+                  100.0 * (res.ms_max_round - res.ms_min_round) / res.ms_median, res.rel_err,
+                  res.kernel.c_str(),
+                  res.rel_err < (op == GemmOp::wgrad ? 1e-3 : 1e-2) ? "" : "  <-- WRONG");
+      std::fflush(stdout);
+      results_.push_back(res);
+    }
+  }
+
+  double preheat_ms_, block_ms_;
+  int rounds_;
+  cudaStream_t s_ = nullptr;
+  int64_t* d_idx_ = nullptr;
+  double* d_ref_ = nullptr;
+  double* d_got_ = nullptr;
+  std::vector<Result> results_;
+};
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') o += '\\';
+    o += c;
+  }
+  return o;
+}
+
+}  // namespace
+}  // namespace gg_bench
+
+int main(int argc, char** argv) {
+  using namespace gg_bench;
+  std::string out = "grouped_gemm_bench.json", commit = "unknown", only;
+  double preheat_ms = 300, block_ms = 100;
+  int rounds = 3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
+      return argv[++i];
+    };
+    if (a == "--out") out = next();
+    else if (a == "--commit") commit = next();
+    else if (a == "--preheat-ms") preheat_ms = std::stod(next());
+    else if (a == "--block-ms") block_ms = std::stod(next());
+    else if (a == "--rounds") rounds = std::stoi(next());
+    else if (a == "--shape") only = next();
+    else {
+      std::fprintf(stderr,
+                   "usage: grouped_gemm_bench [--out F.json] [--commit SHA] [--preheat-ms T] "
+                   "[--block-ms T] [--rounds N] [--shape NAME]\n");
+      return 2;
+    }
+  }
+  try {
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, dev));
+    const Shape shapes[] = {{"qwen3-30b-a3b", 16, 65536, 2048, 1536},
+                            {"deepseek-v3", 32, 65536, 7168, 4096},
+                            {"mixtral-8x7b", 8, 16384, 4096, 28672}};
+    std::printf("device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
+                prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
+    Bench bench(preheat_ms, block_ms, rounds);
+    for (const Shape& sh : shapes)
+      if (only.empty() || only == sh.name) bench.run_shape(sh);
+
+    const std::time_t now = std::time(nullptr);
+    char date[32];
+    std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    FILE* f = std::fopen(out.c_str(), "w");
+    if (!f) throw std::runtime_error("cannot write " + out);
+    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"date\": \"%s\",\n",
+                 json_escape(prop.name).c_str(), prop.multiProcessorCount, date);
+    std::fprintf(f, "  \"git_commit\": \"%s\",\n", json_escape(commit).c_str());
+    std::fprintf(f,
+                 "  \"config\": {\"dtype\": \"bf16 in, fp32 accumulate; fprop/dgrad bf16 out, "
+                 "wgrad fp32 +=\", \"groups\": \"balanced\", \"inputs\": \"uniform [-1, 1) bf16\", "
+                 "\"timing\": \"CUDA events per call (prep + GEMM); pre-heat %.0f ms per (shape, op), "
+                 "then %d rounds interleaving the kernels, each >= %.0f ms and >= 20 calls; "
+                 "ms_median = median of round medians\", \"flop\": \"2 * rows * K * N\"},\n",
+                 preheat_ms, rounds, block_ms);
+    std::fprintf(f, "  \"shapes\": [\n");
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)
+      std::fprintf(f, "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": %lld}%s\n",
+                   shapes[i].name, shapes[i].experts, (long long)shapes[i].rows,
+                   (long long)shapes[i].K, (long long)shapes[i].N,
+                   i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
+    std::fprintf(f, "  ],\n  \"results\": [\n");
+    const auto& rs = bench.results();
+    for (size_t i = 0; i < rs.size(); ++i) {
+      const Result& r = rs[i];
+      std::fprintf(f,
+                   "    {\"shape\": \"%s\", \"op\": \"%s\", \"kernel\": \"%s\", \"ms_median\": %.5f, "
+                   "\"ms_min\": %.5f, \"ms_round_min\": %.5f, \"ms_round_max\": %.5f, \"tflops\": %.2f, "
+                   "\"sampled_rel_err\": %.3e, \"calls\": %d}%s\n",
+                   r.shape.c_str(), r.op.c_str(), json_escape(r.kernel).c_str(), r.ms_median,
+                   r.ms_min, r.ms_min_round, r.ms_max_round, r.tflops, r.rel_err, r.calls,
+                   i + 1 < rs.size() ? "," : "");
+    }
+    std::fprintf(f, "  ]\n}\n");
+    std::fclose(f);
+    std::printf("wrote %s\n", out.c_str());
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "grouped_gemm_bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+#endif

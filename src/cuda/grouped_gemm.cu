@@ -1,0 +1,249 @@
+// GroupedGemm: the prep kernel that turns a GroupWindow into CUTLASS problems on the device, the
+// per-call checks, and the class that owns one fixed kernel per op (see grouped_gemm.hpp).
+//
+// Trade-offs said where they are made:
+// - No host sync: the host never learns the group sizes. The persistent CUTLASS grid is sized by
+//   the SM count and its tile scheduler reads the shapes on the device, skipping empty groups.
+// - Every call runs the prep kernel and the GEMM, even for a window with no rows (a few
+//   microseconds), so that a captured graph is valid for any routing.
+// - Each op has its own problem arrays and kernel workspace, so fprop, dgrad and wgrad of one
+//   GroupedGemm may run on different streams at once; two calls of the same op must be
+//   stream-ordered.
+#include "cuda/grouped_gemm.hpp"
+
+#include <algorithm>
+
+#include "cuda/grouped_gemm_detail.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::cuda {
+namespace gemm_detail {
+
+const char* to_string(GemmOp op) {
+  switch (op) {
+    case GemmOp::fprop: return "fprop";
+    case GemmOp::dgrad: return "dgrad";
+    case GemmOp::wgrad: return "wgrad";
+  }
+  return "?";
+}
+
+void cuda_check(cudaError_t e, const char* what, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  std::ostringstream msg;
+  msg << what << " failed: " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
+  ::moe_echo::detail::fail(file, line, msg.str());
+}
+
+namespace {
+
+constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
+
+// One block; thread g handles groups g, g + blockDim.x, ...
+__global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int groups,
+                            int max_groups, int64_t row_lo, int64_t rows, const char* a,
+                            const char* b, char* c, int64_t K, int64_t N, ProblemArrays p) {
+  constexpr int64_t kBf16 = 2, kF32 = 4;
+  for (int g = int(threadIdx.x); g < max_groups; g += int(blockDim.x)) {
+    int64_t lo = 0, hi = 0;
+    if (g < groups) {
+      const int64_t begin = offsets[g], end = offsets[g + 1];
+      lo = begin > row_lo ? begin : row_lo;
+      hi = end < row_lo + rows ? end : row_lo + rows;
+    }
+    const int64_t m = hi > lo ? hi - lo : 0;
+    const int64_t r = m > 0 ? lo - row_lo : 0;  // first window row of the group
+    int32_t shape[3] = {0, 0, 0};                // (M, N, K) of the CUTLASS problem
+    const int gw = g < groups ? g : 0;           // weight slab of an empty trailing group
+    switch (op) {
+      case GemmOp::fprop:  // (m x K) . (K x N)
+        if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(N), shape[2] = int32_t(K);
+        p.ptr_a[g] = a + r * K * kBf16;
+        p.ptr_b[g] = b + gw * K * N * kBf16;
+        p.ptr_c[g] = c + r * N * kBf16;
+        p.ld_a[g] = K, p.ld_b[g] = N, p.ld_c[g] = N;
+        break;
+      case GemmOp::dgrad:  // (m x N) . (N x K), the weight slab read transposed
+        if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(K), shape[2] = int32_t(N);
+        p.ptr_a[g] = a + r * N * kBf16;
+        p.ptr_b[g] = b + gw * K * N * kBf16;
+        p.ptr_c[g] = c + r * K * kBf16;
+        p.ld_a[g] = N, p.ld_b[g] = N, p.ld_c[g] = K;
+        break;
+      case GemmOp::wgrad:  // (K x m) . (m x N): the rows are the reduction; never K = 0
+        if (m > 0) shape[0] = int32_t(K), shape[1] = int32_t(N), shape[2] = int32_t(m);
+        p.ptr_a[g] = a + r * K * kBf16;
+        p.ptr_b[g] = b + r * N * kBf16;
+        p.ptr_c[g] = c + gw * K * N * kF32;
+        p.ld_a[g] = K, p.ld_b[g] = N, p.ld_c[g] = N;
+        break;
+    }
+    p.shapes[3 * g + 0] = shape[0];
+    p.shapes[3 * g + 1] = shape[1];
+    p.shapes[3 * g + 2] = shape[2];
+  }
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+ProblemBuffers::ProblemBuffers(int max_groups) {
+  MOE_ECHO_CHECK(max_groups >= 1, "max_groups " << max_groups << " must be at least 1");
+  const size_t G = size_t(max_groups);
+  const size_t ptrs = align16(G * sizeof(void*)), lds = align16(G * sizeof(int64_t)),
+               shapes = align16(G * 3 * sizeof(int32_t));
+  MOE_ECHO_GG_CUDA_CHECK(cudaMalloc(&base_, 3 * ptrs + 3 * lds + shapes));
+  char* at = static_cast<char*>(base_);
+  auto take = [&at](size_t bytes) {
+    char* here = at;
+    at += bytes;
+    return here;
+  };
+  arrays_.ptr_a = reinterpret_cast<const void**>(take(ptrs));
+  arrays_.ptr_b = reinterpret_cast<const void**>(take(ptrs));
+  arrays_.ptr_c = reinterpret_cast<void**>(take(ptrs));
+  arrays_.ld_a = reinterpret_cast<int64_t*>(take(lds));
+  arrays_.ld_b = reinterpret_cast<int64_t*>(take(lds));
+  arrays_.ld_c = reinterpret_cast<int64_t*>(take(lds));
+  arrays_.shapes = reinterpret_cast<int32_t*>(take(shapes));
+  // Every group empty until the first call writes its own problems.
+  MOE_ECHO_GG_CUDA_CHECK(cudaMemset(base_, 0, 3 * ptrs + 3 * lds + shapes));
+}
+
+ProblemBuffers::~ProblemBuffers() {
+  if (base_) cudaFree(base_);
+}
+
+GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
+  const char* name = to_string(op);
+  const GroupWindow& w = a.window;
+  MOE_ECHO_CHECK(w.groups >= 0 && w.groups <= max_groups,
+                 "grouped_gemm " << name << ": window.groups " << w.groups
+                                 << " outside [0, max_groups = " << max_groups << "]");
+  MOE_ECHO_CHECK(w.groups == 0 || w.group_offsets != nullptr,
+                 "grouped_gemm " << name << ": window.group_offsets is null");
+  MOE_ECHO_CHECK(w.row_lo >= 0 && w.rows >= 0 && w.rows <= INT32_MAX,
+                 "grouped_gemm " << name << ": window rows [" << w.row_lo << ", +" << w.rows
+                                 << ") must be non-negative and below 2^31");
+  GemmDims d;
+  switch (op) {
+    case GemmOp::fprop:  // a [rows, K], b [G, K, N], c [rows, N]
+      check_tensor(a.a, "grouped_gemm fprop a", DType::bf16, {-1, -1});
+      check_tensor(a.b, "grouped_gemm fprop b", DType::bf16, {-1, a.a.size(1), -1});
+      d.k = a.a.size(1), d.n = a.b.size(2);
+      check_tensor(a.c, "grouped_gemm fprop c", DType::bf16, {-1, d.n});
+      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && a.b.size(0) >= w.groups,
+                     "grouped_gemm fprop: a " << a.a.describe() << ", c " << a.c.describe()
+                                              << " need " << w.rows << " rows and b "
+                                              << a.b.describe() << " " << w.groups << " groups");
+      break;
+    case GemmOp::dgrad:  // a [rows, N], b [G, K, N], c [rows, K]
+      check_tensor(a.a, "grouped_gemm dgrad a", DType::bf16, {-1, -1});
+      check_tensor(a.b, "grouped_gemm dgrad b", DType::bf16, {-1, -1, a.a.size(1)});
+      d.k = a.b.size(1), d.n = a.a.size(1);
+      check_tensor(a.c, "grouped_gemm dgrad c", DType::bf16, {-1, d.k});
+      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && a.b.size(0) >= w.groups,
+                     "grouped_gemm dgrad: a " << a.a.describe() << ", c " << a.c.describe()
+                                              << " need " << w.rows << " rows and b "
+                                              << a.b.describe() << " " << w.groups << " groups");
+      break;
+    case GemmOp::wgrad:  // a [rows, K], b [rows, N], c f32 [G, K, N]
+      check_tensor(a.a, "grouped_gemm wgrad a", DType::bf16, {-1, -1});
+      check_tensor(a.b, "grouped_gemm wgrad b", DType::bf16, {-1, -1});
+      d.k = a.a.size(1), d.n = a.b.size(1);
+      check_tensor(a.c, "grouped_gemm wgrad c", DType::f32, {-1, d.k, d.n});
+      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.b.size(0) >= w.rows && a.c.size(0) >= w.groups,
+                     "grouped_gemm wgrad: a " << a.a.describe() << ", b " << a.b.describe()
+                                              << " need " << w.rows << " rows and c "
+                                              << a.c.describe() << " " << w.groups << " groups");
+      break;
+  }
+  // TMA moves 16-byte aligned boxes: every row of every operand must start 16-byte aligned.
+  MOE_ECHO_CHECK(d.k > 0 && d.n > 0 && d.k % 8 == 0 && d.n % 8 == 0 && d.k <= INT32_MAX &&
+                     d.n <= INT32_MAX,
+                 "grouped_gemm " << name << ": K = " << d.k << " and N = " << d.n
+                                 << " must be positive multiples of 8 (16-byte rows for TMA)");
+  MOE_ECHO_CHECK(aligned16(a.a.data) && aligned16(a.b.data) && aligned16(a.c.data) &&
+                     a.a.data && a.b.data && a.c.data,
+                 "grouped_gemm " << name << ": a, b and c must be non-null and 16-byte aligned ("
+                                 << a.a.data << ", " << a.b.data << ", " << a.c.data << ")");
+  return d;
+}
+
+void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemArrays& p,
+                 int max_groups, cudaStream_t s) {
+  const int threads = std::min(256, (max_groups + 31) / 32 * 32);
+  prep_kernel<<<1, threads, 0, s>>>(op, a.window.group_offsets, a.window.groups, max_groups,
+                                    a.window.row_lo, a.window.rows,
+                                    static_cast<const char*>(a.a.data),
+                                    static_cast<const char*>(a.b.data),
+                                    static_cast<char*>(a.c.data), d.k, d.n, p);
+  MOE_ECHO_GG_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace gemm_detail
+
+using gemm_detail::GemmOp;
+
+struct GroupedGemm::Impl {
+  struct Op {
+    Op(GemmOp o, int max_groups, int sm_count) : op(o), buffers(max_groups) {
+      gemm_detail::RunnerOptions opt;
+      opt.sm_count = sm_count;
+      switch (o) {
+        case GemmOp::fprop:
+          runner = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt);
+          break;
+        case GemmOp::dgrad:
+          runner = gemm_detail::make_dgrad_runner(buffers.arrays(), max_groups, opt);
+          break;
+        case GemmOp::wgrad:
+          runner = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt);
+          break;
+      }
+    }
+    GemmOp op;
+    gemm_detail::ProblemBuffers buffers;
+    std::unique_ptr<gemm_detail::KernelRunner> runner;
+  };
+
+  explicit Impl(int groups)
+      : max_groups(groups),
+        sm_count(device_sm_count()),
+        fprop(GemmOp::fprop, groups, sm_count),
+        dgrad(GemmOp::dgrad, groups, sm_count),
+        wgrad(GemmOp::wgrad, groups, sm_count) {}
+
+  static int device_sm_count() {
+    int device = 0, sms = 0;
+    MOE_ECHO_GG_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_ECHO_GG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }
+
+  void call(Op& op, const GemmArgs& a, cudaStream_t s) {
+    const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);
+    gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
+    op.runner->run(s);
+  }
+
+  int max_groups;
+  int sm_count;
+  Op fprop, dgrad, wgrad;
+};
+
+GroupedGemm::GroupedGemm(int max_groups) {
+  MOE_ECHO_CHECK(max_groups >= 1, "GroupedGemm: max_groups " << max_groups << " must be >= 1");
+  impl_ = std::make_unique<Impl>(max_groups);
+}
+
+GroupedGemm::~GroupedGemm() = default;
+
+int GroupedGemm::max_groups() const { return impl_->max_groups; }
+
+void GroupedGemm::fprop(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->fprop, a, s); }
+void GroupedGemm::dgrad(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->dgrad, a, s); }
+void GroupedGemm::wgrad(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->wgrad, a, s); }
+
+}  // namespace moe_echo::cuda

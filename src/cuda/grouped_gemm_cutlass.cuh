@@ -1,0 +1,171 @@
+// The CUTLASS 4.2 sm90a ptr-array grouped GEMM behind every GroupedGemm op, as one template.
+// Include it only from a translation unit that instantiates one kernel (each instantiation costs
+// about 80 s and 3.4 GB of compiler memory on two cores): grouped_gemm_{fprop,dgrad,wgrad}.cu,
+// and the benchmark's optional variants.
+//
+// bf16 operands, fp32 accumulation, epilogue D = alpha * acc + beta * C with C = D (the same
+// matrix): beta = 0 for fprop/dgrad (bf16 D, C never read), beta = 1 for wgrad (fp32 D, +=).
+// Problem shapes live only on the device (host_problem_shapes = nullptr), so the persistent grid
+// is sized by the SM count and the workspace (per-SM TMA descriptors) by it too: both are fixed
+// here, once, and run() is a bare launch.
+#pragma once
+
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cuda/grouped_gemm_detail.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/util/packed_stride.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::cuda::gemm_detail {
+
+// One kernel configuration. LayoutA/LayoutB are CUTLASS's (M x K) and (K x N) layout tags:
+// RowMajor A and ColumnMajor B are K-major; ColumnMajor A and RowMajor B are M/N-major.
+template <class ElementD_, class LayoutA_, class LayoutB_, int TileM, int TileN, int TileK,
+          int ClusterM, int ClusterN, bool Pingpong_>
+struct KernelConfig {
+  using ElementD = ElementD_;
+  using LayoutA = LayoutA_;
+  using LayoutB = LayoutB_;
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  static constexpr bool Pingpong = Pingpong_;
+};
+
+template <class Config>
+class CutlassRunner final : public KernelRunner {
+ public:
+  using ElementAB = cutlass::bfloat16_t;
+  using ElementAcc = float;
+  using ElementD = typename Config::ElementD;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using KernelSchedule =
+      std::conditional_t<Config::Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      std::conditional_t<Config::Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                         cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  static constexpr int kAlignAB = 16 / int(sizeof(ElementAB));  // 8 elements: TMA's 16 bytes
+  static constexpr int kAlignD = 16 / int(sizeof(ElementD));
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
+      typename Config::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc,
+      ElementAcc, ElementD, cutlass::layout::RowMajor*, kAlignD, ElementD,
+      cutlass::layout::RowMajor*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc>>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Config::LayoutA*,
+      kAlignAB, ElementAB, typename Config::LayoutB*, kAlignAB, ElementAcc,
+      typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using GemmKernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideC = typename GemmKernel::InternalStrideC;
+  using StrideD = typename GemmKernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+
+  CutlassRunner(const ProblemArrays& p, int max_groups, const RunnerOptions& o, float beta,
+                const char* name)
+      : name_(name) {
+    static_assert(sizeof(Shape3) == 3 * sizeof(int32_t));
+    static_assert(sizeof(StrideA) == sizeof(int64_t) && sizeof(StrideB) == sizeof(int64_t) &&
+                  sizeof(StrideC) == sizeof(int64_t) && sizeof(StrideD) == sizeof(int64_t),
+                  "packed strides must hold one dynamic leading dimension");
+    check_abi();
+
+    typename Gemm::Arguments args;
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {max_groups, reinterpret_cast<Shape3*>(p.shapes), nullptr};
+    args.mainloop.ptr_A = reinterpret_cast<const ElementAB**>(p.ptr_a);
+    args.mainloop.dA = reinterpret_cast<StrideA*>(p.ld_a);
+    args.mainloop.ptr_B = reinterpret_cast<const ElementAB**>(p.ptr_b);
+    args.mainloop.dB = reinterpret_cast<StrideB*>(p.ld_b);
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = beta;
+    args.epilogue.thread.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    args.epilogue.thread.dBeta = {cute::_0{}, cute::_0{}, 0};
+    args.epilogue.ptr_C = const_cast<const ElementD**>(reinterpret_cast<ElementD**>(p.ptr_c));
+    args.epilogue.dC = reinterpret_cast<StrideC*>(p.ld_c);
+    args.epilogue.ptr_D = reinterpret_cast<ElementD**>(p.ptr_c);
+    args.epilogue.dD = reinterpret_cast<StrideD*>(p.ld_c);
+    int device = 0;
+    MOE_ECHO_GG_CUDA_CHECK(cudaGetDevice(&device));
+    args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(device);
+    if (o.sm_count > 0 && o.sm_count < args.hw_info.sm_count) args.hw_info.sm_count = o.sm_count;
+    if (!o.occupancy_grid) args.hw_info.max_active_clusters = 0;
+    args.scheduler.raster_order = o.raster_along_n ? RasterOrderOptions::AlongN
+                                                   : RasterOrderOptions::AlongM;
+    args.scheduler.max_swizzle_size = o.max_swizzle;
+
+    MOE_ECHO_CHECK(gemm_.can_implement(args) == cutlass::Status::kSuccess,
+                   name_ << ": CUTLASS cannot implement this grouped GEMM");
+    const size_t ws = Gemm::get_workspace_size(args);
+    if (ws > 0) MOE_ECHO_GG_CUDA_CHECK(cudaMalloc(&workspace_, ws));
+    const cutlass::Status st = gemm_.initialize(args, workspace_);
+    MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
+                   name_ << ": CUTLASS initialize failed: " << cutlass::cutlassGetStatusString(st));
+  }
+
+  ~CutlassRunner() override {
+    if (workspace_) cudaFree(workspace_);
+  }
+
+  void run(cudaStream_t s) override {
+    const cutlass::Status st = gemm_.run(s);
+    MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
+                   name_ << ": CUTLASS launch failed: " << cutlass::cutlassGetStatusString(st)
+                         << " (" << cudaGetErrorString(cudaGetLastError()) << ")");
+  }
+
+  const char* name() const override { return name_; }
+
+  std::string describe() const override {
+    const dim3 grid = Gemm::get_grid_shape(gemm_.params());
+    std::ostringstream o;
+    o << "grid " << grid.x << "x" << grid.y << "x" << grid.z << ", block "
+      << GemmKernel::MaxThreadsPerBlock << ", smem " << GemmKernel::SharedStorageSize
+      << " B, max active clusters " << gemm_.params().hw_info.max_active_clusters;
+    return o.str();
+  }
+
+ private:
+  // The prep kernel writes plain int32 triples and int64 leading dimensions; check once that
+  // CUTLASS's types lay them out that way (cute tuples of one dynamic member, in order).
+  static void check_abi() {
+    const Shape3 shape = cute::make_shape(11, 22, 33);
+    const int32_t want_shape[3] = {11, 22, 33};
+    MOE_ECHO_CHECK(std::memcmp(&shape, want_shape, sizeof want_shape) == 0,
+                   "cute::Shape<int,int,int> is not laid out as (M, N, K) int32");
+    const int64_t ld = 77;
+    const auto sa = cutlass::make_cute_packed_stride(StrideA{}, cute::make_shape(77, 77, 1));
+    const auto sb = cutlass::make_cute_packed_stride(StrideB{}, cute::make_shape(77, 77, 1));
+    const auto sc = cutlass::make_cute_packed_stride(StrideC{}, cute::make_shape(77, 77, 1));
+    MOE_ECHO_CHECK(std::memcmp(&sa, &ld, sizeof ld) == 0 && std::memcmp(&sb, &ld, sizeof ld) == 0 &&
+                       std::memcmp(&sc, &ld, sizeof ld) == 0,
+                   "a CUTLASS packed stride does not hold its leading dimension as one int64");
+  }
+
+  const char* name_;
+  Gemm gemm_;
+  void* workspace_ = nullptr;
+};
+
+}  // namespace moe_echo::cuda::gemm_detail

@@ -1,0 +1,104 @@
+// Internal pieces of GroupedGemm shared by its translation units, its GPU test and its benchmark.
+//
+// Per call, one small "prep" kernel reads the window's group offsets on the device and writes the
+// CUTLASS problem of every group (shape, operand pointers, leading dimensions) into fixed device
+// arrays; then one persistent CUTLASS ptr-array kernel, whose grid and workspace were fixed at
+// construction, runs over them. Nothing is read back by the host, so a call is capture-safe.
+//
+// Invariants of the problem arrays written by the prep kernel:
+// - Entries [0, max_groups) are always written; groups at or beyond window.groups, and groups
+//   with no row in the window, get the shape (0, 0, 0): the CUTLASS group scheduler gives them
+//   no tile, so they read and write nothing. In particular no K = 0 problem (wgrad of an empty
+//   group) ever reaches a mainloop, whose accumulators would then be uninitialised.
+// - Pointers of empty groups still point into the caller's tensors (never null).
+// - Leading dimensions are in elements; CUTLASS's packed strides of the layouts used here have
+//   exactly one dynamic entry (the leading dimension), which each kernel checks at construction.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moe_echo/backend.hpp"
+
+namespace moe_echo::cuda::gemm_detail {
+
+enum class GemmOp { fprop, dgrad, wgrad };
+const char* to_string(GemmOp op);
+
+// Device arrays of one op's per-group CUTLASS arguments (see the invariants above).
+struct ProblemArrays {
+  int32_t* shapes = nullptr;     // [max_groups][3]: (M, N, K) of each group's CUTLASS problem
+  const void** ptr_a = nullptr;  // [max_groups]
+  const void** ptr_b = nullptr;  // [max_groups]
+  void** ptr_c = nullptr;        // [max_groups]: epilogue source C and destination D (the same)
+  int64_t* ld_a = nullptr;       // [max_groups]: leading dimensions, in elements
+  int64_t* ld_b = nullptr;
+  int64_t* ld_c = nullptr;
+};
+
+// Owns the device memory of one ProblemArrays (one cudaMalloc, every array 16-byte aligned, as
+// CUTLASS builds its placeholder TMA descriptors from these addresses).
+class ProblemBuffers {
+ public:
+  explicit ProblemBuffers(int max_groups);
+  ~ProblemBuffers();
+  ProblemBuffers(const ProblemBuffers&) = delete;
+  ProblemBuffers& operator=(const ProblemBuffers&) = delete;
+  const ProblemArrays& arrays() const { return arrays_; }
+
+ private:
+  void* base_ = nullptr;
+  ProblemArrays arrays_;
+};
+
+// Launch choices of one kernel that need no new instantiation (the benchmark tries them).
+struct RunnerOptions {
+  int sm_count = 0;              // SMs the persistent grid may use; 0 = all (fewer leaves room
+                                 // for kernels on other streams)
+  bool occupancy_grid = true;    // grid from cudaOccupancyMaxActiveClusters (CUTLASS's
+                                 // make_kernel_hardware_info); false = CUTLASS's SM-count rule
+  bool raster_along_n = false;   // tile order inside a group: M fastest (CUTLASS's grouped
+                                 // default) or N fastest
+  int max_swizzle = 1;           // CUTLASS tile swizzle (1, 2, 4, 8)
+};
+
+// One CUTLASS grouped-GEMM kernel with its parameters and workspace fixed at construction (over
+// one ProblemArrays and max_groups groups). run() only launches: capture-safe, allocation-free.
+// Runs of one runner must be stream-ordered (its workspace holds per-SM TMA descriptors).
+class KernelRunner {
+ public:
+  virtual ~KernelRunner() = default;
+  virtual void run(cudaStream_t s) = 0;
+  virtual const char* name() const = 0;
+  virtual std::string describe() const = 0;  // grid, block, shared memory
+};
+
+// The three production kernels, one translation unit each (grouped_gemm_{fprop,dgrad,wgrad}.cu).
+std::unique_ptr<KernelRunner> make_fprop_runner(const ProblemArrays& p, int max_groups,
+                                                const RunnerOptions& o = {});
+std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_groups,
+                                                const RunnerOptions& o = {});
+std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
+                                                const RunnerOptions& o = {});
+
+// Extents of one call, after checking the tensors against the op (dtypes, shapes, alignment).
+struct GemmDims {
+  int64_t k = 0;  // the K of GemmArgs ([G, K, N] weights)
+  int64_t n = 0;
+};
+GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups);
+
+// Enqueues the prep kernel (one block) that fills p from a.window.group_offsets.
+void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemArrays& p,
+                 int max_groups, cudaStream_t s);
+
+// Throws moe_echo::Error naming the call and the CUDA error unless e == cudaSuccess.
+void cuda_check(cudaError_t e, const char* what, const char* file, int line);
+
+}  // namespace moe_echo::cuda::gemm_detail
+
+#define MOE_ECHO_GG_CUDA_CHECK(expr) \
+  ::moe_echo::cuda::gemm_detail::cuda_check((expr), #expr, __FILE__, __LINE__)
