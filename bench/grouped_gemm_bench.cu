@@ -279,11 +279,11 @@ class Bench {
     } ops[] = {{GemmOp::fprop, &fa, [&] { gg.fprop(fa, s_); }},
                {GemmOp::dgrad, &da, [&] { gg.dgrad(da, s_); }},
                {GemmOp::wgrad, &wa, [&] { gg.wgrad(wa, s_); }}};
-    // The production kernel of each op under another raster order, and the variant kernels.
+    // The production kernel of each op with either tile order forced, and the variant kernels.
     const Variant production[] = {{GemmOp::fprop, "fprop production kernel", &gd::make_fprop_runner},
                                   {GemmOp::dgrad, "dgrad production kernel", &gd::make_dgrad_runner},
                                   {GemmOp::wgrad, "wgrad production kernel", &gd::make_wgrad_runner}};
-    RunnerOptions along_n;
+    RunnerOptions along_m, along_n;
     along_n.raster_along_n = true;
     for (const auto& o : ops) {
       std::vector<Candidate> cands{{"GroupedGemm (production)", o.call}};
@@ -302,9 +302,12 @@ class Bench {
                          }});
       };
       for (const Variant& v : production)
-        if (v.op == o.op) add(v, along_n, " +raster N");
+        if (v.op == o.op) {
+          add(v, along_m, " +raster M");
+          add(v, along_n, " +raster N");
+        }
       for (const Variant& v : variants())
-        if (v.op == o.op) add(v, RunnerOptions{}, "");
+        if (v.op == o.op) add(v, RunnerOptions{}, " +raster M");
       run_op(sh, o.op, *o.args, cands, flop);
     }
     for (void* p : {x, w, y, dy, dx, dw, static_cast<void*>(d_offs)}) CK(cudaFree(p));

@@ -9,6 +9,11 @@
 // - Each op has its own problem arrays and kernel workspace, so fprop, dgrad and wgrad of one
 //   GroupedGemm may run on different streams at once; two calls of the same op must be
 //   stream-ordered.
+// - Each op holds its kernel twice, with the two tile orders (M or N fastest; same
+//   instantiation, two parameter sets), and each call picks one by CUTLASS's rule on host-known
+//   extents. wgrad's M and N are exact (K, N); for fprop and dgrad the rows of a group are known
+//   only on the device, so the rule uses window.rows / groups (the balanced size). The choice
+//   only orders tiles: results are the same either way.
 #include "cuda/grouped_gemm.hpp"
 
 #include <algorithm>
@@ -189,23 +194,35 @@ using gemm_detail::GemmOp;
 struct GroupedGemm::Impl {
   struct Op {
     Op(GemmOp o, int max_groups, int sm_count) : op(o), buffers(max_groups) {
-      gemm_detail::RunnerOptions opt;
-      opt.sm_count = sm_count;
-      switch (o) {
-        case GemmOp::fprop:
-          runner = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt);
-          break;
-        case GemmOp::dgrad:
-          runner = gemm_detail::make_dgrad_runner(buffers.arrays(), max_groups, opt);
-          break;
-        case GemmOp::wgrad:
-          runner = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt);
-          break;
+      for (int along_n = 0; along_n < 2; ++along_n) {
+        gemm_detail::RunnerOptions opt;
+        opt.sm_count = sm_count;
+        opt.raster_along_n = along_n == 1;
+        switch (o) {
+          case GemmOp::fprop:
+            runner[along_n] = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt);
+            break;
+          case GemmOp::dgrad:
+            runner[along_n] = gemm_detail::make_dgrad_runner(buffers.arrays(), max_groups, opt);
+            break;
+          case GemmOp::wgrad:
+            runner[along_n] = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt);
+            break;
+        }
       }
+    }
+    // The kernel whose tile order suits this call's (estimated) CUTLASS problem.
+    gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d) {
+      const int64_t groups = a.window.groups > 0 ? a.window.groups : 1;
+      const int64_t rows = (a.window.rows + groups - 1) / groups;
+      const int64_t m = op == GemmOp::wgrad ? d.k : rows;
+      const int64_t n = op == GemmOp::dgrad ? d.k : d.n;
+      const gemm_detail::KernelRunner& r = *runner[0];
+      return *runner[gemm_detail::raster_along_n(m, n, r.tile_m(), r.tile_n()) ? 1 : 0];
     }
     GemmOp op;
     gemm_detail::ProblemBuffers buffers;
-    std::unique_ptr<gemm_detail::KernelRunner> runner;
+    std::unique_ptr<gemm_detail::KernelRunner> runner[2];  // M fastest, N fastest
   };
 
   explicit Impl(int groups)
@@ -225,7 +242,7 @@ struct GroupedGemm::Impl {
   void call(Op& op, const GemmArgs& a, cudaStream_t s) {
     const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);
     gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
-    op.runner->run(s);
+    op.pick(a, d).run(s);
   }
 
   int max_groups;

@@ -137,6 +137,9 @@ class CutlassRunner final : public KernelRunner {
 
   const char* name() const override { return name_; }
 
+  int tile_m() const override { return int(cute::size<0>(typename Config::TileShape{})); }
+  int tile_n() const override { return int(cute::size<1>(typename Config::TileShape{})); }
+
   std::string describe() const override {
     const dim3 grid = Gemm::get_grid_shape(gemm_.params());
     std::ostringstream o;

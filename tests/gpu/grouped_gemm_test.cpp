@@ -6,8 +6,8 @@
 // outside every group must keep their poison bit for bit, and an empty group's fp32 wgrad slab
 // its previous bits. Shapes: empty groups, one group holding every row, windows that cut groups
 // (row_lo > 0), 255/256/257 rows, 0 and 1 row, K and N multiples of 8 but not of 16, fewer
-// groups than max_groups after a call with more, and a CUDA graph replayed with group sizes
-// changed on the device between replays. Skipped where no GPU is visible.
+// groups than max_groups after a call with more, both tile orders, and a CUDA graph replayed with
+// group sizes changed on the device between replays. Skipped where no GPU is visible.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -303,6 +303,9 @@ std::vector<Case> cases() {
       {"zero_and_one_row", {0, 0, 1, 1}, 0, 8, 8, 24},
       {"window_past_every_row", {0, 10, 20}, 64, 128, 96, 104},
       {"no_groups", {0}, 0, 16, 16, 16},
+      // More tiles along N than along M: the kernels that walk tiles M-first (the cases above
+      // take the N-first ones).
+      {"wide_n", {0, 40, 100}, 0, 128, 64, 1024},
   };
 }
 
