@@ -161,12 +161,12 @@ __global__ void sample_reference(GemmOp op, const __nv_bfloat16* a, const __nv_b
   double acc = 0;
   if (op == GemmOp::fprop) {  // y[i, j] = sum_k x[i, k] w[g, k, j]
     for (int64_t k = threadIdx.x; k < K; k += blockDim.x)
-      acc += double(__bfloat162float(a[i * K + k])) *
-             double(__bfloat162float(b[(g * K + k) * N + j]));
+      acc +=
+          double(__bfloat162float(a[i * K + k])) * double(__bfloat162float(b[(g * K + k) * N + j]));
   } else if (op == GemmOp::dgrad) {  // dx[i, j] = sum_n dy[i, n] w[g, j, n]
     for (int64_t n = threadIdx.x; n < N; n += blockDim.x)
-      acc += double(__bfloat162float(a[i * N + n])) *
-             double(__bfloat162float(b[(g * K + j) * N + n]));
+      acc +=
+          double(__bfloat162float(a[i * N + n])) * double(__bfloat162float(b[(g * K + j) * N + n]));
   } else {  // dw[i = group, j = k * N + n] = sum_r x[r, k] dy[r, n]
     const int64_t k = j / N, n = j % N;
     for (int64_t r = offsets[i] + threadIdx.x; r < offsets[i + 1]; r += blockDim.x)
@@ -249,7 +249,8 @@ class Bench {
     int32_t* d_offs = static_cast<int32_t*>(alloc(offs.size() * 4));
     CK(cudaMemcpy(d_offs, offs.data(), offs.size() * 4, cudaMemcpyHostToDevice));
     fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(x), size_t(R * K), 11);
-    fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(w), size_t(E) * size_t(K * N), 12);
+    fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(w), size_t(E) * size_t(K * N),
+                                       12);
     fill_uniform<<<1024, 256, 0, s_>>>(static_cast<__nv_bfloat16*>(dy), size_t(R * N), 13);
     CK(cudaGetLastError());
 
@@ -280,9 +281,10 @@ class Bench {
                {GemmOp::dgrad, &da, [&] { gg.dgrad(da, s_); }},
                {GemmOp::wgrad, &wa, [&] { gg.wgrad(wa, s_); }}};
     // The production kernel of each op with either tile order forced, and the variant kernels.
-    const Variant production[] = {{GemmOp::fprop, "fprop production kernel", &gd::make_fprop_runner},
-                                  {GemmOp::dgrad, "dgrad production kernel", &gd::make_dgrad_runner},
-                                  {GemmOp::wgrad, "wgrad production kernel", &gd::make_wgrad_runner}};
+    const Variant production[] = {
+        {GemmOp::fprop, "fprop production kernel", &gd::make_fprop_runner},
+        {GemmOp::dgrad, "dgrad production kernel", &gd::make_dgrad_runner},
+        {GemmOp::wgrad, "wgrad production kernel", &gd::make_wgrad_runner}};
     RunnerOptions along_m, along_n;
     along_n.raster_along_n = true;
     for (const auto& o : ops) {
@@ -339,9 +341,10 @@ class Bench {
       }
     }
     CK(cudaMemcpyAsync(d_idx_, idx.data(), idx.size() * 8, cudaMemcpyHostToDevice, s_));
-    sample_reference<<<kSamples, 256, 0, s_>>>(
-        op, static_cast<const __nv_bfloat16*>(a.a.data), static_cast<const __nv_bfloat16*>(a.b.data),
-        a.c.data, a.window.group_offsets, sh.experts, K, N, d_idx_, d_ref_, d_got_);
+    sample_reference<<<kSamples, 256, 0, s_>>>(op, static_cast<const __nv_bfloat16*>(a.a.data),
+                                               static_cast<const __nv_bfloat16*>(a.b.data),
+                                               a.c.data, a.window.group_offsets, sh.experts, K, N,
+                                               d_idx_, d_ref_, d_got_);
     CK(cudaGetLastError());
     std::vector<double> ref(kSamples), got(kSamples);
     CK(cudaMemcpyAsync(ref.data(), d_ref_, kSamples * 8, cudaMemcpyDeviceToHost, s_));
@@ -452,12 +455,18 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error("missing value after " + a);
       return argv[++i];
     };
-    if (a == "--out") out = next();
-    else if (a == "--commit") commit = next();
-    else if (a == "--preheat-ms") preheat_ms = std::stod(next());
-    else if (a == "--block-ms") block_ms = std::stod(next());
-    else if (a == "--rounds") rounds = std::stoi(next());
-    else if (a == "--shape") only = next();
+    if (a == "--out")
+      out = next();
+    else if (a == "--commit")
+      commit = next();
+    else if (a == "--preheat-ms")
+      preheat_ms = std::stod(next());
+    else if (a == "--block-ms")
+      block_ms = std::stod(next());
+    else if (a == "--rounds")
+      rounds = std::stoi(next());
+    else if (a == "--shape")
+      only = next();
     else {
       std::fprintf(stderr,
                    "usage: grouped_gemm_bench [--out F.json] [--commit SHA] [--preheat-ms T] "
@@ -473,8 +482,9 @@ int main(int argc, char** argv) {
     const Shape shapes[] = {{"qwen3-30b-a3b", 16, 65536, 2048, 1536},
                             {"deepseek-v3", 32, 65536, 7168, 4096},
                             {"mixtral-8x7b", 8, 16384, 4096, 28672}};
-    std::printf("device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
-                prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
+    std::printf(
+        "device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
+        prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
     Bench bench(preheat_ms, block_ms, rounds);
     for (const Shape& sh : shapes)
       if (only.empty() || only == sh.name) bench.run_shape(sh);
@@ -487,30 +497,33 @@ int main(int argc, char** argv) {
     std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"date\": \"%s\",\n",
                  json_escape(prop.name).c_str(), prop.multiProcessorCount, date);
     std::fprintf(f, "  \"git_commit\": \"%s\",\n", json_escape(commit).c_str());
-    std::fprintf(f,
-                 "  \"config\": {\"dtype\": \"bf16 in, fp32 accumulate; fprop/dgrad bf16 out, "
-                 "wgrad fp32 +=\", \"groups\": \"balanced\", \"inputs\": \"uniform [-1, 1) bf16\", "
-                 "\"timing\": \"CUDA events per call (prep + GEMM); pre-heat %.0f ms per (shape, op), "
-                 "then %d rounds interleaving the kernels, each >= %.0f ms and >= 20 calls; "
-                 "ms_median = median of round medians\", \"flop\": \"2 * rows * K * N\"},\n",
-                 preheat_ms, rounds, block_ms);
+    std::fprintf(
+        f,
+        "  \"config\": {\"dtype\": \"bf16 in, fp32 accumulate; fprop/dgrad bf16 out, "
+        "wgrad fp32 +=\", \"groups\": \"balanced\", \"inputs\": \"uniform [-1, 1) bf16\", "
+        "\"timing\": \"CUDA events per call (prep + GEMM); pre-heat %.0f ms per (shape, op), "
+        "then %d rounds interleaving the kernels, each >= %.0f ms and >= 20 calls; "
+        "ms_median = median of round medians\", \"flop\": \"2 * rows * K * N\"},\n",
+        preheat_ms, rounds, block_ms);
     std::fprintf(f, "  \"shapes\": [\n");
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)
-      std::fprintf(f, "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": %lld}%s\n",
-                   shapes[i].name, shapes[i].experts, (long long)shapes[i].rows,
-                   (long long)shapes[i].K, (long long)shapes[i].N,
-                   i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
+      std::fprintf(
+          f,
+          "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": %lld}%s\n",
+          shapes[i].name, shapes[i].experts, (long long)shapes[i].rows, (long long)shapes[i].K,
+          (long long)shapes[i].N, i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
     std::fprintf(f, "  ],\n  \"results\": [\n");
     const auto& rs = bench.results();
     for (size_t i = 0; i < rs.size(); ++i) {
       const Result& r = rs[i];
-      std::fprintf(f,
-                   "    {\"shape\": \"%s\", \"op\": \"%s\", \"kernel\": \"%s\", \"ms_median\": %.5f, "
-                   "\"ms_min\": %.5f, \"ms_round_min\": %.5f, \"ms_round_max\": %.5f, \"tflops\": %.2f, "
-                   "\"sampled_rel_err\": %.3e, \"calls\": %d}%s\n",
-                   r.shape.c_str(), r.op.c_str(), json_escape(r.kernel).c_str(), r.ms_median,
-                   r.ms_min, r.ms_min_round, r.ms_max_round, r.tflops, r.rel_err, r.calls,
-                   i + 1 < rs.size() ? "," : "");
+      std::fprintf(
+          f,
+          "    {\"shape\": \"%s\", \"op\": \"%s\", \"kernel\": \"%s\", \"ms_median\": %.5f, "
+          "\"ms_min\": %.5f, \"ms_round_min\": %.5f, \"ms_round_max\": %.5f, \"tflops\": %.2f, "
+          "\"sampled_rel_err\": %.3e, \"calls\": %d}%s\n",
+          r.shape.c_str(), r.op.c_str(), json_escape(r.kernel).c_str(), r.ms_median, r.ms_min,
+          r.ms_min_round, r.ms_max_round, r.tflops, r.rel_err, r.calls,
+          i + 1 < rs.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);

@@ -14,10 +14,9 @@
 //   extents. wgrad's M and N are exact (K, N); for fprop and dgrad the rows of a group are known
 //   only on the device, so the rule uses window.rows / groups (the balanced size). The choice
 //   only orders tiles: results are the same either way.
-#include "cuda/grouped_gemm.hpp"
-
 #include <algorithm>
 
+#include "cuda/grouped_gemm.hpp"
 #include "cuda/grouped_gemm_detail.hpp"
 #include "moe_echo/error.hpp"
 
@@ -26,9 +25,12 @@ namespace gemm_detail {
 
 const char* to_string(GemmOp op) {
   switch (op) {
-    case GemmOp::fprop: return "fprop";
-    case GemmOp::dgrad: return "dgrad";
-    case GemmOp::wgrad: return "wgrad";
+    case GemmOp::fprop:
+      return "fprop";
+    case GemmOp::dgrad:
+      return "dgrad";
+    case GemmOp::wgrad:
+      return "wgrad";
   }
   return "?";
 }
@@ -58,8 +60,8 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
     }
     const int64_t m = hi > lo ? hi - lo : 0;
     const int64_t r = m > 0 ? lo - row_lo : 0;  // first window row of the group
-    int32_t shape[3] = {0, 0, 0};                // (M, N, K) of the CUTLASS problem
-    const int gw = g < groups ? g : 0;           // weight slab of an empty trailing group
+    int32_t shape[3] = {0, 0, 0};               // (M, N, K) of the CUTLASS problem
+    const int gw = g < groups ? g : 0;          // weight slab of an empty trailing group
     switch (op) {
       case GemmOp::fprop:  // (m x K) . (K x N)
         if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(N), shape[2] = int32_t(K);
@@ -165,12 +167,12 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
       break;
   }
   // TMA moves 16-byte aligned boxes: every row of every operand must start 16-byte aligned.
-  MOE_ECHO_CHECK(d.k > 0 && d.n > 0 && d.k % 8 == 0 && d.n % 8 == 0 && d.k <= INT32_MAX &&
-                     d.n <= INT32_MAX,
-                 "grouped_gemm " << name << ": K = " << d.k << " and N = " << d.n
-                                 << " must be positive multiples of 8 (16-byte rows for TMA)");
-  MOE_ECHO_CHECK(aligned16(a.a.data) && aligned16(a.b.data) && aligned16(a.c.data) &&
-                     a.a.data && a.b.data && a.c.data,
+  MOE_ECHO_CHECK(
+      d.k > 0 && d.n > 0 && d.k % 8 == 0 && d.n % 8 == 0 && d.k <= INT32_MAX && d.n <= INT32_MAX,
+      "grouped_gemm " << name << ": K = " << d.k << " and N = " << d.n
+                      << " must be positive multiples of 8 (16-byte rows for TMA)");
+  MOE_ECHO_CHECK(aligned16(a.a.data) && aligned16(a.b.data) && aligned16(a.c.data) && a.a.data &&
+                     a.b.data && a.c.data,
                  "grouped_gemm " << name << ": a, b and c must be non-null and 16-byte aligned ("
                                  << a.a.data << ", " << a.b.data << ", " << a.c.data << ")");
   return d;
@@ -179,11 +181,10 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
 void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemArrays& p,
                  int max_groups, cudaStream_t s) {
   const int threads = std::min(256, (max_groups + 31) / 32 * 32);
-  prep_kernel<<<1, threads, 0, s>>>(op, a.window.group_offsets, a.window.groups, max_groups,
-                                    a.window.row_lo, a.window.rows,
-                                    static_cast<const char*>(a.a.data),
-                                    static_cast<const char*>(a.b.data),
-                                    static_cast<char*>(a.c.data), d.k, d.n, p);
+  prep_kernel<<<1, threads, 0, s>>>(
+      op, a.window.group_offsets, a.window.groups, max_groups, a.window.row_lo, a.window.rows,
+      static_cast<const char*>(a.a.data), static_cast<const char*>(a.b.data),
+      static_cast<char*>(a.c.data), d.k, d.n, p);
   MOE_ECHO_GG_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -15,8 +15,8 @@
 #include <string>
 #include <type_traits>
 
-#include "cute/tensor.hpp"
 #include "cuda/grouped_gemm_detail.hpp"
+#include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -87,7 +87,7 @@ class CutlassRunner final : public KernelRunner {
       : name_(name) {
     static_assert(sizeof(Shape3) == 3 * sizeof(int32_t));
     static_assert(sizeof(StrideA) == sizeof(int64_t) && sizeof(StrideB) == sizeof(int64_t) &&
-                  sizeof(StrideC) == sizeof(int64_t) && sizeof(StrideD) == sizeof(int64_t),
+                      sizeof(StrideC) == sizeof(int64_t) && sizeof(StrideD) == sizeof(int64_t),
                   "packed strides must hold one dynamic leading dimension");
     check_abi();
 
@@ -111,8 +111,8 @@ class CutlassRunner final : public KernelRunner {
     args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(device);
     if (o.sm_count > 0 && o.sm_count < args.hw_info.sm_count) args.hw_info.sm_count = o.sm_count;
     if (!o.occupancy_grid) args.hw_info.max_active_clusters = 0;
-    args.scheduler.raster_order = o.raster_along_n ? RasterOrderOptions::AlongN
-                                                   : RasterOrderOptions::AlongM;
+    args.scheduler.raster_order =
+        o.raster_along_n ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
     args.scheduler.max_swizzle_size = o.max_swizzle;
 
     MOE_ECHO_CHECK(gemm_.can_implement(args) == cutlass::Status::kSuccess,

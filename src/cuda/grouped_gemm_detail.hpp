@@ -56,13 +56,13 @@ class ProblemBuffers {
 
 // Launch choices of one kernel that need no new instantiation (the benchmark tries them).
 struct RunnerOptions {
-  int sm_count = 0;              // SMs the persistent grid may use; 0 = all (fewer leaves room
-                                 // for kernels on other streams)
-  bool occupancy_grid = true;    // grid from cudaOccupancyMaxActiveClusters (CUTLASS's
-                                 // make_kernel_hardware_info); false = CUTLASS's SM-count rule
-  bool raster_along_n = false;   // tile order inside a group: M fastest (CUTLASS's grouped
-                                 // default) or N fastest (see raster_along_n() below)
-  int max_swizzle = 1;           // CUTLASS tile swizzle (1, 2, 4, 8)
+  int sm_count = 0;             // SMs the persistent grid may use; 0 = all (fewer leaves room
+                                // for kernels on other streams)
+  bool occupancy_grid = true;   // grid from cudaOccupancyMaxActiveClusters (CUTLASS's
+                                // make_kernel_hardware_info); false = CUTLASS's SM-count rule
+  bool raster_along_n = false;  // tile order inside a group: M fastest (CUTLASS's grouped
+                                // default) or N fastest (see raster_along_n() below)
+  int max_swizzle = 1;          // CUTLASS tile swizzle (1, 2, 4, 8)
 };
 
 // One CUTLASS grouped-GEMM kernel with its parameters and workspace fixed at construction (over
@@ -74,7 +74,7 @@ class KernelRunner {
   virtual void run(cudaStream_t s) = 0;
   virtual const char* name() const = 0;
   virtual std::string describe() const = 0;  // grid, block, shared memory
-  virtual int tile_m() const = 0;              // CTA tile extents of the CUTLASS problem
+  virtual int tile_m() const = 0;            // CTA tile extents of the CUTLASS problem
   virtual int tile_n() const = 0;
 };
 

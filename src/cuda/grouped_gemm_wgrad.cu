@@ -13,8 +13,8 @@ using WgradConfig = KernelConfig<float, cutlass::layout::ColumnMajor, cutlass::l
 
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o) {
-  return std::make_unique<CutlassRunner<WgradConfig>>(p, max_groups, o, 1.0f,
-                                                      "grouped_gemm wgrad 128x128x64 c2x1 pingpong");
+  return std::make_unique<CutlassRunner<WgradConfig>>(
+      p, max_groups, o, 1.0f, "grouped_gemm wgrad 128x128x64 c2x1 pingpong");
 }
 
 }  // namespace moe_echo::cuda::gemm_detail

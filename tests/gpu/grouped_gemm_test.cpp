@@ -8,6 +8,8 @@
 // (row_lo > 0), 255/256/257 rows, 0 and 1 row, K and N multiples of 8 but not of 16, fewer
 // groups than max_groups after a call with more, both tile orders, and a CUDA graph replayed with
 // group sizes changed on the device between replays. Skipped where no GPU is visible.
+#include "cuda/grouped_gemm.hpp"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,7 +21,6 @@
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
-#include "cuda/grouped_gemm.hpp"
 #include "moe_echo/error.hpp"
 #include "test_util.hpp"
 
@@ -352,11 +353,11 @@ TEST(GroupedGemmGpu, GraphReplaysFollowDeviceGroupSizes) {
   SKIP_WITHOUT_GPU();
   Case c{"graph", {0, 100, 200, 300, 400}, 64, 512, 128, 192};
   const std::vector<std::vector<int32_t>> replays = {
-      {0, 100, 200, 300, 400},   // as captured
-      {0, 0, 500, 500, 560},     // empty groups; the window cuts the big one
-      {0, 257, 257, 258, 576},   // 257 and 1 rows
-      {64, 64, 64, 64, 64},      // nothing at all
-      {0, 64, 128, 320, 700},    // the last group runs past the window
+      {0, 100, 200, 300, 400},  // as captured
+      {0, 0, 500, 500, 560},    // empty groups; the window cuts the big one
+      {0, 257, 257, 258, 576},  // 257 and 1 rows
+      {64, 64, 64, 64, 64},     // nothing at all
+      {0, 64, 128, 320, 700},   // the last group runs past the window
   };
   cuda::GroupedGemm gg(4);
   CaseData d(c);
