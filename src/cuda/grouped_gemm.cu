@@ -16,6 +16,7 @@
 //   only orders tiles: results are the same either way.
 #include <algorithm>
 
+#include "cuda/cuda_check.hpp"
 #include "cuda/grouped_gemm.hpp"
 #include "cuda/grouped_gemm_detail.hpp"
 #include "moe_echo/error.hpp"
@@ -33,13 +34,6 @@ const char* to_string(GemmOp op) {
       return "wgrad";
   }
   return "?";
-}
-
-void cuda_check(cudaError_t e, const char* what, const char* file, int line) {
-  if (e == cudaSuccess) return;
-  std::ostringstream msg;
-  msg << what << " failed: " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
-  ::moe_echo::detail::fail(file, line, msg.str());
 }
 
 namespace {
@@ -100,7 +94,7 @@ ProblemBuffers::ProblemBuffers(int max_groups) {
   const size_t G = size_t(max_groups);
   const size_t ptrs = align16(G * sizeof(void*)), lds = align16(G * sizeof(int64_t)),
                shapes = align16(G * 3 * sizeof(int32_t));
-  MOE_ECHO_GG_CUDA_CHECK(cudaMalloc(&base_, 3 * ptrs + 3 * lds + shapes));
+  MOE_ECHO_CUDA_CHECK(cudaMalloc(&base_, 3 * ptrs + 3 * lds + shapes));
   char* at = static_cast<char*>(base_);
   auto take = [&at](size_t bytes) {
     char* here = at;
@@ -115,7 +109,7 @@ ProblemBuffers::ProblemBuffers(int max_groups) {
   arrays_.ld_c = reinterpret_cast<int64_t*>(take(lds));
   arrays_.shapes = reinterpret_cast<int32_t*>(take(shapes));
   // Every group empty until the first call writes its own problems.
-  MOE_ECHO_GG_CUDA_CHECK(cudaMemset(base_, 0, 3 * ptrs + 3 * lds + shapes));
+  MOE_ECHO_CUDA_CHECK(cudaMemset(base_, 0, 3 * ptrs + 3 * lds + shapes));
 }
 
 ProblemBuffers::~ProblemBuffers() {
@@ -185,7 +179,7 @@ void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemA
       op, a.window.group_offsets, a.window.groups, max_groups, a.window.row_lo, a.window.rows,
       static_cast<const char*>(a.a.data), static_cast<const char*>(a.b.data),
       static_cast<char*>(a.c.data), d.k, d.n, p);
-  MOE_ECHO_GG_CUDA_CHECK(cudaGetLastError());
+  MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace gemm_detail
@@ -235,8 +229,8 @@ struct GroupedGemm::Impl {
 
   static int device_sm_count() {
     int device = 0, sms = 0;
-    MOE_ECHO_GG_CUDA_CHECK(cudaGetDevice(&device));
-    MOE_ECHO_GG_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_ECHO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     return sms;
   }
 

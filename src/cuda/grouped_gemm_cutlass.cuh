@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/cuda_check.hpp"
 #include "cuda/grouped_gemm_detail.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -107,7 +108,7 @@ class CutlassRunner final : public KernelRunner {
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(p.ptr_c);
     args.epilogue.dD = reinterpret_cast<StrideD*>(p.ld_c);
     int device = 0;
-    MOE_ECHO_GG_CUDA_CHECK(cudaGetDevice(&device));
+    MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
     args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(device);
     if (o.sm_count > 0 && o.sm_count < args.hw_info.sm_count) args.hw_info.sm_count = o.sm_count;
     if (!o.occupancy_grid) args.hw_info.max_active_clusters = 0;
@@ -118,7 +119,7 @@ class CutlassRunner final : public KernelRunner {
     MOE_ECHO_CHECK(gemm_.can_implement(args) == cutlass::Status::kSuccess,
                    name_ << ": CUTLASS cannot implement this grouped GEMM");
     const size_t ws = Gemm::get_workspace_size(args);
-    if (ws > 0) MOE_ECHO_GG_CUDA_CHECK(cudaMalloc(&workspace_, ws));
+    if (ws > 0) MOE_ECHO_CUDA_CHECK(cudaMalloc(&workspace_, ws));
     const cutlass::Status st = gemm_.initialize(args, workspace_);
     MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
                    name_ << ": CUTLASS initialize failed: " << cutlass::cutlassGetStatusString(st));

@@ -105,10 +105,4 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups);
 void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemArrays& p,
                  int max_groups, cudaStream_t s);
 
-// Throws moe_echo::Error naming the call and the CUDA error unless e == cudaSuccess.
-void cuda_check(cudaError_t e, const char* what, const char* file, int line);
-
 }  // namespace moe_echo::cuda::gemm_detail
-
-#define MOE_ECHO_GG_CUDA_CHECK(expr) \
-  ::moe_echo::cuda::gemm_detail::cuda_check((expr), #expr, __FILE__, __LINE__)
