@@ -70,8 +70,7 @@ double percentile(std::vector<double> v, double q) {
 
 int run_bench(const BenchOptions& opts) {
   auto probe = make_backend(opts.layer.backend);
-  const bool cpu = std::string(probe->name()).rfind("cpu", 0) == 0;
-  const ResolvedLayer L = resolve(opts.layer, cpu);
+  const ResolvedLayer L = resolve(opts.layer, *probe);
   BenchOptions o = opts;
   if (o.steps < 1)
     reject("steps", o.steps, "steps >= 1");
@@ -90,7 +89,7 @@ int run_bench(const BenchOptions& opts) {
   const size_t per_rank = MoeLayer::memory_bytes(moe, ParallelConfig{R, 0}, L.echo,
                                                  probe->activation_dtype(), probe->float_dtype(),
                                                  /*optimizer_state=*/false);
-  if (cpu) {
+  if (!L.gpu) {
     const double need = double(per_rank) * R, have = physical_memory_bytes();
     if (have > 0 && need > 0.8 * have) {
       char msg[512];
@@ -126,7 +125,8 @@ int run_bench(const BenchOptions& opts) {
   InProcessWorld world(R);
   world.run([&](int rank) {
     auto backend = make_backend(o.layer.backend);
-    Communicator& comm = world.communicator(rank);
+    std::unique_ptr<Communicator> comm_holder;
+    Communicator& comm = rank_communicator(*backend, world, rank, comm_holder);
     MoeLayer layer(*backend, comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
                    /*optimizer_state=*/false);
     if (rank == 0) workspace = layer.workspace_bytes();

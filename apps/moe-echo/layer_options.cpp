@@ -4,6 +4,10 @@
 
 #include "moe_echo/error.hpp"
 
+#ifdef MOE_ECHO_WITH_CUDA
+#include "cuda/cuda_backend.hpp"
+#endif
+
 namespace moe_echo::cli {
 namespace {
 
@@ -56,13 +60,17 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   cmd->add_option("--seed", o.seed, "Seed of weights and synthetic data (default 1)");
 }
 
-ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend) {
+bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
+
+ResolvedLayer resolve(const LayerOptions& o, const Backend& backend) {
+  const bool cpu_backend = !is_cuda(backend);
   const auto it = presets().find(o.preset);
   if (it == presets().end())
     reject("preset", "'" + o.preset + "'", "tiny, qwen3-30b-a3b, deepseek-v3, mixtral-8x7b");
   const Preset& p = it->second;
   ResolvedLayer r;
   r.preset = o.preset;
+  r.gpu = !cpu_backend;
   r.moe.hidden = o.hidden.value_or(p.hidden);
   r.moe.ffn = o.ffn.value_or(p.ffn);
   r.moe.experts = o.experts.value_or(p.experts);
@@ -76,7 +84,13 @@ ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend) {
   r.moe.aux_loss_coeff = o.aux_loss_coeff;
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;
-  r.ep = o.ep.value_or(p.ep);
+  r.ep = o.ep.value_or(cpu_backend ? p.ep : 1);
+  if (!cpu_backend && r.ep != 1)
+    reject("ep", r.ep, "1 on the CUDA backend in one process (one GPU per rank)");
+  if (!cpu_backend && (r.moe.hidden % 8 != 0 || r.moe.ffn % 8 != 0))
+    reject(r.moe.hidden % 8 != 0 ? "hidden" : "ffn",
+           r.moe.hidden % 8 != 0 ? r.moe.hidden : r.moe.ffn,
+           "a multiple of 8 on the CUDA backend (16-byte aligned GEMM rows)");
   if (o.echo != "on" && o.echo != "off")
     reject("echo", "'" + o.echo + "'", "on or off");
   r.echo.enabled = o.echo == "on";
@@ -87,6 +101,17 @@ ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend) {
   ParallelConfig par{r.ep, 0};
   validate(r.moe, par, r.echo);
   return r;
+}
+
+Communicator& rank_communicator(const Backend& backend, InProcessWorld& world, int rank,
+                                std::unique_ptr<Communicator>& holder) {
+#ifdef MOE_ECHO_WITH_CUDA
+  if (is_cuda(backend)) {
+    holder = cuda::make_local_communicator();
+    return *holder;
+  }
+#endif
+  return world.communicator(rank);
 }
 
 }  // namespace moe_echo::cli

@@ -5,6 +5,8 @@
 #include <optional>
 #include <string>
 
+#include "moe_echo/backend.hpp"
+#include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
 
 namespace moe_echo::cli {
@@ -27,11 +29,18 @@ struct ResolvedLayer {
   int ep = 1;
   EchoConfig echo;
   std::string preset;
-  bool tokens_reduced_for_cpu = false;  // a GPU-sized preset run with fewer tokens on the CPU
+  bool tokens_reduced_for_cpu = false;
+  bool gpu = false;                     // the CUDA backend  // a GPU-sized preset run with fewer tokens on the CPU
 };
 
 void add_layer_options(CLI::App* cmd, LayerOptions& o);
-// Applies the preset, then the explicit flags; validates (throws ConfigError).
-ResolvedLayer resolve(const LayerOptions& o, bool cpu_backend);
+// Applies the preset, then the explicit flags; validates (throws ConfigError). On the CPU backend
+// GPU-sized presets run with fewer tokens; on the CUDA backend (one GPU per process) ep is 1.
+ResolvedLayer resolve(const LayerOptions& o, const Backend& backend);
+
+// The communicator of `rank`: the in-process world's on the CPU backend; on the CUDA backend the
+// single-GPU communicator, kept alive by `holder`.
+Communicator& rank_communicator(const Backend& backend, InProcessWorld& world, int rank,
+                                std::unique_ptr<Communicator>& holder);
 
 }  // namespace moe_echo::cli

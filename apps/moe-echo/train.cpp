@@ -44,7 +44,8 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
   InProcessWorld world(R);
   world.run([&](int rank) {
     auto backend = make_backend(o.layer.backend);
-    Communicator& comm = world.communicator(rank);
+    std::unique_ptr<Communicator> comm_holder;
+    Communicator& comm = rank_communicator(*backend, world, rank, comm_holder);
     MoeLayer teacher(*backend, comm, moe, ParallelConfig{R, rank}, teacher_echo,
                      o.layer.seed + 7919);
     MoeLayer student(*backend, comm, moe, ParallelConfig{R, rank}, student_echo, o.layer.seed);
@@ -106,10 +107,9 @@ int run_train(const TrainOptions& o) {
   if (o.compare != "both" && o.compare != "on" && o.compare != "off")
     reject("echo", "'" + o.compare + "'", "both, on or off");
   auto probe = make_backend(o.layer.backend);
-  const bool cpu = std::string(probe->name()).rfind("cpu", 0) == 0;
   LayerOptions lo = o.layer;
   lo.echo = "on";
-  const ResolvedLayer L = resolve(lo, cpu);
+  const ResolvedLayer L = resolve(lo, *probe);
   std::printf("moe-echo train: teacher-student regression, preset %s, backend %s, H %d, F %d, "
               "E %d, top-%d, %d tokens/rank, EP %d, AdamW lr %g\n",
               L.preset.c_str(), probe->name(), L.moe.hidden, L.moe.ffn, L.moe.experts,

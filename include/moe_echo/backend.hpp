@@ -108,8 +108,9 @@ struct CombineBackwardArgs {
 
 struct AdamWArgs {
   Tensor param, grad, m, v;  // same shape; param in its dtype, grad, m and v float
+  Tensor step;               // [1] i32 on the device: the 1-based step, for bias correction; read
+                             // by the op, so a captured graph that advances it stays correct
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
-  int64_t step = 1;  // 1-based, for bias correction
 };
 
 // What one layer's per-step ops will need at most; given to Backend::reserve at layer build so a
@@ -119,6 +120,7 @@ struct Reservation {
   int64_t max_rows = 0;    // receive window rows (the capacity)
   int64_t max_tokens = 0;  // tokens per rank
   int hidden = 0, ffn = 0, experts = 0, top_k = 0, ranks = 1;
+  PlannerConfig planner;   // the plans this layer will ask for (spare slots, clone limit)
 };
 
 class Backend {
@@ -156,6 +158,8 @@ class Backend {
   virtual void combine_forward(const CombineArgs& a, Stream s) = 0;
   virtual void combine_backward(const CombineBackwardArgs& a, Stream s) = 0;
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
+  // t[i] += value for every element of an i32 tensor (step counters).
+  virtual void add_i32(const Tensor& t, int32_t value, Stream s) = 0;
   // Runs `body` (which enqueues ops) only when the device flag is non-zero. The CPU backend tests
   // the flag directly; a capturing CUDA backend turns it into a conditional graph node.
   virtual void run_if(const int32_t* device_flag, const std::function<void()>& body,

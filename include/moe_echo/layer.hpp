@@ -111,7 +111,6 @@ class MoeLayer {
   int rounds_ = 0;
   int64_t last_tokens_ = 0;
   Tensor last_x_;
-  int64_t optimizer_steps_ = 0;
   std::unique_ptr<Buffers> buf_;
 };
 

@@ -12,8 +12,9 @@ void adamw(const AdamWArgs& a) {
   const T* g = a.grad.as<T>();
   T* m = a.m.as<T>();
   T* v = a.v.as<T>();
-  const double c1 = 1.0 - std::pow(a.beta1, double(a.step));
-  const double c2 = 1.0 - std::pow(a.beta2, double(a.step));
+  const double step = double(a.step.as<int32_t>()[0]);
+  const double c1 = 1.0 - std::pow(a.beta1, step);
+  const double c2 = 1.0 - std::pow(a.beta2, step);
   for (int64_t i = 0; i < n; ++i) {
     const double gi = double(g[i]);
     const double mi = a.beta1 * double(m[i]) + (1.0 - a.beta1) * gi;

@@ -86,6 +86,10 @@ class CpuBackend final : public Backend {
   void adamw(const AdamWArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::adamw<T>(a); });
   }
+  void add_i32(const Tensor& t, int32_t value, Stream) override {
+    MOE_ECHO_CHECK(t.dtype == DType::i32, "add_i32 on " << t.describe());
+    for (int64_t i = 0; i < t.numel(); ++i) t.as<int32_t>()[i] += value;
+  }
   void run_if(const int32_t* device_flag, const std::function<void()>& body, Stream) override {
     if (*device_flag != 0) body();
   }

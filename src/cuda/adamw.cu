@@ -17,10 +17,20 @@
 namespace moe_echo::cuda {
 namespace {
 
+// The step lives on the device (a captured graph advances it); each block derives the bias
+// corrections from it once, in double like the CPU reference.
 template <class P>
 __global__ void adamw_kernel(int64_t n, P* param, const float* __restrict__ grad, float* m,
-                             float* v, float beta1, float beta2, float inv_c1, float inv_sqrt_c2,
+                             float* v, const int32_t* __restrict__ step, float beta1, float beta2,
                              float lr, float eps, float decay) {
+  __shared__ float corr[2];
+  if (threadIdx.x == 0) {
+    const double t = double(*step);
+    corr[0] = float(1.0 / (1.0 - pow(double(beta1), t)));
+    corr[1] = float(1.0 / sqrt(1.0 - pow(double(beta2), t)));
+  }
+  __syncthreads();
+  const float inv_c1 = corr[0], inv_sqrt_c2 = corr[1];
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const float g = grad[i];
@@ -33,7 +43,21 @@ __global__ void adamw_kernel(int64_t n, P* param, const float* __restrict__ grad
   }
 }
 
+__global__ void add_i32_kernel(int64_t n, int32_t* t, int32_t value) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    t[i] += value;
+}
+
 }  // namespace
+
+void add_i32(const Tensor& t, int32_t value, cudaStream_t s) {
+  MOE_ECHO_CHECK(t.dtype == DType::i32, "add_i32 on " << t.describe());
+  const int64_t n = t.numel();
+  if (n == 0) return;
+  MOE_ECHO_LAUNCH(add_i32_kernel, blocks_for(n, 256, grid_cap()), 256, 0, s, n, t.as<int32_t>(),
+                  value);
+}
 
 void adamw(const AdamWArgs& a, cudaStream_t s) {
   const int64_t n = a.param.numel();
@@ -41,19 +65,18 @@ void adamw(const AdamWArgs& a, cudaStream_t s) {
                  "adamw shapes differ: " << a.param.describe() << ", " << a.grad.describe());
   MOE_ECHO_CHECK(a.grad.dtype == DType::f32 && a.m.dtype == DType::f32 && a.v.dtype == DType::f32,
                  "adamw needs f32 grad, m and v");
-  const double c1 = 1.0 - std::pow(a.beta1, double(a.step));
-  const double c2 = 1.0 - std::pow(a.beta2, double(a.step));
+  MOE_ECHO_CHECK(a.step.dtype == DType::i32 && a.step.numel() == 1,
+                 "adamw step must be i32[1], got " << a.step.describe());
   const unsigned grid = blocks_for(n, 256, grid_cap());
-  const float inv_c1 = float(1.0 / c1), inv_sqrt_c2 = float(1.0 / std::sqrt(c2));
   const float decay = float(1.0 - a.lr * a.weight_decay);
   if (a.param.dtype == DType::bf16)
     MOE_ECHO_LAUNCH(adamw_kernel<bf16>, grid, 256, 0, s, n, a.param.as<bf16>(), a.grad.as<float>(),
-                    a.m.as<float>(), a.v.as<float>(), float(a.beta1), float(a.beta2), inv_c1,
-                    inv_sqrt_c2, float(a.lr), float(a.eps), decay);
+                    a.m.as<float>(), a.v.as<float>(), a.step.as<int32_t>(), float(a.beta1),
+                    float(a.beta2), float(a.lr), float(a.eps), decay);
   else if (a.param.dtype == DType::f32)
     MOE_ECHO_LAUNCH(adamw_kernel<float>, grid, 256, 0, s, n, a.param.as<float>(),
-                    a.grad.as<float>(), a.m.as<float>(), a.v.as<float>(), float(a.beta1),
-                    float(a.beta2), inv_c1, inv_sqrt_c2, float(a.lr), float(a.eps), decay);
+                    a.grad.as<float>(), a.m.as<float>(), a.v.as<float>(), a.step.as<int32_t>(),
+                    float(a.beta1), float(a.beta2), float(a.lr), float(a.eps), decay);
   else
     MOE_ECHO_CHECK(false, "adamw parameter must be f32 or bf16, got " << a.param.describe());
 }

@@ -57,19 +57,13 @@ class CudaBackend final : public Backend {
   void synchronize() override { MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize()); }
 
   // Build time: the grouped GEMM for the largest group count seen, and a scratch arena for the
-  // largest router/layout/planner needs. The planner config is not part of a Reservation, so the
-  // arena assumes up to max(R - 1, 8) clones per expert; a config beyond that grows the arena at
-  // its first step outside a capture (and throws inside one).
+  // largest router/layout/planner needs of the reserved layers' planner configs.
   void reserve(const Reservation& r) override {
     if (!gemm_ || gemm_->max_groups() < r.max_groups) {
       if (gemm_) retired_gemms_.push_back(std::move(gemm_));  // captured graphs may use it
       gemm_ = std::make_unique<GroupedGemm>(r.max_groups);
     }
-    PlannerConfig cfg;
-    cfg.ranks = r.ranks;
-    cfg.experts = r.experts;
-    cfg.spare_slots = r.max_groups - r.experts / r.ranks;
-    cfg.max_clones = std::max(r.ranks - 1, 8);
+    const PlannerConfig& cfg = r.planner;
     const int64_t entries = r.max_tokens * r.top_k;
     size_t need = router_scratch_bytes(r.max_tokens, r.experts);
     need = std::max(need, layout_scratch_bytes(cfg, r.max_groups, entries));
@@ -118,6 +112,9 @@ class CudaBackend final : public Backend {
     cuda::combine_backward(a, as_cuda(s));
   }
   void adamw(const AdamWArgs& a, Stream s) override { cuda::adamw(a, as_cuda(s)); }
+  void add_i32(const Tensor& t, int32_t value, Stream s) override {
+    cuda::add_i32(t, value, as_cuda(s));
+  }
 
   // Not capturing: the body runs unconditionally. That is exact, because every op of a round
   // touches only rows inside its window, and an inactive round's window holds none.

@@ -45,6 +45,7 @@ void combine_backward(const CombineBackwardArgs& a, cudaStream_t s);
 
 // AdamW (adamw.cu): param f32 or bf16; grad, m, v f32.
 void adamw(const AdamWArgs& a, cudaStream_t s);
+void add_i32(const Tensor& t, int32_t value, cudaStream_t s);
 
 // Sets a CUDA-graph conditional handle from a device flag (graph.cu).
 void set_conditional_from_flag(unsigned long long handle, const int32_t* flag, cudaStream_t s);

@@ -35,6 +35,7 @@ struct MoeLayer::Buffers {
   Tensor w1, w2, dw1, dw2;  // [slots, ...]
   // Optimizer state (float dtype), for router weight, w1 home, w2 home.
   Tensor m_router, v_router, m_w1, v_w1, m_w2, v_w2;
+  Tensor optimizer_step;  // [1] i32: steps taken, advanced on the device
   // Routing.
   Tensor logits, scores, topk_idx, topk_weight, counts, losses;
   Tensor routing_map, plan, assign, dest_rank, dest_row, group_offsets, rank_rows, round_active;
@@ -89,6 +90,7 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
     b.v_w1 = dev(fl, {EPR, H, 2 * F});
     b.m_w2 = dev(fl, {EPR, F, H});
     b.v_w2 = dev(fl, {EPR, F, H});
+    b.optimizer_step = dev(DType::i32, {1});
   }
 
   b.logits = dev(fl, {T, E});
@@ -146,6 +148,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   reservation.experts = moe.experts;
   reservation.top_k = moe.top_k;
   reservation.ranks = par.ep_size;
+  reservation.planner = planner_;
   backend.reserve(reservation);
 
   buf_ = std::make_unique<Buffers>();
@@ -170,7 +173,8 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
                   dev, sym);
 
   for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
-                    &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.losses, &b.counts,
+                    &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.optimizer_step,
+                    &b.losses, &b.counts,
                     &b.routing_map, &b.plan, &b.group_offsets, &b.rank_rows})
     if (t->data) backend.fill_zero(*t, nullptr);
   init_parameters(seed);
@@ -245,10 +249,10 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   Buffers& b = *buf_;
   MOE_ECHO_CHECK(b.m_router.data != nullptr,
                  "optimizer_step on a layer built without optimizer state (optimizer_state = false)");
-  ++optimizer_steps_;
+  backend_.add_i32(b.optimizer_step, 1, s);
   auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
-    AdamWArgs a{p, g, m, v, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
-                optimizer_steps_};
+    AdamWArgs a{p, g, m, v, b.optimizer_step, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps,
+                cfg.weight_decay};
     backend_.adamw(a, s);
   };
   step(b.router_weight, b.d_router_weight, b.m_router, b.v_router);

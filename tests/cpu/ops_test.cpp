@@ -1054,7 +1054,8 @@ TEST(AdamW, TwoStepsMatchHandWrittenUpdate) {
           a.beta2 = 0.95;
           a.eps = 1e-8;
           a.weight_decay = wd;
-          a.step = step;
+          int32_t step_value = int32_t(step);
+          a.step = Tensor(&step_value, DType::i32, {1});
           be->adamw(a, nullptr);
           test::ref::adamw_step(pv, gv, mv, vv, a.lr, a.beta1, a.beta2, a.eps, wd, step);
           EXPECT_LT(rel_error(get(*be, p), pv), tolerance(dt)) << "step " << step;

@@ -236,15 +236,14 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
   EchoConfig echo;
   echo.capacity_factor = 0.4;  // capacity 52 rows, 3 rounds configured
   const int64_t T = 48, H = m.hidden;  // 96 rows: rounds 0 and 1 run, round 2 stays idle
-  // The optimizer step number is a host value baked into the graph at capture (AdamWArgs::step),
-  // so replays use beta1 = beta2 = 0, where bias correction is 1 at every step. The update is
-  // then lr * g / (|g| + eps); eps = 1e-2 keeps it a smooth function of g (with a tiny eps it is
-  // lr * sign(g), and gradients near 0 that differ in sign between GPU and CPU would move a weight
+  // The optimizer step lives on the device, so every replay advances the bias correction. A large
+  // eps keeps the update a smooth function of g (with a tiny eps the first steps are close to
+  // lr * sign(g), and gradients near 0 whose sign differs between GPU and CPU would move a weight
   // by 2 lr).
   AdamWConfig adam;
   adam.lr = 1e-3;
-  adam.beta1 = 0.0;
-  adam.beta2 = 0.0;
+  adam.beta1 = 0.9;
+  adam.beta2 = 0.999;
   adam.eps = 1e-2;
   adam.weight_decay = 0.01;
 

@@ -502,8 +502,13 @@ TEST(AdamW, TwoStepsMatchCpuForF32AndBf16Parameters) {
           g.write(round_f32(uniform(size_t(n), uint64_t(n) + 10 + uint64_t(step))));
           for (bool gpu : {false, true}) {
             auto t = [&](const Pair& x) { return gpu ? *x.g : *x.c; };
-            AdamWArgs a{t(p), t(g), t(m), t(v), 1e-2, 0.9, 0.95, 1e-8, wd, step};
-            (gpu ? b.gpu : b.cpu)->adamw(a, nullptr);
+            Backend& be = gpu ? *b.gpu : *b.cpu;
+            Tensor step_t(be.allocate(sizeof(int32_t)), DType::i32, {1});
+            write_tensor(be, step_t, {double(step)});
+            AdamWArgs a{t(p), t(g), t(m), t(v), step_t, 1e-2, 0.9, 0.95, 1e-8, wd};
+            be.adamw(a, nullptr);
+            be.synchronize();
+            be.deallocate(step_t.data);
           }
           // bf16 parameters round the update once more (see adamw.cu); m and v are f32.
           EXPECT_TRUE(close(p.g.read(), p.c.read(), kind == Kind::act ? kBf16Tol : 1e-6, "param"));
