@@ -5,6 +5,8 @@
 // expert weights and our outputs, and the script checks them numerically before timing.
 //
 // usage: layer_bench --dump DIR --out results.json [--iters N] [--warmup N] [--config NAME]
+//        layer_bench --profile 1 [--config NAME]   (one uniform-routing step of each config, for
+//                                                   a kernel profiler: no timing, no dump)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,6 +58,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string dump_dir = "/tmp/moe_echo_layer", out = "layer_bench.json", only;
   int iters = 20, warmup = 5, tokens = 8192;
+  bool profile = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--dump") dump_dir = v;
@@ -64,6 +67,7 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::stoi(v);
     else if (a == "--config") only = v;
     else if (a == "--tokens") tokens = std::stoi(v);
+    else if (a == "--profile") profile = std::stoi(v) != 0;
     else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
   }
   const std::vector<Case> cases = {
@@ -79,6 +83,7 @@ int main(int argc, char** argv) {
   for (const Case& c : cases) {
     if (!only.empty() && c.name != only) continue;
     for (const std::string skew_name : {"uniform", "zipf:1.2"}) {
+      if (profile && skew_name != "uniform") continue;
       auto be = cuda::make_cuda_backend();
       auto comm = cuda::make_local_communicator();
       MoeConfig m;
@@ -116,6 +121,15 @@ int main(int argc, char** argv) {
         layer.forward(x, y, s);
         layer.backward(dy, dx, s);
       });
+      if (profile) {  // one step, for a profiler that times every kernel of it
+        step.launch(s);
+        CHECK_CUDA(cudaStreamSynchronize(s));
+        std::printf("%-14s profiled one step (%zu graph nodes)\n", c.name.c_str(),
+                    step.top_level_nodes());
+        CHECK_CUDA(cudaStreamDestroy(s));
+        for (Tensor* t : {&x, &y, &dy, &dx}) be->deallocate(t->data);
+        continue;
+      }
       cuda::CapturedGraph fwd(s, [&] { layer.forward(x, y, s); });
       cudaEvent_t e0, e1;
       CHECK_CUDA(cudaEventCreate(&e0));
@@ -165,6 +179,7 @@ int main(int argc, char** argv) {
       for (Tensor* t : {&x, &y, &dy, &dx}) be->deallocate(t->data);
     }
   }
+  if (profile) return 0;
   nlohmann::json doc = {{"device", prop.name}, {"kernel", "moe_echo MoeLayer (CUDA graph)"},
                         {"iters", iters}, {"warmup", warmup}, {"results", results}};
   std::ofstream(out) << doc.dump(2) << "\n";

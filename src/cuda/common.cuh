@@ -70,6 +70,32 @@ __device__ __forceinline__ void store_f(T* p, float v) {
     *p = T(v);
 }
 
+// ---- 16-byte vectors of 8 bf16 -----------------------------------------------------------------
+// The memory-bound kernels move rows as 16-byte words (8 bf16) when every row and base pointer is
+// 16-byte aligned (hidden and FFN sizes that are multiples of 8, which the model configs have),
+// and fall back to scalar kernels otherwise (odd sizes in the tests).
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// bf16 -> f32 is exact (the bf16 bits are the top half of the f32).
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+// f32 -> bf16 round to nearest even, as __float2bfloat16_rn.
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                    pack_bf16x2(f[6], f[7]));
+}
+
 // ---- warp reductions (fixed butterfly order: deterministic) -----------------------------------
 
 template <class T>
@@ -81,6 +107,40 @@ template <class T>
 __device__ __forceinline__ T warp_max(T v) {
   for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
+}
+
+// Reduce-scatter of N per-lane values over the warp (N a multiple of 64): afterwards lane l holds
+// in v[p], p < N / 32, the warp's sum of value reduce_scatter_index<N>(l, p). Each sum is formed
+// by a fixed tree (the same on every run), with N - 2 shuffles instead of 5 N for N butterflies.
+namespace detail {
+template <int N, int S>
+__device__ __forceinline__ void reduce_scatter_step(float (&v)[N], int lane) {
+  constexpr int o = 16 >> S, half = N >> (S + 1);
+  const bool upper = (lane & o) != 0;
+#pragma unroll
+  for (int p = 0; p < half; ++p) {
+    const float send = upper ? v[p] : v[p + half];
+    const float keep = upper ? v[p + half] : v[p];
+    v[p] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+  }
+}
+}  // namespace detail
+template <int N>
+__device__ __forceinline__ void warp_reduce_scatter(float (&v)[N], int lane) {
+  static_assert(N % 64 == 0, "N must be a multiple of 64");
+  detail::reduce_scatter_step<N, 0>(v, lane);
+  detail::reduce_scatter_step<N, 1>(v, lane);
+  detail::reduce_scatter_step<N, 2>(v, lane);
+  detail::reduce_scatter_step<N, 3>(v, lane);
+  detail::reduce_scatter_step<N, 4>(v, lane);
+}
+template <int N>
+__device__ __forceinline__ int reduce_scatter_index(int lane, int p) {
+  int idx = p;
+#pragma unroll
+  for (int s = 0; s < 5; ++s)
+    if (lane & (16 >> s)) idx += N >> (s + 1);
+  return idx;
 }
 
 // Rows of a receive window that belong to some group (groups are contiguous from receive row 0,

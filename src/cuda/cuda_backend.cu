@@ -65,7 +65,7 @@ class CudaBackend final : public Backend {
     }
     const PlannerConfig& cfg = r.planner;
     const int64_t entries = r.max_tokens * r.top_k;
-    size_t need = router_scratch_bytes(r.max_tokens, r.experts);
+    size_t need = router_scratch_bytes(r.max_tokens, r.experts, r.hidden);
     need = std::max(need, layout_scratch_bytes(cfg, r.max_groups, entries));
     need = std::max(need, planner_scratch_bytes(cfg));
     grow_arena(need);
@@ -83,11 +83,13 @@ class CudaBackend final : public Backend {
   }
   void router_forward(const RouterForwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
-    cuda::router_forward(a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0)), cs), cs);
+    cuda::router_forward(
+        a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs), cs);
   }
   void router_backward(const RouterBackwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
-    cuda::router_backward(a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0)), cs), cs);
+    cuda::router_backward(
+        a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs), cs);
   }
   void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
                           Stream s) override {

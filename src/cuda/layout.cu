@@ -157,13 +157,21 @@ __global__ void __launch_bounds__(kTableThreads)
     for (int src = 0; src < me; ++src) row += assign[(int64_t(src) * E + e) * M + j];
     sc.first_row[i] = row;
   }
-  // Exclusive prefix of the chunk histograms per expert, chunks in order.
-  for (int e = tid; e < E; e += nt) {
+  // Exclusive prefix of the chunk histograms per expert, chunks in order: one warp per expert,
+  // 32 chunks per step (a warp scan; integer sums, so the result is the sequential one).
+  const int lane = tid & 31;
+  for (int e = tid >> 5; e < E; e += nt >> 5) {
     int32_t run = 0;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int32_t v = sc.hist[c * E + e];
-      sc.hist[c * E + e] = run;
-      run += v;
+    for (int64_t c0 = 0; c0 < chunks; c0 += 32) {
+      const int64_t c = c0 + lane;
+      const int32_t v = c < chunks ? sc.hist[c * E + e] : 0;
+      int32_t incl = v;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int32_t up = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += up;
+      }
+      if (c < chunks) sc.hist[c * E + e] = run + incl - v;
+      run += __shfl_sync(0xffffffffu, incl, 31);
     }
   }
 }

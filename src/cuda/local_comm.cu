@@ -16,11 +16,15 @@ constexpr int kRowThreads = 256;  // 8 warps, one row each
 
 // Rows between a token/entry array and the receive window. Scatter (dispatch): window row
 // (dest_row - row_lo) <- source row i / src_div. Gather (combine): row i <- window row.
+// Each lane loads kInFlight words of its row before storing any (for 4 KiB rows of 16-byte words:
+// the whole row in flight per warp), so the copy is limited by bandwidth rather than latency.
 template <class W>
-__global__ void move_rows_kernel(int64_t n, const int32_t* __restrict__ dest_rank,
-                                 const int32_t* __restrict__ dest_row, int64_t row_lo,
-                                 int64_t rows, int src_div, bool scatter, const W* src, W* dst,
-                                 int64_t row_words) {
+__global__ void __launch_bounds__(kRowThreads)
+    move_rows_kernel(int64_t n, const int32_t* __restrict__ dest_rank,
+                     const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
+                     int src_div, bool scatter, const W* __restrict__ src, W* __restrict__ dst,
+                     int64_t row_words) {
+  constexpr int kInFlight = 8;
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < n; i += warps) {
@@ -28,7 +32,15 @@ __global__ void move_rows_kernel(int64_t n, const int32_t* __restrict__ dest_ran
     if (dest_rank[i] != 0 || row < 0 || row >= rows) continue;
     const W* from = scatter ? src + (i / src_div) * row_words : src + row * row_words;
     W* to = scatter ? dst + row * row_words : dst + i * row_words;
-    for (int64_t w = lane; w < row_words; w += 32) to[w] = from[w];
+    for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
+      W v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (w0 + 32 * u < row_words) v[u] = from[w0 + 32 * u];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (w0 + 32 * u < row_words) to[w0 + 32 * u] = v[u];
+    }
   }
 }
 

@@ -19,8 +19,8 @@
 
 namespace moe_echo::cuda {
 
-// Router (router.cu). T tokens, E experts.
-size_t router_scratch_bytes(int64_t tokens, int64_t experts);
+// Router (router.cu). T tokens, E experts, H hidden.
+size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden);
 void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s);
 void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s);
 void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,

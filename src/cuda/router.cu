@@ -2,13 +2,18 @@
 // score + bias with ties to the lower expert index, combine weights, counts, aux and z losses; the
 // backward to dW and dx; the aux-loss-free bias update. Semantics: src/cpu/router.cpp.
 //
-// Precision: logits accumulate in f32 (tiled GEMM, fixed k order). Everything per token after
+// Precision: logits accumulate in f32 (fixed order: per lane over its h, then a fixed tree). Everything per token after
 // the logits (logsumexp, scores, selection keys, combine weights, the loss sums) is computed in
 // double from the stored f32 logits, as the CPU reference does, so for equal logits the scores,
 // the selection and the weights agree with the CPU to the last bit in practice; the selection can
 // differ from the CPU's only where two keys are within the f32 rounding of the logits.
 // Determinism: counts use integer atomics (order-free); every floating-point sum is done by one
 // thread in a fixed order or by a fixed warp butterfly.
+//
+// The three f32 products (logits = x W^T, dW += dl^T x, dx += dl W) are FFMA kernels shaped for
+// a small E: x is read once per product as 16-byte words of 8 bf16 (32 MiB at T 8192, H 2048),
+// W (E x H f32) stays in L1/L2, and every output is summed in a fixed order. They need H % 8 == 0
+// and 16-byte aligned x, W and dx; other shapes take the generic tiled GEMM (tiled_gemm.cuh).
 #include <cfloat>
 #include <climits>
 
@@ -22,26 +27,52 @@ namespace {
 
 constexpr int kTokensPerLossBlock = 64;
 constexpr int kWarpsPerBlock = 8;
+// The gradient w.r.t. the logits is kept as [T, padded_experts(E)] (zeros past E), so the
+// products can read 8 experts at a time as aligned float4 words.
+constexpr int kExpertPad = 8;
+int64_t padded_experts(int64_t E) { return (E + kExpertPad - 1) / kExpertPad * kExpertPad; }
+
+// logits: one warp per (8 tokens, 8 experts); each lane sums 4 h at a time (h = 4 c .. 4 c + 3
+// for c = lane, lane + 32, ...), then a reduce-scatter over the lanes.
+constexpr int kLogitTokens = 8, kLogitExperts = 8;
+// dW: a block of 8 warps owns (256 h, 8 experts) and a range of tokens; the warps take every 8th
+// token, their sums are added in warp order, and the token ranges ("splits") in split order.
+constexpr int kDwExperts = 8, kDwWarps = 8, kDwTokensInFlight = 2;
+// dx: one thread per (8 tokens, 8 h).
+constexpr int kDxTokens = 8;
+
+bool fast_products(const Tensor& x, const Tensor& w) {
+  return x.size(1) % 8 == 0 && aligned16(x.data) && aligned16(w.data);
+}
+// Token splits of the dW product: enough blocks for two waves, at least 64 tokens per split.
+int64_t dw_splits(int64_t T, int64_t E, int64_t H) {
+  const int64_t blocks = std::max<int64_t>(1, padded_experts(E) / kDwExperts * ((H / 8 + 31) / 32));
+  int64_t splits = (2 * sm_count() + blocks - 1) / blocks;
+  splits = std::min<int64_t>(splits, (T + 63) / 64);
+  return std::max<int64_t>(splits, 1);
+}
 
 struct RouterScratch {
   double* lse = nullptr;        // [T] logsumexp of each token's logits
   double* total = nullptr;      // [T] sum over experts of the (unrounded) scores
   double* partial = nullptr;    // [blocks, E] per-block sums of the normalised scores
   double* partial_z = nullptr;  // [blocks] per-block sums of lse^2
-  float* dl = nullptr;          // [T, E] gradient w.r.t. the logits (backward)
+  float* dl = nullptr;          // [T, padded E] gradient w.r.t. the logits (backward)
   float* split = nullptr;       // split-K partial sums of the tiled GEMMs
+  float* dw_partial = nullptr;  // [splits, padded E, H] per-split sums of the dW product
 };
 
 int64_t loss_blocks(int64_t T) { return (T + kTokensPerLossBlock - 1) / kTokensPerLossBlock; }
 
-RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E) {
+RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E, int64_t H) {
   RouterScratch r;
   r.lse = c.take<double>(T);
   r.total = c.take<double>(T);
   r.partial = c.take<double>(loss_blocks(T) * E);
   r.partial_z = c.take<double>(loss_blocks(T));
-  r.dl = c.take<float>(T * E);
+  r.dl = c.take<float>(T * padded_experts(E));
   r.split = c.take<float>(tiled_gemm_scratch_floats());
+  r.dw_partial = c.take<float>(dw_splits(T, E, H) * padded_experts(E) * H);
   return r;
 }
 
@@ -62,7 +93,7 @@ struct StoreLogits {
   int64_t E;
   __device__ void operator()(int64_t m, int64_t n, float v) const { l[m * E + n] = v; }
 };
-struct LoadDlT {  // A(m = e, k = t) = dl[t, e]
+struct LoadDlT {  // A(m = e, k = t) = dl[t, e]; E: the row stride of dl (padded)
   const float* dl;
   int64_t E;
   __device__ float operator()(int64_t m, int64_t k) const { return dl[k * E + m]; }
@@ -77,7 +108,7 @@ struct AccumulateWeightGrad {  // dW[e, h] += acc
   int64_t H;
   __device__ void operator()(int64_t m, int64_t n, float v) const { dw[m * H + n] += v; }
 };
-struct LoadDl {  // A(m = t, k = e) = dl[t, e]
+struct LoadDl {  // A(m = t, k = e) = dl[t, e]; E: the row stride of dl (padded)
   const float* dl;
   int64_t E;
   __device__ float operator()(int64_t m, int64_t k) const { return dl[m * E + k]; }
@@ -95,6 +126,193 @@ struct AccumulateTokenGrad {  // dx[t, h] += acc (bf16 storage)
     *p = __float2bfloat16_rn(__bfloat162float(*p) + v);
   }
 };
+
+// ---- the f32 products for H % 8 == 0 ------------------------------------------------------------
+
+// logits[t, e] = sum_h x[t, h] W[e, h]. x: [T, H / 4] words of 4 bf16; w: [E, H / 4] float4.
+__global__ void __launch_bounds__(256)
+    router_logits_kernel(int64_t T, int E, int64_t H4, const uint2* __restrict__ x,
+                         const float4* __restrict__ w, float* __restrict__ logits) {
+  constexpr int TT = kLogitTokens, TE = kLogitExperts, N = TT * TE;
+  const int lane = int(threadIdx.x) & 31;
+  const int egroups = (E + TE - 1) / TE;
+  const int64_t tasks = (T + TT - 1) / TT * egroups;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  // Neighbouring warps take the expert groups of the same tokens (x rows shared in L1/L2).
+  for (int64_t task = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; task < tasks;
+       task += warps) {
+    const int64_t t0 = task / egroups * TT;
+    const int e0 = int(task % egroups) * TE;
+    float acc[N];
+#pragma unroll
+    for (int q = 0; q < N; ++q) acc[q] = 0.f;
+    for (int64_t c = lane; c < H4; c += 32) {
+      uint2 xv[TT];
+#pragma unroll
+      for (int i = 0; i < TT; ++i)
+        xv[i] = t0 + i < T ? x[(t0 + i) * H4 + c] : make_uint2(0u, 0u);
+      float4 wv[TE];
+#pragma unroll
+      for (int j = 0; j < TE; ++j)
+        wv[j] = e0 + j < E ? w[int64_t(e0 + j) * H4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int i = 0; i < TT; ++i) {
+        const float x0 = __uint_as_float(xv[i].x << 16);
+        const float x1 = __uint_as_float(xv[i].x & 0xffff0000u);
+        const float x2 = __uint_as_float(xv[i].y << 16);
+        const float x3 = __uint_as_float(xv[i].y & 0xffff0000u);
+#pragma unroll
+        for (int j = 0; j < TE; ++j) {
+          float a = acc[i * TE + j];
+          a = fmaf(x0, wv[j].x, a);
+          a = fmaf(x1, wv[j].y, a);
+          a = fmaf(x2, wv[j].z, a);
+          a = fmaf(x3, wv[j].w, a);
+          acc[i * TE + j] = a;
+        }
+      }
+    }
+    warp_reduce_scatter<N>(acc, lane);
+#pragma unroll
+    for (int p = 0; p < N / 32; ++p) {
+      const int q = reduce_scatter_index<N>(lane, p), i = q / TE, j = q % TE;
+      if (t0 + i < T && e0 + j < E) logits[(t0 + i) * E + e0 + j] = acc[p];
+    }
+  }
+}
+
+// partial[split, e, h] = sum over the split's tokens t of dl[t, e] x[t, h], for the block's 8
+// experts and 256 h. dl: [T, Ep] (Ep = padded E); x: [T, H / 8] words of 8 bf16.
+__global__ void __launch_bounds__(kDwWarps * 32, 2)
+    router_dw_partial_kernel(int64_t T, int64_t Ep, int64_t H, int64_t tokens_per_split,
+                             const float* __restrict__ dl, const uint4* __restrict__ x,
+                             float* __restrict__ partial) {
+  constexpr int TE = kDwExperts, TU = kDwTokensInFlight, W = kDwWarps;
+  __shared__ float red[W][TE / 2][256];  // one half of the experts at a time: 32 KiB
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int64_t egroups = Ep / TE, H8 = H / 8;
+  const int64_t eg = blockIdx.x % egroups, htile = blockIdx.x / egroups;
+  const int64_t c = htile * 32 + lane;  // this lane's word of 8 h
+  const int64_t e0 = eg * TE;
+  const int64_t t_begin = int64_t(blockIdx.y) * tokens_per_split;
+  const int64_t t_end = t_begin + tokens_per_split < T ? t_begin + tokens_per_split : T;
+  float acc[TE][8];
+#pragma unroll
+  for (int j = 0; j < TE; ++j)
+#pragma unroll
+    for (int q = 0; q < 8; ++q) acc[j][q] = 0.f;
+  if (c < H8) {
+    for (int64_t t = t_begin + warp; t < t_end; t += W * TU) {
+      uint4 xv[TU];
+      float4 d0[TU], d1[TU];
+#pragma unroll
+      for (int u = 0; u < TU; ++u) {
+        const int64_t tu = t + int64_t(W) * u;
+        if (tu < t_end) {
+          xv[u] = x[tu * H8 + c];
+          const float4* d = reinterpret_cast<const float4*>(dl + tu * Ep + e0);
+          d0[u] = d[0];
+          d1[u] = d[1];
+        } else {
+          xv[u] = make_uint4(0u, 0u, 0u, 0u);
+          d0[u] = d1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < TU; ++u) {
+        float xf[8];
+        unpack_bf16x8(xv[u], xf);
+        const float dv[TE] = {d0[u].x, d0[u].y, d0[u].z, d0[u].w,
+                              d1[u].x, d1[u].y, d1[u].z, d1[u].w};
+#pragma unroll
+        for (int j = 0; j < TE; ++j)
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[j][q] = fmaf(dv[j], xf[q], acc[j][q]);
+      }
+    }
+  }
+  // Sum over the warps in warp order, half of the experts at a time.
+  const int64_t h0 = htile * 256;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+#pragma unroll
+    for (int j = 0; j < TE / 2; ++j) {
+      float4* r = reinterpret_cast<float4*>(&red[warp][j][lane * 8]);
+      const float* a = acc[half * TE / 2 + j];
+      r[0] = make_float4(a[0], a[1], a[2], a[3]);
+      r[1] = make_float4(a[4], a[5], a[6], a[7]);
+    }
+    __syncthreads();
+    for (int o = int(threadIdx.x); o < TE / 2 * 256; o += W * 32) {
+      const int j = o / 256, hh = o % 256;
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < W; ++v) sum += red[v][j][hh];
+      if (h0 + hh < H)
+        partial[(int64_t(blockIdx.y) * Ep + e0 + half * TE / 2 + j) * H + h0 + hh] = sum;
+    }
+    __syncthreads();
+  }
+}
+
+// dW[e, h] += sum over splits, in split order.
+__global__ void router_dw_reduce_kernel(int64_t E, int64_t Ep, int64_t H, int64_t splits,
+                                        const float* __restrict__ partial, float* dw) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < E * H;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = i / H, h = i - e * H;
+    float sum = 0.f;
+    for (int64_t z = 0; z < splits; ++z) sum += partial[(z * Ep + e) * H + h];
+    dw[i] += sum;
+  }
+}
+
+// dx[t, h] += sum_e dl[t, e] W[e, h] (e in increasing order), one thread per (8 tokens, 8 h).
+__global__ void __launch_bounds__(256)
+    router_dx_kernel(int64_t T, int E, int64_t Ep, int64_t H8, const float* __restrict__ dl,
+                     const float4* __restrict__ w, uint4* __restrict__ dx) {
+  constexpr int TT = kDxTokens;
+  const int64_t n = (T + TT - 1) / TT * H8;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t0 = i / H8 * TT, c = i % H8;
+    float acc[TT][8];
+#pragma unroll
+    for (int u = 0; u < TT; ++u)
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[u][q] = 0.f;
+    for (int e0 = 0; e0 < E; e0 += 4) {
+      float4 dv[TT];
+#pragma unroll
+      for (int u = 0; u < TT; ++u)
+        dv[u] = t0 + u < T ? *reinterpret_cast<const float4*>(dl + (t0 + u) * Ep + e0)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (e0 + k >= E) break;
+        const float4* wr = w + (int64_t(e0 + k) * H8 + c) * 2;
+        const float4 wa = wr[0], wb = wr[1];
+        const float wf[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
+#pragma unroll
+        for (int u = 0; u < TT; ++u) {
+          const float d = k == 0 ? dv[u].x : k == 1 ? dv[u].y : k == 2 ? dv[u].z : dv[u].w;
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[u][q] = fmaf(d, wf[q], acc[u][q]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < TT; ++u) {
+      if (t0 + u >= T) break;
+      uint4* p = dx + (t0 + u) * H8 + c;
+      float old[8];
+      unpack_bf16x8(*p, old);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) old[q] = old[q] + acc[u][q];
+      *p = pack_bf16x8(old);
+    }
+  }
+}
 
 // ---- forward ----------------------------------------------------------------------------------
 
@@ -196,23 +414,34 @@ __global__ void router_loss_partial_kernel(int64_t T, int E, const float* __rest
 }
 
 // One block: aux = coeff * E * sum_e f_e P_e, z = coeff * mean_t lse^2. partial[0, :] is reused
-// for the per-expert terms.
+// for the per-expert terms. One warp per expert sums the blocks (lanes in block order, then a
+// fixed butterfly), so the block count does not serialise.
 __global__ void router_loss_final_kernel(int64_t T, int E, int K, int64_t blocks,
                                          double* partial, const double* __restrict__ partial_z,
                                          const int32_t* __restrict__ counts, double aux_coeff,
                                          double z_coeff, float* losses) {
-  for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) {
+  __shared__ double z_sum;
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  const int warps = int(blockDim.x) >> 5;
+  for (int e = warp; e < E; e += warps) {
     double p = 0;
-    for (int64_t b = 0; b < blocks; ++b) p += partial[b * E + e];
-    partial[e] = double(counts[e]) / double(T * K) * (p / double(T));
+    for (int64_t b = lane; b < blocks; b += 32) p += partial[b * E + e];
+    p = warp_sum(p);
+    __syncwarp();  // every lane has read partial[0, e] before lane 0 overwrites it
+    if (lane == 0) partial[e] = double(counts[e]) / double(T * K) * (p / double(T));
+  }
+  if (warp == 0) {
+    double z = 0;
+    for (int64_t b = lane; b < blocks; b += 32) z += partial_z[b];
+    z = warp_sum(z);
+    if (lane == 0) z_sum = z;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    double aux = 0, z = 0;
+    double aux = 0;
     for (int e = 0; e < E; ++e) aux += partial[e];
-    for (int64_t b = 0; b < blocks; ++b) z += partial_z[b];
     losses[0] = float(aux * aux_coeff * double(E));
-    losses[1] = float(z_coeff * z / double(T));
+    losses[1] = float(z_coeff * z_sum / double(T));
   }
 }
 
@@ -226,7 +455,7 @@ __global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __re
                                       const int32_t* __restrict__ counts,
                                       const float* __restrict__ d_weights, bool sigmoid,
                                       bool normalize, double aux_coeff, double z_coeff,
-                                      float* dl_out) {
+                                      int Ep, float* dl_out) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
@@ -281,8 +510,9 @@ __global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __re
       const double sv = double(s[e]), ds = ds_of(e);
       double d = sigmoid ? ds * sv * (1.0 - sv) : sv * (ds - dot);
       if (z_coeff != 0) d += zc * exp(double(l[e]) - lse);
-      dl_out[t * E + e] = float(d);
+      dl_out[t * Ep + e] = float(d);
     }
+    for (int e = E + lane; e < Ep; e += 32) dl_out[t * Ep + e] = 0.f;
   }
 }
 
@@ -318,9 +548,9 @@ unsigned token_warp_blocks(int64_t T) {
 
 }  // namespace
 
-size_t router_scratch_bytes(int64_t tokens, int64_t experts) {
+size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden) {
   ScratchCarver c(nullptr);
-  carve(c, tokens, experts);
+  carve(c, tokens, experts, hidden);
   return c.used();
 }
 
@@ -333,11 +563,19 @@ void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
     return;
   }
   ScratchCarver c(scratch);
-  const RouterScratch sc = carve(c, T, E);
+  const RouterScratch sc = carve(c, T, E, H);
   float* logits = a.logits.as<float>();
-  tiled_gemm<true, true>("router_logits", T, E, H, LoadTokenRow{a.x.as<bf16>(), H},
-                         LoadWeightT{a.weight.as<float>(), H}, StoreLogits{logits, E}, s,
-                         sc.split);
+  if (fast_products(a.x, a.weight)) {
+    const int64_t tasks =
+        (T + kLogitTokens - 1) / kLogitTokens * ((E + kLogitExperts - 1) / kLogitExperts);
+    MOE_ECHO_LAUNCH(router_logits_kernel, blocks_for(tasks, 8, grid_cap()), 256, 0, s, T, int(E),
+                    H / 4, static_cast<const uint2*>(a.x.data),
+                    static_cast<const float4*>(a.weight.data), logits);
+  } else {
+    tiled_gemm<true, true>("router_logits", T, E, H, LoadTokenRow{a.x.as<bf16>(), H},
+                           LoadWeightT{a.weight.as<float>(), H}, StoreLogits{logits, E}, s,
+                           sc.split);
+  }
   const bool sigmoid = a.score_function == ScoreFunction::sigmoid;
   MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E),
                   int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
@@ -356,17 +594,31 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s)
   const int64_t T = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
   if (T == 0) return;
   ScratchCarver c(scratch);
-  const RouterScratch sc = carve(c, T, E);
+  const RouterScratch sc = carve(c, T, E, H);
+  const int64_t Ep = padded_experts(E);
   MOE_ECHO_LAUNCH(router_dlogits_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T,
                   int(E), int(K), a.logits.as<float>(), a.scores.as<float>(),
                   a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), a.counts.as<int32_t>(),
                   a.d_topk_weight.as<float>(), a.score_function == ScoreFunction::sigmoid,
-                  a.normalize_topk, a.aux_loss_coeff, a.z_loss_coeff, sc.dl);
+                  a.normalize_topk, a.aux_loss_coeff, a.z_loss_coeff, int(Ep), sc.dl);
   // dW[E, H] += dl^T x (reduction over tokens), dx[T, H] += dl W (reduction over experts).
-  tiled_gemm<false, false>("router_weight_grad", E, H, T, LoadDlT{sc.dl, E},
+  if (fast_products(a.x, a.weight) && aligned16(a.dx.data)) {
+    const int64_t splits = dw_splits(T, E, H), per_split = (T + splits - 1) / splits;
+    const dim3 grid(unsigned(Ep / kDwExperts * ((H / 8 + 31) / 32)), unsigned(splits));
+    MOE_ECHO_LAUNCH(router_dw_partial_kernel, grid, kDwWarps * 32, 0, s, T, Ep, H, per_split,
+                    sc.dl, static_cast<const uint4*>(a.x.data), sc.dw_partial);
+    MOE_ECHO_LAUNCH(router_dw_reduce_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, Ep,
+                    H, splits, sc.dw_partial, a.d_weight.as<float>());
+    const int64_t dx_threads = (T + kDxTokens - 1) / kDxTokens * (H / 8);
+    MOE_ECHO_LAUNCH(router_dx_kernel, blocks_for(dx_threads, 256, grid_cap()), 256, 0, s, T,
+                    int(E), Ep, H / 8, sc.dl, static_cast<const float4*>(a.weight.data),
+                    static_cast<uint4*>(a.dx.data));
+    return;
+  }
+  tiled_gemm<false, false>("router_weight_grad", E, H, T, LoadDlT{sc.dl, Ep},
                            LoadTokenCol{a.x.as<bf16>(), H},
                            AccumulateWeightGrad{a.d_weight.as<float>(), H}, s, sc.split);
-  tiled_gemm<true, false>("router_token_grad", T, H, E, LoadDl{sc.dl, E},
+  tiled_gemm<true, false>("router_token_grad", T, H, E, LoadDl{sc.dl, Ep},
                           LoadWeight{a.weight.as<float>(), H},
                           AccumulateTokenGrad{a.dx.as<bf16>(), H}, s, sc.split);
 }

@@ -1,6 +1,10 @@
 // SwiGLU on the GPU over the valid rows of a receive window only: a = silu(gate) * up with
 // h = gate | up, and its backward. Semantics: src/cpu/swiglu.cpp. bf16 in and out, f32 math.
 // The grid is sized by the window (capacity rows); the valid prefix is read on the device.
+//
+// Bytes per valid row (bf16): forward reads 2F * 2 and writes F * 2; backward reads h and da once
+// (3F * 2) and writes dh (2F * 2). With F % 8 == 0 and 16-byte aligned bases every thread moves
+// 8 elements as 16-byte words; otherwise the scalar kernels run (the same f32 expressions).
 #include "cuda/common.cuh"
 #include "cuda/ops.hpp"
 #include "moe_echo/error.hpp"
@@ -9,6 +13,48 @@ namespace moe_echo::cuda {
 namespace {
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + expf(-v)); }
+
+// One thread per 8 consecutive f of one row (F8 = F / 8 words per row of a, 2 F8 of h).
+__global__ void swiglu_forward_vec_kernel(const int32_t* __restrict__ offsets, int groups,
+                                          int64_t row_lo, int64_t rows, int64_t F8,
+                                          const uint4* __restrict__ h, uint4* __restrict__ a) {
+  const int64_t n = valid_window_rows(offsets, groups, row_lo, rows) * F8;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / F8, c = i - r * F8;
+    const uint4 gv = h[r * 2 * F8 + c], uv = h[r * 2 * F8 + F8 + c];
+    float gate[8], up[8], out[8];
+    unpack_bf16x8(gv, gate);
+    unpack_bf16x8(uv, up);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = gate[j] * sigmoidf_(gate[j]) * up[j];
+    a[i] = pack_bf16x8(out);
+  }
+}
+
+__global__ void swiglu_backward_vec_kernel(const int32_t* __restrict__ offsets, int groups,
+                                           int64_t row_lo, int64_t rows, int64_t F8,
+                                           const uint4* __restrict__ h,
+                                           const uint4* __restrict__ da, uint4* __restrict__ dh) {
+  const int64_t n = valid_window_rows(offsets, groups, row_lo, rows) * F8;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / F8, c = i - r * F8;
+    const uint4 gv = h[r * 2 * F8 + c], uv = h[r * 2 * F8 + F8 + c], dv = da[i];
+    float gate[8], up[8], d[8], dgate[8], dup[8];
+    unpack_bf16x8(gv, gate);
+    unpack_bf16x8(uv, up);
+    unpack_bf16x8(dv, d);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float sg = sigmoidf_(gate[j]);
+      dgate[j] = d[j] * up[j] * sg * (1.f + gate[j] * (1.f - sg));
+      dup[j] = d[j] * gate[j] * sg;
+    }
+    dh[r * 2 * F8 + c] = pack_bf16x8(dgate);
+    dh[r * 2 * F8 + F8 + c] = pack_bf16x8(dup);
+  }
+}
 
 __global__ void swiglu_forward_kernel(const int32_t* __restrict__ offsets, int groups,
                                       int64_t row_lo, int64_t rows, int64_t F,
@@ -44,6 +90,12 @@ void swiglu_forward(const SwigluArgs& a, cudaStream_t s) {
                  "swiglu needs bf16 h and a, got " << a.h.describe() << ", " << a.a.describe());
   const GroupWindow& w = a.window;
   const int64_t F = a.a.size(1);
+  if (F % 8 == 0 && aligned16(a.h.data) && aligned16(a.a.data)) {
+    MOE_ECHO_LAUNCH(swiglu_forward_vec_kernel, blocks_for(w.rows * (F / 8), 256, grid_cap()), 256,
+                    0, s, w.group_offsets, w.groups, w.row_lo, w.rows, F / 8,
+                    static_cast<const uint4*>(a.h.data), static_cast<uint4*>(a.a.data));
+    return;
+  }
   MOE_ECHO_LAUNCH(swiglu_forward_kernel, blocks_for(w.rows * F, 256, grid_cap()), 256, 0, s,
                   w.group_offsets, w.groups, w.row_lo, w.rows, F, a.h.as<bf16>(), a.a.as<bf16>());
 }
@@ -53,6 +105,13 @@ void swiglu_backward(const SwigluArgs& a, cudaStream_t s) {
                  "swiglu backward needs bf16 h, da and dh");
   const GroupWindow& w = a.window;
   const int64_t F = a.da.size(1);
+  if (F % 8 == 0 && aligned16(a.h.data) && aligned16(a.da.data) && aligned16(a.dh.data)) {
+    MOE_ECHO_LAUNCH(swiglu_backward_vec_kernel, blocks_for(w.rows * (F / 8), 256, grid_cap()), 256,
+                    0, s, w.group_offsets, w.groups, w.row_lo, w.rows, F / 8,
+                    static_cast<const uint4*>(a.h.data), static_cast<const uint4*>(a.da.data),
+                    static_cast<uint4*>(a.dh.data));
+    return;
+  }
   MOE_ECHO_LAUNCH(swiglu_backward_kernel, blocks_for(w.rows * F, 256, grid_cap()), 256, 0, s,
                   w.group_offsets, w.groups, w.row_lo, w.rows, F, a.h.as<bf16>(),
                   a.da.as<bf16>(), a.dh.as<bf16>());
