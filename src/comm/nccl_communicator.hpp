@@ -1,0 +1,66 @@
+// The multi-GPU communicator on NCCL 2.28: one process per GPU, every Communicator op of
+// include/moe_echo/comm.hpp with exactly the semantics of the in-process reference
+// (src/comm/in_process.cpp), enqueued on the caller's stream.
+//
+// Sync-free path (the default): symmetric buffers are ncclMemAlloc memory registered as NCCL
+// symmetric windows when a layer is built; per-step ops are kernels of the NCCL device API that
+// load and store peers' windows over NVLink (LSA pointers), bracketed by LSA barriers. They never
+// wait on the host, allocate nothing and are CUDA-graph capturable, conditional-node bodies
+// included. Every rank must enqueue the same ops in the same order with the same shapes (a rank
+// that skips one leaves its peers spinning in a barrier: run under a timeout or a Watchdog).
+//
+// Baseline path (Dispatcher::baseline): dispatch and combine as most frameworks do them: routes
+// copied to the host, counts exchanged (ncclAllGather, then a host sync), rows packed per
+// destination and moved with exact-size grouped ncclSend/ncclRecv. Not capturable; kept for
+// comparison. The other ops are those of the sync-free path.
+//
+// One node only: every rank must be in the NVLink (LSA) team. Across nodes the device API needs a
+// GIN-capable network, which this communicator does not use; construction throws instead.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "moe_echo/comm.hpp"
+#include "moe_echo/dist.hpp"
+
+namespace moe_echo {
+
+enum class Dispatcher { syncfree, baseline };
+const char* to_string(Dispatcher d);
+// "syncfree" or "baseline"; ConfigError naming `field` otherwise.
+Dispatcher parse_dispatcher(const std::string& text, const std::string& field);
+
+struct NcclOptions {
+  Dispatcher dispatcher = Dispatcher::syncfree;
+  // Largest n of all_gather_i32 (ints per rank); sizes a symmetric window of size * n ints.
+  int64_t max_gather_ints = 1 << 14;
+  // all_reduce_sum of tensors up to this many bytes runs as an LSA kernel that sums in double in
+  // rank order (the in-process communicator's bits exactly); larger ones go to ncclAllReduce
+  // (the same bits on every rank, NCCL's summation order).
+  size_t all_reduce_staging_bytes = size_t(16) << 20;
+  // CTAs of every row-moving kernel, 1..128 (512 threads each; the same on every rank).
+  int ctas = 64;
+};
+
+// Makes GPU `env.local_rank` this thread's current device and returns its index. Throws
+// ConfigError when the process sees fewer GPUs than LOCAL_RANK + 1.
+int select_device(const DistEnv& env);
+
+// Builds the communicator of this process's rank: NCCL unique id from rank 0 through the
+// rendezvous, ncclCommInitRank on the current device, the device communicator (LSA barriers) and
+// internal windows. Collective and blocking: every rank calls it at the same point. The
+// rendezvous must outlive the communicator (barrier() uses it).
+std::unique_ptr<Communicator> make_nccl_communicator(Rendezvous& rendezvous,
+                                                     const NcclOptions& options = {});
+// The same with a rendezvous of its own, from the launcher's variables.
+std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
+                                                     const NcclOptions& options = {});
+
+// The ncclComm_t behind an NCCL communicator (as void*), or nullptr for any other Communicator.
+// For benchmarks that run NCCL's own collectives next to ours.
+void* nccl_comm_handle(Communicator& comm);
+
+}  // namespace moe_echo

@@ -1,0 +1,465 @@
+// The MoE layer on R GPUs (one process each, the NCCL communicator) against references computed
+// on the host by every rank alike:
+// - the CPU layer on R in-process ranks (the same EP layout): outputs, input gradients, router and
+//   expert gradients within kLayerTol; routing statistics (loads with and without ECHO, clones,
+//   overflow, spill rounds) exactly;
+// - the CPU layer on ONE rank holding all experts and all R * T tokens (aux and z losses off, as
+//   they are per-rank terms): y and dx of each rank's tokens, every expert gradient, the router
+//   gradient summed over ranks;
+// - ECHO on against ECHO off on the GPUs under skew (clones made);
+// - forced overflow (capacity factor 0.3: spill rounds through the conditional path);
+// - both dispatchers (sync-free and baseline);
+// - a whole training step (forward, backward, router-gradient all-reduce, AdamW) captured in ONE
+//   CUDA graph per rank and replayed 6 times with new tokens written on the device, routing
+//   changing (a replay with every token on one expert: overflow, spill round, clones), every
+//   replay checked against the CPU layers stepped the same way; the router weight stays
+//   bit-identical on every rank.
+// Tokens are drawn with clear top-k margins so that routing agrees exactly with the CPU.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.hpp"
+#include "layer_harness.hpp"
+#include "multigpu_world.hpp"
+
+namespace moe_echo::test {
+namespace {
+
+// Host selection keys (score + bias) in double; tokens whose best K + 1 keys are not separated
+// by more than `margin` are redrawn. `hot` >= 0 pulls every token towards that expert.
+std::vector<double> draw_tokens(int64_t T, const MoeConfig& m, const std::vector<double>& w,
+                                const std::vector<double>& bias, uint64_t seed, int hot = -1) {
+  const int64_t H = m.hidden, E = m.experts, K = m.top_k;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(-1, 1);
+  std::vector<double> x(size_t(T * H));
+  auto draw_row = [&](int64_t t) {
+    for (int64_t h = 0; h < H; ++h) {
+      double v = u(rng);
+      if (hot >= 0) v = 0.3 * v + (w[size_t(hot * H + h)] > 0 ? 1.0 : -1.0);
+      x[size_t(t * H + h)] = round_bf16(v);
+    }
+  };
+  std::vector<double> key(static_cast<size_t>(E)), l(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    for (int attempt = 0;; ++attempt) {
+      draw_row(t);
+      double mx = -INFINITY;
+      for (int64_t e = 0; e < E; ++e) {
+        double acc = 0;
+        for (int64_t h = 0; h < H; ++h) acc += x[size_t(t * H + h)] * w[size_t(e * H + h)];
+        l[size_t(e)] = double(float(acc));
+        mx = std::max(mx, l[size_t(e)]);
+      }
+      double se = 0;
+      for (int64_t e = 0; e < E; ++e) se += std::exp(l[size_t(e)] - mx);
+      for (int64_t e = 0; e < E; ++e) {
+        const double s = m.score_function == ScoreFunction::softmax
+                             ? std::exp(l[size_t(e)] - mx) / se
+                             : 1.0 / (1.0 + std::exp(-l[size_t(e)]));
+        key[size_t(e)] = double(float(s)) + bias[size_t(e)];
+      }
+      std::sort(key.begin(), key.end(), std::greater<double>());
+      bool clear = true;
+      for (int64_t k = 0; k < std::min(K, E - 1); ++k)
+        clear = clear && key[size_t(k)] - key[size_t(k + 1)] > 1e-6;
+      if (clear) break;
+      if (attempt > 100) {
+        ADD_FAILURE() << "no token with clear top-k margins";
+        break;
+      }
+    }
+  }
+  return x;
+}
+
+GlobalParams rounded_params(const MoeConfig& m, uint64_t seed, int hot_bias = -1) {
+  const int64_t H = m.hidden, F = m.ffn, E = m.experts;
+  GlobalParams p;
+  p.router_weight = round_f32(random_values(size_t(E * H), seed, -1, 1));
+  for (auto& v : p.router_weight) v = double(float(v / std::sqrt(double(H))));
+  p.router_bias = round_f32(random_values(size_t(E), seed + 1, -0.01, 0.01));
+  if (hot_bias >= 0) p.router_bias[size_t(hot_bias)] = 2.0;
+  p.w1 = round_bf16(random_values(size_t(E * H * 2 * F), seed + 2, -1, 1));
+  p.w2 = round_bf16(random_values(size_t(E * F * H), seed + 3, -1, 1));
+  for (auto& v : p.w1) v = round_bf16(v / std::sqrt(double(H)));
+  for (auto& v : p.w2) v = round_bf16(v / std::sqrt(double(F)));
+  return p;
+}
+
+std::vector<double> slice(const std::vector<double>& v, size_t part, size_t parts) {
+  const size_t n = v.size() / parts;
+  return std::vector<double>(v.begin() + std::ptrdiff_t(part * n),
+                             v.begin() + std::ptrdiff_t((part + 1) * n));
+}
+
+::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want,
+                                 double tol, const std::string& what) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure()
+           << what << ": sizes " << got.size() << " vs " << want.size();
+  if (!all_finite(got)) return ::testing::AssertionFailure() << what << ": non-finite GPU values";
+  const double err = rel_error(got, want);
+  if (err > tol)
+    return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
+  return ::testing::AssertionSuccess() << what << ": rel error " << err;
+}
+
+void expect_stats_equal(const StepStats& g, const StepStats& c) {
+  EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);
+  EXPECT_NEAR(g.z_loss, c.z_loss, 1e-4 * std::abs(c.z_loss) + 1e-9);
+  EXPECT_EQ(g.load_before, c.load_before);
+  EXPECT_EQ(g.load_after, c.load_after);
+  EXPECT_EQ(g.clones, c.clones);
+  EXPECT_EQ(g.received_rows, c.received_rows);
+  EXPECT_EQ(g.overflow_rows, c.overflow_rows);
+  EXPECT_EQ(g.overflow_rows_all, c.overflow_rows_all);
+  EXPECT_EQ(g.spill_rounds, c.spill_rounds);
+}
+
+// One forward + backward of this rank's GPU layer; everything read back to the host.
+struct GpuRun {
+  std::vector<double> y, dx, d_router, dw1, dw2;
+  StepStats stats;
+};
+
+GpuRun run_gpu(MultiGpuWorld& w, Communicator& comm, const LayerCase& c, const GlobalParams& p,
+               const std::vector<double>& x, const std::vector<double>& g) {
+  Backend& be = *w.be;
+  const int R = w.size(), r = w.rank();
+  const int64_t H = c.moe.hidden, T = int64_t(x.size()) / H;
+  MoeLayer layer(be, comm, c.moe, ParallelConfig{R, r}, c.echo, c.seed);
+  write_tensor(be, layer.param(Param::router_weight), p.router_weight);
+  write_tensor(be, layer.param(Param::router_bias), p.router_bias);
+  write_tensor(be, layer.param(Param::w1), slice(p.w1, size_t(r), size_t(R)));
+  write_tensor(be, layer.param(Param::w2), slice(p.w2, size_t(r), size_t(R)));
+  OwnedTensor xt(be, DType::bf16, {T, H}), yt(be, DType::bf16, {T, H}), gt(be, DType::bf16, {T, H}),
+      dxt(be, DType::bf16, {T, H});
+  xt.write(x);
+  gt.write(g);
+  poison(yt);
+  poison(dxt);
+  layer.zero_grad();
+  layer.forward(*xt, *yt);
+  layer.backward(*gt, *dxt);
+  GpuRun out;
+  out.y = yt.read();
+  out.dx = dxt.read();
+  out.d_router = read_tensor(be, layer.grad(Param::router_weight));
+  out.dw1 = read_tensor(be, layer.grad(Param::w1));
+  out.dw2 = read_tensor(be, layer.grad(Param::w2));
+  out.stats = layer.stats();
+  be.synchronize();
+  comm.barrier();  // nobody frees its windows (the layer's destructor) while a peer still reads
+  return out;
+}
+
+struct LayerParam {
+  std::string name;
+  int H, F, experts_per_rank, K, T;
+  ScoreFunction sf;
+  double capacity_factor;
+  bool echo = false;
+  int hot = -1;         // expert every token picks first (bias), or -1
+  bool aux_z = false;   // aux and z losses on (then no one-rank comparison)
+  bool uneven = false;  // rank r feeds T - 19 r tokens, rank 1 none
+  Dispatcher dispatcher = Dispatcher::syncfree;
+};
+
+class MultiGpuLayer : public ::testing::TestWithParam<LayerParam> {};
+
+TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
+  MOE_ECHO_MULTIGPU_WORLD(w);
+  const LayerParam lp = GetParam();
+  const int R = w->size(), me = w->rank();
+  LayerCase c;
+  c.moe.hidden = lp.H;
+  c.moe.ffn = lp.F;
+  c.moe.experts = lp.experts_per_rank * R;
+  c.moe.top_k = lp.K;
+  c.moe.max_tokens = lp.T;
+  c.moe.score_function = lp.sf;
+  c.moe.aux_loss_coeff = lp.aux_z ? 0.01 : 0.0;
+  c.moe.z_loss_coeff = lp.aux_z ? 0.001 : 0.0;
+  c.echo.enabled = lp.echo;
+  c.echo.spare_slots_per_rank = 2;
+  c.echo.max_clones_per_expert = 2;
+  c.echo.capacity_factor = lp.capacity_factor;
+  c.ranks = R;
+  c.dtype = DType::f32;
+  const uint64_t seed = uint64_t(lp.H + lp.experts_per_rank * 3 + lp.T * 7 + lp.K + R);
+  const GlobalParams p = rounded_params(c.moe, seed, lp.hot);
+  std::vector<std::vector<double>> xs(static_cast<size_t>(R)), gs(static_cast<size_t>(R));
+  for (int r = 0; r < R; ++r) {
+    const int64_t T = lp.uneven ? (r == 1 ? 0 : lp.T - 19 * r) : lp.T;
+    xs[size_t(r)] = draw_tokens(T, c.moe, p.router_weight, p.router_bias, seed + 10 + uint64_t(r));
+    gs[size_t(r)] = round_bf16(random_values(size_t(T * lp.H), seed + 100 + uint64_t(r), -1, 1));
+  }
+  const LayerRun cpu = run_layer(c, xs, gs, p);
+
+  Communicator& comm = w->comm(lp.dispatcher);
+  const GpuRun gpu = run_gpu(*w, comm, c, p, xs[size_t(me)], gs[size_t(me)]);
+  expect_stats_equal(gpu.stats, cpu.stats[size_t(me)]);
+  if (lp.hot >= 0 && lp.echo) {
+    EXPECT_GT(gpu.stats.clones, 0) << "skewed routing should make clones";
+    EXPECT_LT(gpu.stats.max_over_mean_after, gpu.stats.max_over_mean_before);
+  }
+  if (lp.capacity_factor < 0.5) {
+    EXPECT_GT(gpu.stats.overflow_rows_all, 0) << "expected overflow";
+  }
+  EXPECT_TRUE(close(gpu.y, cpu.y[size_t(me)], kLayerTol, "y"));
+  EXPECT_TRUE(close(gpu.dx, cpu.dx[size_t(me)], kLayerTol, "dx"));
+  EXPECT_TRUE(close(gpu.d_router, cpu.d_router[size_t(me)], kLayerTol, "d_router"));
+  EXPECT_TRUE(close(gpu.dw1, slice(cpu.dw1, size_t(me), size_t(R)), kLayerTol, "dw1"));
+  EXPECT_TRUE(close(gpu.dw2, slice(cpu.dw2, size_t(me), size_t(R)), kLayerTol, "dw2"));
+  RecordProperty("spill_rounds", gpu.stats.spill_rounds);
+  RecordProperty("clones", gpu.stats.clones);
+
+  // ECHO on == off: the same step on the GPUs with the other setting.
+  if (lp.echo) {
+    LayerCase off = c;
+    off.echo.enabled = false;
+    const GpuRun g2 = run_gpu(*w, comm, off, p, xs[size_t(me)], gs[size_t(me)]);
+    EXPECT_EQ(g2.stats.clones, 0);
+    EXPECT_EQ(g2.stats.load_before, gpu.stats.load_before);
+    EXPECT_TRUE(close(gpu.y, g2.y, kLayerTol, "y ECHO on vs off"));
+    EXPECT_TRUE(close(gpu.dx, g2.dx, kLayerTol, "dx ECHO on vs off"));
+    EXPECT_TRUE(close(gpu.dw1, g2.dw1, kLayerTol, "dw1 ECHO on vs off"));
+    EXPECT_TRUE(close(gpu.dw2, g2.dw2, kLayerTol, "dw2 ECHO on vs off"));
+    EXPECT_TRUE(close(gpu.d_router, g2.d_router, kLayerTol, "d_router ECHO on vs off"));
+  }
+
+  // R ranks == one rank holding every expert and every token.
+  if (!lp.aux_z) {
+    LayerCase one = c;
+    one.ranks = 1;
+    std::vector<double> xcat, gcat;
+    std::vector<size_t> begin;
+    for (int r = 0; r < R; ++r) {
+      begin.push_back(xcat.size());
+      xcat.insert(xcat.end(), xs[size_t(r)].begin(), xs[size_t(r)].end());
+      gcat.insert(gcat.end(), gs[size_t(r)].begin(), gs[size_t(r)].end());
+    }
+    one.moe.max_tokens = std::max<int>(1, int(xcat.size() / size_t(lp.H)));
+    const LayerRun ref = run_layer(one, {xcat}, {gcat}, p);
+    const size_t b = begin[size_t(me)], n = xs[size_t(me)].size();
+    const std::vector<double> y1(ref.y[0].begin() + std::ptrdiff_t(b),
+                                 ref.y[0].begin() + std::ptrdiff_t(b + n));
+    const std::vector<double> dx1(ref.dx[0].begin() + std::ptrdiff_t(b),
+                                  ref.dx[0].begin() + std::ptrdiff_t(b + n));
+    EXPECT_TRUE(close(gpu.y, y1, kLayerTol, "y vs one rank"));
+    EXPECT_TRUE(close(gpu.dx, dx1, kLayerTol, "dx vs one rank"));
+    EXPECT_TRUE(
+        close(gpu.dw1, slice(ref.dw1, size_t(me), size_t(R)), kLayerTol, "dw1 vs one rank"));
+    EXPECT_TRUE(
+        close(gpu.dw2, slice(ref.dw2, size_t(me), size_t(R)), kLayerTol, "dw2 vs one rank"));
+    const auto every = w->all_gather(gpu.d_router);
+    std::vector<double> sum(gpu.d_router.size(), 0.0);
+    for (const auto& v : every)
+      for (size_t i = 0; i < v.size() && i < sum.size(); ++i) sum[i] += v[i];
+    EXPECT_TRUE(close(sum, ref.d_router[0], kLayerTol, "d_router summed over ranks vs one rank"));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Configs, MultiGpuLayer,
+    ::testing::Values(
+        LayerParam{"small", 64, 32, 4, 2, 96, ScoreFunction::softmax, 1.25},
+        LayerParam{"echo_skew", 64, 32, 4, 2, 96, ScoreFunction::softmax, 1.25, true, 1},
+        LayerParam{"overflow_echo", 64, 32, 4, 2, 96, ScoreFunction::softmax, 0.3, true, 2},
+        LayerParam{"uneven_tokens_aux", 128, 64, 2, 4, 120, ScoreFunction::sigmoid, 1.0, true, -1,
+                   true, true},
+        LayerParam{"wide", 256, 128, 8, 8, 128, ScoreFunction::softmax, 1.0, true},
+        LayerParam{"baseline_small", 64, 32, 4, 2, 96, ScoreFunction::softmax, 1.25, false, -1,
+                   false, false, Dispatcher::baseline},
+        LayerParam{"baseline_overflow_echo", 64, 32, 4, 2, 96, ScoreFunction::softmax, 0.3, true, 2,
+                   false, false, Dispatcher::baseline}),
+    [](const auto& p) { return p.param.name; });
+
+// ================================================================================================
+// A whole training step in one CUDA graph per rank, replayed with routing changing on the device
+// ================================================================================================
+
+TEST(MultiGpuGraph, CapturedTrainingStepReplaysMatchCpuLayers) {
+  MOE_ECHO_MULTIGPU_WORLD(w);
+  Backend& be = *w->be;
+  const int R = w->size(), me = w->rank();
+  MoeConfig m;
+  m.hidden = 64;
+  m.ffn = 32;
+  m.experts = 4 * R;
+  m.top_k = 2;
+  m.max_tokens = 64;
+  m.aux_loss_coeff = 0.01;
+  m.z_loss_coeff = 0.001;
+  m.bias_update = true;
+  m.bias_update_rate = 1e-3;
+  EchoConfig echo;
+  echo.enabled = true;
+  echo.spare_slots_per_rank = 2;
+  echo.max_clones_per_expert = 2;
+  echo.capacity_factor = 0.9;
+  // 87 rows a round, below the mean load (96): every replay runs spill round 1 (ECHO balances
+  // the loads, so a capacity at or above the mean would never spill); the IF nodes of the later
+  // rounds stay off.
+  const int64_t T = 48, H = m.hidden, EPR = m.experts / R;
+  AdamWConfig adam;
+  adam.eps = 1e-2;  // a smooth update (see cuda_layer_test's graph test)
+  adam.weight_decay = 0.01;
+  const uint64_t seed = 5;
+
+  MoeLayer gl(be, w->comm(Dispatcher::syncfree), m, ParallelConfig{R, me}, echo, seed);
+  {
+    const GlobalParams p0 = rounded_params(m, 21);
+    write_tensor(be, gl.param(Param::router_weight), p0.router_weight);
+    write_tensor(be, gl.param(Param::router_bias), p0.router_bias);
+    write_tensor(be, gl.param(Param::w1), slice(p0.w1, size_t(me), size_t(R)));
+    write_tensor(be, gl.param(Param::w2), slice(p0.w2, size_t(me), size_t(R)));
+  }
+  // The CPU reference: R in-process ranks, stepped exactly like the GPU ranks.
+  InProcessWorld cw(R);
+  std::vector<std::unique_ptr<Backend>> cbe(static_cast<size_t>(R));
+  std::vector<std::unique_ptr<MoeLayer>> cl(static_cast<size_t>(R));
+  cw.run([&](int r) {
+    cbe[size_t(r)] = make_cpu_backend(DType::f32);
+    cl[size_t(r)] = std::make_unique<MoeLayer>(*cbe[size_t(r)], cw.communicator(r), m,
+                                               ParallelConfig{R, r}, echo, seed);
+  });
+  // CPU layers free their buffers collectively: on their own rank threads.
+  struct FreeCpuLayers {
+    InProcessWorld& cw;
+    std::vector<std::unique_ptr<MoeLayer>>& cl;
+    ~FreeCpuLayers() {
+      cw.run([&](int r) { cl[size_t(r)].reset(); });
+    }
+  } free_cpu_layers{cw, cl};
+
+  OwnedTensor x(be, DType::bf16, {T, H}), y(be, DType::bf16, {T, H}), dy(be, DType::bf16, {T, H}),
+      dx(be, DType::bf16, {T, H});
+  x.write(std::vector<double>(size_t(T * H), 0.5));
+  dy.write(std::vector<double>(size_t(T * H), 0.5));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Stream s = stream;
+  std::unique_ptr<cuda::CapturedGraph> graph;
+  std::string capture_error;
+  try {
+    graph = std::make_unique<cuda::CapturedGraph>(stream, [&] {
+      gl.zero_grad(s);
+      gl.forward(*x, *y, s);
+      gl.backward(*dy, *dx, s);
+      gl.all_reduce_router_grad(s);
+      gl.optimizer_step(adam, s);
+    });
+  } catch (const std::exception& e) {
+    capture_error = e.what();
+  }
+  // Every rank must agree before replaying (a rank without a graph would hang the others).
+  const auto ok = w->all_gather(std::vector<int>{graph ? 1 : 0});
+  bool all_ok = true;
+  for (const auto& v : ok) all_ok = all_ok && v[0] == 1;
+  ASSERT_TRUE(all_ok) << "capture failed on some rank: " << capture_error;
+  const size_t rounds = size_t(max_rounds(m, ParallelConfig{R, me}, echo));
+  EXPECT_EQ(graph->conditional_nodes(), 2 * (rounds - 1))
+      << "one IF node per spill round, both passes";
+
+  int spills = 0, clone_steps = 0;
+  for (int replay = 0; replay < 6; ++replay) {
+    SCOPED_TRACE("replay " + std::to_string(replay));
+    // Global parameters as the GPUs hold them now (experts gathered from their home ranks).
+    const auto rw = read_tensor(be, gl.param(Param::router_weight));
+    const auto rb = read_tensor(be, gl.param(Param::router_bias));
+    const auto every_rw = w->all_gather(rw), every_rb = w->all_gather(rb);
+    for (int r = 0; r < R; ++r) {
+      EXPECT_EQ(every_rw[size_t(r)], rw) << "router weight differs on rank " << r;
+      EXPECT_EQ(every_rb[size_t(r)], rb) << "router bias differs on rank " << r;
+    }
+    const auto w1 = w->all_gather(read_tensor(be, gl.param(Param::w1)));
+    const auto w2 = w->all_gather(read_tensor(be, gl.param(Param::w2)));
+    const int hot = replay == 3 ? 1 : replay == 5 ? int(EPR) + 1 : -1;
+    std::vector<std::vector<double>> xs(static_cast<size_t>(R)), dys(static_cast<size_t>(R));
+    for (int r = 0; r < R; ++r) {
+      xs[size_t(r)] = draw_tokens(T, m, rw, rb, 100 + uint64_t(replay) * 10 + uint64_t(r), hot);
+      dys[size_t(r)] = round_bf16(
+          random_values(size_t(T * H), 200 + uint64_t(replay) * 10 + uint64_t(r), -1, 1));
+    }
+    x.write(xs[size_t(me)]);
+    dy.write(dys[size_t(me)]);
+    poison(y);
+    poison(dx);
+    be.synchronize();
+    w->rv->barrier();
+    graph->launch(stream);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+
+    struct CpuOut {
+      std::vector<double> y, dx, d_router, dw1, dw2, p_router, p_bias, p_w1, p_w2;
+      StepStats stats;
+    };
+    std::vector<CpuOut> co(static_cast<size_t>(R));
+    cw.run([&](int r) {
+      Backend& b = *cbe[size_t(r)];
+      MoeLayer& L = *cl[size_t(r)];
+      write_tensor(b, L.param(Param::router_weight), rw);
+      write_tensor(b, L.param(Param::router_bias), rb);
+      write_tensor(b, L.param(Param::w1), w1[size_t(r)]);
+      write_tensor(b, L.param(Param::w2), w2[size_t(r)]);
+      Tensor cx(b.allocate(size_t(T * H) * 4), DType::f32, {T, H}),
+          cy(b.allocate(size_t(T * H) * 4), DType::f32, {T, H}),
+          cdy(b.allocate(size_t(T * H) * 4), DType::f32, {T, H}),
+          cdx(b.allocate(size_t(T * H) * 4), DType::f32, {T, H});
+      write_tensor(b, cx, xs[size_t(r)]);
+      write_tensor(b, cdy, dys[size_t(r)]);
+      L.zero_grad();
+      L.forward(cx, cy);
+      L.backward(cdy, cdx);
+      L.all_reduce_router_grad();
+      CpuOut& o = co[size_t(r)];
+      o.y = read_tensor(b, cy);
+      o.dx = read_tensor(b, cdx);
+      o.d_router = read_tensor(b, L.grad(Param::router_weight));
+      o.dw1 = read_tensor(b, L.grad(Param::w1));
+      o.dw2 = read_tensor(b, L.grad(Param::w2));
+      L.optimizer_step(adam);
+      o.p_router = read_tensor(b, L.param(Param::router_weight));
+      o.p_bias = read_tensor(b, L.param(Param::router_bias));
+      o.p_w1 = read_tensor(b, L.param(Param::w1));
+      o.p_w2 = read_tensor(b, L.param(Param::w2));
+      o.stats = L.stats();
+      for (Tensor* t : {&cx, &cy, &cdy, &cdx}) b.deallocate(t->data);
+    });
+    const CpuOut& c = co[size_t(me)];
+    const StepStats gs = gl.stats();
+    expect_stats_equal(gs, c.stats);
+    spills += gs.spill_rounds > 0;
+    clone_steps += gs.clones > 0;
+    EXPECT_TRUE(close(y.read(), c.y, kLayerTol, "y"));
+    EXPECT_TRUE(close(dx.read(), c.dx, kLayerTol, "dx"));
+    EXPECT_TRUE(close(read_tensor(be, gl.grad(Param::router_weight)), c.d_router, kLayerTol,
+                      "d_router (all-reduced)"));
+    EXPECT_TRUE(close(read_tensor(be, gl.grad(Param::w1)), c.dw1, kLayerTol, "dw1"));
+    EXPECT_TRUE(close(read_tensor(be, gl.grad(Param::w2)), c.dw2, kLayerTol, "dw2"));
+    EXPECT_TRUE(
+        close(read_tensor(be, gl.param(Param::router_weight)), c.p_router, 1e-3, "router_weight"));
+    EXPECT_TRUE(close(read_tensor(be, gl.param(Param::w1)), c.p_w1, kBf16Tol, "w1"));
+    EXPECT_TRUE(close(read_tensor(be, gl.param(Param::w2)), c.p_w2, kBf16Tol, "w2"));
+    EXPECT_EQ(read_tensor(be, gl.param(Param::router_bias)), c.p_bias);
+  }
+  EXPECT_EQ(spills, 6) << "every replay should run a spill round";
+  EXPECT_GT(clone_steps, 0) << "no replay made clones";
+  RecordProperty("replays_with_spill", spills);
+  RecordProperty("replays_with_clones", clone_steps);
+  graph.reset();
+  cudaStreamDestroy(stream);
+  be.synchronize();
+  w->rv->barrier();
+}
+
+}  // namespace
+}  // namespace moe_echo::test
