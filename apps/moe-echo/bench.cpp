@@ -1,8 +1,11 @@
 // moe-echo bench: training steps (forward + backward) of one MoE layer on synthetic tokens with
 // skewed expert popularity, one table row per step and a summary; --json writes every number.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -10,16 +13,27 @@
 #include <optional>
 #include <vector>
 
-#include <unistd.h>
-
 #include "commands.hpp"
 #include "core/random.hpp"
 #include "core/synthetic.hpp"
 #include "layer_options.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
+#include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/layer.hpp"
+
+#ifdef MOE_ECHO_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include <future>
+
+#include "cuda/cuda_backend.hpp"
+#include "cuda/cuda_check.hpp"
+#endif
+#ifdef MOE_ECHO_WITH_NCCL
+#include "comm/nccl_communicator.hpp"
+#endif
 
 namespace moe_echo::cli {
 namespace {
@@ -30,6 +44,8 @@ struct BenchOptions {
   std::optional<int> warmup;
   std::string skew = "zipf:1.2";
   std::string json;
+  std::string dispatcher = "syncfree";  // GPU ranks: syncfree or baseline
+  std::string capture = "off";          // GPU: on = one CUDA graph per step, replayed
 };
 
 struct StepRow {
@@ -68,23 +84,216 @@ double percentile(std::vector<double> v, double q) {
   return v[i];
 }
 
-int run_bench(const BenchOptions& opts) {
-  auto probe = make_backend(opts.layer.backend);
-  const ResolvedLayer L = resolve(opts.layer, *probe);
-  BenchOptions o = opts;
-  if (o.steps < 1)
-    reject("steps", o.steps, "steps >= 1");
+// What both paths (CPU ranks as threads; one GPU per process) report, printed by rank 0.
+struct Report {
+  Report(const BenchOptions& opts, const ResolvedLayer& layer, const char* backend_name)
+      : o(opts), L(layer), backend(backend_name) {}
+  const BenchOptions& o;
+  const ResolvedLayer& L;
+  const char* backend;
+  int warmup = 0;
+  size_t workspace = 0;
+  std::string dispatcher, capture;  // GPU path only
+  std::string device;
+  std::vector<StepRow> rows;
+
+  void header() const {
+    const MoeConfig& moe = L.moe;
+    std::printf(
+        "moe-echo bench: preset %s, backend %s, H %d, F %d, E %d, top-%d %s, %d tokens/rank, "
+        "EP %d, ECHO %s (spare slots %d, max clones %d), capacity factor %.2f, skew %s\n",
+        L.preset.c_str(), backend, moe.hidden, moe.ffn, moe.experts, moe.top_k,
+        to_string(moe.score_function), moe.max_tokens, L.ep, L.echo.enabled ? "on" : "off",
+        L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.echo.capacity_factor,
+        o.skew.c_str());
+    if (!dispatcher.empty())
+      std::printf(
+          "GPU ranks: %d x %s, dispatcher %s, capture %s (times: CUDA events, max over "
+          "ranks)\n",
+          L.ep, device.c_str(), dispatcher.c_str(), capture.c_str());
+    if (L.tokens_reduced_for_cpu)
+      std::printf(
+          "note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
+          "change)\n",
+          L.preset.c_str(), moe.max_tokens);
+    std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "step", "fwd_ms", "bwd_ms", "tokens/s",
+                "max/mean", "max/mean", "clones", "overflow", "spill");
+    std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "", "", "", "", "(no ECHO)",
+                L.echo.enabled ? "(ECHO)" : "(ECHO off)", "", "rows", "rounds");
+  }
+
+  // Fills the row's statistics from rank 0's layer and prints it.
+  void add(StepRow row, const StepStats& st) {
+    const int R = L.ep, T = L.moe.max_tokens;
+    row.tokens_per_s = double(R) * T / ((row.fwd_ms + row.bwd_ms) * 1e-3);
+    row.mm_no_echo = st.max_over_mean_before;
+    row.mm_echo = st.max_over_mean_after;
+    row.clones = st.clones;
+    row.clone_bytes = st.clone_bytes;
+    row.overflow_rows = st.overflow_rows_all;
+    row.spill_rounds = st.spill_rounds;
+    row.aux_loss = st.aux_loss;
+    row.z_loss = st.z_loss;
+    row.load_before = st.load_before;
+    row.load_after = st.load_after;
+    std::printf("%5d %9.3f %9.3f %11.0f %12.3f %12.3f %6d %9lld %6d\n", row.step, row.fwd_ms,
+                row.bwd_ms, row.tokens_per_s, row.mm_no_echo, row.mm_echo, row.clones,
+                (long long)row.overflow_rows, row.spill_rounds);
+    std::fflush(stdout);
+    rows.push_back(row);
+  }
+
+  void summary() const;
+};
+
+void Report::summary() const {
+  const MoeConfig& moe = L.moe;
+  const int R = L.ep, T = moe.max_tokens, H = moe.hidden;
+  std::vector<double> f, b, tps, before, after, clones, clone_bytes;
+  int64_t overflow = 0;
+  int spill_steps = 0;
+  for (const StepRow& r : rows) {
+    if (r.step >= warmup) {
+      f.push_back(r.fwd_ms);
+      b.push_back(r.bwd_ms);
+      tps.push_back(r.tokens_per_s);
+    }
+    before.push_back(r.mm_no_echo);
+    after.push_back(r.mm_echo);
+    clones.push_back(r.clones);
+    clone_bytes.push_back(double(r.clone_bytes));
+    overflow += r.overflow_rows;
+    spill_steps += r.spill_rounds > 0;
+  }
+  const double fwd_ms = median(f), bwd_ms = median(b);
+  const double tokens_per_s = double(R) * T / ((fwd_ms + bwd_ms) * 1e-3);
+  std::printf("\nsummary over %d steps (times: median of steps %d..%d)\n", o.steps, warmup,
+              o.steps - 1);
+  std::printf("  forward %.3f ms, backward %.3f ms, %.0f tokens/s (all %d ranks)\n", fwd_ms, bwd_ms,
+              tokens_per_s, R);
+  std::printf("  rank load max/mean without ECHO: mean %.3f, p99 %.3f\n", mean(before),
+              percentile(before, 0.99));
+  if (L.echo.enabled)
+    std::printf(
+        "  rank load max/mean with ECHO:    mean %.3f, p99 %.3f; %.2f clones/step, "
+        "%.1f KiB clone traffic/step\n",
+        mean(after), percentile(after, 0.99), mean(clones), mean(clone_bytes) / 1024);
+  std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
+              (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
+
+  if (o.json.empty()) return;
+  using nlohmann::json;
+  json j;
+  j["command"] = "bench";
+  j["version"] = "0.1.0";
+  j["backend"] = backend;
+  j["config"] = {{"preset", L.preset},
+                 {"hidden", H},
+                 {"ffn", moe.ffn},
+                 {"experts", moe.experts},
+                 {"top_k", moe.top_k},
+                 {"tokens_per_rank", T},
+                 {"ep", R},
+                 {"score_function", to_string(moe.score_function)},
+                 {"echo", L.echo.enabled},
+                 {"spare_slots", L.echo.spare_slots_per_rank},
+                 {"max_clones", L.echo.max_clones_per_expert},
+                 {"capacity_factor", L.echo.capacity_factor},
+                 {"capacity_rows", capacity_rows(moe, L.echo)},
+                 {"clone_cost_rows", L.echo.clone_cost_rows},
+                 {"skew", o.skew},
+                 {"steps", o.steps},
+                 {"warmup", warmup},
+                 {"seed", o.layer.seed},
+                 {"workspace_bytes_per_rank", workspace}};
+  if (!dispatcher.empty()) {
+    j["config"]["dispatcher"] = dispatcher;
+    j["config"]["capture"] = capture;
+    j["config"]["device"] = device;
+    j["config"]["processes"] = R;
+  }
+  j["steps"] = json::array();
+  for (const StepRow& r : rows)
+    j["steps"].push_back({{"step", r.step},
+                          {"fwd_ms", r.fwd_ms},
+                          {"bwd_ms", r.bwd_ms},
+                          {"tokens_per_s", r.tokens_per_s},
+                          {"load_max_over_mean_no_echo", r.mm_no_echo},
+                          {"load_max_over_mean_echo", r.mm_echo},
+                          {"rank_rows_no_echo", r.load_before},
+                          {"rank_rows_echo", r.load_after},
+                          {"clones", r.clones},
+                          {"clone_bytes", r.clone_bytes},
+                          {"overflow_rows", r.overflow_rows},
+                          {"spill_rounds", r.spill_rounds},
+                          {"aux_loss", r.aux_loss},
+                          {"z_loss", r.z_loss}});
+  json s = {{"fwd_ms", fwd_ms},
+            {"bwd_ms", bwd_ms},
+            {"tokens_per_s", tokens_per_s},
+            {"load_max_over_mean_no_echo", mean(before)},
+            {"load_max_over_mean_no_echo_p99", percentile(before, 0.99)},
+            {"clones_per_step", mean(clones)},
+            {"clone_bytes_per_step", mean(clone_bytes)},
+            {"overflow_rows", overflow},
+            {"steps_with_spill", spill_steps}};
+  if (L.echo.enabled) {
+    s["load_max_over_mean_echo"] = mean(after);
+    s["load_max_over_mean_echo_p99"] = percentile(after, 0.99);
+  } else {
+    s["load_max_over_mean_echo"] = nullptr;
+    s["load_max_over_mean_echo_p99"] = nullptr;
+  }
+  j["summary"] = s;
+  std::ofstream out(o.json);
+  if (!out) throw Error("cannot write --json file '" + o.json + "'");
+  out << j.dump(2) << "\n";
+  std::printf("wrote %s\n", o.json.c_str());
+}
+
+int check_steps(BenchOptions& o) {
+  if (o.steps < 1) reject("steps", o.steps, "steps >= 1");
   if (!o.warmup) o.warmup = std::min(1, o.steps - 1);
   if (*o.warmup < 0 || *o.warmup >= o.steps)
     reject("warmup", *o.warmup, "0 <= warmup < steps (" + std::to_string(o.steps) + ")");
-  const int warmup = *o.warmup;
+  return *o.warmup;
+}
+
+#ifdef MOE_ECHO_WITH_CUDA
+int run_bench_gpu(const BenchOptions& opts, const DistEnv& env);
+#endif
+
+int run_bench(const BenchOptions& opts) {
+  const DistEnv env = DistEnv::from_env();
+  if (opts.capture != "on" && opts.capture != "off")
+    reject("capture", "'" + opts.capture + "'", "on or off");
+  if (opts.dispatcher != "syncfree" && opts.dispatcher != "baseline")
+    reject("dispatcher", "'" + opts.dispatcher + "'", "syncfree or baseline");
+#ifdef MOE_ECHO_WITH_CUDA
+  if (env.world_size > 1 || opts.layer.backend == "cuda" ||
+      (opts.layer.backend == "auto" && cuda_backend_available()))
+    return run_bench_gpu(opts, env);
+#endif
+  if (env.world_size > 1)
+    reject("WORLD_SIZE", env.world_size,
+           "1 without GPUs: the CPU backend simulates the ranks as threads of one process (--ep)");
+  if (opts.capture == "on")
+    reject("capture", "on", "off on the CPU backend (CUDA graphs need a GPU)");
+  if (opts.dispatcher != "syncfree")
+    reject("dispatcher", "'" + opts.dispatcher + "'",
+           "syncfree on the CPU backend (in-process ranks)");
+  auto probe = make_backend(opts.layer.backend);
+  const ResolvedLayer L = resolve(opts.layer, *probe);
+  BenchOptions o = opts;
+  const int warmup = check_steps(o);
   const SkewSpec skew = parse_skew(o.skew, "skew");
   const MoeConfig& moe = L.moe;
   const int R = L.ep, T = moe.max_tokens, H = moe.hidden;
   if (moe.experts > moe.hidden)
     throw ConfigError("experts", "experts = " + std::to_string(moe.experts) +
                                      " is invalid for bench: synthetic routing needs experts <= "
-                                     "hidden (" + std::to_string(moe.hidden) + ")");
+                                     "hidden (" +
+                                     std::to_string(moe.hidden) + ")");
   // Ranks of the CPU backend share this process: refuse what cannot fit rather than swap or die.
   const size_t per_rank = MoeLayer::memory_bytes(moe, ParallelConfig{R, 0}, L.echo,
                                                  probe->activation_dtype(), probe->float_dtype(),
@@ -103,24 +312,11 @@ int run_bench(const BenchOptions& opts) {
   }
   SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
 
-  std::printf("moe-echo bench: preset %s, backend %s, H %d, F %d, E %d, top-%d %s, %d tokens/rank, "
-              "EP %d, ECHO %s (spare slots %d, max clones %d), capacity factor %.2f, skew %s\n",
-              L.preset.c_str(), probe->name(), H, moe.ffn, moe.experts, moe.top_k,
-              to_string(moe.score_function), T, R, L.echo.enabled ? "on" : "off",
-              L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.echo.capacity_factor,
-              o.skew.c_str());
-  if (L.tokens_reduced_for_cpu)
-    std::printf("note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
-                "change)\n", L.preset.c_str(), T);
-  std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "step", "fwd_ms", "bwd_ms", "tokens/s",
-              "max/mean", "max/mean", "clones", "overflow", "spill");
-  std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "", "", "", "", "(no ECHO)",
-              L.echo.enabled ? "(ECHO)" : "(ECHO off)", "", "rows", "rounds");
+  Report report(o, L, probe->name());
+  report.warmup = warmup;
+  report.header();
 
-  std::vector<StepRow> rows(size_t(o.steps));
-  std::vector<std::vector<double>> fwd(size_t(R), std::vector<double>(size_t(o.steps))),
-      bwd = fwd;
-  size_t workspace = 0;
+  std::vector<std::vector<double>> fwd(size_t(R), std::vector<double>(size_t(o.steps))), bwd = fwd;
   const auto start = std::chrono::steady_clock::now();
   InProcessWorld world(R);
   world.run([&](int rank) {
@@ -129,7 +325,7 @@ int run_bench(const BenchOptions& opts) {
     Communicator& comm = rank_communicator(*backend, world, rank, comm_holder);
     MoeLayer layer(*backend, comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
                    /*optimizer_state=*/false);
-    if (rank == 0) workspace = layer.workspace_bytes();
+    if (rank == 0) report.workspace = layer.workspace_bytes();
     write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
     const DType act = backend->activation_dtype();
     auto alloc = [&](std::initializer_list<int64_t> dims) {
@@ -158,27 +354,13 @@ int run_bench(const BenchOptions& opts) {
       comm.barrier();
       if (rank != 0) continue;
       const StepStats st = layer.stats();
-      StepRow& row = rows[size_t(step)];
+      StepRow row;
       row.step = step;
       for (int r = 0; r < R; ++r) {
         row.fwd_ms = std::max(row.fwd_ms, fwd[size_t(r)][size_t(step)]);
         row.bwd_ms = std::max(row.bwd_ms, bwd[size_t(r)][size_t(step)]);
       }
-      row.tokens_per_s = double(R) * T / ((row.fwd_ms + row.bwd_ms) * 1e-3);
-      row.mm_no_echo = st.max_over_mean_before;
-      row.mm_echo = st.max_over_mean_after;
-      row.clones = st.clones;
-      row.clone_bytes = st.clone_bytes;
-      row.overflow_rows = st.overflow_rows_all;
-      row.spill_rounds = st.spill_rounds;
-      row.aux_loss = st.aux_loss;
-      row.z_loss = st.z_loss;
-      row.load_before = st.load_before;
-      row.load_after = st.load_after;
-      std::printf("%5d %9.2f %9.2f %11.0f %12.3f %12.3f %6d %9lld %6d\n", step, row.fwd_ms,
-                  row.bwd_ms, row.tokens_per_s, row.mm_no_echo, row.mm_echo, row.clones,
-                  (long long)row.overflow_rows, row.spill_rounds);
-      std::fflush(stdout);
+      report.add(row, st);
       const double elapsed =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (elapsed > 3.0 && step + 1 < o.steps)
@@ -187,96 +369,179 @@ int run_bench(const BenchOptions& opts) {
     }
   });
 
-  std::vector<double> f, b, tps, before, after, clones, clone_bytes;
-  int64_t overflow = 0;
-  int spill_steps = 0;
-  for (const StepRow& r : rows) {
-    if (r.step >= warmup) {
-      f.push_back(r.fwd_ms);
-      b.push_back(r.bwd_ms);
-      tps.push_back(r.tokens_per_s);
-    }
-    before.push_back(r.mm_no_echo);
-    after.push_back(r.mm_echo);
-    clones.push_back(r.clones);
-    clone_bytes.push_back(double(r.clone_bytes));
-    overflow += r.overflow_rows;
-    spill_steps += r.spill_rounds > 0;
-  }
-  const double fwd_ms = median(f), bwd_ms = median(b);
-  const double tokens_per_s = double(R) * T / ((fwd_ms + bwd_ms) * 1e-3);
-  std::printf("\nsummary over %d steps (times: median of steps %d..%d)\n", o.steps, warmup,
-              o.steps - 1);
-  std::printf("  forward %.2f ms, backward %.2f ms, %.0f tokens/s (all %d ranks)\n", fwd_ms,
-              bwd_ms, tokens_per_s, R);
-  std::printf("  rank load max/mean without ECHO: mean %.3f, p99 %.3f\n", mean(before),
-              percentile(before, 0.99));
-  if (L.echo.enabled)
-    std::printf("  rank load max/mean with ECHO:    mean %.3f, p99 %.3f; %.2f clones/step, "
-                "%.1f KiB clone traffic/step\n",
-                mean(after), percentile(after, 0.99), mean(clones), mean(clone_bytes) / 1024);
-  std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
-              (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
-
-  if (!o.json.empty()) {
-    using nlohmann::json;
-    json j;
-    j["command"] = "bench";
-    j["version"] = "0.1.0";
-    j["backend"] = probe->name();
-    j["config"] = {{"preset", L.preset},       {"hidden", H},
-                   {"ffn", moe.ffn},           {"experts", moe.experts},
-                   {"top_k", moe.top_k},       {"tokens_per_rank", T},
-                   {"ep", R},                  {"score_function", to_string(moe.score_function)},
-                   {"echo", L.echo.enabled},   {"spare_slots", L.echo.spare_slots_per_rank},
-                   {"max_clones", L.echo.max_clones_per_expert},
-                   {"capacity_factor", L.echo.capacity_factor},
-                   {"capacity_rows", capacity_rows(moe, L.echo)},
-                   {"clone_cost_rows", L.echo.clone_cost_rows},
-                   {"skew", o.skew},           {"steps", o.steps},
-                   {"warmup", warmup},       {"seed", o.layer.seed},
-                   {"workspace_bytes_per_rank", workspace}};
-    j["steps"] = json::array();
-    for (const StepRow& r : rows)
-      j["steps"].push_back({{"step", r.step},
-                            {"fwd_ms", r.fwd_ms},
-                            {"bwd_ms", r.bwd_ms},
-                            {"tokens_per_s", r.tokens_per_s},
-                            {"load_max_over_mean_no_echo", r.mm_no_echo},
-                            {"load_max_over_mean_echo", r.mm_echo},
-                            {"rank_rows_no_echo", r.load_before},
-                            {"rank_rows_echo", r.load_after},
-                            {"clones", r.clones},
-                            {"clone_bytes", r.clone_bytes},
-                            {"overflow_rows", r.overflow_rows},
-                            {"spill_rounds", r.spill_rounds},
-                            {"aux_loss", r.aux_loss},
-                            {"z_loss", r.z_loss}});
-    json s = {{"fwd_ms", fwd_ms},
-              {"bwd_ms", bwd_ms},
-              {"tokens_per_s", tokens_per_s},
-              {"load_max_over_mean_no_echo", mean(before)},
-              {"load_max_over_mean_no_echo_p99", percentile(before, 0.99)},
-              {"clones_per_step", mean(clones)},
-              {"clone_bytes_per_step", mean(clone_bytes)},
-              {"overflow_rows", overflow},
-              {"steps_with_spill", spill_steps}};
-    if (L.echo.enabled) {
-      s["load_max_over_mean_echo"] = mean(after);
-      s["load_max_over_mean_echo_p99"] = percentile(after, 0.99);
-    } else {
-      s["load_max_over_mean_echo"] = nullptr;
-      s["load_max_over_mean_echo_p99"] = nullptr;
-    }
-    j["summary"] = s;
-    std::ofstream out(o.json);
-    if (!out) throw Error("cannot write --json file '" + o.json + "'");
-    out << j.dump(2) << "\n";
-    std::printf("wrote %s\n", o.json.c_str());
-  }
+  report.summary();
   return 0;
 }
 
+#ifdef MOE_ECHO_WITH_CUDA
+// One rank per process on its GPU (LOCAL_RANK), the NCCL communicator between processes (the
+// single-GPU communicator when the job has one rank). Token batches are generated before the
+// timed steps and copied in on the device between steps; each step's forward and backward are
+// timed with CUDA events on the step's stream (in the graph with --capture on), the reported
+// time of a step is the slowest rank's. Statistics come from rank 0's layer after the step.
+int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
+  BenchOptions o = opts;
+  const bool capture = o.capture == "on";
+  const int R = env.world_size, rank = env.rank;
+#ifdef MOE_ECHO_WITH_NCCL
+  const Dispatcher dispatcher = parse_dispatcher(o.dispatcher, "dispatcher");
+  if (R > 1) select_device(env);
+#else
+  if (R > 1)
+    reject("WORLD_SIZE", R,
+           "1: this build has no NCCL (configure with NCCL_ROOT for multi-GPU runs)");
+#endif
+  if (capture && o.dispatcher == "baseline")
+    reject("capture", "on",
+           "off with --dispatcher baseline (it copies counts to the host and "
+           "waits for them inside the step, which a CUDA graph cannot hold)");
+  if (R == 1 && o.dispatcher == "baseline")
+    reject("dispatcher", "'baseline'", "syncfree on one GPU (there is nothing to send)");
+  auto backend = make_backend(o.layer.backend);
+  if (std::string(backend->name()) != "cuda")
+    reject("backend", "'" + o.layer.backend + "'", "auto or cuda for GPU ranks");
+  const ResolvedLayer L = resolve(o.layer, *backend, R);
+  const int warmup = check_steps(o);
+  const SkewSpec skew = parse_skew(o.skew, "skew");
+  const MoeConfig& moe = L.moe;
+  const int T = moe.max_tokens, H = moe.hidden;
+  if (moe.experts > moe.hidden)
+    throw ConfigError("experts", "experts = " + std::to_string(moe.experts) +
+                                     " is invalid for bench: synthetic routing needs experts <= "
+                                     "hidden (" +
+                                     std::to_string(moe.hidden) + ")");
+  std::unique_ptr<Rendezvous> rv;
+  std::unique_ptr<Communicator> comm;
+#ifdef MOE_ECHO_WITH_NCCL
+  if (R > 1) {
+    rv = std::make_unique<Rendezvous>(env);
+    NcclOptions no;
+    no.dispatcher = dispatcher;
+    comm = make_nccl_communicator(*rv, no);
+  }
+#endif
+  if (!comm) comm = cuda::make_local_communicator();
+  auto barrier = [&] {
+    if (rv) rv->barrier();
+  };
+  auto max_over_ranks = [&](double v) {
+    if (!rv) return v;
+    Bytes b(sizeof v);
+    std::memcpy(b.data(), &v, sizeof v);
+    double m = v;
+    for (const Bytes& x : rv->all_gather_bytes(b)) {
+      double y = 0;
+      std::memcpy(&y, x.data(), sizeof y);
+      m = std::max(m, y);
+    }
+    return m;
+  };
+  cudaDeviceProp prop{};
+  int device = 0;
+  MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_ECHO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+
+  SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
+  MoeLayer layer(*backend, *comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
+                 /*optimizer_state=*/false);
+  write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
+  const DType act = backend->activation_dtype();
+  std::vector<void*> owned;
+  auto alloc = [&](std::initializer_list<int64_t> dims) {
+    Tensor t(nullptr, act, dims);
+    t.data = backend->allocate(t.bytes());
+    owned.push_back(t.data);
+    return t;
+  };
+  Tensor x = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}), dx = alloc({T, H});
+  // Distinct batches (tokens and output gradients), generated in parallel, cycled over steps.
+  const int batches = std::min(o.steps + 1, 2);
+  std::vector<Tensor> xb, dyb;
+  {
+    std::vector<std::future<std::pair<std::vector<double>, std::vector<double>>>> gen;
+    for (int b = 0; b < batches; ++b)
+      gen.push_back(std::async(std::launch::async, [&, b] {
+        std::vector<double> dyh(size_t(T) * size_t(H));
+        Rng rng(o.layer.seed ^ 0xd1ull, uint64_t(b), uint64_t(rank));
+        for (auto& v : dyh) v = rng.normal() / double(T);
+        return std::make_pair(synth.tokens(b, rank, T), std::move(dyh));
+      }));
+    for (int b = 0; b < batches; ++b) {
+      auto [xh, dyh] = gen[size_t(b)].get();
+      xb.push_back(alloc({T, H}));
+      dyb.push_back(alloc({T, H}));
+      write_tensor(*backend, xb.back(), xh);
+      write_tensor(*backend, dyb.back(), dyh);
+    }
+  }
+  cudaStream_t stream;
+  MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t ev[3];
+  for (auto& e : ev) MOE_ECHO_CUDA_CHECK(cudaEventCreate(&e));
+  const Stream s = stream;
+  auto load_batch = [&](int step) {
+    const int b = step % batches;
+    backend->copy(x, xb[size_t(b)], s);
+    backend->copy(dy, dyb[size_t(b)], s);
+    MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+  // One step; inside a capture the event records become graph nodes.
+  auto enqueue_step = [&](unsigned flags) {
+    layer.zero_grad(s);
+    MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[0], stream, flags));
+    layer.forward(x, y, s);
+    MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[1], stream, flags));
+    layer.backward(dy, dx, s);
+    MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[2], stream, flags));
+  };
+  // Warm-up outside the table: module loading, lazy NCCL connections, GEMM setup.
+  load_batch(0);
+  barrier();
+  enqueue_step(cudaEventRecordDefault);
+  MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::unique_ptr<cuda::CapturedGraph> graph;
+  if (capture) {
+    graph = std::make_unique<cuda::CapturedGraph>(stream,
+                                                  [&] { enqueue_step(cudaEventRecordExternal); });
+    barrier();
+  }
+
+  Report report(o, L, backend->name());
+  report.warmup = warmup;
+  report.workspace = layer.workspace_bytes();
+  report.dispatcher = R > 1 ? o.dispatcher : "local (one GPU)";
+  report.capture = capture ? "on (one graph per step)" : "off";
+  report.device = prop.name;
+  if (rank == 0) report.header();
+  Watchdog watchdog(default_timeout(), "bench step", rank);
+  for (int step = 0; step < o.steps; ++step) {
+    load_batch(step);
+    barrier();
+    if (graph)
+      graph->launch(stream);
+    else
+      enqueue_step(cudaEventRecordDefault);
+    MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(stream));
+    watchdog.kick();
+    float f = 0, b = 0;
+    MOE_ECHO_CUDA_CHECK(cudaEventElapsedTime(&f, ev[0], ev[1]));
+    MOE_ECHO_CUDA_CHECK(cudaEventElapsedTime(&b, ev[1], ev[2]));
+    StepRow row;
+    row.step = step;
+    row.fwd_ms = max_over_ranks(f);
+    row.bwd_ms = max_over_ranks(b);
+    const StepStats st = layer.stats();
+    if (rank == 0) report.add(row, st);
+  }
+  if (rank == 0) report.summary();
+  barrier();
+  graph.reset();
+  for (auto& e : ev) (void)cudaEventDestroy(e);
+  (void)cudaStreamDestroy(stream);
+  for (void* p : owned) backend->deallocate(p);
+  return 0;
+}
+#endif
 }  // namespace
 
 void add_bench(CLI::App& app, Runner& run) {
@@ -287,11 +552,19 @@ void add_bench(CLI::App& app, Runner& run) {
       "expert popularity; report rank load balance with and without ECHO, clones and overflow.");
   add_layer_options(cmd, opts->layer);
   cmd->add_option("--steps", opts->steps, "Steps to run (default 20)");
-  cmd->add_option("--warmup", opts->warmup, "Leading steps left out of the timing summary (default 1)");
+  cmd->add_option("--warmup", opts->warmup,
+                  "Leading steps left out of the timing summary (default 1)");
   cmd->add_option("--skew", opts->skew,
                   "Expert popularity: uniform or zipf:S (default zipf:1.2), drifting slowly "
                   "across steps");
   cmd->add_option("--json", opts->json, "Write every number printed to this JSON file");
+  cmd->add_option("--dispatcher", opts->dispatcher,
+                  "GPU ranks (moe-echo launch -n N -- moe-echo bench --ep N): syncfree (default; "
+                  "NCCL device API, no host sync) or baseline (counts to the host, exact-size "
+                  "ncclSend/ncclRecv)");
+  cmd->add_option("--capture", opts->capture,
+                  "GPU: on = each step (forward + backward) captured once into one CUDA graph and "
+                  "replayed; off (default) = launched eagerly. Times come from CUDA events");
   cmd->callback([opts, &run] { run = [opts] { return run_bench(*opts); }; });
 }
 

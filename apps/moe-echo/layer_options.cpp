@@ -43,7 +43,9 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   cmd->add_option("--experts", o.experts, "Routed experts E (a multiple of --ep)");
   cmd->add_option("--top-k", o.top_k, "Experts per token K (1 <= K <= E)");
   cmd->add_option("--tokens", o.tokens, "Tokens per rank per step T");
-  cmd->add_option("--ep", o.ep, "Expert-parallel ranks R (CPU: simulated as threads)");
+  cmd->add_option("--ep", o.ep,
+                  "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
+                  "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
   cmd->add_option("--score", o.score, "Router score function: softmax or sigmoid");
   cmd->add_option("--aux-loss", o.aux_loss_coeff, "Aux load-balancing loss coefficient (default 0)");
   cmd->add_option("--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
@@ -62,7 +64,7 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
 
 bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
 
-ResolvedLayer resolve(const LayerOptions& o, const Backend& backend) {
+ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_size) {
   const bool cpu_backend = !is_cuda(backend);
   const auto it = presets().find(o.preset);
   if (it == presets().end())
@@ -84,9 +86,13 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend) {
   r.moe.aux_loss_coeff = o.aux_loss_coeff;
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;
-  r.ep = o.ep.value_or(cpu_backend ? p.ep : 1);
-  if (!cpu_backend && r.ep != 1)
-    reject("ep", r.ep, "1 on the CUDA backend in one process (one GPU per rank)");
+  r.ep = o.ep.value_or(cpu_backend ? p.ep : world_size);
+  if (!cpu_backend && r.ep != world_size)
+    reject("ep", r.ep,
+           world_size == 1
+               ? std::string("1 on the CUDA backend in one process (one GPU per rank: start N "
+                             "ranks with `moe-echo launch -n N -- moe-echo bench --ep N`)")
+               : "WORLD_SIZE (" + std::to_string(world_size) + "): one GPU per rank");
   if (!cpu_backend && (r.moe.hidden % 8 != 0 || r.moe.ffn % 8 != 0))
     reject(r.moe.hidden % 8 != 0 ? "hidden" : "ffn",
            r.moe.hidden % 8 != 0 ? r.moe.hidden : r.moe.ffn,

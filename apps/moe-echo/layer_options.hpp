@@ -30,13 +30,14 @@ struct ResolvedLayer {
   EchoConfig echo;
   std::string preset;
   bool tokens_reduced_for_cpu = false;
-  bool gpu = false;                     // the CUDA backend  // a GPU-sized preset run with fewer tokens on the CPU
+  bool gpu = false;                     // the CUDA backend
 };
 
 void add_layer_options(CLI::App* cmd, LayerOptions& o);
 // Applies the preset, then the explicit flags; validates (throws ConfigError). On the CPU backend
-// GPU-sized presets run with fewer tokens; on the CUDA backend (one GPU per process) ep is 1.
-ResolvedLayer resolve(const LayerOptions& o, const Backend& backend);
+// GPU-sized presets run with fewer tokens; on the CUDA backend (one GPU per process) ep is the
+// number of processes of the job, `world_size` (WORLD_SIZE under moe-echo launch or torchrun).
+ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_size = 1);
 
 // The communicator of `rank`: the in-process world's on the CPU backend; on the CUDA backend the
 // single-GPU communicator, kept alive by `holder`.
