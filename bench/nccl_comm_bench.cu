@@ -130,9 +130,9 @@ int main(int argc, char** argv) {
     };
 
     const std::vector<Config> configs = {
-        {"T1024_K8_E128_H2048 (16 MiB)", 1024, 8, 128, 2048},
-        {"T4096_K2_E32_H4096 (64 MiB)", 4096, 2, 32, 4096},
-        {"T8192_K8_E128_H2048 (256 MiB, Qwen3 EP4)", 8192, 8, 128, 2048},
+        {"T1024 K8 E128 H2048", 1024, 8, 128, 2048},
+        {"T4096 K2 E32 H4096 (notes' prototype)", 4096, 2, 32, 4096},
+        {"T8192 K8 E128 H2048 (Qwen3-30B-A3B)", 8192, 8, 128, 2048},
     };
     nlohmann::json results = nlohmann::json::array();
     if (me == 0)

@@ -304,10 +304,10 @@ TEST(MultiGpuGraph, CapturedTrainingStepReplaysMatchCpuLayers) {
   echo.enabled = true;
   echo.spare_slots_per_rank = 2;
   echo.max_clones_per_expert = 2;
-  echo.capacity_factor = 0.9;
-  // 87 rows a round, below the mean load (96): every replay runs spill round 1 (ECHO balances
-  // the loads, so a capacity at or above the mean would never spill); the IF nodes of the later
-  // rounds stay off.
+  echo.capacity_factor = 0.7;
+  // Capacity ceil(0.7 * max_tokens 64 * K 2) = 90 rows a round, below the mean load of 48 tokens
+  // (96 rows): every replay runs spill round 1 (ECHO balances the loads, so a capacity at or
+  // above the mean would never spill); the IF nodes of the later rounds stay off.
   const int64_t T = 48, H = m.hidden, EPR = m.experts / R;
   AdamWConfig adam;
   adam.eps = 1e-2;  // a smooth update (see cuda_layer_test's graph test)

@@ -91,7 +91,15 @@ fi
 if [[ "$bench" == *layers* ]] && [ "$gpus" -ge 2 ]; then
   n=$(( gpus >= 4 ? 4 : 2 ))
   # name:preset:skew:echo:dispatcher:capture:steps
-  runs=${LAYER_RUNS:-"q-u-off:qwen3-30b-a3b:uniform:off:syncfree:on:12 q-u-on:qwen3-30b-a3b:uniform:on:syncfree:on:12 q-z-off:qwen3-30b-a3b:zipf:1.2:off:syncfree:on:12 q-z-on:qwen3-30b-a3b:zipf:1.2:on:syncfree:on:12"}
+  # The ANCHORS.md EP configs, uniform and Zipf 1.2, ECHO off and on, one graph per step; Qwen3
+  # also eager and with the baseline dispatcher.
+  q=qwen3-30b-a3b m=mixtral-8x7b d=deepseek-v3
+  runs=${LAYER_RUNS:-"q-u-off:$q:uniform:off:syncfree:on:12 q-u-on:$q:uniform:on:syncfree:on:12
+    q-z-off:$q:zipf:1.2:off:syncfree:on:12 q-z-on:$q:zipf:1.2:on:syncfree:on:12
+    q-z-on-eager:$q:zipf:1.2:on:syncfree:off:12 q-u-base:$q:uniform:off:baseline:off:8
+    q-z-base:$q:zipf:1.2:off:baseline:off:8 m-u-off:$m:uniform:off:syncfree:on:8
+    m-z-off:$m:zipf:1.2:off:syncfree:on:8 m-z-on:$m:zipf:1.2:on:syncfree:on:8
+    d-u-off:$d:uniform:off:syncfree:on:6 d-z-on:$d:zipf:1.2:on:syncfree:on:6"}
   : >"$out/layers.log"
   for r in $runs; do
     IFS=: read -r name preset skew1 rest <<<"$r"
@@ -106,8 +114,9 @@ if [[ "$bench" == *layers* ]] && [ "$gpus" -ge 2 ]; then
     rc=$?
     { echo "==== $name rc=$rc $((SECONDS - t0)) s"; cat "/tmp/layer_$name.log"; } >>"$out/layers.log"
     summary=$(grep -E "^\[rank 0\]   forward" "/tmp/layer_$name.log" | sed 's/^\[rank 0\]   //')
-    mm=$(grep -E "^\[rank 0\]   rank load max/mean with" "/tmp/layer_$name.log" | sed 's/.*mean \([0-9.]*\), p99.*/\1/')
-    rows+=("$(printf '%-9s %-14s %-9s echo %-3s %-8s capture %-3s rc=%-3s %s  max/mean(ECHO) %s' "$name" "$preset" "$skew" "$echo" "$disp" "$capture" "$rc" "${summary:-no summary}" "${mm:--}")")
+    mm0=$(grep -E "^\[rank 0\]   rank load max/mean without ECHO" "/tmp/layer_$name.log" | sed 's/.*:  *mean \([0-9.]*\),.*/\1/')
+    mm1=$(grep -E "^\[rank 0\]   rank load max/mean with ECHO" "/tmp/layer_$name.log" | sed 's/.*:  *mean \([0-9.]*\),.*/\1/')
+    rows+=("$(printf '%-12s %-13s %-8s echo %-3s %-8s graph %-3s rc=%-3s %s  max/mean %s -> %s' "$name" "$preset" "$skew" "$echo" "$disp" "$capture" "$rc" "${summary:-no summary}" "${mm0:--}" "${mm1:--}")")
   done
   python3 - "$out/layers.json" /tmp/layer_*.json <<'EOF' || true
 import json, sys
