@@ -44,6 +44,45 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// Dispatch of token rows (src_div > 1): one warp per source row, which it reads once and writes
+// to the window row of each of its src_div entries (instead of re-reading it per entry).
+template <class W>
+__global__ void __launch_bounds__(kRowThreads)
+    scatter_token_rows_kernel(int64_t n, const int32_t* __restrict__ dest_rank,
+                              const int32_t* __restrict__ dest_row, int64_t row_lo,
+                              int64_t rows, int src_div, const W* __restrict__ src,
+                              W* __restrict__ dst, int64_t row_words) {
+  constexpr int kInFlight = 8;
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  const int64_t src_rows = (n + src_div - 1) / src_div;
+  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < src_rows;
+       r += warps) {
+    const int64_t i_begin = r * src_div, i_end = i_begin + src_div < n ? i_begin + src_div : n;
+    bool any = false;
+    for (int64_t i = i_begin; i < i_end; ++i) {
+      const int64_t row = int64_t(dest_row[i]) - row_lo;
+      any = any || (dest_rank[i] == 0 && row >= 0 && row < rows);
+    }
+    if (!any) continue;
+    const W* from = src + r * row_words;
+    for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
+      W v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (w0 + 32 * u < row_words) v[u] = from[w0 + 32 * u];
+      for (int64_t i = i_begin; i < i_end; ++i) {
+        const int64_t row = int64_t(dest_row[i]) - row_lo;
+        if (dest_rank[i] != 0 || row < 0 || row >= rows) continue;
+        W* to = dst + row * row_words;
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u)
+          if (w0 + 32 * u < row_words) to[w0 + 32 * u] = v[u];
+      }
+    }
+  }
+}
+
 // Spare slot s of this rank <- the home slot of the expert the plan puts there.
 template <class W>
 __global__ void pull_clones_kernel(const int32_t* __restrict__ spare_expert, int spare_slots,
@@ -107,6 +146,15 @@ void move_rows(const RowRoute& route, RoundWindow win, const void* src, void* ds
   MOE_ECHO_CHECK(route.src_div >= 1, "src_div = " << route.src_div);
   with_word(word_size(row_bytes, {src, dst}), [&](auto word) {
     using W = decltype(word);
+    if (scatter && route.src_div > 1) {
+      const int64_t src_rows = (route.n + route.src_div - 1) / route.src_div;
+      MOE_ECHO_LAUNCH(scatter_token_rows_kernel<W>,
+                      blocks_for(src_rows, kRowThreads / 32, grid_cap()), kRowThreads, 0, s,
+                      route.n, route.dest_rank, route.dest_row, win.row_lo, win.rows,
+                      route.src_div, static_cast<const W*>(src), static_cast<W*>(dst),
+                      int64_t(row_bytes / sizeof(W)));
+      return;
+    }
     MOE_ECHO_LAUNCH(move_rows_kernel<W>, blocks_for(route.n, kRowThreads / 32, grid_cap()),
                     kRowThreads, 0, s, route.n, route.dest_rank, route.dest_row, win.row_lo,
                     win.rows, route.src_div, scatter, static_cast<const W*>(src),

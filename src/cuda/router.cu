@@ -2,18 +2,21 @@
 // score + bias with ties to the lower expert index, combine weights, counts, aux and z losses; the
 // backward to dW and dx; the aux-loss-free bias update. Semantics: src/cpu/router.cpp.
 //
-// Precision: logits accumulate in f32 (fixed order: per lane over its h, then a fixed tree). Everything per token after
-// the logits (logsumexp, scores, selection keys, combine weights, the loss sums) is computed in
-// double from the stored f32 logits, as the CPU reference does, so for equal logits the scores,
-// the selection and the weights agree with the CPU to the last bit in practice; the selection can
-// differ from the CPU's only where two keys are within the f32 rounding of the logits.
-// Determinism: counts use integer atomics (order-free); every floating-point sum is done by one
-// thread in a fixed order or by a fixed warp butterfly.
+// Precision: logits accumulate in f32 (fixed order: per lane over its h, then a fixed tree).
+// Everything per token after the logits (logsumexp, scores, selection keys, combine weights, the
+// loss sums) is computed in double from the stored f32 logits, as the CPU reference does, so for
+// equal logits the scores, the selection and the weights agree with the CPU to the last bit in
+// practice; the selection can differ from the CPU's only where two keys are within the f32
+// rounding of the logits.
+// Determinism: counts are integer sums (order-free: shared-memory counters per block of tokens,
+// then a sum over blocks); every floating-point sum is done by one thread in a fixed order or by
+// a fixed warp tree.
 //
 // The three f32 products (logits = x W^T, dW += dl^T x, dx += dl W) are FFMA kernels shaped for
-// a small E: x is read once per product as 16-byte words of 8 bf16 (32 MiB at T 8192, H 2048),
-// W (E x H f32) stays in L1/L2, and every output is summed in a fixed order. They need H % 8 == 0
-// and 16-byte aligned x, W and dx; other shapes take the generic tiled GEMM (tiled_gemm.cuh).
+// a small E: x is read once per product as words of bf16 (32 MiB at T 8192, H 2048), W (E x H
+// f32) stays in L1/L2, and every output is summed in a fixed order. They need H % 8 == 0 and
+// 16-byte aligned x, W and dx; other shapes take the generic tiled GEMM (tiled_gemm.cuh). The
+// per-token forward (scores, top-k, weights, counts, loss partials) is one kernel for E <= 256.
 #include <cfloat>
 #include <climits>
 
@@ -25,21 +28,25 @@
 namespace moe_echo::cuda {
 namespace {
 
-constexpr int kTokensPerLossBlock = 64;
+constexpr int kTokensPerLossBlock = 32;
 constexpr int kWarpsPerBlock = 8;
+// The fused selection kernel (E <= 32 * kMaxExpertsPerLane): one block of kSelectWarps warps per
+// kTokensPerLossBlock tokens, one warp per token, each lane holding experts lane + 32 p.
+constexpr int kSelectWarps = 16, kMaxExpertsPerLane = 8;
 // The gradient w.r.t. the logits is kept as [T, padded_experts(E)] (zeros past E), so the
 // products can read 8 experts at a time as aligned float4 words.
 constexpr int kExpertPad = 8;
 int64_t padded_experts(int64_t E) { return (E + kExpertPad - 1) / kExpertPad * kExpertPad; }
 
-// logits: one warp per (8 tokens, 8 experts); each lane sums 4 h at a time (h = 4 c .. 4 c + 3
+// logits: one warp per (8 tokens, 8 experts); each lane sums 2 h at a time (h = 2 c, 2 c + 1
 // for c = lane, lane + 32, ...), then a reduce-scatter over the lanes.
 constexpr int kLogitTokens = 8, kLogitExperts = 8;
 // dW: a block of 8 warps owns (256 h, 8 experts) and a range of tokens; the warps take every 8th
 // token, their sums are added in warp order, and the token ranges ("splits") in split order.
-constexpr int kDwExperts = 8, kDwWarps = 8, kDwTokensInFlight = 2;
-// dx: one thread per (8 tokens, 8 h).
-constexpr int kDxTokens = 8;
+constexpr int kDwExperts = 8, kDwWarps = 8, kDwTokensInFlight = 4;
+// dx: a block of kDxGroups x kDxWords threads owns kDxWords words of 8 h; a thread takes
+// kDxTokens tokens per step.
+constexpr int kDxTokens = 8, kDxWords = 64, kDxGroups = 4;
 
 bool fast_products(const Tensor& x, const Tensor& w) {
   return x.size(1) % 8 == 0 && aligned16(x.data) && aligned16(w.data);
@@ -57,6 +64,7 @@ struct RouterScratch {
   double* total = nullptr;      // [T] sum over experts of the (unrounded) scores
   double* partial = nullptr;    // [blocks, E] per-block sums of the normalised scores
   double* partial_z = nullptr;  // [blocks] per-block sums of lse^2
+  int32_t* block_counts = nullptr;  // [blocks, E] routes per expert of each block
   float* dl = nullptr;          // [T, padded E] gradient w.r.t. the logits (backward)
   float* split = nullptr;       // split-K partial sums of the tiled GEMMs
   float* dw_partial = nullptr;  // [splits, padded E, H] per-split sums of the dW product
@@ -70,6 +78,7 @@ RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E, int64_t H) {
   r.total = c.take<double>(T);
   r.partial = c.take<double>(loss_blocks(T) * E);
   r.partial_z = c.take<double>(loss_blocks(T));
+  r.block_counts = c.take<int32_t>(loss_blocks(T) * E);
   r.dl = c.take<float>(T * padded_experts(E));
   r.split = c.take<float>(tiled_gemm_scratch_floats());
   r.dw_partial = c.take<float>(dw_splits(T, E, H) * padded_experts(E) * H);
@@ -129,10 +138,13 @@ struct AccumulateTokenGrad {  // dx[t, h] += acc (bf16 storage)
 
 // ---- the f32 products for H % 8 == 0 ------------------------------------------------------------
 
-// logits[t, e] = sum_h x[t, h] W[e, h]. x: [T, H / 4] words of 4 bf16; w: [E, H / 4] float4.
-__global__ void __launch_bounds__(256)
-    router_logits_kernel(int64_t T, int E, int64_t H4, const uint2* __restrict__ x,
-                         const float4* __restrict__ w, float* __restrict__ logits) {
+// logits[t, e] = sum_h x[t, h] W[e, h]. x: [T, H / 2] words of 2 bf16; w: [E, H / 2] float2.
+// Each lane takes 2 h per step (h = 2 c, 2 c + 1 for c = lane, lane + 32, ...); the x words of
+// the next step are loaded before the current step's FMAs. W comes from L1 (every warp of an SM
+// walks the same h at about the same time).
+__global__ void __launch_bounds__(256, 2)
+    router_logits_kernel(int64_t T, int E, int64_t H2, const uint32_t* __restrict__ x,
+                         const float2* __restrict__ w, float* __restrict__ logits) {
   constexpr int TT = kLogitTokens, TE = kLogitExperts, N = TT * TE;
   const int lane = int(threadIdx.x) & 31;
   const int egroups = (E + TE - 1) / TE;
@@ -146,31 +158,31 @@ __global__ void __launch_bounds__(256)
     float acc[N];
 #pragma unroll
     for (int q = 0; q < N; ++q) acc[q] = 0.f;
-    for (int64_t c = lane; c < H4; c += 32) {
-      uint2 xv[TT];
+    uint32_t xv[TT];
+#pragma unroll
+    for (int i = 0; i < TT; ++i) xv[i] = t0 + i < T && lane < H2 ? x[(t0 + i) * H2 + lane] : 0u;
+    for (int64_t c = lane; c < H2; c += 32) {
+      uint32_t xn[TT];
 #pragma unroll
       for (int i = 0; i < TT; ++i)
-        xv[i] = t0 + i < T ? x[(t0 + i) * H4 + c] : make_uint2(0u, 0u);
-      float4 wv[TE];
+        xn[i] = t0 + i < T && c + 32 < H2 ? x[(t0 + i) * H2 + c + 32] : 0u;
+      float2 wv[TE];
 #pragma unroll
       for (int j = 0; j < TE; ++j)
-        wv[j] = e0 + j < E ? w[int64_t(e0 + j) * H4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
+        wv[j] = e0 + j < E ? w[int64_t(e0 + j) * H2 + c] : make_float2(0.f, 0.f);
 #pragma unroll
       for (int i = 0; i < TT; ++i) {
-        const float x0 = __uint_as_float(xv[i].x << 16);
-        const float x1 = __uint_as_float(xv[i].x & 0xffff0000u);
-        const float x2 = __uint_as_float(xv[i].y << 16);
-        const float x3 = __uint_as_float(xv[i].y & 0xffff0000u);
+        const float x0 = __uint_as_float(xv[i] << 16), x1 = __uint_as_float(xv[i] & 0xffff0000u);
 #pragma unroll
         for (int j = 0; j < TE; ++j) {
           float a = acc[i * TE + j];
           a = fmaf(x0, wv[j].x, a);
           a = fmaf(x1, wv[j].y, a);
-          a = fmaf(x2, wv[j].z, a);
-          a = fmaf(x3, wv[j].w, a);
           acc[i * TE + j] = a;
         }
       }
+#pragma unroll
+      for (int i = 0; i < TT; ++i) xv[i] = xn[i];
     }
     warp_reduce_scatter<N>(acc, lane);
 #pragma unroll
@@ -182,7 +194,10 @@ __global__ void __launch_bounds__(256)
 }
 
 // partial[split, e, h] = sum over the split's tokens t of dl[t, e] x[t, h], for the block's 8
-// experts and 256 h. dl: [T, Ep] (Ep = padded E); x: [T, H / 8] words of 8 bf16.
+// experts and 256 h. dl: [T, Ep] (Ep = padded E); x: [T, H / 8] words of 8 bf16. Warp w takes
+// tokens t_begin + w + 8 j in increasing j, kDwTokensInFlight at a time, the next group's loads
+// issued before the current group's FMAs; lane j < 8 loads dl[t, e0 + j] and the warp shares it
+// by shuffles.
 __global__ void __launch_bounds__(kDwWarps * 32, 2)
     router_dw_partial_kernel(int64_t T, int64_t Ep, int64_t H, int64_t tokens_per_split,
                              const float* __restrict__ dl, const uint4* __restrict__ x,
@@ -193,6 +208,7 @@ __global__ void __launch_bounds__(kDwWarps * 32, 2)
   const int64_t egroups = Ep / TE, H8 = H / 8;
   const int64_t eg = blockIdx.x % egroups, htile = blockIdx.x / egroups;
   const int64_t c = htile * 32 + lane;  // this lane's word of 8 h
+  const bool has_h = c < H8;
   const int64_t e0 = eg * TE;
   const int64_t t_begin = int64_t(blockIdx.y) * tokens_per_split;
   const int64_t t_end = t_begin + tokens_per_split < T ? t_begin + tokens_per_split : T;
@@ -201,34 +217,36 @@ __global__ void __launch_bounds__(kDwWarps * 32, 2)
   for (int j = 0; j < TE; ++j)
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[j][q] = 0.f;
-  if (c < H8) {
-    for (int64_t t = t_begin + warp; t < t_end; t += W * TU) {
-      uint4 xv[TU];
-      float4 d0[TU], d1[TU];
+  auto load = [&](int64_t t, uint4 (&xv)[TU], float (&dv)[TU]) {
 #pragma unroll
-      for (int u = 0; u < TU; ++u) {
-        const int64_t tu = t + int64_t(W) * u;
-        if (tu < t_end) {
-          xv[u] = x[tu * H8 + c];
-          const float4* d = reinterpret_cast<const float4*>(dl + tu * Ep + e0);
-          d0[u] = d[0];
-          d1[u] = d[1];
-        } else {
-          xv[u] = make_uint4(0u, 0u, 0u, 0u);
-          d0[u] = d1[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+    for (int u = 0; u < TU; ++u) {
+      const int64_t tu = t + int64_t(W) * u;
+      xv[u] = tu < t_end && has_h ? x[tu * H8 + c] : make_uint4(0u, 0u, 0u, 0u);
+      dv[u] = tu < t_end && lane < TE ? dl[tu * Ep + e0 + lane] : 0.f;
+    }
+  };
+  uint4 xa[TU];
+  float da[TU];
+  load(t_begin + warp, xa, da);
+  for (int64_t t = t_begin + warp; t < t_end; t += W * TU) {
+    uint4 xb[TU];
+    float db[TU];
+    load(t + int64_t(W) * TU, xb, db);
+#pragma unroll
+    for (int u = 0; u < TU; ++u) {
+      float xf[8];
+      unpack_bf16x8(xa[u], xf);
+#pragma unroll
+      for (int j = 0; j < TE; ++j) {
+        const float d = __shfl_sync(0xffffffffu, da[u], j);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[j][q] = fmaf(d, xf[q], acc[j][q]);
       }
+    }
 #pragma unroll
-      for (int u = 0; u < TU; ++u) {
-        float xf[8];
-        unpack_bf16x8(xv[u], xf);
-        const float dv[TE] = {d0[u].x, d0[u].y, d0[u].z, d0[u].w,
-                              d1[u].x, d1[u].y, d1[u].z, d1[u].w};
-#pragma unroll
-        for (int j = 0; j < TE; ++j)
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc[j][q] = fmaf(dv[j], xf[q], acc[j][q]);
-      }
+    for (int u = 0; u < TU; ++u) {
+      xa[u] = xb[u];
+      da[u] = db[u];
     }
   }
   // Sum over the warps in warp order, half of the experts at a time.
@@ -267,15 +285,21 @@ __global__ void router_dw_reduce_kernel(int64_t E, int64_t Ep, int64_t H, int64_
   }
 }
 
-// dx[t, h] += sum_e dl[t, e] W[e, h] (e in increasing order), one thread per (8 tokens, 8 h).
-__global__ void __launch_bounds__(256)
-    router_dx_kernel(int64_t T, int E, int64_t Ep, int64_t H8, const float* __restrict__ dl,
+// dx[t, h] += sum_e dl[t, e] W[e, h] (e in increasing order). A block owns kDxWords words of 8 h
+// (its W columns, E x 512 f32, stay in L1) and a range of tokens; each thread takes kDxTokens
+// tokens of one word per step.
+__global__ void __launch_bounds__(kDxWords * kDxGroups)
+    router_dx_kernel(int64_t T, int E, int64_t Ep, int64_t H8, int64_t hblocks,
+                     int64_t tokens_per_block, const float* __restrict__ dl,
                      const float4* __restrict__ w, uint4* __restrict__ dx) {
   constexpr int TT = kDxTokens;
-  const int64_t n = (T + TT - 1) / TT * H8;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t0 = i / H8 * TT, c = i % H8;
+  const int64_t hb = blockIdx.x % hblocks, tb = blockIdx.x / hblocks;
+  const int64_t c = hb * kDxWords + int(threadIdx.x) % kDxWords;
+  const int group = int(threadIdx.x) / kDxWords;
+  if (c >= H8) return;  // no barriers below
+  const int64_t t_lo = tb * tokens_per_block;
+  const int64_t t_hi = t_lo + tokens_per_block < T ? t_lo + tokens_per_block : T;
+  for (int64_t t0 = t_lo + group * TT; t0 < t_hi; t0 += kDxGroups * TT) {
     float acc[TT][8];
 #pragma unroll
     for (int u = 0; u < TT; ++u)
@@ -285,8 +309,8 @@ __global__ void __launch_bounds__(256)
       float4 dv[TT];
 #pragma unroll
       for (int u = 0; u < TT; ++u)
-        dv[u] = t0 + u < T ? *reinterpret_cast<const float4*>(dl + (t0 + u) * Ep + e0)
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
+        dv[u] = t0 + u < t_hi ? *reinterpret_cast<const float4*>(dl + (t0 + u) * Ep + e0)
+                              : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         if (e0 + k >= E) break;
@@ -303,7 +327,7 @@ __global__ void __launch_bounds__(256)
     }
 #pragma unroll
     for (int u = 0; u < TT; ++u) {
-      if (t0 + u >= T) break;
+      if (t0 + u >= t_hi) break;
       uint4* p = dx + (t0 + u) * H8 + c;
       float old[8];
       unpack_bf16x8(*p, old);
@@ -390,6 +414,164 @@ __global__ void router_topk_kernel(int64_t T, int E, int K, const float* __restr
   }
 }
 
+// The forward per token in one pass, for E <= 32 P: scores, top-k, combine weights, and per block
+// of kTokensPerLossBlock tokens the routes per expert (shared-memory counters, no global atomics),
+// sum_t p[t, e] and sum_t lse_t^2. Each lane keeps its experts' logits, scores and bias in
+// registers; the arithmetic per token is that of router_topk_kernel and
+// router_loss_partial_kernel (the same double expressions in the same order per lane).
+template <int P>
+__global__ void __launch_bounds__(kSelectWarps * 32)
+    router_select_kernel(int64_t T, int E, int K, const float* __restrict__ logits,
+                         const float* __restrict__ bias, float* __restrict__ scores,
+                         int32_t* __restrict__ idx, float* __restrict__ weights,
+                         int32_t* __restrict__ block_counts, double* __restrict__ partial,
+                         double* __restrict__ partial_z, bool sigmoid, bool normalize) {
+  extern __shared__ double select_smem[];  // [kSelectWarps, E] p sums, [kSelectWarps] z, [E] hist
+  double* warp_p = select_smem;
+  double* warp_z = warp_p + kSelectWarps * E;
+  int32_t* hist = reinterpret_cast<int32_t*>(warp_z + kSelectWarps);
+  const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
+  for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) hist[e] = 0;
+  __syncthreads();
+  double b[P], p_sum[P];
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int e = lane + 32 * p;
+    b[p] = e < E ? double(bias[e]) : 0.0;
+    p_sum[p] = 0.0;
+  }
+  double z_sum = 0.0;
+  const int64_t t_begin = int64_t(blockIdx.x) * kTokensPerLossBlock;
+  const int64_t t_end = t_begin + kTokensPerLossBlock < T ? t_begin + kTokensPerLossBlock : T;
+  for (int64_t t = t_begin + warp; t < t_end; t += kSelectWarps) {
+    double l[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int e = lane + 32 * p;
+      l[p] = e < E ? double(logits[t * E + e]) : 0.0;
+    }
+    double mx = -INFINITY;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+      if (lane + 32 * p < E) mx = fmax(mx, l[p]);
+    mx = warp_max(mx);
+    double sum_exp = 0;
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+      if (lane + 32 * p < E) sum_exp += exp(l[p] - mx);
+    sum_exp = warp_sum(sum_exp);
+    const double lse = mx + log(sum_exp);
+    double v[P], total = 0;
+    float sf[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int e = lane + 32 * p;
+      v[p] = 0.0;
+      sf[p] = 0.f;
+      if (e < E) {
+        v[p] = sigmoid ? 1.0 / (1.0 + exp(-l[p])) : exp(l[p] - lse);
+        sf[p] = float(v[p]);
+        scores[t * E + e] = sf[p];
+        total += v[p];
+      }
+    }
+    total = warp_sum(total);
+#pragma unroll
+    for (int p = 0; p < P; ++p)
+      if (lane + 32 * p < E) p_sum[p] += v[p] / total;
+    z_sum += lse * lse;
+
+    // K rounds of arg-max over the experts ranked after the previous pick; the winner's score
+    // travels with it through the butterfly.
+    double prev_key = 0, sel_sum = 0;
+    int prev = -1;
+    int my_idx[P];
+    float my_score[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      my_idx[p] = 0;
+      my_score[p] = 0.f;
+    }
+    for (int k = 0; k < K; ++k) {
+      double best_key = -INFINITY;
+      int best = INT_MAX;
+      float best_score = 0.f;
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const int e = lane + 32 * p;
+        if (e >= E) continue;
+        const double key = double(sf[p]) + b[p];
+        const bool after = prev < 0 || ranks_before(prev_key, prev, key, e);
+        if (after && (best == INT_MAX || ranks_before(key, e, best_key, best))) {
+          best_key = key;
+          best = e;
+          best_score = sf[p];
+        }
+      }
+      for (int o = 16; o > 0; o >>= 1) {
+        const double ok = __shfl_xor_sync(0xffffffffu, best_key, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, best, o);
+        const float os = __shfl_xor_sync(0xffffffffu, best_score, o);
+        if (oi != INT_MAX && (best == INT_MAX || ranks_before(ok, oi, best_key, best))) {
+          best_key = ok;
+          best = oi;
+          best_score = os;
+        }
+      }
+      // Lane 0's pick for every lane (they agree unless keys are NaN); every key NaN: expert 0.
+      const float score0 = __shfl_sync(0xffffffffu, sf[0], 0);
+      best_key = __shfl_sync(0xffffffffu, best_key, 0);
+      best = __shfl_sync(0xffffffffu, best, 0);
+      best_score = __shfl_sync(0xffffffffu, best_score, 0);
+      if (best == INT_MAX) {
+        best = 0;
+        best_score = score0;
+      }
+      prev_key = best_key;
+      prev = best;
+      sel_sum += double(best_score);
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+        if (k == lane + 32 * p) {
+          my_idx[p] = best;
+          my_score[p] = best_score;
+        }
+      if (lane == 0) atomicAdd(hist + best, 1);  // shared memory, integers: order-free
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int k = lane + 32 * p;
+      if (k < K) {
+        idx[t * K + k] = my_idx[p];
+        const double sv = double(my_score[p]);
+        weights[t * K + k] = float(normalize ? sv / sel_sum : sv);
+      }
+    }
+  }
+  // The block's sums: warps in warp order.
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+    if (lane + 32 * p < E) warp_p[warp * E + lane + 32 * p] = p_sum[p];
+  if (lane == 0) warp_z[warp] = z_sum;
+  __syncthreads();
+  for (int e = int(threadIdx.x); e < E; e += int(blockDim.x)) {
+    double acc = 0;
+    for (int w = 0; w < kSelectWarps; ++w) acc += warp_p[w * E + e];
+    partial[int64_t(blockIdx.x) * E + e] = acc;
+    block_counts[int64_t(blockIdx.x) * E + e] = hist[e];
+  }
+  if (threadIdx.x == 0) {
+    double z = 0;
+    for (int w = 0; w < kSelectWarps; ++w) z += warp_z[w];
+    partial_z[blockIdx.x] = z;
+  }
+}
+
+size_t select_smem_bytes(int64_t E) {
+  return size_t(kSelectWarps) * size_t(E) * sizeof(double) + kSelectWarps * sizeof(double) +
+         size_t(E) * sizeof(int32_t);
+}
+
 // Per block of tokens: sum_t p[t, e] (scores normalised over experts) and sum_t lse_t^2.
 __global__ void router_loss_partial_kernel(int64_t T, int E, const float* __restrict__ logits,
                                            const double* __restrict__ lse,
@@ -416,10 +598,12 @@ __global__ void router_loss_partial_kernel(int64_t T, int E, const float* __rest
 // One block: aux = coeff * E * sum_e f_e P_e, z = coeff * mean_t lse^2. partial[0, :] is reused
 // for the per-expert terms. One warp per expert sums the blocks (lanes in block order, then a
 // fixed butterfly), so the block count does not serialise.
+// With block_counts, counts[e] is first written as the sum of the blocks' routes to e.
 __global__ void router_loss_final_kernel(int64_t T, int E, int K, int64_t blocks,
                                          double* partial, const double* __restrict__ partial_z,
-                                         const int32_t* __restrict__ counts, double aux_coeff,
-                                         double z_coeff, float* losses) {
+                                         const int32_t* __restrict__ block_counts,
+                                         int32_t* counts, double aux_coeff, double z_coeff,
+                                         float* losses) {
   __shared__ double z_sum;
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
   const int warps = int(blockDim.x) >> 5;
@@ -427,6 +611,13 @@ __global__ void router_loss_final_kernel(int64_t T, int E, int K, int64_t blocks
     double p = 0;
     for (int64_t b = lane; b < blocks; b += 32) p += partial[b * E + e];
     p = warp_sum(p);
+    if (block_counts) {
+      int32_t c = 0;
+      for (int64_t b = lane; b < blocks; b += 32) c += block_counts[b * E + e];
+      c = warp_sum(c);
+      if (lane == 0) counts[e] = c;
+      __syncwarp();
+    }
     __syncwarp();  // every lane has read partial[0, e] before lane 0 overwrites it
     if (lane == 0) partial[e] = double(counts[e]) / double(T * K) * (p / double(T));
   }
@@ -516,6 +707,117 @@ __global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __re
   }
 }
 
+// The same gradient for E <= 32 P with the token's data in registers: lane l holds experts
+// l + 32 p and routes l + 32 p, and route k reaches every lane by a shuffle (no dependent global
+// loads in the loops over k). Per expert the sums run in the order of router_dlogits_kernel; the
+// sums over routes (sel_sum, gw) are warp trees instead of sequential.
+template <int P>
+__global__ void router_dlogits_reg_kernel(int64_t T, int E, int K,
+                                          const float* __restrict__ logits,
+                                          const float* __restrict__ scores,
+                                          const int32_t* __restrict__ idx,
+                                          const float* __restrict__ weights,
+                                          const int32_t* __restrict__ counts,
+                                          const float* __restrict__ d_weights, bool sigmoid,
+                                          bool normalize, double aux_coeff, double z_coeff,
+                                          int Ep, float* __restrict__ dl_out) {
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  double d_p[P];  // aux-loss gradient w.r.t. p[e]
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int e = lane + 32 * p;
+    d_p[p] = e < E ? aux_coeff * double(E) * double(counts[e]) / double(T * K) / double(T) : 0.0;
+  }
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
+    double sv[P], l[P];
+    int sel[P];
+    double g[P];
+    double sel_part = 0, gw_part = 0;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int e = lane + 32 * p;
+      sv[p] = e < E ? double(scores[t * E + e]) : 0.0;
+      l[p] = e < E ? double(logits[t * E + e]) : 0.0;
+      sel[p] = -1;
+      g[p] = 0.0;
+      if (lane + 32 * p < K) {
+        const int64_t at = t * K + lane + 32 * p;
+        sel[p] = idx[at];
+        g[p] = double(d_weights[at]);
+        gw_part += g[p] * double(weights[at]);
+        sel_part += double(scores[t * E + sel[p]]);
+      }
+    }
+    const double sel_sum = warp_sum(sel_part), gw = warp_sum(gw_part);
+    double S = 1, dps = 0;  // sigmoid aux: sum of scores and sum of d_p * s
+    if (aux_coeff != 0 && sigmoid) {
+      S = 0;
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+        if (lane + 32 * p < E) {
+          S += sv[p];
+          dps += d_p[p] * sv[p];
+        }
+      S = warp_sum(S);
+      dps = warp_sum(dps);
+    }
+    double ds[P];
+#pragma unroll
+    for (int p = 0; p < P; ++p) ds[p] = 0.0;
+#pragma unroll
+    for (int q = 0; q < P; ++q) {  // routes 32 q .. 32 q + 31, in increasing k
+      if (32 * q >= K) break;
+      for (int j = 0; j < 32 && 32 * q + j < K; ++j) {
+        const int e = __shfl_sync(0xffffffffu, sel[q], j);
+        const double gk = __shfl_sync(0xffffffffu, g[q], j);
+        const double term = normalize ? (gk - gw) / sel_sum : gk;
+#pragma unroll
+        for (int p = 0; p < P; ++p)
+          if (e == lane + 32 * p) ds[p] += term;
+      }
+    }
+    if (aux_coeff != 0) {
+#pragma unroll
+      for (int p = 0; p < P; ++p) ds[p] += sigmoid ? d_p[p] / S - dps / (S * S) : d_p[p];
+    }
+    double dot = 0;
+    if (!sigmoid) {
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+        if (lane + 32 * p < E) dot += ds[p] * sv[p];
+      dot = warp_sum(dot);
+    }
+    double lse = 0, zc = 0;
+    if (z_coeff != 0) {
+      double mx = -INFINITY;
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+        if (lane + 32 * p < E) mx = fmax(mx, l[p]);
+      mx = warp_max(mx);
+      double se = 0;
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+        if (lane + 32 * p < E) se += exp(l[p] - mx);
+      se = warp_sum(se);
+      lse = mx + log(se);
+      zc = z_coeff * 2.0 * lse / double(T);
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int e = lane + 32 * p;
+      if (e < E) {
+        double d = sigmoid ? ds[p] * sv[p] * (1.0 - sv[p]) : sv[p] * (ds[p] - dot);
+        if (z_coeff != 0) d += zc * exp(l[p] - lse);
+        dl_out[t * Ep + e] = float(d);
+      } else if (e < Ep) {
+        dl_out[t * Ep + e] = 0.f;
+      }
+    }
+    for (int e = 32 * P + lane; e < Ep; e += 32) dl_out[t * Ep + e] = 0.f;
+  }
+}
+
 __global__ void router_bias_update_kernel(int R, int E, const int32_t* __restrict__ C, float* bias,
                                           double rate) {
   __shared__ unsigned long long total;
@@ -557,8 +859,8 @@ size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden) {
 void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
   check_router_dtypes(a.x, a.weight);
   const int64_t T = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
-  MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.counts.data, 0, size_t(E) * sizeof(int32_t), s));
   if (T == 0) {
+    MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.counts.data, 0, size_t(E) * sizeof(int32_t), s));
     MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.losses.data, 0, 2 * sizeof(float), s));
     return;
   }
@@ -569,24 +871,39 @@ void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
     const int64_t tasks =
         (T + kLogitTokens - 1) / kLogitTokens * ((E + kLogitExperts - 1) / kLogitExperts);
     MOE_ECHO_LAUNCH(router_logits_kernel, blocks_for(tasks, 8, grid_cap()), 256, 0, s, T, int(E),
-                    H / 4, static_cast<const uint2*>(a.x.data),
-                    static_cast<const float4*>(a.weight.data), logits);
+                    H / 2, static_cast<const uint32_t*>(a.x.data),
+                    static_cast<const float2*>(a.weight.data), logits);
   } else {
     tiled_gemm<true, true>("router_logits", T, E, H, LoadTokenRow{a.x.as<bf16>(), H},
                            LoadWeightT{a.weight.as<float>(), H}, StoreLogits{logits, E}, s,
                            sc.split);
   }
   const bool sigmoid = a.score_function == ScoreFunction::sigmoid;
-  MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E),
-                  int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
-                  a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), a.counts.as<int32_t>(),
-                  sc.lse, sc.total, sigmoid, a.normalize_topk);
   const int64_t blocks = loss_blocks(T);
-  MOE_ECHO_LAUNCH(router_loss_partial_kernel, unsigned(blocks), 256, 0, s, T, int(E), logits,
-                  sc.lse, sc.total, sigmoid, sc.partial, sc.partial_z);
+  const int32_t* block_counts = nullptr;
+  auto select = [&](auto kernel) {
+    MOE_ECHO_LAUNCH(kernel, unsigned(blocks), kSelectWarps * 32, select_smem_bytes(E), s, T,
+                    int(E), int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
+                    a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), sc.block_counts,
+                    sc.partial, sc.partial_z, sigmoid, a.normalize_topk);
+    block_counts = sc.block_counts;
+  };
+  if (E <= 32) select(router_select_kernel<1>);
+  else if (E <= 64) select(router_select_kernel<2>);
+  else if (E <= 128) select(router_select_kernel<4>);
+  else if (E <= 32 * kMaxExpertsPerLane) select(router_select_kernel<kMaxExpertsPerLane>);
+  else {
+    MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.counts.data, 0, size_t(E) * sizeof(int32_t), s));
+    MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T,
+                    int(E), int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
+                    a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), a.counts.as<int32_t>(),
+                    sc.lse, sc.total, sigmoid, a.normalize_topk);
+    MOE_ECHO_LAUNCH(router_loss_partial_kernel, unsigned(blocks), 256, 0, s, T, int(E), logits,
+                    sc.lse, sc.total, sigmoid, sc.partial, sc.partial_z);
+  }
   MOE_ECHO_LAUNCH(router_loss_final_kernel, 1, 256, 0, s, T, int(E), int(K), blocks, sc.partial,
-                  sc.partial_z, a.counts.as<int32_t>(), a.aux_loss_coeff, a.z_loss_coeff,
-                  a.losses.as<float>());
+                  sc.partial_z, block_counts, a.counts.as<int32_t>(), a.aux_loss_coeff,
+                  a.z_loss_coeff, a.losses.as<float>());
 }
 
 void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s) {
@@ -596,11 +913,18 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s)
   ScratchCarver c(scratch);
   const RouterScratch sc = carve(c, T, E, H);
   const int64_t Ep = padded_experts(E);
-  MOE_ECHO_LAUNCH(router_dlogits_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T,
-                  int(E), int(K), a.logits.as<float>(), a.scores.as<float>(),
-                  a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), a.counts.as<int32_t>(),
-                  a.d_topk_weight.as<float>(), a.score_function == ScoreFunction::sigmoid,
-                  a.normalize_topk, a.aux_loss_coeff, a.z_loss_coeff, int(Ep), sc.dl);
+  auto dlogits = [&](auto kernel) {
+    MOE_ECHO_LAUNCH(kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E), int(K),
+                    a.logits.as<float>(), a.scores.as<float>(), a.topk_idx.as<int32_t>(),
+                    a.topk_weight.as<float>(), a.counts.as<int32_t>(),
+                    a.d_topk_weight.as<float>(), a.score_function == ScoreFunction::sigmoid,
+                    a.normalize_topk, a.aux_loss_coeff, a.z_loss_coeff, int(Ep), sc.dl);
+  };
+  if (E <= 32) dlogits(router_dlogits_reg_kernel<1>);
+  else if (E <= 64) dlogits(router_dlogits_reg_kernel<2>);
+  else if (E <= 128) dlogits(router_dlogits_reg_kernel<4>);
+  else if (E <= 32 * kMaxExpertsPerLane) dlogits(router_dlogits_reg_kernel<kMaxExpertsPerLane>);
+  else dlogits(router_dlogits_kernel);
   // dW[E, H] += dl^T x (reduction over tokens), dx[T, H] += dl W (reduction over experts).
   if (fast_products(a.x, a.weight) && aligned16(a.dx.data)) {
     const int64_t splits = dw_splits(T, E, H), per_split = (T + splits - 1) / splits;
@@ -609,10 +933,16 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s)
                     sc.dl, static_cast<const uint4*>(a.x.data), sc.dw_partial);
     MOE_ECHO_LAUNCH(router_dw_reduce_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, Ep,
                     H, splits, sc.dw_partial, a.d_weight.as<float>());
-    const int64_t dx_threads = (T + kDxTokens - 1) / kDxTokens * (H / 8);
-    MOE_ECHO_LAUNCH(router_dx_kernel, blocks_for(dx_threads, 256, grid_cap()), 256, 0, s, T,
-                    int(E), Ep, H / 8, sc.dl, static_cast<const float4*>(a.weight.data),
-                    static_cast<uint4*>(a.dx.data));
+    // dx: about 3 blocks per multiprocessor; token ranges in whole steps of 32 tokens.
+    const int64_t H8 = H / 8, hblocks = (H8 + kDxWords - 1) / kDxWords;
+    const int64_t step = int64_t(kDxGroups) * kDxTokens;
+    int64_t tblocks = std::clamp<int64_t>((3 * sm_count() + hblocks - 1) / hblocks, 1,
+                                          (T + step - 1) / step);
+    const int64_t per_block = ((T + tblocks - 1) / tblocks + step - 1) / step * step;
+    tblocks = (T + per_block - 1) / per_block;
+    MOE_ECHO_LAUNCH(router_dx_kernel, unsigned(hblocks * tblocks), kDxWords * kDxGroups, 0, s, T,
+                    int(E), Ep, H8, hblocks, per_block, sc.dl,
+                    static_cast<const float4*>(a.weight.data), static_cast<uint4*>(a.dx.data));
     return;
   }
   tiled_gemm<false, false>("router_weight_grad", E, H, T, LoadDlT{sc.dl, Ep},
