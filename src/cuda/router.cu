@@ -38,8 +38,9 @@ constexpr int kSelectWarps = 16, kMaxExpertsPerLane = 8;
 constexpr int kExpertPad = 8;
 int64_t padded_experts(int64_t E) { return (E + kExpertPad - 1) / kExpertPad * kExpertPad; }
 
-// logits: one warp per (8 tokens, 8 experts); each lane sums 2 h at a time (h = 2 c, 2 c + 1
-// for c = lane, lane + 32, ...), then a reduce-scatter over the lanes.
+// logits: one warp per (8 tokens, 8 experts); each lane sums 4 h at a time (h = 4 c .. 4 c + 3
+// for c = lane, lane + 32, ...), then a reduce-scatter over the lanes. (Measured: this form ran
+// faster than one with 2 h per lane and the next x words loaded one step ahead.)
 constexpr int kLogitTokens = 8, kLogitExperts = 8;
 // dW: a block of 8 warps owns (256 h, 8 experts) and a range of tokens; the warps take every 8th
 // token, their sums are added in warp order, and the token ranges ("splits") in split order.
@@ -138,13 +139,10 @@ struct AccumulateTokenGrad {  // dx[t, h] += acc (bf16 storage)
 
 // ---- the f32 products for H % 8 == 0 ------------------------------------------------------------
 
-// logits[t, e] = sum_h x[t, h] W[e, h]. x: [T, H / 2] words of 2 bf16; w: [E, H / 2] float2.
-// Each lane takes 2 h per step (h = 2 c, 2 c + 1 for c = lane, lane + 32, ...); the x words of
-// the next step are loaded before the current step's FMAs. W comes from L1 (every warp of an SM
-// walks the same h at about the same time).
-__global__ void __launch_bounds__(256, 2)
-    router_logits_kernel(int64_t T, int E, int64_t H2, const uint32_t* __restrict__ x,
-                         const float2* __restrict__ w, float* __restrict__ logits) {
+// logits[t, e] = sum_h x[t, h] W[e, h]. x: [T, H / 4] words of 4 bf16; w: [E, H / 4] float4.
+__global__ void __launch_bounds__(256)
+    router_logits_kernel(int64_t T, int E, int64_t H4, const uint2* __restrict__ x,
+                         const float4* __restrict__ w, float* __restrict__ logits) {
   constexpr int TT = kLogitTokens, TE = kLogitExperts, N = TT * TE;
   const int lane = int(threadIdx.x) & 31;
   const int egroups = (E + TE - 1) / TE;
@@ -158,31 +156,31 @@ __global__ void __launch_bounds__(256, 2)
     float acc[N];
 #pragma unroll
     for (int q = 0; q < N; ++q) acc[q] = 0.f;
-    uint32_t xv[TT];
-#pragma unroll
-    for (int i = 0; i < TT; ++i) xv[i] = t0 + i < T && lane < H2 ? x[(t0 + i) * H2 + lane] : 0u;
-    for (int64_t c = lane; c < H2; c += 32) {
-      uint32_t xn[TT];
+    for (int64_t c = lane; c < H4; c += 32) {
+      uint2 xv[TT];
 #pragma unroll
       for (int i = 0; i < TT; ++i)
-        xn[i] = t0 + i < T && c + 32 < H2 ? x[(t0 + i) * H2 + c + 32] : 0u;
-      float2 wv[TE];
+        xv[i] = t0 + i < T ? x[(t0 + i) * H4 + c] : make_uint2(0u, 0u);
+      float4 wv[TE];
 #pragma unroll
       for (int j = 0; j < TE; ++j)
-        wv[j] = e0 + j < E ? w[int64_t(e0 + j) * H2 + c] : make_float2(0.f, 0.f);
+        wv[j] = e0 + j < E ? w[int64_t(e0 + j) * H4 + c] : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int i = 0; i < TT; ++i) {
-        const float x0 = __uint_as_float(xv[i] << 16), x1 = __uint_as_float(xv[i] & 0xffff0000u);
+        const float x0 = __uint_as_float(xv[i].x << 16);
+        const float x1 = __uint_as_float(xv[i].x & 0xffff0000u);
+        const float x2 = __uint_as_float(xv[i].y << 16);
+        const float x3 = __uint_as_float(xv[i].y & 0xffff0000u);
 #pragma unroll
         for (int j = 0; j < TE; ++j) {
           float a = acc[i * TE + j];
           a = fmaf(x0, wv[j].x, a);
           a = fmaf(x1, wv[j].y, a);
+          a = fmaf(x2, wv[j].z, a);
+          a = fmaf(x3, wv[j].w, a);
           acc[i * TE + j] = a;
         }
       }
-#pragma unroll
-      for (int i = 0; i < TT; ++i) xv[i] = xn[i];
     }
     warp_reduce_scatter<N>(acc, lane);
 #pragma unroll
@@ -871,8 +869,8 @@ void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
     const int64_t tasks =
         (T + kLogitTokens - 1) / kLogitTokens * ((E + kLogitExperts - 1) / kLogitExperts);
     MOE_ECHO_LAUNCH(router_logits_kernel, blocks_for(tasks, 8, grid_cap()), 256, 0, s, T, int(E),
-                    H / 2, static_cast<const uint32_t*>(a.x.data),
-                    static_cast<const float2*>(a.weight.data), logits);
+                    H / 4, static_cast<const uint2*>(a.x.data),
+                    static_cast<const float4*>(a.weight.data), logits);
   } else {
     tiled_gemm<true, true>("router_logits", T, E, H, LoadTokenRow{a.x.as<bf16>(), H},
                            LoadWeightT{a.weight.as<float>(), H}, StoreLogits{logits, E}, s,
