@@ -21,72 +21,11 @@
 
 #include "gpu_test_util.hpp"
 #include "layer_harness.hpp"
+#include "layer_inputs.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::test {
 namespace {
-
-// Host selection keys (score + bias) in double; tokens whose best K + 1 keys are not separated
-// by more than `margin` are redrawn. `hot` >= 0 pulls every token towards that expert.
-std::vector<double> draw_tokens(int64_t T, const MoeConfig& m, const std::vector<double>& w,
-                                const std::vector<double>& bias, uint64_t seed, int hot = -1) {
-  const int64_t H = m.hidden, E = m.experts, K = m.top_k;
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(-1, 1);
-  std::vector<double> x(size_t(T * H));
-  auto draw_row = [&](int64_t t) {
-    for (int64_t h = 0; h < H; ++h) {
-      double v = u(rng);
-      if (hot >= 0) v = 0.3 * v + (w[size_t(hot * H + h)] > 0 ? 1.0 : -1.0);
-      x[size_t(t * H + h)] = round_bf16(v);
-    }
-  };
-  std::vector<double> key(static_cast<size_t>(E)), l(static_cast<size_t>(E));
-  for (int64_t t = 0; t < T; ++t) {
-    for (int attempt = 0;; ++attempt) {
-      draw_row(t);
-      double mx = -INFINITY;
-      for (int64_t e = 0; e < E; ++e) {
-        double acc = 0;
-        for (int64_t h = 0; h < H; ++h) acc += x[size_t(t * H + h)] * w[size_t(e * H + h)];
-        l[size_t(e)] = double(float(acc));
-        mx = std::max(mx, l[size_t(e)]);
-      }
-      double se = 0;
-      for (int64_t e = 0; e < E; ++e) se += std::exp(l[size_t(e)] - mx);
-      for (int64_t e = 0; e < E; ++e) {
-        const double s = m.score_function == ScoreFunction::softmax
-                             ? std::exp(l[size_t(e)] - mx) / se
-                             : 1.0 / (1.0 + std::exp(-l[size_t(e)]));
-        key[size_t(e)] = double(float(s)) + bias[size_t(e)];
-      }
-      std::sort(key.begin(), key.end(), std::greater<double>());
-      bool clear = true;
-      for (int64_t k = 0; k < std::min(K, E - 1); ++k)
-        clear = clear && key[size_t(k)] - key[size_t(k + 1)] > 1e-6;
-      if (clear) break;
-      if (attempt > 100) {
-        ADD_FAILURE() << "no token with clear top-k margins";
-        break;
-      }
-    }
-  }
-  return x;
-}
-
-GlobalParams rounded_params(const MoeConfig& m, uint64_t seed, int hot_bias = -1) {
-  const int64_t H = m.hidden, F = m.ffn, E = m.experts;
-  GlobalParams p;
-  p.router_weight = round_f32(random_values(size_t(E * H), seed, -1, 1));
-  for (auto& v : p.router_weight) v = double(float(v / std::sqrt(double(H))));
-  p.router_bias = round_f32(random_values(size_t(E), seed + 1, -0.01, 0.01));
-  if (hot_bias >= 0) p.router_bias[size_t(hot_bias)] = 2.0;
-  p.w1 = round_bf16(random_values(size_t(E * H * 2 * F), seed + 2, -1, 1));
-  p.w2 = round_bf16(random_values(size_t(E * F * H), seed + 3, -1, 1));
-  for (auto& v : p.w1) v = round_bf16(v / std::sqrt(double(H)));
-  for (auto& v : p.w2) v = round_bf16(v / std::sqrt(double(F)));
-  return p;
-}
 
 struct GpuLayer {
   std::unique_ptr<Backend> be = cuda::make_cuda_backend();
