@@ -1,6 +1,7 @@
 // The cost model (formulas, presets, measured-results files), the load-balance simulator (every
 // policy against a direct computation on the same maps, determinism across threads, the EPLB
 // re-placement schedule) and the SVG plot.
+#include "test_util.hpp"
 #include "tools/simulator.hpp"
 
 #include <gtest/gtest.h>
@@ -24,15 +25,7 @@
 namespace moe_echo::tools {
 namespace {
 
-std::string config_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no ConfigError thrown";
-  return "";
-}
+using moe_echo::test::config_error;
 
 // ---- cost model ------------------------------------------------------------------------------
 

@@ -3,10 +3,15 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <random>
 #include <vector>
 
 namespace moe_echo::test {
+
+// The message of the ConfigError that f() throws; records a test failure if it throws none.
+std::string config_error(const std::function<void()>& f);
 
 // Fresh random values in [lo, hi) (never all zeros), from a seeded generator.
 std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0);

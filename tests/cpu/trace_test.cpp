@@ -1,6 +1,7 @@
 // The routing trace generator against its parameters (row sums, the per-token cap, Zipf exponent,
 // multinomial spread, drift, domain switches, the DeepSeek-R1 calibration), and the trace file
 // reader and writer (formats, round trips, and errors that name the file and the line).
+#include "test_util.hpp"
 #include "tools/trace.hpp"
 
 #include <gtest/gtest.h>
@@ -19,6 +20,8 @@
 
 namespace moe_echo::tools {
 namespace {
+
+using moe_echo::test::config_error;
 
 GeneratorConfig small_cfg() {
   GeneratorConfig c;
@@ -48,16 +51,6 @@ double slope(const std::vector<double>& x, const std::vector<double>& y) {
     sxx += (x[i] - mx) * (x[i] - mx);
   }
   return sxy / sxx;
-}
-
-std::string expect_config_error(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const ConfigError& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "no ConfigError thrown";
-  return "";
 }
 
 // ---- random numbers --------------------------------------------------------------------------
@@ -290,7 +283,7 @@ TEST(TraceGenerator, ZipfPerLayerSpreadsFromLoToHi) {
   c.zipf = {0.1, 0.2, 0.3, 0.4, 0.5};
   EXPECT_DOUBLE_EQ(c.zipf_exponent(3), 0.4);
   c.zipf = {0.1, 0.2};
-  EXPECT_NE(expect_config_error([&] { validate(c); }).find("zipf = 2 values is invalid"),
+  EXPECT_NE(config_error([&] { validate(c); }).find("zipf = 2 values is invalid"),
             std::string::npos);
 }
 
@@ -341,7 +334,7 @@ TEST(TraceGenerator, InvalidParametersNameTheField) {
   for (const auto& [mutate, message] : cases) {
     GeneratorConfig c;
     mutate(c);
-    EXPECT_NE(expect_config_error([&] { validate(c); }).find(message), std::string::npos)
+    EXPECT_NE(config_error([&] { validate(c); }).find(message), std::string::npos)
         << message;
   }
 }
@@ -495,7 +488,7 @@ TEST(TraceFile, BadCsvFilesNameTheLine) {
   };
   for (const BadFile& c : cases) {
     const std::string msg =
-        expect_config_error([&] { TraceFile::parse_csv(c.text, "bad.csv", 4); });
+        config_error([&] { TraceFile::parse_csv(c.text, "bad.csv", 4); });
     EXPECT_NE(msg.find(c.message), std::string::npos) << "got: " << msg << "\nwant: " << c.message;
   }
 }
@@ -531,13 +524,13 @@ TEST(TraceFile, BadJsonFilesNameTheLineOrThePath) {
   };
   for (const BadFile& c : cases) {
     const std::string msg =
-        expect_config_error([&] { TraceFile::parse_json(c.text, "bad.json", 2); });
+        config_error([&] { TraceFile::parse_json(c.text, "bad.json", 2); });
     EXPECT_NE(msg.find(c.message), std::string::npos) << "got: " << msg << "\nwant: " << c.message;
   }
 }
 
 TEST(TraceFile, MissingFileIsAClearError) {
-  const std::string msg = expect_config_error([] { TraceFile::read("/nonexistent/trace.csv"); });
+  const std::string msg = config_error([] { TraceFile::read("/nonexistent/trace.csv"); });
   EXPECT_NE(msg.find("/nonexistent/trace.csv: cannot open the file"), std::string::npos) << msg;
 }
 
