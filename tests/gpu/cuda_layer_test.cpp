@@ -41,27 +41,6 @@ struct GpuLayer {
   }
 };
 
-::testing::AssertionResult close(const std::vector<double>& gpu, const std::vector<double>& cpu,
-                                 double tol, const std::string& what) {
-  if (gpu.size() != cpu.size())
-    return ::testing::AssertionFailure() << what << ": sizes " << gpu.size() << " vs " << cpu.size();
-  if (!all_finite(gpu)) return ::testing::AssertionFailure() << what << ": non-finite GPU values";
-  const double err = rel_error(gpu, cpu);
-  if (err > tol) return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
-  return ::testing::AssertionSuccess() << what << ": rel error " << err;
-}
-
-void expect_stats_equal(const StepStats& g, const StepStats& c) {
-  EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);
-  EXPECT_NEAR(g.z_loss, c.z_loss, 1e-4 * std::abs(c.z_loss) + 1e-9);
-  EXPECT_EQ(g.load_before, c.load_before);
-  EXPECT_EQ(g.load_after, c.load_after);
-  EXPECT_EQ(g.clones, c.clones);
-  EXPECT_EQ(g.received_rows, c.received_rows);
-  EXPECT_EQ(g.overflow_rows, c.overflow_rows);
-  EXPECT_EQ(g.spill_rounds, c.spill_rounds);
-}
-
 // =================================================================================================
 // Forward + backward against the CPU layer
 // =================================================================================================

@@ -1,5 +1,6 @@
-// Layer inputs shared by the GPU layer tests: tokens with clear top-k margins (so routing on the
-// GPU agrees exactly with the CPU reference) and parameters already rounded to the GPU dtypes.
+// Shared by the GPU layer tests: tokens with clear top-k margins (so routing on the GPU agrees
+// exactly with the CPU reference), parameters already rounded to the GPU dtypes, and the checks
+// of outputs and step statistics against the CPU layer.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,6 +9,7 @@
 #include <cmath>
 #include <functional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gpu_test_util.hpp"
@@ -75,6 +77,32 @@ inline GlobalParams rounded_params(const MoeConfig& m, uint64_t seed, int hot_bi
   for (auto& v : p.w1) v = round_bf16(v / std::sqrt(double(H)));
   for (auto& v : p.w2) v = round_bf16(v / std::sqrt(double(F)));
   return p;
+}
+
+// `got` against the reference `want`: same size, finite, relative error within tol.
+inline ::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want,
+                                 double tol, const std::string& what) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure()
+           << what << ": sizes " << got.size() << " vs " << want.size();
+  if (!all_finite(got)) return ::testing::AssertionFailure() << what << ": non-finite GPU values";
+  const double err = rel_error(got, want);
+  if (err > tol)
+    return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
+  return ::testing::AssertionSuccess() << what << ": rel error " << err;
+}
+
+// Routing statistics must match exactly; losses within 1e-4 relative.
+inline void expect_stats_equal(const StepStats& g, const StepStats& c) {
+  EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);
+  EXPECT_NEAR(g.z_loss, c.z_loss, 1e-4 * std::abs(c.z_loss) + 1e-9);
+  EXPECT_EQ(g.load_before, c.load_before);
+  EXPECT_EQ(g.load_after, c.load_after);
+  EXPECT_EQ(g.clones, c.clones);
+  EXPECT_EQ(g.received_rows, c.received_rows);
+  EXPECT_EQ(g.overflow_rows, c.overflow_rows);
+  EXPECT_EQ(g.overflow_rows_all, c.overflow_rows_all);
+  EXPECT_EQ(g.spill_rounds, c.spill_rounds);
 }
 
 }  // namespace moe_echo::test

@@ -38,30 +38,6 @@ std::vector<double> slice(const std::vector<double>& v, size_t part, size_t part
                              v.begin() + std::ptrdiff_t((part + 1) * n));
 }
 
-::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want,
-                                 double tol, const std::string& what) {
-  if (got.size() != want.size())
-    return ::testing::AssertionFailure()
-           << what << ": sizes " << got.size() << " vs " << want.size();
-  if (!all_finite(got)) return ::testing::AssertionFailure() << what << ": non-finite GPU values";
-  const double err = rel_error(got, want);
-  if (err > tol)
-    return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
-  return ::testing::AssertionSuccess() << what << ": rel error " << err;
-}
-
-void expect_stats_equal(const StepStats& g, const StepStats& c) {
-  EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);
-  EXPECT_NEAR(g.z_loss, c.z_loss, 1e-4 * std::abs(c.z_loss) + 1e-9);
-  EXPECT_EQ(g.load_before, c.load_before);
-  EXPECT_EQ(g.load_after, c.load_after);
-  EXPECT_EQ(g.clones, c.clones);
-  EXPECT_EQ(g.received_rows, c.received_rows);
-  EXPECT_EQ(g.overflow_rows, c.overflow_rows);
-  EXPECT_EQ(g.overflow_rows_all, c.overflow_rows_all);
-  EXPECT_EQ(g.spill_rounds, c.spill_rounds);
-}
-
 // One forward + backward of this rank's GPU layer; everything read back to the host.
 struct GpuRun {
   std::vector<double> y, dx, d_router, dw1, dw2;
