@@ -3,6 +3,7 @@
 #include <map>
 
 #include "moe_echo/error.hpp"
+#include "tools/cost_model.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
 #include "cuda/cuda_backend.hpp"
@@ -58,7 +59,8 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
                   "rounds, never dropped (default 1.25)");
   cmd->add_option("--clone-cost-rows", o.clone_cost_rows,
                   "A clone must lower the busiest rank's load by more than this many rows "
-                  "(default 0)");
+                  "(default: on the GPU, the H200 cost model's clone traffic time over one row's "
+                  "expert time, ~2200 rows; 0 on the CPU backend)");
   cmd->add_option("--seed", o.seed, "Seed of weights and synthetic data (default 1)");
 }
 
@@ -103,7 +105,11 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.echo.spare_slots_per_rank = o.spare_slots.value_or(2);
   r.echo.max_clones_per_expert = o.max_clones.value_or(2);
   r.echo.capacity_factor = o.capacity_factor.value_or(1.25);
-  r.echo.clone_cost_rows = o.clone_cost_rows;
+  // On a GPU a clone costs its weights in and its gradient out over NVLink; the cost model turns
+  // that into rows of expert work (bf16 weights, fp32 gradients). Ranks simulated in one CPU
+  // process pay a memory copy, so cloning is free there.
+  r.echo.clone_cost_rows = o.clone_cost_rows.value_or(
+      cpu_backend ? 0 : tools::CostModel{}.clone_cost_rows(r.moe.hidden, r.moe.ffn, 4));
   ParallelConfig par{r.ep, 0};
   validate(r.moe, par, r.echo);
   return r;

@@ -20,7 +20,7 @@ struct LayerOptions {
   std::string echo = "on";
   double aux_loss_coeff = 0.0, z_loss_coeff = 0.0;
   bool bias_update = false;
-  int64_t clone_cost_rows = 0;
+  std::optional<int64_t> clone_cost_rows;
   uint64_t seed = 1;
 };
 
