@@ -92,18 +92,16 @@ struct SwigluArgs {
   Tensor dh;           // [rows, 2F]                             (backward out)
 };
 
-struct CombineArgs {
-  Tensor gathered;  // [T * K, H]: expert output rows back at their source
-  Tensor weight;    // [T, K] float, or empty for an unweighted sum
-  Tensor y;         // out [T, H]: y[t] = sum_k weight[t,k] * gathered[t*K+k]
-};
-
-struct CombineBackwardArgs {
-  Tensor dy;              // [T, H]
-  Tensor gathered;        // [T * K, H] (from the forward)
-  Tensor weight;          // [T, K] float
-  Tensor d_gathered;      // out [T * K, H]: weight[t,k] * dy[t]
-  Tensor d_weight;        // out [T, K] float: <dy[t], gathered[t*K+k]>
+// The receiver's side of a token's members (see FanTable in comm.hpp): the fan table this round's
+// dispatch wrote, read on valid rows only. A lead row p is a valid row with members[p][0] == p.
+struct FanArgs {
+  GroupWindow window;  // valid rows: rows of the window in some group
+  Tensor members;      // [rows, K] i32
+  Tensor weights;      // [rows, K] float, or empty: weight 1
+  Tensor src;          // [rows, H] activation
+  Tensor dst;          // [rows, H] activation
+  Tensor other;        // fan_out only: [rows, H] activation, or empty
+  Tensor d_weight;     // fan_out only: out [rows] float, or empty
 };
 
 struct AdamWArgs {
@@ -155,8 +153,14 @@ class Backend {
   virtual void gemm_wgrad(const GemmArgs& a, Stream s) = 0;
   virtual void swiglu_forward(const SwigluArgs& a, Stream s) = 0;
   virtual void swiglu_backward(const SwigluArgs& a, Stream s) = 0;
-  virtual void combine_forward(const CombineArgs& a, Stream s) = 0;
-  virtual void combine_backward(const CombineBackwardArgs& a, Stream s) = 0;
+  // For every lead row p and member j of p (p included): d_weight[j] = <src[p], other[j]> when
+  // d_weight is given (float accumulation, before dst[j] is written), then dst[j] = w_j * src[p].
+  // dst may be src (the unweighted copy to the other members; row p is then left as it is) or
+  // other (the rows are read before they are written).
+  virtual void fan_out(const FanArgs& a, Stream s) = 0;
+  // For every lead row p: dst[p] = sum over members j of p, in member order, of w_j * src[j],
+  // accumulated in float and rounded once. dst and src are distinct buffers.
+  virtual void fan_in(const FanArgs& a, Stream s) = 0;
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
   // t[i] += value for every element of an i32 tensor (step counters).
   virtual void add_i32(const Tensor& t, int32_t value, Stream s) = 0;

@@ -24,19 +24,42 @@ struct SymmetricBuffer {
   int id = -1;
 };
 
-// Where each (token, k) entry of this rank goes: receive row dest_row[i] of rank dest_rank[i].
-// Entry i reads source row i / src_div (src_div = K for token rows, 1 for per-entry rows).
+// Where each (token, k) entry of this rank goes: receive row dest_row[i] (global over rounds) of
+// rank dest_rank[i]. Entry i belongs to token i / top_k.
 struct RowRoute {
   const int32_t* dest_rank = nullptr;  // device [n]
-  const int32_t* dest_row = nullptr;   // device [n], global receive row over all rounds
-  int64_t n = 0;
-  int src_div = 1;
+  const int32_t* dest_row = nullptr;   // device [n]
+  const void* weight = nullptr;        // device [n] combine weights (the fan table's float dtype),
+                                       // or nullptr: weight 1
+  int64_t n = 0;                       // tokens * top_k
+  int top_k = 1;
 };
 
 // One round's window of receive rows: [row_lo, row_lo + rows).
 struct RoundWindow {
   int64_t row_lo = 0;
   int64_t rows = 0;
+};
+
+// Leads and members. Entry i is in a window when row_lo <= dest_row[i] < row_lo + rows. In a
+// window, the members of (token t, rank d) are t's entries in the window with dest_rank d, in k
+// order; the first of them is the lead. A token's row crosses to rank d once per window, into the
+// lead's receive row; the receiver copies it to the other members' rows (Backend::fan_out) and
+// sums the members' results into the lead's row (Backend::fan_in) before the source reads it
+// back, so a token picking several experts on one rank moves one row each way, not one per expert.
+//
+// The fan table tells the receiver who its members are: symmetric buffers of the layer, indexed by
+// window row (row - row_lo), written by the dispatch on the receiving rank:
+// - members [rows, K] i32: for a lead row p, the window rows of p's members, p first, then -1
+//   padding; for any other row q in the window, members[q][0] = -1.
+// - weights [rows, K] float: the route's combine weight of each member (1 without weights).
+// - values  [rows] float: written by the receiver (Backend::fan_out's d_weight), read back per
+//   entry by the combine.
+// Only rows that some entry targets this round are written: readers visit valid rows only.
+struct FanTable {
+  SymmetricBuffer members, weights, values;
+  int top_k = 1;
+  DType float_dtype = DType::f32;
 };
 
 class Communicator {
@@ -56,14 +79,23 @@ class Communicator {
   // t <- sum over ranks of t (f32 or f64), summed in rank order so every rank gets the same bits.
   // For replicated parameters such as the router weight.
   virtual void all_reduce_sum(const Tensor& t, Stream s) = 0;
-  // For every entry i whose dest_row lies in the window: row (dest_row - row_lo) of `recv` on rank
-  // dest_rank <- row i / src_div of `src`. `recv` holds window.rows rows of `row_bytes`.
+  // Row t of `src` (row_bytes each) to the lead row of `recv` on every rank where token t has
+  // entries in the window, once per rank; the fan table of those rows on the receiving rank
+  // (members and weights). Other members' rows of `recv` are left to the receiver's fan_out.
   virtual void dispatch(const RowRoute& route, RoundWindow window, const void* src,
-                        size_t row_bytes, const SymmetricBuffer& recv, Stream s) = 0;
-  // For every entry i whose dest_row lies in the window: row i of `gathered` <- row
-  // (dest_row - row_lo) of `out` on rank dest_rank. Entries outside the window are untouched.
-  virtual void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& out,
-                       size_t row_bytes, void* gathered, Stream s) = 0;
+                        size_t row_bytes, const SymmetricBuffer& recv, const FanTable& fan,
+                        Stream s) = 0;
+  // For every token t of y ([n / top_k, H], activation or float dtype):
+  //   y[t] = (accumulate && *accumulate != 0 ? y[t] : 0)
+  //          + sum over t's lead entries i in the window, in k order, of
+  //            row (dest_row[i] - row_lo) of `red` on rank dest_rank[i]   (rows of y's dtype),
+  // summed in float (f32 for bf16 and f32, f64 for f64) and rounded once. `accumulate` is a device
+  // flag (or nullptr: overwrite). Tokens without entries in the window get the first term only.
+  // When values_out is given (device, [n] of the fan's float dtype): values_out[i] <- fan.values
+  // at window row (dest_row[i] - row_lo) of rank dest_rank[i], for every entry i in the window.
+  virtual void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
+                       const Tensor& y, const int32_t* accumulate, const FanTable& fan,
+                       void* values_out, Stream s) = 0;
   // ECHO clone weight sync: every spare slot s of this rank that the plan fills with expert e gets
   // slot (e % (E/R)) of rank (e / (E/R)): `weights` holds [home + spare slots][slot_bytes].
   virtual void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,

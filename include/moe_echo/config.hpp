@@ -20,6 +20,9 @@ const char* to_string(ScoreFunction f);
 // Parses "softmax" or "sigmoid"; throws ConfigError naming `field` otherwise.
 ScoreFunction parse_score_function(const std::string& s, const char* field = "score_function");
 
+// The largest top_k a layer takes: one warp handles a token's entries in dispatch and combine.
+inline constexpr int kMaxTopK = 32;
+
 struct MoeConfig {
   int hidden = 0;       // H
   int ffn = 0;          // F: fc1 is H x 2F (gate | up), fc2 is F x H

@@ -96,8 +96,13 @@ class MoeLayer {
   struct Buffers;
 
  private:
-  void run_round(int round, const Tensor& x, int64_t T, Stream s);
-  void run_round_backward(int round, const Tensor& x, int64_t T, Stream s);
+  RowRoute route(int64_t T) const;
+  FanArgs fan_args(int round) const;
+  void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
+  void run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
+                 const int32_t* accumulate, Stream s);
+  void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
+                          const int32_t* accumulate, Stream s);
   void init_parameters(uint64_t seed);
 
   Backend& backend_;

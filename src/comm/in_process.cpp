@@ -135,27 +135,59 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void dispatch(const RowRoute& route, RoundWindow win, const void* src, size_t row_bytes,
-                const SymmetricBuffer& recv, Stream) override {
+                const SymmetricBuffer& recv, const FanTable& fan, Stream) override {
+    const int K = route.top_k;
+    const size_t fl = float_size(fan.float_dtype);
+    check_window(win, recv, row_bytes, fan);
     w_.barrier();
-    for (int64_t i = 0; i < route.n; ++i) {
-      const int64_t row = route.dest_row[i] - win.row_lo;
-      if (row < 0 || row >= win.rows) continue;
-      void* peer = w_.table[size_t(recv.id)][size_t(route.dest_rank[i])];
-      std::memcpy(row_ptr(peer, row, row_bytes),
-                  static_cast<const char*>(src) + size_t(i / route.src_div) * row_bytes, row_bytes);
+    for (int64_t t = 0; t < route.n / K; ++t) {
+      const int64_t first = t * K;
+      for (int k = 0; k < K; ++k) {
+        const int64_t i = first + k;
+        if (!in_window(route, win, i)) continue;
+        const int d = route.dest_rank[i];
+        const int64_t row = route.dest_row[i] - win.row_lo;
+        int32_t* members = static_cast<int32_t*>(peer(fan.members, d)) + row * K;
+        if (lead_entry(route, win, first, k) != k) {
+          members[0] = -1;
+          continue;
+        }
+        std::memcpy(row_ptr(peer(recv, d), row, row_bytes),
+                    static_cast<const char*>(src) + size_t(t) * row_bytes, row_bytes);
+        // The members of (t, d): t's entries in the window on rank d, in k order, lead first.
+        char* weights = row_ptr(peer(fan.weights, d), row, size_t(K) * fl);
+        int m = 0;
+        for (int k2 = k; k2 < K; ++k2) {
+          const int64_t j = first + k2;
+          if (!in_window(route, win, j) || route.dest_rank[j] != d) continue;
+          members[m] = int32_t(route.dest_row[j] - win.row_lo);
+          if (route.weight)
+            std::memcpy(weights + size_t(m) * fl,
+                        static_cast<const char*>(route.weight) + size_t(j) * fl, fl);
+          else
+            write_one(weights + size_t(m) * fl, fan.float_dtype);
+          ++m;
+        }
+        for (; m < K; ++m) members[m] = -1;
+      }
     }
     w_.barrier();
   }
 
-  void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& out,
-               size_t row_bytes, void* gathered, Stream) override {
+  void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
+               const Tensor& y, const int32_t* accumulate, const FanTable& fan, void* values_out,
+               Stream) override {
+    MOE_ECHO_CHECK(y.dtype == DType::f32 || y.dtype == DType::f64,
+                   "in-process combine supports f32 and f64 rows, not " << to_string(y.dtype));
+    MOE_ECHO_CHECK(y.ndim == 2 && y.size(0) * route.top_k == route.n,
+                   "combine: y " << y.describe() << " for " << route.n << " entries of top_k "
+                                 << route.top_k);
+    check_window(win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
     w_.barrier();
-    for (int64_t i = 0; i < route.n; ++i) {
-      const int64_t row = route.dest_row[i] - win.row_lo;
-      if (row < 0 || row >= win.rows) continue;
-      void* peer = w_.table[size_t(out.id)][size_t(route.dest_rank[i])];
-      std::memcpy(row_ptr(gathered, i, row_bytes), row_ptr(peer, row, row_bytes), row_bytes);
-    }
+    if (y.dtype == DType::f32)
+      combine_rows<float>(route, win, red, y, accumulate, fan, values_out);
+    else
+      combine_rows<double>(route, win, red, y, accumulate, fan, values_out);
     w_.barrier();
   }
 
@@ -200,6 +232,77 @@ class InProcessCommunicator final : public Communicator {
   }
 
  private:
+  void* peer(const SymmetricBuffer& buf, int rank) const {
+    return w_.table[size_t(buf.id)][size_t(rank)];
+  }
+
+  static bool in_window(const RowRoute& route, RoundWindow win, int64_t i) {
+    const int64_t row = int64_t(route.dest_row[i]) - win.row_lo;
+    return row >= 0 && row < win.rows;
+  }
+
+  // The k of the lead of entry first + k's (token, rank) pair: its first entry in the window.
+  static int lead_entry(const RowRoute& route, RoundWindow win, int64_t first, int k) {
+    const int d = route.dest_rank[first + k];
+    for (int k2 = 0; k2 < k; ++k2)
+      if (in_window(route, win, first + k2) && route.dest_rank[first + k2] == d) return k2;
+    return k;
+  }
+
+  static size_t float_size(DType dt) {
+    MOE_ECHO_CHECK(dt == DType::f32 || dt == DType::f64,
+                   "fan table float dtype must be f32 or f64, not " << to_string(dt));
+    return dtype_size(dt);
+  }
+
+  static void write_one(void* p, DType dt) {
+    if (dt == DType::f32)
+      *static_cast<float*>(p) = 1.0f;
+    else
+      *static_cast<double*>(p) = 1.0;
+  }
+
+  // The window's rows fit the receive buffer and the fan table.
+  void check_window(RoundWindow win, const SymmetricBuffer& rows_buf, size_t row_bytes,
+                    const FanTable& fan) const {
+    const size_t rows = size_t(win.rows);
+    MOE_ECHO_CHECK(rows * row_bytes <= rows_buf.bytes &&
+                       rows * size_t(fan.top_k) * sizeof(int32_t) <= fan.members.bytes &&
+                       rows * size_t(fan.top_k) * float_size(fan.float_dtype) <= fan.weights.bytes &&
+                       rows * float_size(fan.float_dtype) <= fan.values.bytes,
+                   "a window of " << win.rows << " rows does not fit the symmetric buffers");
+  }
+
+  // y[t] = (accumulate ? y[t] : 0) + sum of t's lead rows, summed in T; values pulled per entry.
+  template <class T>
+  void combine_rows(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
+                    const Tensor& y, const int32_t* accumulate, const FanTable& fan,
+                    void* values_out) const {
+    const int K = route.top_k;
+    const int64_t H = y.size(1);
+    const size_t row_bytes = size_t(H) * sizeof(T), fl = float_size(fan.float_dtype);
+    const bool add = accumulate && *accumulate != 0;
+    std::vector<T> acc(static_cast<size_t>(H));
+    for (int64_t t = 0; t < y.size(0); ++t) {
+      T* out = y.as<T>() + t * H;
+      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add ? out[h] : T(0);
+      const int64_t first = t * K;
+      for (int k = 0; k < K; ++k) {
+        const int64_t i = first + k;
+        if (!in_window(route, win, i)) continue;
+        const int d = route.dest_rank[i];
+        const int64_t row = route.dest_row[i] - win.row_lo;
+        if (values_out)
+          std::memcpy(static_cast<char*>(values_out) + size_t(i) * fl,
+                      row_ptr(peer(fan.values, d), row, fl), fl);
+        if (lead_entry(route, win, first, k) != k) continue;
+        const T* r = reinterpret_cast<const T*>(row_ptr(peer(red, d), row, row_bytes));
+        for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += r[h];
+      }
+      for (int64_t h = 0; h < H; ++h) out[h] = acc[size_t(h)];
+    }
+  }
+
   InProcessWorld::State& w_;
   const int rank_;
   int next_id_ = 0;

@@ -34,6 +34,9 @@ void validate(const MoeConfig& m) {
   if (m.top_k < 1 || m.top_k > m.experts)
     reject("top_k", m.top_k,
            range("1", "top_k", "experts (" + std::to_string(m.experts) + ")"));
+  if (m.top_k > kMaxTopK)
+    reject("top_k", m.top_k,
+           "top_k <= " + std::to_string(kMaxTopK) + " (a token's entries are handled by one warp)");
   if (m.max_tokens < 1) reject("max_tokens", m.max_tokens, "max_tokens >= 1");
   if (int64_t(m.max_tokens) * m.top_k > kMaxRows)
     reject("max_tokens", m.max_tokens,

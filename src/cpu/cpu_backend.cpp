@@ -77,11 +77,11 @@ class CpuBackend final : public Backend {
   void swiglu_backward(const SwigluArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::swiglu_backward<T>(a); });
   }
-  void combine_forward(const CombineArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::combine_forward<T>(a); });
+  void fan_out(const FanArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::fan_out<T>(a); });
   }
-  void combine_backward(const CombineBackwardArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::combine_backward<T>(a); });
+  void fan_in(const FanArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::fan_in<T>(a); });
   }
   void adamw(const AdamWArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::adamw<T>(a); });

@@ -17,8 +17,8 @@ template <class T> void gemm_dgrad(const GemmArgs& a);
 template <class T> void gemm_wgrad(const GemmArgs& a);
 template <class T> void swiglu_forward(const SwigluArgs& a);
 template <class T> void swiglu_backward(const SwigluArgs& a);
-template <class T> void combine_forward(const CombineArgs& a);
-template <class T> void combine_backward(const CombineBackwardArgs& a);
+template <class T> void fan_out(const FanArgs& a);
+template <class T> void fan_in(const FanArgs& a);
 template <class T> void adamw(const AdamWArgs& a);
 
 // Rows [begin, end) of the window that group g owns (window-relative), and the valid rows of the

@@ -1,5 +1,12 @@
 // The step orchestration of DESIGN.md section 2, written once over Backend and Communicator.
 //
+// Rows: a token's row crosses to each rank it picks experts on once per round (dispatch into the
+// lead row), the receiver fans it out to the other members' rows, runs the experts, and sums the
+// members' weighted outputs into the lead row (fan_in); the source sums one row per rank (combine).
+// The backward sends dy the same way; the receiver's fan_out weights it per member and computes
+// the combine-weight gradient there (it holds the expert outputs), fan_in sums the members' dx
+// rows, and the combine brings back one dx row per rank and every entry's weight gradient.
+//
 // Rounds: receive buffers hold `capacity` rows. Round r handles receive rows
 // [r * capacity, (r + 1) * capacity) of every rank; round 0 always runs, a spill round only when
 // some rank received more rows than the rounds before it hold (decided from the routing map,
@@ -40,14 +47,15 @@ struct MoeLayer::Buffers {
   Tensor logits, scores, topk_idx, topk_weight, counts, losses;
   Tensor routing_map, plan, assign, dest_rank, dest_row, group_offsets, rank_rows, round_active;
   // Receive windows and expert activations (capacity rows).
-  SymmetricBuffer recv_x_sym, recv_out_sym;  // forward: rows in; expert output rows out
-  Tensor recv_x, recv_out, h, a;
+  // recv_x: token rows in (forward and recompute). recv_red: the rows the source reads back
+  // (forward: weighted output sums; backward: dy rows in, then dx sums out). recv_out: expert
+  // output rows, then their gradients, then dx rows.
+  SymmetricBuffer recv_x_sym, recv_red_sym;
+  FanTable fan;
+  Tensor recv_x, recv_red, recv_out, h, a, da, dh;
+  Tensor fan_members, fan_weights, fan_values;
   // Source side.
-  Tensor gathered, d_gathered, d_topk_weight;
-  // Backward expert side (the forward receive windows are reused: recv_out holds dy rows, and
-  // a second window holds dx rows for the combine).
-  SymmetricBuffer recv_dx_sym;
-  Tensor recv_dx, da, dh;
+  Tensor d_topk_weight;
 
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
@@ -109,15 +117,18 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   b.round_active = dev(DType::i32, {rounds_});
 
   b.recv_x = sym(b.recv_x_sym, act, {cap, H});
-  b.recv_out = sym(b.recv_out_sym, act, {cap, H});
+  b.recv_red = sym(b.recv_red_sym, act, {cap, H});
+  b.fan_members = sym(b.fan.members, DType::i32, {cap, K});
+  b.fan_weights = sym(b.fan.weights, fl, {cap, K});
+  b.fan_values = sym(b.fan.values, fl, {cap});
+  b.fan.top_k = int(K);
+  b.fan.float_dtype = fl;
+  b.recv_out = dev(act, {cap, H});
   b.h = dev(act, {cap, 2 * F});
   b.a = dev(act, {cap, F});
-  b.gathered = dev(act, {T * K, H});
-  b.d_gathered = dev(act, {T * K, H});
-  b.d_topk_weight = dev(fl, {T, K});
-  b.recv_dx = sym(b.recv_dx_sym, act, {cap, H});
   b.da = dev(act, {cap, F});
   b.dh = dev(act, {cap, 2 * F});
+  b.d_topk_weight = dev(fl, {T, K});
 }
 
 MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
@@ -338,68 +349,84 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
     comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2.row_numel() * dtype_size(b.w2.dtype), s);
   }
 
+  // Spill rounds add into y (zeroed first when there are any); round 0 then adds to them, or
+  // writes y when there were none.
+  const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
+  if (spill) backend_.run_if(spill, [&] { backend_.fill_zero(y, s); }, s);
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
-      run_round(0, x, T, s);
+      run_round(0, x, y, T, spill, s);
     else
-      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] { run_round(r, x, T, s); }, s);
+      backend_.run_if(b.round_active.as<int32_t>() + r,
+                      [&, r] { run_round(r, x, y, T, spill, s); }, s);
   }
-
-  CombineArgs ca;
-  ca.gathered = b.gathered.rows(0, T * K);
-  ca.weight = b.topk_weight.rows(0, T);
-  ca.y = y;
-  backend_.combine_forward(ca, s);
 }
 
-void MoeLayer::run_round(int round, const Tensor& x, int64_t T, Stream s) {
+RowRoute MoeLayer::route(int64_t T) const {
+  const Buffers& b = *buf_;
+  return RowRoute{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), b.topk_weight.data,
+                  T * moe_.top_k, moe_.top_k};
+}
+
+FanArgs MoeLayer::fan_args(int round) const {
+  const Buffers& b = *buf_;
+  FanArgs f;
+  f.window = GroupWindow{b.group_offsets.as<int32_t>(), slots_, round * capacity_, capacity_};
+  f.members = b.fan_members;
+  f.weights = b.fan_weights;
+  return f;
+}
+
+// Token rows to the experts of this round's window, expanded to every member row: recv_x.
+void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
-  const int64_t K = moe_.top_k;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
+  comm_.dispatch(route(T), RoundWindow{round * capacity_, capacity_}, x.data, row_bytes,
+                 b.recv_x_sym, b.fan, s);
+  FanArgs expand = fan_args(round);
+  expand.weights = Tensor();
+  expand.src = b.recv_x;
+  expand.dst = b.recv_x;
+  backend_.fan_out(expand, s);
+}
+
+void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
+                         const int32_t* accumulate, Stream s) {
+  Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
-  const RowRoute route{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), T * K, int(K)};
 
-  comm_.dispatch(route, win, x.data, row_bytes, b.recv_x_sym, s);
+  dispatch_tokens(round, x, T, s);
   backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
-  comm_.combine(route, win, b.recv_out_sym, row_bytes, b.gathered.data, s);
+  FanArgs sum = fan_args(round);
+  sum.src = b.recv_out;
+  sum.dst = b.recv_red;
+  backend_.fan_in(sum, s);
+  comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
 }
 
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   Buffers& b = *buf_;
-  const int64_t T = last_tokens_, H = moe_.hidden, K = moe_.top_k;
+  const int64_t T = last_tokens_, H = moe_.hidden;
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
-  CombineBackwardArgs cb;
-  cb.dy = dy;
-  cb.gathered = b.gathered.rows(0, T * K);
-  cb.weight = b.topk_weight.rows(0, T);
-  cb.d_gathered = b.d_gathered.rows(0, T * K);
-  cb.d_weight = b.d_topk_weight.rows(0, T);
-  backend_.combine_backward(cb, s);
-
   // Clone slots accumulate this step's gradients only; home slots accumulate across steps.
   const int64_t EPR = moe_.experts / par_.ep_size;
   if (slots_ > EPR) {
     backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
     backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
   }
+  // Round 0 writes dx, spill rounds add to it; then the router adds its part.
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
-      run_round_backward(0, last_x_, T, s);
+      run_round_backward(0, dy, dx, T, nullptr, s);
     else
-      backend_.run_if(b.round_active.as<int32_t>() + r,
-                      [&, r] { run_round_backward(r, last_x_, T, s); }, s);
+      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] {
+        run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, s);
+      }, s);
   }
-
-  // dx[t] = sum_k dx rows (the combine weight was applied to dy already), then the router.
-  CombineArgs ca;
-  ca.gathered = b.gathered.rows(0, T * K);  // now holds the dx rows
-  ca.weight = Tensor();
-  ca.y = dx;
-  backend_.combine_forward(ca, s);
 
   RouterBackwardArgs rb;
   rb.x = last_x_;
@@ -427,28 +454,38 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
     backend_.router_bias_update(b.routing_map, b.router_bias, moe_.bias_update_rate, s);
 }
 
-void MoeLayer::run_round_backward(int round, const Tensor& x, int64_t T, Stream s) {
+void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
+                                  const int32_t* accumulate, Stream s) {
   Buffers& b = *buf_;
-  const int64_t K = moe_.top_k;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
-  const RowRoute token_route{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), T * K, int(K)};
-  const RowRoute entry_route{b.dest_rank.as<int32_t>(), b.dest_row.as<int32_t>(), T * K, 1};
 
-  if (round > 0) {  // recompute this spill round's activations
-    comm_.dispatch(token_route, win, x.data, row_bytes, b.recv_x_sym, s);
+  if (round > 0) {  // recompute this spill round's activations and expert outputs
+    dispatch_tokens(round, last_x_, T, s);
     backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
     backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+    backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
   }
-  // dy rows (already weighted) to the experts; recv_out is free after the forward combine.
-  comm_.dispatch(entry_route, win, b.d_gathered.data, row_bytes, b.recv_out_sym, s);
+  // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
+  comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
+  FanArgs scatter = fan_args(round);
+  scatter.src = b.recv_red;
+  scatter.dst = b.recv_out;
+  scatter.other = b.recv_out;
+  scatter.d_weight = b.fan_values;
+  backend_.fan_out(scatter, s);
   backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
   backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2}, s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
-  backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_dx}, s);
+  backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_out}, s);  // dx rows
   backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1}, s);
-  comm_.combine(entry_route, win, b.recv_dx_sym, row_bytes, b.gathered.data, s);
+  FanArgs sum = fan_args(round);
+  sum.weights = Tensor();
+  sum.src = b.recv_out;
+  sum.dst = b.recv_red;
+  backend_.fan_in(sum, s);
+  comm_.combine(route(T), win, b.recv_red_sym, dx, accumulate, b.fan, b.d_topk_weight.data, s);
 }
 
 StepStats MoeLayer::stats() const {

@@ -203,39 +203,6 @@ inline void swiglu_backward(int64_t valid, int64_t F, const std::vector<double>&
     }
 }
 
-// ---- Combine ------------------------------------------------------------------------------------
-
-// y[t] = sum_k w[t,k] gathered[t K + k]; an empty `weight` means every weight is 1.
-inline std::vector<double> combine_forward(int64_t T, int64_t K, int64_t H,
-                                           const std::vector<double>& gathered,
-                                           const std::vector<double>& weight) {
-  std::vector<double> y(size_t(T * H), 0.0);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      const double wk = weight.empty() ? 1.0 : weight[size_t(t * K + k)];
-      for (int64_t h = 0; h < H; ++h)
-        y[size_t(t * H + h)] += wk * gathered[size_t((t * K + k) * H + h)];
-    }
-  return y;
-}
-
-inline void combine_backward(int64_t T, int64_t K, int64_t H, const std::vector<double>& dy,
-                             const std::vector<double>& gathered, const std::vector<double>& weight,
-                             std::vector<double>& d_gathered, std::vector<double>& d_weight) {
-  d_gathered.assign(size_t(T * K * H), 0.0);
-  d_weight.assign(size_t(T * K), 0.0);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t k = 0; k < K; ++k) {
-      double dot = 0;
-      for (int64_t h = 0; h < H; ++h) {
-        const size_t row = size_t((t * K + k) * H + h);
-        d_gathered[row] = weight[size_t(t * K + k)] * dy[size_t(t * H + h)];
-        dot += dy[size_t(t * H + h)] * gathered[row];
-      }
-      d_weight[size_t(t * K + k)] = dot;
-    }
-}
-
 // ---- AdamW --------------------------------------------------------------------------------------
 
 // One AdamW step (decoupled weight decay, bias correction with the 1-based step), in place.

@@ -1,0 +1,84 @@
+// Fan out and fan in: the receiver's side of a token's members (FanTable in comm.hpp). A token's
+// row arrives once per rank in its lead row; fan_out copies it (weighted, and with the
+// combine-weight gradient when asked) to every member row, fan_in sums the members' rows back into
+// the lead row. Only valid rows of the window are read; only member rows (fan_out) or lead rows
+// (fan_in) are written.
+#include <vector>
+
+#include "cpu/cpu_ops.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo::cpu {
+namespace {
+
+// Member m of lead row p, or -1 past the last one. Member rows must be valid rows.
+int64_t member(const FanArgs& a, int64_t p, int64_t m, int64_t valid) {
+  const int64_t K = a.members.size(1);
+  if (m >= K) return -1;
+  const int64_t j = a.members.as<int32_t>()[p * K + m];
+  MOE_ECHO_CHECK(j < valid, "fan table: member " << m << " of lead row " << p << " is row " << j
+                                                 << ", outside the " << valid << " valid rows");
+  return j < 0 ? -1 : j;
+}
+
+bool is_lead(const FanArgs& a, int64_t p) {
+  return a.members.as<int32_t>()[p * a.members.size(1)] == p;
+}
+
+}  // namespace
+
+template <class T>
+void fan_out(const FanArgs& a) {
+  const int64_t H = a.src.size(1), K = a.members.size(1), valid = valid_rows(a.window);
+  const bool weighted = a.weights.data != nullptr, grad = a.d_weight.data != nullptr;
+  MOE_ECHO_CHECK(!(weighted && a.dst.data == a.src.data),
+                 "fan_out in place (dst == src) copies unweighted: pass no weights");
+  MOE_ECHO_CHECK(!grad || a.other.data != nullptr, "fan_out: d_weight needs `other`");
+  std::vector<double> lead(static_cast<size_t>(H));
+  for (int64_t p = 0; p < valid; ++p) {
+    if (!is_lead(a, p)) continue;
+    const T* s = a.src.as<T>() + p * H;
+    for (int64_t h = 0; h < H; ++h) lead[size_t(h)] = double(s[h]);
+    for (int64_t m = 0; m < K; ++m) {
+      const int64_t j = member(a, p, m, valid);
+      if (j < 0) break;
+      if (grad) {
+        const T* o = a.other.as<T>() + j * H;
+        double dot = 0;
+        for (int64_t h = 0; h < H; ++h) dot += lead[size_t(h)] * double(o[h]);
+        a.d_weight.as<T>()[j] = T(dot);
+      }
+      const double w = weighted ? double(a.weights.as<T>()[p * K + m]) : 1.0;
+      T* d = a.dst.as<T>() + j * H;
+      for (int64_t h = 0; h < H; ++h) d[h] = T(w * lead[size_t(h)]);
+    }
+  }
+}
+
+template <class T>
+void fan_in(const FanArgs& a) {
+  const int64_t H = a.src.size(1), K = a.members.size(1), valid = valid_rows(a.window);
+  const bool weighted = a.weights.data != nullptr;
+  MOE_ECHO_CHECK(a.dst.data != a.src.data, "fan_in: dst and src must be distinct buffers");
+  std::vector<double> acc(static_cast<size_t>(H));
+  for (int64_t p = 0; p < valid; ++p) {
+    if (!is_lead(a, p)) continue;
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int64_t m = 0; m < K; ++m) {
+      const int64_t j = member(a, p, m, valid);
+      if (j < 0) break;
+      const double w = weighted ? double(a.weights.as<T>()[p * K + m]) : 1.0;
+      const T* s = a.src.as<T>() + j * H;
+      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += w * double(s[h]);
+    }
+    T* d = a.dst.as<T>() + p * H;
+    for (int64_t h = 0; h < H; ++h) d[h] = T(acc[size_t(h)]);
+  }
+}
+
+template void fan_out<float>(const FanArgs&);
+template void fan_out<double>(const FanArgs&);
+template void fan_in<float>(const FanArgs&);
+template void fan_in<double>(const FanArgs&);
+
+}  // namespace moe_echo::cpu
