@@ -53,6 +53,10 @@ TEST(Config, MoeFields) {
   expect_rejected(with([](MoeConfig& m) { m.experts = 0; }), "experts", "0");
   expect_rejected(with([](MoeConfig& m) { m.top_k = 0; }), "top_k", "0");
   expect_rejected(with([](MoeConfig& m) { m.top_k = 17; }), "top_k", "17");
+  // More experts than kMaxTopK: the top_k limit of one warp per token applies on its own.
+  expect_rejected(with([](MoeConfig& m) { m.experts = 64; m.top_k = kMaxTopK + 1; }), "top_k",
+                  std::to_string(kMaxTopK + 1));
+  EXPECT_NO_THROW(with([](MoeConfig& m) { m.experts = 64; m.top_k = kMaxTopK; })());
   expect_rejected(with([](MoeConfig& m) { m.max_tokens = 0; }), "max_tokens", "0");
   expect_rejected(with([](MoeConfig& m) { m.max_tokens = 1 << 30; m.top_k = 8; }), "max_tokens",
                   std::to_string(1 << 30));

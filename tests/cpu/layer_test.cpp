@@ -161,6 +161,40 @@ TEST(Layer, ForcedOverflowIsExactAndCounted) {
   }
 }
 
+// Every token picks every expert, two per rank, in two slots: a token has two members on each
+// rank, and windows smaller than a rank's rows put them in the same window (capacity 16 of 24
+// rows) or split them across spill rounds (capacity 8). Forward, backward and the router gradient
+// (through the combine-weight gradients pulled back per entry) equal one rank's roomy run.
+TEST(Layer, MembersOnOneRankTogetherOrSplitAcrossSpillRounds) {
+  for (double cf : {0.3, 0.65}) {
+    for (bool echo : {false, true}) {
+      LayerCase multi;
+      multi.moe = small_moe(4, 4, 6);
+      multi.moe.aux_loss_coeff = 0.01;
+      multi.ranks = 2;
+      multi.echo.enabled = echo;
+      multi.echo.spare_slots_per_rank = 1;
+      multi.echo.capacity_factor = cf;
+      LayerCase single = multi;
+      single.ranks = 1;
+      single.moe.max_tokens = 12;
+      single.echo.enabled = false;
+      single.echo.capacity_factor = 4.0;
+      const auto x = per_rank(2, 6, 16, 500);
+      const auto g = per_rank(2, 6, 16, 600);
+      const LayerRun m = run_layer(multi, x, g);
+      const LayerRun s = run_layer(single, {concat(x)}, {concat(g)});
+      SCOPED_TRACE("capacity factor " + std::to_string(cf) + (echo ? " echo" : ""));
+      EXPECT_GT(m.stats[0].spill_rounds, 0);
+      expect_close(concat(m.y), s.y[0], 1e-13, "y");
+      expect_close(concat(m.dx), s.dx[0], 1e-13, "dx");
+      expect_close(m.dw1, s.dw1, 1e-13, "dw1");
+      expect_close(m.dw2, s.dw2, 1e-13, "dw2");
+      expect_close(sum(m.d_router), s.d_router[0], 1e-13, "router weight gradient");
+    }
+  }
+}
+
 TEST(Layer, ZeroAndOneTokenAndUnevenRanks) {
   LayerCase c;
   c.moe = small_moe(8, 2, 4);

@@ -203,6 +203,53 @@ inline void swiglu_backward(int64_t valid, int64_t F, const std::vector<double>&
     }
 }
 
+// ---- Fan out / fan in ----------------------------------------------------------------------------
+
+// The fan table of a window (FanTable in comm.hpp) as the tests build it: members [rows, K] (a lead
+// row p has members[p][0] == p, then its member rows, then -1), weights [rows, K] (empty: all 1).
+// Only the first `valid` rows are looked at.
+inline bool fan_lead(const std::vector<int32_t>& members, int64_t K, int64_t p) {
+  return members[size_t(p * K)] == p;
+}
+
+// For every lead p < valid and member j of p: d_weight[j] = <src[p], other[j]> (when other is
+// given), dst[j] = w_j src[p]. Reads only src and other, so dst may start as a copy of either.
+inline void fan_out(int64_t valid, int64_t K, int64_t H, const std::vector<int32_t>& members,
+                    const std::vector<double>& weights, const std::vector<double>& src,
+                    const std::vector<double>* other, std::vector<double>& dst,
+                    std::vector<double>* d_weight) {
+  for (int64_t p = 0; p < valid; ++p) {
+    if (!fan_lead(members, K, p)) continue;
+    for (int64_t m = 0; m < K; ++m) {
+      const int64_t j = members[size_t(p * K + m)];
+      if (j < 0) break;
+      const double w = weights.empty() ? 1.0 : weights[size_t(p * K + m)];
+      if (other) {
+        double dot = 0;
+        for (int64_t h = 0; h < H; ++h) dot += src[size_t(p * H + h)] * (*other)[size_t(j * H + h)];
+        (*d_weight)[size_t(j)] = dot;
+      }
+      for (int64_t h = 0; h < H; ++h) dst[size_t(j * H + h)] = w * src[size_t(p * H + h)];
+    }
+  }
+}
+
+// For every lead p < valid: dst[p] = sum over members j of p of w_j src[j].
+inline void fan_in(int64_t valid, int64_t K, int64_t H, const std::vector<int32_t>& members,
+                   const std::vector<double>& weights, const std::vector<double>& src,
+                   std::vector<double>& dst) {
+  for (int64_t p = 0; p < valid; ++p) {
+    if (!fan_lead(members, K, p)) continue;
+    for (int64_t h = 0; h < H; ++h) dst[size_t(p * H + h)] = 0.0;
+    for (int64_t m = 0; m < K; ++m) {
+      const int64_t j = members[size_t(p * K + m)];
+      if (j < 0) break;
+      const double w = weights.empty() ? 1.0 : weights[size_t(p * K + m)];
+      for (int64_t h = 0; h < H; ++h) dst[size_t(p * H + h)] += w * src[size_t(j * H + h)];
+    }
+  }
+}
+
 // ---- AdamW --------------------------------------------------------------------------------------
 
 // One AdamW step (decoupled weight decay, bias correction with the 1-based step), in place.

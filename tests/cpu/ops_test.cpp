@@ -27,6 +27,7 @@
 
 #include "moe_echo/backend.hpp"
 #include "moe_echo/backends.hpp"
+#include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
 #include "ops_reference.hpp"
 #include "test_util.hpp"
@@ -915,6 +916,246 @@ INSTANTIATE_TEST_SUITE_P(Windows, SwigluTest,
                          ::testing::Combine(::testing::ValuesIn(kWindows),
                                             ::testing::Values(DType::f64, DType::f32)),
                          window_name);
+
+// =================================================================================================
+// Fan out / fan in
+// =================================================================================================
+
+// A random fan table over the valid prefix of a window: valid rows split into leads with 1..K
+// members in random order (lead first), plus a few orphan rows no lead names (members[q][0] = -1,
+// left alone by both ops). Non-lead rows hold -1 then garbage, padding weights and non-lead
+// weights are NaN (never read), and rows past the valid prefix hold stale leads
+// (members[q][0] == q) that must be ignored.
+struct FanCase {
+  std::vector<int32_t> members;  // [rows, K]
+  std::vector<double> weights;   // [rows, K]
+  std::vector<bool> lead, member;
+};
+
+FanCase random_fan_table(int64_t rows, int64_t valid, int64_t K, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int32_t> any_row(-1, int32_t(std::max<int64_t>(rows - 1, 0)));
+  std::uniform_real_distribution<double> weight(0.05, 1.0);
+  FanCase f;
+  f.members.resize(size_t(rows * K));
+  for (auto& m : f.members) m = any_row(rng);
+  f.weights.assign(size_t(rows * K), kNaN);
+  f.lead.assign(size_t(rows), false);
+  f.member.assign(size_t(rows), false);
+  for (int64_t q = valid; q < rows; ++q) f.members[size_t(q * K)] = int32_t(q);
+  std::vector<int32_t> order(static_cast<size_t>(valid));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (size_t at = 0; at < order.size();) {
+    if (rng() % 8 == 0) {  // an orphan
+      f.members[size_t(order[at]) * size_t(K)] = -1;
+      ++at;
+      continue;
+    }
+    const size_t n = std::min<size_t>(1 + rng() % size_t(K), order.size() - at);
+    const int64_t p = order[at];
+    f.lead[size_t(p)] = true;
+    for (size_t m = 0; m < size_t(K); ++m) {
+      f.members[size_t(p * K) + m] = m < n ? order[at + m] : -1;
+      if (m < n) f.weights[size_t(p * K) + m] = weight(rng);
+    }
+    for (size_t m = 0; m < n; ++m) {
+      const int64_t j = order[at + m];
+      f.member[size_t(j)] = true;
+      if (m > 0) f.members[size_t(j * K)] = -1;
+    }
+    at += n;
+  }
+  return f;
+}
+
+// Rows of `got`: where `written`, close to `want`; elsewhere bit-for-bit `before` (NaN included).
+void expect_fan_rows(const std::vector<double>& got, const std::vector<double>& want,
+                     const std::vector<double>& before, const std::vector<bool>& written,
+                     int64_t cols, double tol, const char* what) {
+  std::vector<double> g, w;
+  int64_t changed = 0;
+  for (size_t i = 0; i < written.size(); ++i)
+    for (int64_t c = 0; c < cols; ++c) {
+      const size_t at = i * size_t(cols) + size_t(c);
+      if (written[i]) {
+        g.push_back(got[at]);
+        w.push_back(want[at]);
+      } else if (!(got[at] == before[at] || (std::isnan(got[at]) && std::isnan(before[at])))) {
+        ++changed;
+      }
+    }
+  EXPECT_EQ(changed, 0) << what << ": rows the op must leave alone were written";
+  EXPECT_LE(rel_error(g, w), tol) << what;
+}
+
+using FanParam = std::tuple<WindowCase, int, DType>;
+
+std::string fan_name(const ::testing::TestParamInfo<FanParam>& info) {
+  return std::string(std::get<0>(info.param).name) + "_K" +
+         std::to_string(std::get<1>(info.param)) + "_" + dtype_name(std::get<2>(info.param));
+}
+
+class FanTest : public ::testing::TestWithParam<FanParam> {};
+
+TEST_P(FanTest, OutAndInMatchReferenceOnLeadsAndMembersOnly) {
+  const auto& [wc, top_k, dt] = GetParam();
+  auto be = make_cpu_backend(dt);
+  Arena arena(*be);
+  const int64_t G = int64_t(wc.offsets.size()) - 1, rows = wc.rows, K = top_k, H = wc.N;
+  const double tol = tolerance(dt);
+  const Tensor offsets = arena.make(DType::i32, {G + 1});
+  put(*be, offsets, as_doubles(wc.offsets));
+  const GroupWindow win{offsets.as<int32_t>(), int(G), wc.row_lo, rows};
+  const int64_t valid = test::ref::valid_prefix(wc.offsets, wc.row_lo, rows);
+  const uint64_t seed = uint64_t(rows * 1000 + K * 10 + H);
+  const FanCase fc = random_fan_table(rows, valid, K, seed);
+
+  const DType act = be->activation_dtype(), fl = be->float_dtype();
+  const Tensor members = arena.make(DType::i32, {rows, K}), weights = arena.make(fl, {rows, K});
+  const Tensor src = arena.make(act, {rows, H}), other = arena.make(act, {rows, H});
+  const Tensor dst = arena.make(act, {rows, H}), d_weight = arena.make(fl, {rows});
+  put(*be, members, as_doubles(fc.members));
+  put(*be, weights, fc.weights);
+  const auto wv = get(*be, weights);  // as stored
+  // src: lead rows only are read by fan_out, member rows by fan_in; other: member rows.
+  const std::vector<bool>&lead_rows = fc.lead, &member_rows = fc.member;
+  auto stored = [&](const Tensor& t, const std::vector<double>& v) {
+    put(*be, t, v);
+    return get(*be, t);
+  };
+  const auto src_lead = stored(src, rows_or_nan(lead_rows, H, seed + 1));
+  const auto src_member = stored(src, rows_or_nan(member_rows, H, seed + 2));
+  const auto other_v = stored(other, rows_or_nan(member_rows, H, seed + 3));
+  std::vector<double> poisoned(size_t(rows * H), kPoison), poisoned_w(size_t(rows), kPoison);
+
+  struct Mode {
+    const char* name;
+    bool weighted, grad;
+    enum { distinct, in_place, onto_other } dst;
+  };
+  for (const Mode mode : {Mode{"copy in place", false, false, Mode::in_place},
+                          Mode{"copy", false, false, Mode::distinct},
+                          Mode{"weighted", true, false, Mode::distinct},
+                          Mode{"weighted with d_weight", true, true, Mode::distinct},
+                          Mode{"weighted with d_weight onto other", true, true, Mode::onto_other},
+                          Mode{"unweighted with d_weight onto other", false, true,
+                               Mode::onto_other}}) {
+    SCOPED_TRACE(std::string("fan_out ") + mode.name);
+    put(*be, src, src_lead);
+    put(*be, other, other_v);
+    poison(*be, dst);
+    poison(*be, d_weight);
+    FanArgs a;
+    a.window = win;
+    a.members = members;
+    a.weights = mode.weighted ? weights : Tensor();
+    a.src = src;
+    a.dst = mode.dst == Mode::in_place ? src : mode.dst == Mode::onto_other ? other : dst;
+    a.other = mode.grad ? other : Tensor();
+    a.d_weight = mode.grad ? d_weight : Tensor();
+    be->fan_out(a, nullptr);
+
+    const std::vector<double>& before =
+        mode.dst == Mode::in_place ? src_lead : mode.dst == Mode::onto_other ? other_v : poisoned;
+    std::vector<double> want = before, want_dw = poisoned_w;
+    test::ref::fan_out(valid, K, H, fc.members, mode.weighted ? wv : std::vector<double>{},
+                       src_lead, mode.grad ? &other_v : nullptr, want, &want_dw);
+    expect_fan_rows(get(*be, a.dst), want, before, fc.member, H, tol, "dst");
+    if (mode.dst != Mode::in_place) {
+      expect_fan_rows(get(*be, src), src_lead, src_lead, std::vector<bool>(size_t(rows)), H, 0,
+                      "src");
+    }
+    if (mode.grad) expect_fan_rows(get(*be, d_weight), want_dw, poisoned_w, fc.member, 1, tol, "d_weight");
+  }
+
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "fan_in weighted" : "fan_in unweighted");
+    put(*be, src, src_member);
+    poison(*be, dst);
+    FanArgs a;
+    a.window = win;
+    a.members = members;
+    a.weights = weighted ? weights : Tensor();
+    a.src = src;
+    a.dst = dst;
+    be->fan_in(a, nullptr);
+    std::vector<double> want = poisoned;
+    test::ref::fan_in(valid, K, H, fc.members, weighted ? wv : std::vector<double>{}, src_member,
+                      want);
+    expect_fan_rows(get(*be, dst), want, poisoned, fc.lead, H, tol, "dst");
+  }
+
+  // Adjoints: <fan_out_w(a), b> over member rows = <a, fan_in_w(b)> over lead rows, and d_weight
+  // is the derivative of <fan_out_w(a), b> in each member's weight.
+  if (dt == DType::f64 && valid > 0) {
+    const auto a_v = rows_or_nan(lead_rows, H, seed + 4), b_v = rows_or_nan(member_rows, H, seed + 5);
+    FanArgs out;
+    out.window = win;
+    out.members = members;
+    out.weights = weights;
+    out.src = src;
+    out.dst = dst;
+    out.other = other;
+    out.d_weight = d_weight;
+    put(*be, src, a_v);
+    put(*be, other, b_v);
+    poison(*be, dst);
+    be->fan_out(out, nullptr);
+    const auto fa = get(*be, dst), dw = get(*be, d_weight);
+    FanArgs in = out;
+    in.src = other;
+    in.other = Tensor();
+    in.d_weight = Tensor();
+    poison(*be, dst);
+    be->fan_in(in, nullptr);
+    const auto fb = get(*be, dst);
+    double lhs = 0, rhs = 0, dw_sum = 0;
+    for (int64_t i = 0; i < rows; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const size_t at = size_t(i * H + h);
+        if (fc.member[size_t(i)]) lhs += fa[at] * b_v[at];
+        if (fc.lead[size_t(i)]) rhs += a_v[at] * fb[at];
+      }
+    // sum_j w_j d_weight[j] = <fan_out_w(a), b> (linear in the weights).
+    for (int64_t p = 0; p < valid; ++p)
+      for (int64_t m = 0; m < K && fc.lead[size_t(p)]; ++m) {
+        const int32_t j = fc.members[size_t(p * K + m)];
+        if (j < 0) break;
+        dw_sum += wv[size_t(p * K + m)] * dw[size_t(j)];
+      }
+    EXPECT_NEAR(lhs, rhs, 1e-12 * (1 + std::fabs(lhs)));
+    EXPECT_NEAR(dw_sum, lhs, 1e-12 * (1 + std::fabs(lhs)));
+  }
+  EXPECT_TRUE(arena.guards_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(Windows, FanTest,
+                         ::testing::Combine(::testing::ValuesIn(kWindows),
+                                            ::testing::Values(1, 3, kMaxTopK),
+                                            ::testing::Values(DType::f64, DType::f32)),
+                         fan_name);
+
+TEST(Fan, RejectsWeightedCopyInPlaceAndAliasedSum) {
+  auto be = make_cpu_backend(DType::f64);
+  Arena arena(*be);
+  std::vector<int32_t> off{0, 2};
+  const Tensor offsets = arena.make(DType::i32, {2});
+  put(*be, offsets, as_doubles(off));
+  const Tensor members = arena.make(DType::i32, {2, 2}), weights = arena.make(DType::f64, {2, 2});
+  const Tensor x = arena.make(DType::f64, {2, 3});
+  put(*be, members, {0, 1, -1, 7});
+  put_random(*be, weights, 1);
+  put_random(*be, x, 2);
+  FanArgs a;
+  a.window = GroupWindow{offsets.as<int32_t>(), 1, 0, 2};
+  a.members = members;
+  a.weights = weights;
+  a.src = x;
+  a.dst = x;
+  EXPECT_THROW(be->fan_out(a, nullptr), Error);
+  EXPECT_THROW(be->fan_in(a, nullptr), Error);
+}
 
 // =================================================================================================
 // AdamW
