@@ -13,6 +13,13 @@
 //   where LSA rank == world rank.
 // - Per-step ops read routes, plans and counts on the device; nothing here reads device memory
 //   on the host, except the baseline dispatcher (documented, not capturable).
+//
+// Dispatch and combine work per token, one warp each (top_k <= 32: lane k holds entry k). The
+// lanes find the token's leads in the round's window with one __match_any_sync on the
+// destination rank; the dispatch reads the token row once and stores it into each lead's
+// receive row on its rank, with the fan table entries of the lead's members; the combine pulls
+// one pre-reduced row per lead and sums them in k order. A token picking several experts on one
+// rank thus moves one row each way.
 #include <nccl.h>
 #include <nccl_device.h>
 
@@ -23,6 +30,7 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "cuda/common.cuh"
+#include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
 
 #define MOE_ECHO_NCCL_CHECK(call)                                                             \
@@ -87,6 +95,8 @@ constexpr ::cuda::memory_order kAcqRel = ::cuda::memory_order_acq_rel;
 
 // ---- device kernels ----------------------------------------------------------------------------
 
+constexpr unsigned kFull = 0xffffffffu;
+
 // One warp copies one row, four words per lane in flight.
 template <class W>
 __device__ __forceinline__ void copy_row(W* __restrict__ to, const W* __restrict__ from,
@@ -103,28 +113,250 @@ __device__ __forceinline__ void copy_row(W* __restrict__ to, const W* __restrict
   for (; w < words; w += 32) to[w] = from[w];
 }
 
-// Dispatch (kPush): row (dest_row - row_lo) of `win` on rank dest_rank <- src row i / src_div.
-// Combine (!kPush): dst row i <- row (dest_row - row_lo) of `win` on rank dest_rank.
-template <class W, bool kPush>
+// A token's entries as its warp sees them: lane k < K holds entry t * K + k (comm.hpp's leads and
+// members). `in`: the entry's receive row lies in the window; `group`: the in-window lanes with
+// the same destination rank, i.e. the members of (token, rank) in k order; `lead`: the lowest
+// lane of its group; `leads`: every lead lane (the same value on every lane).
+struct TokenLanes {
+  int rank;
+  int32_t row;  // window row at `rank`
+  bool in, lead;
+  unsigned group, leads;
+};
+
+__device__ __forceinline__ TokenLanes token_lanes(int64_t t, int K, int ranks,
+                                                  const int32_t* __restrict__ dest_rank,
+                                                  const int32_t* __restrict__ dest_row,
+                                                  int64_t row_lo, int64_t rows, int lane) {
+  TokenLanes e{-1, -1, false, false, 0u, 0u};
+  if (lane < K) {
+    const int64_t i = t * K + lane;
+    const int64_t q = int64_t(dest_row[i]) - row_lo;
+    e.rank = dest_rank[i];
+    e.in = e.rank >= 0 && e.rank < ranks && q >= 0 && q < rows;
+    e.row = int32_t(q);
+  }
+  const unsigned in_lanes = __ballot_sync(kFull, e.in);
+  e.group = __match_any_sync(kFull, e.in ? e.rank : -1) & in_lanes;
+  e.lead = e.in && (e.group & ((1u << lane) - 1u)) == 0;
+  e.leads = __ballot_sync(kFull, e.lead);
+  return e;
+}
+
+// Rows of Y as words W: N elements per word, summed in Acc (f32 for bf16 and f32, f64 for f64).
+template <class Y, class W>
+struct Words;
+template <>
+struct Words<cuda::bf16, uint4> {
+  using Acc = float;
+  static constexpr int N = 8;
+  __device__ static void load(const uint4& w, float (&a)[N]) { cuda::unpack_bf16x8(w, a); }
+  __device__ static void add(const uint4& w, float (&a)[N]) {
+    float f[N];
+    cuda::unpack_bf16x8(w, f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) a[i] += f[i];
+  }
+  __device__ static uint4 store(const float (&a)[N]) { return cuda::pack_bf16x8(a); }
+};
+template <>
+struct Words<cuda::bf16, cuda::bf16> {
+  using Acc = float;
+  static constexpr int N = 1;
+  __device__ static void load(const cuda::bf16& w, float (&a)[N]) { a[0] = __bfloat162float(w); }
+  __device__ static void add(const cuda::bf16& w, float (&a)[N]) { a[0] += __bfloat162float(w); }
+  __device__ static cuda::bf16 store(const float (&a)[N]) { return __float2bfloat16_rn(a[0]); }
+};
+template <>
+struct Words<float, uint4> {
+  using Acc = float;
+  static constexpr int N = 4;
+  __device__ static void load(const uint4& w, float (&a)[N]) {
+    a[0] = __uint_as_float(w.x);
+    a[1] = __uint_as_float(w.y);
+    a[2] = __uint_as_float(w.z);
+    a[3] = __uint_as_float(w.w);
+  }
+  __device__ static void add(const uint4& w, float (&a)[N]) {
+    a[0] += __uint_as_float(w.x);
+    a[1] += __uint_as_float(w.y);
+    a[2] += __uint_as_float(w.z);
+    a[3] += __uint_as_float(w.w);
+  }
+  __device__ static uint4 store(const float (&a)[N]) {
+    return make_uint4(__float_as_uint(a[0]), __float_as_uint(a[1]), __float_as_uint(a[2]),
+                      __float_as_uint(a[3]));
+  }
+};
+template <>
+struct Words<double, uint4> {
+  using Acc = double;
+  static constexpr int N = 2;
+  __device__ static void load(const uint4& w, double (&a)[N]) {
+    a[0] = __hiloint2double(int(w.y), int(w.x));
+    a[1] = __hiloint2double(int(w.w), int(w.z));
+  }
+  __device__ static void add(const uint4& w, double (&a)[N]) {
+    a[0] += __hiloint2double(int(w.y), int(w.x));
+    a[1] += __hiloint2double(int(w.w), int(w.z));
+  }
+  __device__ static uint4 store(const double (&a)[N]) {
+    return make_uint4(unsigned(__double2loint(a[0])), unsigned(__double2hiint(a[0])),
+                      unsigned(__double2loint(a[1])), unsigned(__double2hiint(a[1])));
+  }
+};
+template <class Y>
+struct Words<Y, Y> {  // f32 and f64 one element at a time
+  using Acc = Y;
+  static constexpr int N = 1;
+  __device__ static void load(const Y& w, Y (&a)[N]) { a[0] = w; }
+  __device__ static void add(const Y& w, Y (&a)[N]) { a[0] += w; }
+  __device__ static Y store(const Y (&a)[N]) { return a[0]; }
+};
+
+// out <- (add ? out : 0) + rows 0 .. count-1 in order, summed in Acc and rounded once. Lane j <
+// count holds row j's address in lane_row (count <= 32). Four words per lane and two rows in
+// flight at a time; the sum order per element is the row order whatever the batching.
+template <class Y, class W>
+__device__ __forceinline__ void sum_rows(W* __restrict__ out, int64_t words, bool add,
+                                         unsigned long long lane_row, int count, int lane) {
+  using V = Words<Y, W>;
+  using A = typename V::Acc;
+  constexpr int U = 4, N = V::N;
+  for (int64_t w0 = lane; w0 < words; w0 += 32 * U) {
+    A acc[U][N];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (add && w0 + 32 * u < words) {
+        V::load(out[w0 + 32 * u], acc[u]);
+      } else {
+#pragma unroll
+        for (int x = 0; x < N; ++x) acc[u][x] = A(0);
+      }
+    }
+    int j = 0;
+    for (; j + 1 < count; j += 2) {
+      const W* a = reinterpret_cast<const W*>(__shfl_sync(kFull, lane_row, j));
+      const W* b = reinterpret_cast<const W*>(__shfl_sync(kFull, lane_row, j + 1));
+      W va[U], vb[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (w0 + 32 * u < words) {
+          va[u] = a[w0 + 32 * u];
+          vb[u] = b[w0 + 32 * u];
+        }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (w0 + 32 * u < words) {
+          V::add(va[u], acc[u]);
+          V::add(vb[u], acc[u]);
+        }
+    }
+    if (j < count) {
+      const W* a = reinterpret_cast<const W*>(__shfl_sync(kFull, lane_row, j));
+      W va[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (w0 + 32 * u < words) va[u] = a[w0 + 32 * u];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (w0 + 32 * u < words) V::add(va[u], acc[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (w0 + 32 * u < words) out[w0 + 32 * u] = V::store(acc[u]);
+  }
+}
+
+// Dispatch: one warp per token. The lanes find the token's leads in the window; the warp reads
+// the token row once (kInFlight 16-byte words per lane in flight) and stores it into every lead's
+// receive row on its rank, and writes the fan table there: each member's window row and weight
+// into its lead's members/weights rows (k order), -1 padding after the last member, and -1 at
+// members[q][0] of every non-lead row q.
+template <class W, class F>
 __global__ void __launch_bounds__(kThreads)
-    move_rows_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar, int64_t n,
-                     const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
-                     int64_t row_lo, int64_t rows, int src_div, const W* src, W* dst,
-                     int64_t row_words) {
+    dispatch_kernel(ncclDevComm dc, uint32_t bar, ncclWindow_t recv, ncclWindow_t members,
+                    ncclWindow_t weights, int64_t tokens, int K, int ranks,
+                    const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
+                    const F* __restrict__ weight, int64_t row_lo, int64_t rows,
+                    const W* __restrict__ src, int64_t row_words) {
+  constexpr int kInFlight = 8;
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
   b.sync(Coop(), kAcqRel);
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
-  for (int64_t i = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; i < n; i += warps) {
-    const int r = dest_rank[i];
-    const int64_t row = int64_t(dest_row[i]) - row_lo;
-    if (r < 0 || row < 0 || row >= rows) continue;
-    W* peer =
-        static_cast<W*>(ncclGetLsaPointer(win, size_t(row) * size_t(row_words) * sizeof(W), r));
-    if constexpr (kPush)
-      copy_row<W>(peer, src + (i / src_div) * row_words, row_words, lane);
-    else
-      copy_row<W>(dst + i * row_words, peer, row_words, lane);
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
+    const TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    if (e.leads == 0) continue;  // the same on every lane
+    // Fan table: member j of a group writes slot j of its lead's row.
+    const int32_t lead_row = __shfl_sync(kFull, e.row, e.in ? __ffs(e.group) - 1 : lane);
+    if (e.in) {
+      int32_t* m = static_cast<int32_t*>(ncclGetLsaPointer(members, 0, e.rank));
+      F* w = static_cast<F*>(ncclGetLsaPointer(weights, 0, e.rank));
+      const int j = __popc(e.group & ((1u << lane) - 1u));
+      m[int64_t(lead_row) * K + j] = e.row;
+      w[int64_t(lead_row) * K + j] = weight ? weight[t * K + lane] : F(1);
+      if (!e.lead) m[int64_t(e.row) * K] = -1;
+    }
+    for (unsigned l = e.leads; l; l &= l - 1) {
+      const int ll = __ffs(l) - 1;
+      const int members_of_l = __popc(__shfl_sync(kFull, e.group, ll));
+      const int r = __shfl_sync(kFull, e.rank, ll);
+      const int32_t p = __shfl_sync(kFull, e.row, ll);
+      if (lane >= members_of_l && lane < K)
+        static_cast<int32_t*>(ncclGetLsaPointer(members, 0, r))[int64_t(p) * K + lane] = -1;
+    }
+    // The row.
+    const unsigned long long to =
+        e.lead ? reinterpret_cast<unsigned long long>(ncclGetLsaPointer(
+                     recv, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
+               : 0ull;
+    const W* from = src + t * row_words;
+    for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
+      W v[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u)
+        if (w0 + 32 * u < row_words) v[u] = from[w0 + 32 * u];
+      for (unsigned l = e.leads; l; l &= l - 1) {
+        W* dst = reinterpret_cast<W*>(__shfl_sync(kFull, to, __ffs(l) - 1));
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u)
+          if (w0 + 32 * u < row_words) dst[w0 + 32 * u] = v[u];
+      }
+    }
+  }
+  b.sync(Coop(), kAcqRel);
+}
+
+// Combine: one warp per token. y[t] <- (add ? y[t] : 0) + the red rows of its leads, pulled from
+// their ranks in k order (sum_rows); values_out[i] <- the fan values of every entry in the window.
+// A token without leads keeps y[t] when adding and gets zeros otherwise.
+template <class Y, class W, class F>
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(ncclDevComm dc, uint32_t bar, ncclWindow_t red, ncclWindow_t values,
+                   int64_t tokens, int K, int ranks, const int32_t* __restrict__ dest_rank,
+                   const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
+                   const int32_t* accumulate, W* y, int64_t row_words, F* values_out) {
+  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
+  b.sync(Coop(), kAcqRel);
+  const bool add = accumulate && *accumulate != 0;
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
+    const TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    if (values_out && e.in)
+      values_out[t * K + lane] =
+          *static_cast<const F*>(ncclGetLsaPointer(values, size_t(e.row) * sizeof(F), e.rank));
+    if (e.leads == 0 && add) continue;
+    const unsigned long long from =
+        e.lead ? reinterpret_cast<unsigned long long>(ncclGetLsaPointer(
+                     red, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
+               : 0ull;
+    // Lane j takes the address of the j-th lead (k order).
+    unsigned rest = e.leads;
+    for (int j = 0; j < lane && rest; ++j) rest &= rest - 1;
+    const unsigned long long lane_row = __shfl_sync(kFull, from, rest ? __ffs(rest) - 1 : 0);
+    sum_rows<Y, W>(y + t * row_words, row_words, add, lane_row, __popc(e.leads), lane);
   }
   b.sync(Coop(), kAcqRel);
 }
@@ -221,17 +453,69 @@ __global__ void __launch_bounds__(kThreads)
   b.sync(Coop(), kAcqRel);
 }
 
-// Baseline: dst row (dst_idx ? dst_idx[j] : j) <- src row (src_idx ? src_idx[j] : j) / src_div.
+// Baseline: dst row (dst_idx ? dst_idx[j] : j) <- src row (src_idx ? src_idx[j] : j).
 template <class W>
-__global__ void index_copy_kernel(int64_t count, const int32_t* __restrict__ src_idx, int src_div,
-                                  const W* src, const int32_t* __restrict__ dst_idx, W* dst,
-                                  int64_t row_words) {
+__global__ void index_copy_kernel(int64_t count, const int32_t* __restrict__ src_idx, const W* src,
+                                  const int32_t* __restrict__ dst_idx, W* dst, int64_t row_words) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; j < count; j += warps) {
-    const int64_t from = (src_idx ? int64_t(src_idx[j]) : j) / src_div;
+    const int64_t from = src_idx ? int64_t(src_idx[j]) : j;
     const int64_t to = dst_idx ? int64_t(dst_idx[j]) : j;
     copy_row<W>(dst + to * row_words, src + from * row_words, row_words, lane);
+  }
+}
+
+// Baseline: dst[dst_idx ? dst_idx[j] : j] <- src[src_idx ? src_idx[j] : j] (single values).
+template <class T>
+__global__ void index_move_kernel(int64_t count, const int32_t* __restrict__ src_idx,
+                                  const T* src, const int32_t* __restrict__ dst_idx, T* dst) {
+  for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < count;
+       j += int64_t(gridDim.x) * blockDim.x)
+    dst[dst_idx ? int64_t(dst_idx[j]) : j] = src[src_idx ? int64_t(src_idx[j]) : j];
+}
+
+// Baseline, the receiving side of a dispatch: incoming lead j carries the window rows of its
+// members (lead first, -1 padded: K ints), their weights (K) and the token row. The row goes to
+// the lead's receive row, the members and weights to the lead's fan-table rows, and -1 to
+// members[q][0] of every other member q (what the sync-free kernel writes).
+template <class W, class F>
+__global__ void receive_leads_kernel(int64_t count, int K, const int32_t* __restrict__ rec,
+                                     const F* __restrict__ wts, const W* __restrict__ staged,
+                                     W* recv, int32_t* members, F* weights, int64_t row_words) {
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; j < count; j += warps) {
+    const int64_t p = rec[j * K];
+    if (lane < K) {
+      const int32_t m = rec[j * K + lane];
+      members[p * K + lane] = m;
+      if (m >= 0) {
+        weights[p * K + lane] = wts[j * K + lane];
+        if (lane > 0) members[int64_t(m) * K] = -1;
+      }
+    }
+    copy_row<W>(recv + p * row_words, staged + j * row_words, row_words, lane);
+  }
+}
+
+// Baseline, the source side of a combine: y[t] <- (add ? y[t] : 0) + the packed rows of t's
+// leads in k order (token_leads[token_off[t] ..]), as the sync-free combine sums them.
+template <class Y, class W>
+__global__ void sum_leads_kernel(int64_t tokens, const int32_t* __restrict__ token_off,
+                                 const int32_t* __restrict__ token_leads, const W* packed,
+                                 int64_t row_words, const int32_t* accumulate, W* y) {
+  const bool add = accumulate && *accumulate != 0;
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
+    const int32_t lo = token_off[t], count = token_off[t + 1] - lo;
+    if (count == 0 && add) continue;
+    const unsigned long long lane_row =
+        lane < count ? reinterpret_cast<unsigned long long>(
+                           packed + int64_t(token_leads[lo + lane]) * row_words)
+                     : 0ull;
+    sum_rows<Y, W>(y + t * row_words, row_words, add, lane_row, count, lane);
   }
 }
 
@@ -264,6 +548,32 @@ void with_word(size_t w, F&& f) {
       break;
     default:
       f(uint8_t{});
+      break;
+  }
+}
+
+// The fan table's float type (f32 or f64).
+template <class F>
+void with_float(DType t, F&& f) {
+  if (t == DType::f64)
+    f(double{});
+  else
+    f(float{});
+}
+
+// Rows of y's dtype (bf16, f32, f64) as 16-byte words when `vec`, else one element at a time:
+// f(element, word).
+template <class F>
+void with_rows(DType t, bool vec, F&& f) {
+  switch (t) {
+    case DType::bf16:
+      vec ? f(cuda::bf16{}, uint4{}) : f(cuda::bf16{}, cuda::bf16{});
+      break;
+    case DType::f32:
+      vec ? f(float{}, uint4{}) : f(float{}, float{});
+      break;
+    default:
+      vec ? f(double{}, uint4{}) : f(double{}, double{});
       break;
   }
 }
@@ -420,33 +730,61 @@ class NcclCommunicator final : public Communicator {
   }
 
   void dispatch(const RowRoute& route, RoundWindow window, const void* src, size_t row_bytes,
-                const SymmetricBuffer& recv, Stream s) override {
-    const Window& w = window_of(recv, size_t(window.rows) * row_bytes, "dispatch");
-    check_route(route);
+                const SymmetricBuffer& recv, const FanTable& fan, Stream s) override {
+    check_route(route, fan);
+    const size_t rows = size_t(std::max<int64_t>(window.rows, 0)), K = size_t(route.top_k);
+    const Window& w = window_of(recv, rows * row_bytes, "dispatch");
+    const Window& m = window_of(fan.members, rows * K * sizeof(int32_t), "dispatch (fan members)");
+    const Window& wt =
+        window_of(fan.weights, rows * K * dtype_size(fan.float_dtype), "dispatch (fan weights)");
     if (opts_.dispatcher == Dispatcher::baseline)
-      return baseline_dispatch(route, window, src, row_bytes, w, as_cuda(s));
-    with_word(word_size(row_bytes, {src}), [&](auto word) {
-      using W = decltype(word);
-      MOE_ECHO_LAUNCH((move_rows_kernel<W, true>), unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
-                      dev_, w.win, barrier_base(kDispatchBarriers), route.n, route.dest_rank,
-                      route.dest_row, window.row_lo, window.rows, route.src_div,
-                      static_cast<const W*>(src), static_cast<W*>(nullptr),
-                      int64_t(row_bytes / sizeof(W)));
+      return baseline_dispatch(route, window, src, row_bytes, w, m, wt, fan.float_dtype,
+                               as_cuda(s));
+    with_float(fan.float_dtype, [&](auto fl) {
+      using F = decltype(fl);
+      with_word(word_size(row_bytes, {src}), [&](auto word) {
+        using W = decltype(word);
+        MOE_ECHO_LAUNCH((dispatch_kernel<W, F>), unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
+                        dev_, barrier_base(kDispatchBarriers), w.win, m.win, wt.win,
+                        route.n / route.top_k, route.top_k, size_, route.dest_rank,
+                        route.dest_row, static_cast<const F*>(route.weight), window.row_lo,
+                        window.rows, static_cast<const W*>(src), int64_t(row_bytes / sizeof(W)));
+      });
     });
   }
 
-  void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& out,
-               size_t row_bytes, void* gathered, Stream s) override {
-    const Window& w = window_of(out, size_t(window.rows) * row_bytes, "combine");
-    check_route(route);
+  void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
+               const Tensor& y, const int32_t* accumulate, const FanTable& fan, void* values_out,
+               Stream s) override {
+    check_route(route, fan);
+    MOE_ECHO_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32 || y.dtype == DType::f64,
+                   "combine: rows of bf16, f32 or f64, not " << to_string(y.dtype));
+    MOE_ECHO_CHECK(y.ndim == 2 && y.size(0) * route.top_k == route.n,
+                   "combine: y " << y.describe() << " for " << route.n << " entries of top_k "
+                                 << route.top_k);
+    const size_t rows = size_t(std::max<int64_t>(window.rows, 0));
+    const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
+    const Window& r = window_of(red, rows * row_bytes, "combine");
+    const Window* v =
+        values_out
+            ? &window_of(fan.values, rows * dtype_size(fan.float_dtype), "combine (fan values)")
+            : nullptr;
     if (opts_.dispatcher == Dispatcher::baseline)
-      return baseline_combine(route, window, w, row_bytes, gathered, as_cuda(s));
-    with_word(word_size(row_bytes, {gathered}), [&](auto word) {
-      using W = decltype(word);
-      MOE_ECHO_LAUNCH((move_rows_kernel<W, false>), unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
-                      dev_, w.win, barrier_base(kCombineBarriers), route.n, route.dest_rank,
-                      route.dest_row, window.row_lo, window.rows, 1, static_cast<const W*>(nullptr),
-                      static_cast<W*>(gathered), int64_t(row_bytes / sizeof(W)));
+      return baseline_combine(route, window, r, y, accumulate, v, fan.float_dtype, values_out,
+                              as_cuda(s));
+    const bool vec = row_bytes % 16 == 0 && cuda::aligned16(y.data);
+    with_float(fan.float_dtype, [&](auto fl) {
+      using F = decltype(fl);
+      with_rows(y.dtype, vec, [&](auto elem, auto word) {
+        using Y = decltype(elem);
+        using W = decltype(word);
+        MOE_ECHO_LAUNCH((combine_kernel<Y, W, F>), unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
+                        dev_, barrier_base(kCombineBarriers), r.win,
+                        v ? v->win : static_cast<ncclWindow_t>(nullptr), y.size(0), route.top_k,
+                        size_, route.dest_rank, route.dest_row, window.row_lo, window.rows,
+                        accumulate, static_cast<W*>(y.data), int64_t(row_bytes / sizeof(W)),
+                        static_cast<F*>(values_out));
+      });
     });
   }
 
@@ -544,74 +882,159 @@ class NcclCommunicator final : public Communicator {
     return w;
   }
 
-  static void check_route(const RowRoute& route) {
-    MOE_ECHO_CHECK(route.n >= 0 && route.src_div >= 1,
-                   "route of " << route.n << " entries, src_div " << route.src_div);
+  static void check_route(const RowRoute& route, const FanTable& fan) {
+    MOE_ECHO_CHECK(route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 &&
+                       route.n % route.top_k == 0,
+                   "route of " << route.n << " entries, top_k " << route.top_k << " (1.."
+                               << kMaxTopK << ", dividing the entries)");
+    MOE_ECHO_CHECK(fan.top_k == route.top_k,
+                   "fan table of top_k " << fan.top_k << " for a route of top_k " << route.top_k);
+    MOE_ECHO_CHECK(fan.float_dtype == DType::f32 || fan.float_dtype == DType::f64,
+                   "fan table float dtype f32 or f64, not " << to_string(fan.float_dtype));
   }
 
   // ---- baseline: host-synced, exact-size grouped send/recv ----------------------------------
 
-  // Routes to the host (one sync), then this rank's entries in the window grouped by
-  // destination: order[] (entry indices, entry order within a destination), rows[] (window row
-  // at the destination), send_count[d].
-  void plan_sends(const RowRoute& route, RoundWindow window, cudaStream_t s) {
-    const size_t n = size_t(route.n);
+  // This rank's leads of a window (comm.hpp), from the routes copied to the host (one sync),
+  // grouped by destination rank in token order; lead_off_[d] indexes destination d's. h_plan_
+  // holds, as the device wants them:
+  //   dispatch part: lead_token [L], lead_members [L][K] (window rows, lead first, -1 padded);
+  //   combine part (at plan_combine_): lead_row [L], token_off [T + 1], token_leads (per token,
+  //   the index of each lead in k order) [L], and with `entries` every in-window entry grouped
+  //   by destination (entry_off_): entry_row [Ne], entry_idx [Ne].
+  // h_weights_ holds each lead's K member weights (bytes of the float dtype) when `weights`.
+  void plan_leads(const RowRoute& route, RoundWindow window, DType fdt, bool weights,
+                  bool entries, cudaStream_t s) {
+    const size_t n = size_t(route.n), fl = dtype_size(fdt);
+    const int K = route.top_k;
+    const int64_t T = route.n / K;
     h_rank_.reserve(std::max<size_t>(n, 1));
     h_row_.reserve(std::max<size_t>(n, 1));
+    const bool have_w = weights && route.weight;
+    if (have_w) h_weight_in_.reserve(std::max<size_t>(n * fl, 1));
     if (n) {
       MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_rank_.data, route.dest_rank, n * sizeof(int32_t),
                                           cudaMemcpyDeviceToHost, s));
       MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_row_.data, route.dest_row, n * sizeof(int32_t),
                                           cudaMemcpyDeviceToHost, s));
+      if (have_w)
+        MOE_ECHO_CUDA_CHECK(
+            cudaMemcpyAsync(h_weight_in_.data, route.weight, n * fl, cudaMemcpyDeviceToHost, s));
     }
     MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));
-    send_count_.assign(size_t(size_), 0);
-    for (size_t i = 0; i < n; ++i) {
-      const int r = h_rank_.data[i];
+    auto in = [&](size_t i) {
       const int64_t row = int64_t(h_row_.data[i]) - window.row_lo;
-      if (r < 0 || row < 0 || row >= window.rows) continue;
-      MOE_ECHO_CHECK(r < size_, "entry " << i << " routed to rank " << r);
-      ++send_count_[size_t(r)];
-    }
-    send_off_.assign(size_t(size_) + 1, 0);
-    for (int d = 0; d < size_; ++d)
-      send_off_[size_t(d) + 1] = send_off_[size_t(d)] + send_count_[size_t(d)];
-    const size_t total = size_t(send_off_[size_t(size_)]);
-    h_order_.reserve(std::max<size_t>(2 * total, 1));  // order, then rows
-    std::vector<int64_t> at(send_off_.begin(), send_off_.end() - 1);
+      return h_rank_.data[i] >= 0 && row >= 0 && row < window.rows;
+    };
+    auto is_lead = [&](size_t first, int k) {
+      for (int k2 = 0; k2 < k; ++k2)
+        if (in(first + size_t(k2)) && h_rank_.data[first + size_t(k2)] == h_rank_.data[first + size_t(k)])
+          return false;
+      return true;
+    };
+    // Counts per destination.
+    const size_t R = size_t(size_);
+    std::vector<int64_t> leads(R, 0), ents(R, 0);
     for (size_t i = 0; i < n; ++i) {
-      const int r = h_rank_.data[i];
-      const int64_t row = int64_t(h_row_.data[i]) - window.row_lo;
-      if (r < 0 || row < 0 || row >= window.rows) continue;
-      const int64_t j = at[size_t(r)]++;
-      h_order_.data[j] = int32_t(i);
-      h_order_.data[total + size_t(j)] = int32_t(row);
+      if (!in(i)) continue;
+      const int d = h_rank_.data[i];
+      MOE_ECHO_CHECK(d < size_, "entry " << i << " routed to rank " << d);
+      ++ents[size_t(d)];
+      leads[size_t(d)] += is_lead(i - i % size_t(K), int(i % size_t(K)));
     }
+    lead_off_.assign(R + 1, 0);
+    entry_off_.assign(R + 1, 0);
+    for (size_t d = 0; d < R; ++d) {
+      lead_off_[d + 1] = lead_off_[d] + leads[d];
+      entry_off_[d + 1] = entry_off_[d] + (entries ? ents[d] : 0);
+    }
+    const int64_t L = lead_off_[R], Ne = entry_off_[R];
+    plan_combine_ = size_t(L) * size_t(K + 1);
+    h_plan_.reserve(plan_combine_ + size_t(2 * L + T + 1 + 2 * Ne));
+    if (weights) h_weights_.reserve(std::max<size_t>(size_t(L) * size_t(K) * fl, 1));
+    int32_t* lead_token = h_plan_.data;
+    int32_t* lead_members = lead_token + L;
+    int32_t* lead_row = h_plan_.data + plan_combine_;
+    int32_t* token_off = lead_row + L;
+    int32_t* token_leads = token_off + T + 1;
+    int32_t* entry_row = token_leads + L;
+    int32_t* entry_idx = entry_row + Ne;
+    std::vector<int64_t> at(lead_off_.begin(), lead_off_.end() - 1);
+    std::vector<int64_t> eat(entry_off_.begin(), entry_off_.end() - 1);
+    int64_t listed = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      const size_t first = size_t(t) * size_t(K);
+      token_off[t] = int32_t(listed);
+      for (int k = 0; k < K; ++k) {
+        const size_t i = first + size_t(k);
+        if (!in(i)) continue;
+        const int d = h_rank_.data[i];
+        const int32_t row = int32_t(int64_t(h_row_.data[i]) - window.row_lo);
+        if (entries) {
+          const int64_t e = eat[size_t(d)]++;
+          entry_row[e] = row;
+          entry_idx[e] = int32_t(i);
+        }
+        if (!is_lead(first, k)) continue;
+        const int64_t j = at[size_t(d)]++;
+        lead_token[j] = int32_t(t);
+        lead_row[j] = row;
+        token_leads[listed++] = int32_t(j);
+        int32_t* mem = lead_members + j * K;
+        int m = 0;
+        for (int k2 = k; k2 < K; ++k2) {
+          const size_t i2 = first + size_t(k2);
+          if (!in(i2) || h_rank_.data[i2] != d) continue;
+          mem[m] = int32_t(int64_t(h_row_.data[i2]) - window.row_lo);
+          if (weights) {
+            uint8_t* to = h_weights_.data + (size_t(j) * size_t(K) + size_t(m)) * fl;
+            if (have_w) {
+              std::memcpy(to, h_weight_in_.data + i2 * fl, fl);
+            } else if (fdt == DType::f64) {
+              const double one = 1.0;
+              std::memcpy(to, &one, fl);
+            } else {
+              const float one = 1.0f;
+              std::memcpy(to, &one, fl);
+            }
+          }
+          ++m;
+        }
+        for (; m < K; ++m) mem[m] = -1;
+      }
+    }
+    token_off[T] = int32_t(listed);
   }
 
-  // Every rank's send counts (ncclAllGather, one host sync): recv_count_[src] = rows src sends
-  // here.
+  // Every rank's lead and entry counts (ncclAllGather, one host sync): recv_lead_off_[src] and
+  // recv_entry_off_[src] index what src sends here.
   void exchange_counts(cudaStream_t s) {
-    int32_t* d =
-        static_cast<int32_t*>(counts_.get(2 * size_t(size_) * size_t(size_) * sizeof(int32_t)));
-    h_counts_.reserve(size_t(size_) * size_t(size_));
-    for (int r = 0; r < size_; ++r) h_counts_.data[r] = int32_t(send_count_[size_t(r)]);
-    MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(d, h_counts_.data, size_t(size_) * sizeof(int32_t),
-                                        cudaMemcpyHostToDevice, s));
-    MOE_ECHO_NCCL_CHECK(ncclAllGather(d, d + size_ * size_, size_t(size_), ncclInt32, comm_, s));
-    MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_counts_.data, d + size_ * size_,
-                                        size_t(size_) * size_t(size_) * sizeof(int32_t),
-                                        cudaMemcpyDeviceToHost, s));
+    const size_t R = size_t(size_);
+    int32_t* d = static_cast<int32_t*>(counts_.get(2 * R * (R + 1) * sizeof(int32_t)));
+    h_counts_.reserve(2 * R * (R + 1));
+    for (size_t r = 0; r < R; ++r) {
+      h_counts_.data[r] = int32_t(lead_off_[r + 1] - lead_off_[r]);
+      h_counts_.data[R + r] = int32_t(entry_off_[r + 1] - entry_off_[r]);
+    }
+    MOE_ECHO_CUDA_CHECK(
+        cudaMemcpyAsync(d, h_counts_.data, 2 * R * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    MOE_ECHO_NCCL_CHECK(ncclAllGather(d, d + 2 * R, 2 * R, ncclInt32, comm_, s));
+    MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_counts_.data + 2 * R, d + 2 * R,
+                                        2 * R * R * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
     MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));
-    recv_off_.assign(size_t(size_) + 1, 0);
-    for (int src = 0; src < size_; ++src)
-      recv_off_[size_t(src) + 1] = recv_off_[size_t(src)] + h_counts_.data[src * size_ + rank_];
+    const int32_t* all = h_counts_.data + 2 * R;
+    recv_lead_off_.assign(R + 1, 0);
+    recv_entry_off_.assign(R + 1, 0);
+    for (size_t src = 0; src < R; ++src) {
+      recv_lead_off_[src + 1] = recv_lead_off_[src] + all[src * 2 * R + size_t(rank_)];
+      recv_entry_off_[src + 1] = recv_entry_off_[src] + all[src * 2 * R + R + size_t(rank_)];
+    }
   }
 
   // Rows: send segment d of `send` to d, receive segment src of `recv` from src (row_bytes each).
-  // Indices travel the same way when `send_idx` is given.
   void exchange(const void* send, void* recv, size_t row_bytes, const std::vector<int64_t>& soff,
                 const std::vector<int64_t>& roff, cudaStream_t s) {
+    if (row_bytes == 0) return;
     MOE_ECHO_NCCL_CHECK(ncclGroupStart());
     for (int p = 0; p < size_; ++p) {
       const int64_t sc = soff[size_t(p) + 1] - soff[size_t(p)];
@@ -628,62 +1051,107 @@ class NcclCommunicator final : public Communicator {
   }
 
   template <class W>
-  void index_copy(int64_t count, const int32_t* src_idx, int src_div, const void* src,
-                  const int32_t* dst_idx, void* dst, size_t row_bytes, cudaStream_t s) {
+  void index_copy(int64_t count, const int32_t* src_idx, const void* src, const int32_t* dst_idx,
+                  void* dst, size_t row_bytes, cudaStream_t s) {
     MOE_ECHO_LAUNCH(index_copy_kernel<W>, cuda::blocks_for(count, 8, cuda::grid_cap()), 256, 0, s,
-                    count, src_idx, src_div, static_cast<const W*>(src), dst_idx,
-                    static_cast<W*>(dst), int64_t(row_bytes / sizeof(W)));
+                    count, src_idx, static_cast<const W*>(src), dst_idx, static_cast<W*>(dst),
+                    int64_t(row_bytes / sizeof(W)));
   }
 
-  // Device copies of this rank's order[] and rows[] (plan_sends), and room for the indices that
-  // arrive: returns {order, rows, recv_rows}.
-  struct IndexBuffers {
-    int32_t* order;
-    int32_t* rows;
-    int32_t* recv_rows;
-  };
-  IndexBuffers upload_indices(cudaStream_t s) {
-    const size_t total = size_t(send_off_[size_t(size_)]),
-                 incoming = size_t(recv_off_[size_t(size_)]);
-    int32_t* d = static_cast<int32_t*>(indices_.get((2 * total + incoming + 1) * sizeof(int32_t)));
-    if (total)
-      MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(d, h_order_.data, 2 * total * sizeof(int32_t),
-                                          cudaMemcpyHostToDevice, s));
-    return {d, d + total, d + 2 * total};
+  template <class T>
+  void index_move(int64_t count, const int32_t* src_idx, const void* src, const int32_t* dst_idx,
+                  void* dst, cudaStream_t s) {
+    MOE_ECHO_LAUNCH(index_move_kernel<T>, cuda::blocks_for(count, 256, cuda::grid_cap()), 256, 0,
+                    s, count, src_idx, static_cast<const T*>(src), dst_idx, static_cast<T*>(dst));
   }
 
+  // Leads to their ranks: token rows packed by destination, with their members and weights;
+  // each receiver writes the rows and its fan table (receive_leads_kernel).
   void baseline_dispatch(const RowRoute& route, RoundWindow window, const void* src,
-                         size_t row_bytes, const Window& recv, cudaStream_t s) {
-    plan_sends(route, window, s);
+                         size_t row_bytes, const Window& recv, const Window& members,
+                         const Window& weights, DType fdt, cudaStream_t s) {
+    const int K = route.top_k;
+    const size_t fl = dtype_size(fdt), R = size_t(size_);
+    plan_leads(route, window, fdt, /*weights=*/true, /*entries=*/false, s);
     exchange_counts(s);
-    const int64_t total = send_off_[size_t(size_)], incoming = recv_off_[size_t(size_)];
-    const IndexBuffers ix = upload_indices(s);
-    void* packed = send_rows_.get(std::max<size_t>(size_t(total) * row_bytes, 1));
+    const int64_t L = lead_off_[R], incoming = recv_lead_off_[R];
+    int32_t* ix = static_cast<int32_t*>(
+        indices_.get((plan_combine_ + size_t(incoming) * size_t(K) + 1) * sizeof(int32_t)));
+    int32_t* in_members = ix + plan_combine_;
+    void* wsend = fl_send_.get(std::max<size_t>(size_t(L) * size_t(K) * fl, 1));
+    if (L) {
+      MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(ix, h_plan_.data, plan_combine_ * sizeof(int32_t),
+                                          cudaMemcpyHostToDevice, s));
+      MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(wsend, h_weights_.data, size_t(L) * size_t(K) * fl,
+                                          cudaMemcpyHostToDevice, s));
+    }
+    void* wrecv = fl_recv_.get(std::max<size_t>(size_t(incoming) * size_t(K) * fl, 1));
+    void* packed = send_rows_.get(std::max<size_t>(size_t(L) * row_bytes, 1));
     void* staged = recv_rows_.get(std::max<size_t>(size_t(incoming) * row_bytes, 1));
-    with_word(word_size(row_bytes, {src, packed, staged, recv.ptr}), [&](auto word) {
-      using W = decltype(word);
-      index_copy<W>(total, ix.order, route.src_div, src, nullptr, packed, row_bytes, s);
-      exchange(ix.rows, ix.recv_rows, sizeof(int32_t), send_off_, recv_off_, s);
-      exchange(packed, staged, row_bytes, send_off_, recv_off_, s);
-      index_copy<W>(incoming, nullptr, 1, staged, ix.recv_rows, recv.ptr, row_bytes, s);
+    with_float(fdt, [&](auto f) {
+      using F = decltype(f);
+      with_word(word_size(row_bytes, {src, packed, staged, recv.ptr}), [&](auto word) {
+        using W = decltype(word);
+        index_copy<W>(L, ix, src, nullptr, packed, row_bytes, s);
+        exchange(ix + L, in_members, size_t(K) * sizeof(int32_t), lead_off_, recv_lead_off_, s);
+        exchange(wsend, wrecv, size_t(K) * fl, lead_off_, recv_lead_off_, s);
+        exchange(packed, staged, row_bytes, lead_off_, recv_lead_off_, s);
+        MOE_ECHO_LAUNCH((receive_leads_kernel<W, F>),
+                        cuda::blocks_for(incoming, 8, cuda::grid_cap()), 256, 0, s, incoming, K,
+                        in_members, static_cast<const F*>(wrecv), static_cast<const W*>(staged),
+                        static_cast<W*>(recv.ptr), static_cast<int32_t*>(members.ptr),
+                        static_cast<F*>(weights.ptr), int64_t(row_bytes / sizeof(W)));
+      });
     });
   }
 
-  void baseline_combine(const RowRoute& route, RoundWindow window, const Window& out,
-                        size_t row_bytes, void* gathered, cudaStream_t s) {
-    plan_sends(route, window, s);
+  // Each rank asks the lead rows' ranks for them (the window rows travel there), they send the
+  // red rows back, and each token sums its leads' rows in k order (sum_leads_kernel); the fan
+  // values travel the same way, per entry, when values_out is given.
+  void baseline_combine(const RowRoute& route, RoundWindow window, const Window& red,
+                        const Tensor& y, const int32_t* accumulate, const Window* values,
+                        DType fdt, void* values_out, cudaStream_t s) {
+    const size_t R = size_t(size_), fl = dtype_size(fdt);
+    const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
+    const int64_t T = y.size(0);
+    plan_leads(route, window, fdt, /*weights=*/false, /*entries=*/values_out != nullptr, s);
     exchange_counts(s);
-    const int64_t total = send_off_[size_t(size_)], incoming = recv_off_[size_t(size_)];
-    const IndexBuffers ix = upload_indices(s);
-    void* packed = send_rows_.get(std::max<size_t>(size_t(total) * row_bytes, 1));
+    const int64_t L = lead_off_[R], Ne = entry_off_[R];
+    const int64_t incoming = recv_lead_off_[R], in_entries = recv_entry_off_[R];
+    const size_t plan_ints = size_t(2 * L + T + 1 + 2 * Ne);
+    int32_t* ix = static_cast<int32_t*>(
+        indices_.get((plan_ints + size_t(incoming + in_entries) + 1) * sizeof(int32_t)));
+    MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(ix, h_plan_.data + plan_combine_,
+                                        plan_ints * sizeof(int32_t), cudaMemcpyHostToDevice, s));
+    const int32_t* lead_row = ix;
+    const int32_t* token_off = lead_row + L;
+    const int32_t* token_leads = token_off + T + 1;
+    const int32_t* entry_row = token_leads + L;
+    const int32_t* entry_idx = entry_row + Ne;
+    int32_t* in_rows = ix + plan_ints;
+    int32_t* in_entry_rows = in_rows + incoming;
+    void* packed = send_rows_.get(std::max<size_t>(size_t(L) * row_bytes, 1));
     void* staged = recv_rows_.get(std::max<size_t>(size_t(incoming) * row_bytes, 1));
-    with_word(word_size(row_bytes, {gathered, packed, staged, out.ptr}), [&](auto word) {
+    const bool vec = row_bytes % 16 == 0 && cuda::aligned16(y.data);
+    exchange(lead_row, in_rows, sizeof(int32_t), lead_off_, recv_lead_off_, s);
+    with_rows(y.dtype, vec, [&](auto elem, auto word) {
+      using Y = decltype(elem);
       using W = decltype(word);
-      // The rows each source wants, then those rows back to it.
-      exchange(ix.rows, ix.recv_rows, sizeof(int32_t), send_off_, recv_off_, s);
-      index_copy<W>(incoming, ix.recv_rows, 1, out.ptr, nullptr, staged, row_bytes, s);
-      exchange(staged, packed, row_bytes, recv_off_, send_off_, s);
-      index_copy<W>(total, nullptr, 1, packed, ix.order, gathered, row_bytes, s);
+      index_copy<W>(incoming, in_rows, red.ptr, nullptr, staged, row_bytes, s);
+      exchange(staged, packed, row_bytes, recv_lead_off_, lead_off_, s);
+      MOE_ECHO_LAUNCH((sum_leads_kernel<Y, W>), cuda::blocks_for(T, 8, cuda::grid_cap()), 256, 0,
+                      s, T, token_off, token_leads, static_cast<const W*>(packed),
+                      int64_t(row_bytes / sizeof(W)), accumulate, static_cast<W*>(y.data));
+    });
+    if (!values_out) return;
+    void* fsend = fl_send_.get(std::max<size_t>(size_t(Ne) * fl, 1));
+    void* frecv = fl_recv_.get(std::max<size_t>(size_t(in_entries) * fl, 1));
+    exchange(entry_row, in_entry_rows, sizeof(int32_t), entry_off_, recv_entry_off_, s);
+    with_float(fdt, [&](auto f) {
+      using F = decltype(f);
+      index_move<F>(in_entries, in_entry_rows, values->ptr, nullptr, frecv, s);
+      exchange(frecv, fsend, fl, recv_entry_off_, entry_off_, s);
+      index_move<F>(Ne, nullptr, fsend, entry_idx, values_out, s);
     });
   }
 
@@ -698,9 +1166,11 @@ class NcclCommunicator final : public Communicator {
   std::vector<Window> windows_;  // by SymmetricBuffer id; freed ones stay as empty entries
   Window gather_, staging_;
   // Baseline state.
-  PinnedVector<int32_t> h_rank_, h_row_, h_order_, h_counts_;
-  std::vector<int64_t> send_count_, send_off_, recv_off_;
-  DeviceScratch counts_, indices_, send_rows_, recv_rows_;
+  PinnedVector<int32_t> h_rank_, h_row_, h_plan_, h_counts_;
+  PinnedVector<uint8_t> h_weight_in_, h_weights_;
+  size_t plan_combine_ = 0;  // where the combine part of h_plan_ starts
+  std::vector<int64_t> lead_off_, entry_off_, recv_lead_off_, recv_entry_off_;
+  DeviceScratch counts_, indices_, send_rows_, recv_rows_, fl_send_, fl_recv_;
 };
 
 }  // namespace

@@ -9,10 +9,17 @@
 // included. Every rank must enqueue the same ops in the same order with the same shapes (a rank
 // that skips one leaves its peers spinning in a barrier: run under a timeout or a Watchdog).
 //
+// Dispatch and combine move one row per (token, destination rank) of a round window (the lead
+// row, comm.hpp): the dispatch writes the fan table on the receiver with the row, the receiver
+// fans it out and in, and the combine pulls one pre-reduced row per rank and sums them.
+//
 // Baseline path (Dispatcher::baseline): dispatch and combine as most frameworks do them: routes
 // copied to the host, counts exchanged (ncclAllGather, then a host sync), rows packed per
-// destination and moved with exact-size grouped ncclSend/ncclRecv. Not capturable; kept for
-// comparison. The other ops are those of the sync-free path.
+// destination and moved with exact-size grouped ncclSend/ncclRecv. The same rows as the
+// sync-free path (leads found on the host; each lead's members and weights travel with its row)
+// and the same sums in the same order, so both give the same bits. Not capturable; kept for
+// comparison. Its combine exchanges per-entry values only where values_out is given, so every
+// rank must pass one or none. The other ops are those of the sync-free path.
 //
 // One node only: every rank must be in the NVLink (LSA) team. Across nodes the device API needs a
 // GIN-capable network, which this communicator does not use; construction throws instead.

@@ -1,10 +1,10 @@
 // The NCCL communicator's ops across ranks, each against the in-process semantics:
-// - dispatch/combine: self-describing rows (every byte a function of source rank, source row and
-//   position) routed by a global random permutation into two receive windows; nothing lost,
-//   duplicated or corrupted, receive rows nobody routed keep their sentinel, and combine brings
-//   every routed row back (entries outside the window keep theirs). Row sizes cover every copy
-//   width (16, 8, 4, 2, 1 byte words); entry counts include ranks with no entries. Both
-//   dispatchers (sync-free and baseline).
+// - dispatch/combine (comm.hpp's leads and members): token rows encoding source rank, token and
+//   byte position, routed by a global random permutation with several entries of a token on one
+//   rank, into two spill windows; lead rows, the fan table (members, weights) exactly, rows that
+//   are no lead untouched; combine sums against fp64 with the accumulate flag off, 0 and 1,
+//   values_out per entry; row sizes for every copy width, bf16/f32/f64 rows, f32/f64 fan floats,
+//   ranks with no tokens, top_k 1 to 32; both dispatchers, whose combines agree bit for bit.
 // - all_gather_i32 exact; all_reduce_sum bit-exact to a rank-order double sum on the LSA path,
 //   identical bits on every rank through ncclAllReduce.
 // - pull_clone_weights / reduce_clone_grads on a hand-made plan whose clones live on other ranks.
@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -22,19 +23,35 @@
 namespace moe_echo::test {
 namespace {
 
-uint8_t byte_of(int src, int64_t row, size_t at) {
-  return uint8_t((uint64_t(src) * 0x9e37u + uint64_t(row) * 131u + uint64_t(at) * 7u + 1u) & 0xffu);
+uint8_t byte_of(int src, int64_t token, size_t at) {
+  return uint8_t((uint64_t(src) * 0x9e37u + uint64_t(token) * 131u + uint64_t(at) * 7u + 1u) &
+                 0xffu);
 }
 
-// Routes of every rank, drawn from one seed (every rank computes the same): entry i of rank s
-// goes to (rank[s][i], row[s][i]) or nowhere (-1, -1); rows at each destination are a random
-// permutation of [0, incoming[d]).
+// A value in [-1, 1) that every rank computes alike from (a, b, c).
+double hashed(uint64_t a, uint64_t b, uint64_t c) {
+  uint64_t z = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^
+               (c + 0x8CB92BA72F3D8DD7ull) * 0x94D049BB133111EBull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return double(z >> 11) * 0x1.0p-52 - 1.0;
+}
+
+double round_to(DType dt, double v) {
+  return dt == DType::bf16 ? round_bf16(v) : dt == DType::f32 ? double(float(v)) : v;
+}
+
+// Routes of every rank, drawn from one seed (every rank computes the same): entry (t, k) of rank s
+// goes to (rank[s][i], row[s][i]) or nowhere (-1, -1). Tokens pick ranks with repeats, so a token
+// often has several entries on one rank; rows at each destination are a random permutation of
+// [0, incoming[d]).
 struct GlobalRoutes {
   std::vector<std::vector<int32_t>> rank, row;
   std::vector<int64_t> incoming;
 };
 
-GlobalRoutes make_routes(int R, const std::vector<int64_t>& n, uint64_t seed) {
+GlobalRoutes make_routes(int R, const std::vector<int64_t>& tokens, int K, uint64_t seed) {
   std::mt19937_64 rng(seed);
   GlobalRoutes g;
   g.rank.resize(size_t(R));
@@ -42,12 +59,12 @@ GlobalRoutes make_routes(int R, const std::vector<int64_t>& n, uint64_t seed) {
   g.incoming.assign(size_t(R), 0);
   std::vector<std::vector<std::pair<int, int64_t>>> to(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
-    g.rank[size_t(s)].assign(size_t(n[size_t(s)]), -1);
-    g.row[size_t(s)].assign(size_t(n[size_t(s)]), -1);
-    for (int64_t i = 0; i < n[size_t(s)]; ++i) {
-      if (rng() % 7 == 0) continue;
-      const int d = int(rng() % uint64_t(R));
-      to[size_t(d)].push_back({s, i});
+    const int64_t n = tokens[size_t(s)] * K;
+    g.rank[size_t(s)].assign(size_t(n), -1);
+    g.row[size_t(s)].assign(size_t(n), -1);
+    for (int64_t i = 0; i < n; ++i) {
+      if (rng() % 8 == 0) continue;
+      to[rng() % uint64_t(R)].push_back({s, i});
     }
   }
   for (int d = 0; d < R; ++d) {
@@ -77,107 +94,265 @@ struct DeviceBytes {
   }
 };
 
-class MultiGpuRows : public ::testing::TestWithParam<Dispatcher> {};
+struct RowCase {
+  std::string name;
+  std::vector<int64_t> tokens;  // per rank
+  int K;
+  size_t row_bytes;  // dispatched token rows (any byte size: every copy width)
+  DType y;           // combine rows
+  int64_t H;
+  DType fl;  // fan table floats
+  bool weighted, values;
+};
 
-TEST_P(MultiGpuRows, DispatchAndCombineMoveEveryRowOnce) {
-  MOE_ECHO_MULTIGPU_WORLD(w);
-  Backend& be = *w->be;
-  Communicator& comm = w->comm(GetParam());
-  const int R = w->size(), me = w->rank();
-  EXPECT_EQ(comm.rank(), me);
-  EXPECT_EQ(comm.size(), R);
-  struct Counts {
-    const char* name;
-    std::vector<int64_t> n;
+std::vector<RowCase> row_cases(int R) {
+  auto per_rank = [R](auto f) {
+    std::vector<int64_t> v;
+    for (int s = 0; s < R; ++s) v.push_back(f(s));
+    return v;
   };
-  std::vector<Counts> cases = {{"none", std::vector<int64_t>(size_t(R), 0)},
-                               {"one", std::vector<int64_t>(size_t(R), 1)},
-                               {"uneven", {}},
-                               {"rank1_empty", {}}};
-  for (int s = 0; s < R; ++s) {
-    cases[2].n.push_back(257 + 13 * s);
-    cases[3].n.push_back(s == 1 ? 0 : 300);
-  }
-  int case_id = 0;
-  for (const Counts& c : cases)
-    for (size_t row_bytes : {size_t(4096), size_t(72), size_t(36), size_t(74), size_t(37)})
-      for (int src_div : {1, 3}) {
-        SCOPED_TRACE(std::string(c.name) + " row_bytes " + std::to_string(row_bytes) + " src_div " +
-                     std::to_string(src_div));
-        const GlobalRoutes g = make_routes(R, c.n, 1000 + uint64_t(case_id++));
-        const int64_t n = c.n[size_t(me)];
-        const int64_t max_in = *std::max_element(g.incoming.begin(), g.incoming.end());
-        const int64_t half = max_in / 2 + 1;
-        auto src_rows = [&](int s) { return (c.n[size_t(s)] + src_div - 1) / src_div; };
-        std::vector<uint8_t> src(size_t(src_rows(me)) * row_bytes);
-        for (int64_t r = 0; r < src_rows(me); ++r)
-          for (size_t b = 0; b < row_bytes; ++b) src[size_t(r) * row_bytes + b] = byte_of(me, r, b);
-        OwnedTensor dr(be, DType::i32, {std::max<int64_t>(n, 1)}),
-            dw(be, DType::i32, {std::max<int64_t>(n, 1)});
-        std::vector<double> rk(g.rank[size_t(me)].begin(), g.rank[size_t(me)].end()),
-            rw(g.row[size_t(me)].begin(), g.row[size_t(me)].end());
-        rk.resize(size_t(std::max<int64_t>(n, 1)), -1);
-        rw.resize(size_t(std::max<int64_t>(n, 1)), -1);
-        dr.write(rk);
-        dw.write(rw);
-        DeviceBytes src_d(be, src.size());
-        if (!src.empty()) src_d.put(src);
-        const RowRoute route{dr->as<int32_t>(), dw->as<int32_t>(), n, src_div};
-        SymmetricBuffer recv = comm.alloc_symmetric(be, size_t(half) * row_bytes);
-        for (RoundWindow win : {RoundWindow{0, half}, RoundWindow{half, half}}) {
-          DeviceBytes gathered(be, size_t(n) * row_bytes + 1);
-          be.copy_from_host(recv.local, std::vector<uint8_t>(recv.bytes, 0xAB).data(), recv.bytes);
-          gathered.put(std::vector<uint8_t>(gathered.n, 0xCD));
-          be.synchronize();
-          comm.barrier();  // every sentinel is in place before any rank writes
-          comm.dispatch(route, win, src_d.p, row_bytes, recv, nullptr);
-          comm.combine(route, win, recv, row_bytes, gathered.p, nullptr);
-          be.synchronize();
-          std::vector<uint8_t> got(recv.bytes);
-          be.copy_to_host(got.data(), recv.local, recv.bytes);
-          const auto back = gathered.get();
-          // My receive window: every global entry routed here inside the window, once.
-          std::vector<int> hits(size_t(win.rows), 0);
-          int64_t bad = 0;
-          for (int s = 0; s < R; ++s)
-            for (int64_t i = 0; i < c.n[size_t(s)]; ++i) {
-              if (g.rank[size_t(s)][size_t(i)] != me) continue;
-              const int64_t row = g.row[size_t(s)][size_t(i)] - win.row_lo;
-              if (row < 0 || row >= win.rows) continue;
-              ++hits[size_t(row)];
-              for (size_t b = 0; b < row_bytes; ++b)
-                bad += got[size_t(row) * row_bytes + b] != byte_of(s, i / src_div, b);
-            }
-          EXPECT_EQ(bad, 0) << "corrupted bytes in the receive window (window at " << win.row_lo
-                            << ")";
-          int64_t dup = 0, untouched_bad = 0;
-          for (int64_t row = 0; row < win.rows; ++row) {
-            dup += hits[size_t(row)] > 1;
-            if (hits[size_t(row)] == 0)
-              for (size_t b = 0; b < row_bytes; ++b)
-                untouched_bad += got[size_t(row) * row_bytes + b] != 0xAB;
-          }
-          EXPECT_EQ(dup, 0);
-          EXPECT_EQ(untouched_bad, 0) << "receive rows nobody routed lost their sentinel";
-          // Combine: my in-window entries come back as my own rows; the rest keep the sentinel.
-          int64_t back_bad = 0;
-          for (int64_t i = 0; i < n; ++i) {
-            const int64_t row = g.row[size_t(me)][size_t(i)] - win.row_lo;
-            const bool in = g.rank[size_t(me)][size_t(i)] >= 0 && row >= 0 && row < win.rows;
-            for (size_t b = 0; b < row_bytes; ++b)
-              back_bad +=
-                  back[size_t(i) * row_bytes + b] != (in ? byte_of(me, i / src_div, b) : 0xCD);
-          }
-          EXPECT_EQ(back_bad, 0) << "combined rows wrong";
-          EXPECT_EQ(back.back(), 0xCD) << "combine wrote past the last entry";
-        }
-        comm.free_symmetric(be, recv);
-      }
+  const DType bf = DType::bf16, f32 = DType::f32, f64 = DType::f64;
+  return {
+      {"k8_h2048", per_rank([](int s) { return 100 + 13 * s; }), 8, 4096, bf, 2048, f32, true,
+       true},
+      {"k3_odd_rows", per_rank([](int s) { return 257 + 13 * s; }), 3, 72, bf, 37, f32, false,
+       true},
+      {"k1", per_rank([](int) { return 300; }), 1, 36, f32, 36, f32, true, true},
+      {"rank1_empty", per_rank([](int s) { return s == 1 ? 0 : 300; }), 6, 74, f32, 37, f32, true,
+       false},
+      {"k32_one_token", per_rank([](int) { return 1; }), 32, 37, bf, 64, f32, true, true},
+      {"no_tokens", per_rank([](int) { return 0; }), 4, 4096, bf, 2048, f32, true, true},
+      {"f64", per_rank([](int s) { return 90 + s; }), 5, 4096, f64, 40, f64, true, true},
+      {"grid_stride", per_rank([](int s) { return 3000 + 7 * s; }), 2, 80, bf, 40, f32, true,
+       true},
+  };
 }
 
-INSTANTIATE_TEST_SUITE_P(Dispatchers, MultiGpuRows,
-                         ::testing::Values(Dispatcher::syncfree, Dispatcher::baseline),
-                         [](const auto& p) { return std::string(to_string(p.param)); });
+// Dispatch and combine on both dispatchers, two spill windows, against the host's reading of
+// comm.hpp: lead rows carry the token row (bytes of source rank, token, position), the fan table
+// holds each lead's members (k order, -1 padded) and weights, non-lead rows get members[q][0] =
+// -1 and keep their receive-row sentinel, untargeted rows keep every sentinel; the combine sums
+// the leads' red rows (values hashed from rank, row, column) onto y (accumulate flag nullptr, 0
+// or 1) against an fp64 sum, pulls values_out per entry, and gives the same bits on both
+// dispatchers.
+TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
+  MOE_ECHO_MULTIGPU_WORLD(w);
+  Backend& be = *w->be;
+  const int R = w->size(), me = w->rank();
+  for (Dispatcher d : {Dispatcher::syncfree, Dispatcher::baseline}) {
+    EXPECT_EQ(w->comm(d).rank(), me);
+    EXPECT_EQ(w->comm(d).size(), R);
+  }
+  int case_id = 0;
+  int64_t nonleads_seen = 0;
+  for (const RowCase& c : row_cases(R)) {
+    SCOPED_TRACE(c.name);
+    const uint64_t seed = 1000 + uint64_t(case_id++);
+    const int K = c.K;
+    const size_t fl = dtype_size(c.fl), ys = dtype_size(c.y);
+    const GlobalRoutes g = make_routes(R, c.tokens, K, seed);
+    const int64_t T = c.tokens[size_t(me)], n = T * K, H = c.H;
+    const int64_t max_in = *std::max_element(g.incoming.begin(), g.incoming.end());
+    const int64_t half = max_in / 2 + 1;
+    auto weight_of = [&](int s, int64_t i) {
+      return c.weighted ? round_to(c.fl, hashed(seed, uint64_t(s), uint64_t(i)) + 1.5) : 1.0;
+    };
+    auto red_of = [&](int rank, int64_t q, int64_t h) {
+      return round_to(c.y, hashed(seed + 7, uint64_t(rank) * 1000003u + uint64_t(q), uint64_t(h)));
+    };
+    auto value_of = [&](int rank, int64_t q) {
+      return round_to(c.fl, hashed(seed + 9, uint64_t(rank), uint64_t(q)) * 10);
+    };
+    auto in_window = [&](int s, int64_t i, RoundWindow win) {
+      const int64_t q = g.row[size_t(s)][size_t(i)] - win.row_lo;
+      return g.rank[size_t(s)][size_t(i)] >= 0 && q >= 0 && q < win.rows;
+    };
+    auto is_lead = [&](int s, int64_t i, RoundWindow win) {
+      for (int64_t j = i - i % K; j < i; ++j)
+        if (in_window(s, j, win) && g.rank[size_t(s)][size_t(j)] == g.rank[size_t(s)][size_t(i)])
+          return false;
+      return true;
+    };
+
+    // This rank's inputs.
+    std::vector<uint8_t> src(size_t(T) * c.row_bytes);
+    for (int64_t t = 0; t < T; ++t)
+      for (size_t b = 0; b < c.row_bytes; ++b) src[size_t(t) * c.row_bytes + b] = byte_of(me, t, b);
+    DeviceBytes src_d(be, src.size());
+    if (!src.empty()) src_d.put(src);
+    const int64_t n1 = std::max<int64_t>(n, 1);
+    OwnedTensor dr(be, DType::i32, {n1}), dw(be, DType::i32, {n1}), wt(be, c.fl, {n1});
+    {
+      std::vector<double> rk(size_t(n1), -1), rw(size_t(n1), -1), wv(size_t(n1), 0);
+      for (int64_t i = 0; i < n; ++i) {
+        rk[size_t(i)] = g.rank[size_t(me)][size_t(i)];
+        rw[size_t(i)] = g.row[size_t(me)][size_t(i)];
+        wv[size_t(i)] = weight_of(me, i);
+      }
+      dr.write(rk);
+      dw.write(rw);
+      wt.write(wv);
+    }
+    const RowRoute route{dr->as<int32_t>(), dw->as<int32_t>(), c.weighted ? wt->data : nullptr,
+                         n, K};
+    std::vector<double> y0 = random_values(size_t(std::max<int64_t>(T * H, 1)), seed + 3, -2, 2);
+    for (double& x : y0) x = round_to(c.y, x);
+
+    // Symmetric buffers: receive rows, red rows, the fan table.
+    std::vector<std::vector<double>> y_by_dispatcher;
+    for (Dispatcher d : {Dispatcher::syncfree, Dispatcher::baseline}) {
+      SCOPED_TRACE(to_string(d));
+      Communicator& comm = w->comm(d);
+      SymmetricBuffer recv = comm.alloc_symmetric(be, size_t(half) * c.row_bytes);
+      SymmetricBuffer red = comm.alloc_symmetric(be, size_t(half * H) * ys);
+      FanTable fan;
+      fan.members = comm.alloc_symmetric(be, size_t(half * K) * sizeof(int32_t));
+      fan.weights = comm.alloc_symmetric(be, size_t(half * K) * fl);
+      fan.values = comm.alloc_symmetric(be, size_t(half) * fl);
+      fan.top_k = K;
+      fan.float_dtype = c.fl;
+      const Tensor red_t(red.local, c.y, {half, H}), values_t(fan.values.local, c.fl, {half});
+      {
+        std::vector<double> rv(static_cast<size_t>(half * H)), vv(static_cast<size_t>(half));
+        for (int64_t q = 0; q < half; ++q) {
+          vv[size_t(q)] = value_of(me, q);
+          for (int64_t h = 0; h < H; ++h) rv[size_t(q * H + h)] = red_of(me, q, h);
+        }
+        write_tensor(be, red_t, rv);
+        write_tensor(be, values_t, vv);
+      }
+      OwnedTensor y_buf(be, c.y, {std::max<int64_t>(T, 1), H}), values_out(be, c.fl, {n1}),
+          flag(be, DType::i32, {1});
+      const Tensor y = y_buf->rows(0, T);
+      std::vector<double> y_all;
+      for (RoundWindow win : {RoundWindow{0, half}, RoundWindow{half, half}}) {
+        SCOPED_TRACE("window at " + std::to_string(win.row_lo));
+        const int mode = (case_id + int(win.row_lo > 0)) % 3;  // accumulate: nullptr, 0, 1
+        const bool add = mode == 2;
+        be.copy_from_host(recv.local, std::vector<uint8_t>(recv.bytes, 0xAB).data(), recv.bytes);
+        be.copy_from_host(fan.members.local, std::vector<uint8_t>(fan.members.bytes, 0xA5).data(),
+                          fan.members.bytes);
+        be.copy_from_host(fan.weights.local, std::vector<uint8_t>(fan.weights.bytes, 0xFF).data(),
+                          fan.weights.bytes);
+        y_buf.write(y0);
+        poison(values_out);
+        flag.write({double(add)});
+        be.synchronize();
+        comm.barrier();  // every sentinel is in place before any rank writes
+        comm.dispatch(route, win, src_d.p, c.row_bytes, recv, fan, nullptr);
+        comm.combine(route, win, red, y, mode == 0 ? nullptr : flag->as<int32_t>(), fan,
+                     c.values ? values_out->data : nullptr, nullptr);
+        be.synchronize();
+
+        // Receive window and fan table of this rank.
+        std::vector<uint8_t> got(recv.bytes), members_b(fan.members.bytes),
+            weights_b(fan.weights.bytes);
+        be.copy_to_host(got.data(), recv.local, got.size());
+        be.copy_to_host(members_b.data(), fan.members.local, members_b.size());
+        be.copy_to_host(weights_b.data(), fan.weights.local, weights_b.size());
+        auto member_at = [&](int64_t q, int j) {
+          int32_t v;
+          std::memcpy(&v, members_b.data() + size_t(q * K + j) * 4, 4);
+          return v;
+        };
+        auto weight_at = [&](int64_t q, int j) {
+          const uint8_t* p = weights_b.data() + size_t(q * K + j) * fl;
+          if (c.fl == DType::f32) {
+            float f;
+            std::memcpy(&f, p, 4);
+            return double(f);
+          }
+          double v;
+          std::memcpy(&v, p, 8);
+          return v;
+        };
+        std::vector<int> kind(size_t(half), 0);  // 0 untargeted, 1 lead, 2 other member
+        int64_t row_bad = 0, table_bad = 0, hit_twice = 0;
+        for (int s = 0; s < R; ++s)
+          for (int64_t i = 0; i < c.tokens[size_t(s)] * K; ++i) {
+            if (g.rank[size_t(s)][size_t(i)] != me || !in_window(s, i, win)) continue;
+            const int64_t q = g.row[size_t(s)][size_t(i)] - win.row_lo;
+            hit_twice += kind[size_t(q)] != 0;
+            if (!is_lead(s, i, win)) {
+              kind[size_t(q)] = 2;
+              table_bad += member_at(q, 0) != -1;
+              continue;
+            }
+            kind[size_t(q)] = 1;
+            for (size_t b = 0; b < c.row_bytes; ++b)
+              row_bad += got[size_t(q) * c.row_bytes + b] != byte_of(s, i / K, b);
+            int j = 0;
+            for (int64_t i2 = i; i2 < i - i % K + K; ++i2) {
+              if (!in_window(s, i2, win) || g.rank[size_t(s)][size_t(i2)] != me) continue;
+              table_bad += member_at(q, j) != g.row[size_t(s)][size_t(i2)] - win.row_lo;
+              table_bad += weight_at(q, j) != weight_of(s, i2);
+              ++j;
+            }
+            for (; j < K; ++j) table_bad += member_at(q, j) != -1;
+          }
+        int64_t sentinel_bad = 0, nonleads = 0;
+        for (int64_t q = 0; q < half; ++q) {
+          nonleads += kind[size_t(q)] == 2;
+          if (kind[size_t(q)] == 1) continue;
+          for (size_t b = 0; b < c.row_bytes; ++b)
+            sentinel_bad += got[size_t(q) * c.row_bytes + b] != 0xAB;
+          for (size_t b = kind[size_t(q)] == 2 ? 4 : 0; b < size_t(K) * 4; ++b)
+            sentinel_bad += members_b[size_t(q * K) * 4 + b] != 0xA5;
+          for (size_t b = 0; b < size_t(K) * fl; ++b)
+            sentinel_bad += weights_b[size_t(q * K) * fl + b] != 0xFF;
+        }
+        nonleads_seen += nonleads;
+        EXPECT_EQ(hit_twice, 0) << "test routes target a row twice";
+        EXPECT_EQ(row_bad, 0) << "lead rows: wrong bytes";
+        EXPECT_EQ(table_bad, 0) << "fan table: wrong members or weights";
+        EXPECT_EQ(sentinel_bad, 0) << "rows that are no lead were written";
+
+        // Combine: y against an fp64 sum, exact where a token has no lead; values per entry.
+        std::vector<double> yg = y_buf.read();
+        yg.resize(size_t(T * H));
+        std::vector<double> want(size_t(T * H));
+        int64_t no_lead_bad = 0, values_bad = 0;
+        std::vector<double> vo = values_out.read();
+        for (int64_t t = 0; t < T; ++t) {
+          int leads = 0;
+          for (int64_t h = 0; h < H; ++h) want[size_t(t * H + h)] = add ? y0[size_t(t * H + h)] : 0;
+          for (int64_t i = t * K; i < t * K + K; ++i) {
+            if (!in_window(me, i, win)) {
+              values_bad += !std::isnan(vo[size_t(i)]);
+              continue;
+            }
+            const int dst = g.rank[size_t(me)][size_t(i)];
+            const int64_t q = g.row[size_t(me)][size_t(i)] - win.row_lo;
+            if (c.values)
+              values_bad += vo[size_t(i)] != value_of(dst, q);
+            else
+              values_bad += !std::isnan(vo[size_t(i)]);
+            if (!is_lead(me, i, win)) continue;
+            ++leads;
+            for (int64_t h = 0; h < H; ++h) want[size_t(t * H + h)] += red_of(dst, q, h);
+          }
+          if (leads == 0)
+            for (int64_t h = 0; h < H; ++h)
+              no_lead_bad += yg[size_t(t * H + h)] != want[size_t(t * H + h)];
+        }
+        const double tol =
+            c.y == DType::bf16 ? kBf16Tol : c.y == DType::f32 ? kF32Tol : 1e-12;
+        EXPECT_LT(rel_error(yg, want), tol) << "combined rows (accumulate mode " << mode << ")";
+        EXPECT_EQ(no_lead_bad, 0) << "tokens without a lead in the window";
+        EXPECT_EQ(values_bad, 0) << "values_out";
+        y_all.insert(y_all.end(), yg.begin(), yg.end());
+      }
+      y_by_dispatcher.push_back(y_all);
+      be.synchronize();
+      comm.barrier();
+      for (SymmetricBuffer* b : {&recv, &red, &fan.members, &fan.weights, &fan.values})
+        comm.free_symmetric(be, *b);
+    }
+    EXPECT_EQ(y_by_dispatcher[0], y_by_dispatcher[1])
+        << "the dispatchers' combines differ in bits";
+  }
+  EXPECT_GT(nonleads_seen, 0) << "no token had two entries on one rank";
+}
 
 TEST(MultiGpuCollectives, AllGatherAndAllReduce) {
   MOE_ECHO_MULTIGPU_WORLD(w);
