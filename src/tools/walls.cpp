@@ -46,6 +46,16 @@ double microbatches_in_flight(const LayoutSpec& l) {
   return l.pp * (l.vpp > 1 ? 1.0 + double(l.pp - 1) / double(l.pp * l.vpp) : 1.0);
 }
 
+// Expected EP ranks a token's row goes to under uniform routing: its K distinct experts are a
+// uniform draw of K of E, and a rank holding E/ep of them is missed with probability
+// C(E - E/ep, K) / C(E, K). The layer sends a token's row once per rank it picks, not once per
+// expert.
+double ranks_per_token(double E, double ep, double K) {
+  double missed = 1.0;
+  for (int i = 0; i < int(K); ++i) missed *= std::max(0.0, (E - E / ep - i) / (E - i));
+  return ep * (1.0 - missed);
+}
+
 // Spare-slot memory per GPU: a clone's weights live from its layer's forward to its backward, so
 // one set per layer and micro-batch in flight; its gradient goes home right after the backward,
 // so one set per GPU.
@@ -283,19 +293,23 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   if (t.recompute == "swiglu") saved -= saved_swiglu;
   if (t.recompute == "experts") saved -= saved_fc1 + saved_swiglu;
   mem.activations_gb = layer_mb * saved / kGB;
-  // Workspace of the layer running now: fc2 output and the backward's gradients of the window,
-  // fc1 output and SwiGLU output (capacity rows), and the combine output of the T*K rows.
-  mem.buffers_gb = (rows_cap * (2.0 * H + 3.0 * F / l.etp) * a + T * K * H * a) / kGB;
+  // Workspace of the layer running now, all of capacity rows: the rows read back by the source
+  // and the expert outputs and their gradients (2 H), the backward's SwiGLU gradients (3 F), and
+  // the fan table (K i32 members and fp32 weights per row, one fp32 value).
+  mem.buffers_gb = (rows_cap * (2.0 * H + 3.0 * F / l.etp) * a + rows_cap * (8.0 * K + 4.0)) / kGB;
   mem.reserve_gb = t.reserve_gb;
   mem.total_gb = mem.weights_gb + mem.spare_weights_gb + mem.grads_gb + mem.spare_grads_gb +
                  mem.optimizer_gb + mem.activations_gb + mem.buffers_gb + mem.reserve_gb;
   mem.capacity_gb = in.gpu.memory_gb;
 
-  // Communication of the busiest rank: it receives imbalance x the mean rows.
+  // Communication of the busiest rank: it receives imbalance x the mean rows. A token's row
+  // crosses once to each rank it picks (the receiver fans it out to the experts there and sums
+  // their outputs before it goes back), (ep-1)/ep of those ranks remote.
   const double remote = double(l.ep - 1) / double(l.ep);
-  lt.dispatch_bytes = T * K * remote * H * a;
+  const double token_rows = T * ranks_per_token(E, l.ep, K);
+  lt.dispatch_bytes = token_rows * remote * H * a;
   lt.combine_bytes = lt.dispatch_bytes;
-  lt.etp_bytes = double(l.etp - 1) * T * K * H * a;
+  lt.etp_bytes = double(l.etp - 1) * token_rows * H * a;
   const double busiest = imb.mean;  // the average step's busiest rank
   const double a2a = cost.all_to_all_ms(lt.dispatch_bytes * busiest, l.ep, l.etp);
   const double etp_ms = l.etp > 1 ? cost.nvlink_ms(lt.etp_bytes * busiest) : 0.0;

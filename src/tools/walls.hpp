@@ -88,7 +88,7 @@ std::vector<Finding> check_capacity(const WallsInput& in, const Imbalance& imb);
 struct MemoryBreakdown {
   double weights_gb = 0, spare_weights_gb = 0, grads_gb = 0, spare_grads_gb = 0, optimizer_gb = 0;
   double activations_gb = 0;  // saved for backward (after the chosen recompute)
-  double buffers_gb = 0;      // transient workspace (receive/combine windows, gradients)
+  double buffers_gb = 0;      // transient workspace (receive windows, gradients, fan table)
   double reserve_gb = 0;
   double total_gb = 0, capacity_gb = 0;
   double microbatches_in_flight = 1;  // on the first pipeline stage (layer-micro-batches / Lp)
@@ -99,7 +99,8 @@ struct MemoryBreakdown {
 struct LayerTimes {
   int64_t tokens = 0;         // T per GPU per micro-batch
   int64_t capacity_rows = 0;  // receive window rows per GPU
-  double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced)
+  double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced): one row
+                              // per token and rank it picks
   double combine_bytes = 0;
   double etp_bytes = 0;    // forward, ETP all-gather of received rows (0 when etp = 1)
   double clone_bytes = 0;  // clone weights in + gradients out

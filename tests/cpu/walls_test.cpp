@@ -245,6 +245,9 @@ TEST(WallsModel, MemoryMatchesHandComputation) {
   EXPECT_EQ(r.layer.capacity_rows, int64_t(cap));
   const double saved = cap * H * 2 + cap * 2 * F * 2 + cap * F * 2 + T * K * 8 + T * 128 * 8;
   EXPECT_NEAR(r.memory.activations_gb, Lp * inflight * saved / 1e9, 1e-9);
+  // The running layer's windows: rows read back, expert outputs (2 H), SwiGLU gradients (3 F),
+  // and the fan table (K members i32 + K weights fp32, one fp32 value per row).
+  EXPECT_NEAR(r.memory.buffers_gb, (cap * (2 * H + 3 * F) * 2 + cap * (8 * K + 4)) / 1e9, 1e-12);
   EXPECT_NEAR(r.memory.recompute_swiglu_saves_gb, Lp * inflight * cap * F * 2 / 1e9, 1e-9);
   EXPECT_NEAR(r.memory.recompute_experts_saves_gb, Lp * inflight * cap * 3 * F * 2 / 1e9, 1e-9);
   const double sum = r.memory.weights_gb + r.memory.grads_gb + r.memory.optimizer_gb +
@@ -269,7 +272,14 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   const CostModel cost{in.gpu};
   const double T = 4096, K = 8, H = 2048, F = 768;
   EXPECT_EQ(r.layer.tokens, 4096);
-  EXPECT_NEAR(r.layer.dispatch_bytes, T * K * 7.0 / 8 * H * 2, 1e-6);
+  // One row per (token, rank it picks): 8 ranks of 16 experts each, a token's 8 distinct experts
+  // miss a given rank with probability C(112, 8) / C(128, 8).
+  const double missed = std::exp(std::lgamma(113.0) - std::lgamma(105.0) - std::lgamma(129.0) +
+                                  std::lgamma(121.0));
+  const double ranks_per_token = 8 * (1 - missed);
+  EXPECT_NEAR(r.layer.dispatch_bytes, T * ranks_per_token * 7.0 / 8 * H * 2, 1e-3);
+  EXPECT_LT(r.layer.dispatch_bytes, T * K * 7.0 / 8 * H * 2);  // fewer rows than (token, k) pairs
+  EXPECT_DOUBLE_EQ(r.layer.combine_bytes, r.layer.dispatch_bytes);
   EXPECT_NEAR(r.layer.gemm_ms, cost.gemm_ms(18 * T * K * 1.2 * H * F), 1e-12);
   EXPECT_NEAR(r.layer.comm_ms, 4 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8), 1e-12);
   EXPECT_NEAR(r.layer.clone_bytes, 3 * H * F * 4, 1e-6);
@@ -280,6 +290,22 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   const WallsReport o = estimate_walls(in, imb);
   EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms),
               1e-12);
+}
+
+TEST(WallsModel, DispatchBytesCountOneRowPerTokenAndRank) {
+  Imbalance imb;
+  const double T = 4096, H = 2048;
+  auto bytes = [&](int ep, int experts, int top_k) {
+    WallsInput in = base();
+    in.layout.ep = ep;
+    in.model.experts = experts;
+    in.model.top_k = top_k;
+    return estimate_walls(in, imb).layer.dispatch_bytes;
+  };
+  EXPECT_EQ(bytes(1, 128, 8), 0.0);                                 // no remote rank
+  EXPECT_NEAR(bytes(8, 128, 1), T * 7.0 / 8 * H * 2, 1e-6);         // top-1: one rank per token
+  EXPECT_NEAR(bytes(8, 8, 8), T * 7.0 * H * 2, 1e-6);               // every expert: every rank
+  EXPECT_NEAR(bytes(8, 16, 2), T * 7.0 / 8 * H * 2 * 8 * (1 - 14.0 / 16 * 13 / 15), 1e-6);
 }
 
 TEST(WallsModel, EachWallBindsWhereItShould) {
