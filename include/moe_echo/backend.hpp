@@ -155,8 +155,8 @@ class Backend {
   virtual void swiglu_backward(const SwigluArgs& a, Stream s) = 0;
   // For every lead row p and member j of p (p included): d_weight[j] = <src[p], other[j]> when
   // d_weight is given (float accumulation, before dst[j] is written), then dst[j] = w_j * src[p].
-  // dst may be src (the unweighted copy to the other members; row p is then left as it is) or
-  // other (the rows are read before they are written).
+  // dst may be src, without weights only (the unweighted copy to the other members; row p is then
+  // left as it is), or other (the rows are read before they are written).
   virtual void fan_out(const FanArgs& a, Stream s) = 0;
   // For every lead row p: dst[p] = sum over members j of p, in member order, of w_j * src[j],
   // accumulated in float and rounded once. dst and src are distinct buffers.
