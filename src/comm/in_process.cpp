@@ -174,14 +174,13 @@ class InProcessCommunicator final : public Communicator {
     w_.barrier();
   }
 
-  void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
-               const Tensor& y, const int32_t* accumulate, const FanTable& fan, void* values_out,
-               Stream) override {
+  void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red, const Tensor& y,
+               const int32_t* accumulate, const FanTable& fan, void* values_out, Stream) override {
     MOE_ECHO_CHECK(y.dtype == DType::f32 || y.dtype == DType::f64,
                    "in-process combine supports f32 and f64 rows, not " << to_string(y.dtype));
-    MOE_ECHO_CHECK(y.ndim == 2 && y.size(0) * route.top_k == route.n,
-                   "combine: y " << y.describe() << " for " << route.n << " entries of top_k "
-                                 << route.top_k);
+    MOE_ECHO_CHECK(
+        y.ndim == 2 && y.size(0) * route.top_k == route.n,
+        "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
     check_window(win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
     w_.barrier();
     if (y.dtype == DType::f32)
@@ -266,11 +265,12 @@ class InProcessCommunicator final : public Communicator {
   void check_window(RoundWindow win, const SymmetricBuffer& rows_buf, size_t row_bytes,
                     const FanTable& fan) const {
     const size_t rows = size_t(win.rows);
-    MOE_ECHO_CHECK(rows * row_bytes <= rows_buf.bytes &&
-                       rows * size_t(fan.top_k) * sizeof(int32_t) <= fan.members.bytes &&
-                       rows * size_t(fan.top_k) * float_size(fan.float_dtype) <= fan.weights.bytes &&
-                       rows * float_size(fan.float_dtype) <= fan.values.bytes,
-                   "a window of " << win.rows << " rows does not fit the symmetric buffers");
+    MOE_ECHO_CHECK(
+        rows * row_bytes <= rows_buf.bytes &&
+            rows * size_t(fan.top_k) * sizeof(int32_t) <= fan.members.bytes &&
+            rows * size_t(fan.top_k) * float_size(fan.float_dtype) <= fan.weights.bytes &&
+            rows * float_size(fan.float_dtype) <= fan.values.bytes,
+        "a window of " << win.rows << " rows does not fit the symmetric buffers");
   }
 
   // y[t] = (accumulate ? y[t] : 0) + sum of t's lead rows, summed in T; values pulled per entry.

@@ -126,7 +126,8 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
   for (int d = 0; d < R; ++d)
     for (int r = 0; r < rounds; ++r) {
       std::vector<double> rv(size_t(cap * H), kNaN), vv(size_t(cap), kNaN);
-      const auto rnd = test::random_values(size_t(cap * (H + 1)), seed + 100 + uint64_t(d * 64 + r));
+      const auto rnd =
+          test::random_values(size_t(cap * (H + 1)), seed + 100 + uint64_t(d * 64 + r));
       for (int s = 0; s < R; ++s) {
         const SourceRoutes& sr = routes[size_t(s)];
         for (int64_t t = 0; t < sr.tokens; ++t)
@@ -145,15 +146,16 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
     }
   for (int s = 0; s < R; ++s)
     for (int r = 0; r < rounds; ++r) {
-      auto v = test::random_values(size_t(routes[size_t(s)].tokens * H), seed + 1000 + uint64_t(s * 64 + r));
+      auto v = test::random_values(size_t(routes[size_t(s)].tokens * H),
+                                   seed + 1000 + uint64_t(s * 64 + r));
       for (double& e : v) e = stored(dt, e);
       y0[size_t(s)].push_back(v);
     }
   // Accumulate mode of round r: 0 no flag, 1 flag 0, 2 flag 1.
   auto mode_of = [](int r) { return r % 3; };
 
-  std::vector<std::vector<Snapshot>> snap(
-      static_cast<size_t>(R), std::vector<Snapshot>(static_cast<size_t>(rounds)));
+  std::vector<std::vector<Snapshot>> snap(static_cast<size_t>(R),
+                                          std::vector<Snapshot>(static_cast<size_t>(rounds)));
   InProcessWorld world(R);
   world.run([&](int rank) {
     auto be = make_cpu_backend(dt);
@@ -217,8 +219,9 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
     SCOPED_TRACE("round " + std::to_string(r));
     const int64_t lo = r * cap;
     // Expected receiver state: lead rows, member rows (non-lead), untouched rows.
+    // Per receiving rank and window row: 0 no entry, 1 a lead, 2 another member.
     std::vector<std::vector<int>> kind(static_cast<size_t>(R),
-                                       std::vector<int>(static_cast<size_t>(cap), 0));  // 0, 1 lead, 2 member
+                                       std::vector<int>(static_cast<size_t>(cap), 0));
     int64_t leads = 0, bad_rows = 0, bad_members = 0, bad_weights = 0;
     for (int s = 0; s < R; ++s) {
       const SourceRoutes& sr = routes[size_t(s)];
@@ -261,7 +264,8 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
       for (int64_t q = 0; q < cap; ++q) {
         const int kd = kind[size_t(d)][size_t(q)];
         if (kd != 1)
-          for (int64_t h = 0; h < H; ++h) written_elsewhere += sn.recv[size_t(q * H + h)] != kPoison;
+          for (int64_t h = 0; h < H; ++h)
+            written_elsewhere += sn.recv[size_t(q * H + h)] != kPoison;
         if (kd == 0)
           for (int64_t k = 0; k < K; ++k) {
             written_elsewhere += sn.members[size_t(q * K + k)] != kPoisonInt;
@@ -281,7 +285,8 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
       for (int64_t t = 0; t < sr.tokens; ++t) {
         bool any = false;
         for (int64_t h = 0; h < H; ++h)
-          want[size_t(t * H + h)] = mode_of(r) == 2 ? y0[size_t(s)][size_t(r)][size_t(t * H + h)] : 0.0;
+          want[size_t(t * H + h)] =
+              mode_of(r) == 2 ? y0[size_t(s)][size_t(r)][size_t(t * H + h)] : 0.0;
         for (int k = 0; k < K; ++k) {
           const size_t i = size_t(t * K + k);
           const int lk = lead_k(sr, K, lo, cap, t, k);

@@ -1034,13 +1034,12 @@ TEST_P(FanTest, OutAndInMatchReferenceOnLeadsAndMembersOnly) {
     bool weighted, grad;
     enum { distinct, in_place, onto_other } dst;
   };
-  for (const Mode mode : {Mode{"copy in place", false, false, Mode::in_place},
-                          Mode{"copy", false, false, Mode::distinct},
-                          Mode{"weighted", true, false, Mode::distinct},
-                          Mode{"weighted with d_weight", true, true, Mode::distinct},
-                          Mode{"weighted with d_weight onto other", true, true, Mode::onto_other},
-                          Mode{"unweighted with d_weight onto other", false, true,
-                               Mode::onto_other}}) {
+  for (const Mode mode :
+       {Mode{"copy in place", false, false, Mode::in_place},
+        Mode{"copy", false, false, Mode::distinct}, Mode{"weighted", true, false, Mode::distinct},
+        Mode{"weighted with d_weight", true, true, Mode::distinct},
+        Mode{"weighted with d_weight onto other", true, true, Mode::onto_other},
+        Mode{"unweighted with d_weight onto other", false, true, Mode::onto_other}}) {
     SCOPED_TRACE(std::string("fan_out ") + mode.name);
     put(*be, src, src_lead);
     put(*be, other, other_v);
@@ -1056,8 +1055,9 @@ TEST_P(FanTest, OutAndInMatchReferenceOnLeadsAndMembersOnly) {
     a.d_weight = mode.grad ? d_weight : Tensor();
     be->fan_out(a, nullptr);
 
-    const std::vector<double>& before =
-        mode.dst == Mode::in_place ? src_lead : mode.dst == Mode::onto_other ? other_v : poisoned;
+    const std::vector<double>& before = mode.dst == Mode::in_place     ? src_lead
+                                        : mode.dst == Mode::onto_other ? other_v
+                                                                       : poisoned;
     std::vector<double> want = before, want_dw = poisoned_w;
     test::ref::fan_out(valid, K, H, fc.members, mode.weighted ? wv : std::vector<double>{},
                        src_lead, mode.grad ? &other_v : nullptr, want, &want_dw);
@@ -1066,7 +1066,8 @@ TEST_P(FanTest, OutAndInMatchReferenceOnLeadsAndMembersOnly) {
       expect_fan_rows(get(*be, src), src_lead, src_lead, std::vector<bool>(size_t(rows)), H, 0,
                       "src");
     }
-    if (mode.grad) expect_fan_rows(get(*be, d_weight), want_dw, poisoned_w, fc.member, 1, tol, "d_weight");
+    if (mode.grad)
+      expect_fan_rows(get(*be, d_weight), want_dw, poisoned_w, fc.member, 1, tol, "d_weight");
   }
 
   for (bool weighted : {false, true}) {
@@ -1089,7 +1090,8 @@ TEST_P(FanTest, OutAndInMatchReferenceOnLeadsAndMembersOnly) {
   // Adjoints: <fan_out_w(a), b> over member rows = <a, fan_in_w(b)> over lead rows, and d_weight
   // is the derivative of <fan_out_w(a), b> in each member's weight.
   if (dt == DType::f64 && valid > 0) {
-    const auto a_v = rows_or_nan(lead_rows, H, seed + 4), b_v = rows_or_nan(member_rows, H, seed + 5);
+    const auto a_v = rows_or_nan(lead_rows, H, seed + 4),
+               b_v = rows_or_nan(member_rows, H, seed + 5);
     FanArgs out;
     out.window = win;
     out.members = members;
