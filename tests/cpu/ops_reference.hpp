@@ -203,7 +203,7 @@ inline void swiglu_backward(int64_t valid, int64_t F, const std::vector<double>&
     }
 }
 
-// ---- Fan out / fan in ----------------------------------------------------------------------------
+// ---- Fan out / fan in --------------------------------------------------------------------------
 
 // The fan table of a window (FanTable in comm.hpp) as the tests build it: members [rows, K] (a lead
 // row p has members[p][0] == p, then its member rows, then -1), weights [rows, K] (empty: all 1).
