@@ -195,7 +195,7 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
     }
     const RowRoute route{dr->as<int32_t>(), dw->as<int32_t>(), c.weighted ? wt->data : nullptr,
                          n, K};
-    std::vector<double> y0 = random_values(size_t(std::max<int64_t>(T * H, 1)), seed + 3, -2, 2);
+    std::vector<double> y0 = random_values(size_t(std::max<int64_t>(T, 1) * H), seed + 3, -2, 2);
     for (double& x : y0) x = round_to(c.y, x);
 
     // Symmetric buffers: receive rows, red rows, the fan table.
