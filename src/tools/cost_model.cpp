@@ -149,4 +149,10 @@ int64_t CostModel::clone_cost_rows(int hidden, int ffn, int grad_bytes) const {
   return int64_t(std::ceil(clone_ms(hidden, ffn, grad_bytes) / row_ms(hidden, ffn)));
 }
 
+double ranks_per_token(double E, double ep, double K) {
+  double missed = 1.0;
+  for (int i = 0; i < int(K); ++i) missed *= std::max(0.0, (E - E / ep - i) / (E - i));
+  return ep * (1.0 - missed);
+}
+
 }  // namespace moe_echo::tools

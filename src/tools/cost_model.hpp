@@ -83,6 +83,12 @@ struct CostModel {
   int64_t clone_cost_rows(int hidden, int ffn, int grad_bytes) const;
 };
 
+// Expected EP ranks a token's row goes to under uniform routing: its K distinct experts are a
+// uniform draw of K of E, and a rank holding E/ep of them is missed with probability
+// C(E - E/ep, K) / C(E, K). The layer sends a token's row once per rank it picks, not once per
+// expert, so dispatch and combine move ranks_per_token / K rows per routed (token, k) entry.
+double ranks_per_token(double E, double ep, double K);
+
 // Bytes of one expert's weights (SwiGLU: 3 * H * F parameters) at `bytes_per_param`.
 inline double expert_bytes(int hidden, int ffn, double bytes_per_param) {
   return 3.0 * double(hidden) * double(ffn) * bytes_per_param;

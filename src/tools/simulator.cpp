@@ -164,6 +164,9 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
       expert_bytes(cfg.hidden, cfg.ffn, double(std::max(2, cfg.grad_bytes)));
   const double master_bytes = expert_bytes(cfg.hidden, cfg.ffn, double(cfg.master_state_bytes));
   const double remote = R > 1 ? double(R - 1) / double(R) : 0.0;
+  // A token's row crosses once per rank it picks: rows moved per routed (token, k) entry.
+  const double rows_per_entry =
+      ranks_per_token(double(E), double(R), double(cfg.top_k)) / double(cfg.top_k);
   const CostModel& cost = cfg.cost;
 
   auto run_layer = [&](int layer) {
@@ -260,7 +263,9 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
         o.compute_ms[idx] =
             cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
         // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's rows
-        o.comm_ms[idx] = 4.0 * cost.all_to_all_ms(double(max_load) * remote * row_bytes, R);
+        // (one per token and rank it picks)
+        o.comm_ms[idx] = 4.0 * cost.all_to_all_ms(
+                                   double(max_load) * rows_per_entry * remote * row_bytes, R);
         o.clone_ms[idx] = cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
       }
     }

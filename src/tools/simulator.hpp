@@ -39,7 +39,7 @@ inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::ep
 struct SimulatorConfig {
   int ranks = 32;       // R, the EP size
   int experts = 256;    // E
-  int top_k = 8;        // K (for the text report; rows come from the trace)
+  int top_k = 8;        // K (the text report, and rows moved per routed entry; rows come from the trace)
   int steps = 0;        // 0: every step of the trace
   int layers = 0;       // 0: every layer of the trace
   int spare_slots = 1;  // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas)

@@ -46,16 +46,6 @@ double microbatches_in_flight(const LayoutSpec& l) {
   return l.pp * (l.vpp > 1 ? 1.0 + double(l.pp - 1) / double(l.pp * l.vpp) : 1.0);
 }
 
-// Expected EP ranks a token's row goes to under uniform routing: its K distinct experts are a
-// uniform draw of K of E, and a rank holding E/ep of them is missed with probability
-// C(E - E/ep, K) / C(E, K). The layer sends a token's row once per rank it picks, not once per
-// expert.
-double ranks_per_token(double E, double ep, double K) {
-  double missed = 1.0;
-  for (int i = 0; i < int(K); ++i) missed *= std::max(0.0, (E - E / ep - i) / (E - i));
-  return ep * (1.0 - missed);
-}
-
 // Spare-slot memory per GPU: a clone's weights live from its layer's forward to its backward, so
 // one set per layer and micro-batch in flight; its gradient goes home right after the backward,
 // so one set per GPU.

@@ -319,7 +319,10 @@ TEST(Simulator, StepTimeAddsComputeCommAndClones) {
   const CostModel cost;
   const double max_load = 400;  // rank 0: experts 0 and 1
   EXPECT_NEAR(p.compute_ms, cost.gemm_ms(CostModel::train_flops(max_load, 64, 32)), 1e-15);
-  EXPECT_NEAR(p.comm_ms, 4 * cost.all_to_all_ms(max_load * 0.5 * 64 * 2, 2), 1e-15);
+  // Top-2 of 4 experts on 2 ranks: a token misses a rank with probability C(2,2)/C(4,2) = 1/6,
+  // so it picks 5/3 ranks and moves 5/6 rows per routed entry; half of them leave the GPU.
+  EXPECT_NEAR(ranks_per_token(4, 2, 2), 5.0 / 3.0, 1e-15);
+  EXPECT_NEAR(p.comm_ms, 4 * cost.all_to_all_ms(max_load * (5.0 / 6.0) * 0.5 * 64 * 2, 2), 1e-15);
   EXPECT_EQ(p.clone_ms, 0.0);
   EXPECT_NEAR(p.est_step_ms, p.compute_ms + p.comm_ms, 1e-15);
   EXPECT_NEAR(p.est_step_ms_overlap, std::max(p.compute_ms, p.comm_ms), 1e-15);
