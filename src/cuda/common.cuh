@@ -96,6 +96,45 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
                     pack_bf16x2(f[6], f[7]));
 }
 
+// ---- row words as floats ------------------------------------------------------------------------
+// RowWord<W, T>: one word W of a row of T elements (T = bf16 or float) to and from floats: a
+// 16-byte word (8 bf16 or 4 floats) or a single element. Kernels that take the word type as a
+// template parameter run the same arithmetic in the same order per element on either path.
+template <class W, class T>
+struct RowWord;
+template <>
+struct RowWord<uint4, bf16> {
+  static constexpr int n = 8;
+  static __device__ __forceinline__ void unpack(const uint4& v, float (&f)[8]) {
+    unpack_bf16x8(v, f);
+  }
+  static __device__ __forceinline__ uint4 pack(const float (&f)[8]) { return pack_bf16x8(f); }
+};
+template <>
+struct RowWord<uint4, float> {
+  static constexpr int n = 4;
+  static __device__ __forceinline__ void unpack(const uint4& v, float (&f)[4]) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  static __device__ __forceinline__ uint4 pack(const float (&f)[4]) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]),
+                      __float_as_uint(f[3]));
+  }
+};
+template <class T>
+struct RowWord<T, T> {
+  static constexpr int n = 1;
+  static __device__ __forceinline__ void unpack(const T& v, float (&f)[1]) { f[0] = load_f(&v); }
+  static __device__ __forceinline__ T pack(const float (&f)[1]) {
+    T v;
+    store_f(&v, f[0]);
+    return v;
+  }
+};
+
 // ---- warp reductions (fixed butterfly order: deterministic) -----------------------------------
 
 template <class T>

@@ -57,7 +57,7 @@ class CudaBackend final : public Backend {
   void synchronize() override { MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize()); }
 
   // Build time: the grouped GEMM for the largest group count seen, and a scratch arena for the
-  // largest router/layout/planner needs of the reserved layers' planner configs.
+  // largest router/layout/planner/fan needs of the reserved layers' planner configs.
   void reserve(const Reservation& r) override {
     if (!gemm_ || gemm_->max_groups() < r.max_groups) {
       if (gemm_) retired_gemms_.push_back(std::move(gemm_));  // captured graphs may use it
@@ -68,6 +68,7 @@ class CudaBackend final : public Backend {
     size_t need = router_scratch_bytes(r.max_tokens, r.experts, r.hidden);
     need = std::max(need, layout_scratch_bytes(cfg, r.max_groups, entries));
     need = std::max(need, planner_scratch_bytes(cfg));
+    need = std::max(need, fan_scratch_bytes(r.max_rows));
     grow_arena(need);
   }
 
@@ -109,9 +110,13 @@ class CudaBackend final : public Backend {
   void gemm_wgrad(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).wgrad(a, as_cuda(s)); }
   void swiglu_forward(const SwigluArgs& a, Stream s) override { cuda::swiglu_forward(a, as_cuda(s)); }
   void swiglu_backward(const SwigluArgs& a, Stream s) override { cuda::swiglu_backward(a, as_cuda(s)); }
-  void combine_forward(const CombineArgs& a, Stream s) override { cuda::combine_forward(a, as_cuda(s)); }
-  void combine_backward(const CombineBackwardArgs& a, Stream s) override {
-    cuda::combine_backward(a, as_cuda(s));
+  void fan_out(const FanArgs& a, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::fan_out(a, scratch(fan_scratch_bytes(a.window.rows), cs), cs);
+  }
+  void fan_in(const FanArgs& a, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::fan_in(a, scratch(fan_scratch_bytes(a.window.rows), cs), cs);
   }
   void adamw(const AdamWArgs& a, Stream s) override { cuda::adamw(a, as_cuda(s)); }
   void add_i32(const Tensor& t, int32_t value, Stream s) override {

@@ -1,37 +1,73 @@
 // The single-GPU communicator (EP size 1): what the expert-parallel exchanges reduce to when every
 // expert lives on this GPU, so MoeLayer runs on the CUDA backend without NCCL. Symmetric buffers
 // are plain device allocations; all_gather is a device copy; all_reduce has nothing to add;
-// dispatch scatters rows into the receive window and combine gathers them back (one warp per row,
-// the widest word the alignment allows); the clone kernels read the plan on the device. Every op
-// is enqueued on the given stream and is capture-safe.
+// dispatch copies each token's row once into its lead row and writes the fan table, combine adds
+// each token's lead row back (one warp per token, the widest word the alignment allows); the
+// clone kernels read the plan on the device. Every op is enqueued on the given stream and is
+// capture-safe.
+//
+// With one rank, all of a token's entries in a window go to rank 0: a token has at most one lead
+// per window, its first entry in the window (in k order), and its members are all its entries in
+// the window. Entries whose rank is not 0 (-1: unrouted) are in no window.
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "moe_echo/comm.hpp"
+#include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {
 namespace {
 
-constexpr int kRowThreads = 256;  // 8 warps, one row each
+constexpr int kRowThreads = 256;  // 8 warps, one token each
+constexpr int kInFlight = 8;      // words per lane loaded before any is stored
 
-// Rows between a token/entry array and the receive window. Scatter (dispatch): window row
-// (dest_row - row_lo) <- source row i / src_div. Gather (combine): row i <- window row.
-// Each lane loads kInFlight words of its row before storing any (for 4 KiB rows of 16-byte words:
-// the whole row in flight per warp), so the copy is limited by bandwidth rather than latency.
+// Token t's entries in the window: lane k < K holds entry t K + k's window row; the ballot of the
+// lanes whose entry is in the window.
+struct TokenEntries {
+  int64_t row;
+  bool in;
+  unsigned mask;
+};
+
+__device__ __forceinline__ TokenEntries token_entries(const int32_t* __restrict__ dest_rank,
+                                                      const int32_t* __restrict__ dest_row,
+                                                      int64_t t, int K, int64_t row_lo,
+                                                      int64_t rows, int lane) {
+  TokenEntries e{-1, false, 0u};
+  if (lane < K) {
+    const int64_t i = t * K + lane;
+    e.row = int64_t(dest_row[i]) - row_lo;
+    e.in = dest_rank[i] == 0 && e.row >= 0 && e.row < rows;
+  }
+  e.mask = __ballot_sync(0xffffffffu, e.in);
+  return e;
+}
+
+// Dispatch: per token with entries in the window, the fan table of its lead row p (its members'
+// window rows in k order, p first, then -1; their weights), members[q][0] = -1 for its other
+// member rows q, and row t of src copied into row p of recv.
 template <class W>
 __global__ void __launch_bounds__(kRowThreads)
-    move_rows_kernel(int64_t n, const int32_t* __restrict__ dest_rank,
-                     const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
-                     int src_div, bool scatter, const W* __restrict__ src, W* __restrict__ dst,
-                     int64_t row_words) {
-  constexpr int kInFlight = 8;
+    dispatch_kernel(int64_t tokens, int K, const int32_t* __restrict__ dest_rank,
+                    const int32_t* __restrict__ dest_row, const float* __restrict__ weight,
+                    int64_t row_lo, int64_t rows, const W* __restrict__ src, W* __restrict__ recv,
+                    int64_t row_words, int32_t* __restrict__ members, float* __restrict__ weights) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; i < n; i += warps) {
-    const int64_t row = int64_t(dest_row[i]) - row_lo;
-    if (dest_rank[i] != 0 || row < 0 || row >= rows) continue;
-    const W* from = scatter ? src + (i / src_div) * row_words : src + row * row_words;
-    W* to = scatter ? dst + row * row_words : dst + i * row_words;
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
+    const TokenEntries e = token_entries(dest_rank, dest_row, t, K, row_lo, rows, lane);
+    if (e.mask == 0) continue;
+    const int lead_lane = __ffs(e.mask) - 1, count = __popc(e.mask);
+    const int64_t p = __shfl_sync(0xffffffffu, e.row, lead_lane);
+    if (e.in) {
+      const int m = __popc(e.mask & ((1u << lane) - 1u));
+      members[p * K + m] = int32_t(e.row);
+      weights[p * K + m] = weight != nullptr ? weight[t * K + lane] : 1.f;
+      if (lane != lead_lane) members[e.row * K] = -1;
+    }
+    if (lane >= count && lane < K) members[p * K + lane] = -1;
+    const W* from = src + t * row_words;
+    W* to = recv + p * row_words;
     for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
       W v[kInFlight];
 #pragma unroll
@@ -44,41 +80,56 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// Dispatch of token rows (src_div > 1): one warp per source row, which it reads once and writes
-// to the window row of each of its src_div entries (instead of re-reading it per entry).
-template <class W>
+// Combine: y[t] = (accumulate ? y[t] : 0) + red[lead row], in f32, rounded once (a plain copy
+// when not accumulating: one row's sum is the row); tokens with no entry in the window keep y[t]
+// or get 0. values_out[i] <- values[row of entry i] for every entry in the window.
+template <class W, class T>
 __global__ void __launch_bounds__(kRowThreads)
-    scatter_token_rows_kernel(int64_t n, const int32_t* __restrict__ dest_rank,
-                              const int32_t* __restrict__ dest_row, int64_t row_lo,
-                              int64_t rows, int src_div, const W* __restrict__ src,
-                              W* __restrict__ dst, int64_t row_words) {
-  constexpr int kInFlight = 8;
+    combine_kernel(int64_t tokens, int K, const int32_t* __restrict__ dest_rank,
+                   const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
+                   const W* __restrict__ red, W* __restrict__ y, int64_t row_words,
+                   const int32_t* __restrict__ accumulate, const float* __restrict__ values,
+                   float* __restrict__ values_out) {
+  using Word = RowWord<W, T>;
+  constexpr int N = Word::n;
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  const int64_t src_rows = (n + src_div - 1) / src_div;
-  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < src_rows;
-       r += warps) {
-    const int64_t i_begin = r * src_div, i_end = i_begin + src_div < n ? i_begin + src_div : n;
-    bool any = false;
-    for (int64_t i = i_begin; i < i_end; ++i) {
-      const int64_t row = int64_t(dest_row[i]) - row_lo;
-      any = any || (dest_rank[i] == 0 && row >= 0 && row < rows);
+  const bool add = accumulate != nullptr && *accumulate != 0;
+  for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
+    const TokenEntries e = token_entries(dest_rank, dest_row, t, K, row_lo, rows, lane);
+    if (values_out != nullptr && e.in) values_out[t * K + lane] = values[e.row];
+    W* y_row = y + t * row_words;
+    if (e.mask == 0) {
+      if (add) continue;
+      const float z[N] = {};
+      const W zero = Word::pack(z);
+      for (int64_t w = lane; w < row_words; w += 32) y_row[w] = zero;
+      continue;
     }
-    if (!any) continue;
-    const W* from = src + r * row_words;
+    const int64_t p = __shfl_sync(0xffffffffu, e.row, __ffs(e.mask) - 1);
+    const W* r_row = red + p * row_words;
     for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
-      W v[kInFlight];
+      W r[kInFlight], o[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)
-        if (w0 + 32 * u < row_words) v[u] = from[w0 + 32 * u];
-      for (int64_t i = i_begin; i < i_end; ++i) {
-        const int64_t row = int64_t(dest_row[i]) - row_lo;
-        if (dest_rank[i] != 0 || row < 0 || row >= rows) continue;
-        W* to = dst + row * row_words;
+        if (w0 + 32 * u < row_words) {
+          r[u] = r_row[w0 + 32 * u];
+          if (add) o[u] = y_row[w0 + 32 * u];
+        }
 #pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          if (w0 + 32 * u < row_words) to[w0 + 32 * u] = v[u];
-      }
+      for (int u = 0; u < kInFlight; ++u)
+        if (w0 + 32 * u < row_words) {
+          if (add) {
+            float a[N], b[N];
+            Word::unpack(o[u], a);
+            Word::unpack(r[u], b);
+#pragma unroll
+            for (int i = 0; i < N; ++i) a[i] += b[i];
+            y_row[w0 + 32 * u] = Word::pack(a);
+          } else {
+            y_row[w0 + 32 * u] = r[u];
+          }
+        }
     }
   }
 }
@@ -140,26 +191,24 @@ void with_word(size_t w, F&& f) {
   }
 }
 
-void move_rows(const RowRoute& route, RoundWindow win, const void* src, void* dst,
-               size_t row_bytes, bool scatter, cudaStream_t s) {
-  if (route.n == 0 || win.rows == 0 || row_bytes == 0) return;
-  MOE_ECHO_CHECK(route.src_div >= 1, "src_div = " << route.src_div);
-  with_word(word_size(row_bytes, {src, dst}), [&](auto word) {
-    using W = decltype(word);
-    if (scatter && route.src_div > 1) {
-      const int64_t src_rows = (route.n + route.src_div - 1) / route.src_div;
-      MOE_ECHO_LAUNCH(scatter_token_rows_kernel<W>,
-                      blocks_for(src_rows, kRowThreads / 32, grid_cap()), kRowThreads, 0, s,
-                      route.n, route.dest_rank, route.dest_row, win.row_lo, win.rows,
-                      route.src_div, static_cast<const W*>(src), static_cast<W*>(dst),
-                      int64_t(row_bytes / sizeof(W)));
-      return;
-    }
-    MOE_ECHO_LAUNCH(move_rows_kernel<W>, blocks_for(route.n, kRowThreads / 32, grid_cap()),
-                    kRowThreads, 0, s, route.n, route.dest_rank, route.dest_row, win.row_lo,
-                    win.rows, route.src_div, scatter, static_cast<const W*>(src),
-                    static_cast<W*>(dst), int64_t(row_bytes / sizeof(W)));
-  });
+// Checks what both per-step row ops need: a route of whole tokens of at most kMaxTopK entries,
+// a window that fits the receive rows and the fan table, the CUDA backend's f32 fan table.
+void check_route(const RowRoute& route, RoundWindow win, size_t row_bytes,
+                 const SymmetricBuffer& rows_buf, const FanTable& fan) {
+  MOE_ECHO_CHECK(
+      route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 && route.n % route.top_k == 0,
+      "route of " << route.n << " entries with top_k " << route.top_k << " (1 to " << kMaxTopK
+                  << ", whole tokens)");
+  MOE_ECHO_CHECK(fan.top_k == route.top_k && fan.float_dtype == DType::f32,
+                 "fan table of top_k " << fan.top_k << " and " << to_string(fan.float_dtype)
+                                       << " weights for a route of top_k " << route.top_k
+                                       << " (the CUDA backend's fan table is f32)");
+  const size_t rows = size_t(win.rows), K = size_t(route.top_k);
+  MOE_ECHO_CHECK(win.rows >= 0 && rows * row_bytes <= rows_buf.bytes &&
+                     rows * K * sizeof(int32_t) <= fan.members.bytes &&
+                     rows * K * sizeof(float) <= fan.weights.bytes &&
+                     rows * sizeof(float) <= fan.values.bytes,
+                 "a window of " << win.rows << " rows does not fit the symmetric buffers");
 }
 
 class LocalCommunicator final : public Communicator {
@@ -191,12 +240,53 @@ class LocalCommunicator final : public Communicator {
                    "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
   }
   void dispatch(const RowRoute& route, RoundWindow window, const void* src, size_t row_bytes,
-                const SymmetricBuffer& recv, Stream s) override {
-    move_rows(route, window, src, recv.local, row_bytes, true, as_cuda(s));
+                const SymmetricBuffer& recv, const FanTable& fan, Stream s) override {
+    check_route(route, window, row_bytes, recv, fan);
+    const int64_t tokens = route.n / route.top_k;
+    if (tokens == 0 || window.rows == 0 || row_bytes == 0) return;
+    with_word(word_size(row_bytes, {src, recv.local}), [&](auto word) {
+      using W = decltype(word);
+      MOE_ECHO_LAUNCH(dispatch_kernel<W>, blocks_for(tokens, kRowThreads / 32, grid_cap()),
+                      kRowThreads, 0, as_cuda(s), tokens, route.top_k, route.dest_rank,
+                      route.dest_row, static_cast<const float*>(route.weight), window.row_lo,
+                      window.rows, static_cast<const W*>(src), static_cast<W*>(recv.local),
+                      int64_t(row_bytes / sizeof(W)), static_cast<int32_t*>(fan.members.local),
+                      static_cast<float*>(fan.weights.local));
+    });
   }
-  void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& out,
-               size_t row_bytes, void* gathered, Stream s) override {
-    move_rows(route, window, out.local, gathered, row_bytes, false, as_cuda(s));
+  void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
+               const Tensor& y, const int32_t* accumulate, const FanTable& fan, void* values_out,
+               Stream s) override {
+    MOE_ECHO_CHECK((y.dtype == DType::bf16 || y.dtype == DType::f32) && y.ndim == 2 &&
+                       y.size(0) * route.top_k == route.n,
+                   "combine: y must be bf16 or f32 [" << route.n << " / " << route.top_k
+                                                      << ", H], got " << y.describe());
+    const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
+    check_route(route, window, row_bytes, red, fan);
+    const int64_t tokens = y.size(0);
+    if (tokens == 0) return;
+    const unsigned grid = blocks_for(tokens, kRowThreads / 32, grid_cap());
+    auto run = [&](auto word, auto element) {
+      using W = decltype(word);
+      using T = decltype(element);
+      MOE_ECHO_LAUNCH((combine_kernel<W, T>), grid, kRowThreads, 0, as_cuda(s), tokens, route.top_k,
+                      route.dest_rank, route.dest_row, window.row_lo, window.rows,
+                      static_cast<const W*>(red.local), static_cast<W*>(y.data),
+                      int64_t(row_bytes / sizeof(W)), accumulate,
+                      static_cast<const float*>(fan.values.local), static_cast<float*>(values_out));
+    };
+    const bool vec = row_bytes % 16 == 0 && aligned16(y.data) && aligned16(red.local);
+    if (y.dtype == DType::bf16) {
+      if (vec)
+        run(uint4{}, bf16{});
+      else
+        run(bf16{}, bf16{});
+    } else {
+      if (vec)
+        run(uint4{}, float{});
+      else
+        run(float{}, float{});
+    }
   }
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& weights, size_t slot_bytes, Stream s) override {

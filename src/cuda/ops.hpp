@@ -1,5 +1,5 @@
 // The CUDA backend's per-step ops, one host launcher per op (the kernels live in one .cu file per
-// op family: router.cu, layout.cu, planner.cu, swiglu.cu, combine.cu, adamw.cu). Semantics are
+// op family: router.cu, layout.cu, planner.cu, swiglu.cu, fan.cu, adamw.cu). Semantics are
 // exactly those of the CPU reference ops in src/cpu (the spec), in the CUDA backend's dtypes:
 // activations and expert weights bf16; router weights, logits, scores, combine weights, losses,
 // gradients and optimizer state f32. Every launcher is capture-safe: it allocates nothing, reads
@@ -39,9 +39,11 @@ void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const 
 void swiglu_forward(const SwigluArgs& a, cudaStream_t s);
 void swiglu_backward(const SwigluArgs& a, cudaStream_t s);
 
-// Combine (combine.cu).
-void combine_forward(const CombineArgs& a, cudaStream_t s);
-void combine_backward(const CombineBackwardArgs& a, cudaStream_t s);
+// Fan out and fan in over a round's fan table (fan.cu): bf16 rows, f32 weights and d_weight.
+// Scratch: the window's list of lead rows.
+size_t fan_scratch_bytes(int64_t rows);
+void fan_out(const FanArgs& a, void* scratch, cudaStream_t s);
+void fan_in(const FanArgs& a, void* scratch, cudaStream_t s);
 
 // AdamW (adamw.cu): param f32 or bf16; grad, m, v f32.
 void adamw(const AdamWArgs& a, cudaStream_t s);

@@ -429,57 +429,212 @@ TEST_P(SwigluTest, ForwardAndBackwardOnValidRowsOnly) {
 
 INSTANTIATE_TEST_SUITE_P(
     Windows, SwigluTest,
-    ::testing::Values(WindowCase{{0, 0, 0}, 0, 16, 8},            // nothing valid
-                      WindowCase{{0, 0}, 0, 0, 8},                // an empty window
-                      WindowCase{{0, 1}, 0, 1, 37},               // one row, odd F
-                      WindowCase{{0, 100, 100, 255}, 0, 256, 64}, // an empty group, 255 of 256
-                      WindowCase{{0, 256}, 0, 256, 24},           // full
-                      WindowCase{{0, 200, 257}, 0, 257, 40},      // full, 257
-                      WindowCase{{0, 300, 700}, 256, 256, 16},    // second round, full
-                      WindowCase{{0, 300, 600}, 512, 256, 16},    // third round, 88 valid
-                      WindowCase{{0, 300, 500}, 512, 256, 16}));  // third round, none valid
+    ::testing::Values(WindowCase{{0, 0, 0}, 0, 16, 8},             // nothing valid
+                      WindowCase{{0, 0}, 0, 0, 8},                 // an empty window
+                      WindowCase{{0, 1}, 0, 1, 37},                // one row, odd F
+                      WindowCase{{0, 100, 100, 255}, 0, 256, 64},  // an empty group, 255 of 256
+                      WindowCase{{0, 256}, 0, 256, 24},            // full
+                      WindowCase{{0, 200, 257}, 0, 257, 40},       // full, 257
+                      WindowCase{{0, 300, 700}, 256, 256, 16},     // second round, full
+                      WindowCase{{0, 300, 600}, 512, 256, 16},     // third round, 88 valid
+                      WindowCase{{0, 300, 500}, 512, 256, 16}));   // third round, none valid
 
 // =================================================================================================
-// Combine
+// Fan out and fan in (random fan tables; only valid rows are read, only member or lead rows are
+// written)
 // =================================================================================================
 
-struct CombineCase {
-  int64_t T, K, H;
-  bool weighted;
+struct FanCase {
+  int64_t rows, row_lo, valid, K, H;
 };
 
-class CombineTest : public ::testing::TestWithParam<CombineCase> {};
-
-TEST_P(CombineTest, ForwardAndBackwardMatchCpu) {
-  MOE_ECHO_SKIP_WITHOUT_GPU();
-  const CombineCase c = GetParam();
-  Backends b;
-  const uint64_t seed = uint64_t(c.T * 7 + c.K * 3 + c.H);
-  Pair gathered(b, Kind::act, {c.T * c.K, c.H}), weight(b, Kind::flt, {c.T, c.K}),
-      y(b, Kind::act, {c.T, c.H}), dy(b, Kind::act, {c.T, c.H}),
-      d_gathered(b, Kind::act, {c.T * c.K, c.H}), d_weight(b, Kind::flt, {c.T, c.K});
-  gathered.write(round_bf16(uniform(size_t(c.T * c.K * c.H), seed)));
-  weight.write(round_f32(uniform(size_t(c.T * c.K), seed + 1, 0, 1)));
-  dy.write(round_bf16(uniform(size_t(c.T * c.H), seed + 2)));
-  for (const Pair* p : {&y, &d_gathered, &d_weight}) p->poison_both();
-  for (bool gpu : {false, true}) {
-    auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
-    Backend& be = gpu ? *b.gpu : *b.cpu;
-    be.combine_forward({t(gathered), c.weighted ? t(weight) : Tensor(), t(y)}, nullptr);
-    be.combine_backward({t(dy), t(gathered), t(weight), t(d_gathered), t(d_weight)}, nullptr);
-  }
-  EXPECT_TRUE(close(y.g.read(), y.c.read(), kBf16Tol, "y"));
-  EXPECT_TRUE(close(d_gathered.g.read(), d_gathered.c.read(), kBf16Tol, "d_gathered"));
-  EXPECT_TRUE(close(d_weight.g.read(), d_weight.c.read(), kF32Tol, "d_weight"));
+std::string fan_name(const ::testing::TestParamInfo<FanCase>& info) {
+  const FanCase& c = info.param;
+  std::ostringstream s;
+  s << "rows" << c.rows << "_lo" << c.row_lo << "_valid" << c.valid << "_K" << c.K << "_H" << c.H;
+  return s.str();
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, CombineTest,
-                         ::testing::Values(CombineCase{0, 2, 64, true}, CombineCase{1, 1, 8, true},
-                                           CombineCase{1, 8, 37, false},
-                                           CombineCase{255, 2, 64, true},
-                                           CombineCase{256, 4, 128, false},
-                                           CombineCase{257, 3, 65, true},
-                                           CombineCase{2048, 8, 256, true}));
+// A fan table over the window's rows: the valid rows, shuffled, are cut into tokens of 1 to K
+// members; a token's first member is its lead. Rows past the valid prefix hold a stale table
+// that looks like leads whose members are valid rows (what an earlier round may leave behind),
+// which no op may follow.
+struct RandomFanTable {
+  std::vector<double> members, weights;
+  std::vector<int64_t> leads;
+  std::vector<bool> is_lead;
+};
+
+RandomFanTable random_fan_table(const FanCase& c, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  RandomFanTable f;
+  f.members.assign(size_t(c.rows * c.K), 0.0);
+  f.weights = round_f32(uniform(size_t(c.rows * c.K), seed + 1, 0.05, 1.0));
+  f.is_lead.assign(size_t(c.rows), false);
+  std::vector<int64_t> perm(static_cast<size_t>(c.valid));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  // Stale entries first: every row of the table holds something (the ops must not read it).
+  for (int64_t q = 0; q < c.rows; ++q)
+    for (int64_t m = 0; m < c.K; ++m)
+      f.members[size_t(q * c.K + m)] =
+          m == 0 ? double(q) : (c.valid > 0 ? double(int64_t(rng() % uint64_t(c.valid))) : -1.0);
+  for (size_t at = 0; at < perm.size();) {
+    const size_t n = std::min(perm.size() - at, size_t(1 + rng() % uint64_t(c.K)));
+    const int64_t p = perm[at];
+    f.leads.push_back(p);
+    f.is_lead[size_t(p)] = true;
+    for (int64_t m = 0; m < c.K; ++m)
+      f.members[size_t(p * c.K + m)] = size_t(m) < n ? double(perm[at + size_t(m)]) : -1.0;
+    for (size_t m = 1; m < n; ++m) f.members[size_t(perm[at + m] * c.K)] = -1.0;
+    at += n;
+  }
+  return f;
+}
+
+class FanTest : public ::testing::TestWithParam<FanCase> {};
+
+TEST_P(FanTest, OutAndInMatchCpu) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  const FanCase c = GetParam();
+  Backends b;
+  const int64_t rows = c.rows, K = c.K, H = c.H, valid = c.valid;
+  const uint64_t seed = uint64_t(rows * 131 + c.row_lo * 7 + K * 3 + H);
+  const RandomFanTable table = random_fan_table(c, seed);
+  // Three groups; the valid prefix of the window is offsets[3] - row_lo.
+  const double end = double(c.row_lo + valid);
+  Pair off(b, Kind::i32, {4}), members(b, Kind::i32, {rows, K}), weights(b, Kind::flt, {rows, K});
+  off.write({0, std::floor(end / 3), std::floor(2 * end / 3), end});
+  members.write(table.members);
+  weights.write(table.weights);
+  auto window = [&](bool gpu) {
+    return GroupWindow{(gpu ? *off.g : *off.c).as<int32_t>(), 3, c.row_lo, rows};
+  };
+  // Poison NaN for rows an op must write, random values where it must read or leave alone.
+  const double nan = std::nan("");
+  const auto random_rows = [&](uint64_t s) { return round_bf16(uniform(size_t(rows * H), s)); };
+  auto rows_where = [&](std::vector<double> v, auto&& keep) {
+    for (int64_t r = 0; r < rows; ++r)
+      if (!keep(r))
+        for (int64_t h = 0; h < H; ++h) v[size_t(r * H + h)] = nan;
+    return v;
+  };
+  auto slice = [&](const std::vector<double>& v, auto&& take) {
+    std::vector<double> out;
+    for (int64_t r = 0; r < rows; ++r)
+      if (take(r)) out.insert(out.end(), v.begin() + r * H, v.begin() + (r + 1) * H);
+    return out;
+  };
+  auto lead_or_past = [&](int64_t r) { return r >= valid || table.is_lead[size_t(r)]; };
+  auto is_valid = [&](int64_t r) { return r < valid; };
+  auto past = [&](int64_t r) { return r >= valid; };
+  auto is_lead = [&](int64_t r) { return r < valid && table.is_lead[size_t(r)]; };
+  // Rows past the valid prefix keep what they held, bit for bit.
+  auto expect_past_untouched = [&](const std::vector<double>& got,
+                                   const std::vector<double>& before, const char* what) {
+    const auto g = slice(got, past), w = slice(before, past);
+    for (size_t i = 0; i < g.size(); ++i)
+      if (!(g[i] == w[i] || (std::isnan(g[i]) && std::isnan(w[i])))) {
+        ADD_FAILURE() << what << ": row " << valid + int64_t(i) / H
+                      << " past the valid prefix written";
+        return;
+      }
+  };
+
+  // 1. The unweighted copy in place (dispatch's lead rows to their members): bit-exact.
+  {
+    SCOPED_TRACE("copy in place");
+    Pair x(b, Kind::act, {rows, H});
+    const auto xv = rows_where(random_rows(seed + 2), lead_or_past);
+    x.write(xv);
+    for (bool gpu : {false, true}) {
+      FanArgs a;
+      a.window = window(gpu);
+      a.members = gpu ? *members.g : *members.c;
+      a.src = a.dst = gpu ? *x.g : *x.c;
+      (gpu ? b.gpu : b.cpu)->fan_out(a, nullptr);
+    }
+    const auto g = x.g.read();
+    EXPECT_EQ(slice(g, is_valid), slice(x.c.read(), is_valid));
+    EXPECT_TRUE(all_finite(slice(g, is_valid))) << "a valid row was not written";
+    expect_past_untouched(g, xv, "x");
+  }
+  // 2. fan_out weighted, with and without d_weight, in place (dst == other) and apart.
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool weighted = variant != 3, grad = variant >= 1, in_place = variant == 2;
+    SCOPED_TRACE("fan_out variant " + std::to_string(variant));
+    Pair src(b, Kind::act, {rows, H}), other(b, Kind::act, {rows, H}), dst(b, Kind::act, {rows, H}),
+        dw(b, Kind::flt, {rows});
+    src.write(rows_where(random_rows(seed + 3 + uint64_t(variant)), lead_or_past));
+    const auto ov = random_rows(seed + 7 + uint64_t(variant));
+    other.write(ov);
+    dst.poison_both();
+    dw.poison_both();
+    for (bool gpu : {false, true}) {
+      auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
+      FanArgs a;
+      a.window = window(gpu);
+      a.members = t(members);
+      if (weighted) a.weights = t(weights);
+      a.src = t(src);
+      a.dst = in_place ? t(other) : t(dst);
+      if (grad) {
+        a.other = t(other);
+        a.d_weight = t(dw);
+      }
+      (gpu ? b.gpu : b.cpu)->fan_out(a, nullptr);
+    }
+    const Pair& out = in_place ? other : dst;
+    const auto g = out.g.read();
+    EXPECT_TRUE(close(slice(g, is_valid), slice(out.c.read(), is_valid), kBf16Tol, "dst"));
+    expect_past_untouched(g, in_place ? ov : std::vector<double>(size_t(rows * H), nan), "dst");
+    if (grad) {
+      const auto dg = dw.g.read(), dc = dw.c.read();
+      EXPECT_TRUE(close(std::vector<double>(dg.begin(), dg.begin() + valid),
+                        std::vector<double>(dc.begin(), dc.begin() + valid), kF32Tol, "d_weight"));
+      for (int64_t r = valid; r < rows; ++r)
+        ASSERT_TRUE(std::isnan(dg[size_t(r)]))
+            << "d_weight of row " << r << " past the valid prefix";
+    }
+  }
+  // 3. fan_in, weighted and not: lead rows written, every other row keeps its poison.
+  for (bool weighted : {true, false}) {
+    SCOPED_TRACE(weighted ? "fan_in weighted" : "fan_in unweighted");
+    Pair src(b, Kind::act, {rows, H}), dst(b, Kind::act, {rows, H});
+    src.write(rows_where(random_rows(seed + 11 + (weighted ? 1 : 0)), is_valid));
+    dst.poison_both();
+    for (bool gpu : {false, true}) {
+      auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
+      FanArgs a;
+      a.window = window(gpu);
+      a.members = t(members);
+      if (weighted) a.weights = t(weights);
+      a.src = t(src);
+      a.dst = t(dst);
+      (gpu ? b.gpu : b.cpu)->fan_in(a, nullptr);
+    }
+    const auto g = dst.g.read();
+    EXPECT_TRUE(close(slice(g, is_lead), slice(dst.c.read(), is_lead), kBf16Tol, "dst"));
+    for (int64_t r = 0; r < rows; ++r) {
+      if (is_lead(r)) continue;
+      for (int64_t h = 0; h < H; ++h)
+        ASSERT_TRUE(std::isnan(g[size_t(r * H + h)])) << "fan_in wrote row " << r << ", not a lead";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tables, FanTest,
+                         ::testing::Values(FanCase{16, 0, 0, 4, 64},       // nothing valid
+                                           FanCase{0, 0, 0, 2, 64},        // an empty window
+                                           FanCase{1, 0, 1, 1, 8},         // one row
+                                           FanCase{1, 0, 1, 8, 37},        // one row, odd H
+                                           FanCase{256, 0, 255, 8, 64},    // 255 of 256
+                                           FanCase{256, 0, 256, 2, 2048},  // full
+                                           FanCase{257, 0, 257, 3, 40},    // full, 257
+                                           FanCase{300, 256, 44, 32, 24},  // second round, K 32
+                                           FanCase{257, 514, 200, 5, 12},  // third round, odd H
+                                           FanCase{400, 0, 380, 8, 7168}),
+                         fan_name);
 
 // =================================================================================================
 // AdamW
