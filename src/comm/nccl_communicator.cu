@@ -223,7 +223,9 @@ __device__ __forceinline__ void sum_rows(W* __restrict__ out, int64_t words, boo
   using V = Words<Y, W>;
   using A = typename V::Acc;
   constexpr int U = 4, N = V::N;
-  for (int64_t w0 = lane; w0 < words; w0 += 32 * U) {
+  // The trip count is the same on every lane (the shuffles below need the whole warp).
+  for (int64_t base = 0; base < words; base += 32 * U) {
+    const int64_t w0 = base + lane;
     A acc[U][N];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -312,7 +314,8 @@ __global__ void __launch_bounds__(kThreads)
                      recv, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
                : 0ull;
     const W* from = src + t * row_words;
-    for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
+    for (int64_t base = 0; base < row_words; base += 32 * kInFlight) {  // uniform: shuffles inside
+      const int64_t w0 = base + lane;
       W v[kInFlight];
 #pragma unroll
       for (int u = 0; u < kInFlight; ++u)

@@ -8,7 +8,8 @@
 #   PREBUILT=dir      moe-echo, multigpu_test and nccl_comm_bench built elsewhere (same NCCL)
 #   RANKS="2 4"       rank counts to test (default: 2, and 4 when 4 GPUs are visible)
 #   BENCH=comm,layers benchmarks to run after the tests (default none); LAYER_RUNS="..." picks
-#                     the layer runs (see below), TEST_FILTER a gtest filter
+#                     the layer runs (see below), TEST_FILTER a gtest filter, COMM_ARGS the comm
+#                     bench's arguments; TEST_TIMEOUT_S, BENCH_TIMEOUT_S limit each launch
 # Needs third_party/ (scripts/gpu_deps.sh) when it builds. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -84,7 +85,8 @@ done
 bench=${BENCH:-}
 if [[ "$bench" == *comm* ]] && [ "$gpus" -ge 2 ]; then
   n=$(( gpus >= 4 ? 4 : 2 ))
-  timeout 300 "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout 280 -- \
+  bt=${BENCH_TIMEOUT_S:-300}
+  timeout "$bt" "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout $((bt - 20)) -- \
     "$bin/nccl_comm_bench" --json "$out/comm_bench.json" ${COMM_ARGS:-} >"$out/comm_bench.log" 2>&1
   rows+=("comm bench on $n ranks: rc=$?")
 fi
@@ -134,5 +136,7 @@ echo
 echo "==================== MoE Echo multi-GPU round: $gpus x ${gpu:-no GPU}, $((SECONDS - t_start)) s ===================="
 echo "build: $build_rc   binaries: $bin"
 for row in "${rows[@]}"; do echo "  $row"; done
-if [ -f "$out/comm_bench.log" ]; then grep -E "config|MiB|WRONG|error" "$out/comm_bench.log" | sed 's/^\[rank 0\] //' | head -20; fi
+if [ -f "$out/comm_bench.log" ]; then
+  grep -E "\] (config|T[0-9])|WRONG|error" "$out/comm_bench.log" | sed 's/^\[rank 0\] //' | head -30
+fi
 echo "logs: $out"
