@@ -4,7 +4,7 @@
 // the PyTorch layer on exactly the same routing; for cases with small experts it also writes the
 // expert weights and our outputs, and the script checks them numerically before timing.
 //
-// usage: layer_bench --dump DIR --out results.json [--iters N] [--warmup N] [--config NAME]
+// usage: layer_bench --dump DIR --out results.json [--iters N] [--warmup N] [--config NAME[,NAME]]
 //        layer_bench --profile 1 [--config NAME]   (one uniform-routing step of each config, for
 //                                                   a kernel profiler: no timing, no dump)
 #include <cuda_runtime.h>
@@ -81,21 +81,23 @@ int main(int argc, char** argv) {
   std::printf("%-14s %-9s %10s %10s %12s\n", "config", "skew", "fwd_ms", "fwd+bwd_ms",
               "expert TF/s");
   for (const Case& c : cases) {
-    if (!only.empty() && c.name != only) continue;
+    if (!only.empty() && ("," + only + ",").find("," + c.name + ",") == std::string::npos) continue;
+    // One layer per config (its expert weights take a while to draw on the host); each skew
+    // writes its own router weight and tokens.
+    auto be = cuda::make_cuda_backend();
+    auto comm = cuda::make_local_communicator();
+    MoeConfig m;
+    m.hidden = c.hidden;
+    m.ffn = c.ffn;
+    m.experts = c.experts;
+    m.top_k = c.top_k;
+    m.max_tokens = tokens;
+    EchoConfig echo;
+    echo.enabled = false;        // one GPU: nothing to balance
+    echo.capacity_factor = 1.0;  // one rank receives exactly T * K rows
+    MoeLayer layer(*be, *comm, m, ParallelConfig{1, 0}, echo, 1, /*optimizer_state=*/false);
     for (const std::string skew_name : {"uniform", "zipf:1.2"}) {
       if (profile && skew_name != "uniform") continue;
-      auto be = cuda::make_cuda_backend();
-      auto comm = cuda::make_local_communicator();
-      MoeConfig m;
-      m.hidden = c.hidden;
-      m.ffn = c.ffn;
-      m.experts = c.experts;
-      m.top_k = c.top_k;
-      m.max_tokens = tokens;
-      EchoConfig echo;
-      echo.enabled = false;       // one GPU: nothing to balance
-      echo.capacity_factor = 1.0;  // one rank receives exactly T * K rows
-      MoeLayer layer(*be, *comm, m, ParallelConfig{1, 0}, echo, 1, /*optimizer_state=*/false);
       SkewSpec skew = parse_skew(skew_name);
       skew.drift = 0;
       SyntheticTokens synth(c.experts, c.hidden, skew, 7);

@@ -1,7 +1,7 @@
 // The CUDA backend: device memory through cudaMalloc (never managed memory), every per-step op a
 // kernel (or an async memset/copy) on the caller's stream, expert GEMMs through GroupedGemm
 // (CUTLASS, grouped_gemm*.cu), run_if as a CUDA-graph conditional IF node while the stream is
-// capturing. Op semantics are those of the CPU reference (src/cpu); see ops.hpp for the kernels.
+// capturing (and a host read of its flag otherwise). Op semantics are those of the CPU reference (src/cpu); see ops.hpp for the kernels.
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -123,8 +123,10 @@ class CudaBackend final : public Backend {
     cuda::add_i32(t, value, as_cuda(s));
   }
 
-  // Not capturing: the body runs unconditionally. That is exact, because every op of a round
-  // touches only rows inside its window, and an inactive round's window holds none.
+  // Not capturing: the flag is read on the host (after the work queued before it on the stream)
+  // and the body runs or not, as on the CPU backend. Running it regardless would not be exact:
+  // a round's combine writes every token of its output (0, or the old value, where the token has
+  // no row in the window), so an idle round would overwrite what the rounds before it wrote.
   // Capturing: a one-thread kernel sets a conditional handle from the flag, an IF node follows,
   // and the body is captured into the IF node's body graph. The capture of `s` is ended and
   // resumed around the body (the body enqueues on `s` itself), so the stream must have no other
@@ -133,7 +135,11 @@ class CudaBackend final : public Backend {
               Stream stream) override {
     const cudaStream_t s = as_cuda(stream);
     if (!is_capturing(s)) {
-      body();
+      int32_t flag = 0;
+      MOE_ECHO_CUDA_CHECK(
+          cudaMemcpyAsync(&flag, device_flag, sizeof(flag), cudaMemcpyDeviceToHost, s));
+      MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));
+      if (flag != 0) body();
       return;
     }
     cudaStreamCaptureStatus st;

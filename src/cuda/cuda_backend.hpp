@@ -3,8 +3,9 @@
 //
 // Per-step ops allocate nothing, never synchronise with the host and are capture-safe: a whole
 // step (forward, backward, optimizer) can be captured into one CUDA graph on a non-default stream
-// and replayed with new inputs. Build-time calls (allocate, copies to and from the host,
-// synchronize, reserve) may block.
+// and replayed with new inputs. The one exception is run_if outside a capture, which reads its
+// flag on the host (inside a capture it is a conditional graph node). Build-time calls (allocate,
+// copies to and from the host, synchronize, reserve) may block.
 //
 // One backend object serves one stream at a time: its ops share a scratch arena (sized in
 // reserve()) and the grouped-GEMM schedules, so ops of one backend must not run concurrently on
