@@ -69,12 +69,25 @@ MOE_ECHO_HD inline void water_fill(int k, const int64_t* base, int64_t rows, int
     }
 }
 
+// Index of the lowest set bit of v (v != 0).
+MOE_ECHO_HD inline int lowest_bit(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(v) - 1;
+#else
+  return __builtin_ctz(v);
+#endif
+}
+
 // Working state of one planning run, in flat arrays. Replicas of expert e are kept sorted by rank
 // in rep_rank[e*M .. e*M + nrep[e]); the home replica is the one on home_rank(e).
 struct PlannerCore {
   int R = 0, E = 0, S = 0, M = 0, epr = 0, clone_limit = 0, max_resplits = 0;
   int64_t *w = nullptr, *load = nullptr, *rep_rows = nullptr;
   int32_t *rep_rank = nullptr, *nrep = nullptr, *spare = nullptr, *spare_used = nullptr;
+  // Per rank, a bit per home expert that has clones (nrep > 1): `words` words per rank. Lets the
+  // hot loops visit a rank's cloned experts without scanning all of its home experts.
+  int words = 0;
+  uint32_t* multi = nullptr;
   // Scratch of one water-fill (k <= M replicas).
   int64_t *sc_base = nullptr, *sc_rows = nullptr;
   int32_t* sc_rank = nullptr;
@@ -118,6 +131,8 @@ struct PlannerCore {
     take(nrep, E);
     take(spare, int64_t(R) * S);
     take(spare_used, R);
+    words = (epr + 31) / 32;
+    take(multi, int64_t(R) * words);
     take(sc_base, M + 1);
     take(sc_rows, M + 1);
     take(sc_rank, M + 1);
@@ -171,6 +186,7 @@ struct PlannerCore {
       touched_stamp[r] = 0;
       replica_stamp[r] = 0;
       for (int s = 0; s < S; ++s) spare[int64_t(r) * S + s] = -1;
+      for (int i = 0; i < words; ++i) multi[int64_t(r) * words + i] = 0;
     }
   }
 
@@ -178,6 +194,24 @@ struct PlannerCore {
     for (int j = 0; j < nrep[e]; ++j)
       if (rep_rank[int64_t(e) * M + j] == r) return rep_rows[int64_t(e) * M + j];
     return 0;
+  }
+
+  // Keeps expert e's bit in `multi` equal to nrep[e] > 1.
+  MOE_ECHO_HD void mark(int e) {
+    const int j = e % epr;
+    uint32_t& word = multi[int64_t(e / epr) * words + j / 32];
+    const uint32_t bit = 1u << (j % 32);
+    word = nrep[e] > 1 ? (word | bit) : (word & ~bit);
+  }
+
+  // Calls f(e), in the order of for_experts_on, for every expert with clones that has a replica
+  // on rank r: its cloned home experts, then its spare slots.
+  template <class F>
+  MOE_ECHO_HD void for_cloned_on(int r, F&& f) const {
+    for (int i = 0; i < words; ++i)
+      for (uint32_t v = multi[int64_t(r) * words + i]; v != 0; v &= v - 1)
+        f(r * epr + i * 32 + lowest_bit(v));
+    for (int s = 0; s < spare_used[r]; ++s) f(spare[int64_t(r) * S + s]);
   }
 
   // Calls f(e) for every expert with a replica on rank r: home experts, then spare slots.
@@ -238,6 +272,7 @@ struct PlannerCore {
         rep_rows[at + j] = 0;
       }
       nrep[e] = j_nrep[i];
+      mark(e);
       for (int j = 0; j < nrep[e]; ++j) {
         rep_rank[at + j] = j_rank[i * M + j];
         rep_rows[at + j] = j_rows[i * M + j];
@@ -260,7 +295,7 @@ struct PlannerCore {
           touched[n_touched++] = r;
         }
         if (propagate)
-          for_experts_on(r, [&](int z) {
+          for_cloned_on(r, [&](int z) {
             if (z != e && nrep[z] > 1 && queued[z] != trial) {
               queued[z] = trial;
               queue[q_tail % E] = z;
@@ -272,6 +307,7 @@ struct PlannerCore {
       rep_rows[at + j] = sc_rows[j];
     }
     nrep[e] = k;
+    mark(e);
   }
 
   // Re-splits expert e by water-filling; true when its rows moved.
@@ -303,7 +339,7 @@ struct PlannerCore {
       group_stamp[top] = stamp;
       for (int g = 0; g < n_group; ++g) {
         const int b = group[g];
-        for_experts_on(b, [&](int x) {
+        for_cloned_on(b, [&](int x) {
           if (nrep[x] < 2 || rows_on(x, b) == 0) return;
           for (int j = 0; j < nrep[x]; ++j) {
             const int r = rep_rank[int64_t(x) * M + j];
@@ -314,7 +350,8 @@ struct PlannerCore {
           }
         });
       }
-      // Candidates: experts with rows in the group and clones left, by rows in the group.
+      // Candidates: experts with more than clone_cost_rows rows in the group and clones left,
+      // by rows in the group.
       n_cand = 0;
       for (int gi = 0; gi < n_group; ++gi)
         for_experts_on(group[gi], [&](int x) {
@@ -325,7 +362,9 @@ struct PlannerCore {
             const int r = rep_rank[int64_t(x) * M + j];
             if (group_stamp[r] == stamp) in_group += rep_rows[int64_t(x) * M + j];
           }
-          if (in_group == 0) return;
+          // A clone relieves the group of at most x's rows there: fewer than a clone costs, and
+          // x is no candidate.
+          if (in_group <= clone_cost_rows) return;
           cand[n_cand] = x;
           cand_score[n_cand] = in_group;
           ++n_cand;
@@ -356,6 +395,8 @@ struct PlannerCore {
             target = r;
         for (int j = 0; j < nrep[x]; ++j) replica_stamp[rep_rank[int64_t(x) * M + j]] = 0;
         if (target < 0 || load[target] >= level - 1) continue;
+        // The target only gains rows, so the new busiest load is at least its load now.
+        if (level - load[target] <= clone_cost_rows) continue;
 
         // Trial: clone, re-split, propagate; measure the group's new busiest load.
         ++trial;
