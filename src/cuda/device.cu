@@ -35,6 +35,9 @@ int sm_count() {
 namespace detail {
 
 void throw_cuda_error(cudaError_t code, const char* what, const char* file, int line) {
+  // Reported here: clear it, so that a later launch check does not report it again (a failed
+  // allocation leaves its error behind for cudaGetLastError).
+  (void)cudaGetLastError();
   std::ostringstream s;
   s << "CUDA error " << cudaGetErrorName(code) << " (" << cudaGetErrorString(code) << ") in "
     << what;

@@ -704,6 +704,9 @@ TEST(CudaBackend, DtypesCopiesAndErrorsNameTheCudaError) {
     EXPECT_NE(std::string(e.what()).find("cudaErrorMemoryAllocation"), std::string::npos)
         << e.what();
   }
+  // The error was reported once: the next kernel launch does not see it again.
+  EXPECT_NO_THROW(b.gpu->fill_zero(*c, nullptr));
+  EXPECT_EQ(c.read(), std::vector<double>(1000, 0.0));
 }
 
 }  // namespace
