@@ -48,6 +48,9 @@ class CudaBackend final : public Backend {
     if (!bytes) return;
     MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());  // after all queued work, on any stream
     MOE_ECHO_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+    // A copy from pageable memory may return before it lands; work on a non-blocking stream
+    // would not wait for it.
+    MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;

@@ -377,6 +377,9 @@ TEST(GroupedGemmGpu, GraphReplaysFollowDeviceGroupSizes) {
     c.offsets = replays[r];
     d.offsets.upload(c.offsets);
     d.poison();
+    // The uploads and memsets ran on the legacy default stream, which a non-blocking stream does
+    // not wait for (and a pageable upload may return before its copy lands): finish them first.
+    CK(cudaDeviceSynchronize());
     CK(cudaGraphLaunch(exec, s));
     CK(cudaStreamSynchronize(s));
     check_outputs(c, d);
