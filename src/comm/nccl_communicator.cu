@@ -74,6 +74,8 @@ int select_device(const DistEnv& env) {
 namespace {
 
 using cuda::as_cuda;
+using cuda::with_word;
+using cuda::word_size;
 
 constexpr int kThreads = 512;  // threads of every barrier kernel
 constexpr int kWarps = kThreads / 32;
@@ -544,37 +546,6 @@ __global__ void sum_leads_kernel(int64_t tokens, const int32_t* __restrict__ tok
 }
 
 // ---- host helpers ------------------------------------------------------------------------------
-
-// The widest word that divides the row size and every base address.
-size_t word_size(size_t row_bytes, std::initializer_list<const void*> bases) {
-  for (size_t w : {size_t(16), size_t(8), size_t(4), size_t(2)}) {
-    bool ok = row_bytes % w == 0;
-    for (const void* p : bases) ok = ok && reinterpret_cast<uintptr_t>(p) % w == 0;
-    if (ok) return w;
-  }
-  return 1;
-}
-
-template <class F>
-void with_word(size_t w, F&& f) {
-  switch (w) {
-    case 16:
-      f(uint4{});
-      break;
-    case 8:
-      f(uint2{});
-      break;
-    case 4:
-      f(uint32_t{});
-      break;
-    case 2:
-      f(uint16_t{});
-      break;
-    default:
-      f(uint8_t{});
-      break;
-  }
-}
 
 // The fan table's float type (f32 or f64).
 template <class F>

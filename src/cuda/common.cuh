@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "cuda/cuda_check.hpp"
 #include "moe_echo/tensor.hpp"
@@ -76,6 +77,28 @@ __device__ __forceinline__ void store_f(T* p, float v) {
 // and fall back to scalar kernels otherwise (odd sizes in the tests).
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Row copies of any element type: the widest word (16, 8, 4, 2 or 1 bytes) that divides the row
+// size and every base address, and a call of f with a value of that word type.
+inline size_t word_size(size_t row_bytes, std::initializer_list<const void*> bases) {
+  for (size_t w : {size_t(16), size_t(8), size_t(4), size_t(2)}) {
+    bool ok = row_bytes % w == 0;
+    for (const void* p : bases) ok = ok && reinterpret_cast<uintptr_t>(p) % w == 0;
+    if (ok) return w;
+  }
+  return 1;
+}
+
+template <class F>
+void with_word(size_t w, F&& f) {
+  switch (w) {
+    case 16: f(uint4{}); break;
+    case 8: f(uint2{}); break;
+    case 4: f(uint32_t{}); break;
+    case 2: f(uint16_t{}); break;
+    default: f(uint8_t{}); break;
+  }
+}
 
 // bf16 -> f32 is exact (the bf16 bits are the top half of the f32).
 __device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {

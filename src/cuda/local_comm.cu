@@ -170,27 +170,6 @@ __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
   }
 }
 
-// The widest word that divides the row size and every base address.
-size_t word_size(size_t row_bytes, std::initializer_list<const void*> bases) {
-  for (size_t w : {size_t(16), size_t(8), size_t(4), size_t(2)}) {
-    bool ok = row_bytes % w == 0;
-    for (const void* p : bases) ok = ok && reinterpret_cast<uintptr_t>(p) % w == 0;
-    if (ok) return w;
-  }
-  return 1;
-}
-
-template <class F>
-void with_word(size_t w, F&& f) {
-  switch (w) {
-    case 16: f(uint4{}); break;
-    case 8: f(uint2{}); break;
-    case 4: f(uint32_t{}); break;
-    case 2: f(uint16_t{}); break;
-    default: f(uint8_t{}); break;
-  }
-}
-
 // Checks what both per-step row ops need: a route of whole tokens of at most kMaxTopK entries,
 // a window that fits the receive rows and the fan table, the CUDA backend's f32 fan table.
 void check_route(const RowRoute& route, RoundWindow win, size_t row_bytes,
