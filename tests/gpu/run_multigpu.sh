@@ -23,16 +23,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 echo "GPUs: $gpus x ${gpu:-none}"
 nvidia-smi topo -m >"$out/topo.txt" 2>&1
 
-# NCCL: the CUDA toolkit's, else the Python package's (the GPU machines have only that one).
-nccl_root=""
-for d in ${NCCL_ROOT:-} /usr/local/cuda \
-         "$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)"; do
-  if [ -n "$d" ] && [ -f "$d/include/nccl_device.h" ]; then nccl_root=$d; break; fi
-done
-for l in lib lib64; do
-  [ -n "$nccl_root" ] && [ -f "$nccl_root/$l/libnccl.so.2" ] && export LD_LIBRARY_PATH="$nccl_root/$l:${LD_LIBRARY_PATH:-}"
-done
-echo "NCCL: ${nccl_root:-not found}"
+source scripts/nccl_env.sh  # nccl_root, LD_LIBRARY_PATH
 
 bin=""
 build_rc=-
