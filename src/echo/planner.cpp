@@ -34,8 +34,8 @@
 // refinement O(clones * M) per pass. Measured on one idle x86 core at R = E = 256, S = 1..4: at
 // most 0.3 ms with max_clones = 2 (0.02 ms on strong skew), at most 0.9 ms with max_clones = 8
 // (clone_cost_rows 0). With the GPU cost model's clone cost (2226 rows) at R = 4, Zipf 1.2,
-// S = 2: 4 us for E = 128 and 5 us for E = 256 (18 and 91 us before the two pruning rules, with
-// the same balance on those traces).
+// S = 2, a whole call: 0.007 ms for E = 128 and 0.010 ms for E = 256 (0.037 and 0.105 ms before
+// the two pruning rules, with the same balance; bench/results/planner_host_2026-11-21.json).
 #include "moe_echo/planner.hpp"
 
 #include <algorithm>
