@@ -367,7 +367,22 @@ __global__ void __launch_bounds__(kThreads)
   b.sync(Coop(), kAcqRel);
 }
 
-// Spare slot s of this rank <- home slot of the expert the plan puts there, from its home rank.
+// Splits the grid over `items` work items, so that items whose data sit on different peers move
+// at once, each over its own links: with at least as many CTAs as items, CTA b works on item
+// b % items as share b / items of that item's CTAs; with fewer, CTA b takes items b, b + grid, ...
+// whole. Calls f(item, share, shares).
+template <class F>
+__device__ void for_item_shares(int items, F&& f) {
+  const int grid = int(gridDim.x), b = int(blockIdx.x);
+  if (grid >= items) {
+    if (items > 0) f(b % items, b / items, (grid - 1 - b % items) / items + 1);
+  } else {
+    for (int i = b; i < items; i += grid) f(i, 0, 1);
+  }
+}
+
+// Spare slot s of this rank <- home slot of the expert the plan puts there, from its home rank;
+// the slots are filled at once (their home ranks may differ).
 template <class W>
 __global__ void __launch_bounds__(kThreads)
     pull_clones_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar,
@@ -375,20 +390,26 @@ __global__ void __launch_bounds__(kThreads)
                        int experts_per_rank, W* weights, int64_t slot_words) {
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
   b.sync(Coop(), kAcqRel);
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int s = 0; s < spare_slots; ++s) {
-    const int e = spare_expert[rank * spare_slots + s];
-    if (e < 0) continue;
+  const int32_t* mine = spare_expert + int64_t(rank) * spare_slots;
+  int filled = 0;
+  for (int s = 0; s < spare_slots; ++s) filled += mine[s] >= 0;
+  for_item_shares(filled, [&](int item, int share, int shares) {
+    int s = 0;
+    for (int seen = -1; s < spare_slots; ++s)
+      if (mine[s] >= 0 && ++seen == item) break;
+    const int e = mine[s];
     const W* from = static_cast<const W*>(ncclGetLsaPointer(
         win, size_t(e % experts_per_rank) * size_t(slot_words) * sizeof(W), e / experts_per_rank));
     W* to = weights + int64_t(experts_per_rank + s) * slot_words;
-    for (int64_t w = int64_t(blockIdx.x) * kThreads + threadIdx.x; w < slot_words; w += stride)
+    const int64_t stride = int64_t(shares) * kThreads;
+    for (int64_t w = int64_t(share) * kThreads + threadIdx.x; w < slot_words; w += stride)
       to[w] = from[w];
-  }
+  });
   b.sync(Coop(), kAcqRel);
 }
 
-// Every home expert of this rank adds, in replica order, its clones' gradients from their ranks.
+// Every home expert of this rank with clones adds, in replica order, its clones' gradients from
+// their ranks; the experts are reduced at once (their clones may sit on different ranks).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     reduce_clones_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar,
@@ -397,8 +418,18 @@ __global__ void __launch_bounds__(kThreads)
                          int experts_per_rank, T* grads, int64_t slot_elems) {
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
   b.sync(Coop(), kAcqRel);
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int j = 0; j < experts_per_rank; ++j) {
+  auto has_clones = [&](int j) {
+    const int e = rank * experts_per_rank + j;
+    for (int rep = 1; rep < M; ++rep)
+      if (replica_rank[e * M + rep] >= 0) return true;
+    return false;
+  };
+  int cloned = 0;
+  for (int j = 0; j < experts_per_rank; ++j) cloned += has_clones(j);
+  for_item_shares(cloned, [&](int item, int share, int shares) {
+    int j = 0;
+    for (int seen = -1; j < experts_per_rank; ++j)
+      if (has_clones(j) && ++seen == item) break;
     const int e = rank * experts_per_rank + j;
     const T* from[kMaxReplicas];
     int clones = 0;
@@ -408,14 +439,15 @@ __global__ void __launch_bounds__(kThreads)
       from[clones++] = static_cast<const T*>(ncclGetLsaPointer(
           win, size_t(replica_slot[e * M + rep]) * size_t(slot_elems) * sizeof(T), r));
     }
-    if (clones == 0) continue;
     T* to = grads + int64_t(j) * slot_elems;
+    const int64_t stride = int64_t(shares) * kThreads;
+    const int64_t first = int64_t(share) * kThreads + threadIdx.x;
     if constexpr (std::is_same_v<T, float>) {
       if (slot_elems % 4 == 0) {  // 16-byte words (slots of 16-byte multiples in 4 KiB windows)
         // Per element the same sum in the same order; two words per thread in flight.
         const int64_t words = slot_elems / 4;
         float4* to4 = reinterpret_cast<float4*>(to);
-        for (int64_t x = int64_t(blockIdx.x) * kThreads + threadIdx.x; x < words; x += 2 * stride) {
+        for (int64_t x = first; x < words; x += 2 * stride) {
           const bool second = x + stride < words;
           float4 a0 = to4[x], a1 = second ? to4[x + stride] : float4{};
           for (int c = 0; c < clones; ++c) {
@@ -427,15 +459,15 @@ __global__ void __launch_bounds__(kThreads)
           to4[x] = a0;
           if (second) to4[x + stride] = a1;
         }
-        continue;
+        return;
       }
     }
-    for (int64_t x = int64_t(blockIdx.x) * kThreads + threadIdx.x; x < slot_elems; x += stride) {
+    for (int64_t x = first; x < slot_elems; x += stride) {
       T acc = to[x];
       for (int c = 0; c < clones; ++c) acc += from[c][x];
       to[x] = acc;
     }
-  }
+  });
   b.sync(Coop(), kAcqRel);
 }
 
