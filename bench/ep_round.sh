@@ -13,6 +13,8 @@
 #   PRESETS="..."    presets of the PyTorch runs (default: all three)
 #   TORCH_STEPS, TORCH_WARMUP   timed and warm-up steps of the PyTorch runs (20, 5)
 #   BUDGET_S         seconds after which no further run starts (default 480)
+#   BENCH_ARGS       more arguments for every `moe-echo bench` run (e.g. "--phases on": a table of
+#                    the step's phases per run is printed last)
 # Needs third_party/ (scripts/gpu_deps.sh) when it builds. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -83,7 +85,7 @@ if [ -n "$bin" ]; then
     timeout "$lim" "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout $((lim - 10)) -- \
       "$bin/moe-echo" bench --preset "$preset" --ep "$n" --skew "$skew" --echo "$echo" \
       --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
-      --json "$OUT/ours_$name.json" >"$OUT/ours_$name.log" 2>&1
+      --json "$OUT/ours_$name.json" ${BENCH_ARGS:-} >"$OUT/ours_$name.log" 2>&1
     rc=$?
     summary=$(grep -E "^\[rank 0\]   forward" "$OUT/ours_$name.log" | sed 's/^\[rank 0\]   //')
     status+=("$(printf 'ours  %-9s rc=%-3s %4d s  %s' "$name" "$rc" $((SECONDS - t0)) "${summary:-no summary}")")
@@ -137,6 +139,9 @@ for p in sorted(glob.glob(os.path.join(out, "ours_*.json"))):
         "load_max_over_mean_no_echo": s["load_max_over_mean_no_echo"],
         "load_max_over_mean_echo": s["load_max_over_mean_echo"],
         "clones_per_step": s["clones_per_step"], "overflow_rows": s["overflow_rows"]}
+    if s.get("phases"):
+        ours[os.path.basename(p)[5:-5]]["phases_max_rank_ms"] = {
+            x["phase"]: round(x["max_rank_ms"], 4) for x in s["phases"]}
 torch_rows, torch_meta = {}, {}
 for p in sorted(glob.glob(os.path.join(out, "torch_*.json"))):
     j = load(p)
@@ -217,6 +222,16 @@ for b in baseline:
     print(f"ours, --dispatcher baseline: {b['preset']} {b['skew']} ECHO {'on' if b['echo'] else 'off'}: "
           f"fwd {b['fwd_ms']:.2f} ms, fwd+bwd {b['fwd_bwd_ms']:.2f} ms "
           f"(torch {f(b['torch_fwd_ms'], 1)} / {f(b['torch_fwd_bwd_ms'], 1)})")
+with_phases = [k for k, v in ours.items() if v.get("phases_max_rank_ms")]
+if with_phases:
+    names = []
+    for k in with_phases:
+        names += [p for p in ours[k]["phases_max_rank_ms"] if p not in names]
+    print("\nphases, ms (the slowest rank's, median over steps):")
+    print(f"{'phase':22s} " + " ".join(f"{k:>9s}" for k in with_phases))
+    for p in names:
+        print(f"{p:22s} " + " ".join(f(ours[k]['phases_max_rank_ms'].get(p), 9, 3)
+                                     for k in with_phases))
 print(f"wrote {os.path.join(out, 'ep_round.json')}")
 EOF
 echo "logs: $OUT"

@@ -284,7 +284,10 @@ class Bench {
     const Variant production[] = {
         {GemmOp::fprop, "fprop production kernel", &gd::make_fprop_runner},
         {GemmOp::dgrad, "dgrad production kernel", &gd::make_dgrad_runner},
-        {GemmOp::wgrad, "wgrad production kernel", &gd::make_wgrad_runner}};
+        {GemmOp::wgrad, "wgrad production kernel",
+         [](const gd::ProblemArrays& p, int groups, const RunnerOptions& o) {
+           return gd::make_wgrad_runner(p, groups, o);
+         }}};
     RunnerOptions along_m, along_n;
     along_n.raster_along_n = true;
     for (const auto& o : ops) {

@@ -46,6 +46,7 @@ struct BenchOptions {
   std::string json;
   std::string dispatcher = "syncfree";  // GPU ranks: syncfree or baseline
   std::string capture = "off";          // GPU: on = one CUDA graph per step, replayed
+  std::string phases = "off";           // GPU: on = time each phase of the step
 };
 
 struct StepRow {
@@ -96,6 +97,9 @@ struct Report {
   std::string dispatcher, capture;  // GPU path only
   std::string device;
   std::vector<StepRow> rows;
+  // --phases on: per phase, per timed step, the slowest rank's and the ranks' mean ms.
+  std::vector<std::string> phase_names;
+  std::vector<std::vector<double>> phase_max, phase_mean;
 
   void header() const {
     const MoeConfig& moe = L.moe;
@@ -180,6 +184,14 @@ void Report::summary() const {
         mean(after), percentile(after, 0.99), mean(clones), mean(clone_bytes) / 1024);
   std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
               (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
+  if (!phase_names.empty()) {
+    std::printf("\n  phases (ms, median over timed steps; a phase ends where the next starts; comm\n"
+                "  phases include the wait for the slowest peer)\n  %-22s %9s %9s\n", "phase",
+                "max rank", "mean");
+    for (size_t i = 0; i < phase_names.size(); ++i)
+      std::printf("  %-22s %9.3f %9.3f\n", phase_names[i].c_str(), median(phase_max[i]),
+                  median(phase_mean[i]));
+  }
 
   if (o.json.empty()) return;
   using nlohmann::json;
@@ -244,6 +256,14 @@ void Report::summary() const {
     s["load_max_over_mean_echo"] = nullptr;
     s["load_max_over_mean_echo_p99"] = nullptr;
   }
+  if (!phase_names.empty()) {
+    json ph = json::array();
+    for (size_t i = 0; i < phase_names.size(); ++i)
+      ph.push_back({{"phase", phase_names[i]},
+                    {"max_rank_ms", median(phase_max[i])},
+                    {"mean_ms", median(phase_mean[i])}});
+    s["phases"] = ph;
+  }
   j["summary"] = s;
   std::ofstream out(o.json);
   if (!out) throw Error("cannot write --json file '" + o.json + "'");
@@ -267,6 +287,8 @@ int run_bench(const BenchOptions& opts) {
   const DistEnv env = DistEnv::from_env();
   if (opts.capture != "on" && opts.capture != "off")
     reject("capture", "'" + opts.capture + "'", "on or off");
+  if (opts.phases != "on" && opts.phases != "off")
+    reject("phases", "'" + opts.phases + "'", "on or off");
   if (opts.dispatcher != "syncfree" && opts.dispatcher != "baseline")
     reject("dispatcher", "'" + opts.dispatcher + "'", "syncfree or baseline");
 #ifdef MOE_ECHO_WITH_CUDA
@@ -279,6 +301,8 @@ int run_bench(const BenchOptions& opts) {
            "1 without GPUs: the CPU backend simulates the ranks as threads of one process (--ep)");
   if (opts.capture == "on")
     reject("capture", "on", "off on the CPU backend (CUDA graphs need a GPU)");
+  if (opts.phases == "on")
+    reject("phases", "on", "off on the CPU backend (phases are timed with CUDA events)");
   if (opts.dispatcher != "syncfree")
     reject("dispatcher", "'" + opts.dispatcher + "'",
            "syncfree on the CPU backend (in-process ranks)");
@@ -374,6 +398,49 @@ int run_bench(const BenchOptions& opts) {
 }
 
 #ifdef MOE_ECHO_WITH_CUDA
+// --phases on: an event where each phase of the step starts, in the order of the first step's
+// marks (every step marks the same phases; inside a capture the records become graph nodes).
+class PhaseEvents final : public PhaseObserver {
+ public:
+  ~PhaseEvents() override {
+    for (cudaEvent_t e : events_) (void)cudaEventDestroy(e);
+  }
+  void start_step(unsigned flags) {
+    next_ = 0;
+    flags_ = flags;
+  }
+  void mark(const char* phase, Stream stream) override {
+    if (next_ == names_.size()) {
+      cudaEvent_t e;
+      MOE_ECHO_CUDA_CHECK(cudaEventCreate(&e));
+      events_.push_back(e);
+      names_.emplace_back(phase);
+    }
+    MOE_ECHO_CHECK(names_[next_] == phase, "phase " << next_ << " of the step is '" << phase
+                                                    << "', it was '" << names_[next_] << "'");
+    MOE_ECHO_CUDA_CHECK(
+        cudaEventRecordWithFlags(events_[next_++], static_cast<cudaStream_t>(stream), flags_));
+  }
+  const std::vector<std::string>& names() const { return names_; }
+  // Milliseconds of each phase of the last step; the last one ends at `end`.
+  std::vector<double> elapsed(cudaEvent_t end) const {
+    std::vector<double> ms(events_.size());
+    for (size_t i = 0; i < events_.size(); ++i) {
+      float t = 0;
+      MOE_ECHO_CUDA_CHECK(
+          cudaEventElapsedTime(&t, events_[i], i + 1 < events_.size() ? events_[i + 1] : end));
+      ms[i] = t;
+    }
+    return ms;
+  }
+
+ private:
+  std::vector<std::string> names_;
+  std::vector<cudaEvent_t> events_;
+  size_t next_ = 0;
+  unsigned flags_ = cudaEventRecordDefault;
+};
+
 // One rank per process on its GPU (LOCAL_RANK), the NCCL communicator between processes (the
 // single-GPU communicator when the job has one rank). Token batches are generated before the
 // timed steps and copied in on the device between steps; each step's forward and backward are
@@ -445,6 +512,8 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   MoeLayer layer(*backend, *comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
                  /*optimizer_state=*/false);
   write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
+  PhaseEvents phase_events;
+  if (o.phases == "on") layer.set_phase_observer(&phase_events);
   const DType act = backend->activation_dtype();
   std::vector<void*> owned;
   auto alloc = [&](std::initializer_list<int64_t> dims) {
@@ -487,6 +556,7 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   };
   // One step; inside a capture the event records become graph nodes.
   auto enqueue_step = [&](unsigned flags) {
+    phase_events.start_step(flags);
     layer.zero_grad(s);
     MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[0], stream, flags));
     layer.forward(x, y, s);
@@ -530,6 +600,32 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     row.step = step;
     row.fwd_ms = max_over_ranks(f);
     row.bwd_ms = max_over_ranks(b);
+    if (o.phases == "on" && step >= warmup) {
+      const std::vector<double> mine = phase_events.elapsed(ev[2]);
+      std::vector<double> mx = mine, sum = mine;
+      if (rv) {
+        Bytes bytes(mine.size() * sizeof(double));
+        std::memcpy(bytes.data(), mine.data(), bytes.size());
+        const std::vector<Bytes> all = rv->all_gather_bytes(bytes);
+        sum.assign(mine.size(), 0.0);
+        for (const Bytes& peer : all) {
+          MOE_ECHO_CHECK(peer.size() == bytes.size(), "ranks marked different phases");
+          for (size_t i = 0; i < mine.size(); ++i) {
+            double v = 0;
+            std::memcpy(&v, peer.data() + i * sizeof(double), sizeof v);
+            mx[i] = std::max(mx[i], v);
+            sum[i] += v;
+          }
+        }
+      }
+      report.phase_names = phase_events.names();
+      report.phase_max.resize(mine.size());
+      report.phase_mean.resize(mine.size());
+      for (size_t i = 0; i < mine.size(); ++i) {
+        report.phase_max[i].push_back(mx[i]);
+        report.phase_mean[i].push_back(sum[i] / R);
+      }
+    }
     const StepStats st = layer.stats();
     if (rank == 0) report.add(row, st);
   }
@@ -565,6 +661,9 @@ void add_bench(CLI::App& app, Runner& run) {
   cmd->add_option("--capture", opts->capture,
                   "GPU: on = each step (forward + backward) captured once into one CUDA graph and "
                   "replayed; off (default) = launched eagerly. Times come from CUDA events");
+  cmd->add_option("--phases", opts->phases,
+                  "GPU: on = also time each phase of the step (router, plan, dispatch, GEMMs, ...) "
+                  "with CUDA events and print them after the summary; off (default)");
   cmd->callback([opts, &run] { run = [opts] { return run_bench(*opts); }; });
 }
 

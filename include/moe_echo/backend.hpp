@@ -82,6 +82,9 @@ struct GemmArgs {
   Tensor a;  // fprop: x [rows, K]          dgrad: dy [rows, N]     wgrad: x [rows, K]
   Tensor b;  // fprop: w [G, K, N]          dgrad: w [G, K, N]      wgrad: dy [rows, N]
   Tensor c;  // fprop: out y [rows, N]      dgrad: out dx [rows, K] wgrad: += dw [G, K, N] float
+  // wgrad only: false writes dw[g] = a^T b instead of adding to it (no read of dw), for the groups
+  // with rows in the window; the other groups' dw is left as it is either way.
+  bool accumulate = true;
 };
 
 struct SwigluArgs {

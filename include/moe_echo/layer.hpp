@@ -48,6 +48,16 @@ struct AdamWConfig {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
 };
 
+// Sees the phases of a step: the layer calls mark(phase, stream) on the step's stream where each
+// phase starts, in a fixed order (see MoeLayer::forward/backward), so that a benchmark can record
+// an event per call and time each phase on the device. Spill rounds run inside conditional
+// branches and are not marked: their time falls to the phase before them.
+class PhaseObserver {
+ public:
+  virtual ~PhaseObserver() = default;
+  virtual void mark(const char* phase, Stream stream) = 0;
+};
+
 class MoeLayer {
  public:
   // Validates (throws ConfigError), then allocates everything. Collective across the ranks of
@@ -70,12 +80,19 @@ class MoeLayer {
   // Device views of a parameter and its gradient (router_bias has no gradient).
   Tensor param(Param p) const;
   Tensor grad(Param p) const;
+  // Zeroes the gradients. The next backward then writes the expert gradients of its first round
+  // instead of adding to zeros (no read of them); a CUDA graph captured from zero_grad through
+  // backward keeps that choice, so replay it whole (a backward captured without the zero_grad
+  // before it adds, as after any other backward).
   void zero_grad(Stream stream = nullptr);
   // The router weight is replicated on every EP rank: sum its gradient over the ranks before the
   // optimizer (a framework that owns data-parallel gradient reduction does this itself).
   void all_reduce_router_grad(Stream stream = nullptr);
   // AdamW on every parameter with a gradient (router weight, home w1, w2).
   void optimizer_step(const AdamWConfig& cfg, Stream stream = nullptr);
+
+  // Marks phases on `observer` from the next call on (nullptr: none); not owned.
+  void set_phase_observer(PhaseObserver* observer) { observer_ = observer; }
 
   // Statistics of the last forward (read after the step; the CPU backend has them at once).
   StepStats stats() const;
@@ -102,8 +119,11 @@ class MoeLayer {
   void run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
                  const int32_t* accumulate, Stream s);
   void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                          const int32_t* accumulate, Stream s);
+                          const int32_t* accumulate, bool overwrite_grads, Stream s);
   void init_parameters(uint64_t seed);
+  void mark(const char* phase, Stream s) {
+    if (observer_) observer_->mark(phase, s);
+  }
 
   Backend& backend_;
   Communicator& comm_;
@@ -114,6 +134,8 @@ class MoeLayer {
   int slots_ = 0;
   int64_t capacity_ = 0;
   int rounds_ = 0;
+  PhaseObserver* observer_ = nullptr;
+  bool grads_zeroed_ = false;  // zero_grad since the last backward
   int64_t last_tokens_ = 0;
   Tensor last_x_;
   std::unique_ptr<Buffers> buf_;

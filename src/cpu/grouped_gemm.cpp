@@ -48,7 +48,7 @@ void gemm_dgrad(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]^T
 }
 
 template <class T>
-void gemm_wgrad(const GemmArgs& a) {  // c[g] += a[rows of g]^T @ b[rows of g]
+void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
   const int64_t Kd = a.a.size(1), N = a.b.size(1);
   std::vector<double> acc(size_t(Kd * N));
   for (int g = 0; g < a.window.groups; ++g) {
@@ -65,7 +65,8 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] += a[rows of g]^T @ b[rows of g]
       }
     }
     T* dw = a.c.as<T>() + int64_t(g) * Kd * N;
-    for (int64_t j = 0; j < Kd * N; ++j) dw[j] = T(double(dw[j]) + acc[size_t(j)]);
+    for (int64_t j = 0; j < Kd * N; ++j)
+      dw[j] = T(a.accumulate ? double(dw[j]) + acc[size_t(j)] : acc[size_t(j)]);
   }
 }
 

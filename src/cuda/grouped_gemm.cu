@@ -202,6 +202,8 @@ struct GroupedGemm::Impl {
             break;
           case GemmOp::wgrad:
             runner[along_n] = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt);
+            overwrite[along_n] =
+                gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt, 0.0f);
             break;
         }
       }
@@ -213,11 +215,13 @@ struct GroupedGemm::Impl {
       const int64_t m = op == GemmOp::wgrad ? d.k : rows;
       const int64_t n = op == GemmOp::dgrad ? d.k : d.n;
       const gemm_detail::KernelRunner& r = *runner[0];
-      return *runner[gemm_detail::raster_along_n(m, n, r.tile_m(), r.tile_n()) ? 1 : 0];
+      const int along_n = gemm_detail::raster_along_n(m, n, r.tile_m(), r.tile_n()) ? 1 : 0;
+      return op == GemmOp::wgrad && !a.accumulate ? *overwrite[along_n] : *runner[along_n];
     }
     GemmOp op;
     gemm_detail::ProblemBuffers buffers;
-    std::unique_ptr<gemm_detail::KernelRunner> runner[2];  // M fastest, N fastest
+    std::unique_ptr<gemm_detail::KernelRunner> runner[2];     // M fastest, N fastest
+    std::unique_ptr<gemm_detail::KernelRunner> overwrite[2];  // wgrad with beta 0
   };
 
   explicit Impl(int groups)

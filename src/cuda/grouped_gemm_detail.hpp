@@ -83,8 +83,9 @@ std::unique_ptr<KernelRunner> make_fprop_runner(const ProblemArrays& p, int max_
                                                 const RunnerOptions& o = {});
 std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {});
+// wgrad: beta 1 adds to dw (C = D is read), beta 0 writes it (C is not read).
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
-                                                const RunnerOptions& o = {});
+                                                const RunnerOptions& o = {}, float beta = 1.0f);
 
 // CUTLASS's rule for one GEMM (tile_scheduler_params.h): walk along M (M fastest) when the
 // problem has more tiles along N than along M, else along N. Measured on an H200 at the

@@ -252,6 +252,7 @@ void MoeLayer::zero_grad(Stream s) {
   backend_.fill_zero(buf_->d_router_weight, s);
   backend_.fill_zero(buf_->dw1, s);
   backend_.fill_zero(buf_->dw2, s);
+  grads_zeroed_ = true;
 }
 
 void MoeLayer::all_reduce_router_grad(Stream s) { comm_.all_reduce_sum(buf_->d_router_weight, s); }
@@ -322,9 +323,12 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   ra.normalize_topk = moe_.normalize_topk;
   ra.aux_loss_coeff = moe_.aux_loss_coeff;
   ra.z_loss_coeff = moe_.z_loss_coeff;
+  mark("router", s);
   backend_.router_forward(ra, s);
 
+  mark("count_gather", s);
   comm_.all_gather_i32(b.counts.as<int32_t>(), b.routing_map.as<int32_t>(), moe_.experts, s);
+  mark("plan", s);
   backend_.plan(b.routing_map, planner_, echo_.enabled, b.plan, s);
 
   LayoutArgs la;
@@ -341,9 +345,11 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   la.rank = par_.ep_rank;
   la.slots = slots_;
   la.capacity = capacity_;
+  mark("layout", s);
   backend_.layout(la, s);
 
   if (planner_.spare_slots > 0) {
+    mark("clone_pull", s);
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
     comm_.pull_clone_weights(plan, planner_, b.w1_sym, b.w1.row_numel() * dtype_size(b.w1.dtype), s);
     comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2.row_numel() * dtype_size(b.w2.dtype), s);
@@ -352,6 +358,7 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   // Spill rounds add into y (zeroed first when there are any); round 0 then adds to them, or
   // writes y when there were none.
   const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
+  if (spill) mark("spill_rounds", s);
   if (spill) backend_.run_if(spill, [&] { backend_.fill_zero(y, s); }, s);
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
@@ -381,8 +388,10 @@ FanArgs MoeLayer::fan_args(int round) const {
 void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
+  if (round == 0) mark("dispatch", s);
   comm_.dispatch(route(T), RoundWindow{round * capacity_, capacity_}, x.data, row_bytes,
                  b.recv_x_sym, b.fan, s);
+  if (round == 0) mark("fan_out", s);
   FanArgs expand = fan_args(round);
   expand.weights = Tensor();
   expand.src = b.recv_x;
@@ -396,14 +405,23 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
 
+  // Phases are marked in round 0 only (spill rounds run inside conditional branches).
+  auto phase = [&](const char* name) {
+    if (round == 0) mark(name, s);
+  };
   dispatch_tokens(round, x, T, s);
+  phase("fc1");
   backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
+  phase("swiglu");
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+  phase("fc2");
   backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
   FanArgs sum = fan_args(round);
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
+  phase("fan_in");
   backend_.fan_in(sum, s);
+  phase("combine");
   comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
 }
 
@@ -414,17 +432,22 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
   // Clone slots accumulate this step's gradients only; home slots accumulate across steps.
   const int64_t EPR = moe_.experts / par_.ep_size;
+  mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR) {
     backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
     backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
   }
-  // Round 0 writes dx, spill rounds add to it; then the router adds its part.
+  // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
+  // round 0 also writes the expert gradients (every slot is zero until then: home slots from
+  // zero_grad, clone slots from above; a group without rows in round 0 keeps its zeros).
+  const bool overwrite_grads = grads_zeroed_;
+  grads_zeroed_ = false;
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
-      run_round_backward(0, dy, dx, T, nullptr, s);
+      run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, s);
     else
       backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] {
-        run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, s);
+        run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, s);
       }, s);
   }
 
@@ -443,19 +466,22 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   rb.normalize_topk = moe_.normalize_topk;
   rb.aux_loss_coeff = moe_.aux_loss_coeff;
   rb.z_loss_coeff = moe_.z_loss_coeff;
+  mark("bwd_router", s);
   backend_.router_backward(rb, s);
 
   if (planner_.spare_slots > 0) {
+    mark("bwd_clone_reduce", s);
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
     comm_.reduce_clone_grads(plan, planner_, b.dw1_sym, b.dw1.row_numel(), b.dw1.dtype, s);
     comm_.reduce_clone_grads(plan, planner_, b.dw2_sym, b.dw2.row_numel(), b.dw2.dtype, s);
   }
+  mark("bwd_bias_update", s);
   if (moe_.bias_update)
     backend_.router_bias_update(b.routing_map, b.router_bias, moe_.bias_update_rate, s);
 }
 
 void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                                  const int32_t* accumulate, Stream s) {
+                                  const int32_t* accumulate, bool overwrite_grads, Stream s) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
@@ -467,24 +493,36 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
     backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
     backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
   }
+  auto phase = [&](const char* name) {
+    if (round == 0) mark(name, s);
+  };
   // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
+  phase("bwd_dispatch");
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
   FanArgs scatter = fan_args(round);
   scatter.src = b.recv_red;
   scatter.dst = b.recv_out;
   scatter.other = b.recv_out;
   scatter.d_weight = b.fan_values;
+  phase("bwd_fan_out");
   backend_.fan_out(scatter, s);
+  phase("bwd_dgrad_fc2");
   backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
-  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2}, s);
+  phase("bwd_wgrad_fc2");
+  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads}, s);
+  phase("bwd_swiglu");
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
+  phase("bwd_dgrad_fc1");
   backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_out}, s);  // dx rows
-  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1}, s);
+  phase("bwd_wgrad_fc1");
+  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads}, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
+  phase("bwd_fan_in");
   backend_.fan_in(sum, s);
+  phase("bwd_combine");
   comm_.combine(route(T), win, b.recv_red_sym, dx, accumulate, b.fan, b.d_topk_weight.data, s);
 }
 

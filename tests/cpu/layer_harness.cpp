@@ -45,8 +45,10 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     Tensor xt = alloc(&x[size_t(r)]), yt = alloc(nullptr), gt = alloc(&g[size_t(r)]),
            dxt = alloc(nullptr);
     layer.zero_grad();
-    layer.forward(xt, yt);
-    layer.backward(gt, dxt);
+    for (int pass = 0; pass < c.passes; ++pass) {
+      layer.forward(xt, yt);
+      layer.backward(gt, dxt);
+    }
     out.y[size_t(r)] = read_tensor(*be, yt);
     out.dx[size_t(r)] = read_tensor(*be, dxt);
     out.d_router[size_t(r)] = read_tensor(*be, layer.grad(Param::router_weight));

@@ -17,6 +17,7 @@ struct LayerCase {
   EchoConfig echo;
   uint64_t seed = 7;
   DType dtype = DType::f64;
+  int passes = 1;  // forward + backward passes after one zero_grad (gradients accumulate)
 };
 
 // Parameters of the whole layer (all experts), to override the seeded initial values.

@@ -122,6 +122,35 @@ TEST(Layer, EchoOnEqualsEchoOffUnderSkew) {
   }
 }
 
+// After zero_grad the first backward writes the expert gradients; a second one without zero_grad
+// adds to them (spill rounds and clones included): two passes give twice the gradients of one.
+TEST(Layer, BackwardsAfterOneZeroGradAccumulate) {
+  for (double cf : {0.3, 4.0}) {
+    for (bool echo : {false, true}) {
+      LayerCase c;
+      c.moe = small_moe(8, 2, 32);
+      c.ranks = 4;
+      c.echo.enabled = echo;
+      c.echo.capacity_factor = cf;
+      const SkewedInput in = skewed(c, 32, 1.5, 9);
+      const auto g = per_rank(4, 32, 16, 700);
+      SCOPED_TRACE("capacity factor " + std::to_string(cf) + (echo ? " echo" : ""));
+      const LayerRun one = run_layer(c, in.x, g, in.params);
+      c.passes = 2;
+      const LayerRun two = run_layer(c, in.x, g, in.params);
+      auto twice = [](std::vector<double> v) {
+        for (double& e : v) e *= 2;
+        return v;
+      };
+      expect_close(two.dw1, twice(one.dw1), 1e-13, "dw1");
+      expect_close(two.dw2, twice(one.dw2), 1e-13, "dw2");
+      for (int r = 0; r < 4; ++r)
+        expect_close(two.d_router[size_t(r)], twice(one.d_router[size_t(r)]), 1e-13, "d_router");
+      EXPECT_GT(one.stats[0].spill_rounds + (cf > 1 ? 1 : 0), 0);
+    }
+  }
+}
+
 TEST(Layer, ForcedOverflowIsExactAndCounted) {
   LayerCase roomy;
   roomy.moe = small_moe(8, 2, 32);

@@ -730,6 +730,23 @@ TEST_P(GroupedGemmTest, FpropDgradWgradMatchReferenceAndAreAdjoint) {
     for (int64_t j = 0; j < K * N; ++j)
       ASSERT_EQ(dwv[size_t(g * K * N + j)], dw0[size_t(g * K * N + j)]) << "empty group " << g;
   }
+  {  // accumulate = false writes the groups with rows (their NaN start is never read) and leaves
+     // the others as they were.
+    std::vector<double> start = dw0, ref(dw0.size(), 0.0);
+    for (int64_t g = 0; g < G; ++g) {
+      const auto lo = start.begin() + g * K * N;
+      if (group_has_rows[size_t(g)])
+        std::fill(lo, lo + K * N, std::nan(""));
+      else
+        std::copy(lo, lo + K * N, ref.begin() + g * K * N);
+    }
+    put(*be, dw, start);
+    GemmArgs over{win, x, dy, dw};
+    over.accumulate = false;
+    be->gemm_wgrad(over, nullptr);
+    test::ref::gemm_wgrad(wc.offsets, wc.row_lo, rows, K, N, xv, dyv, ref);
+    EXPECT_LT(rel_error(get(*be, dw), ref), tol) << "wgrad with accumulate = false";
+  }
 
   // Adjoint identities over the valid rows: <dy, X W> = <dgrad(dy), X> = <wgrad(X, dy), W>.
   // (For a linear map these are exactly what finite differences would measure.)

@@ -117,6 +117,20 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_1) << "dw1 differs between two runs";
   EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), dr_1)
       << "d_router differs between two runs";
+
+  // Without zero_grad the next backward adds: the expert gradients double (after zero_grad the
+  // first round writes them instead, see MoeLayer::zero_grad).
+  const auto dw2_1 = read_tensor(*gl.be, gl.layer.grad(Param::w2));
+  gl.layer.forward(*xt, *yt);
+  gl.layer.backward(*gt, *dxt);
+  auto twice = [](std::vector<double> v) {
+    for (double& e : v) e *= 2;
+    return v;
+  };
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), twice(dw1_1), 1e-5,
+                    "dw1 after a second backward without zero_grad"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), twice(dw2_1), 1e-5,
+                    "dw2 after a second backward without zero_grad"));
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -316,6 +317,60 @@ TEST(GroupedGemmGpu, MatchesCpuReference) {
   EXPECT_EQ(gg.max_groups(), 8);
   uint64_t seed = 1000;
   for (const Case& c : cases()) run_case(gg, c, seed += 10);
+}
+
+// wgrad with accumulate = false: groups with rows are written (their old values are NaN, so a
+// kernel that read them would leave NaN), empty groups keep their exact bits.
+TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
+  SKIP_WITHOUT_GPU();
+  cuda::GroupedGemm gg(8);
+  uint64_t seed = 5000;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    CaseData d(c);
+    d.refill(c, seed += 10);
+    const int Gs = std::max(d.G, 1);
+    const size_t slab = size_t(c.K * c.N);
+    const GroupWindow w = window_of(c, c.offsets.data());
+    std::vector<float> start = d.hdw0;
+    for (int g = 0; g < d.G; ++g) {
+      const cpu::RowRange rr = cpu::group_rows(w, g);
+      if (rr.end > rr.begin)
+        std::fill(start.begin() + g * slab, start.begin() + (g + 1) * slab,
+                  std::numeric_limits<float>::quiet_NaN());
+    }
+    d.dw.upload(start);
+    GemmArgs args = d.wgrad_args(c);
+    args.accumulate = false;
+    gg.wgrad(args, nullptr);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+
+    std::vector<float> hx = d.hx.values, hdy = d.hdy.values, ref = d.hdw0;
+    const GemmArgs h = host_args(args, c, hx.data(), hdy.data(), ref.data());
+    cpu::gemm_wgrad<float>(h);
+    const std::vector<float> got = d.dw.download<float>(size_t(Gs) * slab);
+    std::vector<double> g_rows, r_rows;
+    int64_t changed_empty = 0, non_finite = 0;
+    for (int g = 0; g < Gs; ++g) {
+      const cpu::RowRange rr = g < d.G ? cpu::group_rows(w, g) : cpu::RowRange{0, 0};
+      for (size_t j = size_t(g) * slab; j < size_t(g + 1) * slab; ++j) {
+        if (rr.end > rr.begin) {
+          non_finite += !std::isfinite(got[j]);
+          g_rows.push_back(got[j]);
+          r_rows.push_back(ref[j]);
+        } else if (float_bits(got[j]) != float_bits(d.hdw0[j])) {
+          ++changed_empty;
+        }
+      }
+    }
+    EXPECT_EQ(non_finite, 0) << "wgrad overwrite: non-finite values (the old gradient was read)";
+    EXPECT_EQ(changed_empty, 0) << "wgrad overwrite: an empty group's gradient changed";
+    if (!g_rows.empty()) {
+      const double err = test::rel_error(g_rows, r_rows);
+      EXPECT_LT(err, 1e-3) << "wgrad overwrite: relative error " << err;
+    }
+  }
 }
 
 TEST(GroupedGemmGpu, ExactlyMaxGroups) {
