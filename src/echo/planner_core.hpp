@@ -1,11 +1,20 @@
 // The ECHO planner's core, written once for the host (src/echo/planner.cpp) and the device
-// (src/cuda/planner.cu): the same loops over the same flat arrays, so both produce the same plan
+// (src/cuda/planner.cu): the same steps over the same flat arrays, so both produce the same plan
 // bit for bit. The algorithm and its invariants are described in planner.cpp.
 //
 // No allocation, no exceptions, no standard library containers: every array lives in a caller's
-// scratch buffer (PlannerCore::bytes(cfg) bytes, 8-byte aligned) bound by bind(). On the device,
-// the expert and rank initialisation may run on a whole block (init_experts / init_ranks over
-// disjoint indices, a barrier between them); placement, refinement and writing run on one thread.
+// scratch buffer (PlannerCore::bytes(cfg) bytes, 8-byte aligned) bound by bind().
+//
+// The host runs init_experts, init_ranks, place_clones, refine and write on one thread. The device
+// makes the same state changes in the same order but spreads the scans over threads: the
+// initialisation and the plan over a whole block (init_experts / init_ranks / write_part over
+// disjoint indices, a barrier between them), placement and refinement on one warp
+// (place_clones_warp, refine_warp). There lane 0 alone changes the state, with the host's own
+// build_group and try_clone, its re-splits in registers (resplit_regs: the same split, found
+// without sorting), and all lanes share the searches between the changes: the busiest rank, the
+// target ranks, the candidates and their order, the cloned experts. Each search finds what the
+// host's loop finds (the same minimum or maximum, ties to the lowest index), so both plans are
+// equal bit for bit.
 #pragma once
 
 #include <cstddef>
@@ -15,8 +24,19 @@
 
 #if defined(__CUDACC__)
 #define MOE_ECHO_HD __host__ __device__
+#define MOE_ECHO_D __device__
 #else
 #define MOE_ECHO_HD
+#define MOE_ECHO_D
+#endif
+// Loop unrolling on the device (register arrays need it; for loads, more of them in flight).
+#if defined(__CUDA_ARCH__)
+#define MOE_ECHO_PRAGMA(x) _Pragma(#x)
+#define MOE_ECHO_UNROLL MOE_ECHO_PRAGMA(unroll)
+#define MOE_ECHO_UNROLL_BY(n) MOE_ECHO_PRAGMA(unroll n)
+#else
+#define MOE_ECHO_UNROLL
+#define MOE_ECHO_UNROLL_BY(n)
 #endif
 
 namespace moe_echo::planner_core {
@@ -69,6 +89,43 @@ MOE_ECHO_HD inline void water_fill(int k, const int64_t* base, int64_t rows, int
     }
 }
 
+// water_fill for k <= K replicas in registers, without sorting (the device's hot path). The
+// level water_fill finds is the largest L whose fill sum max(0, L - base[i]) is at most `rows`,
+// and that fill is max over m of (m * L - the m smallest bases' sum), so L is the smallest
+// (rows + the m smallest bases' sum) / m over m = 1..k; the m smallest are, for each i, the bases
+// before it in (base, index) order and itself. The split from the level is water_fill's.
+template <int K>
+MOE_ECHO_HD inline void water_fill_regs(int k, const int64_t (&base)[K], int64_t rows,
+                                        int64_t (&out)[K]) {
+  int64_t level = 0;
+  MOE_ECHO_UNROLL
+  for (int i = 0; i < K; ++i) {
+    if (i >= k) continue;
+    int m = 0;
+    int64_t sum = 0;
+    MOE_ECHO_UNROLL
+    for (int j = 0; j < K; ++j)
+      if (j < k && (base[j] < base[i] || (base[j] == base[i] && j <= i))) {
+        ++m;
+        sum += base[j];
+      }
+    const int64_t l = (rows + sum) / m;
+    level = i == 0 || l < level ? l : level;
+  }
+  int64_t left = rows;
+  MOE_ECHO_UNROLL
+  for (int i = 0; i < K; ++i) {
+    out[i] = i < k && base[i] < level ? level - base[i] : 0;
+    left -= out[i];
+  }
+  MOE_ECHO_UNROLL
+  for (int i = 0; i < K; ++i)
+    if (i < k && left > 0 && base[i] <= level) {
+      out[i] += 1;
+      --left;
+    }
+}
+
 // Index of the lowest set bit of v (v != 0).
 MOE_ECHO_HD inline int lowest_bit(uint32_t v) {
 #if defined(__CUDA_ARCH__)
@@ -76,6 +133,45 @@ MOE_ECHO_HD inline int lowest_bit(uint32_t v) {
 #else
   return __builtin_ctz(v);
 #endif
+}
+
+MOE_ECHO_HD inline int bit_count(uint32_t v) {
+#if defined(__CUDA_ARCH__)
+  return __popc(v);
+#else
+  return __builtin_popcount(v);
+#endif
+}
+
+// The warp-cooperative functions below take a warp as W: W::kLanes lanes (a power of two, at
+// most 32), wp.lane, wp.sync() (a barrier of all lanes that orders their memory accesses),
+// wp.shfl(v, src), wp.shfl_xor(v, mask) and wp.ballot(pred) over all lanes. Every lane calls
+// them together, in uniform control flow.
+
+// The best of each lane's (key, idx, extra), to every lane: the largest key, ties to the lowest
+// idx; idx < 0 marks a lane with nothing. idx is unique among the lanes that have something, so
+// every lane ends with the same triple.
+template <class W>
+MOE_ECHO_D void warp_best(const W& wp, int64_t& key, int& idx, int& extra) {
+  for (int m = W::kLanes / 2; m > 0; m /= 2) {
+    const int64_t k2 = wp.shfl_xor(key, m);
+    const int i2 = wp.shfl_xor(idx, m);
+    const int x2 = wp.shfl_xor(extra, m);
+    if (i2 >= 0 && (idx < 0 || k2 > key || (k2 == key && i2 < idx))) {
+      key = k2;
+      idx = i2;
+      extra = x2;
+    }
+  }
+}
+
+// Appends the items of this round whose lane has `keep` to a list at `n` (lanes in order), and
+// returns the new length; `slot` gets this lane's position when it keeps its item.
+template <class W>
+MOE_ECHO_D int warp_append(const W& wp, bool keep, int n, int& slot) {
+  const uint32_t kept = wp.ballot(keep);
+  slot = n + bit_count(kept & ((1u << wp.lane) - 1u));
+  return n + bit_count(kept);
 }
 
 // Working state of one planning run, in flat arrays. Replicas of expert e are kept sorted by rank
@@ -103,6 +199,9 @@ struct PlannerCore {
   // wait at once).
   int32_t *group = nullptr, *touched = nullptr, *cand = nullptr, *queue = nullptr;
   int n_group = 0, n_touched = 0, n_cand = 0;
+  // The device's step: the ranks a clone may go to (clone_limit + 1 at most, least loaded first)
+  // and each candidate's target among them.
+  int32_t *targets = nullptr, *cand_target = nullptr;
   int64_t q_head = 0, q_tail = 0;
   int64_t* cand_score = nullptr;
   // Undo log of a trial clone: per change, the expert's replica list and its ranks' loads before.
@@ -147,6 +246,8 @@ struct PlannerCore {
     take(cand, E);
     take(queue, E);
     take(cand_score, E);
+    take(targets, R);
+    take(cand_target, E);
     take(j_expert, J);
     take(j_nrep, J);
     take(j_rank, J * M);
@@ -163,6 +264,7 @@ struct PlannerCore {
   MOE_ECHO_HD void init_experts(const int32_t* routing_map, int first, int step) {
     for (int e = first; e < E; e += step) {
       int64_t sum = 0;
+      MOE_ECHO_UNROLL_BY(16)
       for (int src = 0; src < R; ++src) sum += routing_map[int64_t(src) * E + e];
       w[e] = sum;
       const int64_t at = int64_t(e) * M;
@@ -175,12 +277,14 @@ struct PlannerCore {
       queued[e] = 0;
     }
   }
-  // Rank loads and slots, for ranks first, first + step, ... (after every init_experts).
-  MOE_ECHO_HD void init_ranks(int first, int step) {
+  // Rank loads and slots, for ranks first, first + step, ... (after every init_experts). With
+  // load_before, also writes the plan's loads before cloning (the device's write_part does not).
+  MOE_ECHO_HD void init_ranks(int first, int step, int32_t* load_before = nullptr) {
     for (int r = first; r < R; r += step) {
       int64_t sum = 0;
       for (int e = r * epr; e < (r + 1) * epr; ++e) sum += w[e];
       load[r] = sum;
+      if (load_before) load_before[r] = int32_t(sum);
       spare_used[r] = 0;
       group_stamp[r] = 0;
       touched_stamp[r] = 0;
@@ -281,6 +385,24 @@ struct PlannerCore {
     }
   }
 
+  // Rank r's load becomes `now` by a re-split of expert e: r is marked touched and, with
+  // propagate, its other cloned experts are queued for a re-split.
+  MOE_ECHO_HD void move_load(int e, int r, int64_t now, bool propagate) {
+    load[r] = now;
+    if (touched_stamp[r] != trial) {
+      touched_stamp[r] = trial;
+      touched[n_touched++] = r;
+    }
+    if (propagate)
+      for_cloned_on(r, [&](int z) {
+        if (z != e && nrep[z] > 1 && queued[z] != trial) {
+          queued[z] = trial;
+          queue[q_tail % E] = z;
+          ++q_tail;
+        }
+      });
+  }
+
   // Commits the split left by trial_fill (k replicas sorted by rank) for expert e; ranks whose
   // load changed are marked touched and their cloned experts queued for a re-split.
   MOE_ECHO_HD void commit(int e, int k, bool propagate) {
@@ -288,21 +410,7 @@ struct PlannerCore {
     for (int j = 0; j < k; ++j) {
       const int r = sc_rank[j];
       const int64_t now = sc_base[j] + sc_rows[j];
-      if (now != load[r]) {
-        load[r] = now;
-        if (touched_stamp[r] != trial) {
-          touched_stamp[r] = trial;
-          touched[n_touched++] = r;
-        }
-        if (propagate)
-          for_cloned_on(r, [&](int z) {
-            if (z != e && nrep[z] > 1 && queued[z] != trial) {
-              queued[z] = trial;
-              queue[q_tail % E] = z;
-              ++q_tail;
-            }
-          });
-      }
+      if (now != load[r]) move_load(e, r, now, propagate);
       rep_rank[at + j] = r;
       rep_rows[at + j] = sc_rows[j];
     }
@@ -322,6 +430,156 @@ struct PlannerCore {
     return true;
   }
 
+  // trial_fill and commit for an expert with at most K replicas after the change, in registers:
+  // re-splits e over its replicas plus (extra >= 0) a new one on rank `extra`, with the same split
+  // (water_fill_regs) and the same changes in the same order as commit. Without extra it is
+  // refill: nothing changes, and false is returned, when no rows move; a re-split keeps the
+  // replicas, so only rows and loads are written. With extra, K > nrep[e] (a candidate has at
+  // most clone_limit < M replicas).
+  template <int K>
+  MOE_ECHO_HD bool resplit_regs(int e, int extra, bool propagate) {
+    const int64_t at = int64_t(e) * M;
+    const int n = nrep[e], k = extra >= 0 ? n + 1 : n;
+    int old_rank[K], rank[K], before = 0;
+    int64_t old_rows[K], rows[K], base[K], split[K];
+    MOE_ECHO_UNROLL
+    for (int j = 0; j < K; ++j) {
+      old_rank[j] = j < n ? rep_rank[at + j] : 0;
+      old_rows[j] = j < n ? rep_rows[at + j] : 0;
+      before += j < n && old_rank[j] < extra ? 1 : 0;
+    }
+    // The new replica (no rows yet) goes before the first replica on a higher rank.
+    MOE_ECHO_UNROLL
+    for (int j = 0; j < K; ++j) {
+      rank[j] = old_rank[j];
+      rows[j] = old_rows[j];
+    }
+    if (extra >= 0) {
+      MOE_ECHO_UNROLL
+      for (int j = 1; j < K; ++j)
+        if (j > before) {
+          rank[j] = old_rank[j - 1];
+          rows[j] = old_rows[j - 1];
+        }
+      MOE_ECHO_UNROLL
+      for (int j = 0; j < K; ++j)
+        if (j == before) {
+          rank[j] = extra;
+          rows[j] = 0;
+        }
+    }
+    MOE_ECHO_UNROLL
+    for (int j = 0; j < K; ++j) base[j] = j < k ? load[rank[j]] - rows[j] : 0;
+    water_fill_regs<K>(k, base, w[e], split);
+    if (extra < 0) {
+      bool diff = false;
+      MOE_ECHO_UNROLL
+      for (int j = 0; j < K; ++j) diff |= j < k && split[j] != rows[j];
+      if (!diff) return false;
+      if (journaling) {  // save(e), from the registers
+        const int64_t i = j_count++;
+        j_expert[i] = e;
+        j_nrep[i] = n;
+        MOE_ECHO_UNROLL
+        for (int j = 0; j < K; ++j)
+          if (j < n) {
+            j_rank[i * M + j] = rank[j];
+            j_rows[i * M + j] = rows[j];
+            j_load[i * M + j] = base[j] + rows[j];
+          }
+      }
+    }
+    MOE_ECHO_UNROLL
+    for (int j = 0; j < K; ++j) {
+      if (j >= k) continue;
+      const int64_t now = base[j] + split[j];
+      if (now != load[rank[j]]) move_load(e, rank[j], now, propagate);
+      if (extra >= 0) rep_rank[at + j] = rank[j];
+      rep_rows[at + j] = split[j];
+    }
+    if (extra >= 0) {
+      nrep[e] = k;
+      mark(e);
+    }
+    return true;
+  }
+
+  // resplit_regs where M is small, else trial_fill and commit (refill without extra): the
+  // device's re-split.
+  MOE_ECHO_HD bool resplit_fast(int e, int extra, bool propagate) {
+    switch (M) {
+      case 2:
+        return resplit_regs<2>(e, extra, propagate);
+      case 3:
+        return resplit_regs<3>(e, extra, propagate);
+      case 4:
+        return resplit_regs<4>(e, extra, propagate);
+      default:
+        if (extra < 0) return refill(e, propagate);
+        commit(e, trial_fill(e, extra), propagate);
+        return true;
+    }
+  }
+
+  // The busiest group of a greedy step, from its busiest rank `top` at load `level`: breadth-first
+  // search over cloned experts with rows on a member. Sets group, n_group and group_stamp.
+  MOE_ECHO_HD void build_group(int top, int64_t level) {
+    n_group = 0;
+    group[n_group++] = top;
+    group_stamp[top] = stamp;
+    for (int g = 0; g < n_group; ++g) {
+      const int b = group[g];
+      for_cloned_on(b, [&](int x) {
+        if (nrep[x] < 2 || rows_on(x, b) == 0) return;
+        for (int j = 0; j < nrep[x]; ++j) {
+          const int r = rep_rank[int64_t(x) * M + j];
+          if (group_stamp[r] != stamp && load[r] >= level - 1) {
+            group_stamp[r] = stamp;
+            group[n_group++] = r;
+          }
+        }
+      });
+    }
+  }
+
+  // Trial: clones x onto `target`, re-splits, propagates, and measures the group's new busiest
+  // load. Keeps the clone (in target's next spare slot) and returns true when it lowers the
+  // group's busiest load `level` by more than clone_cost_rows; else undoes it. kFast: the
+  // re-splits by resplit_fast (the device's).
+  template <bool kFast = false>
+  MOE_ECHO_HD bool try_clone(int x, int target, int64_t level, int64_t clone_cost_rows) {
+    ++trial;
+    journaling = true;
+    j_count = 0;
+    n_touched = 0;
+    q_head = q_tail = 0;
+    save(x);  // rollback restores the loads of x's ranks; the target's is kept here
+    const int64_t target_load = load[target];
+    if (kFast)
+      resplit_fast(x, target, true);
+    else
+      commit(x, trial_fill(x, target), true);
+    int resplits = 0;
+    while (q_head < q_tail && resplits < max_resplits) {
+      const int z = queue[q_head % E];
+      ++q_head;
+      queued[z] = 0;  // may be queued again if its ranks change later in this trial
+      if (kFast ? resplit_fast(z, -1, true) : refill(z, true)) ++resplits;
+    }
+    int64_t new_max = 0;
+    for (int gi = 0; gi < n_group; ++gi) new_max = max_of(new_max, load[group[gi]]);
+    for (int ti = 0; ti < n_touched; ++ti) new_max = max_of(new_max, load[touched[ti]]);
+    journaling = false;
+    if (level - new_max > clone_cost_rows) {
+      spare[int64_t(target) * S + spare_used[target]] = x;
+      ++spare_used[target];
+      return true;
+    }
+    rollback();
+    load[target] = target_load;
+    return false;
+  }
+
   // Step 2 of planner.cpp: greedy placement of clones into spare slots (see there).
   MOE_ECHO_HD void place_clones(int64_t clone_cost_rows) {
     if (S == 0 || clone_limit == 0) return;
@@ -333,23 +591,7 @@ struct PlannerCore {
         if (load[r] > load[top]) top = r;
       const int64_t level = load[top];
       if (level == 0) break;
-      // The busiest group, by breadth-first search over cloned experts with rows on a member.
-      n_group = 0;
-      group[n_group++] = top;
-      group_stamp[top] = stamp;
-      for (int g = 0; g < n_group; ++g) {
-        const int b = group[g];
-        for_cloned_on(b, [&](int x) {
-          if (nrep[x] < 2 || rows_on(x, b) == 0) return;
-          for (int j = 0; j < nrep[x]; ++j) {
-            const int r = rep_rank[int64_t(x) * M + j];
-            if (group_stamp[r] != stamp && load[r] >= level - 1) {
-              group_stamp[r] = stamp;
-              group[n_group++] = r;
-            }
-          }
-        });
-      }
+      build_group(top, level);
       // Candidates: experts with more than clone_cost_rows rows in the group and clones left,
       // by rows in the group.
       n_cand = 0;
@@ -397,35 +639,9 @@ struct PlannerCore {
         if (target < 0 || load[target] >= level - 1) continue;
         // The target only gains rows, so the new busiest load is at least its load now.
         if (level - load[target] <= clone_cost_rows) continue;
-
-        // Trial: clone, re-split, propagate; measure the group's new busiest load.
-        ++trial;
-        journaling = true;
-        j_count = 0;
-        n_touched = 0;
-        q_head = q_tail = 0;
-        save(x);  // rollback restores the loads of x's ranks; the target's is kept here
-        const int64_t target_load = load[target];
-        commit(x, trial_fill(x, target), true);
-        int resplits = 0;
-        while (q_head < q_tail && resplits < max_resplits) {
-          const int z = queue[q_head % E];
-          ++q_head;
-          queued[z] = 0;  // may be queued again if its ranks change later in this trial
-          if (refill(z, true)) ++resplits;
-        }
-        int64_t new_max = 0;
-        for (int gi = 0; gi < n_group; ++gi) new_max = max_of(new_max, load[group[gi]]);
-        for (int ti = 0; ti < n_touched; ++ti) new_max = max_of(new_max, load[touched[ti]]);
-        journaling = false;
-        if (level - new_max > clone_cost_rows) {
-          spare[int64_t(target) * S + spare_used[target]] = x;
-          ++spare_used[target];
+        if (try_clone(x, target, level, clone_cost_rows)) {
           --free_slots;
           placed = true;
-        } else {
-          rollback();
-          load[target] = target_load;
         }
       }
       if (!placed) break;
@@ -443,6 +659,185 @@ struct PlannerCore {
         if (nrep[e] > 1) changed |= refill(e, false);
       if (!changed) break;
     }
+  }
+
+  // ---- The device's placement and refinement on one warp (see the file comment) ----
+  // Lane 0 makes every change to the planning state; the other lanes write only their own
+  // entries of a step's lists (candidates, cloned experts), and a lane reads what another wrote
+  // only after a wp.sync() that follows the write. Each lane has its own PlannerCore: only lane
+  // 0's scalars (n_touched, the queue, the journal, trial) are kept; those other lanes need are
+  // broadcast (n_group) or advanced by every lane alike (stamp).
+
+  // Lists in `targets` the eligible target ranks of this step (a free spare slot, outside the
+  // group) in the order of the host's target search, least loaded first, ties to the lowest rank:
+  // the first clone_limit + 1 of them, or all when fewer. A candidate holds at most clone_limit
+  // replicas, so its target (the first of them without a replica of it) is in the list when it
+  // has one. Returns the count; 0 also when the least loaded is within 1 or clone_cost_rows rows
+  // of `level`: the host skips a candidate with such a target, and every target is at least as
+  // loaded as the first, so then no trial runs in this step.
+  template <class W>
+  MOE_ECHO_D int find_targets(const W& wp, int64_t level, int64_t clone_cost_rows) {
+    int n = 0, last = -1;
+    int64_t last_load = 0;
+    while (n <= clone_limit) {
+      int64_t key = 0;  // -load: warp_best keeps the largest
+      int r_best = -1, unused = 0;
+      for (int r = wp.lane; r < R; r += W::kLanes) {
+        if (spare_used[r] >= S || group_stamp[r] == stamp) continue;
+        const int64_t l = load[r];
+        if (last >= 0 && (l < last_load || (l == last_load && r <= last))) continue;  // listed
+        if (r_best < 0 || -l > key) {  // ascending r: the first of equal loads stays
+          key = -l;
+          r_best = r;
+        }
+      }
+      warp_best(wp, key, r_best, unused);
+      if (r_best < 0) break;
+      if (n == 0 && (-key >= level - 1 || level + key <= clone_cost_rows)) break;
+      if (wp.lane == 0) targets[n] = r_best;
+      ++n;
+      last = r_best;
+      last_load = -key;
+    }
+    wp.sync();
+    return n;
+  }
+
+  // The candidates of this step with their targets, in cand / cand_score / cand_target (in no
+  // particular order): the experts the host's candidate loop keeps (clones left, more than
+  // clone_cost_rows rows in the group), less those whose target the host would skip (none, or
+  // within 1 or clone_cost_rows rows of `level`). Those skips hold for the whole step: a trial
+  // that fails is undone, so loads and replicas are those of the step's start at every try.
+  // The lanes visit the group's experts as the host does, each member's home experts and filled
+  // spare slots (epr + S slots per member, the unfilled ones empty); an expert with replicas on
+  // several members counts once, at the first of them in rank order.
+  template <class W>
+  MOE_ECHO_D int collect_candidates(const W& wp, int64_t level, int64_t clone_cost_rows,
+                                    int n_targets) {
+    const int per = epr + S, slots = n_group * per;
+    int n = 0;
+    for (int round = 0; round < slots; round += W::kLanes) {
+      const int t = round + wp.lane;
+      bool keep = false;
+      int b = -1, x = -1, target = -1;
+      int64_t in_group = 0;
+      if (t < slots) {
+        b = group[t / per];
+        const int i = t % per;
+        if (i < epr)
+          x = b * epr + i;
+        else if (i - epr < spare_used[b])
+          x = spare[int64_t(b) * S + i - epr];
+      }
+      if (x >= 0 && nrep[x] <= clone_limit) {
+        const int64_t at = int64_t(x) * M;
+        int first = -1;
+        for (int j = 0; j < nrep[x]; ++j) {
+          const int r = rep_rank[at + j];
+          if (group_stamp[r] != stamp) continue;
+          if (first < 0) first = r;
+          in_group += rep_rows[at + j];
+        }
+        if (first == b && in_group > clone_cost_rows) {
+          for (int k = 0; k < n_targets && target < 0; ++k) {
+            const int r = targets[k];
+            bool holds = false;
+            for (int j = 0; j < nrep[x]; ++j) holds |= rep_rank[at + j] == r;
+            if (!holds) target = r;
+          }
+          keep = target >= 0 && load[target] < level - 1 && level - load[target] > clone_cost_rows;
+        }
+      }
+      int slot = 0;
+      n = warp_append(wp, keep, n, slot);
+      if (keep) {
+        cand[slot] = x;
+        cand_score[slot] = in_group;
+        cand_target[slot] = target;
+      }
+    }
+    wp.sync();
+    return n;
+  }
+
+  // place_clones on a warp: the same trials in the same order, so the same clones.
+  template <class W>
+  MOE_ECHO_D void place_clones_warp(const W& wp, int64_t clone_cost_rows) {
+    if (S == 0 || clone_limit == 0) return;
+    int64_t free_slots = int64_t(R) * S;
+    while (free_slots > 0) {
+      ++stamp;
+      int64_t level = 0;
+      int top = -1, unused = 0;
+      for (int r = wp.lane; r < R; r += W::kLanes)
+        if (top < 0 || load[r] > level) {
+          level = load[r];
+          top = r;
+        }
+      warp_best(wp, level, top, unused);
+      if (level == 0) break;
+      if (wp.lane == 0) build_group(top, level);
+      wp.sync();
+      n_group = wp.shfl(n_group, 0);
+      const int n_targets = find_targets(wp, level, clone_cost_rows);
+      if (n_targets == 0) break;
+      n_cand = collect_candidates(wp, level, clone_cost_rows, n_targets);
+      // Trials hottest first, ties by the lowest expert index: each round picks the best
+      // candidate after the one tried last.
+      bool placed = false;
+      int64_t last_score = 0;
+      int last = -1;
+      while (!placed) {
+        int64_t score = 0;
+        int x = -1, at = -1;
+        for (int i = wp.lane; i < n_cand; i += W::kLanes) {
+          const int64_t sc = cand_score[i];
+          const int cx = cand[i];
+          if (last >= 0 && (sc > last_score || (sc == last_score && cx <= last))) continue;
+          if (x < 0 || sc > score || (sc == score && cx < x)) {
+            score = sc;
+            x = cx;
+            at = i;
+          }
+        }
+        warp_best(wp, score, x, at);
+        if (x < 0) break;
+        last_score = score;
+        last = x;
+        int kept = 0;
+        if (wp.lane == 0) kept = try_clone<true>(x, cand_target[at], level, clone_cost_rows);
+        wp.sync();
+        placed = wp.shfl(kept, 0) != 0;
+      }
+      if (!placed) break;
+      --free_slots;
+    }
+    wp.sync();
+  }
+
+  // refine on a warp: the lanes list the cloned experts in ascending order (refills keep every
+  // nrep), lane 0 re-splits them pass after pass.
+  template <class W>
+  MOE_ECHO_D void refine_warp(const W& wp) {
+    wp.sync();
+    ++trial;
+    n_touched = 0;
+    int n = 0;
+    for (int round = 0; round < E; round += W::kLanes) {
+      const int e = round + wp.lane;
+      const bool cloned = e < E && nrep[e] > 1;
+      int slot = 0;
+      n = warp_append(wp, cloned, n, slot);
+      if (cloned) cand[slot] = e;
+    }
+    wp.sync();
+    if (wp.lane == 0)
+      for (int pass = 0; pass < kMaxRefinePasses; ++pass) {
+        bool changed = false;
+        for (int i = 0; i < n; ++i) changed |= resplit_fast(cand[i], -1, false);
+        if (!changed) break;
+      }
+    wp.sync();
   }
 
   // Step 4: writes the plan. Replica 0 is home, then the clones in ascending rank order; a clone
@@ -486,6 +881,48 @@ struct PlannerCore {
       }
     }
     out.num_clones[0] = clones;
+  }
+
+  // write on the threads first, first + step, ... of a block, after init_ranks wrote
+  // load_before: rank, spare slot and expert entries are independent (a spare slot's expert is
+  // written when its clone kept rows, as write does from the expert's side). Returns the clones
+  // this thread wrote; num_clones is their sum over the threads, left to the caller.
+  MOE_ECHO_HD int32_t write_part(PlanView out, int first, int step) const {
+    for (int r = first; r < R; r += step) out.load_after[r] = int32_t(load[r]);
+    for (int i = first; i < R * S; i += step) {
+      const int r = i / S, s = i % S;
+      out.spare_expert[i] = s < spare_used[r] && rows_on(spare[i], r) != 0 ? spare[i] : -1;
+    }
+    int32_t clones = 0;
+    for (int e = first; e < E; e += step) {
+      const int64_t at = int64_t(e) * M;
+      const int home = e / epr;
+      int j_out = 1;
+      for (int j = 0; j < M; ++j) {
+        out.replica_rank[at + j] = -1;
+        out.replica_slot[at + j] = -1;
+        out.replica_rows[at + j] = 0;
+      }
+      for (int j = 0; j < nrep[e]; ++j) {
+        const int r = rep_rank[at + j];
+        const int64_t rows = rep_rows[at + j];
+        if (r == home) {
+          out.replica_rank[at] = r;
+          out.replica_slot[at] = e % epr;
+          out.replica_rows[at] = int32_t(rows);
+          continue;
+        }
+        if (rows == 0) continue;
+        int s = 0;
+        while (spare[int64_t(r) * S + s] != e) ++s;
+        out.replica_rank[at + j_out] = r;
+        out.replica_slot[at + j_out] = epr + s;
+        out.replica_rows[at + j_out] = int32_t(rows);
+        ++j_out;
+        ++clones;
+      }
+    }
+    return clones;
   }
 
  private:
