@@ -87,13 +87,13 @@ class CudaBackend final : public Backend {
   }
   void router_forward(const RouterForwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
-    cuda::router_forward(
-        a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs), cs);
+    void* sc = scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs);
+    cuda::router_forward(a, sc, &gemm(1, s), cs);
   }
   void router_backward(const RouterBackwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
-    cuda::router_backward(
-        a, scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs), cs);
+    void* sc = scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs);
+    cuda::router_backward(a, sc, &gemm(1, s), cs);
   }
   void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
                           Stream s) override {

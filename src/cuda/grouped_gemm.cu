@@ -196,32 +196,34 @@ struct GroupedGemm::Impl {
         switch (o) {
           case GemmOp::fprop:
             runner[along_n] = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt);
+            alt[along_n] = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt, 1.0f);
             break;
           case GemmOp::dgrad:
             runner[along_n] = gemm_detail::make_dgrad_runner(buffers.arrays(), max_groups, opt);
             break;
           case GemmOp::wgrad:
             runner[along_n] = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt);
-            overwrite[along_n] =
-                gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt, 0.0f);
+            alt[along_n] = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt, 0.0f);
             break;
         }
       }
     }
     // The kernel whose tile order suits this call's (estimated) CUTLASS problem.
-    gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d) {
+    // `other`: the op's other beta (fprop adds, wgrad writes).
+    gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d,
+                                    bool other) {
       const int64_t groups = a.window.groups > 0 ? a.window.groups : 1;
       const int64_t rows = (a.window.rows + groups - 1) / groups;
       const int64_t m = op == GemmOp::wgrad ? d.k : rows;
       const int64_t n = op == GemmOp::dgrad ? d.k : d.n;
       const gemm_detail::KernelRunner& r = *runner[0];
       const int along_n = gemm_detail::raster_along_n(m, n, r.tile_m(), r.tile_n()) ? 1 : 0;
-      return op == GemmOp::wgrad && !a.accumulate ? *overwrite[along_n] : *runner[along_n];
+      return other ? *alt[along_n] : *runner[along_n];
     }
     GemmOp op;
     gemm_detail::ProblemBuffers buffers;
-    std::unique_ptr<gemm_detail::KernelRunner> runner[2];     // M fastest, N fastest
-    std::unique_ptr<gemm_detail::KernelRunner> overwrite[2];  // wgrad with beta 0
+    std::unique_ptr<gemm_detail::KernelRunner> runner[2];  // M fastest, N fastest
+    std::unique_ptr<gemm_detail::KernelRunner> alt[2];     // fprop beta 1, wgrad beta 0
   };
 
   explicit Impl(int groups)
@@ -238,10 +240,10 @@ struct GroupedGemm::Impl {
     return sms;
   }
 
-  void call(Op& op, const GemmArgs& a, cudaStream_t s) {
+  void call(Op& op, const GemmArgs& a, cudaStream_t s, bool other = false) {
     const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);
     gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
-    op.pick(a, d).run(s);
+    op.pick(a, d, other).run(s);
   }
 
   int max_groups;
@@ -260,6 +262,11 @@ int GroupedGemm::max_groups() const { return impl_->max_groups; }
 
 void GroupedGemm::fprop(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->fprop, a, s); }
 void GroupedGemm::dgrad(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->dgrad, a, s); }
-void GroupedGemm::wgrad(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->wgrad, a, s); }
+void GroupedGemm::wgrad(const GemmArgs& a, cudaStream_t s) {
+  impl_->call(impl_->wgrad, a, s, !a.accumulate);
+}
+void GroupedGemm::fprop_add(const GemmArgs& a, cudaStream_t s) {
+  impl_->call(impl_->fprop, a, s, true);
+}
 
 }  // namespace moe_echo::cuda

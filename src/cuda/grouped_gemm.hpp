@@ -32,6 +32,8 @@ class GroupedGemm {
 
   int max_groups() const;
   void fprop(const GemmArgs& a, cudaStream_t s);
+  // c[i, :] += a[i, :] @ b[g] (bf16 c read once, the sum rounded once).
+  void fprop_add(const GemmArgs& a, cudaStream_t s);
   void dgrad(const GemmArgs& a, cudaStream_t s);
   void wgrad(const GemmArgs& a, cudaStream_t s);
 

@@ -79,8 +79,9 @@ class KernelRunner {
 };
 
 // The three production kernels, one translation unit each (grouped_gemm_{fprop,dgrad,wgrad}.cu).
+// fprop: beta 0 writes c, beta 1 adds to it (bf16 C = D read, one rounding of c + a @ b).
 std::unique_ptr<KernelRunner> make_fprop_runner(const ProblemArrays& p, int max_groups,
-                                                const RunnerOptions& o = {});
+                                                const RunnerOptions& o = {}, float beta = 0.0f);
 std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {});
 // wgrad: beta 1 adds to dw (C = D is read), beta 0 writes it (C is not read).

@@ -19,10 +19,16 @@
 
 namespace moe_echo::cuda {
 
+class GroupedGemm;
+
 // Router (router.cu). T tokens, E experts, H hidden.
 size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden);
-void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s);
-void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s);
+// `gemm` (may be null): the grouped GEMM the three f32 products run on as bf16 splits on tensor
+// cores where the shapes allow (see router.cu); without it they take the FFMA kernels.
+void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm,
+                    cudaStream_t s);
+void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* gemm,
+                     cudaStream_t s);
 void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
                         cudaStream_t s);
 

@@ -17,10 +17,21 @@
 // f32) stays in L1/L2, and every output is summed in a fixed order. They need H % 8 == 0 and
 // 16-byte aligned x, W and dx; other shapes take the generic tiled GEMM (tiled_gemm.cuh). The
 // per-token forward (scores, top-k, weights, counts, loss partials) is one kernel for E <= 256.
+//
+// With E >= kTensorMinExperts and T, E, H multiples of 8 the products run on tensor cores instead
+// (the grouped GEMM, one group): every f32 operand (W, dl) is split into three bf16 parts
+// hi + mid + lo, each the rounding of what the parts before it left, so their sum is the value
+// to about 2^-24 relative; a bf16 x bf16 product is exact in f32 and the GEMM accumulates in f32.
+// logits = sum over the three parts of x W_i^T and dW += sum of dl_i^T x (x is bf16, exact): f32
+// grade results, in a different summation order than the FFMA kernels. dx += dl W keeps the three
+// largest of the nine part products (dl0 W0 + dl0 W1 + dl1 W0, about 2^-16 relative), summed
+// in f32 in one GEMM over the concatenated parts and rounded to bf16 once. At E 256, H 7168,
+// T 8192 the FFMA kernels took 1.7 (logits), 1.2 (dW) and 2.0 ms (dx) on an H200.
 #include <cfloat>
 #include <climits>
 
 #include "cuda/common.cuh"
+#include "cuda/grouped_gemm.hpp"
 #include "cuda/ops.hpp"
 #include "cuda/tiled_gemm.cuh"
 #include "moe_echo/error.hpp"
@@ -37,6 +48,11 @@ constexpr int kSelectWarps = 16, kMaxExpertsPerLane = 8;
 // products can read 8 experts at a time as aligned float4 words.
 constexpr int kExpertPad = 8;
 int64_t padded_experts(int64_t E) { return (E + kExpertPad - 1) / kExpertPad * kExpertPad; }
+// The tensor-core products (see the top): E at least this, T, E and H multiples of 8.
+constexpr int64_t kTensorMinExperts = 32;
+bool tensor_shapes(int64_t T, int64_t E, int64_t H) {
+  return E >= kTensorMinExperts && T % 8 == 0 && E % 8 == 0 && H % 8 == 0;
+}
 
 // logits: one warp per (8 tokens, 8 experts); each lane sums 4 h at a time (h = 4 c .. 4 c + 3
 // for c = lane, lane + 32, ...), then a reduce-scatter over the lanes. (Measured: this form ran
@@ -67,6 +83,11 @@ struct RouterScratch {
   double* partial_z = nullptr;  // [blocks] per-block sums of lse^2
   int32_t* block_counts = nullptr;  // [blocks, E] routes per expert of each block
   float* dl = nullptr;          // [T, padded E] gradient w.r.t. the logits (backward)
+  // The tensor-core products (tensor_shapes only): one-group windows {0, H} and {0, T}; x^T
+  // [H, T]; W's three parts, transposed [3][H, E] (forward) or as [W0; W1; W0] [3E, H]
+  // (backward); dl's parts [3][T, E] and [dl0 | dl0 | dl1] [T, 3E].
+  int32_t* offsets = nullptr;
+  bf16 *x_t = nullptr, *w_parts = nullptr, *dl_parts = nullptr, *dl_cat = nullptr;
   float* split = nullptr;       // split-K partial sums of the tiled GEMMs
   float* dw_partial = nullptr;  // [splits, padded E, H] per-split sums of the dW product
 };
@@ -83,6 +104,16 @@ RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E, int64_t H) {
   r.dl = c.take<float>(T * padded_experts(E));
   r.split = c.take<float>(tiled_gemm_scratch_floats());
   r.dw_partial = c.take<float>(dw_splits(T, E, H) * padded_experts(E) * H);
+  // Sized for T rounded up to 8 whatever T is, so the bytes never shrink as T grows (the arena is
+  // reserved for max_tokens before any capture).
+  const int64_t T8 = (T + 7) / 8 * 8;
+  if (tensor_shapes(T8, E, H)) {
+    r.offsets = c.take<int32_t>(4);
+    r.x_t = c.take<bf16>(H * T8);
+    r.w_parts = c.take<bf16>(3 * E * H);
+    r.dl_parts = c.take<bf16>(3 * T8 * E);
+    r.dl_cat = c.take<bf16>(3 * T8 * E);
+  }
   return r;
 }
 
@@ -136,6 +167,74 @@ struct AccumulateTokenGrad {  // dx[t, h] += acc (bf16 storage)
     *p = __float2bfloat16_rn(__bfloat162float(*p) + v);
   }
 };
+
+// ---- the f32 products on tensor cores: bf16 parts of the f32 operands ------------------------------
+
+// v = hi + mid + lo to about 2^-24 relative (each part the bf16 rounding of what is left).
+__device__ inline void split3(float v, bf16& hi, bf16& mid, bf16& lo) {
+  hi = __float2bfloat16_rn(v);
+  const float r = v - __bfloat162float(hi);
+  mid = __float2bfloat16_rn(r);
+  lo = __float2bfloat16_rn(r - __bfloat162float(mid));
+}
+
+__global__ void router_offsets_kernel(int32_t* o, int32_t h, int32_t t) {
+  o[0] = 0, o[1] = h, o[2] = 0, o[3] = t;
+}
+
+// out[c, r] = in[r, c] for a [rows, cols] bf16 matrix, through 32 x 32 tiles in shared memory.
+__global__ void __launch_bounds__(256)
+    transpose_bf16_kernel(int64_t rows, int64_t cols, const bf16* __restrict__ in,
+                          bf16* __restrict__ out) {
+  __shared__ bf16 tile[32][33];
+  const int64_t tiles_c = (cols + 31) / 32, tiles = (rows + 31) / 32 * tiles_c;
+  const int tx = int(threadIdx.x) & 31, ty = int(threadIdx.x) >> 5;  // 32 x 8 threads
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = t / tiles_c * 32, c0 = t % tiles_c * 32;
+    for (int i = ty; i < 32; i += 8)
+      if (r0 + i < rows && c0 + tx < cols) tile[i][tx] = in[(r0 + i) * cols + c0 + tx];
+    __syncthreads();
+    for (int i = ty; i < 32; i += 8)
+      if (c0 + i < cols && r0 + tx < rows) out[(c0 + i) * rows + r0 + tx] = tile[tx][i];
+    __syncthreads();
+  }
+}
+
+// W [E, H] f32 -> its parts: transposed (forward, parts[i] = W_i^T [H, E]) or stacked as
+// [W0; W1; W0] [3E, H] (backward, the B operand of dx += [dl0 | dl0 | dl1] [W0; W1; W0]).
+__global__ void __launch_bounds__(256)
+    split_weight_kernel(int64_t E, int64_t H, const float* __restrict__ w, bf16* __restrict__ parts,
+                        bool transposed) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < E * H;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = i / H, h = i % H;
+    bf16 p[3];
+    split3(w[i], p[0], p[1], p[2]);
+    if (transposed) {
+      for (int k = 0; k < 3; ++k) parts[(k * H + h) * E + e] = p[k];
+    } else {
+      parts[i] = p[0];
+      parts[E * H + i] = p[1];
+      parts[2 * E * H + i] = p[0];
+    }
+  }
+}
+
+// dl [T, Ep] f32 -> parts [3][T, E] and cat [T, 3E] = [dl0 | dl0 | dl1] per token.
+__global__ void __launch_bounds__(256)
+    split_dl_kernel(int64_t T, int64_t E, int64_t Ep, const float* __restrict__ dl,
+                    bf16* __restrict__ parts, bf16* __restrict__ cat) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * E;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / E, e = i % E;
+    bf16 p[3];
+    split3(dl[t * Ep + e], p[0], p[1], p[2]);
+    for (int k = 0; k < 3; ++k) parts[k * T * E + i] = p[k];
+    cat[t * 3 * E + e] = p[0];
+    cat[t * 3 * E + E + e] = p[0];
+    cat[t * 3 * E + 2 * E + e] = p[1];
+  }
+}
 
 // ---- the f32 products for H % 8 == 0 ------------------------------------------------------------
 
@@ -846,6 +945,67 @@ unsigned token_warp_blocks(int64_t T) {
   return blocks_for(T, kWarpsPerBlock, grid_cap());
 }
 
+// One-group windows of the tensor-core products: rows [0, H) and [0, T).
+GroupWindow h_window(const RouterScratch& sc, int64_t H) {
+  return GroupWindow{sc.offsets, 1, 0, H};
+}
+GroupWindow t_window(const RouterScratch& sc, int64_t T) {
+  return GroupWindow{sc.offsets + 2, 1, 0, T};
+}
+
+// logits [T, E] = sum over the parts W_i of x W_i^T: three wgrad products over the H rows of
+// x^T and W_i^T (the first writes, the others add).
+void tensor_logits(const Tensor& x, const Tensor& w, float* logits, const RouterScratch& sc,
+                   GroupedGemm& gemm, int64_t T, int64_t E, int64_t H, cudaStream_t s) {
+  MOE_ECHO_LAUNCH(router_offsets_kernel, 1, 1, 0, s, sc.offsets, int32_t(H), int32_t(T));
+  MOE_ECHO_LAUNCH(transpose_bf16_kernel, blocks_for((T + 31) / 32 * ((H + 31) / 32), 1, grid_cap()),
+                  256, 0, s, T, H, x.as<bf16>(), sc.x_t);
+  MOE_ECHO_LAUNCH(split_weight_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, H,
+                  w.as<float>(), sc.w_parts, true);
+  for (int i = 0; i < 3; ++i) {
+    GemmArgs g;
+    g.window = h_window(sc, H);
+    g.a = Tensor(sc.x_t, DType::bf16, {H, T});
+    g.b = Tensor(sc.w_parts + i * H * E, DType::bf16, {H, E});
+    g.c = Tensor(logits, DType::f32, {1, T, E});
+    g.accumulate = i > 0;
+    gemm.wgrad(g, s);
+  }
+}
+
+// dW [E, H] += sum over the parts dl_i of dl_i^T x (three wgrad products over the T rows);
+// dx [T, H] += [dl0 | dl0 | dl1] [W0; W1; W0] (one fprop product, added to dx).
+void tensor_grads(const RouterBackwardArgs& a, const RouterScratch& sc, GroupedGemm& gemm,
+                  int64_t T, int64_t E, int64_t H, cudaStream_t s) {
+  MOE_ECHO_LAUNCH(router_offsets_kernel, 1, 1, 0, s, sc.offsets, int32_t(H), int32_t(T));
+  MOE_ECHO_LAUNCH(split_dl_kernel, blocks_for(T * E, 256, grid_cap()), 256, 0, s, T, E,
+                  padded_experts(E), sc.dl, sc.dl_parts, sc.dl_cat);
+  MOE_ECHO_LAUNCH(split_weight_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, H,
+                  a.weight.as<float>(), sc.w_parts, false);
+  for (int i = 0; i < 3; ++i) {
+    GemmArgs g;
+    g.window = t_window(sc, T);
+    g.a = Tensor(sc.dl_parts + i * T * E, DType::bf16, {T, E});
+    g.b = a.x;
+    g.c = Tensor(a.d_weight.data, DType::f32, {1, E, H});
+    gemm.wgrad(g, s);
+  }
+  GemmArgs g;
+  g.window = t_window(sc, T);
+  g.a = Tensor(sc.dl_cat, DType::bf16, {T, 3 * E});
+  g.b = Tensor(sc.w_parts, DType::bf16, {1, 3 * E, H});
+  g.c = a.dx;
+  gemm.fprop_add(g, s);
+}
+
+bool use_tensor(const GroupedGemm* gemm, int64_t T, int64_t E, int64_t H,
+                std::initializer_list<const void*> ptrs) {
+  if (!gemm || !tensor_shapes(T, E, H)) return false;
+  for (const void* p : ptrs)
+    if (!aligned16(p)) return false;
+  return true;
+}
+
 }  // namespace
 
 size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden) {
@@ -854,7 +1014,8 @@ size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden) {
   return c.used();
 }
 
-void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
+void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm,
+                    cudaStream_t s) {
   check_router_dtypes(a.x, a.weight);
   const int64_t T = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
   if (T == 0) {
@@ -865,7 +1026,9 @@ void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
   ScratchCarver c(scratch);
   const RouterScratch sc = carve(c, T, E, H);
   float* logits = a.logits.as<float>();
-  if (fast_products(a.x, a.weight)) {
+  if (use_tensor(gemm, T, E, H, {a.x.data, a.weight.data, a.logits.data})) {
+    tensor_logits(a.x, a.weight, logits, sc, *gemm, T, E, H, s);
+  } else if (fast_products(a.x, a.weight)) {
     const int64_t tasks =
         (T + kLogitTokens - 1) / kLogitTokens * ((E + kLogitExperts - 1) / kLogitExperts);
     MOE_ECHO_LAUNCH(router_logits_kernel, blocks_for(tasks, 8, grid_cap()), 256, 0, s, T, int(E),
@@ -904,7 +1067,8 @@ void router_forward(const RouterForwardArgs& a, void* scratch, cudaStream_t s) {
                   a.z_loss_coeff, a.losses.as<float>());
 }
 
-void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s) {
+void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* gemm,
+                     cudaStream_t s) {
   check_router_dtypes(a.x, a.weight);
   const int64_t T = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
   if (T == 0) return;
@@ -924,6 +1088,10 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, cudaStream_t s)
   else if (E <= 32 * kMaxExpertsPerLane) dlogits(router_dlogits_reg_kernel<kMaxExpertsPerLane>);
   else dlogits(router_dlogits_kernel);
   // dW[E, H] += dl^T x (reduction over tokens), dx[T, H] += dl W (reduction over experts).
+  if (use_tensor(gemm, T, E, H, {a.x.data, a.weight.data, a.dx.data, a.d_weight.data})) {
+    tensor_grads(a, sc, *gemm, T, E, H, s);
+    return;
+  }
   if (fast_products(a.x, a.weight) && aligned16(a.dx.data)) {
     const int64_t splits = dw_splits(T, E, H), per_split = (T + splits - 1) / splits;
     const dim3 grid(unsigned(Ep / kDwExperts * ((H / 8 + 31) / 32)), unsigned(splits));

@@ -373,6 +373,44 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
   }
 }
 
+// fprop_add: rows in a group become c + a @ b[g] (rounded once), the other rows keep their bits.
+TEST(GroupedGemmGpu, FpropAddAddsToTheOutputRows) {
+  SKIP_WITHOUT_GPU();
+  cuda::GroupedGemm gg(8);
+  uint64_t seed = 7000;
+  for (const Case& c : cases()) {
+    SCOPED_TRACE(c.name);
+    CaseData d(c);
+    d.refill(c, seed += 10);
+    const Bf16 y0 = random_bf16(size_t(c.rows * c.N), seed + 5);
+    d.y.upload(y0.bits);
+    gg.fprop_add(d.fprop_args(c), nullptr);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    std::vector<float> hx = d.hx.values, hw = d.hw.values, ref(size_t(c.rows * c.N), 0.f);
+    cpu::gemm_fprop<float>(host_args(d.fprop_args(c), c, hx.data(), hw.data(), ref.data()));
+    const std::vector<uint16_t> got = d.y.download<uint16_t>(size_t(c.rows * c.N));
+    const std::vector<bool> in = covered_rows(c);
+    std::vector<double> g, r;
+    int64_t changed_outside = 0;
+    for (int64_t i = 0; i < c.rows; ++i)
+      for (int64_t j = 0; j < c.N; ++j) {
+        const size_t at = size_t(i * c.N + j);
+        if (in[size_t(i)]) {
+          g.push_back(from_bf16(got[at]));
+          r.push_back(double(y0.values[at]) + double(ref[at]));
+        } else if (got[at] != y0.bits[at]) {
+          ++changed_outside;
+        }
+      }
+    EXPECT_EQ(changed_outside, 0) << "fprop_add wrote rows outside every group";
+    if (!g.empty()) {
+      const double err = test::rel_error(g, r);
+      EXPECT_LT(err, 1e-2) << "fprop_add: relative error " << err;
+    }
+  }
+}
+
 TEST(GroupedGemmGpu, ExactlyMaxGroups) {
   SKIP_WITHOUT_GPU();
   const Case c{"three_of_three", {0, 129, 129, 257}, 0, 300, 48, 56};
