@@ -21,8 +21,9 @@
 // Invariants:
 // - Pure function of (C, cfg) in integer arithmetic (int64 inside), ties broken by the lowest
 //   index, no hash maps, no floating point: the same plan bit for bit on every rank. The loops
-//   live in planner_core.hpp, over flat arrays in a scratch buffer, and the CUDA backend runs the
-//   same code on the device (src/cuda/planner.cu), so CPU and GPU plans agree bit for bit.
+//   live in planner_core.hpp, over flat arrays in a scratch buffer; the CUDA backend runs them on
+//   the device (src/cuda/planner.cu) with warp-parallel searches that give the same answers as
+//   these sequential loops, so CPU and GPU plans agree bit for bit.
 // - Every change (a clone, a re-split) is a water-fill, which keeps every rank it touches at or
 //   below the largest load among them before, so the busiest load never rises above the no-clone
 //   plan's.
