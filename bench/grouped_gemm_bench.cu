@@ -282,7 +282,10 @@ class Bench {
                {GemmOp::wgrad, &wa, [&] { gg.wgrad(wa, s_); }}};
     // The production kernel of each op with either tile order forced, and the variant kernels.
     const Variant production[] = {
-        {GemmOp::fprop, "fprop production kernel", &gd::make_fprop_runner},
+        {GemmOp::fprop, "fprop production kernel",
+         [](const gd::ProblemArrays& p, int groups, const RunnerOptions& o) {
+           return gd::make_fprop_runner(p, groups, o);
+         }},
         {GemmOp::dgrad, "dgrad production kernel", &gd::make_dgrad_runner},
         {GemmOp::wgrad, "wgrad production kernel",
          [](const gd::ProblemArrays& p, int groups, const RunnerOptions& o) {
