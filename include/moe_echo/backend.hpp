@@ -82,8 +82,10 @@ struct GemmArgs {
   Tensor a;  // fprop: x [rows, K]          dgrad: dy [rows, N]     wgrad: x [rows, K]
   Tensor b;  // fprop: w [G, K, N]          dgrad: w [G, K, N]      wgrad: dy [rows, N]
   Tensor c;  // fprop: out y [rows, N]      dgrad: out dx [rows, K] wgrad: += dw [G, K, N] float
-  // wgrad only: false writes dw[g] = a^T b instead of adding to it (no read of dw), for the groups
-  // with rows in the window; the other groups' dw is left as it is either way.
+  // wgrad only: false writes dw[g] = a^T b over the window's rows instead of adding to it (no read
+  // of dw), and zero for a group whose rows all lie outside the window (later windows add to it);
+  // a group with no rows at all keeps its dw either way, as does every group without rows in the
+  // window with true.
   bool accumulate = true;
 };
 

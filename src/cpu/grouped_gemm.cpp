@@ -53,7 +53,12 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
   std::vector<double> acc(size_t(Kd * N));
   for (int g = 0; g < a.window.groups; ++g) {
     const RowRange rr = group_rows(a.window, g);
-    if (rr.end <= rr.begin) continue;  // an empty group leaves its gradient as it was
+    if (rr.end <= rr.begin) {  // no rows in the window: kept, or zero when written and the group
+      const bool has_rows = a.window.group_offsets[g + 1] > a.window.group_offsets[g];
+      if (!a.accumulate && has_rows)  // has rows in other windows
+        std::fill_n(a.c.as<T>() + int64_t(g) * Kd * N, Kd * N, T(0));
+      continue;
+    }
     std::fill(acc.begin(), acc.end(), 0.0);
     for (int64_t i = rr.begin; i < rr.end; ++i) {
       const T* x = a.a.as<T>() + i * Kd;

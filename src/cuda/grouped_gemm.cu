@@ -172,6 +172,33 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
   return d;
 }
 
+// wgrad writing (accumulate false): the slab of every group with rows, none of them in the window,
+// is set to zero (the sum over no rows; the other windows add to it later). Groups with rows in
+// the window (the GEMM writes them) or with no rows at all (left as they are) leave at once.
+// Block (x, g) takes part x of group g's slab.
+__global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, int64_t row_lo,
+                                         int64_t rows, float* c, int64_t slab_words) {
+  const int g = int(blockIdx.y);
+  const int64_t begin = offsets[g], end = offsets[g + 1];
+  const int64_t lo = begin > row_lo ? begin : row_lo;
+  const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
+  if (hi > lo || end <= begin) return;
+  float4* slab = reinterpret_cast<float4*>(c) + int64_t(g) * slab_words;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slab_words;
+       i += int64_t(gridDim.x) * blockDim.x)
+    slab[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t s) {
+  if (a.window.groups <= 0) return;
+  const int64_t words = d.k * d.n / 4;  // K and N are multiples of 8 (checked)
+  const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 64));
+  zero_empty_groups_kernel<<<dim3(parts, unsigned(a.window.groups)), 256, 0, s>>>(
+      a.window.group_offsets, a.window.row_lo, a.window.rows, static_cast<float*>(a.c.data),
+      words);
+  MOE_ECHO_CUDA_CHECK(cudaGetLastError());
+}
+
 void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemArrays& p,
                  int max_groups, cudaStream_t s) {
   const int threads = std::min(256, (max_groups + 31) / 32 * 32);
@@ -264,6 +291,9 @@ void GroupedGemm::fprop(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->
 void GroupedGemm::dgrad(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->dgrad, a, s); }
 void GroupedGemm::wgrad(const GemmArgs& a, cudaStream_t s) {
   impl_->call(impl_->wgrad, a, s, !a.accumulate);
+  if (!a.accumulate)
+    gemm_detail::launch_zero_empty_groups(
+        a, gemm_detail::check_args(GemmOp::wgrad, a, impl_->max_groups), s);
 }
 void GroupedGemm::fprop_add(const GemmArgs& a, cudaStream_t s) {
   impl_->call(impl_->fprop, a, s, true);

@@ -6,7 +6,8 @@
 //   fprop: c[i, :] = a[i, :] @ b[g]           a bf16 [rows, K], b bf16 [G, K, N], c bf16 [rows, N]
 //   dgrad: c[i, :] = a[i, :] @ b[g]^T         a bf16 [rows, N], b bf16 [G, K, N], c bf16 [rows, K]
 //   wgrad: c[g] += a[rows g]^T @ b[rows g]    a bf16 [rows, K], b bf16 [rows, N], c f32 [G, K, N]
-//          (c[g] = ... with GemmArgs::accumulate false: a second kernel whose epilogue skips C)
+//          (c[g] = ... with GemmArgs::accumulate false: a second kernel whose epilogue skips C;
+//          a group with rows only outside the window is zeroed)
 // Rows outside every group are neither read nor written; a group with no rows in the window
 // leaves its wgrad output untouched (no K = 0 problem reaches CUTLASS).
 // Alignment (TMA moves 16-byte boxes): K and N must be multiples of 8 and a, b, c 16-byte

@@ -84,7 +84,8 @@ std::unique_ptr<KernelRunner> make_fprop_runner(const ProblemArrays& p, int max_
                                                 const RunnerOptions& o = {}, float beta = 0.0f);
 std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {});
-// wgrad: beta 1 adds to dw (C = D is read), beta 0 writes it (C is not read).
+// wgrad: beta 1 adds to dw (C = D is read), beta 0 writes it (C is not read); with beta 0 the
+// slabs of groups without rows are zeroed by launch_zero_empty_groups.
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {}, float beta = 1.0f);
 
@@ -102,6 +103,8 @@ struct GemmDims {
   int64_t n = 0;
 };
 GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups);
+// Zeroes the f32 slab c[g] of every group g with rows, none in the window (wgrad writing).
+void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t s);
 
 // Enqueues the prep kernel (one block) that fills p from a.window.group_offsets.
 void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemArrays& p,

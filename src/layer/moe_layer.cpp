@@ -430,18 +430,19 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   const int64_t T = last_tokens_, H = moe_.hidden;
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
-  // Clone slots accumulate this step's gradients only; home slots accumulate across steps.
+  // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
+  // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
+  // 0), which the spill rounds then add to; a slot without rows keeps its zeros (home) or is not
+  // read (a spare slot without a clone). Otherwise home slots add to what earlier backwards
+  // left, and clone slots, which hold this step's gradients only, are zeroed first.
+  const bool overwrite_grads = grads_zeroed_;
+  grads_zeroed_ = false;
   const int64_t EPR = moe_.experts / par_.ep_size;
   mark("bwd_zero_clone_grads", s);
-  if (slots_ > EPR) {
+  if (slots_ > EPR && !overwrite_grads) {
     backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
     backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
   }
-  // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
-  // round 0 also writes the expert gradients (every slot is zero until then: home slots from
-  // zero_grad, clone slots from above; a group without rows in round 0 keeps its zeros).
-  const bool overwrite_grads = grads_zeroed_;
-  grads_zeroed_ = false;
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
       run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, s);
