@@ -47,6 +47,7 @@ struct BenchOptions {
   std::string dispatcher = "syncfree";  // GPU ranks: syncfree or baseline
   std::string capture = "off";          // GPU: on = one CUDA graph per step, replayed
   std::string phases = "off";           // GPU: on = time each phase of the step
+  int comm_ctas = 0;                    // GPU ranks: CTAs of the NCCL kernels (0: its default)
 };
 
 struct StepRow {
@@ -289,6 +290,8 @@ int run_bench(const BenchOptions& opts) {
     reject("capture", "'" + opts.capture + "'", "on or off");
   if (opts.phases != "on" && opts.phases != "off")
     reject("phases", "'" + opts.phases + "'", "on or off");
+  if (opts.comm_ctas < 0 || opts.comm_ctas > 128)
+    reject("comm-ctas", opts.comm_ctas, "1 <= comm-ctas <= 128, or 0 for the default");
   if (opts.dispatcher != "syncfree" && opts.dispatcher != "baseline")
     reject("dispatcher", "'" + opts.dispatcher + "'", "syncfree or baseline");
 #ifdef MOE_ECHO_WITH_CUDA
@@ -484,6 +487,7 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     rv = std::make_unique<Rendezvous>(env);
     NcclOptions no;
     no.dispatcher = dispatcher;
+    if (o.comm_ctas > 0) no.ctas = o.comm_ctas;
     comm = make_nccl_communicator(*rv, no);
   }
 #endif
@@ -661,6 +665,9 @@ void add_bench(CLI::App& app, Runner& run) {
   cmd->add_option("--capture", opts->capture,
                   "GPU: on = each step (forward + backward) captured once into one CUDA graph and "
                   "replayed; off (default) = launched eagerly. Times come from CUDA events");
+  cmd->add_option("--comm-ctas", opts->comm_ctas,
+                  "GPU ranks: CTAs of the NCCL communicator's dispatch/combine kernels (default: "
+                  "the communicator's, 128; 1 to 128)");
   cmd->add_option("--phases", opts->phases,
                   "GPU: on = also time each phase of the step (router, plan, dispatch, GEMMs, ...) "
                   "with CUDA events and print them after the summary; off (default)");
