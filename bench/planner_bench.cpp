@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "core/random.hpp"
+#include "core/stats.hpp"
 #include "core/synthetic.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
@@ -71,19 +72,6 @@ struct Options {
 
 bool listed(const std::string& list, const std::string& item) {
   return list.empty() || ("," + list + ",").find("," + item + ",") != std::string::npos;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double mean(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return v.empty() ? 0 : s / double(v.size());
 }
 
 std::string today_utc() {

@@ -15,6 +15,7 @@
 
 #include "commands.hpp"
 #include "core/random.hpp"
+#include "core/stats.hpp"
 #include "core/synthetic.hpp"
 #include "layer_options.hpp"
 #include "moe_echo/backends.hpp"
@@ -64,26 +65,6 @@ struct StepRow {
 double physical_memory_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
   return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-double mean(const std::vector<double>& v) {
-  double s = 0;
-  for (double x : v) s += x;
-  return v.empty() ? 0 : s / double(v.size());
-}
-
-double percentile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, size_t(q * double(v.size() - 1) + 0.5));
-  return v[i];
 }
 
 // What both paths (CPU ranks as threads; one GPU per process) report, printed by rank 0.

@@ -840,53 +840,22 @@ struct PlannerCore {
     wp.sync();
   }
 
-  // Step 4: writes the plan. Replica 0 is home, then the clones in ascending rank order; a clone
-  // that ended with no rows is dropped (its slot stays empty).
+  // Step 4: writes the plan on one thread (the device runs write_part over a block and takes
+  // load_before from init_ranks).
   MOE_ECHO_HD void write(PlanView out) const {
     for (int r = 0; r < R; ++r) {
       int64_t before = 0;
       for (int e = r * epr; e < (r + 1) * epr; ++e) before += w[e];
       out.load_before[r] = int32_t(before);
-      out.load_after[r] = int32_t(load[r]);
     }
-    for (int64_t i = 0; i < int64_t(R) * S; ++i) out.spare_expert[i] = -1;
-    int32_t clones = 0;
-    for (int e = 0; e < E; ++e) {
-      const int64_t at = int64_t(e) * M;
-      const int home = e / epr;
-      int j_out = 1;
-      for (int j = 0; j < M; ++j) {
-        out.replica_rank[at + j] = -1;
-        out.replica_slot[at + j] = -1;
-        out.replica_rows[at + j] = 0;
-      }
-      for (int j = 0; j < nrep[e]; ++j) {
-        const int r = rep_rank[at + j];
-        const int64_t rows = rep_rows[at + j];
-        if (r == home) {
-          out.replica_rank[at] = r;
-          out.replica_slot[at] = e % epr;
-          out.replica_rows[at] = int32_t(rows);
-          continue;
-        }
-        if (rows == 0) continue;
-        int s = 0;
-        while (spare[int64_t(r) * S + s] != e) ++s;
-        out.spare_expert[int64_t(r) * S + s] = e;
-        out.replica_rank[at + j_out] = r;
-        out.replica_slot[at + j_out] = epr + s;
-        out.replica_rows[at + j_out] = int32_t(rows);
-        ++j_out;
-        ++clones;
-      }
-    }
-    out.num_clones[0] = clones;
+    out.num_clones[0] = write_part(out, 0, 1);
   }
 
-  // write on the threads first, first + step, ... of a block, after init_ranks wrote
-  // load_before: rank, spare slot and expert entries are independent (a spare slot's expert is
-  // written when its clone kept rows, as write does from the expert's side). Returns the clones
-  // this thread wrote; num_clones is their sum over the threads, left to the caller.
+  // The plan but load_before and num_clones, on the threads first, first + step, ... of a block.
+  // Replica 0 is home, then the clones in ascending rank order; a clone that ended with no rows
+  // is dropped (its slot stays empty). Rank, spare slot and expert entries are independent (a
+  // spare slot names its expert when that clone kept rows). Returns the clones this thread wrote;
+  // num_clones is their sum over the threads, left to the caller.
   MOE_ECHO_HD int32_t write_part(PlanView out, int first, int step) const {
     for (int r = first; r < R; r += step) out.load_after[r] = int32_t(load[r]);
     for (int i = first; i < R * S; i += step) {
