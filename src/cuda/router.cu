@@ -168,7 +168,7 @@ struct AccumulateTokenGrad {  // dx[t, h] += acc (bf16 storage)
   }
 };
 
-// ---- the f32 products on tensor cores: bf16 parts of the f32 operands ------------------------------
+// ---- the f32 products on tensor cores: bf16 parts of the f32 operands -------------------------
 
 // v = hi + mid + lo to about 2^-24 relative (each part the bf16 rounding of what is left).
 __device__ inline void split3(float v, bf16& hi, bf16& mid, bf16& lo) {

@@ -2,7 +2,10 @@
 // ECHO off, forced overflow stays exact, edge shapes, and gradients against finite differences.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "core/random.hpp"
 #include "core/synthetic.hpp"
@@ -335,6 +338,63 @@ TEST(Layer, GradientsMatchFiniteDifferences) {
       EXPECT_NEAR(base.d_router[0][ir] + base.d_router[1][ir], dr, 1e-6 * (1 + std::fabs(dr)))
           << "router[" << ir << "]";
       EXPECT_NEAR(base.dx[1][ix], dxv, 1e-6 * (1 + std::fabs(dxv))) << "x[1][" << ix << "]";
+    }
+  }
+}
+
+// The phase observer sees every phase of a step once, in the same order every step and on every
+// rank; ECHO adds the clone transfers, and a layer with spill rounds marks where they start.
+TEST(Layer, PhaseObserverSeesEachPhaseOnceInAFixedOrder) {
+  struct Recorder final : PhaseObserver {
+    std::vector<std::string> names;
+    void mark(const char* phase, Stream) override { names.emplace_back(phase); }
+  };
+  for (bool echo : {false, true}) {
+    SCOPED_TRACE(echo ? "echo" : "no echo");
+    const int R = 2, T = 16;
+    MoeConfig m = small_moe(8, 2, T);
+    EchoConfig e;
+    e.enabled = echo;
+    InProcessWorld world(R);
+    std::vector<std::vector<std::string>> first(R), second(R);
+    world.run([&](int r) {
+      auto be = make_cpu_backend(DType::f64);
+      MoeLayer layer(*be, world.communicator(r), m, ParallelConfig{R, r}, e, 3);
+      Recorder rec;
+      layer.set_phase_observer(&rec);
+      std::vector<void*> owned;
+      auto tensor = [&](uint64_t seed) {
+        Tensor t(nullptr, be->activation_dtype(), {T, m.hidden});
+        t.data = be->allocate(t.bytes());
+        owned.push_back(t.data);
+        write_tensor(*be, t, random_values(size_t(T * m.hidden), seed + uint64_t(r)));
+        return t;
+      };
+      const Tensor x = tensor(10), y = tensor(20), dy = tensor(30), dx = tensor(40);
+      for (auto* out : {&first[size_t(r)], &second[size_t(r)]}) {
+        rec.names.clear();
+        layer.zero_grad();
+        layer.forward(x, y);
+        layer.backward(dy, dx);
+        *out = rec.names;
+      }
+      layer.set_phase_observer(nullptr);
+      for (void* p : owned) be->deallocate(p);
+    });
+    const std::vector<std::string>& names = first[0];
+    ASSERT_FALSE(names.empty());
+    EXPECT_EQ(names.front(), "router");
+    for (const char* must : {"plan", "dispatch", "fc1", "fc2", "combine", "bwd_wgrad_fc1",
+                             "bwd_combine", "bwd_router"})
+      EXPECT_NE(std::find(names.begin(), names.end(), must), names.end()) << must;
+    const bool clones = std::find(names.begin(), names.end(), "clone_pull") != names.end();
+    EXPECT_EQ(clones, echo);
+    for (size_t i = 0; i < names.size(); ++i)
+      for (size_t j = i + 1; j < names.size(); ++j)
+        EXPECT_NE(names[i], names[j]) << "twice: " << names[i];
+    for (int r = 0; r < R; ++r) {
+      EXPECT_EQ(first[size_t(r)], names) << "rank " << r;
+      EXPECT_EQ(second[size_t(r)], names) << "rank " << r << ", second step";
     }
   }
 }
