@@ -271,6 +271,7 @@ struct GroupedGemm::Impl {
     const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);
     gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
     op.pick(a, d, other).run(s);
+    if (op.op == GemmOp::wgrad && other) gemm_detail::launch_zero_empty_groups(a, d, s);
   }
 
   int max_groups;
@@ -291,9 +292,6 @@ void GroupedGemm::fprop(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->
 void GroupedGemm::dgrad(const GemmArgs& a, cudaStream_t s) { impl_->call(impl_->dgrad, a, s); }
 void GroupedGemm::wgrad(const GemmArgs& a, cudaStream_t s) {
   impl_->call(impl_->wgrad, a, s, !a.accumulate);
-  if (!a.accumulate)
-    gemm_detail::launch_zero_empty_groups(
-        a, gemm_detail::check_args(GemmOp::wgrad, a, impl_->max_groups), s);
 }
 void GroupedGemm::fprop_add(const GemmArgs& a, cudaStream_t s) {
   impl_->call(impl_->fprop, a, s, true);
