@@ -124,6 +124,11 @@ class MoeLayer {
   void mark(const char* phase, Stream s) {
     if (observer_) observer_->mark(phase, s);
   }
+  // A phase of round `round`, marked in round 0 only (spill rounds run inside conditional
+  // branches).
+  void mark(int round, const char* phase, Stream s) {
+    if (round == 0) mark(phase, s);
+  }
 
   Backend& backend_;
   Communicator& comm_;

@@ -388,10 +388,10 @@ FanArgs MoeLayer::fan_args(int round) const {
 void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
-  if (round == 0) mark("dispatch", s);
+  mark(round, "dispatch", s);
   comm_.dispatch(route(T), RoundWindow{round * capacity_, capacity_}, x.data, row_bytes,
                  b.recv_x_sym, b.fan, s);
-  if (round == 0) mark("fan_out", s);
+  mark(round, "fan_out", s);
   FanArgs expand = fan_args(round);
   expand.weights = Tensor();
   expand.src = b.recv_x;
@@ -405,23 +405,19 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
 
-  // Phases are marked in round 0 only (spill rounds run inside conditional branches).
-  auto phase = [&](const char* name) {
-    if (round == 0) mark(name, s);
-  };
   dispatch_tokens(round, x, T, s);
-  phase("fc1");
+  mark(round, "fc1", s);
   backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
-  phase("swiglu");
+  mark(round, "swiglu", s);
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
-  phase("fc2");
+  mark(round, "fc2", s);
   backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
   FanArgs sum = fan_args(round);
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
-  phase("fan_in");
+  mark(round, "fan_in", s);
   backend_.fan_in(sum, s);
-  phase("combine");
+  mark(round, "combine", s);
   comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
 }
 
@@ -494,36 +490,33 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
     backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
     backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
   }
-  auto phase = [&](const char* name) {
-    if (round == 0) mark(name, s);
-  };
   // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
-  phase("bwd_dispatch");
+  mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
   FanArgs scatter = fan_args(round);
   scatter.src = b.recv_red;
   scatter.dst = b.recv_out;
   scatter.other = b.recv_out;
   scatter.d_weight = b.fan_values;
-  phase("bwd_fan_out");
+  mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
-  phase("bwd_dgrad_fc2");
+  mark(round, "bwd_dgrad_fc2", s);
   backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
-  phase("bwd_wgrad_fc2");
+  mark(round, "bwd_wgrad_fc2", s);
   backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads}, s);
-  phase("bwd_swiglu");
+  mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
-  phase("bwd_dgrad_fc1");
+  mark(round, "bwd_dgrad_fc1", s);
   backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_out}, s);  // dx rows
-  phase("bwd_wgrad_fc1");
+  mark(round, "bwd_wgrad_fc1", s);
   backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads}, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
-  phase("bwd_fan_in");
+  mark(round, "bwd_fan_in", s);
   backend_.fan_in(sum, s);
-  phase("bwd_combine");
+  mark(round, "bwd_combine", s);
   comm_.combine(route(T), win, b.recv_red_sym, dx, accumulate, b.fan, b.d_topk_weight.data, s);
 }
 
