@@ -476,18 +476,28 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   auto barrier = [&] {
     if (rv) rv->barrier();
   };
-  auto max_over_ranks = [&](double v) {
-    if (!rv) return v;
-    Bytes b(sizeof v);
-    std::memcpy(b.data(), &v, sizeof v);
-    double m = v;
-    for (const Bytes& x : rv->all_gather_bytes(b)) {
-      double y = 0;
-      std::memcpy(&y, x.data(), sizeof y);
-      m = std::max(m, y);
-    }
-    return m;
+  // Element by element over the ranks: the largest value and the sum.
+  struct OverRanks {
+    std::vector<double> max, sum;
   };
+  auto over_ranks = [&](const std::vector<double>& mine) {
+    OverRanks r{mine, mine};
+    if (!rv) return r;
+    Bytes bytes(mine.size() * sizeof(double));
+    std::memcpy(bytes.data(), mine.data(), bytes.size());
+    r.sum.assign(mine.size(), 0.0);
+    for (const Bytes& peer : rv->all_gather_bytes(bytes)) {
+      MOE_ECHO_CHECK(peer.size() == bytes.size(), "ranks sent different counts of values");
+      for (size_t i = 0; i < mine.size(); ++i) {
+        double v = 0;
+        std::memcpy(&v, peer.data() + i * sizeof(double), sizeof v);
+        r.max[i] = std::max(r.max[i], v);
+        r.sum[i] += v;
+      }
+    }
+    return r;
+  };
+  auto max_over_ranks = [&](double v) { return over_ranks({v}).max[0]; };
   cudaDeviceProp prop{};
   int device = 0;
   MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
@@ -586,29 +596,14 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     row.fwd_ms = max_over_ranks(f);
     row.bwd_ms = max_over_ranks(b);
     if (o.phases == "on" && step >= warmup) {
-      const std::vector<double> mine = phase_events.elapsed(ev[2]);
-      std::vector<double> mx = mine, sum = mine;
-      if (rv) {
-        Bytes bytes(mine.size() * sizeof(double));
-        std::memcpy(bytes.data(), mine.data(), bytes.size());
-        const std::vector<Bytes> all = rv->all_gather_bytes(bytes);
-        sum.assign(mine.size(), 0.0);
-        for (const Bytes& peer : all) {
-          MOE_ECHO_CHECK(peer.size() == bytes.size(), "ranks marked different phases");
-          for (size_t i = 0; i < mine.size(); ++i) {
-            double v = 0;
-            std::memcpy(&v, peer.data() + i * sizeof(double), sizeof v);
-            mx[i] = std::max(mx[i], v);
-            sum[i] += v;
-          }
-        }
-      }
+      const OverRanks ph = over_ranks(phase_events.elapsed(ev[2]));
+      const size_t n = ph.max.size();
       report.phase_names = phase_events.names();
-      report.phase_max.resize(mine.size());
-      report.phase_mean.resize(mine.size());
-      for (size_t i = 0; i < mine.size(); ++i) {
-        report.phase_max[i].push_back(mx[i]);
-        report.phase_mean[i].push_back(sum[i] / R);
+      report.phase_max.resize(n);
+      report.phase_mean.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        report.phase_max[i].push_back(ph.max[i]);
+        report.phase_mean[i].push_back(ph.sum[i] / R);
       }
     }
     const StepStats st = layer.stats();
