@@ -17,6 +17,7 @@
 
 #include "echo/planner_core.hpp"
 #include "moe_echo/planner.hpp"
+#include "test_util.hpp"
 
 namespace moe_echo::test {
 namespace {
@@ -96,22 +97,6 @@ std::vector<int32_t> plan_on_emulated_warp(const std::vector<int32_t>& map,
   return storage;
 }
 
-std::vector<int32_t> routing_map(int R, int E, int mode, std::mt19937_64& rng) {
-  std::vector<int32_t> C(size_t(R) * size_t(E));
-  const double alpha = 0.6 + double(rng() % 100) / 50.0;
-  for (int s = 0; s < R; ++s)
-    for (int e = 0; e < E; ++e) {
-      double v = 0;
-      switch (mode) {
-        case 0: v = double(rng() % 200); break;  // uniform
-        case 1: v = 4000.0 / std::pow(e + 1.0, alpha) * (0.5 + double(rng() % 100) / 100); break;
-        case 2: v = e == 0 ? 8000 : double(rng() % 3); break;  // one hot expert
-        default: v = rng() % 6 == 0 ? double(rng() % 3000) : 0; break;  // sparse
-      }
-      C[size_t(s) * size_t(E) + size_t(e)] = int32_t(v);
-    }
-  return C;
-}
 
 template <int L>
 void check_shapes(int modes_per_shape, uint64_t seed) {
@@ -137,7 +122,7 @@ void check_shapes(int modes_per_shape, uint64_t seed) {
                        std::to_string(cfg.experts) + " S " + std::to_string(sh.S) + " clones " +
                        std::to_string(sh.clones) + " mode " + std::to_string(mode) + " cost " +
                        std::to_string(cost));
-          const std::vector<int32_t> map = routing_map(sh.R, cfg.experts, mode, rng);
+          const std::vector<int32_t> map = planner_routing_map(sh.R, cfg.experts, mode, rng);
           Plan host(cfg);
           plan_echo(map.data(), cfg, host.view());
           const std::vector<int32_t> warp = plan_on_emulated_warp<L>(map, cfg);

@@ -32,4 +32,21 @@ std::vector<float> random_floats(size_t n, uint64_t seed, float lo, float hi) {
   return v;
 }
 
+std::vector<int32_t> planner_routing_map(int R, int E, int mode, std::mt19937_64& rng) {
+  std::vector<int32_t> C(size_t(R) * size_t(E));
+  const double alpha = 0.6 + double(rng() % 100) / 50.0;
+  for (int s = 0; s < R; ++s)
+    for (int e = 0; e < E; ++e) {
+      double v = 0;
+      switch (mode) {
+        case 0: v = double(rng() % 200); break;
+        case 1: v = 4000.0 / std::pow(e + 1.0, alpha) * (0.5 + double(rng() % 100) / 100); break;
+        case 2: v = e == 0 ? 8000 : double(rng() % 3); break;
+        default: v = rng() % 6 == 0 ? double(rng() % 3000) : 0; break;
+      }
+      C[size_t(s) * size_t(E) + size_t(e)] = int32_t(v);
+    }
+  return C;
+}
+
 }  // namespace moe_echo::test

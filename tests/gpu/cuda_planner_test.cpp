@@ -12,26 +12,11 @@
 
 #include "gpu_test_util.hpp"
 #include "moe_echo/planner.hpp"
+#include "test_util.hpp"
 
 namespace moe_echo::test {
 namespace {
 
-std::vector<int32_t> routing_map(int R, int E, int mode, std::mt19937_64& rng) {
-  std::vector<int32_t> C(size_t(R) * size_t(E));
-  const double alpha = 0.6 + double(rng() % 100) / 50.0;
-  for (int s = 0; s < R; ++s)
-    for (int e = 0; e < E; ++e) {
-      double v = 0;
-      switch (mode) {
-        case 0: v = double(rng() % 200); break;                                        // uniform
-        case 1: v = 4000.0 / std::pow(e + 1.0, alpha) * (0.5 + double(rng() % 100) / 100); break;
-        case 2: v = e == 0 ? 8000 : double(rng() % 3); break;                           // one hot
-        default: v = rng() % 6 == 0 ? double(rng() % 3000) : 0; break;                  // sparse
-      }
-      C[size_t(s) * size_t(E) + size_t(e)] = int32_t(v);
-    }
-  return C;
-}
 
 TEST(CudaPlanner, PlansAreBitIdenticalToTheCpuPlanner) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
@@ -58,7 +43,7 @@ TEST(CudaPlanner, PlansAreBitIdenticalToTheCpuPlanner) {
                        std::to_string(sh.S) + " clones " + std::to_string(sh.clones) + " mode " +
                        std::to_string(mode) + " cost " + std::to_string(cost) +
                        (echo ? " echo" : " none"));
-          const auto C = routing_map(cfg.ranks, cfg.experts, mode, rng);
+          const auto C = planner_routing_map(cfg.ranks, cfg.experts, mode, rng);
           Plan want(cfg);
           if (echo)
             plan_echo(C.data(), cfg, want.view());
