@@ -26,7 +26,8 @@
 // grade results, in a different summation order than the FFMA kernels. dx += dl W keeps the three
 // largest of the nine part products (dl0 W0 + dl0 W1 + dl1 W0, about 2^-16 relative), summed
 // in f32 in one GEMM over the concatenated parts and rounded to bf16 once. At E 256, H 7168,
-// T 8192 the FFMA kernels took 1.7 (logits), 1.2 (dW) and 2.0 ms (dx) on an H200.
+// T 8192 the FFMA kernels took 1.7 (logits), 1.2 (dW) and 2.0 ms (dx) on an H200
+// (bench/results/router_ffma_2026-11-21.json).
 #include <cfloat>
 #include <climits>
 
