@@ -443,6 +443,22 @@ __device__ __forceinline__ bool ranks_before(double ka, int a, double kb, int b)
   return ka > kb || (ka == kb && a < b);
 }
 
+// logsumexp over a token's logits held by the warp: lane j holds experts j, j + 32, ... in l[p];
+// entries at or beyond E are ignored. Every lane gets the result.
+template <int P>
+__device__ __forceinline__ double warp_logsumexp(const double (&l)[P], int lane, int E) {
+  double mx = -INFINITY;
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+    if (lane + 32 * p < E) mx = fmax(mx, l[p]);
+  mx = warp_max(mx);
+  double sum_exp = 0;
+#pragma unroll
+  for (int p = 0; p < P; ++p)
+    if (lane + 32 * p < E) sum_exp += exp(l[p] - mx);
+  return mx + log(warp_sum(sum_exp));
+}
+
 // One warp per token: scores, top-k, combine weights, counts, and the per-token loss terms.
 __global__ void router_topk_kernel(int64_t T, int E, int K, const float* __restrict__ logits,
                                    const float* __restrict__ bias, float* scores, int32_t* idx,
@@ -548,17 +564,7 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
       const int e = lane + 32 * p;
       l[p] = e < E ? double(logits[t * E + e]) : 0.0;
     }
-    double mx = -INFINITY;
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-      if (lane + 32 * p < E) mx = fmax(mx, l[p]);
-    mx = warp_max(mx);
-    double sum_exp = 0;
-#pragma unroll
-    for (int p = 0; p < P; ++p)
-      if (lane + 32 * p < E) sum_exp += exp(l[p] - mx);
-    sum_exp = warp_sum(sum_exp);
-    const double lse = mx + log(sum_exp);
+    const double lse = warp_logsumexp(l, lane, E);
     double v[P], total = 0;
     float sf[P];
 #pragma unroll
@@ -888,17 +894,7 @@ __global__ void router_dlogits_reg_kernel(int64_t T, int E, int K,
     }
     double lse = 0, zc = 0;
     if (z_coeff != 0) {
-      double mx = -INFINITY;
-#pragma unroll
-      for (int p = 0; p < P; ++p)
-        if (lane + 32 * p < E) mx = fmax(mx, l[p]);
-      mx = warp_max(mx);
-      double se = 0;
-#pragma unroll
-      for (int p = 0; p < P; ++p)
-        if (lane + 32 * p < E) se += exp(l[p] - mx);
-      se = warp_sum(se);
-      lse = mx + log(se);
+      lse = warp_logsumexp(l, lane, E);
       zc = z_coeff * 2.0 * lse / double(T);
     }
 #pragma unroll
