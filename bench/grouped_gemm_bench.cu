@@ -1,5 +1,7 @@
-// Grouped GEMM benchmark: GroupedGemm's fprop, dgrad and wgrad at the ANCHORS.md shapes
-// (balanced groups, bf16, all rows valid), plus optional alternative kernel configurations.
+// Grouped GEMM benchmark: GroupedGemm's fprop, dgrad and wgrad at the ANCHORS.md shapes and at
+// one EP4 rank of the Mixtral layer (balanced groups, bf16, all rows valid), next to the
+// production kernel with each tile order and tile swizzle, plus optional alternative kernel
+// configurations.
 //
 // For every (shape, op, kernel): one call checked first against an fp64 reference at sampled
 // output entries (rel. error over the samples), then timed under sustained load, interleaved
@@ -313,6 +315,14 @@ class Bench {
         if (v.op == o.op) {
           add(v, along_m, " +raster M");
           add(v, along_n, " +raster N");
+          for (int sw : {2, 4, 8}) {
+            // Tile swizzle: blocks of sw tiles across the raster, so that the tiles in flight
+            // share more A and B panels in L2.
+            RunnerOptions m = along_m, n = along_n;
+            m.max_swizzle = n.max_swizzle = sw;
+            add(v, m, (" +raster M swizzle " + std::to_string(sw)).c_str());
+            add(v, n, (" +raster N swizzle " + std::to_string(sw)).c_str());
+          }
         }
       for (const Variant& v : variants())
         if (v.op == o.op) add(v, RunnerOptions{}, " +raster M");
@@ -487,7 +497,10 @@ int main(int argc, char** argv) {
     CK(cudaGetDeviceProperties(&prop, dev));
     const Shape shapes[] = {{"qwen3-30b-a3b", 16, 65536, 2048, 1536},
                             {"deepseek-v3", 32, 65536, 7168, 4096},
-                            {"mixtral-8x7b", 8, 16384, 4096, 28672}};
+                            {"mixtral-8x7b", 8, 16384, 4096, 28672},
+                            // One EP4 rank of the layer bench: 2 experts of 8192 rows, fc1 and fc2.
+                            {"mixtral-8x7b-ep4-fc1", 2, 16384, 4096, 28672},
+                            {"mixtral-8x7b-ep4-fc2", 2, 16384, 14336, 4096}};
     std::printf(
         "device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
         prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
