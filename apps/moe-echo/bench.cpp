@@ -575,6 +575,9 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   report.warmup = warmup;
   report.workspace = layer.workspace_bytes();
   report.dispatcher = R > 1 ? o.dispatcher : "local (one GPU)";
+#ifdef MOE_ECHO_WITH_NCCL
+  if (R > 1 && nccl_uses_host_api(*comm)) report.dispatcher += " (every op on NCCL's host API)";
+#endif
   report.capture = capture ? "on (one graph per step)" : "off";
   report.device = prop.name;
   if (rank == 0) report.header();

@@ -10,7 +10,8 @@
 //   reading before anything overwrites what it read. The kernel that consumes the data is the
 //   next one on the stream (all CTAs of this kernel have then passed their exit barriers).
 // - Peers are addressed by world rank: construction checks that the LSA team is the whole world,
-//   where LSA rank == world rank.
+//   where LSA rank == world rank; otherwise (or when asked) the communicator runs in host-API
+//   mode (nccl_communicator.hpp), where none of the kernels with barriers is launched.
 // - Per-step ops read routes, plans and counts on the device; nothing here reads device memory
 //   on the host, except the baseline dispatcher (documented, not capturable).
 //
@@ -24,8 +25,11 @@
 #include <nccl_device.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <initializer_list>
 #include <sstream>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -605,6 +609,23 @@ void with_rows(DType t, bool vec, F&& f) {
   }
 }
 
+// Host-API mode, the home side of a clone gradient reduction: to[x] += from[0][x], from[1][x], ...
+// in replica order, per element (the sums of reduce_clones_kernel, bit for bit).
+template <class T>
+struct ClonePointers {
+  const T* p[kMaxReplicas];
+};
+
+template <class T>
+__global__ void add_clones_kernel(T* to, ClonePointers<T> from, int clones, int64_t n) {
+  for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
+       x += int64_t(gridDim.x) * blockDim.x) {
+    T acc = to[x];
+    for (int c = 0; c < clones; ++c) acc += from.p[c][x];
+    to[x] = acc;
+  }
+}
+
 size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
 // Host memory that grows, pinned (the baseline's copies to and from the host).
@@ -651,6 +672,9 @@ class NcclCommunicator final : public Communicator {
     if (opts_.ctas < 1 || opts_.ctas > kMaxCtas)
       reject("ctas", opts_.ctas, "1 <= ctas <= " + std::to_string(kMaxCtas));
     if (opts_.max_gather_ints < 1) reject("max_gather_ints", opts_.max_gather_ints, ">= 1");
+    if (opts_.host_api && opts_.dispatcher != Dispatcher::baseline)
+      reject("host_api", "true", "with the baseline dispatcher (the sync-free one needs the device API)");
+    host_api_ = opts_.host_api;
     MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_));
 
     ncclUniqueId id;
@@ -664,22 +688,38 @@ class NcclCommunicator final : public Communicator {
     std::memcpy(&id, bytes.data(), sizeof id);
     MOE_ECHO_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
 
-    ncclDevCommRequirements reqs;
-    std::memset(&reqs, 0, sizeof reqs);  // NCCL 2.28.9 has no initializer macro
-    reqs.lsaBarrierCount = int(kBarrierRanges) * kMaxCtas;
     try {
-      MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev_));
-      have_dev_ = true;
-      if (dev_.lsaSize != size_ || dev_.lsaRank != rank_) {
-        std::ostringstream m;
-        m << "the NCCL communicator's NVLink (LSA) team holds " << dev_.lsaSize << " of " << size_
-          << " ranks (this rank is " << dev_.lsaRank << " in it, " << rank_
-          << " in the world): this communicator needs every rank on one node, joined by NVLink";
-        throw Error(m.str());
+      if (!host_api_) {
+        ncclDevCommRequirements reqs;
+        std::memset(&reqs, 0, sizeof reqs);  // NCCL 2.28.9 has no initializer macro
+        reqs.lsaBarrierCount = int(kBarrierRanges) * kMaxCtas;
+        MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev_));
+        have_dev_ = true;
+        if (dev_.lsaSize != size_ || dev_.lsaRank != rank_) {
+          if (opts_.dispatcher != Dispatcher::baseline) {
+            std::ostringstream m;
+            m << "the NCCL communicator's NVLink (LSA) team holds " << dev_.lsaSize << " of "
+              << size_ << " ranks (this rank is " << dev_.lsaRank << " in it, " << rank_
+              << " in the world): the sync-free dispatcher needs every rank on one node, joined "
+                 "by NVLink; across nodes use the baseline dispatcher (--dispatcher baseline), "
+                 "which runs every op on NCCL's host API";
+            throw Error(m.str());
+          }
+          host_api_ = true;
+          if (rank_ == 0)
+            std::fprintf(stderr,
+                         "moe-echo: the %d ranks span more than one NVLink team (this one holds "
+                         "%d): every communication op runs on NCCL's host API\n",
+                         size_, dev_.lsaSize);
+        }
       }
       MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
-      gather_ = make_window(size_t(size_) * size_t(opts_.max_gather_ints) * sizeof(int32_t));
-      staging_ = make_window(std::max<size_t>(opts_.all_reduce_staging_bytes, 4096));
+      if (!host_api_) {
+        gather_ = make_window(size_t(size_) * size_t(opts_.max_gather_ints) * sizeof(int32_t));
+        staging_ = make_window(std::max<size_t>(opts_.all_reduce_staging_bytes, 4096));
+      } else {
+        staging_ = make_window(4096);  // plain memory, for the connecting all-reduce below
+      }
       // Host-API peers connect lazily: connect now, so that the first captured step (or the
       // first timed one) does not.
       MOE_ECHO_NCCL_CHECK(
@@ -704,6 +744,7 @@ class NcclCommunicator final : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   ncclComm_t handle() const { return comm_; }
+  bool host_api() const { return host_api_; }
 
   SymmetricBuffer alloc_symmetric(Backend&, size_t bytes) override {
     SymmetricBuffer buf;
@@ -732,6 +773,11 @@ class NcclCommunicator final : public Communicator {
                    "all_gather_i32 of " << n << " ints per rank; this communicator was built for "
                                         << opts_.max_gather_ints
                                         << " (NcclOptions::max_gather_ints)");
+    if (host_api_) {
+      if (n > 0)
+        MOE_ECHO_NCCL_CHECK(ncclAllGather(local, all, size_t(n), ncclInt32, comm_, as_cuda(s)));
+      return;
+    }
     MOE_ECHO_LAUNCH(all_gather_kernel, 1, kThreads, 0, as_cuda(s), dev_, gather_.win,
                     barrier_base(kGatherBarriers), local, all, n, rank_, size_);
   }
@@ -741,7 +787,7 @@ class NcclCommunicator final : public Communicator {
                    "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
     const int64_t n = t.numel();
     if (n == 0) return;
-    if (t.bytes() <= staging_.bytes) {
+    if (!host_api_ && t.bytes() <= staging_.bytes) {
       const unsigned grid = unsigned(std::min<int64_t>(opts_.ctas, (n + kThreads - 1) / kThreads));
       if (t.dtype == DType::f32)
         MOE_ECHO_LAUNCH(all_reduce_kernel<float>, grid, kThreads, 0, as_cuda(s), dev_, staging_.win,
@@ -822,6 +868,7 @@ class NcclCommunicator final : public Communicator {
     const int epr = cfg.experts_per_rank();
     const Window& w =
         window_of(weights, size_t(epr + cfg.spare_slots) * slot_bytes, "pull_clone_weights");
+    if (host_api_) return host_pull_clones(plan, cfg, w, slot_bytes, as_cuda(s));
     with_word(word_size(slot_bytes, {w.ptr}), [&](auto word) {
       using W = decltype(word);
       MOE_ECHO_LAUNCH(pull_clones_kernel<W>, unsigned(opts_.ctas), kThreads, 0, as_cuda(s), dev_,
@@ -843,6 +890,11 @@ class NcclCommunicator final : public Communicator {
     const Window& w =
         window_of(grads, size_t(epr + cfg.spare_slots) * size_t(slot_elems) * dtype_size(dtype),
                   "reduce_clone_grads");
+    if (host_api_) {
+      if (dtype == DType::f32)
+        return host_reduce_clones<float>(plan, cfg, w, slot_elems, as_cuda(s));
+      return host_reduce_clones<double>(plan, cfg, w, slot_elems, as_cuda(s));
+    }
     if (dtype == DType::f32)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
                       dev_, w.win, barrier_base(kReduceBarriers), plan.replica_rank,
@@ -858,6 +910,7 @@ class NcclCommunicator final : public Communicator {
     void* ptr = nullptr;
     size_t bytes = 0;
     ncclWindow_t win = nullptr;
+    bool plain = false;  // cudaMalloc memory of host-API mode, not an NCCL window
   };
 
   // Collective: ncclMemAlloc + symmetric registration, the same size on every rank (checked
@@ -876,6 +929,11 @@ class NcclCommunicator final : public Communicator {
     }
     Window w;
     w.bytes = round_up(std::max<size_t>(bytes, 1), 4096);
+    if (host_api_) {  // no peer reads it: plain device memory
+      MOE_ECHO_CUDA_CHECK(cudaMalloc(&w.ptr, w.bytes));
+      w.plain = true;
+      return w;
+    }
     MOE_ECHO_NCCL_CHECK(ncclMemAlloc(&w.ptr, w.bytes));
     MOE_ECHO_NCCL_CHECK(
         ncclCommWindowRegister(comm_, w.ptr, w.bytes, &w.win, NCCL_WIN_COLL_SYMMETRIC));
@@ -884,8 +942,12 @@ class NcclCommunicator final : public Communicator {
 
   void release_window(Window& w) {
     if (!w.ptr) return;
-    if (w.win) (void)ncclCommWindowDeregister(comm_, w.win);
-    (void)ncclMemFree(w.ptr);
+    if (w.plain) {
+      (void)cudaFree(w.ptr);
+    } else {
+      if (w.win) (void)ncclCommWindowDeregister(comm_, w.win);
+      (void)ncclMemFree(w.ptr);
+    }
     w = Window{};
   }
 
@@ -918,6 +980,100 @@ class NcclCommunicator final : public Communicator {
                    "fan table of top_k " << fan.top_k << " for a route of top_k " << route.top_k);
     MOE_ECHO_CHECK(fan.float_dtype == DType::f32 || fan.float_dtype == DType::f64,
                    "fan table float dtype f32 or f64, not " << to_string(fan.float_dtype));
+  }
+
+  // ---- host-API mode: clone transfers as grouped send/recv ----------------------------------
+
+  // Fields of a plan on the device, copied to the host one after another (one sync).
+  const int32_t* plan_on_host(std::initializer_list<std::pair<const int32_t*, size_t>> fields,
+                              cudaStream_t s) {
+    size_t total = 0;
+    for (const auto& f : fields) total += f.second;
+    h_plan_fields_.reserve(std::max<size_t>(total, 1));
+    size_t at = 0;
+    for (const auto& f : fields) {
+      if (f.second)
+        MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_plan_fields_.data + at, f.first,
+                                            f.second * sizeof(int32_t), cudaMemcpyDeviceToHost, s));
+      at += f.second;
+    }
+    MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));
+    return h_plan_fields_.data;
+  }
+
+  // Spare slot s of rank r <- the home slot of spare_expert[r][s] from its home rank. Every pair
+  // of ranks visits the slots in (r, s) order on both sides, so sends and receives match.
+  void host_pull_clones(const PlanView& plan, const PlannerConfig& cfg, const Window& w,
+                        size_t slot_bytes, cudaStream_t s) {
+    const int S = cfg.spare_slots, epr = cfg.experts_per_rank();
+    const int32_t* spare = plan_on_host({{plan.spare_expert, size_t(size_) * size_t(S)}}, s);
+    char* base = static_cast<char*>(w.ptr);
+    MOE_ECHO_NCCL_CHECK(ncclGroupStart());
+    for (int r = 0; r < size_; ++r)
+      for (int sl = 0; sl < S; ++sl) {
+        const int e = spare[r * S + sl];
+        if (e < 0) continue;
+        const int home = e / epr;
+        char* to = base + size_t(epr + sl) * slot_bytes;
+        const char* from = base + size_t(e % epr) * slot_bytes;
+        if (r == rank_ && home == rank_)
+          MOE_ECHO_CUDA_CHECK(
+              cudaMemcpyAsync(to, from, slot_bytes, cudaMemcpyDeviceToDevice, s));
+        else if (r == rank_)
+          MOE_ECHO_NCCL_CHECK(ncclRecv(to, slot_bytes, ncclUint8, home, comm_, s));
+        else if (home == rank_)
+          MOE_ECHO_NCCL_CHECK(ncclSend(from, slot_bytes, ncclUint8, r, comm_, s));
+      }
+    MOE_ECHO_NCCL_CHECK(ncclGroupEnd());
+  }
+
+  // Each clone's gradient slot travels to its expert's home rank (replica order, the same order
+  // on both sides of every pair), which adds them in replica order (add_clones_kernel).
+  template <class T>
+  void host_reduce_clones(const PlanView& plan, const PlannerConfig& cfg, const Window& w,
+                          int64_t slot_elems, cudaStream_t s) {
+    const int M = cfg.max_replicas(), epr = cfg.experts_per_rank(), E = cfg.experts;
+    const size_t EM = size_t(E) * size_t(M);
+    const int32_t* rep_rank = plan_on_host({{plan.replica_rank, EM}, {plan.replica_slot, EM}}, s);
+    const int32_t* rep_slot = rep_rank + EM;
+    T* grads = static_cast<T*>(w.ptr);
+    const size_t slot = size_t(slot_elems) * sizeof(T);
+    size_t incoming = 0;
+    for (int j = 0; j < epr; ++j)
+      for (int rep = 1; rep < M; ++rep) {
+        const int r = rep_rank[size_t(rank_ * epr + j) * size_t(M) + size_t(rep)];
+        incoming += r >= 0 && r != rank_;
+      }
+    T* staged = static_cast<T*>(clone_scratch_.get(std::max<size_t>(incoming * slot, 1)));
+    std::vector<ClonePointers<T>> from(static_cast<size_t>(epr));
+    std::vector<int> clones(static_cast<size_t>(epr), 0);
+    size_t next = 0;
+    MOE_ECHO_NCCL_CHECK(ncclGroupStart());
+    for (int e = 0; e < E; ++e)
+      for (int rep = 1; rep < M; ++rep) {
+        const size_t at = size_t(e) * size_t(M) + size_t(rep);
+        const int r = rep_rank[at], home = e / epr;
+        if (r < 0) continue;
+        const T* held = grads + int64_t(rep_slot[at]) * slot_elems;
+        if (home == rank_) {
+          const T* src = held;
+          if (r != rank_) {
+            T* to = staged + int64_t(next++) * slot_elems;
+            MOE_ECHO_NCCL_CHECK(ncclRecv(to, slot, ncclUint8, r, comm_, s));
+            src = to;
+          }
+          const int j = e % epr;
+          from[size_t(j)].p[clones[size_t(j)]++] = src;
+        } else if (r == rank_) {
+          MOE_ECHO_NCCL_CHECK(ncclSend(held, slot, ncclUint8, home, comm_, s));
+        }
+      }
+    MOE_ECHO_NCCL_CHECK(ncclGroupEnd());
+    for (int j = 0; j < epr; ++j)
+      if (clones[size_t(j)] > 0)
+        MOE_ECHO_LAUNCH(add_clones_kernel<T>, cuda::blocks_for(slot_elems, 256, cuda::grid_cap()),
+                        256, 0, s, grads + int64_t(j) * slot_elems, from[size_t(j)],
+                        clones[size_t(j)], slot_elems);
   }
 
   // ---- baseline: host-synced, exact-size grouped send/recv ----------------------------------
@@ -1189,6 +1345,7 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   ncclDevComm dev_{};
   bool have_dev_ = false;
+  bool host_api_ = false;  // host-API mode (nccl_communicator.hpp)
   cudaStream_t setup_stream_ = nullptr;
   std::vector<Window> windows_;  // by SymmetricBuffer id; freed ones stay as empty entries
   Window gather_, staging_;
@@ -1198,6 +1355,9 @@ class NcclCommunicator final : public Communicator {
   size_t plan_combine_ = 0;  // where the combine part of h_plan_ starts
   std::vector<int64_t> lead_off_, entry_off_, recv_lead_off_, recv_entry_off_;
   DeviceScratch counts_, indices_, send_rows_, recv_rows_, fl_send_, fl_recv_;
+  // Host-API mode state.
+  PinnedVector<int32_t> h_plan_fields_;
+  DeviceScratch clone_scratch_;
 };
 
 }  // namespace
@@ -1217,6 +1377,11 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
 void* nccl_comm_handle(Communicator& comm) {
   auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
   return nccl ? static_cast<void*>(nccl->handle()) : nullptr;
+}
+
+bool nccl_uses_host_api(Communicator& comm) {
+  auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
+  return nccl && nccl->host_api();
 }
 
 }  // namespace moe_echo

@@ -21,8 +21,17 @@
 // comparison. Its combine exchanges per-entry values only where values_out is given, so every
 // rank must pass one or none. The other ops are those of the sync-free path.
 //
-// One node only: every rank must be in the NVLink (LSA) team. Across nodes the device API needs a
-// GIN-capable network, which this communicator does not use; construction throws instead.
+// Host-API mode (NcclOptions::host_api, or on its own when the ranks span more than one NVLink
+// (LSA) team and the baseline dispatcher is chosen): every op on NCCL's host API over plain
+// device memory, so it runs wherever NCCL runs, across nodes included: no device communicator
+// and no windows; the count all-gather is ncclAllGather, the all-reduce ncclAllReduce, dispatch
+// and combine the baseline's, and the clone weight pull and gradient reduction grouped
+// ncclSend/ncclRecv of whole slots after the plan is copied to the host (one sync each). The
+// same bits as the sync-free path except the all-reduce (NCCL's order, the same on every rank).
+//
+// The sync-free path needs every rank in one NVLink team: across nodes the device API needs a
+// GIN-capable network, which this communicator does not use; construction with the sync-free
+// dispatcher throws there, naming the baseline dispatcher as the way across nodes.
 #pragma once
 
 #include <cstddef>
@@ -51,6 +60,9 @@ struct NcclOptions {
   // CTAs of every row-moving kernel, 1..128 (512 threads each; the same on every rank). 128
   // moved rows 3-6% faster than 64 on 2 H200s (bench/nccl_comm_bench.cu).
   int ctas = 128;
+  // Every op on NCCL's host API (see above) even when the ranks share one NVLink team, as they
+  // would across nodes; needs the baseline dispatcher.
+  bool host_api = false;
 };
 
 // Makes GPU `env.local_rank` this thread's current device and returns its index. Throws
@@ -70,5 +82,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
 // The ncclComm_t behind an NCCL communicator (as void*), or nullptr for any other Communicator.
 // For benchmarks that run NCCL's own collectives next to ours.
 void* nccl_comm_handle(Communicator& comm);
+// Whether an NCCL communicator runs every op on the host API (host-API mode above).
+bool nccl_uses_host_api(Communicator& comm);
 
 }  // namespace moe_echo

@@ -139,9 +139,10 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
   MOE_ECHO_MULTIGPU_WORLD(w);
   Backend& be = *w->be;
   const int R = w->size(), me = w->rank();
-  for (Dispatcher d : {Dispatcher::syncfree, Dispatcher::baseline}) {
-    EXPECT_EQ(w->comm(d).rank(), me);
-    EXPECT_EQ(w->comm(d).size(), R);
+  for (CommKind k : kAllComms) {
+    EXPECT_EQ(w->comm(k).rank(), me);
+    EXPECT_EQ(w->comm(k).size(), R);
+    EXPECT_EQ(nccl_uses_host_api(w->comm(k)), k == CommKind::host_api) << to_string(k);
   }
   int case_id = 0;
   int64_t nonleads_seen = 0;
@@ -200,9 +201,9 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
 
     // Symmetric buffers: receive rows, red rows, the fan table.
     std::vector<std::vector<double>> y_by_dispatcher;
-    for (Dispatcher d : {Dispatcher::syncfree, Dispatcher::baseline}) {
-      SCOPED_TRACE(to_string(d));
-      Communicator& comm = w->comm(d);
+    for (CommKind k : kAllComms) {
+      SCOPED_TRACE(to_string(k));
+      Communicator& comm = w->comm(k);
       SymmetricBuffer recv = comm.alloc_symmetric(be, size_t(half) * c.row_bytes);
       SymmetricBuffer red = comm.alloc_symmetric(be, size_t(half * H) * ys);
       FanTable fan;
@@ -350,6 +351,8 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
     }
     EXPECT_EQ(y_by_dispatcher[0], y_by_dispatcher[1])
         << "the dispatchers' combines differ in bits";
+    EXPECT_EQ(y_by_dispatcher[0], y_by_dispatcher[2])
+        << "the host-API mode's combine differs in bits";
   }
   EXPECT_GT(nonleads_seen, 0) << "no token had two entries on one rank";
 }
@@ -358,9 +361,9 @@ TEST(MultiGpuCollectives, AllGatherAndAllReduce) {
   MOE_ECHO_MULTIGPU_WORLD(w);
   Backend& be = *w->be;
   const int R = w->size(), me = w->rank();
-  for (Dispatcher d : {Dispatcher::syncfree, Dispatcher::baseline}) {
-    SCOPED_TRACE(to_string(d));
-    Communicator& comm = w->comm(d);
+  for (CommKind k : kAllComms) {
+    SCOPED_TRACE(to_string(k));
+    Communicator& comm = w->comm(k);
     for (int64_t n : {int64_t(5), int64_t(300)}) {
       OwnedTensor local(be, DType::i32, {n}), all(be, DType::i32, {R * n});
       std::vector<double> lv(static_cast<size_t>(n));
@@ -388,8 +391,8 @@ TEST(MultiGpuCollectives, AllGatherAndAllReduce) {
         t.write(v[size_t(me)]);
         comm.all_reduce_sum(*t, nullptr);
         const auto got = t.read();
-        const bool lsa =
-            size_t(n) * dtype_size(dt) <= (d == Dispatcher::baseline ? 4096u : (16u << 20));
+        const bool lsa = k != CommKind::host_api &&
+                         size_t(n) * dtype_size(dt) <= (k == CommKind::baseline ? 4096u : (16u << 20));
         double max_err = 0;  // over the sum of magnitudes
         int64_t inexact = 0;
         for (int64_t i = 0; i < n; ++i) {
@@ -458,10 +461,10 @@ TEST(MultiGpuClones, PullWeightsAndReduceGradientsFollowThePlan) {
   plan_d.write(std::vector<double>(plan.storage.begin(), plan.storage.end()));
   const PlanView dplan = plan_view(plan_d->as<int32_t>(), cfg);
 
-  for (Dispatcher d : {Dispatcher::syncfree, Dispatcher::baseline}) {
-    Communicator& comm = w->comm(d);
+  for (CommKind k : kAllComms) {
+    Communicator& comm = w->comm(k);
     for (size_t slot_bytes : {size_t(3 * 4096), size_t(1998)}) {
-      SCOPED_TRACE(std::string(to_string(d)) + " slot_bytes " + std::to_string(slot_bytes));
+      SCOPED_TRACE(std::string(to_string(k)) + " slot_bytes " + std::to_string(slot_bytes));
       auto wbyte = [](int r, int slot, size_t b) {
         return uint8_t((r * 31 + slot * 17 + b * 3 + 5) & 0xff);
       };
@@ -490,7 +493,7 @@ TEST(MultiGpuClones, PullWeightsAndReduceGradientsFollowThePlan) {
     }
     // Gradients: small integers, so every order of summation is exact.
     for (DType dt : {DType::f32, DType::f64}) {
-      SCOPED_TRACE(std::string(to_string(d)) + " " + to_string(dt));
+      SCOPED_TRACE(std::string(to_string(k)) + " " + to_string(dt));
       const int64_t slot_elems = 1001;
       auto gval = [](int r, int slot, int64_t x) {
         return double((r * 7 + slot * 3 + x) % 17 - 8);

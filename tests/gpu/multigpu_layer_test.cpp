@@ -85,6 +85,7 @@ struct LayerParam {
   bool aux_z = false;   // aux and z losses on (then no one-rank comparison)
   bool uneven = false;  // rank r feeds T - 19 r tokens, rank 1 none
   Dispatcher dispatcher = Dispatcher::syncfree;
+  bool host_api = false;  // host-API mode (every op on NCCL's host API); needs baseline
 };
 
 class MultiGpuLayer : public ::testing::TestWithParam<LayerParam> {};
@@ -118,7 +119,7 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
   }
   const LayerRun cpu = run_layer(c, xs, gs, p);
 
-  Communicator& comm = w->comm(lp.dispatcher);
+  Communicator& comm = lp.host_api ? w->comm(CommKind::host_api) : w->comm(lp.dispatcher);
   const GpuRun gpu = run_gpu(*w, comm, c, p, xs[size_t(me)], gs[size_t(me)]);
   expect_stats_equal(gpu.stats, cpu.stats[size_t(me)]);
   if (lp.hot >= 0 && lp.echo) {
@@ -194,7 +195,11 @@ INSTANTIATE_TEST_SUITE_P(
         LayerParam{"baseline_small", 64, 32, 4, 2, 96, ScoreFunction::softmax, 1.25, false, -1,
                    false, false, Dispatcher::baseline},
         LayerParam{"baseline_overflow_echo", 64, 32, 4, 2, 96, ScoreFunction::softmax, 0.3, true, 2,
-                   false, false, Dispatcher::baseline}),
+                   false, false, Dispatcher::baseline},
+        LayerParam{"host_api_echo_skew", 64, 32, 4, 2, 96, ScoreFunction::softmax, 1.25, true, 1,
+                   false, false, Dispatcher::baseline, true},
+        LayerParam{"host_api_overflow_echo", 64, 32, 4, 2, 96, ScoreFunction::softmax, 0.3, true,
+                   2, false, false, Dispatcher::baseline, true}),
     [](const auto& p) { return p.param.name; });
 
 // ================================================================================================

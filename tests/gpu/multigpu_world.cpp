@@ -46,6 +46,9 @@ class WorldEnvironment : public ::testing::Environment {
     base.all_reduce_staging_bytes = 4096;  // larger all-reduces take the ncclAllReduce path
     base.ctas = 7;                         // an odd grid for the barrier kernels
     w->baseline = make_nccl_communicator(*w->rv, base);
+    NcclOptions host = base;
+    host.host_api = true;
+    w->host_api = make_nccl_communicator(*w->rv, host);
     std::printf("[ world    ] rank %d of %d on GPU %d\n", env.rank, env.world_size, env.local_rank);
     g_world = std::move(w);
   }
@@ -53,6 +56,7 @@ class WorldEnvironment : public ::testing::Environment {
     if (!g_world) return;
     g_world->be->synchronize();
     g_world->rv->barrier();
+    g_world->host_api.reset();
     g_world->baseline.reset();
     g_world->syncfree.reset();
     g_world->be.reset();

@@ -23,16 +23,29 @@
 
 namespace moe_echo::test {
 
+// The world's communicators: the default one, the baseline dispatcher (other ops on the device
+// API), and host-API mode (every op on NCCL's host API, as across nodes).
+enum class CommKind { syncfree, baseline, host_api };
+inline constexpr CommKind kAllComms[] = {CommKind::syncfree, CommKind::baseline,
+                                         CommKind::host_api};
+inline const char* to_string(CommKind k) {
+  return k == CommKind::syncfree ? "syncfree" : k == CommKind::baseline ? "baseline" : "host_api";
+}
+
 struct MultiGpuWorld {
   DistEnv env;
   std::unique_ptr<Rendezvous> rv;
   std::unique_ptr<Backend> be;
   std::unique_ptr<Communicator> syncfree;  // the default communicator
   std::unique_ptr<Communicator> baseline;  // host-API dispatcher, tiny all-reduce staging
+  std::unique_ptr<Communicator> host_api;  // host-API mode (NcclOptions::host_api)
 
   int rank() const { return env.rank; }
   int size() const { return env.world_size; }
   Communicator& comm(Dispatcher d) { return d == Dispatcher::baseline ? *baseline : *syncfree; }
+  Communicator& comm(CommKind k) {
+    return k == CommKind::syncfree ? *syncfree : k == CommKind::baseline ? *baseline : *host_api;
+  }
 
   // Every rank's `v` (trivially copyable elements), indexed by rank, through the rendezvous.
   template <class T>
