@@ -1,7 +1,7 @@
 // Grouped GEMM benchmark: GroupedGemm's fprop, dgrad and wgrad at the ANCHORS.md shapes and at
 // one EP4 rank of the Mixtral layer (balanced groups, bf16, all rows valid), next to the
-// production kernel with each tile order and tile swizzle, plus optional alternative kernel
-// configurations.
+// production kernel with each tile order, with tile swizzle and on fewer SMs, plus optional
+// alternative kernel configurations.
 //
 // For every (shape, op, kernel): one call checked first against an fp64 reference at sampled
 // output entries (rel. error over the samples), then timed under sustained load, interleaved
@@ -220,6 +220,9 @@ class Bench {
   Bench(double preheat_ms, double block_ms, int rounds)
       : preheat_ms_(preheat_ms), block_ms_(block_ms), rounds_(rounds) {
     CK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+    int dev = 0;
+    CK(cudaGetDevice(&dev));
+    CK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, dev));
     CK(cudaMalloc(&d_idx_, kSamples * 2 * sizeof(int64_t)));
     CK(cudaMalloc(&d_ref_, kSamples * sizeof(double)));
     CK(cudaMalloc(&d_got_, kSamples * sizeof(double)));
@@ -322,6 +325,15 @@ class Bench {
             m.max_swizzle = n.max_swizzle = sw;
             add(v, m, (" +raster M swizzle " + std::to_string(sw)).c_str());
             add(v, n, (" +raster N swizzle " + std::to_string(sw)).c_str());
+          }
+          // The persistent grid on fewer SMs, leaving the rest to kernels on other streams
+          // (communication beside the GEMM): what the GEMM gives up.
+          for (int spare : {8, 16}) {
+            RunnerOptions m = along_m, n = along_n;
+            m.sm_count = n.sm_count = sm_count_ - spare;
+            const std::string on = " on " + std::to_string(sm_count_ - spare) + " SMs";
+            add(v, m, (" +raster M" + on).c_str());
+            add(v, n, (" +raster N" + on).c_str());
           }
         }
       for (const Variant& v : variants())
@@ -442,6 +454,7 @@ class Bench {
   double preheat_ms_, block_ms_;
   int rounds_;
   cudaStream_t s_ = nullptr;
+  int sm_count_ = 0;
   int64_t* d_idx_ = nullptr;
   double* d_ref_ = nullptr;
   double* d_got_ = nullptr;
