@@ -95,13 +95,10 @@ __global__ void tma_copy_kernel(const char* src, char* dst, size_t bytes) {
             "r"(d), "l"(src + c * kChunk), "r"(kChunk), "r"(b)
         : "memory");
   };
-  int n_mine = 0;
   // chunks of this CTA: blockIdx.x, blockIdx.x + gridDim.x, ...
   unsigned phase[kStages] = {0, 0, 0, 0};
   size_t next = blockIdx.x;
-  for (int st = 0; st < kStages && next < chunks; ++st, next += gridDim.x)
-    issue(next, st), ++n_mine;
-  (void)n_mine;
+  for (int st = 0; st < kStages && next < chunks; ++st, next += gridDim.x) issue(next, st);
   size_t cur = blockIdx.x;
   int st = 0;
   while (cur < chunks) {
@@ -109,12 +106,14 @@ __global__ void tma_copy_kernel(const char* src, char* dst, size_t bytes) {
     unsigned done = 0;
     while (!done)
       asm volatile(
-          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+          "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+          "selp.u32 %0, 1, 0, p; }"
           : "=r"(done)
           : "r"(b), "r"(phase[st]));
     phase[st] ^= 1;
     const unsigned sp = unsigned(__cvta_generic_to_shared(buf + st * kChunk));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + cur * kChunk),
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                     dst + cur * kChunk),
                  "r"(sp), "r"(kChunk)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;");
@@ -144,102 +143,65 @@ struct Ctx {
 
 constexpr int kSmem = 200 * 1024;
 
-void add_compute(cudaGraph_t g, const Ctx& c) {
+// One kernel node (no dependencies) of `func` with the given launch shape and arguments.
+cudaGraphNode_t add_kernel(cudaGraph_t g, void* func, unsigned grid, unsigned block,
+                           unsigned smem, void** args) {
   cudaKernelNodeParams p{};
-  void* args[] = {(void*)&c.sink, (void*)&c.iters};
-  p.func = (void*)compute_kernel;
-  p.gridDim = dim3(c.sms);
-  p.blockDim = dim3(256);
-  p.sharedMemBytes = kSmem;
+  p.func = func;
+  p.gridDim = dim3(grid);
+  p.blockDim = dim3(block);
+  p.sharedMemBytes = smem;
   p.kernelParams = args;
   cudaGraphNode_t n;
   CK(cudaGraphAddKernelNode(&n, g, nullptr, 0, &p));
+  return n;
 }
 
-template <int Ctas>
-void add_ilp_copy(cudaGraph_t g, const Ctx& c) {
-  cudaKernelNodeParams p{};
-  const int4* s = static_cast<const int4*>(c.src);
-  int4* d = static_cast<int4*>(c.dst);
-  size_t n16 = c.bytes / 16;
-  void* args[] = {(void*)&s, (void*)&d, (void*)&n16};
-  p.func = (void*)ilp_copy_kernel;
-  p.gridDim = dim3(Ctas);
-  p.blockDim = dim3(1024);
-  p.kernelParams = args;
+void add_memcpy(cudaGraph_t g, void* dst, const void* src, size_t bytes) {
   cudaGraphNode_t n;
-  CK(cudaGraphAddKernelNode(&n, g, nullptr, 0, &p));
-}
-
-// Push: local reads, stores to the peer (GPU 0 -> GPU 1).
-template <int Ctas>
-void add_ilp_push(cudaGraph_t g, const Ctx& c) {
-  cudaKernelNodeParams p{};
-  const int4* s = static_cast<const int4*>(c.local_src);
-  int4* d = static_cast<int4*>(c.peer_dst);
-  size_t n16 = c.bytes / 16;
-  void* args[] = {(void*)&s, (void*)&d, (void*)&n16};
-  p.func = (void*)ilp_copy_kernel;
-  p.gridDim = dim3(Ctas);
-  p.blockDim = dim3(1024);
-  p.kernelParams = args;
-  cudaGraphNode_t n;
-  CK(cudaGraphAddKernelNode(&n, g, nullptr, 0, &p));
-}
-
-void add_ce_push(cudaGraph_t g, const Ctx& c) {
-  cudaGraphNode_t n;
-  CK(cudaGraphAddMemcpyNode1D(&n, g, nullptr, 0, c.peer_dst, c.local_src, c.bytes,
-                              cudaMemcpyDeviceToDevice));
-}
-
-template <int Ctas>
-void add_tma_copy(cudaGraph_t g, const Ctx& c) {
-  cudaKernelNodeParams p{};
-  const char* s = static_cast<const char*>(c.src);
-  char* d = static_cast<char*>(c.dst);
-  size_t b = c.bytes;
-  void* args[] = {(void*)&s, (void*)&d, (void*)&b};
-  p.func = (void*)tma_copy_kernel;
-  p.gridDim = dim3(Ctas);
-  p.blockDim = dim3(32);
-  p.sharedMemBytes = kStages * kChunk;
-  p.kernelParams = args;
-  cudaGraphNode_t n;
-  CK(cudaGraphAddKernelNode(&n, g, nullptr, 0, &p));
+  CK(cudaGraphAddMemcpyNode1D(&n, g, nullptr, 0, dst, src, bytes, cudaMemcpyDeviceToDevice));
 }
 
 // The compute kernel on all SMs but Spare.
 template <int Spare>
-void add_compute_less(cudaGraph_t g, const Ctx& c) {
-  cudaKernelNodeParams p{};
+void add_compute(cudaGraph_t g, const Ctx& c) {
   void* args[] = {(void*)&c.sink, (void*)&c.iters};
-  p.func = (void*)compute_kernel;
-  p.gridDim = dim3(c.sms - Spare);
-  p.blockDim = dim3(256);
-  p.sharedMemBytes = kSmem;
-  p.kernelParams = args;
-  cudaGraphNode_t n;
-  CK(cudaGraphAddKernelNode(&n, g, nullptr, 0, &p));
+  add_kernel(g, (void*)compute_kernel, unsigned(c.sms - Spare), 256, kSmem, args);
 }
 
-void add_ce_copy(cudaGraph_t g, const Ctx& c) {
-  cudaGraphNode_t n;
-  CK(cudaGraphAddMemcpyNode1D(&n, g, nullptr, 0, c.dst, c.src, c.bytes, cudaMemcpyDeviceToDevice));
+// The copy engine: pull (peer -> local) or push (local -> peer).
+void add_ce_copy(cudaGraph_t g, const Ctx& c) { add_memcpy(g, c.dst, c.src, c.bytes); }
+void add_ce_push(cudaGraph_t g, const Ctx& c) { add_memcpy(g, c.peer_dst, c.local_src, c.bytes); }
+
+// A 16-byte-word copy kernel of Ctas CTAs of 1024 threads: pull or push.
+template <int Ctas, bool Push>
+void add_word_copy(cudaGraph_t g, const Ctx& c, void* func) {
+  const int4* s = static_cast<const int4*>(Push ? c.local_src : c.src);
+  int4* d = static_cast<int4*>(Push ? c.peer_dst : c.dst);
+  size_t n16 = c.bytes / 16;
+  void* args[] = {(void*)&s, (void*)&d, (void*)&n16};
+  add_kernel(g, func, Ctas, 1024, 0, args);
 }
 
 void add_sm_copy(cudaGraph_t g, const Ctx& c) {
-  cudaKernelNodeParams p{};
-  const int4* s = static_cast<const int4*>(c.src);
-  int4* d = static_cast<int4*>(c.dst);
-  size_t n16 = c.bytes / 16;
-  void* args[] = {(void*)&s, (void*)&d, (void*)&n16};
-  p.func = (void*)sm_copy_kernel;
-  p.gridDim = dim3(16);
-  p.blockDim = dim3(1024);
-  p.kernelParams = args;
-  cudaGraphNode_t n;
-  CK(cudaGraphAddKernelNode(&n, g, nullptr, 0, &p));
+  add_word_copy<16, false>(g, c, (void*)sm_copy_kernel);
+}
+template <int Ctas>
+void add_ilp_copy(cudaGraph_t g, const Ctx& c) {
+  add_word_copy<Ctas, false>(g, c, (void*)ilp_copy_kernel);
+}
+template <int Ctas>
+void add_ilp_push(cudaGraph_t g, const Ctx& c) {
+  add_word_copy<Ctas, true>(g, c, (void*)ilp_copy_kernel);
+}
+
+template <int Ctas>
+void add_tma_copy(cudaGraph_t g, const Ctx& c) {
+  const char* s = static_cast<const char*>(c.src);
+  char* d = static_cast<char*>(c.dst);
+  size_t b = c.bytes;
+  void* args[] = {(void*)&s, (void*)&d, (void*)&b};
+  add_kernel(g, (void*)tma_copy_kernel, Ctas, 32, kStages * kChunk, args);
 }
 
 // set_switch_kernel -> SWITCH(4 branches); branch 2 (the device's choice) copies, the others
@@ -247,14 +209,8 @@ void add_sm_copy(cudaGraph_t g, const Ctx& c) {
 void add_ce_switch_from(cudaGraph_t g, const Ctx& c, const void* src) {
   cudaGraphConditionalHandle h;
   CK(cudaGraphConditionalHandleCreate(&h, g, 0, cudaGraphCondAssignDefault));
-  cudaKernelNodeParams p{};
   void* args[] = {(void*)&h, (void*)&c.choice};
-  p.func = (void*)set_switch_kernel;
-  p.gridDim = dim3(1);
-  p.blockDim = dim3(1);
-  p.kernelParams = args;
-  cudaGraphNode_t set;
-  CK(cudaGraphAddKernelNode(&set, g, nullptr, 0, &p));
+  const cudaGraphNode_t set = add_kernel(g, (void*)set_switch_kernel, 1, 1, 0, args);
   cudaGraphNodeParams cp{};
   cp.type = cudaGraphNodeTypeConditional;
   cp.conditional.handle = h;
@@ -263,12 +219,12 @@ void add_ce_switch_from(cudaGraph_t g, const Ctx& c, const void* src) {
   cudaGraphNode_t cond;
   CK(cudaGraphAddNode(&cond, g, &set, nullptr, 1, &cp));
   for (int b = 0; b < 4; ++b) {
-    cudaGraphNode_t n;
-    if (b == 2)
-      CK(cudaGraphAddMemcpyNode1D(&n, cp.conditional.phGraph_out[b], nullptr, 0, c.dst, src,
-                                  c.bytes, cudaMemcpyDeviceToDevice));
-    else
+    if (b == 2) {
+      add_memcpy(cp.conditional.phGraph_out[b], c.dst, src, c.bytes);
+    } else {
+      cudaGraphNode_t n;
       CK(cudaGraphAddEmptyNode(&n, cp.conditional.phGraph_out[b], nullptr, 0));
+    }
   }
 }
 
@@ -294,6 +250,8 @@ float time_graph(cudaGraph_t g, cudaStream_t s, int reps) {
     ms.push_back(t);
   }
   std::sort(ms.begin(), ms.end());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
   CK(cudaGraphExecDestroy(ex));
   return ms[ms.size() / 2];
 }
@@ -337,13 +295,13 @@ int main(int argc, char** argv) {
     std::vector<Add> parts;
   };
   const std::vector<Case> cases = {
-      {"compute", {add_compute}},
+      {"compute", {add_compute<0>}},
       {"ce_copy", {add_ce_copy}},
       {"sm_copy(16 CTAs)", {add_sm_copy}},
-      {"compute + ce_copy", {add_compute, add_ce_copy}},
-      {"compute + sm_copy", {add_compute, add_sm_copy}},
+      {"compute + ce_copy", {add_compute<0>, add_ce_copy}},
+      {"compute + sm_copy", {add_compute<0>, add_sm_copy}},
       {"ce_push", {add_ce_push}},
-      {"compute + ce_push", {add_compute, add_ce_push}},
+      {"compute + ce_push", {add_compute<0>, add_ce_push}},
       {"ilp_push(2)", {add_ilp_push<2>}},
       {"ilp_push(4)", {add_ilp_push<4>}},
       {"ilp_push(8)", {add_ilp_push<8>}},
@@ -353,13 +311,13 @@ int main(int argc, char** argv) {
       {"tma_copy(1)", {add_tma_copy<1>}},
       {"tma_copy(2)", {add_tma_copy<2>}},
       {"tma_copy(4)", {add_tma_copy<4>}},
-      {"compute(-2)", {add_compute_less<2>}},
-      {"compute(-4)", {add_compute_less<4>}},
-      {"compute(-4) + ilp(4)", {add_compute_less<4>, add_ilp_copy<4>}},
-      {"compute(-2) + tma(2)", {add_compute_less<2>, add_tma_copy<2>}},
-      {"compute(-4) + tma(4)", {add_compute_less<4>, add_tma_copy<4>}},
+      {"compute(-2)", {add_compute<2>}},
+      {"compute(-4)", {add_compute<4>}},
+      {"compute(-4) + ilp(4)", {add_compute<4>, add_ilp_copy<4>}},
+      {"compute(-2) + tma(2)", {add_compute<2>, add_tma_copy<2>}},
+      {"compute(-4) + tma(4)", {add_compute<4>, add_tma_copy<4>}},
       {"ce_switch_local", {add_ce_switch_local}},
-      {"compute + ce_switch_local", {add_compute, add_ce_switch_local}},
+      {"compute + ce_switch_local", {add_compute<0>, add_ce_switch_local}},
   };
   std::printf("GPU 0 <- GPU 1, %zu MiB, %d SMs, compute iters %d\n", c.bytes >> 20, c.sms,
               c.iters);

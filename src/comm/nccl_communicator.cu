@@ -673,7 +673,8 @@ class NcclCommunicator final : public Communicator {
       reject("ctas", opts_.ctas, "1 <= ctas <= " + std::to_string(kMaxCtas));
     if (opts_.max_gather_ints < 1) reject("max_gather_ints", opts_.max_gather_ints, ">= 1");
     if (opts_.host_api && opts_.dispatcher != Dispatcher::baseline)
-      reject("host_api", "true", "with the baseline dispatcher (the sync-free one needs the device API)");
+      reject("host_api", "true",
+             "with the baseline dispatcher (the sync-free one needs the device API)");
     host_api_ = opts_.host_api;
     MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_));
 
