@@ -1,5 +1,5 @@
 // MoeLayer: one dropless MoE layer on one expert-parallel rank, forward and backward, written
-// once over the Backend and Communicator interfaces (DESIGN.md sections 2 and 7).
+// once over the Backend and Communicator interfaces (docs/design.md sections 2, 4 and 5).
 //
 // Building a layer validates the configs, sizes and allocates its whole workspace (collectively:
 // symmetric buffers are registered with the communicator). forward() and backward() allocate

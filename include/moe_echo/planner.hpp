@@ -59,7 +59,7 @@ struct Plan {
 // Throws ConfigError naming the field if cfg is inconsistent (E % R != 0, negative counts...).
 void validate(const PlannerConfig& cfg);
 
-// The ECHO planner (DESIGN.md section 3) on routing map C[R][E] (row-major). Writes every entry
+// ECHO planner (docs/design.md section 3) on routing map C[R][E] (row-major). Writes every entry
 // of `out`. With spare_slots == 0 or max_clones == 0 it writes the no-clone plan.
 void plan_echo(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out);
 

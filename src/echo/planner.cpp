@@ -1,4 +1,4 @@
-// The ECHO planner (DESIGN.md section 3): which hot experts to clone into spare slots this step
+// ECHO planner (docs/design.md section 3): which hot experts to clone into spare slots this step
 // and how many rows each replica takes, plus the per-source assignment of rows to replicas.
 //
 // Algorithm (plan_echo):

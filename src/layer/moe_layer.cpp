@@ -1,4 +1,4 @@
-// The step orchestration of DESIGN.md section 2, written once over Backend and Communicator.
+// The step orchestration of docs/design.md section 2, written once over Backend and Communicator.
 //
 // Rows: a token's row crosses to each rank it picks experts on once per round (dispatch into the
 // lead row), the receiver fans it out to the other members' rows, runs the experts, and sums the

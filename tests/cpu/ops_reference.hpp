@@ -1,5 +1,5 @@
 // Naive references of the CPU ops, written from the contracts in include/moe_echo/backend.hpp and
-// DESIGN.md, not from src/cpu: plain double loops over host vectors, one function per op, so a
+// docs/design.md, not src/cpu: plain double loops over host vectors, one function per op, so a
 // reader can check each against the formula by eye. The op tests compare the backend with these.
 //
 // Where the contract fixes a storage precision (router logits and scores are stored in the
