@@ -20,6 +20,7 @@
 #include "core/random.hpp"
 #include "core/synthetic.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 
 using namespace moe_echo;

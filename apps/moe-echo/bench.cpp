@@ -22,6 +22,7 @@
 #include "moe_echo/comm.hpp"
 #include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA

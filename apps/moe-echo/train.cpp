@@ -16,6 +16,7 @@
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 
 namespace moe_echo::cli {

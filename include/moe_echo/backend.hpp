@@ -176,12 +176,3 @@ class Backend {
 };
 
 }  // namespace moe_echo
-
-namespace moe_echo {
-
-// Host-side helpers (build time and tests only; they synchronise): read a tensor into doubles,
-// write doubles into a tensor, converting to and from its dtype (bf16 rounds to nearest even).
-std::vector<double> read_tensor(Backend& backend, const Tensor& t);
-void write_tensor(Backend& backend, const Tensor& t, const std::vector<double>& values);
-
-}  // namespace moe_echo

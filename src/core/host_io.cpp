@@ -1,6 +1,9 @@
+// Host I/O (moe_echo/host_io.hpp): one copy through a host staging buffer each way, converted
+// element by element; the backend is synchronised before a read and after a write.
+#include "moe_echo/host_io.hpp"
+
 #include <cstring>
 
-#include "moe_echo/backend.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {

@@ -21,6 +21,7 @@
 
 #include "core/random.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 
 namespace moe_echo {
 

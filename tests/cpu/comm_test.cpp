@@ -20,6 +20,7 @@
 
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
+#include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo {

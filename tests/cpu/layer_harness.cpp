@@ -2,6 +2,8 @@
 
 #include <mutex>
 
+#include "moe_echo/host_io.hpp"
+
 namespace moe_echo::test {
 
 LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,

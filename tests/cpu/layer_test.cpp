@@ -11,6 +11,7 @@
 #include "core/synthetic.hpp"
 #include "layer_harness.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo::test {

@@ -28,6 +28,7 @@
 #include "moe_echo/backend.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/planner.hpp"
 #include "ops_reference.hpp"
 #include "test_util.hpp"

@@ -20,6 +20,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "moe_echo/backends.hpp"
+#include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo::test {

@@ -1,5 +1,6 @@
 // Backend selection: "auto" takes the GPU when this build has the CUDA backend and a GPU is
-// visible, the CPU otherwise.
+// visible, the CPU otherwise. This folder sits above both backends (src/cpu, src/cuda) and is the
+// only library code that names them both; nothing below it includes it.
 #include "moe_echo/backends.hpp"
 #include "moe_echo/error.hpp"
 
