@@ -1,5 +1,5 @@
-// The CUDA backend's per-step ops, one host launcher per op (the kernels live in one .cu file per
-// op family: router.cu, layout.cu, planner.cu, swiglu.cu, fan.cu, adamw.cu). Semantics are
+// The CUDA backend's per-step ops, one host launcher per op (the kernels live in the .cu files of
+// their op family: router_*.cu, layout.cu, planner.cu, swiglu.cu, fan.cu, adamw.cu). Semantics are
 // exactly those of the CPU reference ops in src/cpu (the spec), in the CUDA backend's dtypes:
 // activations and expert weights bf16; router weights, logits, scores, combine weights, losses,
 // gradients and optimizer state f32. Every launcher is capture-safe: it allocates nothing, reads
@@ -21,10 +21,10 @@ namespace moe_echo::cuda {
 
 class GroupedGemm;
 
-// Router (router.cu). T tokens, E experts, H hidden.
+// Router (router_products.cu, router_select.cu, router_backward.cu). T tokens, E experts, H hidden.
 size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden);
 // `gemm` (may be null): the grouped GEMM the three f32 products run on as bf16 splits on tensor
-// cores where the shapes allow (see router.cu); without it they take the FFMA kernels.
+// cores where the shapes allow (see router_products.cu); without it they take the FFMA kernels.
 void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm,
                     cudaStream_t s);
 void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* gemm,
