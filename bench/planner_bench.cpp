@@ -48,7 +48,7 @@
 #include "moe_echo/backend.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
-#include "tools/cost_model.hpp"
+#include "offline/cost_model.hpp"
 
 using namespace moe_echo;
 
@@ -346,7 +346,7 @@ int run(const Options& o, const std::string& command) {
     base.spare_slots = kSpareSlots;
     base.max_clones = kMaxClones;
     validate(base);
-    const int64_t model_cost = tools::CostModel{}.clone_cost_rows(c.hidden, c.ffn, kGradBytes);
+    const int64_t model_cost = offline::CostModel{}.clone_cost_rows(c.hidden, c.ffn, kGradBytes);
     const int R = c.ranks, E = c.experts;
     DeviceBuffer map_buf(*be, size_t(R) * size_t(E) * sizeof(int32_t));
     DeviceBuffer plan_buf(*be, size_t(plan_ints(base)) * sizeof(int32_t));
@@ -487,7 +487,7 @@ int run(const Options& o, const std::string& command) {
           {"maps_per_case", o.steps},
           {"spare_slots", kSpareSlots},
           {"max_clones", kMaxClones},
-          {"clone_cost_rows", "tools::CostModel{}.clone_cost_rows(H, F, 4) and 0"},
+          {"clone_cost_rows", "offline::CostModel{}.clone_cost_rows(H, F, 4) and 0"},
           {"routing",
            "per rank, K distinct experts per token drawn from SyntheticTokens "
            "popularity (Gumbel-top-k distribution); maps span one drift period"},

@@ -3,7 +3,7 @@
 #include <map>
 
 #include "moe_echo/error.hpp"
-#include "tools/cost_model.hpp"
+#include "offline/cost_model.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
 #include "cuda/cuda_backend.hpp"
@@ -109,7 +109,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   // that into rows of expert work (bf16 weights, fp32 gradients). Ranks simulated in one CPU
   // process pay a memory copy, so cloning is free there.
   r.echo.clone_cost_rows = o.clone_cost_rows.value_or(
-      cpu_backend ? 0 : tools::CostModel{}.clone_cost_rows(r.moe.hidden, r.moe.ffn, 4));
+      cpu_backend ? 0 : offline::CostModel{}.clone_cost_rows(r.moe.hidden, r.moe.ffn, 4));
   ParallelConfig par{r.ep, 0};
   validate(r.moe, par, r.echo);
   return r;

@@ -12,15 +12,15 @@
 
 #include "commands.hpp"
 #include "moe_echo/error.hpp"
-#include "tools/cost_model.hpp"
-#include "tools/simulator.hpp"
-#include "tools/trace.hpp"
-#include "tools/walls.hpp"
+#include "offline/cost_model.hpp"
+#include "offline/simulator.hpp"
+#include "offline/trace.hpp"
+#include "offline/capacity_plan.hpp"
 
 namespace moe_echo::cli {
 namespace {
 
-using namespace moe_echo::tools;
+using namespace moe_echo::offline;
 
 struct PlanOptions {
   std::string model = "deepseek-v3";

@@ -14,15 +14,15 @@
 
 #include "commands.hpp"
 #include "moe_echo/error.hpp"
-#include "tools/cost_model.hpp"
-#include "tools/simulator.hpp"
-#include "tools/svg_plot.hpp"
-#include "tools/trace.hpp"
+#include "offline/cost_model.hpp"
+#include "offline/simulator.hpp"
+#include "offline/svg_plot.hpp"
+#include "offline/trace.hpp"
 
 namespace moe_echo::cli {
 namespace {
 
-using namespace moe_echo::tools;
+using namespace moe_echo::offline;
 
 struct SimulateOptions {
   int ep = 32, experts = 256, top_k = 8, tokens = 8192;

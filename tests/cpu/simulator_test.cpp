@@ -2,7 +2,7 @@
 // policy against a direct computation on the same maps, determinism across threads, the EPLB
 // re-placement schedule) and the SVG plot.
 #include "test_util.hpp"
-#include "tools/simulator.hpp"
+#include "offline/simulator.hpp"
 
 #include <gtest/gtest.h>
 
@@ -18,11 +18,11 @@
 
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
-#include "tools/cost_model.hpp"
-#include "tools/svg_plot.hpp"
-#include "tools/trace.hpp"
+#include "offline/cost_model.hpp"
+#include "offline/svg_plot.hpp"
+#include "offline/trace.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 namespace {
 
 using moe_echo::test::config_error;
@@ -418,4 +418,4 @@ TEST(SvgPlot, NiceTicks) {
 }
 
 }  // namespace
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

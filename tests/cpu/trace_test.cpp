@@ -2,7 +2,7 @@
 // multinomial spread, drift, domain switches, the DeepSeek-R1 calibration), and the trace file
 // reader and writer (formats, round trips, and errors that name the file and the line).
 #include "test_util.hpp"
-#include "tools/trace.hpp"
+#include "offline/trace.hpp"
 
 #include <gtest/gtest.h>
 
@@ -18,7 +18,7 @@
 
 #include "moe_echo/error.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 namespace {
 
 using moe_echo::test::config_error;
@@ -535,4 +535,4 @@ TEST(TraceFile, MissingFileIsAClearError) {
 }
 
 }  // namespace
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 // One layer's routing maps, step after step.
 class LayerStream {
@@ -190,4 +190,4 @@ class TraceFile final : public TraceSource {
 void write_trace_csv(const TraceSource& source, int ranks, bool per_source,
                      const std::string& path);
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

@@ -1,4 +1,4 @@
-#include "tools/cost_model.hpp"
+#include "offline/cost_model.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -7,7 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 namespace {
 
 std::string lower(std::string s) {
@@ -155,4 +155,4 @@ double ranks_per_token(double E, double ep, double K) {
   return ep * (1.0 - missed);
 }
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

@@ -1,7 +1,7 @@
 // `moe-echo plan`: every validation rule (errors name the parameter, its value and what is
 // allowed; warnings name the parameter), the memory and time formulas against hand computation,
 // which wall binds, and the simulator's suggestion of spare slots and capacity factor.
-#include "tools/walls.hpp"
+#include "offline/capacity_plan.hpp"
 
 #include <gtest/gtest.h>
 
@@ -12,7 +12,7 @@
 
 #include "moe_echo/error.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 namespace {
 
 // A small valid input: 8 GPUs of one node, EP 8, Qwen3-like sizes.
@@ -390,4 +390,4 @@ TEST(WallsSuggest, SweepsSpareSlotsAndClonesAndPicksTheFewestNearTheBest) {
 }
 
 }  // namespace
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

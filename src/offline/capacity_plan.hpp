@@ -1,7 +1,7 @@
-// The three walls of MoE training, estimated on the CPU for one GPU of a parallel layout
-// (`moe-echo plan`): memory (does it fit), communication (dispatch/combine against expert
-// GEMMs) and compute / host overhead; plus the validation rules production frameworks apply to
-// the combination, and a capacity factor and spare-slot count suggested by the simulator.
+// The capacity plan of `moe-echo plan`: the three walls of MoE training, estimated on the CPU for
+// one GPU of a parallel layout: memory (does it fit), communication (dispatch/combine against
+// expert GEMMs) and compute / host overhead; plus the validation rules production frameworks
+// apply to the combination, and a capacity factor and spare-slot count suggested by the simulator.
 //
 // Scope and assumptions (docs/plan.md says them in full):
 // - Only the MoE layers are modelled (routed experts, router, dispatch/combine buffers); the
@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "tools/cost_model.hpp"
-#include "tools/simulator.hpp"
+#include "offline/cost_model.hpp"
+#include "offline/simulator.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 struct ModelSpec {
   std::string name = "deepseek-v3";
@@ -165,4 +165,4 @@ Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSou
 // Bytes per element of "bf16", "fp16", "fp32".
 int dtype_bytes(const std::string& dtype);
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

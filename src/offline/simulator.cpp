@@ -1,4 +1,4 @@
-#include "tools/simulator.hpp"
+#include "offline/simulator.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -12,7 +12,7 @@
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 const char* to_string(Policy p) {
   switch (p) {
@@ -354,4 +354,4 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   return res;
 }
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

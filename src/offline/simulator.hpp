@@ -26,10 +26,10 @@
 #include <string>
 #include <vector>
 
-#include "tools/cost_model.hpp"
-#include "tools/trace.hpp"
+#include "offline/cost_model.hpp"
+#include "offline/trace.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 enum class Policy { echo, eplb, eplb_periodic, none };
 const char* to_string(Policy p);
@@ -97,4 +97,4 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg);
 // Nearest-rank percentile (q in [0, 1]) of ascending values.
 double percentile_sorted(const std::vector<double>& sorted, double q);
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

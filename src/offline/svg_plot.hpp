@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 struct PlotSeries {
   std::string label;
@@ -35,4 +35,4 @@ void write_svg(const LinePlot& plot, const std::string& path);
 // Up to `count` round tick values covering [lo, hi] (steps of 1, 2 or 5 times a power of ten).
 std::vector<double> nice_ticks(double lo, double hi, int count);
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

@@ -4,7 +4,7 @@
 #pragma GCC diagnostic ignored "-Wrestrict"
 #endif
 
-#include "tools/walls.hpp"
+#include "offline/capacity_plan.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -14,7 +14,7 @@
 
 #include "moe_echo/error.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 namespace {
 
 std::string lower(std::string s) {
@@ -438,4 +438,4 @@ Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSou
   return s;
 }
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

@@ -17,7 +17,7 @@
 
 #include "moe_echo/error.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 using moe_echo::reject;  // "field = value is invalid: allowed ..." (error.hpp)
 
@@ -99,4 +99,4 @@ inline double clone_bytes(int hidden, int ffn, int grad_bytes) {
   return expert_bytes(hidden, ffn, 2.0) + expert_bytes(hidden, ffn, double(grad_bytes));
 }
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

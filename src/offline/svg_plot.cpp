@@ -1,4 +1,4 @@
-#include "tools/svg_plot.hpp"
+#include "offline/svg_plot.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -8,7 +8,7 @@
 
 #include "moe_echo/error.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 namespace {
 
 const char* const kPalette[] = {"#d62728", "#1f77b4", "#2ca02c", "#7f7f7f",
@@ -156,4 +156,4 @@ void write_svg(const LinePlot& plot, const std::string& path) {
   if (!out) throw Error(path + ": write failed");
 }
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline

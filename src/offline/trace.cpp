@@ -4,7 +4,7 @@
 #pragma GCC diagnostic ignored "-Wrestrict"
 #endif
 
-#include "tools/trace.hpp"
+#include "offline/trace.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -16,9 +16,9 @@
 #include <sstream>
 
 #include "moe_echo/error.hpp"
-#include "tools/cost_model.hpp"
+#include "offline/cost_model.hpp"
 
-namespace moe_echo::tools {
+namespace moe_echo::offline {
 
 // ---- Random numbers --------------------------------------------------------------------------
 
@@ -668,4 +668,4 @@ void write_trace_csv(const TraceSource& source, int ranks, bool per_source,
   if (!out) throw Error(path + ": write failed");
 }
 
-}  // namespace moe_echo::tools
+}  // namespace moe_echo::offline
