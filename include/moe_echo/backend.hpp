@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "moe_echo/config.hpp"
@@ -126,6 +127,12 @@ struct Reservation {
   PlannerConfig planner;   // the plans this layer will ask for (spare slots, clone limit)
 };
 
+// What Backend::enqueue_as_graph keeps between calls of one call site (an instantiated graph).
+class GraphCache {
+ public:
+  virtual ~GraphCache() = default;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -169,10 +176,21 @@ class Backend {
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
   // t[i] += value for every element of an i32 tensor (step counters).
   virtual void add_i32(const Tensor& t, int32_t value, Stream s) = 0;
-  // Runs `body` (which enqueues ops) only when the device flag is non-zero. The CPU backend tests
-  // the flag directly; a capturing CUDA backend turns it into a conditional graph node.
-  virtual void run_if(const int32_t* device_flag, const std::function<void()>& body,
+  // Runs `body` (which enqueues ops on the stream it is given) only when the device flag is
+  // non-zero. The CPU backend tests the flag directly and passes `s`; a capturing CUDA backend
+  // turns it into a conditional graph node whose body it captures from a stream of its own.
+  virtual void run_if(const int32_t* device_flag, const std::function<void(Stream)>& body,
                       Stream s) = 0;
+  // Enqueues on `s` what `body` enqueues on the stream it is given, so that nothing in it waits
+  // on the host, run_if included. The CUDA backend, when `s` is not capturing already, captures
+  // the body on a stream of its own, updates the graph held in `cache` from the last call with
+  // it (or instantiates a new one when the work's shape changed), and launches the graph on `s`;
+  // while `s` is capturing, and on the CPU backend, the body runs on `s` directly. The body must
+  // be capture-safe. One `cache` serves one call site; it is created on first use.
+  virtual void enqueue_as_graph(std::unique_ptr<GraphCache>& cache,
+                                const std::function<void(Stream)>& body, Stream s) {
+    body(s);
+  }
 };
 
 }  // namespace moe_echo

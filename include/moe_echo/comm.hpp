@@ -67,6 +67,10 @@ class Communicator {
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
+  // Whether every per-step op can be captured into a CUDA graph (no host synchronisation inside
+  // a step). MoeLayer runs eager steps of a capturable communicator as graphs (see
+  // Backend::enqueue_as_graph), and those of others op by op.
+  virtual bool capturable() const { return true; }
 
   // Build time (collective, may block).
   virtual SymmetricBuffer alloc_symmetric(Backend& backend, size_t bytes) = 0;

@@ -70,12 +70,26 @@ class MoeLayer {
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
 
-  // x, y: [T, H] activation, T <= max_tokens (T may be 0). Capture-safe.
+  // x, y: [T, H] activation, T <= max_tokens (T may be 0). Capture-safe, and never waits on the
+  // host: outside a capture the step's work is enqueued as one graph (Backend::enqueue_as_graph)
+  // when the communicator is capturable and no phase observer is set; otherwise it is enqueued op
+  // by op, and on the CUDA backend each possible spill round then reads its flag on the host.
   void forward(const Tensor& x, const Tensor& y, Stream stream = nullptr);
+  // Once per forward (throws otherwise), the same way as the forward (graph or op by op).
   // dy: [T, H] for the last forward, whose x must still hold the same values; dx: [T, H] out. Accumulates parameter gradients; the aux and
   // z losses enter with gradient 1. Reduces clone gradients into their home experts and, when
   // enabled, applies the aux-loss-free bias update. Capture-safe.
   void backward(const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+
+  // The same, with x given again (a framework that saves x for the backward passes it here): it
+  // must have the last forward's shape and values.
+  void backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+
+  // Device views that each forward writes (valid until the next forward, read without a sync):
+  // the plan (PlanView layout over planner_config(): rank loads before and after ECHO, clones)
+  // and the losses [2] float (aux, z; coefficients applied).
+  Tensor plan_buffer() const;
+  Tensor losses() const;
 
   // Device views of a parameter and its gradient (router_bias has no gradient).
   Tensor param(Param p) const;
@@ -120,6 +134,11 @@ class MoeLayer {
                  const int32_t* accumulate, Stream s);
   void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
                           const int32_t* accumulate, bool overwrite_grads, Stream s);
+  void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
+  void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads, Stream s);
+  // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
+  // the host anyway or a phase observer records events between the ops.
+  bool eager_graphs() const { return observer_ == nullptr && comm_.capturable(); }
   void init_parameters(uint64_t seed);
   void mark(const char* phase, Stream s) {
     if (observer_) observer_->mark(phase, s);
@@ -141,6 +160,8 @@ class MoeLayer {
   int rounds_ = 0;
   PhaseObserver* observer_ = nullptr;
   bool grads_zeroed_ = false;  // zero_grad since the last backward
+  bool forward_pending_ = false;  // a forward whose backward has not run yet
+  std::unique_ptr<GraphCache> forward_graph_, backward_graph_;
   int64_t last_tokens_ = 0;
   Tensor last_x_;
   std::unique_ptr<Buffers> buf_;

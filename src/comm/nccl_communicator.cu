@@ -746,6 +746,10 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   ncclComm_t handle() const { return comm_; }
   bool host_api() const { return host_api_; }
+  // The baseline dispatcher and host-API mode wait on the host inside a step.
+  bool capturable() const override {
+    return !host_api_ && opts_.dispatcher != Dispatcher::baseline;
+  }
 
   SymmetricBuffer alloc_symmetric(Backend&, size_t bytes) override {
     SymmetricBuffer buf;

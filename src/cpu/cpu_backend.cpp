@@ -90,8 +90,9 @@ class CpuBackend final : public Backend {
     MOE_ECHO_CHECK(t.dtype == DType::i32, "add_i32 on " << t.describe());
     for (int64_t i = 0; i < t.numel(); ++i) t.as<int32_t>()[i] += value;
   }
-  void run_if(const int32_t* device_flag, const std::function<void()>& body, Stream) override {
-    if (*device_flag != 0) body();
+  void run_if(const int32_t* device_flag, const std::function<void(Stream)>& body,
+              Stream s) override {
+    if (*device_flag != 0) body(s);
   }
 
  private:

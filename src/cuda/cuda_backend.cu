@@ -1,7 +1,9 @@
 // The CUDA backend: device memory through cudaMalloc (never managed memory), every per-step op a
 // kernel (or an async memset/copy) on the caller's stream, expert GEMMs through GroupedGemm
 // (CUTLASS, grouped_gemm*.cu), run_if as a CUDA-graph conditional IF node while the stream is
-// capturing (and a host read of its flag otherwise). Op semantics are those of the CPU reference (src/cpu); see ops.hpp for the kernels.
+// capturing (and a host read of its flag otherwise), enqueue_as_graph as a capture on a stream of
+// the backend's launched as a graph. Op semantics are those of the CPU reference (src/cpu); see
+// ops.hpp for the kernels.
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -30,6 +32,8 @@ class CudaBackend final : public Backend {
     gemm_.reset();
     retired_gemms_.clear();
     for (void* p : arenas_) (void)cudaFree(p);
+    if (capture_stream_) (void)cudaStreamDestroy(capture_stream_);
+    for (cudaStream_t bs : body_streams_) (void)cudaStreamDestroy(bs);
   }
 
   const char* name() const override { return "cuda"; }
@@ -127,14 +131,15 @@ class CudaBackend final : public Backend {
   }
 
   // Not capturing: the flag is read on the host (after the work queued before it on the stream)
-  // and the body runs or not, as on the CPU backend. Running it regardless would not be exact:
-  // a round's combine writes every token of its output (0, or the old value, where the token has
-  // no row in the window), so an idle round would overwrite what the rounds before it wrote.
+  // and the body runs on `s` or not, as on the CPU backend. Running it regardless would not be
+  // exact: a round's combine writes every token of its output (0, or the old value, where the
+  // token has no row in the window), so an idle round would overwrite what the rounds before it
+  // wrote. MoeLayer avoids this path with enqueue_as_graph.
   // Capturing: a one-thread kernel sets a conditional handle from the flag, an IF node follows,
-  // and the body is captured into the IF node's body graph. The capture of `s` is ended and
-  // resumed around the body (the body enqueues on `s` itself), so the stream must have no other
-  // streams forked into the capture that are not joined back at this point.
-  void run_if(const int32_t* device_flag, const std::function<void()>& body,
+  // and the body is captured into the IF node's body graph on a stream of the backend's, so the
+  // capture of `s` goes on undisturbed (its capture id too: PyTorch's graph pool keys
+  // allocations by it).
+  void run_if(const int32_t* device_flag, const std::function<void(Stream)>& body,
               Stream stream) override {
     const cudaStream_t s = as_cuda(stream);
     if (!is_capturing(s)) {
@@ -142,7 +147,7 @@ class CudaBackend final : public Backend {
       MOE_ECHO_CUDA_CHECK(
           cudaMemcpyAsync(&flag, device_flag, sizeof(flag), cudaMemcpyDeviceToHost, s));
       MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));
-      if (flag != 0) body();
+      if (flag != 0) body(stream);
       return;
     }
     cudaStreamCaptureStatus st;
@@ -165,21 +170,76 @@ class CudaBackend final : public Backend {
     cudaGraph_t body_graph = params.conditional.phGraph_out[0];
     MOE_ECHO_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(s, &node, nullptr, 1,
                                                             cudaStreamSetCaptureDependencies));
-    // Suspend the main capture (its graph keeps growing from `node` afterwards).
-    cudaGraph_t main_graph = nullptr;
-    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(s, &main_graph));
-    const cudaStreamCaptureMode mode = cudaStreamCaptureModeThreadLocal;
-    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCaptureToGraph(s, body_graph, nullptr, nullptr, 0, mode));
+    // The body, captured on a stream of its nesting depth into the IF node's graph.
+    if (body_streams_.size() <= size_t(body_depth_)) {
+      cudaStream_t bs = nullptr;
+      MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&bs, cudaStreamNonBlocking));
+      body_streams_.push_back(bs);
+    }
+    const cudaStream_t bs = body_streams_[size_t(body_depth_)];
+    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCaptureToGraph(bs, body_graph, nullptr, nullptr, 0,
+                                                      cudaStreamCaptureModeThreadLocal));
+    ++body_depth_;
     try {
-      body();
+      body(bs);
     } catch (...) {
+      --body_depth_;
       cudaGraph_t discard = nullptr;
-      (void)cudaStreamEndCapture(s, &discard);
+      (void)cudaStreamEndCapture(bs, &discard);
+      (void)cudaGetLastError();
       throw;
     }
+    --body_depth_;
     cudaGraph_t captured_body = nullptr;
-    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(s, &captured_body));
-    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCaptureToGraph(s, main_graph, &node, nullptr, 1, mode));
+    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(bs, &captured_body));
+  }
+
+  // Not capturing: the body is captured on capture_stream_ (never the caller's stream, which may
+  // be the legacy default stream, which cannot capture) and the graph launched on `s`, so the
+  // work runs in `s`'s order. The cached executable graph is updated in place when the new
+  // capture has the same topology (new pointers, sizes, grids), re-instantiated otherwise.
+  // cudaGraphExecUpdate leaves launches already enqueued as they were.
+  void enqueue_as_graph(std::unique_ptr<GraphCache>& cache,
+                        const std::function<void(Stream)>& body, Stream stream) override {
+    const cudaStream_t s = as_cuda(stream);
+    if (is_capturing(s)) {
+      body(stream);
+      return;
+    }
+    if (!capture_stream_)
+      MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
+    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      body(capture_stream_);
+    } catch (...) {
+      cudaGraph_t discard = nullptr;
+      if (cudaStreamEndCapture(capture_stream_, &discard) == cudaSuccess && discard)
+        (void)cudaGraphDestroy(discard);
+      (void)cudaGetLastError();
+      throw;
+    }
+    cudaGraph_t graph = nullptr;
+    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(capture_stream_, &graph));
+    if (!cache) cache = std::make_unique<ExecCache>();
+    auto& exec = static_cast<ExecCache&>(*cache).exec;
+    if (exec) {
+      cudaGraphExecUpdateResultInfo info{};
+      if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
+        (void)cudaGetLastError();
+        (void)cudaGraphExecDestroy(exec);
+        exec = nullptr;
+      }
+    }
+    if (!exec) {
+      const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
+      if (rc != cudaSuccess) {
+        (void)cudaGraphDestroy(graph);
+        exec = nullptr;
+        MOE_ECHO_CUDA_CHECK(rc);
+      }
+    }
+    (void)cudaGraphDestroy(graph);
+    MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(exec, s));
   }
 
  private:
@@ -213,7 +273,17 @@ class CudaBackend final : public Backend {
     arena_bytes_ = bytes;
   }
 
+  struct ExecCache final : GraphCache {
+    cudaGraphExec_t exec = nullptr;
+    ~ExecCache() override {
+      if (exec) (void)cudaGraphExecDestroy(exec);
+    }
+  };
+
   int device_ = 0;
+  cudaStream_t capture_stream_ = nullptr;      // enqueue_as_graph's captures
+  std::vector<cudaStream_t> body_streams_;     // run_if bodies, one per nesting depth
+  int body_depth_ = 0;
   std::unique_ptr<GroupedGemm> gemm_;
   std::vector<std::unique_ptr<GroupedGemm>> retired_gemms_;
   void* arena_ = nullptr;

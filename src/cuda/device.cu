@@ -19,6 +19,12 @@ int device_count() {
   return n;
 }
 
+int current_device() {
+  int device = 0;
+  MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
 int sm_count() {
   static std::mutex mu;
   static std::vector<int> cached;  // per device, 0 = not read yet

@@ -301,15 +301,23 @@ size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
 }
 
 void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
-  Buffers& b = *buf_;
-  const int64_t T = x.ndim == 2 ? x.size(0) : -1, H = moe_.hidden, K = moe_.top_k;
+  const int64_t T = x.ndim == 2 ? x.size(0) : -1, H = moe_.hidden;
   check_tensor(x, "x", backend_.activation_dtype(), {-1, H});
   check_tensor(y, "y", backend_.activation_dtype(), {T, H});
   MOE_ECHO_CHECK(T <= moe_.max_tokens,
                  "x has " << T << " tokens, more than max_tokens = " << moe_.max_tokens);
   last_tokens_ = T;
   last_x_ = x;  // the router backward and spill-round recompute read it again
+  forward_pending_ = true;
+  if (eager_graphs())
+    backend_.enqueue_as_graph(forward_graph_, [&](Stream g) { forward_ops(x, y, T, g); }, s);
+  else
+    forward_ops(x, y, T, s);
+}
 
+void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s) {
+  Buffers& b = *buf_;
+  const int64_t K = moe_.top_k;
   RouterForwardArgs ra;
   ra.x = x;
   ra.weight = b.router_weight;
@@ -360,13 +368,13 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   // writes y when there were none.
   const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
   if (spill) mark("spill_rounds", s);
-  if (spill) backend_.run_if(spill, [&] { backend_.fill_zero(y, s); }, s);
+  if (spill) backend_.run_if(spill, [&](Stream bs) { backend_.fill_zero(y, bs); }, s);
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
       run_round(0, x, y, T, spill, s);
     else
       backend_.run_if(b.round_active.as<int32_t>() + r,
-                      [&, r] { run_round(r, x, y, T, spill, s); }, s);
+                      [&, r](Stream bs) { run_round(r, x, y, T, spill, bs); }, s);
   }
 }
 
@@ -422,18 +430,39 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
 }
 
+void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream s) {
+  check_tensor(x, "x", backend_.activation_dtype(), {last_tokens_, moe_.hidden});
+  last_x_ = x;
+  backward(dy, dx, s);
+}
+
+Tensor MoeLayer::plan_buffer() const { return buf_->plan; }
+Tensor MoeLayer::losses() const { return buf_->losses; }
+
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
-  Buffers& b = *buf_;
   const int64_t T = last_tokens_, H = moe_.hidden;
+  MOE_ECHO_CHECK(forward_pending_, "backward without a forward before it (each forward takes "
+                                    "one backward; a second backward needs a new forward)");
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
+  forward_pending_ = false;
+  const bool overwrite_grads = grads_zeroed_;
+  grads_zeroed_ = false;
+  if (eager_graphs())
+    backend_.enqueue_as_graph(
+        backward_graph_, [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, g); }, s);
+  else
+    backward_ops(dy, dx, T, overwrite_grads, s);
+}
+
+void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
+                            Stream s) {
+  Buffers& b = *buf_;
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
   // 0), which the spill rounds then add to; a slot without rows keeps its zeros (home) or is not
   // read (a spare slot without a clone). Otherwise home slots add to what earlier backwards
   // left, and clone slots, which hold this step's gradients only, are zeroed first.
-  const bool overwrite_grads = grads_zeroed_;
-  grads_zeroed_ = false;
   const int64_t EPR = moe_.experts / par_.ep_size;
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
@@ -444,8 +473,8 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
     if (r == 0)
       run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, s);
     else
-      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r] {
-        run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, s);
+      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r](Stream bs) {
+        run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, bs);
       }, s);
   }
 

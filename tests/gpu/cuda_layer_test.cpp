@@ -13,10 +13,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <future>
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gpu_test_util.hpp"
@@ -360,6 +364,71 @@ TEST(CudaLayerTiming, Qwen3SizedStepInOneGraph) {
   EXPECT_TRUE(all_finite(dx.read()));
   cudaEventDestroy(a);
   cudaEventDestroy(b);
+  cudaStreamDestroy(stream);
+}
+
+// =================================================================================================
+// An eager step never waits on the host
+// =================================================================================================
+
+// Eager forward and backward (no capture), with a spill round that may run, enqueue everything
+// without waiting on the host: while a host function that waits for a flag holds the stream, both
+// calls return (the flag is set only after they did, or after 20 s); the results then equal, bit
+// for bit, the same step run with nothing holding the stream.
+TEST(CudaLayerEager, StepNeverWaitsOnHost) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  MoeConfig m;
+  m.hidden = 64;
+  m.ffn = 48;
+  m.experts = 8;
+  m.top_k = 2;
+  m.max_tokens = 128;
+  m.aux_loss_coeff = 0.01;
+  EchoConfig echo;
+  echo.capacity_factor = 0.5;  // 128 receive rows for 256: round 0 and one spill round
+  GpuLayer gl(m, echo, 9);
+  gl.set(rounded_params(m, 41));
+  const int64_t T = m.max_tokens, H = m.hidden;
+  OwnedTensor x(*gl.be, DType::bf16, {T, H}), y(*gl.be, DType::bf16, {T, H}),
+      dy(*gl.be, DType::bf16, {T, H}), dx(*gl.be, DType::bf16, {T, H});
+  x.write(round_bf16(random_values(size_t(T * H), 51, -1, 1)));
+  dy.write(round_bf16(random_values(size_t(T * H), 52, -1, 1)));
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const Stream s = stream;
+  auto step = [&] {
+    gl.layer.zero_grad(s);
+    gl.layer.forward(*x, *y, s);
+    gl.layer.backward(*dy, *dx, s);
+  };
+
+  poison(y);
+  poison(dx);
+  step();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(gl.layer.stats().spill_rounds, 1);
+  const auto y_ref = y.read(), dx_ref = dx.read();
+  const auto dw1_ref = read_tensor(*gl.be, gl.layer.grad(Param::w1));
+
+  poison(y);
+  poison(dx);
+  std::atomic<bool> release{false};
+  auto hold = [](void* flag) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!static_cast<std::atomic<bool>*>(flag)->load() &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  ASSERT_EQ(cudaLaunchHostFunc(stream, hold, &release), cudaSuccess);
+  auto done = std::async(std::launch::async, step);
+  const bool returned = done.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  release = true;
+  done.get();
+  EXPECT_TRUE(returned) << "forward or backward waited for the held stream (a host sync)";
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(y.read(), y_ref);
+  EXPECT_EQ(dx.read(), dx_ref);
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref);
   cudaStreamDestroy(stream);
 }
 
