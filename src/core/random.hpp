@@ -1,5 +1,7 @@
-// A small, portable, seedable generator (splitmix64): the same stream on every platform and
-// standard library, so initial weights and synthetic data are reproducible bit for bit.
+// The library's one random generator (splitmix64), small, portable and seedable: the same stream
+// on every platform and standard library, so initial weights, synthetic data and the offline
+// tools' traces are reproducible bit for bit. Streams that tests or recorded results depend on
+// must keep their numbers: change nothing here that changes an output.
 #pragma once
 
 #include <cmath>
@@ -42,5 +44,9 @@ class Rng {
  private:
   uint64_t state_;
 };
+
+// The splitmix64 finaliser of x + 0x9E3779B97F4A7C15: the first output of Rng(x), and a mixer for
+// stream keys.
+inline uint64_t splitmix64(uint64_t x) { return Rng(x).next(); }
 
 }  // namespace moe_echo

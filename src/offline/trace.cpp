@@ -24,13 +24,6 @@ namespace moe_echo::offline {
 
 namespace {
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
 // Tags that keep the random streams of different purposes apart.
 constexpr uint64_t kTagSwitch = 1, kTagRanking = 2, kTagDrift = 3, kTagSource = 4;
 
@@ -45,17 +38,7 @@ uint64_t stream_seed(uint64_t seed, uint64_t a, uint64_t b, uint64_t c) {
   return splitmix64(h ^ c);
 }
 
-uint64_t Rng::next_u64() {
-  state_ += 0x9e3779b97f4a7c15ULL;
-  uint64_t z = state_;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-
-double Rng::uniform() { return double(next_u64() >> 11) * 0x1.0p-53; }
-
-double Rng::normal() {
+double Sampler::normal() {
   if (has_spare_) {
     has_spare_ = false;
     return spare_;
@@ -69,7 +52,7 @@ double Rng::normal() {
   return r * std::cos(t);
 }
 
-int64_t Rng::binomial(int64_t n, double q) {
+int64_t Sampler::binomial(int64_t n, double q) {
   if (n <= 0 || q <= 0) return 0;
   if (q >= 1) return n;
   if (q > 0.5) return n - binomial(n, 1.0 - q);
@@ -94,7 +77,7 @@ int64_t Rng::binomial(int64_t n, double q) {
   return k;
 }
 
-void sample_multinomial(Rng& rng, int64_t n, const std::vector<double>& p,
+void sample_multinomial(Sampler& rng, int64_t n, const std::vector<double>& p,
                         const std::vector<int>& order, int64_t cap, int32_t* out) {
   const size_t m = order.size();
   double p_left = 0;
@@ -222,7 +205,7 @@ void GeneratorStream::draw_ranking(uint64_t key) {
   Rng rng(key);
   std::iota(ranking_.begin(), ranking_.end(), 0);
   for (size_t i = ranking_.size(); i > 1; --i)  // Fisher-Yates
-    std::swap(ranking_[i - 1], ranking_[size_t(rng.next_u64() % i)]);
+    std::swap(ranking_[i - 1], ranking_[size_t(rng.next() % i)]);
   const double s = gen_.config().zipf_exponent(layer_);
   for (size_t i = 0; i < ranking_.size(); ++i)
     mu_[size_t(ranking_[i])] = -s * std::log(double(i + 1));
@@ -232,7 +215,7 @@ void GeneratorStream::next(int32_t* routing_map) {
   const GeneratorConfig& c = gen_.config();
   ++step_;
   const uint64_t layer = uint64_t(layer_), step = uint64_t(step_);
-  Rng drift(stream_seed(c.seed, kTagDrift, layer, step));
+  Sampler drift(stream_seed(c.seed, kTagDrift, layer, step));
   const double theta = 1.0 / c.drift_steps;
   if (step_ == 0) {
     draw_ranking(stream_seed(c.seed, kTagRanking, layer, 0));
@@ -260,7 +243,7 @@ void GeneratorStream::next(int32_t* routing_map) {
   });
   const int64_t rows = int64_t(c.tokens) * c.top_k;
   for (int src = 0; src < ranks_; ++src) {
-    Rng rng(stream_seed(c.seed, (kTagSource << 32) | layer, step, uint64_t(src)));
+    Sampler rng(stream_seed(c.seed, (kTagSource << 32) | layer, step, uint64_t(src)));
     sample_multinomial(rng, rows, p_, order_, c.tokens, routing_map + size_t(src) * x_.size());
   }
 }

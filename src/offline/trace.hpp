@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "core/random.hpp"
+
 namespace moe_echo::offline {
 
 // One layer's routing maps, step after step.
@@ -72,18 +74,19 @@ struct GeneratorConfig {
 // Throws ConfigError naming the first invalid field.
 void validate(const GeneratorConfig& cfg);
 
-// Draws from Binomial(n, q): exact inversion when n*q*(1-q) < 10, else the normal approximation
-// rounded and clamped to [0, n] (documented error: the tails beyond ~4 sigma are cut).
-class Rng {
+// The generator's draws on the library's generator (core/random.hpp, the same uniforms):
+// normals two per pair of uniforms (Box-Muller: the cosine, then the sine on the next call), and
+// Binomial(n, q): exact inversion when n*q*(1-q) < 10, else the normal approximation rounded and
+// clamped to [0, n] (documented error: the tails beyond ~4 sigma are cut).
+class Sampler {
  public:
-  explicit Rng(uint64_t seed) : state_(seed) {}
-  uint64_t next_u64();
-  double uniform();  // [0, 1)
-  double normal();   // N(0, 1), Box-Muller, two per pair of uniforms
+  explicit Sampler(uint64_t seed) : rng_(seed) {}
+  double uniform() { return rng_.uniform(); }  // [0, 1)
+  double normal();                              // N(0, 1)
   int64_t binomial(int64_t n, double q);
 
  private:
-  uint64_t state_;
+  Rng rng_;
   double spare_ = 0;
   bool has_spare_ = false;
 };
@@ -96,7 +99,7 @@ uint64_t stream_seed(uint64_t seed, uint64_t a, uint64_t b = 0, uint64_t c = 0);
 // binomials: category order[j] draws Binomial(left, p_j / p_left). Each count is clamped to
 // `cap` (rows above it go to the categories below the cap, in order). Sum of out is exactly n
 // when n <= cap * p.size().
-void sample_multinomial(Rng& rng, int64_t n, const std::vector<double>& p,
+void sample_multinomial(Sampler& rng, int64_t n, const std::vector<double>& p,
                         const std::vector<int>& order, int64_t cap, int32_t* out);
 
 // Caps probabilities at `cap` by water-filling (the excess is spread over the others in

@@ -1,8 +1,8 @@
 // The cost model (formulas, presets, measured-results files), the load-balance simulator (every
 // policy against a direct computation on the same maps, determinism across threads, the EPLB
 // re-placement schedule) and the SVG plot.
-#include "test_util.hpp"
 #include "offline/simulator.hpp"
+#include "test_util.hpp"
 
 #include <gtest/gtest.h>
 

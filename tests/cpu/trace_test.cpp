@@ -1,8 +1,8 @@
 // The routing trace generator against its parameters (row sums, the per-token cap, Zipf exponent,
 // multinomial spread, drift, domain switches, the DeepSeek-R1 calibration), and the trace file
 // reader and writer (formats, round trips, and errors that name the file and the line).
-#include "test_util.hpp"
 #include "offline/trace.hpp"
+#include "test_util.hpp"
 
 #include <gtest/gtest.h>
 
@@ -59,7 +59,7 @@ TEST(TraceRng, BinomialMeanAndVarianceInBothRegimes) {
   // (n, q): exact inversion (n q (1-q) < 10), the normal approximation, and q > 1/2 (symmetry).
   const std::pair<int64_t, double> cases[] = {{1000, 0.002}, {50, 0.1}, {100000, 0.3}, {400, 0.9}};
   for (const auto& [n, q] : cases) {
-    Rng rng(stream_seed(3, uint64_t(n)));
+    Sampler rng(stream_seed(3, uint64_t(n)));
     const int draws = 40000;
     double sum = 0, sq = 0;
     for (int i = 0; i < draws; ++i) {
@@ -74,7 +74,7 @@ TEST(TraceRng, BinomialMeanAndVarianceInBothRegimes) {
     EXPECT_NEAR(mean, want_mean, 5 * std::sqrt(want_var / draws) + 1e-9) << "n " << n << " q " << q;
     EXPECT_NEAR(var / want_var, 1.0, 0.05) << "n " << n << " q " << q;
   }
-  Rng rng(1);
+  Sampler rng(1);
   EXPECT_EQ(rng.binomial(0, 0.5), 0);
   EXPECT_EQ(rng.binomial(10, 0.0), 0);
   EXPECT_EQ(rng.binomial(10, 1.0), 10);
@@ -98,7 +98,7 @@ TEST(TraceRng, CapProbabilitiesWaterFills) {
 TEST(TraceRng, MultinomialSumsExactlyAndRespectsTheCap) {
   std::vector<double> p = {0.4, 0.3, 0.2, 0.1};
   std::vector<int> order = {0, 1, 2, 3};
-  Rng rng(11);
+  Sampler rng(11);
   for (int t = 0; t < 1000; ++t) {
     int32_t out[4];
     sample_multinomial(rng, 100, p, order, 35, out);
