@@ -1,16 +1,17 @@
 // The planner on the GPU: Backend::plan writes, on the device, the same plan bit for bit as
 // plan_echo / plan_none of src/echo/planner.cpp for the same routing map, by running the same
-// code (src/echo/planner_core.hpp) in one block: the expert loads and the initial state over all
-// threads, then placement and refinement on warp 0, then the plan over all threads again. The
-// greedy loop's state changes are sequential by nature and run on lane 0 (integer work over a few
-// arrays of E and R entries, kept in shared memory); its searches over ranks and experts (the
-// busiest rank, the targets, the candidates and their order) run on the whole warp.
+// code (src/echo/planner_core.hpp, with the warp code of src/echo/planner_warp.hpp) in one block:
+// the expert loads and the initial state over all threads, then placement and refinement on
+// warp 0, then the plan over all threads again. The greedy loop's state changes are sequential by
+// nature and run on lane 0 (integer work over a few arrays of E and R entries, kept in shared
+// memory); its searches over ranks and experts (the busiest rank, the targets, the candidates and
+// their order) run on the whole warp.
 //
 // The host checks the config; the routing map comes from the router's counts, so it is never
 // negative and its total fits int32 (validate(MoeConfig, ...) bounds T * K * R).
 #include "cuda/common.cuh"
 #include "cuda/ops.hpp"
-#include "echo/planner_core.hpp"
+#include "echo/planner_warp.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
 
@@ -24,7 +25,7 @@ static_assert(kPlanThreads % 32 == 0, "warp 0 must be whole");
 // (stores write through to L2) costs hundreds. Larger configs fall back to the global scratch.
 constexpr size_t kMaxSharedBytes = 160 * 1024;
 
-// One warp, as planner_core's warp-cooperative functions take it; every call is made by all 32
+// One warp, as planner_warp.hpp's warp-cooperative functions take it; every call is made by all 32
 // lanes together.
 struct Warp {
   static constexpr int kLanes = 32;
@@ -51,7 +52,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int clones;
   const int tid = int(threadIdx.x), threads = int(blockDim.x);
-  planner_core::PlannerCore core;
+  planner_core::PlannerWarp core;
   core.bind(cfg, kShared ? static_cast<void*>(smem) : scratch);
   if (tid == 0) clones = 0;
   core.init_experts(routing_map, tid, threads);

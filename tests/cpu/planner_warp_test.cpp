@@ -1,4 +1,4 @@
-// The device planner's warp code (planner_core.hpp: place_clones_warp, refine_warp, write_part
+// The device planner's warp code (planner_warp.hpp: place_clones_warp, refine_warp; write_part
 // over a block) run on the host, each lane a thread and the warp's shuffles, ballots and syncs
 // emulated with a barrier, against the host planner (plan_echo): the whole plan storage must be
 // equal element for element, for random, Zipf-skewed, one-hot and sparse routing maps over many
@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "echo/planner_core.hpp"
+#include "echo/planner_warp.hpp"
 #include "moe_echo/planner.hpp"
 #include "test_util.hpp"
 
@@ -29,7 +29,7 @@ struct WarpShared {
   std::vector<int64_t> slots;
 };
 
-// planner_core's warp interface (see the comment above warp_best there) over threads: every
+// planner_warp.hpp's warp interface (see the comment above warp_best there) over threads: every
 // exchange writes this lane's slot, waits for all lanes, reads, and waits again before the slots
 // are reused. The barrier also orders the lanes' other memory accesses, as __syncwarp does.
 template <int L>
@@ -79,7 +79,7 @@ std::vector<int32_t> plan_on_emulated_warp(const std::vector<int32_t>& map,
   std::vector<std::thread> lanes;
   for (int lane = 0; lane < L; ++lane)
     lanes.emplace_back([&, lane] {
-      planner_core::PlannerCore core;
+      planner_core::PlannerWarp core;
       core.bind(cfg, scratch.data());
       core.init_experts(map.data(), lane, L);
       shared.barrier.arrive_and_wait();
