@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs what MoE Echo needs to build: Debian packages, and, where nvcc exists, the CUTLASS 4.2
-# headers of the pinned PyPI wheel (into the git-ignored third_party/cutlass).
+# Installs what MoE Echo needs to build and test: Debian packages; the Python packages of the
+# moe_echo package and its tests from PyPI (PyTorch 2.11, nanobind, scikit-build-core, pytest,
+# numpy); and, where nvcc exists, the CUTLASS 4.2 headers of the pinned PyPI wheel (into the
+# git-ignored third_party/cutlass).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,4 +29,18 @@ if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && [ 
   cp -r "$tmp/cutlass_library/source/include" third_party/cutlass/include
   cp -r "$tmp/cutlass_library/source/tools/util/include" third_party/cutlass/tools/util/include
   rm -rf "$tmp"
+fi
+
+# The Python package's build and test requirements (PyTorch pinned to the GPU machines' 2.11).
+python_packages=("torch==2.11.0" "nanobind>=2.0" "scikit-build-core>=0.10" "pytest" "numpy"
+                 "matplotlib")
+if ! python3 - <<'PY' >/dev/null 2>&1
+import importlib.metadata as m, sys
+need = {"torch": "2.11.", "nanobind": "", "scikit-build-core": "", "pytest": "", "numpy": "",
+        "matplotlib": ""}
+sys.exit(any(not m.version(k).startswith(v) for k, v in need.items()))
+PY
+then
+  echo "setup: installing ${python_packages[*]} (pip)"
+  python3 -m pip install -q "${python_packages[@]}"
 fi

@@ -1,0 +1,261 @@
+"""Trains the small MoE language model of model.py on a text corpus with moe_echo.torch.MoE (or the
+plain PyTorch MoE block, or both, to compare their loss curves on the same seed and data).
+
+    python examples/moe_lm/train.py --steps 200                       # CPU or GPU, MoE Echo
+    python examples/moe_lm/train.py --compare torch --steps 200       # + the plain PyTorch block
+    python examples/moe_lm/train.py --compare echo-off                # + MoE Echo with ECHO off
+    python examples/moe_lm/train.py --compile --cuda-graph            # torch.compile, one graph/step
+
+Prints a progress line (loss, tokens/s), writes a JSON record (--json) and a loss-curve PNG (--plot).
+With --compare the run fails (exit 1) unless the curves agree: the largest |difference| of their
+--smooth-step running means <= --tolerance (nats). In float32 two runs drift apart slowly step by
+step (different summation orders, amplified by training), so single steps are compared only with
+--smooth 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model import Batches, MoeLM, load_corpus  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CORPUS = HERE.parent / "data" / "shakespeare.txt"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--corpus", default=str(DEFAULT_CORPUS))
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument("--aux-loss-coeff", type=float, default=1e-2)
+    ap.add_argument("--z-loss-coeff", type=float, default=0.0)
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--moe", choices=["echo", "torch"], default="echo",
+                    help="the MoE block: moe_echo.torch.MoE or the plain PyTorch block")
+    ap.add_argument("--echo", choices=["on", "off"], default="on", help="ECHO load balancing")
+    ap.add_argument("--compare", choices=["none", "torch", "echo-off"], default="none",
+                    help="also train this model on the same seed and data and compare curves")
+    ap.add_argument("--tolerance", type=float, default=0.02,
+                    help="largest |difference| of the two curves' --smooth-step means (nats)")
+    ap.add_argument("--smooth", type=int, default=10,
+                    help="steps per mean when comparing curves (1: step by step)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="parameter dtype (the MoE computes in bf16 on CUDA either way)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="capture the whole training step (forward, backward, AdamW) in a CUDA graph")
+    ap.add_argument("--warmup", type=int, default=3, help="steps before capture and timing")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--json", default=None, help="write the record here")
+    ap.add_argument("--plot", default=None, help="write the loss curves here (PNG)")
+    args = ap.parse_args(argv)
+    for name in ("layers", "hidden", "heads", "experts", "top_k", "ffn", "seq_len", "batch", "steps",
+                 "smooth"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} = {getattr(args, name)} is invalid: allowed >= 1")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        ap.error(f"--lr = {args.lr} is invalid: allowed a finite value > 0")
+    if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
+        ap.error(f"--tolerance = {args.tolerance} is invalid: allowed a finite value >= 0")
+    if args.warmup < 0 or args.warmup >= args.steps:
+        ap.error(f"--warmup = {args.warmup} is invalid: allowed 0 <= warmup < steps ({args.steps})")
+    if args.cuda_graph and not args.device.startswith("cuda"):
+        ap.error(f"--cuda-graph with --device = {args.device} is invalid: allowed with cuda only")
+    for path in (args.json, args.plot):
+        if path and not Path(path).resolve().parent.is_dir():
+            ap.error(f"output {path} is invalid: its folder does not exist")
+    return args
+
+
+def build(args, moe: str, echo: bool) -> MoeLM:
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = MoeLM(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
+                  top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
+                  max_tokens=args.batch * args.seq_len, moe=moe,
+                  moe_args=dict(echo=echo, aux_loss_coeff=args.aux_loss_coeff,
+                                z_loss_coeff=args.z_loss_coeff,
+                                capacity_factor=args.capacity_factor) if moe == "echo" else
+                  dict(aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff),
+                  device=device, dtype=dtype)
+    model.reset_parameters(args.seed)
+    return model
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train(args, moe: str, echo: bool, label: str) -> dict:
+    """Trains one model; returns its record (per-step losses, tokens/s, peak memory)."""
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    model = build(args, moe, echo)
+    capturable = args.cuda_graph
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            capturable=capturable)
+    fwd = torch.compile(model, fullgraph=True) if args.compile else model
+    batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed)
+    tokens_per_step = args.batch * args.seq_len
+
+    def step(ids, targets):
+        loss = fwd(ids, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    losses: list[float] = []
+    static_ids = static_targets = graph = static_loss = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t_start = None
+    for i in range(args.steps):
+        ids, targets = batches.next()
+        ids, targets = ids.to(device), targets.to(device)
+        if i == args.warmup:
+            sync(device)
+            t_start = time.perf_counter()
+        if args.cuda_graph and i >= args.warmup:
+            if graph is None:
+                static_ids, static_targets = ids.clone(), targets.clone()
+                opt.zero_grad(set_to_none=True)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    static_loss = step(static_ids, static_targets)
+                sync(device)
+                t_start = time.perf_counter()  # capture is not a training step's time
+            static_ids.copy_(ids)
+            static_targets.copy_(targets)
+            graph.replay()
+            loss = static_loss
+        elif args.cuda_graph:
+            # Warm-up on a side stream, as graph capture wants.
+            s = torch.cuda.Stream(device)
+            s.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(s):
+                opt.zero_grad(set_to_none=True)
+                loss = step(ids, targets)
+            torch.cuda.current_stream(device).wait_stream(s)
+        else:
+            opt.zero_grad(set_to_none=True)
+            loss = step(ids, targets)
+        losses.append(loss.detach().clone())  # read back at the end: no sync per step
+        if args.log_every and ((i + 1) % args.log_every == 0 or i + 1 == args.steps):
+            value = losses[-1].item()
+            rate = ""
+            if t_start is not None and i >= args.warmup:
+                sync(device)
+                done = i + 1 - args.warmup
+                rate = f"  {done * tokens_per_step / (time.perf_counter() - t_start):,.0f} tok/s"
+            bar = "#" * int(30 * (i + 1) / args.steps)
+            end = "\r" if sys.stdout.isatty() and i + 1 < args.steps else "\n"
+            print(f"[{label:>8s}] [{bar:<30s}] step {i + 1}/{args.steps}  loss {value:.4f}{rate}",
+                  end=end, flush=True)
+    sync(device)
+    elapsed = time.perf_counter() - t_start if t_start is not None else float("nan")
+    timed_steps = args.steps - args.warmup
+    record = dict(
+        label=label, moe=moe, echo=echo,
+        losses=[float(v) for v in torch.stack(losses).cpu()],
+        tokens_per_s=timed_steps * tokens_per_step / elapsed if timed_steps > 0 else None,
+        step_ms=1e3 * elapsed / timed_steps if timed_steps > 0 else None,
+        peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    )
+    if moe == "echo":
+        st = model.blocks[0].moe.stats(as_numbers=True)
+        record["layer0_stats"] = st
+    return record
+
+
+def plot(records, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"plot: matplotlib is not installed, {path} not written", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in records:
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["label"], linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_title("MoE LM on " + Path(records[0]["corpus"]).name)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    first = "plain PyTorch MoE" if args.moe == "torch" else f"moe_echo (ECHO {args.echo})"
+    runs = [(args.moe, args.echo == "on", first)]
+    if args.compare == "torch":
+        runs.append(("torch", False, "plain PyTorch MoE"))
+    elif args.compare == "echo-off":
+        runs.append(("echo", False, "moe_echo (ECHO off)"))
+    records = []
+    for moe, echo, label in runs:
+        r = train(args, moe, echo, label)
+        r["corpus"] = args.corpus
+        records.append(r)
+    out = dict(config=vars(args), device=(torch.cuda.get_device_name(args.device)
+                                          if args.device.startswith("cuda") else "cpu"),
+               torch=torch.__version__, runs=records)
+    rc = 0
+    if len(records) == 2:
+        a, b = records[0]["losses"], records[1]["losses"]
+        diff = max(abs(x - y) for x, y in zip(a, b))
+        w = min(args.smooth, len(a))
+        mean = lambda v, i: sum(v[i : i + w]) / w  # noqa: E731
+        smooth_diff = max(abs(mean(a, i) - mean(b, i)) for i in range(len(a) - w + 1))
+        out["max_abs_loss_diff"] = diff
+        out["max_abs_smoothed_loss_diff"] = smooth_diff
+        out["smooth_window"] = w
+        out["curves_agree"] = bool(smooth_diff <= args.tolerance) and all(
+            math.isfinite(v) for v in a + b)
+        print(f"curves: {records[0]['label']} vs {records[1]['label']}: max |diff| {diff:.4g} per "
+              f"step, {smooth_diff:.4g} over {w}-step means (tolerance {args.tolerance}): "
+              f"{'agree' if out['curves_agree'] else 'DIFFER'}")
+        rc = 0 if out["curves_agree"] else 1
+    first, last = records[0]["losses"][0], records[0]["losses"][-1]
+    print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps")
+    if not all(math.isfinite(v) for r in records for v in r["losses"]):
+        print("error: a loss is not finite", file=sys.stderr)
+        rc = 1
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"json: {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

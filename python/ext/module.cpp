@@ -1,0 +1,267 @@
+// moe_echo._ext: the C++ layer for Python (nanobind). It knows nothing of torch: tensors cross as
+// data pointers (int), shapes are checked by the Python side, and streams are cudaStream_t
+// handles as ints. Buffers the layer owns come back as DLPack tensors (torch views, kept alive by
+// the Layer object), so Python reads and writes them in place without a copy.
+//
+// Errors: moe_echo::ConfigError becomes ValueError (a parameter out of range, message naming it),
+// any other moe_echo::Error RuntimeError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe_echo/backends.hpp"
+#include "moe_echo/comm.hpp"
+#include "moe_echo/config.hpp"
+#include "moe_echo/error.hpp"
+#include "moe_echo/layer.hpp"
+
+#ifdef MOE_ECHO_WITH_CUDA
+#include "moe_echo/cuda.hpp"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace moe_echo {
+namespace {
+
+Stream as_stream(uintptr_t s) { return reinterpret_cast<Stream>(s); }
+void* as_ptr(uintptr_t p) { return reinterpret_cast<void*>(p); }
+
+DType parse_dtype(const std::string& s, const char* field) {
+  if (s == "float32") return DType::f32;
+  if (s == "float64") return DType::f64;
+  if (s == "bfloat16") return DType::bf16;
+  if (s == "int32") return DType::i32;
+  reject(field, "'" + s + "'", "float32, float64, bfloat16 or int32");
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::bf16: return "bfloat16";
+    case DType::i32: return "int32";
+  }
+  return "?";
+}
+
+nb::dlpack::dtype dlpack_dtype(DType t) {
+  switch (t) {
+    case DType::f32: return nb::dtype<float>();
+    case DType::f64: return nb::dtype<double>();
+    case DType::i32: return nb::dtype<int32_t>();
+    case DType::bf16: return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  }
+  throw Error("unknown dtype");
+}
+
+// One MoE layer on one rank with the backend and communicator it runs on. EP size 1 only here:
+// the in-process communicator on the CPU, the single-GPU communicator on CUDA.
+class Layer {
+ public:
+  Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
+        const EchoConfig& echo, uint64_t seed) {
+    if (backend == "cpu") {
+      const DType dt = parse_dtype(dtype, "dtype");
+      if (dt != DType::f32 && dt != DType::f64)
+        reject("dtype", "'" + dtype + "'", "float32 or float64 on the CPU backend");
+      backend_ = make_cpu_backend(dt);
+      world_ = std::make_unique<InProcessWorld>(1);
+      comm_ = &world_->communicator(0);
+    } else if (backend == "cuda") {
+#ifdef MOE_ECHO_WITH_CUDA
+      if (dtype != "bfloat16")
+        reject("dtype", "'" + dtype + "'", "bfloat16 on the CUDA backend");
+      backend_ = make_backend("cuda");
+      owned_comm_ = cuda::make_local_communicator();
+      comm_ = owned_comm_.get();
+#else
+      reject("backend", "'cuda'", "cpu: this build of moe_echo has no CUDA backend");
+#endif
+    } else {
+      reject("backend", "'" + backend + "'", "cpu or cuda");
+    }
+    ParallelConfig par;
+    layer_ = std::make_unique<MoeLayer>(*backend_, *comm_, moe, par, echo, seed,
+                                        /*optimizer_state=*/false);
+  }
+
+  ~Layer() {
+    layer_.reset();  // before the communicator and backend it uses
+  }
+
+  void forward(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream) {
+    const DType act = backend_->activation_dtype();
+    const int64_t H = layer_->moe_config().hidden;
+    layer_->forward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(y), act, {tokens, H}),
+                    as_stream(stream));
+  }
+
+  void backward(uintptr_t x, uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream) {
+    const DType act = backend_->activation_dtype();
+    const int64_t H = layer_->moe_config().hidden;
+    layer_->backward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
+                     Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream));
+  }
+
+  void zero_grad(uintptr_t stream) { layer_->zero_grad(as_stream(stream)); }
+
+  // A DLPack view of a buffer of the layer, owned by `self`.
+  nb::object view(const Tensor& t, nb::handle self) const {
+    std::vector<size_t> shape;
+    for (int d = 0; d < t.ndim; ++d) shape.push_back(size_t(t.size(d)));
+    const bool cuda = std::string(backend_->name()) == "cuda";
+    int device_id = 0;
+#ifdef MOE_ECHO_WITH_CUDA
+    if (cuda) device_id = cuda::current_device();
+#endif
+    nb::ndarray<nb::pytorch> a(t.data, size_t(t.ndim), shape.data(), self, nullptr,
+                               dlpack_dtype(t.dtype),
+                               cuda ? nb::device::cuda::value : nb::device::cpu::value,
+                               device_id);
+    return nb::cast(a, nb::rv_policy::reference);
+  }
+
+  MoeLayer& layer() { return *layer_; }
+  const Backend& backend() const { return *backend_; }
+
+ private:
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<InProcessWorld> world_;
+  std::unique_ptr<Communicator> owned_comm_;
+  Communicator* comm_ = nullptr;
+  std::unique_ptr<MoeLayer> layer_;
+};
+
+Param parse_param(const std::string& name) {
+  if (name == "router_weight") return Param::router_weight;
+  if (name == "router_bias") return Param::router_bias;
+  if (name == "w1") return Param::w1;
+  if (name == "w2") return Param::w2;
+  reject("name", "'" + name + "'", "router_weight, router_bias, w1 or w2");
+}
+
+}  // namespace
+}  // namespace moe_echo
+
+NB_MODULE(_ext, m) {
+  using namespace moe_echo;
+  m.doc() = "MoE Echo's C++ layer (used by moe_echo.torch; not a public API)";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ConfigError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("cuda_available", &cuda_backend_available,
+        "True when this build has the CUDA backend and a GPU is visible");
+  m.def("version", [] {
+    return std::to_string(kVersionMajor) + "." + std::to_string(kVersionMinor) + "." +
+           std::to_string(kVersionPatch);
+  });
+  m.def("capacity_rows", [](int max_tokens, int top_k, double capacity_factor) {
+    MoeConfig moe;
+    moe.max_tokens = max_tokens;
+    moe.top_k = top_k;
+    EchoConfig echo;
+    echo.capacity_factor = capacity_factor;
+    return capacity_rows(moe, echo);
+  });
+
+  nb::class_<Layer>(m, "Layer")
+      .def(
+          "__init__",
+          [](Layer* self, const std::string& backend, const std::string& dtype, int hidden,
+             int ffn, int experts, int top_k, int max_tokens, const std::string& score_function,
+             bool normalize_topk, double aux_loss_coeff, double z_loss_coeff, bool bias_update,
+             double bias_update_rate, bool echo, int spare_slots, double capacity_factor,
+             int max_clones, int64_t clone_cost_rows, uint64_t seed) {
+            MoeConfig moe;
+            moe.hidden = hidden;
+            moe.ffn = ffn;
+            moe.experts = experts;
+            moe.top_k = top_k;
+            moe.max_tokens = max_tokens;
+            moe.score_function = parse_score_function(score_function);
+            moe.normalize_topk = normalize_topk;
+            moe.aux_loss_coeff = aux_loss_coeff;
+            moe.z_loss_coeff = z_loss_coeff;
+            moe.bias_update = bias_update;
+            moe.bias_update_rate = bias_update_rate;
+            EchoConfig e;
+            e.enabled = echo;
+            e.spare_slots_per_rank = spare_slots;
+            e.capacity_factor = capacity_factor;
+            e.max_clones_per_expert = max_clones;
+            e.clone_cost_rows = clone_cost_rows;
+            new (self) Layer(backend, dtype, moe, e, seed);
+          },
+          "backend"_a, "dtype"_a, "hidden"_a, "ffn"_a, "experts"_a, "top_k"_a, "max_tokens"_a,
+          "score_function"_a, "normalize_topk"_a, "aux_loss_coeff"_a, "z_loss_coeff"_a,
+          "bias_update"_a, "bias_update_rate"_a, "echo"_a, "spare_slots"_a,
+          "capacity_factor"_a, "max_clones"_a, "clone_cost_rows"_a, "seed"_a)
+      .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
+           "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
+      .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
+           "dx <- gradient of x; parameter gradients accumulate (+=) in the layer's buffers")
+      .def("zero_grad", &Layer::zero_grad, "stream"_a)
+      .def(
+          "param",
+          [](nb::handle self, const std::string& name) {
+            Layer& l = nb::cast<Layer&>(self);
+            return l.view(l.layer().param(parse_param(name)), self);
+          },
+          "name"_a, "the layer's own buffer of a parameter, as a torch view")
+      .def(
+          "grad",
+          [](nb::handle self, const std::string& name) {
+            Layer& l = nb::cast<Layer&>(self);
+            return l.view(l.layer().grad(parse_param(name)), self);
+          },
+          "name"_a, "the layer's gradient buffer of a parameter, as a torch view")
+      .def(
+          "plan_buffer",
+          [](nb::handle self) {
+            Layer& l = nb::cast<Layer&>(self);
+            return l.view(l.layer().plan_buffer(), self);
+          },
+          "the last forward's plan (int32, PlanView layout), as a torch view")
+      .def(
+          "losses",
+          [](nb::handle self) {
+            Layer& l = nb::cast<Layer&>(self);
+            return l.view(l.layer().losses(), self);
+          },
+          "the last forward's [aux, z] losses, as a torch view")
+      .def_prop_ro("activation_dtype",
+                   [](const Layer& l) { return std::string(dtype_name(l.backend().activation_dtype())); })
+      .def_prop_ro("float_dtype",
+                   [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
+      .def_prop_ro("capacity", [](Layer& l) { return l.layer().capacity(); })
+      .def_prop_ro("slots", [](Layer& l) { return l.layer().slots(); })
+      .def_prop_ro("ranks", [](Layer& l) { return l.layer().parallel_config().ep_size; })
+      .def_prop_ro("workspace_bytes", [](Layer& l) { return l.layer().workspace_bytes(); })
+      .def_prop_ro("plan_layout", [](Layer& l) {
+        // Offsets (in int32 entries) of the PlanView arrays in plan_buffer.
+        const PlannerConfig& cfg = l.layer().planner_config();
+        std::vector<int32_t> base(size_t(plan_ints(cfg)));
+        const PlanView v = plan_view(base.data(), cfg);
+        auto off = [&](const int32_t* p) { return int64_t(p - base.data()); };
+        nb::dict d;
+        d["load_before"] = off(v.load_before);
+        d["load_after"] = off(v.load_after);
+        d["num_clones"] = off(v.num_clones);
+        d["ranks"] = cfg.ranks;
+        return d;
+      });
+}

@@ -1,0 +1,151 @@
+"""The MoE layer as two torch custom ops: ``moe_echo::moe_forward`` and ``moe_echo::moe_backward``.
+
+Autograd, ``torch.compile`` (through the fake implementations) and CUDA graphs see each layer as
+these two opaque ops. The C++ layer keeps state between them (the routing, the ECHO plan and the
+first round's activations), so:
+
+- an op names its layer by an integer id in a registry (a constant of the traced graph);
+- the forward returns a token, a CPU int64 tensor [1] holding the forward's serial number, that
+  the backward takes: it orders the backward after its forward for the compiler, and lets the
+  backward check on the host, without touching the device, that it belongs to the layer's last
+  forward (one forward, then its backward: two forwards of one module before their backwards,
+  as pipeline schedules do, are refused rather than given wrong gradients).
+
+Parameters stay torch's: the forward copies (and casts) them into the layer's own buffers, and
+the backward returns the gradients as new tensors, which autograd accumulates into ``.grad``.
+Both ops run on torch's current CUDA stream and never synchronise with the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import Tensor
+
+_registry: dict[int, "LayerHandle"] = {}
+_next_id = itertools.count(1)
+
+
+class LayerHandle:
+    """A C++ layer, views of its buffers, and the host state of its forward/backward pairing."""
+
+    def __init__(self, layer, device: torch.device):
+        self.layer = layer
+        self.device = device
+        self.router_weight = layer.param("router_weight")
+        self.router_bias = layer.param("router_bias")
+        self.w1 = layer.param("w1")
+        self.w2 = layer.param("w2")
+        self.d_router_weight = layer.grad("router_weight")
+        self.dw1 = layer.grad("w1")
+        self.dw2 = layer.grad("w2")
+        self.losses = layer.losses()
+        self.plan = layer.plan_buffer()
+        self.plan_layout = layer.plan_layout
+        self.activation_dtype = getattr(torch, layer.activation_dtype)
+        self.float_dtype = getattr(torch, layer.float_dtype)
+        self.serial = 0
+        self.pending: int | None = None  # serial of the forward whose backward has not run
+
+
+def register(handle: LayerHandle) -> int:
+    layer_id = next(_next_id)
+    _registry[layer_id] = handle
+    return layer_id
+
+
+def unregister(layer_id: int) -> None:
+    _registry.pop(layer_id, None)
+
+
+def handle(layer_id: int) -> LayerHandle:
+    try:
+        return _registry[layer_id]
+    except KeyError:
+        raise RuntimeError(
+            f"moe_echo: layer {layer_id} does not exist (its module was deleted or rebuilt)"
+        ) from None
+
+
+def _stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+@torch.library.custom_op("moe_echo::moe_forward", mutates_args=())
+def moe_forward(
+    x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, layer_id: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """y, losses [aux, z], token of the layer on x [T, H] (the layer's activation dtype)."""
+    h = handle(layer_id)
+    h.router_weight.copy_(router_weight)
+    h.w1.copy_(w1)
+    h.w2.copy_(w2)
+    y = torch.empty_like(x)
+    h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device))
+    h.serial += 1
+    h.pending = h.serial
+    return y, h.losses.clone(), torch.tensor([h.serial], dtype=torch.int64)
+
+
+@moe_forward.register_fake
+def _(x, router_weight, w1, w2, layer_id):
+    h = handle(layer_id)
+    return (
+        torch.empty_like(x),
+        x.new_empty((2,), dtype=h.float_dtype),
+        torch.empty((1,), dtype=torch.int64, device="cpu"),
+    )
+
+
+@torch.library.custom_op("moe_echo::moe_backward", mutates_args=())
+def moe_backward(
+    dy: Tensor, x: Tensor, token: Tensor, layer_id: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dx, d router_weight, d w1, d w2 of the forward that returned `token`."""
+    h = handle(layer_id)
+    serial = int(token[0])  # a CPU tensor: no device sync
+    if h.pending != serial:
+        raise RuntimeError(
+            "moe_echo: backward of a forward that is not this MoE module's last one "
+            f"(forward {serial}, last forward {h.serial}, "
+            f"{'its backward already ran' if h.pending is None else 'pending'}): "
+            "each forward must be followed by its backward before the module's next forward "
+            "with gradients"
+        )
+    h.pending = None
+    dx = torch.empty_like(dy)
+    stream = _stream(dy.device)
+    h.layer.zero_grad(stream)
+    h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream)
+    return dx, h.d_router_weight.clone(), h.dw1.clone(), h.dw2.clone()
+
+
+@moe_backward.register_fake
+def _(dy, x, token, layer_id):
+    h = handle(layer_id)
+    return (
+        torch.empty_like(dy),
+        dy.new_empty(tuple(h.d_router_weight.shape), dtype=h.float_dtype),
+        dy.new_empty(tuple(h.dw1.shape), dtype=h.float_dtype),
+        dy.new_empty(tuple(h.dw2.shape), dtype=h.float_dtype),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, router_weight, w1, w2, layer_id = inputs
+    _, losses, token = output
+    ctx.save_for_backward(x, token)
+    ctx.layer_id = layer_id
+    ctx.dtypes = (router_weight.dtype, w1.dtype, w2.dtype)
+    ctx.mark_non_differentiable(losses, token)
+
+
+def _backward(ctx, dy, dlosses, dtoken):
+    x, token = ctx.saved_tensors
+    dx, d_router, dw1, dw2 = moe_backward(dy.contiguous(), x, token, ctx.layer_id)
+    rt, t1, t2 = ctx.dtypes
+    return dx, d_router.to(rt), dw1.to(t1), dw2.to(t2), None
+
+
+moe_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,265 @@
+"""``moe_echo.torch.MoE``: MoE Echo's layer as a ``torch.nn.Module``.
+
+Parameters are ordinary ``nn.Parameter`` tensors of the dtype the user picks; the C++ layer
+computes in its backend's dtypes (CUDA: bf16 activations and expert weights, fp32 router and
+gradients; CPU: everything in float32, or float64 when the parameters are float64). The forward
+casts what it reads, as ``torch.autocast`` would, and returns ``y`` in ``x``'s dtype.
+
+The aux and z losses enter the backward by themselves, with gradient 1 (as Megatron's
+``MoEAuxLossAutoScaler`` does): do not add them to the loss. ``module.aux_loss`` and
+``module.z_loss`` give their last values for logging, as device tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from moe_echo import _ext
+from moe_echo.torch import _ops
+
+
+def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str, str]:
+    """(backend, dtype) of the C++ layer for parameters of `param_dtype` on `device`."""
+    if device.type == "cuda":
+        return "cuda", "bfloat16"
+    if device.type == "cpu":
+        return "cpu", "float64" if param_dtype == torch.float64 else "float32"
+    raise ValueError(f"device = {device} is invalid: allowed cpu or cuda")
+
+
+class MoE(nn.Module):
+    """A dropless MoE layer (router, SwiGLU experts, ECHO load balancing) on one rank.
+
+    Args (the C++ layer's ``MoeConfig`` and ``EchoConfig``; see docs/python.md):
+        hidden, ffn, experts, top_k: H, F (per expert: fc1 is H x 2F as gate | up, fc2 F x H),
+            E routed experts, K experts per token.
+        max_tokens: the most tokens one forward takes (buffers are sized for it up front).
+        score_function: "softmax" or "sigmoid"; normalize_topk rescales the K weights to sum 1.
+        aux_loss_coeff, z_loss_coeff: load-balancing and z losses (enter the backward on their
+            own, see the module docstring).
+        bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
+        echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
+        capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
+            rows beyond it run in extra (spill) rounds, never dropped.
+        device, dtype: where the parameters live and their dtype.
+        seed: the initial weights (per global expert, so any layout of the same seed agrees).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        top_k: int,
+        *,
+        max_tokens: int,
+        score_function: str = "softmax",
+        normalize_topk: bool = True,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        bias_update: bool = False,
+        bias_update_rate: float = 1e-3,
+        echo: bool = True,
+        spare_slots_per_rank: int = 1,
+        capacity_factor: float = 1.25,
+        max_clones_per_expert: int = 2,
+        clone_cost_rows: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        seed: int = 1,
+    ):
+        super().__init__()
+        for name, value in (
+            ("hidden", hidden),
+            ("ffn", ffn),
+            ("experts", experts),
+            ("top_k", top_k),
+            ("max_tokens", max_tokens),
+            ("spare_slots_per_rank", spare_slots_per_rank),
+            ("max_clones_per_expert", max_clones_per_expert),
+            ("clone_cost_rows", clone_cost_rows),
+            ("seed", seed),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
+        if seed < 0:
+            raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype = {dtype} is invalid: allowed a floating dtype")
+        self._config = dict(
+            hidden=hidden,
+            ffn=ffn,
+            experts=experts,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            score_function=score_function,
+            normalize_topk=bool(normalize_topk),
+            aux_loss_coeff=float(aux_loss_coeff),
+            z_loss_coeff=float(z_loss_coeff),
+            bias_update=bool(bias_update),
+            bias_update_rate=float(bias_update_rate),
+            echo=bool(echo),
+            spare_slots=spare_slots_per_rank,
+            capacity_factor=float(capacity_factor),
+            max_clones=max_clones_per_expert,
+            clone_cost_rows=clone_cost_rows,
+            seed=seed,
+        )
+        self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
+        self.max_tokens = max_tokens
+        self._layer_id: int | None = None
+        self._handle: _ops.LayerHandle | None = None
+        self._layer_key = None
+        self.last_losses: Tensor | None = None
+
+        if device.type == "meta":
+            self._build_meta(dtype)
+        else:
+            h = self._build(device, dtype)
+            self.router_weight = nn.Parameter(h.router_weight.to(dtype, copy=True))
+            self.w1 = nn.Parameter(h.w1.to(dtype, copy=True))
+            self.w2 = nn.Parameter(h.w2.to(dtype, copy=True))
+            self.register_buffer("router_bias", h.router_bias, persistent=True)
+
+    # ---- the C++ layer behind the module ----------------------------------------------------
+
+    def _build(self, device: torch.device, dtype: torch.dtype) -> _ops.LayerHandle:
+        """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`."""
+        backend, compute = _compute_dtypes(device, dtype)
+        cfg = dict(self._config)
+        if backend == "cuda":
+            with torch.cuda.device(device):
+                layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
+        else:
+            layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
+        old = self._layer_id
+        self._handle = _ops.LayerHandle(layer, device)
+        self._layer_id = _ops.register(self._handle)
+        self._layer_key = (device, compute)
+        if old is not None:
+            _ops.unregister(old)
+        return self._handle
+
+    def _build_meta(self, dtype: torch.dtype) -> None:
+        H, F, E = self.hidden, self.ffn, self.experts
+        meta = dict(device="meta", dtype=dtype)
+        self.router_weight = nn.Parameter(torch.empty(E, H, **meta))
+        self.w1 = nn.Parameter(torch.empty(E, H, 2 * F, **meta))
+        self.w2 = nn.Parameter(torch.empty(E, F, H, **meta))
+        self.register_buffer("router_bias", torch.zeros(E, device="meta", dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        # The router bias is the layer's own buffer: moved by hand below, not by `fn`.
+        bias = self._buffers.pop("router_bias")
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["router_bias"] = bias
+        device, dtype = self.w1.device, self.w1.dtype
+        if device.type == "meta":
+            return self
+        if any(p.device != device for p in (self.router_weight, self.w2)):
+            raise ValueError("MoE parameters on different devices: allowed one device for all")
+        key = (device, _compute_dtypes(device, dtype)[1])
+        if key != self._layer_key:
+            old_bias = bias
+            h = self._build(device, dtype)
+            if old_bias.device.type != "meta":
+                h.router_bias.copy_(old_bias)
+            self._buffers["router_bias"] = h.router_bias
+        return self
+
+    def __del__(self):
+        if getattr(self, "_layer_id", None) is not None:
+            _ops.unregister(self._layer_id)
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def forward(self, x: Tensor) -> Tensor:
+        """y = MoE(x) for x of shape [..., hidden]; y has x's shape and dtype."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x = {type(x).__name__} is invalid: allowed a torch.Tensor")
+        h = self._handle
+        if h is None:
+            raise RuntimeError("MoE is on the meta device: move it to cpu or cuda first")
+        if x.dim() == 0 or x.shape[-1] != self.hidden:
+            raise ValueError(
+                f"x.shape = {tuple(x.shape)} is invalid: allowed [..., hidden] with "
+                f"hidden = {self.hidden}"
+            )
+        if x.device != h.device:
+            raise ValueError(f"x.device = {x.device} is invalid: allowed {h.device} (the module's)")
+        if not x.is_floating_point():
+            raise TypeError(f"x.dtype = {x.dtype} is invalid: allowed a floating dtype")
+        tokens = x.numel() // self.hidden
+        if tokens > self.max_tokens:
+            raise ValueError(
+                f"x has {tokens} tokens, which is invalid: allowed at most "
+                f"max_tokens = {self.max_tokens}"
+            )
+        xc = x.reshape(tokens, self.hidden).to(h.activation_dtype).contiguous()
+        y, losses, _ = _ops.moe_forward(xc, self.router_weight, self.w1, self.w2, self._layer_id)
+        self.last_losses = losses
+        return y.to(x.dtype).reshape(x.shape)
+
+    # ---- what the last forward saw ------------------------------------------------------------
+
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The last forward's aux loss (coefficient applied), a device tensor; already in the
+        backward: for logging only."""
+        return None if self.last_losses is None else self.last_losses[0]
+
+    @property
+    def z_loss(self) -> Tensor | None:
+        """The last forward's z loss (coefficient applied), a device tensor; for logging only."""
+        return None if self.last_losses is None else self.last_losses[1]
+
+    @property
+    def capacity(self) -> int:
+        """Receive rows one round holds (rows beyond run in spill rounds)."""
+        return self._handle.layer.capacity
+
+    def stats(self, as_numbers: bool = False) -> dict:
+        """The last forward's load statistics, as device tensors computed without a host sync
+        (or Python numbers with as_numbers=True, which waits for the device):
+        load_before/load_after [R] rows each rank receives without/with ECHO, their
+        max_over_mean, clones made, overflow_rows (rows beyond capacity, run in spill rounds).
+        """
+        h = self._handle
+        lay, plan = h.plan_layout, h.plan
+        R = lay["ranks"]
+        before = plan[lay["load_before"] : lay["load_before"] + R].to(torch.int64)
+        after = plan[lay["load_after"] : lay["load_after"] + R].to(torch.int64)
+
+        def max_over_mean(load: Tensor) -> Tensor:
+            total = load.sum()
+            mean = total.to(torch.float64) / R
+            return torch.where(total > 0, load.max().to(torch.float64) / mean.clamp_min(1e-300),
+                               torch.ones((), dtype=torch.float64, device=load.device))
+
+        out = dict(
+            load_before=before,
+            load_after=after,
+            max_over_mean_before=max_over_mean(before),
+            max_over_mean_after=max_over_mean(after),
+            clones=plan[lay["num_clones"]].to(torch.int64),
+            overflow_rows=(after - self.capacity).clamp_min(0).sum(),
+        )
+        if as_numbers:
+            return {k: (v.tolist() if v.dim() else v.item()) for k, v in out.items()}
+        return out
+
+    def extra_repr(self) -> str:
+        c = self._config
+        return (
+            f"hidden={c['hidden']}, ffn={c['ffn']}, experts={c['experts']}, top_k={c['top_k']}, "
+            f"max_tokens={c['max_tokens']}, score_function={c['score_function']!r}, "
+            f"echo={c['echo']}"
+        )
+

@@ -1,0 +1,61 @@
+"""A plain PyTorch MoE layer with MoE Echo's semantics, written from its definitions (docs/design.md,
+src/cpu/router.cpp's header): the reference the module is checked against.
+
+- scores: softmax(logits) or sigmoid(logits); selection by score + bias (the bias selects only),
+  ties to the lower expert index; weights = the chosen scores, rescaled to sum 1 when
+  normalize_topk.
+- experts: fc1 [H, 2F] = gate | up, SwiGLU silu(gate) * up, fc2 [F, H].
+- aux = coeff * E * sum_e f_e P_e, f_e = counts_e / (T K) (no gradient), P_e = mean_t p[t, e] with
+  p the softmax probabilities or the sigmoid scores normalised over experts.
+- z = coeff * mean_t logsumexp(logits_t)^2.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as Fn
+
+
+def reference_moe(
+    x,
+    router_weight,
+    w1,
+    w2,
+    *,
+    top_k,
+    router_bias=None,
+    score_function="softmax",
+    normalize_topk=True,
+    aux_loss_coeff=0.0,
+    z_loss_coeff=0.0,
+):
+    """(y, aux, z, topk_idx) for x [T, H]; differentiable in x and every weight."""
+    T, H = x.shape
+    E = router_weight.shape[0]
+    F = w2.shape[1]
+    logits = x @ router_weight.t()
+    scores = torch.softmax(logits, dim=-1) if score_function == "softmax" else torch.sigmoid(logits)
+    sel = scores.detach()
+    if router_bias is not None:
+        sel = sel + router_bias.to(sel.dtype)
+    # Descending by selection score, ties to the lower index: a stable sort of -score.
+    idx = torch.sort(-sel, dim=-1, stable=True).indices[:, :top_k]
+    w = scores.gather(1, idx)
+    if normalize_topk:
+        w = w / w.sum(dim=-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for e in range(E):
+        tok, k = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok] @ w1[e]
+        a = Fn.silu(h[:, :F]) * h[:, F:]
+        y = y.index_add(0, tok, (a @ w2[e]) * w[tok, k].unsqueeze(1))
+    zero = x.new_zeros(())
+    if T == 0:
+        return y, zero, zero, idx
+    counts = torch.bincount(idx.reshape(-1), minlength=E).to(x.dtype)
+    p = scores / scores.sum(dim=-1, keepdim=True)
+    aux = aux_loss_coeff * E * ((counts / (T * top_k)) * p.mean(dim=0)).sum()
+    z = z_loss_coeff * (torch.logsumexp(logits, dim=-1) ** 2).mean()
+    return y, aux, z, idx

@@ -1,0 +1,299 @@
+"""moe_echo.torch.MoE on the CPU backend in float64 against the plain PyTorch reference: y, dx,
+every parameter gradient and the aux/z losses, over routings that stress the layer (skewed,
+spill rounds, empty experts, 1 and 0 tokens), plus state_dict, Hugging Face loading and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_echo.torch import MoE, export_hf_moe, load_hf_moe
+from reference import reference_moe
+
+TOL = 1e-10  # relative norm, float64 both sides (the CPU backend accumulates in double)
+
+
+def rel(a, b):
+    """|a - b| / |b|, with |b| floored at 1e-6 (a reference that is zero up to rounding)."""
+    a, b = a.detach().double(), b.detach().double()
+    return (a - b).norm().item() / max(b.norm().item(), 1e-6)
+
+
+def make(hidden=16, ffn=12, experts=8, top_k=2, max_tokens=64, dtype=torch.float64, **kw):
+    return MoE(hidden, ffn, experts, top_k, max_tokens=max_tokens, dtype=dtype, **kw)
+
+
+def check_against_reference(m, x, skew=0.0, tol=TOL):
+    """One forward+backward of m and of the reference on the same weights; compares everything."""
+    gen = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        if skew:
+            m.router_weight[0].add_(skew)  # pull tokens towards expert 0
+    x = x.clone().requires_grad_(True)
+    g = torch.randn(x.shape, generator=gen, dtype=x.dtype)
+    y = m(x)
+    (y * g).sum().backward()
+
+    if x.numel() == 0:  # no tokens: an empty y, and every gradient zero
+        assert y.shape == x.shape and x.grad.shape == x.shape
+        for p in (m.router_weight, m.w1, m.w2):
+            assert p.grad is not None and not p.grad.any()
+        assert m.aux_loss.item() == 0 and m.z_loss.item() == 0
+        return y
+    xr = x.detach().clone().requires_grad_(True)
+    rw = m.router_weight.detach().clone().requires_grad_(True)
+    w1 = m.w1.detach().clone().requires_grad_(True)
+    w2 = m.w2.detach().clone().requires_grad_(True)
+    c = m._config
+    yr, aux, z, _ = reference_moe(
+        xr.reshape(-1, m.hidden), rw, w1, w2, top_k=m.top_k,
+        router_bias=m.router_bias, score_function=c["score_function"],
+        normalize_topk=c["normalize_topk"], aux_loss_coeff=c["aux_loss_coeff"],
+        z_loss_coeff=c["z_loss_coeff"])
+    ((yr.reshape(x.shape) * g).sum() + aux + z).backward()
+
+    assert rel(y, yr.reshape(x.shape)) < tol
+    assert rel(x.grad, xr.grad) < tol
+    assert rel(m.router_weight.grad, rw.grad) < tol
+    assert rel(m.w1.grad, w1.grad) < tol
+    assert rel(m.w2.grad, w2.grad) < tol
+    assert abs(m.aux_loss.item() - aux.item()) <= tol * max(1.0, abs(aux.item()))
+    assert abs(m.z_loss.item() - z.item()) <= tol * max(1.0, abs(z.item()))
+    return y
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("normalize_topk", [True, False])
+def test_matches_reference(score_function, normalize_topk):
+    torch.manual_seed(0)
+    m = make(score_function=score_function, normalize_topk=normalize_topk,
+             aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    check_against_reference(m, torch.randn(4, 10, 16, dtype=torch.float64))
+
+
+def test_skewed_routing_with_spill_rounds():
+    # capacity_factor 0.25: the receive buffer holds a quarter of the rows, so skewed routing
+    # runs several spill rounds; results stay exact.
+    m = make(capacity_factor=0.25, aux_loss_coeff=0.01)
+    check_against_reference(m, torch.randn(64, 16, dtype=torch.float64), skew=3.0)
+    st = m.stats(as_numbers=True)
+    assert st["overflow_rows"] > 0
+    assert st["load_after"] == [64 * 2]
+
+
+def test_empty_experts_and_all_on_one():
+    m = make(experts=16, top_k=1, aux_loss_coeff=0.01)
+    check_against_reference(m, torch.randn(32, 16, dtype=torch.float64), skew=50.0)
+    assert m.stats(as_numbers=True)["load_after"] == [32]
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 64])
+def test_token_counts(tokens):
+    m = make(z_loss_coeff=0.001)
+    check_against_reference(m, torch.randn(tokens, 16, dtype=torch.float64))
+
+
+def test_echo_on_equals_off():
+    x = torch.randn(48, 16, dtype=torch.float64)
+    outs = []
+    for echo in (True, False):
+        m = make(echo=echo, aux_loss_coeff=0.01)
+        xx = x.clone().requires_grad_(True)
+        y = m(xx)
+        y.square().sum().backward()
+        outs.append((y.detach(), xx.grad, m.w1.grad, m.w2.grad, m.router_weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_float32_parameters_and_bf16_input():
+    m = make(dtype=torch.float32)
+    assert m._handle.activation_dtype == torch.float32
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    y = m(x)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    y.float().sum().backward()
+    assert m.w1.grad.dtype == torch.float32
+
+
+def test_gradients_accumulate_and_optimizer_steps():
+    torch.manual_seed(1)
+    m = make()
+    x = torch.randn(20, 16, dtype=torch.float64)
+    m(x).sum().backward()
+    g1 = m.w1.grad.clone()
+    m(x).sum().backward()
+    assert rel(m.w1.grad, 2 * g1) < 1e-12
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    before = m.w1.detach().clone()
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    assert not torch.equal(before, m.w1)
+    # The new weights reach the layer: the output follows the parameters.
+    check_against_reference(m, x)
+
+
+def test_training_lowers_the_loss():
+    torch.manual_seed(2)
+    teacher = make(seed=7)
+    student = make(seed=8, aux_loss_coeff=1e-3)
+    opt = torch.optim.Adam(student.parameters(), lr=3e-3)
+    x = torch.randn(64, 16, dtype=torch.float64)
+    with torch.no_grad():
+        target = teacher(x)
+    losses = []
+    for _ in range(60):
+        loss = (student(x) - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_bias_update_moves_the_bias():
+    m = make(bias_update=True, bias_update_rate=0.1)
+    with torch.no_grad():
+        m.router_weight[0].add_(5.0)
+    before = m.router_bias.clone()
+    m(torch.randn(32, 16, dtype=torch.float64)).sum().backward()
+    assert (m.router_bias - before)[0] < 0  # the overloaded expert's bias goes down
+    assert "router_bias" in m.state_dict()
+
+
+def test_state_dict_round_trip():
+    a, b = make(seed=3), make(seed=4)
+    assert not torch.equal(a.w1, b.w1)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(16, 16, dtype=torch.float64)
+    assert torch.equal(a(x), b(x))
+
+
+@pytest.mark.parametrize("style", ["qwen3", "mixtral"])
+def test_hf_loading_round_trip(style, tmp_path):
+    H, F, E = 16, 12, 8
+    gen = torch.Generator().manual_seed(5)
+    names = {"qwen3": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}[style]
+    prefix = "model.layers.0.mlp."
+    sd = {f"{prefix}gate.weight": torch.randn(E, H, generator=gen, dtype=torch.float64)}
+    for e in range(E):
+        sd[f"{prefix}experts.{e}.{names[0]}.weight"] = torch.randn(F, H, generator=gen, dtype=torch.float64)
+        sd[f"{prefix}experts.{e}.{names[1]}.weight"] = torch.randn(F, H, generator=gen, dtype=torch.float64)
+        sd[f"{prefix}experts.{e}.{names[2]}.weight"] = torch.randn(H, F, generator=gen, dtype=torch.float64)
+    path = tmp_path / "checkpoint.pt"
+    torch.save(sd, path)
+    m = load_hf_moe(make(hidden=H, ffn=F, experts=E), torch.load(path), prefix=prefix)
+    back = export_hf_moe(m, prefix=prefix, style=style)
+    assert back.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(back[k], sd[k]), k
+    # The HF block's own forward: per token, softmax top-k over the gate, SwiGLU experts.
+    x = torch.randn(10, H, generator=gen, dtype=torch.float64)
+    probs = torch.softmax(x @ sd[f"{prefix}gate.weight"].t(), dim=-1)
+    w, idx = probs.topk(2, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    y = torch.zeros_like(x)
+    for t in range(10):
+        for k in range(2):
+            e = int(idx[t, k])
+            gate = x[t] @ sd[f"{prefix}experts.{e}.{names[0]}.weight"].t()
+            up = x[t] @ sd[f"{prefix}experts.{e}.{names[1]}.weight"].t()
+            h = torch.nn.functional.silu(gate) * up
+            y[t] += w[t, k] * (h @ sd[f"{prefix}experts.{e}.{names[2]}.weight"].t())
+    assert rel(m(x), y) < TOL
+
+
+def test_hf_loading_errors():
+    m = make()
+    with pytest.raises(KeyError, match="no expert 0"):
+        load_hf_moe(m, {}, prefix="x.")
+    sd = {"gate.weight": torch.zeros(8, 16)}
+    for e in range(8):
+        sd[f"experts.{e}.gate_proj.weight"] = torch.zeros(12, 16)
+        sd[f"experts.{e}.up_proj.weight"] = torch.zeros(12, 16)
+        sd[f"experts.{e}.down_proj.weight"] = torch.zeros(16, 11)
+    with pytest.raises(ValueError, match=r"experts.0.down_proj.weight has shape \(16, 11\)"):
+        load_hf_moe(m, sd)
+
+
+def test_bad_input_errors():
+    m = make(max_tokens=8)
+    with pytest.raises(ValueError, match="max_tokens = 8"):
+        m(torch.randn(9, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x.shape = \(4, 15\) is invalid"):
+        m(torch.randn(4, 15, dtype=torch.float64))
+    with pytest.raises(TypeError, match="x.dtype = torch.int64 is invalid"):
+        m(torch.zeros(4, 16, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x = list is invalid"):
+        m([1.0])
+    with pytest.raises(ValueError, match="top_k = 0 is invalid"):
+        make(top_k=0)
+    with pytest.raises(ValueError, match="capacity_factor = -1 is invalid"):
+        make(capacity_factor=-1.0)
+    with pytest.raises(ValueError, match="score_function = 'relu' is invalid"):
+        make(score_function="relu")
+    with pytest.raises(TypeError, match="experts = 8.5 is invalid"):
+        make(experts=8.5)
+    with pytest.raises(ValueError, match="device = "):
+        make(device="mps")
+
+
+def test_two_forwards_before_backward_is_refused():
+    m = make()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    y1 = m(x)
+    y2 = m(x)
+    y2.sum().backward()
+    with pytest.raises(RuntimeError, match="not this MoE module's last one"):
+        y1.sum().backward()
+
+
+def test_inference_forward_needs_no_backward():
+    m = make()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    with torch.no_grad():
+        m(x)
+    y = m(x)
+    y.sum().backward()
+    assert m.w1.grad is not None
+
+
+def test_meta_device_then_to():
+    m = make(device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        m(torch.randn(2, 16, dtype=torch.float64))
+    m = m.to_empty(device="cpu")
+    torch.nn.init.normal_(m.w1, std=0.1)
+    torch.nn.init.normal_(m.w2, std=0.1)
+    torch.nn.init.normal_(m.router_weight, std=0.1)
+    check_against_reference(m, torch.randn(8, 16, dtype=torch.float64))
+
+
+def test_dtype_change_rebuilds_the_layer():
+    m = make(dtype=torch.float32)
+    assert m._handle.activation_dtype == torch.float32
+    m = m.double()
+    assert m._handle.activation_dtype == torch.float64
+    check_against_reference(m, torch.randn(8, 16, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend):
+    torch.manual_seed(4)
+    m = make(aux_loss_coeff=0.01)
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    g = torch.randn(3, 8, 16, dtype=torch.float64)
+
+    def run(fn):
+        m.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        y = fn(xx)
+        (y * g).sum().backward()
+        return y.detach(), xx.grad, m.w1.grad.clone(), m.router_weight.grad.clone()
+
+    eager = run(m)
+    torch._dynamo.reset()
+    compiled = run(torch.compile(m, fullgraph=True, backend=backend))
+    for a, b in zip(eager, compiled):
+        assert rel(a, b) < 1e-12
