@@ -34,31 +34,43 @@ struct GroupWindow {
   int64_t rows = 0;  // window size (the capacity)
 };
 
-struct RouterForwardArgs {
-  Tensor x;            // [T, H] activation
-  Tensor weight;       // [E, H] float
-  Tensor bias;         // [E] float, added to scores for expert selection only
-  Tensor logits;       // out [T, E] float (kept for backward)
-  Tensor scores;       // out [T, E] float: softmax probabilities, or sigmoid scores
-  Tensor topk_idx;     // out [T, K] i32, experts in descending order of selection score
-  Tensor topk_weight;  // out [T, K] float, combine weights
-  Tensor counts;       // out [E] i32, (token, k) pairs routed to each expert
-  Tensor losses;       // out [2] float: aux loss, z loss (coefficients applied)
+// The router's options, the same in its forward and its backward.
+struct RouterConfig {
   ScoreFunction score_function = ScoreFunction::softmax;
   bool normalize_topk = true;
-  double aux_loss_coeff = 0;
+  double aux_loss_coeff = 0;  // the backward takes the aux and z losses with upstream gradient 1
   double z_loss_coeff = 0;
+};
+// A layer's router options (MoeConfig's fields of the same names).
+inline RouterConfig router_config(const MoeConfig& m) {
+  return RouterConfig{m.score_function, m.normalize_topk, m.aux_loss_coeff, m.z_loss_coeff};
+}
+
+// The router's tensors in its forward and its backward: the forward reads x and weight and writes
+// the rest; the backward reads them all as the forward left them.
+struct RouterTensors {
+  Tensor x;            // [T, H] activation
+  Tensor weight;       // [E, H] float
+  Tensor logits;       // [T, E] float
+  Tensor scores;       // [T, E] float: softmax probabilities, or sigmoid scores
+  Tensor topk_idx;     // [T, K] i32, experts in descending order of selection score
+  Tensor topk_weight;  // [T, K] float, combine weights
+  Tensor counts;       // [E] i32, (token, k) pairs routed to each expert
+};
+
+struct RouterForwardArgs {
+  RouterTensors tensors;  // x, weight in; the others out
+  Tensor bias;            // [E] float, added to scores for expert selection only
+  Tensor losses;          // out [2] float: aux loss, z loss (coefficients applied)
+  RouterConfig config;
 };
 
 struct RouterBackwardArgs {
-  Tensor x, weight, logits, scores, topk_idx, topk_weight, counts;  // as in the forward
-  Tensor d_topk_weight;  // [T, K] float, gradient of the task loss w.r.t. the combine weights
-  Tensor d_weight;       // += [E, H] float
-  Tensor dx;             // += [T, H] activation
-  ScoreFunction score_function = ScoreFunction::softmax;
-  bool normalize_topk = true;
-  double aux_loss_coeff = 0;  // the aux and z losses enter with upstream gradient 1
-  double z_loss_coeff = 0;
+  RouterTensors tensors;  // in, as the forward left them
+  Tensor d_topk_weight;   // [T, K] float, gradient of the task loss w.r.t. the combine weights
+  Tensor d_weight;        // += [E, H] float
+  Tensor dx;              // += [T, H] activation
+  RouterConfig config;    // as in the forward
 };
 
 // Where every (token, k) row goes, from the routing map and the plan; identical on every rank.

@@ -27,15 +27,18 @@ double logsumexp(const double* l, int n) {
 
 template <class T>
 void router_forward(const RouterForwardArgs& a) {
-  const int64_t T_ = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
-  const T* x = a.x.as<T>();
-  const T* w = a.weight.as<T>();
+  const RouterTensors& io = a.tensors;
+  const RouterConfig& cfg = a.config;
+  const int64_t T_ = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
+                K = io.topk_idx.size(1);
+  const T* x = io.x.as<T>();
+  const T* w = io.weight.as<T>();
   const T* bias = a.bias.as<T>();
-  T* logits = a.logits.as<T>();
-  T* scores = a.scores.as<T>();
-  int32_t* idx = a.topk_idx.as<int32_t>();
-  T* tw = a.topk_weight.as<T>();
-  int32_t* counts = a.counts.as<int32_t>();
+  T* logits = io.logits.as<T>();
+  T* scores = io.scores.as<T>();
+  int32_t* idx = io.topk_idx.as<int32_t>();
+  T* tw = io.topk_weight.as<T>();
+  int32_t* counts = io.counts.as<int32_t>();
   std::fill(counts, counts + E, 0);
 
   std::vector<double> l(static_cast<size_t>(E)), s(static_cast<size_t>(E)), prob_sum(static_cast<size_t>(E), 0.0);
@@ -52,7 +55,7 @@ void router_forward(const RouterForwardArgs& a) {
     z_sum += lse * lse;
     double s_total = 0;
     for (int64_t e = 0; e < E; ++e) {
-      s[size_t(e)] = a.score_function == ScoreFunction::softmax
+      s[size_t(e)] = cfg.score_function == ScoreFunction::softmax
                          ? std::exp(l[size_t(e)] - lse)
                          : 1.0 / (1.0 + std::exp(-l[size_t(e)]));
       scores[t * E + e] = T(s[size_t(e)]);
@@ -73,7 +76,7 @@ void router_forward(const RouterForwardArgs& a) {
       const int e = order[size_t(k)];
       idx[t * K + k] = e;
       const double sv = double(T(s[size_t(e)]));
-      tw[t * K + k] = T(a.normalize_topk ? sv / sel_sum : sv);
+      tw[t * K + k] = T(cfg.normalize_topk ? sv / sel_sum : sv);
       counts[e] += 1;
     }
   }
@@ -82,8 +85,8 @@ void router_forward(const RouterForwardArgs& a) {
   if (T_ > 0) {
     for (int64_t e = 0; e < E; ++e)
       aux += double(counts[e]) / double(T_ * K) * (prob_sum[size_t(e)] / double(T_));
-    aux *= a.aux_loss_coeff * double(E);
-    z = a.z_loss_coeff * z_sum / double(T_);
+    aux *= cfg.aux_loss_coeff * double(E);
+    z = cfg.z_loss_coeff * z_sum / double(T_);
   }
   losses[0] = T(aux);
   losses[1] = T(z);
@@ -91,15 +94,18 @@ void router_forward(const RouterForwardArgs& a) {
 
 template <class T>
 void router_backward(const RouterBackwardArgs& a) {
-  const int64_t T_ = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
+  const RouterTensors& io = a.tensors;
+  const RouterConfig& cfg = a.config;
+  const int64_t T_ = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
+                K = io.topk_idx.size(1);
   if (T_ == 0) return;
-  const T* x = a.x.as<T>();
-  const T* w = a.weight.as<T>();
-  const T* logits = a.logits.as<T>();
-  const T* scores = a.scores.as<T>();
-  const int32_t* idx = a.topk_idx.as<int32_t>();
-  const T* tw = a.topk_weight.as<T>();
-  const int32_t* counts = a.counts.as<int32_t>();
+  const T* x = io.x.as<T>();
+  const T* w = io.weight.as<T>();
+  const T* logits = io.logits.as<T>();
+  const T* scores = io.scores.as<T>();
+  const int32_t* idx = io.topk_idx.as<int32_t>();
+  const T* tw = io.topk_weight.as<T>();
+  const int32_t* counts = io.counts.as<int32_t>();
   const T* g = a.d_topk_weight.as<T>();
   T* dw = a.d_weight.as<T>();
   T* dx = a.dx.as<T>();
@@ -107,14 +113,15 @@ void router_backward(const RouterBackwardArgs& a) {
   // d aux / d p[t,e] = coeff * E * f_e / T.
   std::vector<double> d_p(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e)
-    d_p[size_t(e)] = a.aux_loss_coeff * double(E) * double(counts[e]) / double(T_ * K) / double(T_);
+    d_p[size_t(e)] =
+        cfg.aux_loss_coeff * double(E) * double(counts[e]) / double(T_ * K) / double(T_);
 
   std::vector<double> ds(static_cast<size_t>(E)), dl(static_cast<size_t>(E)), l(static_cast<size_t>(E));
   for (int64_t t = 0; t < T_; ++t) {
     const T* s = scores + t * E;
     std::fill(ds.begin(), ds.end(), 0.0);
     // Combine weights.
-    if (a.normalize_topk) {
+    if (cfg.normalize_topk) {
       double sel_sum = 0, gw = 0;
       for (int64_t k = 0; k < K; ++k) {
         sel_sum += double(s[idx[t * K + k]]);
@@ -126,8 +133,8 @@ void router_backward(const RouterBackwardArgs& a) {
       for (int64_t k = 0; k < K; ++k) ds[size_t(idx[t * K + k])] += double(g[t * K + k]);
     }
     // Aux loss through p.
-    if (a.aux_loss_coeff != 0) {
-      if (a.score_function == ScoreFunction::softmax) {
+    if (cfg.aux_loss_coeff != 0) {
+      if (cfg.score_function == ScoreFunction::softmax) {
         for (int64_t e = 0; e < E; ++e) ds[size_t(e)] += d_p[size_t(e)];
       } else {
         double S = 0, dps = 0;
@@ -139,7 +146,7 @@ void router_backward(const RouterBackwardArgs& a) {
       }
     }
     // Scores to logits.
-    if (a.score_function == ScoreFunction::softmax) {
+    if (cfg.score_function == ScoreFunction::softmax) {
       double dot = 0;
       for (int64_t e = 0; e < E; ++e) dot += ds[size_t(e)] * double(s[e]);
       for (int64_t e = 0; e < E; ++e) dl[size_t(e)] = double(s[e]) * (ds[size_t(e)] - dot);
@@ -148,10 +155,10 @@ void router_backward(const RouterBackwardArgs& a) {
         dl[size_t(e)] = ds[size_t(e)] * double(s[e]) * (1.0 - double(s[e]));
     }
     // z-loss: d/dl of coeff/T * lse^2 = coeff/T * 2 lse * softmax(l).
-    if (a.z_loss_coeff != 0) {
+    if (cfg.z_loss_coeff != 0) {
       for (int64_t e = 0; e < E; ++e) l[size_t(e)] = double(logits[t * E + e]);
       const double lse = logsumexp(l.data(), int(E));
-      const double c = a.z_loss_coeff * 2.0 * lse / double(T_);
+      const double c = cfg.z_loss_coeff * 2.0 * lse / double(T_);
       for (int64_t e = 0; e < E; ++e) dl[size_t(e)] += c * std::exp(l[size_t(e)] - lse);
     }
     for (int64_t e = 0; e < E; ++e) {

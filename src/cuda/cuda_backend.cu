@@ -91,12 +91,14 @@ class CudaBackend final : public Backend {
   }
   void router_forward(const RouterForwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
-    void* sc = scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs);
+    const RouterTensors& t = a.tensors;
+    void* sc = scratch(router_scratch_bytes(t.x.size(0), t.weight.size(0), t.weight.size(1)), cs);
     cuda::router_forward(a, sc, &gemm(1, s), cs);
   }
   void router_backward(const RouterBackwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
-    void* sc = scratch(router_scratch_bytes(a.x.size(0), a.weight.size(0), a.weight.size(1)), cs);
+    const RouterTensors& t = a.tensors;
+    void* sc = scratch(router_scratch_bytes(t.x.size(0), t.weight.size(0), t.weight.size(1)), cs);
     cuda::router_backward(a, sc, &gemm(1, s), cs);
   }
   void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,

@@ -209,18 +209,21 @@ using namespace router_detail;
 
 void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* gemm,
                      cudaStream_t s) {
-  check_router_dtypes(a.x, a.weight);
-  const int64_t T = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
+  const RouterTensors& io = a.tensors;
+  const RouterConfig& cfg = a.config;
+  check_router_dtypes(io.x, io.weight);
+  const int64_t T = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
+                K = io.topk_idx.size(1);
   if (T == 0) return;
   ScratchCarver c(scratch);
   const RouterScratch sc = carve(c, T, E, H);
   const int64_t Ep = padded_experts(E);
   auto dlogits = [&](auto kernel) {
     MOE_ECHO_LAUNCH(kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E), int(K),
-                    a.logits.as<float>(), a.scores.as<float>(), a.topk_idx.as<int32_t>(),
-                    a.topk_weight.as<float>(), a.counts.as<int32_t>(),
-                    a.d_topk_weight.as<float>(), a.score_function == ScoreFunction::sigmoid,
-                    a.normalize_topk, a.aux_loss_coeff, a.z_loss_coeff, int(Ep), sc.dl);
+                    io.logits.as<float>(), io.scores.as<float>(), io.topk_idx.as<int32_t>(),
+                    io.topk_weight.as<float>(), io.counts.as<int32_t>(),
+                    a.d_topk_weight.as<float>(), cfg.score_function == ScoreFunction::sigmoid,
+                    cfg.normalize_topk, cfg.aux_loss_coeff, cfg.z_loss_coeff, int(Ep), sc.dl);
   };
   if (E <= 32) dlogits(router_dlogits_reg_kernel<1>);
   else if (E <= 64) dlogits(router_dlogits_reg_kernel<2>);
@@ -228,7 +231,7 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* ge
   else if (E <= 32 * kMaxExpertsPerLane) dlogits(router_dlogits_reg_kernel<kMaxExpertsPerLane>);
   else dlogits(router_dlogits_kernel);
   // dW[E, H] += dl^T x (reduction over tokens), dx[T, H] += dl W (reduction over experts).
-  grad_products(a.x, a.weight, a.d_weight, a.dx, sc, gemm, s);
+  grad_products(io.x, io.weight, a.d_weight, a.dx, sc, gemm, s);
 }
 
 void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,

@@ -308,25 +308,28 @@ using namespace router_detail;
 
 void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm,
                     cudaStream_t s) {
-  check_router_dtypes(a.x, a.weight);
-  const int64_t T = a.x.size(0), H = a.x.size(1), E = a.weight.size(0), K = a.topk_idx.size(1);
+  const RouterTensors& io = a.tensors;
+  const RouterConfig& cfg = a.config;
+  check_router_dtypes(io.x, io.weight);
+  const int64_t T = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
+                K = io.topk_idx.size(1);
   if (T == 0) {
-    MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.counts.data, 0, size_t(E) * sizeof(int32_t), s));
+    MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(io.counts.data, 0, size_t(E) * sizeof(int32_t), s));
     MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.losses.data, 0, 2 * sizeof(float), s));
     return;
   }
   ScratchCarver c(scratch);
   const RouterScratch sc = carve(c, T, E, H);
-  logits_product(a.x, a.weight, a.logits, sc, gemm, s);
-  const float* logits = a.logits.as<float>();
-  const bool sigmoid = a.score_function == ScoreFunction::sigmoid;
+  logits_product(io.x, io.weight, io.logits, sc, gemm, s);
+  const float* logits = io.logits.as<float>();
+  const bool sigmoid = cfg.score_function == ScoreFunction::sigmoid;
   const int64_t blocks = loss_blocks(T);
   const int32_t* block_counts = nullptr;
   auto select = [&](auto kernel) {
     MOE_ECHO_LAUNCH(kernel, unsigned(blocks), kSelectWarps * 32, select_smem_bytes(E), s, T,
-                    int(E), int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
-                    a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), sc.block_counts,
-                    sc.partial, sc.partial_z, sigmoid, a.normalize_topk);
+                    int(E), int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
+                    io.topk_idx.as<int32_t>(), io.topk_weight.as<float>(), sc.block_counts,
+                    sc.partial, sc.partial_z, sigmoid, cfg.normalize_topk);
     block_counts = sc.block_counts;
   };
   if (E <= 32) select(router_select_kernel<1>);
@@ -334,17 +337,17 @@ void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm
   else if (E <= 128) select(router_select_kernel<4>);
   else if (E <= 32 * kMaxExpertsPerLane) select(router_select_kernel<kMaxExpertsPerLane>);
   else {
-    MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.counts.data, 0, size_t(E) * sizeof(int32_t), s));
+    MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(io.counts.data, 0, size_t(E) * sizeof(int32_t), s));
     MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T,
-                    int(E), int(K), logits, a.bias.as<float>(), a.scores.as<float>(),
-                    a.topk_idx.as<int32_t>(), a.topk_weight.as<float>(), a.counts.as<int32_t>(),
-                    sc.lse, sc.total, sigmoid, a.normalize_topk);
+                    int(E), int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
+                    io.topk_idx.as<int32_t>(), io.topk_weight.as<float>(),
+                    io.counts.as<int32_t>(), sc.lse, sc.total, sigmoid, cfg.normalize_topk);
     MOE_ECHO_LAUNCH(router_loss_partial_kernel, unsigned(blocks), 256, 0, s, T, int(E), logits,
                     sc.lse, sc.total, sigmoid, sc.partial, sc.partial_z);
   }
   MOE_ECHO_LAUNCH(router_loss_final_kernel, 1, 256, 0, s, T, int(E), int(K), blocks, sc.partial,
-                  sc.partial_z, block_counts, a.counts.as<int32_t>(), a.aux_loss_coeff,
-                  a.z_loss_coeff, a.losses.as<float>());
+                  sc.partial_z, block_counts, io.counts.as<int32_t>(), cfg.aux_loss_coeff,
+                  cfg.z_loss_coeff, a.losses.as<float>());
 }
 
 }  // namespace moe_echo::cuda

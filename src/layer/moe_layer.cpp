@@ -300,6 +300,19 @@ size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
   return total;
 }
 
+namespace {
+// The router's tensors for T tokens of x: the forward writes them, the backward reads them again.
+RouterTensors router_tensors(const MoeLayer::Buffers& b, const Tensor& x, int64_t T) {
+  return RouterTensors{x,
+                       b.router_weight,
+                       b.logits.rows(0, T),
+                       b.scores.rows(0, T),
+                       b.topk_idx.rows(0, T),
+                       b.topk_weight.rows(0, T),
+                       b.counts};
+}
+}  // namespace
+
 void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   const int64_t T = x.ndim == 2 ? x.size(0) : -1, H = moe_.hidden;
   check_tensor(x, "x", backend_.activation_dtype(), {-1, H});
@@ -319,19 +332,10 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
   Buffers& b = *buf_;
   const int64_t K = moe_.top_k;
   RouterForwardArgs ra;
-  ra.x = x;
-  ra.weight = b.router_weight;
+  ra.tensors = router_tensors(b, x, T);
   ra.bias = b.router_bias;
-  ra.logits = b.logits.rows(0, T);
-  ra.scores = b.scores.rows(0, T);
-  ra.topk_idx = b.topk_idx.rows(0, T);
-  ra.topk_weight = b.topk_weight.rows(0, T);
-  ra.counts = b.counts;
   ra.losses = b.losses;
-  ra.score_function = moe_.score_function;
-  ra.normalize_topk = moe_.normalize_topk;
-  ra.aux_loss_coeff = moe_.aux_loss_coeff;
-  ra.z_loss_coeff = moe_.z_loss_coeff;
+  ra.config = router_config(moe_);
   mark("router", s);
   backend_.router_forward(ra, s);
 
@@ -479,20 +483,11 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   }
 
   RouterBackwardArgs rb;
-  rb.x = last_x_;
-  rb.weight = b.router_weight;
-  rb.logits = b.logits.rows(0, T);
-  rb.scores = b.scores.rows(0, T);
-  rb.topk_idx = b.topk_idx.rows(0, T);
-  rb.topk_weight = b.topk_weight.rows(0, T);
-  rb.counts = b.counts;
+  rb.tensors = router_tensors(b, last_x_, T);
   rb.d_topk_weight = b.d_topk_weight.rows(0, T);
   rb.d_weight = b.d_router_weight;
   rb.dx = dx;
-  rb.score_function = moe_.score_function;
-  rb.normalize_topk = moe_.normalize_topk;
-  rb.aux_loss_coeff = moe_.aux_loss_coeff;
-  rb.z_loss_coeff = moe_.z_loss_coeff;
+  rb.config = router_config(moe_);
   mark("bwd_router", s);
   backend_.router_backward(rb, s);
 

@@ -187,19 +187,10 @@ struct RouterRig {
 
   RouterForwardArgs args(ScoreFunction sf, bool normalize, double aux, double z) const {
     RouterForwardArgs a;
-    a.x = x;
-    a.weight = weight;
+    a.tensors = RouterTensors{x, weight, logits, scores, topk_idx, topk_weight, counts};
     a.bias = bias;
-    a.logits = logits;
-    a.scores = scores;
-    a.topk_idx = topk_idx;
-    a.topk_weight = topk_weight;
-    a.counts = counts;
     a.losses = losses;
-    a.score_function = sf;
-    a.normalize_topk = normalize;
-    a.aux_loss_coeff = aux;
-    a.z_loss_coeff = z;
+    a.config = RouterConfig{sf, normalize, aux, z};
     return a;
   }
 
@@ -406,20 +397,11 @@ TEST_P(RouterBackwardTest, MatchesFiniteDifferences) {
   const auto dw0 = put_random(*be, d_weight, seed + 5);
   const auto dx0 = put_random(*be, dx, seed + 6);
   RouterBackwardArgs ba;
-  ba.x = rig.x;
-  ba.weight = rig.weight;
-  ba.logits = rig.logits;
-  ba.scores = rig.scores;
-  ba.topk_idx = rig.topk_idx;
-  ba.topk_weight = rig.topk_weight;
-  ba.counts = rig.counts;
+  ba.tensors = fa.tensors;
   ba.d_topk_weight = d_topk;
   ba.d_weight = d_weight;
   ba.dx = dx;
-  ba.score_function = c.sf;
-  ba.normalize_topk = c.normalize;
-  ba.aux_loss_coeff = aux_c;
-  ba.z_loss_coeff = z_c;
+  ba.config = fa.config;
   be->router_backward(ba, nullptr);
   auto grad_w = get(*be, d_weight), grad_x = get(*be, dx);
   for (size_t i = 0; i < grad_w.size(); ++i) grad_w[i] -= dw0[i];
@@ -496,7 +478,8 @@ TEST(RouterBackward, F32MatchesF64AndZeroTokensIsANoOp) {
           put(*be, rig.weight, f32_values(test::random_values(size_t(E * H), seed + 2)));
           put(*be, rig.bias, f32_values(bias_values(BiasMode::random, E, seed + 3)));
           rig.poison_outputs();
-          be->router_forward(rig.args(sf, normalize, 0.2, 0.03), nullptr);
+          const RouterForwardArgs fa = rig.args(sf, normalize, 0.2, 0.03);
+          be->router_forward(fa, nullptr);
           idx_seen[which] = as_ints(get(*be, rig.topk_idx));
           Arena arena(*be);
           const DType fl = be->float_dtype();
@@ -509,20 +492,11 @@ TEST(RouterBackward, F32MatchesF64AndZeroTokensIsANoOp) {
           put(*be, d_weight, dw0);
           put(*be, dx, dx0);
           RouterBackwardArgs ba;
-          ba.x = rig.x;
-          ba.weight = rig.weight;
-          ba.logits = rig.logits;
-          ba.scores = rig.scores;
-          ba.topk_idx = rig.topk_idx;
-          ba.topk_weight = rig.topk_weight;
-          ba.counts = rig.counts;
+          ba.tensors = fa.tensors;
           ba.d_topk_weight = d_topk;
           ba.d_weight = d_weight;
           ba.dx = dx;
-          ba.score_function = sf;
-          ba.normalize_topk = normalize;
-          ba.aux_loss_coeff = 0.2;
-          ba.z_loss_coeff = 0.03;
+          ba.config = fa.config;
           be->router_backward(ba, nullptr);
           auto gw = get(*be, d_weight), gx = get(*be, dx);
           if (T == 0) {

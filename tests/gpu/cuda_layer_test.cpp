@@ -330,23 +330,12 @@ TEST(CudaLayerTiming, Qwen3SizedStepInOneGraph) {
       dtw(*gl.be, DType::f32, {T, K}), dw(*gl.be, DType::f32, {E, H});
   dtw.write(random_values(size_t(T * K), 3, -1, 1));
   RouterForwardArgs rf;
-  rf.x = *x;
-  rf.weight = gl.layer.param(Param::router_weight);
+  rf.tensors =
+      RouterTensors{*x, gl.layer.param(Param::router_weight), *logits, *scores, *idx, *tw, *counts};
   rf.bias = gl.layer.param(Param::router_bias);
-  rf.logits = *logits;
-  rf.scores = *scores;
-  rf.topk_idx = *idx;
-  rf.topk_weight = *tw;
-  rf.counts = *counts;
   rf.losses = *losses;
   RouterBackwardArgs rb;
-  rb.x = *x;
-  rb.weight = rf.weight;
-  rb.logits = *logits;
-  rb.scores = *scores;
-  rb.topk_idx = *idx;
-  rb.topk_weight = *tw;
-  rb.counts = *counts;
+  rb.tensors = rf.tensors;
   rb.d_topk_weight = *dtw;
   rb.d_weight = *dw;
   rb.dx = *dx;

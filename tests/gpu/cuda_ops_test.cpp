@@ -77,9 +77,9 @@ std::string router_name(const ::testing::TestParamInfo<RouterCase>& info) {
   return s.str();
 }
 
-struct RouterTensors {
+struct RouterPairs {
   Pair x, w, bias, logits, scores, idx, weight, counts, losses;
-  RouterTensors(Backends& b, int64_t T, int64_t H, int64_t E, int64_t K)
+  RouterPairs(Backends& b, int64_t T, int64_t H, int64_t E, int64_t K)
       : x(b, Kind::act, {T, H}),
         w(b, Kind::flt, {E, H}),
         bias(b, Kind::flt, {E}),
@@ -92,19 +92,10 @@ struct RouterTensors {
   RouterForwardArgs args(bool gpu, const RouterCase& c, double aux, double z) const {
     auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
     RouterForwardArgs a;
-    a.x = t(x);
-    a.weight = t(w);
+    a.tensors = RouterTensors{t(x), t(w), t(logits), t(scores), t(idx), t(weight), t(counts)};
     a.bias = t(bias);
-    a.logits = t(logits);
-    a.scores = t(scores);
-    a.topk_idx = t(idx);
-    a.topk_weight = t(weight);
-    a.counts = t(counts);
     a.losses = t(losses);
-    a.score_function = c.sf;
-    a.normalize_topk = c.normalize;
-    a.aux_loss_coeff = aux;
-    a.z_loss_coeff = z;
+    a.config = RouterConfig{c.sf, c.normalize, aux, z};
     return a;
   }
 };
@@ -130,7 +121,7 @@ std::vector<int64_t> unclear_tokens(const std::vector<double>& scores,
 
 // Draws x (bf16 values) so that every token's top-k is clear on the CPU reference; runs the CPU
 // forward on it. Returns x.
-std::vector<double> draw_clear_tokens(Backends& b, RouterTensors& rt, const RouterCase& c,
+std::vector<double> draw_clear_tokens(Backends& b, RouterPairs& rt, const RouterCase& c,
                                       const std::vector<double>& bias, uint64_t seed) {
   std::vector<double> x = round_bf16(uniform(size_t(c.T * c.H), seed));
   std::mt19937_64 rng(seed ^ 0x9e37);
@@ -153,7 +144,7 @@ TEST_P(RouterTest, ForwardAndBackwardMatchCpu) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   const RouterCase c = GetParam();
   Backends b;
-  RouterTensors rt(b, c.T, c.H, c.E, c.K);
+  RouterPairs rt(b, c.T, c.H, c.E, c.K);
   const uint64_t seed = uint64_t(c.T * 131 + c.H * 17 + c.E * 7 + c.K) + (c.normalize ? 1 : 0);
   const auto w = round_f32(uniform(size_t(c.E * c.H), seed + 1, -0.5, 0.5));
   const auto bias = round_f32(uniform(size_t(c.E), seed + 2, -0.05, 0.05));
@@ -187,20 +178,11 @@ TEST_P(RouterTest, ForwardAndBackwardMatchCpu) {
   for (bool gpu : {false, true}) {
     const RouterForwardArgs f = rt.args(gpu, c, aux, z);
     RouterBackwardArgs a;
-    a.x = f.x;
-    a.weight = f.weight;
-    a.logits = f.logits;
-    a.scores = f.scores;
-    a.topk_idx = f.topk_idx;
-    a.topk_weight = f.topk_weight;
-    a.counts = f.counts;
+    a.tensors = f.tensors;
     a.d_topk_weight = gpu ? *g.g : *g.c;
     a.d_weight = gpu ? *dw.g : *dw.c;
     a.dx = gpu ? *dx.g : *dx.c;
-    a.score_function = c.sf;
-    a.normalize_topk = c.normalize;
-    a.aux_loss_coeff = aux;
-    a.z_loss_coeff = z;
+    a.config = f.config;
     (gpu ? b.gpu : b.cpu)->router_backward(a, nullptr);
   }
   EXPECT_TRUE(close(dw.g.read(), dw.c.read(), 10 * kF32Tol, "d_weight"));
@@ -239,7 +221,7 @@ TEST(Router, TiesGoToTheLowerIndexAndOneExpertCanTakeEveryToken) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   Backends b;
   const RouterCase c{257, 32, 8, 3, ScoreFunction::softmax, true};
-  RouterTensors rt(b, c.T, c.H, c.E, c.K);
+  RouterPairs rt(b, c.T, c.H, c.E, c.K);
   // Experts 2 and 5 have identical weights (equal logits and scores on both backends, bit for
   // bit), and a large bias sends every token to expert 6 first.
   auto w = round_f32(uniform(size_t(c.E * c.H), 11, -0.5, 0.5));
