@@ -105,6 +105,7 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 
 #include "cuda/grouped_gemm.hpp"
 #include "moe_echo/backend.hpp"
+#include "moe_echo/presets.hpp"
 
 namespace gg_bench {
 
@@ -130,10 +131,16 @@ void ck(cudaError_t e, const char* what) {
 #define CK(expr) ck((expr), #expr)
 
 struct Shape {
-  const char* name;
+  std::string name;
   int experts;
   int64_t rows, K, N;  // K = H, N = 2F (fc1)
 };
+
+// fc1 of `experts` experts of a model on one GPU, with every row of the model's tokens per rank:
+// T * K rows, K = H, N = 2F.
+Shape fc1(const moe_echo::ModelPreset& p, int experts) {
+  return {std::string(p.name), experts, int64_t(p.tokens) * p.top_k, p.hidden, 2 * int64_t(p.ffn)};
+}
 
 __device__ __forceinline__ uint64_t mix64(uint64_t z) {
   z += 0x9E3779B97F4A7C15ull;
@@ -508,12 +515,13 @@ int main(int argc, char** argv) {
     CK(cudaGetDevice(&dev));
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, dev));
-    const Shape shapes[] = {{"qwen3-30b-a3b", 16, 65536, 2048, 1536},
-                            {"deepseek-v3", 32, 65536, 7168, 4096},
-                            {"mixtral-8x7b", 8, 16384, 4096, 28672},
-                            // One EP4 rank of the layer bench: 2 experts of 8192 rows, fc1 and fc2.
-                            {"mixtral-8x7b-ep4-fc1", 2, 16384, 4096, 28672},
-                            {"mixtral-8x7b-ep4-fc2", 2, 16384, 14336, 4096}};
+    // One EP4 rank of the Mixtral layer bench: 2 experts of 8192 rows, fc1 and fc2 (K = F, N = H).
+    const Shape ep4 = fc1(moe_echo::kMixtral8x7B, 2);
+    const Shape shapes[] = {fc1(moe_echo::kQwen3_30B_A3B, 16),
+                            fc1(moe_echo::kDeepSeekV3, 32),
+                            fc1(moe_echo::kMixtral8x7B, 8),
+                            {ep4.name + "-ep4-fc1", ep4.experts, ep4.rows, ep4.K, ep4.N},
+                            {ep4.name + "-ep4-fc2", ep4.experts, ep4.rows, ep4.N / 2, ep4.K}};
     std::printf(
         "device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
         prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
@@ -542,8 +550,9 @@ int main(int argc, char** argv) {
       std::fprintf(
           f,
           "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": %lld}%s\n",
-          shapes[i].name, shapes[i].experts, (long long)shapes[i].rows, (long long)shapes[i].K,
-          (long long)shapes[i].N, i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
+          shapes[i].name.c_str(), shapes[i].experts, (long long)shapes[i].rows,
+          (long long)shapes[i].K, (long long)shapes[i].N,
+          i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
     std::fprintf(f, "  ],\n  \"results\": [\n");
     const auto& rs = bench.results();
     for (size_t i = 0; i < rs.size(); ++i) {

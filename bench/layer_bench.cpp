@@ -22,6 +22,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
+#include "moe_echo/presets.hpp"
 
 using namespace moe_echo;
 
@@ -32,6 +33,11 @@ struct Case {
   int experts, top_k, hidden, ffn;
   bool dump_weights;  // experts small enough to hand to the PyTorch script for a numeric check
 };
+
+// `experts` experts of a model's layer on one GPU.
+Case slice(const ModelPreset& p, int experts, bool dump_weights) {
+  return {std::string(p.name), experts, p.top_k, p.hidden, p.ffn, dump_weights};
+}
 
 #define CHECK_CUDA(x)                                                                   \
   do {                                                                                  \
@@ -72,9 +78,9 @@ int main(int argc, char** argv) {
     else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
   }
   const std::vector<Case> cases = {
-      {"qwen3-30b-a3b", 16, 8, 2048, 768, true},
-      {"deepseek-v3", 32, 8, 7168, 2048, false},
-      {"mixtral-8x7b", 8, 2, 4096, 14336, false},
+      slice(kQwen3_30B_A3B, 16, true),
+      slice(kDeepSeekV3, 32, false),
+      slice(kMixtral8x7B, 8, false),
   };
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));

@@ -40,6 +40,7 @@
 #include "cuda/cuda_check.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/presets.hpp"
 
 using namespace moe_echo;
 
@@ -156,10 +157,13 @@ int main(int argc, char** argv) {
       return m;
     };
 
+    const ModelPreset& q = kQwen3_30B_A3B;
     const std::vector<Config> configs = {
         {"T1024 K8 E128 H2048", 1024, 8, 128, 2048},
         {"T4096 K2 E32 H4096 (notes' prototype)", 4096, 2, 32, 4096},
-        {"T8192 K8 E128 H2048 (Qwen3-30B-A3B)", 8192, 8, 128, 2048},
+        {"T" + std::to_string(q.tokens) + " K" + std::to_string(q.top_k) + " E" +
+             std::to_string(q.experts) + " H" + std::to_string(q.hidden) + " (Qwen3-30B-A3B)",
+         q.tokens, q.top_k, q.experts, q.hidden},
     };
     nlohmann::json results = nlohmann::json::array();
     if (me == 0)

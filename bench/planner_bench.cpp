@@ -48,6 +48,7 @@
 #include "moe_echo/backend.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
+#include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 
 using namespace moe_echo;
@@ -63,6 +64,10 @@ struct Case {
   std::string name;
   int experts, top_k, hidden, ffn, ranks;
 };
+
+Case model_case(const ModelPreset& p, int ranks) {
+  return {std::string(p.name), p.experts, p.top_k, p.hidden, p.ffn, ranks};
+}
 
 struct Options {
   std::string out, commit, date, only_configs, only_ranks;
@@ -318,12 +323,10 @@ int run(const Options& o, const std::string& command) {
   MOE_ECHO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
   std::fprintf(stderr, "device %d: %s (sm_%d%d)\n", device, prop.name, prop.major, prop.minor);
 
-  std::vector<Case> cases = {
-      {"qwen3-30b-a3b", 128, 8, 2048, 768, 4},
-      {"deepseek-v3", 256, 8, 7168, 2048, 4},
-      {"mixtral-8x7b", 8, 2, 4096, 14336, 4},
-  };
-  for (int r : {8, 16, 32, 64}) cases.push_back({"deepseek-v3", 256, 8, 7168, 2048, r});
+  std::vector<Case> cases;
+  for (const ModelPreset* p : {&kQwen3_30B_A3B, &kDeepSeekV3, &kMixtral8x7B})
+    cases.push_back(model_case(*p, p->ep));
+  for (int r : {8, 16, 32, 64}) cases.push_back(model_case(kDeepSeekV3, r));
 
   auto be = cuda::make_cuda_backend();
   cudaStream_t s = nullptr;

@@ -48,6 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+# The shapes of include/moe_echo/presets.hpp, repeated: this script cannot read the C++ table.
 PRESETS = {
     "qwen3-30b-a3b": dict(hidden=2048, ffn=768, experts=128, top_k=8),
     "deepseek-v3": dict(hidden=7168, ffn=2048, experts=256, top_k=8),

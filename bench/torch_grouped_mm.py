@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+# grouped_gemm_bench.cu's fc1 shapes (from include/moe_echo/presets.hpp), repeated: this script
+# cannot read the C++ table. (name, experts, rows = tokens * top_k, K = hidden, N = 2 * ffn)
 SHAPES = [
     ("qwen3-30b-a3b", 16, 65536, 2048, 1536),
     ("deepseek-v3", 32, 65536, 7168, 4096),

@@ -1,8 +1,7 @@
 #include "layer_options.hpp"
 
-#include <map>
-
 #include "moe_echo/error.hpp"
+#include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
@@ -12,22 +11,6 @@
 namespace moe_echo::cli {
 namespace {
 
-struct Preset {
-  int hidden, ffn, experts, top_k, tokens, ep;
-  ScoreFunction score;
-};
-
-// Shapes of one MoE layer of each model (tokens per rank as in ANCHORS.md).
-const std::map<std::string, Preset>& presets() {
-  static const std::map<std::string, Preset> p = {
-      {"tiny", {64, 128, 16, 2, 256, 4, ScoreFunction::softmax}},
-      {"qwen3-30b-a3b", {2048, 768, 128, 8, 8192, 4, ScoreFunction::softmax}},
-      {"deepseek-v3", {7168, 2048, 256, 8, 8192, 4, ScoreFunction::sigmoid}},
-      {"mixtral-8x7b", {4096, 14336, 8, 2, 8192, 4, ScoreFunction::softmax}},
-  };
-  return p;
-}
-
 // Tokens per rank for a GPU-sized preset on the CPU backend, unless --tokens is given.
 constexpr int kCpuPresetTokens = 64;
 
@@ -35,8 +18,8 @@ constexpr int kCpuPresetTokens = 64;
 
 void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   cmd->add_option("--preset", o.preset,
-                  "Layer shape: tiny (default, seconds on a CPU), qwen3-30b-a3b, deepseek-v3, "
-                  "mixtral-8x7b. Explicit flags below override it.");
+                  "Layer shape: " + model_preset_names(false) + " (default " + o.preset +
+                      ", seconds on a CPU). Explicit flags below override it.");
   cmd->add_option("--backend", o.backend,
                   "auto (the GPU when there is one, else the CPU) or cpu");
   cmd->add_option("--hidden", o.hidden, "Hidden size H");
@@ -68,10 +51,9 @@ bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cu
 
 ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_size) {
   const bool cpu_backend = !is_cuda(backend);
-  const auto it = presets().find(o.preset);
-  if (it == presets().end())
-    reject("preset", "'" + o.preset + "'", "tiny, qwen3-30b-a3b, deepseek-v3, mixtral-8x7b");
-  const Preset& p = it->second;
+  const ModelPreset* preset = find_model_preset(o.preset);
+  if (!preset) reject("preset", "'" + o.preset + "'", model_preset_names(false));
+  const ModelPreset& p = *preset;
   ResolvedLayer r;
   r.preset = o.preset;
   r.gpu = !cpu_backend;
@@ -80,7 +62,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.moe.experts = o.experts.value_or(p.experts);
   r.moe.top_k = o.top_k.value_or(p.top_k);
   r.moe.max_tokens = o.tokens.value_or(p.tokens);
-  if (!o.tokens && cpu_backend && o.preset != "tiny") {
+  if (!o.tokens && cpu_backend && p.moe_layers > 0) {
     r.moe.max_tokens = kCpuPresetTokens;
     r.tokens_reduced_for_cpu = true;
   }

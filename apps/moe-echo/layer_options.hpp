@@ -8,11 +8,12 @@
 #include "moe_echo/backend.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
+#include "moe_echo/presets.hpp"
 
 namespace moe_echo::cli {
 
 struct LayerOptions {
-  std::string preset = "tiny";
+  std::string preset{kTinyLayer.name};
   std::string backend = "auto";
   std::optional<int> hidden, ffn, experts, top_k, tokens, ep, spare_slots, max_clones;
   std::optional<double> capacity_factor;

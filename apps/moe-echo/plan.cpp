@@ -12,10 +12,11 @@
 
 #include "commands.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/presets.hpp"
+#include "offline/capacity_plan.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/simulator.hpp"
 #include "offline/trace.hpp"
-#include "offline/capacity_plan.hpp"
 
 namespace moe_echo::cli {
 namespace {
@@ -23,7 +24,7 @@ namespace {
 using namespace moe_echo::offline;
 
 struct PlanOptions {
-  std::string model = "deepseek-v3";
+  std::string model{ModelSpec{}.name};
   std::optional<int> hidden, ffn, experts, top_k, layers;
   int seq_len = 4096, micro_batch = 1;
   std::string dtype = "bf16";
@@ -267,7 +268,7 @@ void add_plan(CLI::App& app, Runner& run) {
       "Memory, communication and compute of the MoE layers per GPU for a model, parallel layout "
       "and GPU: which wall binds, validation of the combination, and a capacity factor and "
       "spare-slot count from the simulator (docs/plan.md)");
-  cmd->add_option("--model", o->model, "preset: deepseek-v3, qwen3-30b-a3b, mixtral-8x7b")
+  cmd->add_option("--model", o->model, "preset: " + model_preset_names(true))
       ->capture_default_str();
   cmd->add_option("--hidden", o->hidden, "hidden size H (overrides the preset)");
   cmd->add_option("--ffn", o->ffn, "expert FFN size F");

@@ -24,17 +24,22 @@ namespace {
 
 using namespace moe_echo::offline;
 
+// The defaults of the flags: the library's.
+const SimulatorConfig kSim;
+const GeneratorConfig kGen;
+
 struct SimulateOptions {
-  int ep = 32, experts = 256, top_k = 8, tokens = 8192;
+  int ep = kSim.ranks, experts = kSim.experts, top_k = kSim.top_k, tokens = kGen.tokens;
   std::optional<int> steps, layers;
-  int spare_slots = 1, max_clones = 2, eplb_period = 100, threads = 2;
-  int64_t clone_cost_rows = -1;
-  uint64_t seed = 1;
+  int spare_slots = kSim.spare_slots, max_clones = kSim.max_clones;
+  int eplb_period = kSim.eplb_period, threads = kSim.threads;
+  int64_t clone_cost_rows = kSim.clone_cost_rows;
+  uint64_t seed = kGen.seed;
   std::string trace, write_trace, json, plot;
   std::vector<double> zipf;
   std::optional<double> zipf_lo, zipf_hi, drift_std, drift_steps, switch_prob;
-  int hidden = 7168, ffn = 2048, grad_bytes = 2;
-  std::string gpu = "h200", measured;
+  int hidden = kSim.hidden, ffn = kSim.ffn, grad_bytes = kSim.grad_bytes;
+  std::string gpu = kSim.cost.gpu.name, measured;
   std::optional<double> gemm_tflops, nvlink_gbps, network_gbps;
   std::optional<int> gpus_per_node;
   std::vector<std::string> policies;
@@ -44,6 +49,13 @@ std::string fmt(double v, int precision) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.*f", precision, v);
   return buf;
+}
+
+// "(default <v>" with v in the shortest form ("0.5", "50", "0.002").
+std::string default_of(double v) {
+  std::ostringstream s;
+  s << "(default " << v;
+  return s.str();
 }
 
 Policy parse_policy(const std::string& s) {
@@ -116,8 +128,8 @@ int run_simulate(const SimulateOptions& o) {
     g.experts = o.experts;
     g.top_k = o.top_k;
     g.tokens = o.tokens;
-    g.steps = o.steps.value_or(1000);
-    g.layers = o.layers.value_or(8);
+    g.steps = o.steps.value_or(g.steps);
+    g.layers = o.layers.value_or(g.layers);
     g.zipf = o.zipf;
     g.zipf_lo = o.zipf_lo.value_or(g.zipf_lo);
     g.zipf_hi = o.zipf_hi.value_or(g.zipf_hi);
@@ -232,9 +244,11 @@ void add_simulate(CLI::App& app, Runner& run) {
   cmd->add_option("--top-k", o->top_k, "experts per token K")->capture_default_str();
   cmd->add_option("--tokens", o->tokens, "generator: tokens per rank per step T")
       ->capture_default_str();
-  cmd->add_option("--steps", o->steps, "steps (default 1000; with --trace every step of the file)");
-  cmd->add_option("--layers", o->layers,
-                  "MoE layers (default 8; with --trace every layer of the file)");
+  cmd->add_option("--steps", o->steps,
+                  "steps " + default_of(kGen.steps) + "; with --trace every step of the file)");
+  cmd->add_option(
+      "--layers", o->layers,
+      "MoE layers " + default_of(kGen.layers) + "; with --trace every layer of the file)");
   cmd->add_option("--spare-slots", o->spare_slots, "spare slots per rank S")->capture_default_str();
   cmd->add_option("--max-clones", o->max_clones, "ECHO: clones per expert per step")
       ->capture_default_str();
@@ -251,14 +265,17 @@ void add_simulate(CLI::App& app, Runner& run) {
   cmd->add_option("--write-trace", o->write_trace, "write the routing counts used as a CSV trace");
   cmd->add_option("--zipf", o->zipf, "generator: Zipf exponent, one value or one per layer")
       ->delimiter(',');
-  cmd->add_option("--zipf-lo", o->zipf_lo, "generator: exponent of the first layer (default 0.5)");
-  cmd->add_option("--zipf-hi", o->zipf_hi, "generator: exponent of the last layer (default 0.7)");
-  cmd->add_option("--drift-std", o->drift_std,
-                  "generator: stationary std of log-popularity (default 0.3)");
+  cmd->add_option("--zipf-lo", o->zipf_lo,
+                  "generator: exponent of the first layer " + default_of(kGen.zipf_lo) + ")");
+  cmd->add_option("--zipf-hi", o->zipf_hi,
+                  "generator: exponent of the last layer " + default_of(kGen.zipf_hi) + ")");
+  cmd->add_option(
+      "--drift-std", o->drift_std,
+      "generator: stationary std of log-popularity " + default_of(kGen.drift_std) + ")");
   cmd->add_option("--drift-steps", o->drift_steps,
-                  "generator: mean-reversion time in steps (default 50)");
+                  "generator: mean-reversion time in steps " + default_of(kGen.drift_steps) + ")");
   cmd->add_option("--switch-prob", o->switch_prob,
-                  "generator: domain switches per step (default 0.002)");
+                  "generator: domain switches per step " + default_of(kGen.switch_prob) + ")");
   cmd->add_option("--hidden", o->hidden, "hidden size H (bytes and time)")->capture_default_str();
   cmd->add_option("--ffn", o->ffn, "expert FFN size F (bytes and time)")->capture_default_str();
   cmd->add_option("--grad-bytes", o->grad_bytes,

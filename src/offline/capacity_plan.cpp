@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "moe_echo/error.hpp"
+#include "moe_echo/presets.hpp"
 
 namespace moe_echo::offline {
 namespace {
@@ -61,33 +62,17 @@ double spare_grads_gb(const WallsInput& in, int spare_slots) {
 
 }  // namespace
 
-std::vector<std::string> model_preset_names() {
-  return {"deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"};
-}
-
 ModelSpec model_preset(const std::string& name) {
-  const std::string n = lower(name);
-  ModelSpec m;  // defaults: DeepSeek-V3 (61 layers, the first 3 dense: 58 MoE layers)
-  if (n == "deepseek-v3") return m;
-  if (n == "qwen3-30b-a3b") {
-    m.name = n;
-    m.hidden = 2048;
-    m.ffn = 768;
-    m.experts = 128;
-    m.top_k = 8;
-    m.layers = 48;
-    return m;
-  }
-  if (n == "mixtral-8x7b") {
-    m.name = n;
-    m.hidden = 4096;
-    m.ffn = 14336;
-    m.experts = 8;
-    m.top_k = 2;
-    m.layers = 32;
-    return m;
-  }
-  reject("model", "'" + name + "'", "deepseek-v3, qwen3-30b-a3b or mixtral-8x7b");
+  const ModelPreset* p = find_model_preset(lower(name));
+  if (!p || p->moe_layers == 0) reject("model", "'" + name + "'", model_preset_names(true, " or "));
+  ModelSpec m;
+  m.name = p->name;
+  m.hidden = p->hidden;
+  m.ffn = p->ffn;
+  m.experts = p->experts;
+  m.top_k = p->top_k;
+  m.layers = p->moe_layers;
+  return m;
 }
 
 int dtype_bytes(const std::string& dtype) {

@@ -16,25 +16,26 @@
 #include <string>
 #include <vector>
 
+#include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/simulator.hpp"
 
 namespace moe_echo::offline {
 
-struct ModelSpec {
-  std::string name = "deepseek-v3";
-  int hidden = 7168;  // H
-  int ffn = 2048;     // F (expert FFN size)
-  int experts = 256;  // E
-  int top_k = 8;      // K
-  int layers = 58;    // MoE layers
+struct ModelSpec {  // defaults: DeepSeek-V3
+  std::string name{kDeepSeekV3.name};
+  int hidden = kDeepSeekV3.hidden;      // H
+  int ffn = kDeepSeekV3.ffn;            // F (expert FFN size)
+  int experts = kDeepSeekV3.experts;    // E
+  int top_k = kDeepSeekV3.top_k;        // K
+  int layers = kDeepSeekV3.moe_layers;  // MoE layers
   int seq_len = 4096;
   int micro_batch = 1;
   std::string dtype = "bf16";  // bf16, fp16 or fp32 (weights and activations)
 };
-// "deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"; throws ConfigError naming `model` otherwise.
+// The model preset named `name` (moe_echo/presets.hpp, models only, any case); throws
+// ConfigError naming `model` otherwise.
 ModelSpec model_preset(const std::string& name);
-std::vector<std::string> model_preset_names();
 
 struct LayoutSpec {
   int ep = 8;   // expert parallel size

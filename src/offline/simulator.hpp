@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/trace.hpp"
 
@@ -38,8 +39,9 @@ inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::ep
 
 struct SimulatorConfig {
   int ranks = 32;       // R, the EP size
-  int experts = 256;    // E
-  int top_k = 8;        // K (the text report, and rows moved per routed entry; rows come from the trace)
+  int experts = kDeepSeekV3.experts;  // E
+  int top_k = kDeepSeekV3.top_k;      // K (the text report, and rows moved per routed entry; rows
+                                      // come from the trace)
   int steps = 0;        // 0: every step of the trace
   int layers = 0;       // 0: every layer of the trace
   int spare_slots = 1;  // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas)
@@ -48,9 +50,9 @@ struct SimulatorConfig {
   int eplb_period = 100;         // steps between EPLB re-placements
   int threads = 2;
   std::vector<Policy> policies{std::begin(kAllPolicies), std::end(kAllPolicies)};
-  // Model and cost model, for bytes and time.
-  int hidden = 7168;            // H
-  int ffn = 2048;               // F
+  // Model (DeepSeek-V3's layer unless set) and cost model, for bytes and time.
+  int hidden = kDeepSeekV3.hidden;  // H
+  int ffn = kDeepSeekV3.ffn;        // F
   int grad_bytes = 2;           // bytes per parameter of a clone's gradient sent home (bf16)
   int master_state_bytes = 14;  // bytes per parameter moved with a master: bf16 weight + fp32
                                 // master copy + Adam m and v (2 + 4 + 4 + 4)

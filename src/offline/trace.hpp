@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "core/random.hpp"
+#include "moe_echo/presets.hpp"
 
 namespace moe_echo::offline {
 
@@ -52,10 +53,10 @@ class TraceSource {
 // different experts become hot at once, and the drift keeps its current deviation. The
 // probabilities p = softmax(x) are capped at 1/K (water-filling) and every source samples its
 // T*K rows multinomially from them (sampling: conditional binomials, see sample_multinomial).
-struct GeneratorConfig {
-  int experts = 256;
-  int top_k = 8;
-  int tokens = 8192;  // T: tokens each source rank routes per step
+struct GeneratorConfig {  // the shape defaults: DeepSeek-V3's layer (R1 has the same)
+  int experts = kDeepSeekV3.experts;
+  int top_k = kDeepSeekV3.top_k;
+  int tokens = kDeepSeekV3.tokens;  // T: tokens each source rank routes per step
   int layers = 8;
   int steps = 1000;
   // Zipf exponent per layer: empty -> spread linearly from zipf_lo (layer 0) to zipf_hi (last

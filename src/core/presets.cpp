@@ -1,0 +1,26 @@
+// The model preset table's look-ups (moe_echo/presets.hpp); the table itself is in the header.
+#include "moe_echo/presets.hpp"
+
+#include <vector>
+
+namespace moe_echo {
+
+const ModelPreset* find_model_preset(std::string_view name) {
+  for (const ModelPreset* p : kModelPresets)
+    if (p->name == name) return p;
+  return nullptr;
+}
+
+std::string model_preset_names(bool models_only, std::string_view last_separator) {
+  std::vector<std::string_view> names;
+  for (const ModelPreset* p : kModelPresets)
+    if (!models_only || p->moe_layers > 0) names.push_back(p->name);
+  std::string s;
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (i > 0) s += i + 1 == names.size() ? last_separator : std::string_view(", ");
+    s += names[i];
+  }
+  return s;
+}
+
+}  // namespace moe_echo
