@@ -11,6 +11,7 @@
 // the window. Entries whose rank is not 0 (-1: unrouted) are in no window.
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.hpp"
+#include "cuda/warp_copy.cuh"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
@@ -66,17 +67,7 @@ __global__ void __launch_bounds__(kRowThreads)
       if (lane != lead_lane) members[e.row * K] = -1;
     }
     if (lane >= count && lane < K) members[p * K + lane] = -1;
-    const W* from = src + t * row_words;
-    W* to = recv + p * row_words;
-    for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
-      W v[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (w0 + 32 * u < row_words) v[u] = from[w0 + 32 * u];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (w0 + 32 * u < row_words) to[w0 + 32 * u] = v[u];
-    }
+    warp_copy_row<kInFlight>(recv + p * row_words, src + t * row_words, row_words, lane);
   }
 }
 

@@ -35,6 +35,7 @@
 
 #include "comm/nccl_communicator.hpp"
 #include "cuda/common.cuh"
+#include "cuda/warp_copy.cuh"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
 
@@ -104,21 +105,8 @@ constexpr ::cuda::memory_order kAcqRel = ::cuda::memory_order_acq_rel;
 
 constexpr unsigned kFull = 0xffffffffu;
 
-// One warp copies one row, four words per lane in flight.
-template <class W>
-__device__ __forceinline__ void copy_row(W* __restrict__ to, const W* __restrict__ from,
-                                         int64_t words, int lane) {
-  constexpr int U = 4;
-  int64_t w = lane;
-  for (; w + 32 * (U - 1) < words; w += 32 * U) {
-    W v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = from[w + 32 * u];
-#pragma unroll
-    for (int u = 0; u < U; ++u) to[w + 32 * u] = v[u];
-  }
-  for (; w < words; w += 32) to[w] = from[w];
-}
+// Words per lane in flight in the baseline's row copies (cuda::warp_copy_row).
+constexpr int kCopyInFlight = 4;
 
 // A token's entries as its warp sees them: lane k < K holds entry t * K + k (comm.hpp's leads and
 // members). `in`: the entry's receive row lies in the window; `group`: the in-window lanes with
@@ -320,20 +308,12 @@ __global__ void __launch_bounds__(kThreads)
         e.lead ? reinterpret_cast<unsigned long long>(ncclGetLsaPointer(
                      recv, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
                : 0ull;
-    const W* from = src + t * row_words;
-    for (int64_t base = 0; base < row_words; base += 32 * kInFlight) {  // uniform: shuffles inside
-      const int64_t w0 = base + lane;
-      W v[kInFlight];
-#pragma unroll
-      for (int u = 0; u < kInFlight; ++u)
-        if (w0 + 32 * u < row_words) v[u] = from[w0 + 32 * u];
-      for (unsigned l = e.leads; l; l &= l - 1) {
-        W* dst = reinterpret_cast<W*>(__shfl_sync(kFull, to, __ffs(l) - 1));
-#pragma unroll
-        for (int u = 0; u < kInFlight; ++u)
-          if (w0 + 32 * u < row_words) dst[w0 + 32 * u] = v[u];
-      }
-    }
+    cuda::warp_row_steps<kInFlight>(
+        src + t * row_words, row_words, lane, [&](const W(&v)[kInFlight], int64_t w0) {
+          for (unsigned l = e.leads; l; l &= l - 1)  // the steps are uniform: shuffles are safe
+            cuda::warp_store_step(reinterpret_cast<W*>(__shfl_sync(kFull, to, __ffs(l) - 1)), v,
+                                  w0, row_words);
+        });
   }
   b.sync(Coop(), kAcqRel);
 }
@@ -524,7 +504,8 @@ __global__ void index_copy_kernel(int64_t count, const int32_t* __restrict__ src
   for (int64_t j = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; j < count; j += warps) {
     const int64_t from = src_idx ? int64_t(src_idx[j]) : j;
     const int64_t to = dst_idx ? int64_t(dst_idx[j]) : j;
-    copy_row<W>(dst + to * row_words, src + from * row_words, row_words, lane);
+    cuda::warp_copy_row<kCopyInFlight>(dst + to * row_words, src + from * row_words, row_words,
+                                       lane);
   }
 }
 
@@ -557,7 +538,8 @@ __global__ void receive_leads_kernel(int64_t count, int K, const int32_t* __rest
         if (lane > 0) members[int64_t(m) * K] = -1;
       }
     }
-    copy_row<W>(recv + p * row_words, staged + j * row_words, row_words, lane);
+    cuda::warp_copy_row<kCopyInFlight>(recv + p * row_words, staged + j * row_words, row_words,
+                                       lane);
   }
 }
 
