@@ -225,11 +225,9 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* ge
                     a.d_topk_weight.as<float>(), cfg.score_function == ScoreFunction::sigmoid,
                     cfg.normalize_topk, cfg.aux_loss_coeff, cfg.z_loss_coeff, int(Ep), sc.dl);
   };
-  if (E <= 32) dlogits(router_dlogits_reg_kernel<1>);
-  else if (E <= 64) dlogits(router_dlogits_reg_kernel<2>);
-  else if (E <= 128) dlogits(router_dlogits_reg_kernel<4>);
-  else if (E <= 32 * kMaxExpertsPerLane) dlogits(router_dlogits_reg_kernel<kMaxExpertsPerLane>);
-  else dlogits(router_dlogits_kernel);
+  const bool in_registers = with_experts_per_lane(
+      E, [&](auto p) { dlogits(router_dlogits_reg_kernel<decltype(p)::value>); });
+  if (!in_registers) dlogits(router_dlogits_kernel);
   // dW[E, H] += dl^T x (reduction over tokens), dx[T, H] += dl W (reduction over experts).
   grad_products(io.x, io.weight, a.d_weight, a.dx, sc, gemm, s);
 }

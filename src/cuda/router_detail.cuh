@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.hpp"
@@ -74,6 +75,19 @@ inline void check_router_dtypes(const Tensor& x, const Tensor& w) {
 
 inline unsigned token_warp_blocks(int64_t T) {
   return blocks_for(T, kWarpsPerBlock, grid_cap());
+}
+
+// The register kernels' experts per lane for E experts: calls f(std::integral_constant<int, P>{})
+// with the fewest P of 1, 2, 4, kMaxExpertsPerLane that hold E on a warp and returns true, or
+// returns false without a call when E > 32 * kMaxExpertsPerLane.
+template <class F>
+bool with_experts_per_lane(int64_t E, F&& f) {
+  if (E <= 32) f(std::integral_constant<int, 1>{});
+  else if (E <= 64) f(std::integral_constant<int, 2>{});
+  else if (E <= 128) f(std::integral_constant<int, 4>{});
+  else if (E <= 32 * kMaxExpertsPerLane) f(std::integral_constant<int, kMaxExpertsPerLane>{});
+  else return false;
+  return true;
 }
 
 // logsumexp over a token's logits held by the warp: lane j holds experts j, j + 32, ... in l[p];

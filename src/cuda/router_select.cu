@@ -324,19 +324,15 @@ void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm
   const float* logits = io.logits.as<float>();
   const bool sigmoid = cfg.score_function == ScoreFunction::sigmoid;
   const int64_t blocks = loss_blocks(T);
-  const int32_t* block_counts = nullptr;
   auto select = [&](auto kernel) {
     MOE_ECHO_LAUNCH(kernel, unsigned(blocks), kSelectWarps * 32, select_smem_bytes(E), s, T,
                     int(E), int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
                     io.topk_idx.as<int32_t>(), io.topk_weight.as<float>(), sc.block_counts,
                     sc.partial, sc.partial_z, sigmoid, cfg.normalize_topk);
-    block_counts = sc.block_counts;
   };
-  if (E <= 32) select(router_select_kernel<1>);
-  else if (E <= 64) select(router_select_kernel<2>);
-  else if (E <= 128) select(router_select_kernel<4>);
-  else if (E <= 32 * kMaxExpertsPerLane) select(router_select_kernel<kMaxExpertsPerLane>);
-  else {
+  const bool fused =
+      with_experts_per_lane(E, [&](auto p) { select(router_select_kernel<decltype(p)::value>); });
+  if (!fused) {
     MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(io.counts.data, 0, size_t(E) * sizeof(int32_t), s));
     MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T,
                     int(E), int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
@@ -346,8 +342,8 @@ void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm
                     sc.lse, sc.total, sigmoid, sc.partial, sc.partial_z);
   }
   MOE_ECHO_LAUNCH(router_loss_final_kernel, 1, 256, 0, s, T, int(E), int(K), blocks, sc.partial,
-                  sc.partial_z, block_counts, io.counts.as<int32_t>(), cfg.aux_loss_coeff,
-                  cfg.z_loss_coeff, a.losses.as<float>());
+                  sc.partial_z, fused ? sc.block_counts : nullptr, io.counts.as<int32_t>(),
+                  cfg.aux_loss_coeff, cfg.z_loss_coeff, a.losses.as<float>());
 }
 
 }  // namespace moe_echo::cuda
