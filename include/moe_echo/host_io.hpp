@@ -1,9 +1,12 @@
-// Host I/O: reading and writing a backend's tensors as host doubles, for build time and tests.
+// Host I/O: reading and writing a backend's tensors as host doubles, for build time and tests,
+// and the host's one bf16 conversion.
 //
-// Invariants: both calls synchronise the backend (never use them inside a step); values convert
-// to and from the tensor's dtype, bf16 rounding to nearest even.
+// Invariants: read_tensor and write_tensor synchronise the backend (never use them inside a
+// step); values convert to and from the tensor's dtype, bf16 through to_bf16 / from_bf16 below.
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "moe_echo/backend.hpp"
@@ -15,5 +18,22 @@ namespace moe_echo {
 std::vector<double> read_tensor(Backend& backend, const Tensor& t);
 // Writes `values` (one per element) into the tensor, converted to its dtype.
 void write_tensor(Backend& backend, const Tensor& t, const std::vector<double>& values);
+
+// f32 -> bf16 bits, rounded to nearest even as __float2bfloat16_rn (a NaN stays a NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// bf16 bits -> f32 (exact).
+inline float from_bf16(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 }  // namespace moe_echo

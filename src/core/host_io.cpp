@@ -7,24 +7,6 @@
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
-namespace {
-
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
-  return uint16_t(u >> 16);
-}
-
-float from_bf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-}  // namespace
 
 std::vector<double> read_tensor(Backend& backend, const Tensor& t) {
   const int64_t n = t.numel();

@@ -32,15 +32,7 @@ constexpr double kLayerTol = 2e-2;
 #define MOE_ECHO_SKIP_WITHOUT_GPU() \
   if (!::moe_echo::cuda_backend_available()) GTEST_SKIP() << "no CUDA device visible"
 
-inline double round_bf16(double v) {
-  float f = float(v);
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  u &= 0xffff0000u;
-  std::memcpy(&f, &u, 4);
-  return double(f);
-}
+inline double round_bf16(double v) { return double(from_bf16(to_bf16(float(v)))); }
 inline std::vector<double> round_bf16(std::vector<double> v) {
   for (auto& x : v) x = round_bf16(x);
   return v;

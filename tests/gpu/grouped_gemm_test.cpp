@@ -23,6 +23,7 @@
 
 #include "cpu/cpu_ops.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo {
@@ -45,18 +46,6 @@ void ck(cudaError_t e, const char* what) {
 }
 #define CK(expr) ck((expr), #expr)
 
-uint16_t to_bf16(float f) {  // round to nearest even (inputs are finite)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-float from_bf16(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 uint32_t float_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
