@@ -23,15 +23,21 @@
 
 namespace moe_echo {
 
-// Rows of the receive window of one round: receive rows [row_lo, row_lo + rows) of this rank,
-// grouped by slot. group_offsets[g] is the first receive row (global, over all rounds) of slot g,
-// group_offsets[groups] the total; group g's rows in this window are
-// [max(off[g], row_lo), min(off[g+1], row_lo + rows)) - row_lo.
-struct GroupWindow {
-  const int32_t* group_offsets = nullptr;  // device, [groups + 1]
-  int groups = 0;
+// One round's window of receive rows of a rank: [row_lo, row_lo + rows), global over rounds
+// (round r of a layer with capacity C is {r * C, C}). What the communicator's dispatch and combine
+// take (comm.hpp).
+struct RoundWindow {
   int64_t row_lo = 0;
   int64_t rows = 0;  // window size (the capacity)
+};
+
+// A round's window with its rows grouped by slot, what the expert ops take:
+// GroupWindow{round_window, group_offsets, groups}. group_offsets[g] is the first receive row
+// (global, over all rounds) of slot g, group_offsets[groups] the total; group g's rows in this
+// window are [max(off[g], row_lo), min(off[g+1], row_lo + rows)) - row_lo.
+struct GroupWindow : RoundWindow {
+  const int32_t* group_offsets = nullptr;  // device, [groups + 1]
+  int groups = 0;
 };
 
 // The router's options, the same in its forward and its backward.

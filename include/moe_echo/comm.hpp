@@ -35,12 +35,6 @@ struct RowRoute {
   int top_k = 1;
 };
 
-// One round's window of receive rows: [row_lo, row_lo + rows).
-struct RoundWindow {
-  int64_t row_lo = 0;
-  int64_t rows = 0;
-};
-
 // Leads and members. Entry i is in a window when row_lo <= dest_row[i] < row_lo + rows. In a
 // window, the members of (token t, rank d) are t's entries in the window with dest_rank d, in k
 // order; the first of them is the lead. A token's row crosses to rank d once per window, into the

@@ -405,10 +405,10 @@ __global__ void __launch_bounds__(kDxWords * kDxGroups)
 
 // One-group windows of the tensor-core products: rows [0, H) and [0, T).
 GroupWindow h_window(const RouterScratch& sc, int64_t H) {
-  return GroupWindow{sc.offsets, 1, 0, H};
+  return GroupWindow{{0, H}, sc.offsets, 1};
 }
 GroupWindow t_window(const RouterScratch& sc, int64_t T) {
-  return GroupWindow{sc.offsets + 2, 1, 0, T};
+  return GroupWindow{{0, T}, sc.offsets + 2, 1};
 }
 
 // logits [T, E] = sum over the parts W_i of x W_i^T: three wgrad products over the H rows of

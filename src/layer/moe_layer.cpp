@@ -391,7 +391,7 @@ RowRoute MoeLayer::route(int64_t T) const {
 FanArgs MoeLayer::fan_args(int round) const {
   const Buffers& b = *buf_;
   FanArgs f;
-  f.window = GroupWindow{b.group_offsets.as<int32_t>(), slots_, round * capacity_, capacity_};
+  f.window = GroupWindow{{round * capacity_, capacity_}, b.group_offsets.as<int32_t>(), slots_};
   f.members = b.fan_members;
   f.weights = b.fan_weights;
   return f;
@@ -416,7 +416,7 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
                          const int32_t* accumulate, Stream s) {
   Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
-  const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
+  const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
 
   dispatch_tokens(round, x, T, s);
   mark(round, "fc1", s);
@@ -507,7 +507,7 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
-  const GroupWindow gw{b.group_offsets.as<int32_t>(), slots_, win.row_lo, win.rows};
+  const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
 
   if (round > 0) {  // recompute this spill round's activations and expert outputs
     dispatch_tokens(round, last_x_, T, s);

@@ -760,7 +760,7 @@ TEST(GroupedGemm, GradientsMatchFiniteDifferences) {
   const int64_t G = 4, row_lo = 2, rows = 10, K = 3, N = 5;
   const Tensor offsets = arena.make(DType::i32, {G + 1});
   put(*be, offsets, as_doubles(off));
-  const GroupWindow win{offsets.as<int32_t>(), int(G), row_lo, rows};
+  const GroupWindow win{{row_lo, rows}, offsets.as<int32_t>(), int(G)};
   const Tensor x = arena.make(DType::f64, {rows, K}), w = arena.make(DType::f64, {G, K, N});
   const Tensor y = arena.make(DType::f64, {rows, N}), dy = arena.make(DType::f64, {rows, N});
   const Tensor dx = arena.make(DType::f64, {rows, K}), dw = arena.make(DType::f64, {G, K, N});
@@ -836,7 +836,7 @@ TEST_P(SwigluTest, ValidPrefixOnlyAndMatchesReference) {
   const double tol = tolerance(dt);
   const Tensor offsets = arena.make(DType::i32, {G + 1});
   put(*be, offsets, as_doubles(wc.offsets));
-  const GroupWindow win{offsets.as<int32_t>(), int(G), wc.row_lo, rows};
+  const GroupWindow win{{wc.row_lo, rows}, offsets.as<int32_t>(), int(G)};
   const int64_t valid_rows = test::ref::valid_prefix(wc.offsets, wc.row_lo, rows);
   std::vector<bool> valid(static_cast<size_t>(rows));
   for (int64_t i = 0; i < rows; ++i) valid[size_t(i)] = i < valid_rows;
@@ -994,7 +994,7 @@ TEST_P(FanTest, OutAndInMatchReferenceOnLeadsAndMembersOnly) {
   const double tol = tolerance(dt);
   const Tensor offsets = arena.make(DType::i32, {G + 1});
   put(*be, offsets, as_doubles(wc.offsets));
-  const GroupWindow win{offsets.as<int32_t>(), int(G), wc.row_lo, rows};
+  const GroupWindow win{{wc.row_lo, rows}, offsets.as<int32_t>(), int(G)};
   const int64_t valid = test::ref::valid_prefix(wc.offsets, wc.row_lo, rows);
   const uint64_t seed = uint64_t(rows * 1000 + K * 10 + H);
   const FanCase fc = random_fan_table(rows, valid, K, seed);
@@ -1138,7 +1138,7 @@ TEST(Fan, RejectsWeightedCopyInPlaceAndAliasedSum) {
   put_random(*be, weights, 1);
   put_random(*be, x, 2);
   FanArgs a;
-  a.window = GroupWindow{offsets.as<int32_t>(), 1, 0, 2};
+  a.window = GroupWindow{{0, 2}, offsets.as<int32_t>(), 1};
   a.members = members;
   a.weights = weights;
   a.src = x;

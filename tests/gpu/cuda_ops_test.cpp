@@ -411,7 +411,7 @@ TEST_P(SwigluTest, ForwardAndBackwardOnValidRowsOnly) {
   dh.poison_both();
   for (bool gpu : {false, true}) {
     auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
-    const GroupWindow gw{t(off).as<int32_t>(), groups, w.row_lo, rows};
+    const GroupWindow gw{{w.row_lo, rows}, t(off).as<int32_t>(), groups};
     Backend& be = gpu ? *b.gpu : *b.cpu;
     be.swiglu_forward({gw, t(h), t(a), Tensor(), Tensor()}, nullptr);
     be.swiglu_backward({gw, t(h), t(a), t(da), t(dh)}, nullptr);
@@ -507,7 +507,7 @@ TEST_P(FanTest, OutAndInMatchCpu) {
   members.write(table.members);
   weights.write(table.weights);
   auto window = [&](bool gpu) {
-    return GroupWindow{(gpu ? *off.g : *off.c).as<int32_t>(), 3, c.row_lo, rows};
+    return GroupWindow{{c.row_lo, rows}, (gpu ? *off.g : *off.c).as<int32_t>(), 3};
   };
   // Poison NaN for rows an op must write, random values where it must read or leave alone.
   const double nan = std::nan("");

@@ -306,7 +306,7 @@ TEST(LocalCommunicator, RoundTripThroughTheFanOps) {
             weights(fan.table.weights.local, DType::f32, {win.rows, K}),
             values(fan.table.values.local, DType::f32, {win.rows});
         write_tensor(*be, recv_t, std::vector<double>(size_t(win.rows * H), std::nan("")));
-        const GroupWindow gw{offsets->as<int32_t>(), 1, win.row_lo, win.rows};
+        const GroupWindow gw{win, offsets->as<int32_t>(), 1};
 
         // Forward: every entry's receive row holds its token's row, bit for bit.
         comm->dispatch(route, win, x->data, row_bytes, recv, fan.table, nullptr);
