@@ -84,7 +84,7 @@ if [ -n "$bin" ]; then
     t0=$SECONDS
     timeout "$lim" "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout $((lim - 10)) -- \
       "$bin/moe-echo" bench --preset "$preset" --ep "$n" --skew "$skew" --echo "$echo" \
-      --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
+      --spare-slots 2 --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
       --json "$OUT/ours_$name.json" ${BENCH_ARGS:-} >"$OUT/ours_$name.log" 2>&1
     rc=$?
     summary=$(grep -E "^\[rank 0\]   forward" "$OUT/ours_$name.log" | sed 's/^\[rank 0\]   //')

@@ -1,9 +1,10 @@
 // The ECHO planner's time per call on the host (plan_echo) and on the GPU (Backend::plan of the
 // CUDA backend), on routing maps drawn as an EP layer's router produces them: every rank's tokens
 // pick K distinct experts from SyntheticTokens' popularity (uniform or Zipf with drift), summed
-// into C[R][E]. Planner config as `moe-echo bench` builds it on a GPU: 2 spare slots per rank,
-// 2 clones per expert, clone_cost_rows from the H200 cost model (fp32 gradients); every case is
-// also run with clone_cost_rows 0, where no trial is pruned (the search's worst case).
+// into C[R][E]. Planner config as `moe-echo bench --spare-slots 2` builds it on a GPU: 2 spare
+// slots per rank, 2 clones per expert, clone_cost_rows from the H200 cost model (fp32 gradients);
+// every case is also run with clone_cost_rows 0, where no trial is pruned (the search's worst
+// case).
 //
 // Correctness first: for every routing map the GPU plan storage (poisoned before) must equal the
 // host plan element for element, checked before the timed launches and again after them. Any

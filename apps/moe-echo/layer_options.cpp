@@ -1,5 +1,6 @@
 #include "layer_options.hpp"
 
+#include "commands.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
@@ -13,6 +14,9 @@ namespace {
 
 // Tokens per rank for a GPU-sized preset on the CPU backend, unless --tokens is given.
 constexpr int kCpuPresetTokens = 64;
+
+// The ECHO flags' defaults: the library's.
+const EchoConfig kEcho;
 
 }  // namespace
 
@@ -35,11 +39,15 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   cmd->add_option("--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
   cmd->add_flag("--bias-update", o.bias_update, "Aux-loss-free balancing bias updates");
   cmd->add_option("--echo", o.echo, "ECHO cloning of hot experts: on (default) or off");
-  cmd->add_option("--spare-slots", o.spare_slots, "Spare expert slots per rank for clones (default 2)");
-  cmd->add_option("--max-clones", o.max_clones, "Clones per expert per step (default 2)");
+  cmd->add_option(
+      "--spare-slots", o.spare_slots,
+      "Spare expert slots per rank for clones (" + default_is(kEcho.spare_slots_per_rank) + ")");
+  cmd->add_option("--max-clones", o.max_clones,
+                  "Clones per expert per step (" + default_is(kEcho.max_clones_per_expert) + ")");
   cmd->add_option("--capacity-factor", o.capacity_factor,
                   "Receive buffer rows = ceil(factor * T * K); rows beyond it run in spill "
-                  "rounds, never dropped (default 1.25)");
+                  "rounds, never dropped (" +
+                      default_is(kEcho.capacity_factor) + ")");
   cmd->add_option("--clone-cost-rows", o.clone_cost_rows,
                   "A clone must lower the busiest rank's load by more than this many rows "
                   "(default: on the GPU, the H200 cost model's clone traffic time over one row's "
@@ -84,9 +92,9 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   if (o.echo != "on" && o.echo != "off")
     reject("echo", "'" + o.echo + "'", "on or off");
   r.echo.enabled = o.echo == "on";
-  r.echo.spare_slots_per_rank = o.spare_slots.value_or(2);
-  r.echo.max_clones_per_expert = o.max_clones.value_or(2);
-  r.echo.capacity_factor = o.capacity_factor.value_or(1.25);
+  r.echo.spare_slots_per_rank = o.spare_slots.value_or(kEcho.spare_slots_per_rank);
+  r.echo.max_clones_per_expert = o.max_clones.value_or(kEcho.max_clones_per_expert);
+  r.echo.capacity_factor = o.capacity_factor.value_or(kEcho.capacity_factor);
   // On a GPU a clone costs its weights in and its gradient out over NVLink; the cost model turns
   // that into rows of expert work (bf16 weights, fp32 gradients). Ranks simulated in one CPU
   // process pay a memory copy, so cloning is free there.

@@ -51,13 +51,6 @@ std::string fmt(double v, int precision) {
   return buf;
 }
 
-// "(default <v>" with v in the shortest form ("0.5", "50", "0.002").
-std::string default_of(double v) {
-  std::ostringstream s;
-  s << "(default " << v;
-  return s.str();
-}
-
 Policy parse_policy(const std::string& s) {
   for (Policy p : kAllPolicies)
     if (s == to_string(p)) return p;
@@ -245,10 +238,10 @@ void add_simulate(CLI::App& app, Runner& run) {
   cmd->add_option("--tokens", o->tokens, "generator: tokens per rank per step T")
       ->capture_default_str();
   cmd->add_option("--steps", o->steps,
-                  "steps " + default_of(kGen.steps) + "; with --trace every step of the file)");
+                  "steps (" + default_is(kGen.steps) + "; with --trace every step of the file)");
   cmd->add_option(
       "--layers", o->layers,
-      "MoE layers " + default_of(kGen.layers) + "; with --trace every layer of the file)");
+      "MoE layers (" + default_is(kGen.layers) + "; with --trace every layer of the file)");
   cmd->add_option("--spare-slots", o->spare_slots, "spare slots per rank S")->capture_default_str();
   cmd->add_option("--max-clones", o->max_clones, "ECHO: clones per expert per step")
       ->capture_default_str();
@@ -266,16 +259,16 @@ void add_simulate(CLI::App& app, Runner& run) {
   cmd->add_option("--zipf", o->zipf, "generator: Zipf exponent, one value or one per layer")
       ->delimiter(',');
   cmd->add_option("--zipf-lo", o->zipf_lo,
-                  "generator: exponent of the first layer " + default_of(kGen.zipf_lo) + ")");
+                  "generator: exponent of the first layer (" + default_is(kGen.zipf_lo) + ")");
   cmd->add_option("--zipf-hi", o->zipf_hi,
-                  "generator: exponent of the last layer " + default_of(kGen.zipf_hi) + ")");
+                  "generator: exponent of the last layer (" + default_is(kGen.zipf_hi) + ")");
   cmd->add_option(
       "--drift-std", o->drift_std,
-      "generator: stationary std of log-popularity " + default_of(kGen.drift_std) + ")");
+      "generator: stationary std of log-popularity (" + default_is(kGen.drift_std) + ")");
   cmd->add_option("--drift-steps", o->drift_steps,
-                  "generator: mean-reversion time in steps " + default_of(kGen.drift_steps) + ")");
+                  "generator: mean-reversion time in steps (" + default_is(kGen.drift_steps) + ")");
   cmd->add_option("--switch-prob", o->switch_prob,
-                  "generator: domain switches per step " + default_of(kGen.switch_prob) + ")");
+                  "generator: domain switches per step (" + default_is(kGen.switch_prob) + ")");
   cmd->add_option("--hidden", o->hidden, "hidden size H (bytes and time)")->capture_default_str();
   cmd->add_option("--ffn", o->ffn, "expert FFN size F (bytes and time)")->capture_default_str();
   cmd->add_option("--grad-bytes", o->grad_bytes,

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_echo/config.hpp"
 #include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/simulator.hpp"
@@ -46,9 +47,11 @@ struct LayoutSpec {
 };
 
 struct TrainingSpec {
-  double capacity_factor = 1.25;      // receive window rows = ceil(cf * T * K) (* etp)
-  int spare_slots = 1;                // S per rank
-  int max_clones = 2;                 // ECHO: clones per expert per step
+  // ECHO, with the library's defaults (EchoConfig): receive window rows = ceil(capacity_factor *
+  // T * K) (* etp), S spare slots per rank, clones per expert per step.
+  double capacity_factor = EchoConfig{}.capacity_factor;
+  int spare_slots = EchoConfig{}.spare_slots_per_rank;
+  int max_clones = EchoConfig{}.max_clones_per_expert;
   bool overlap = false;               // overlap dispatch/combine with expert computation
   bool distributed_optimizer = true;  // optimizer state sharded over dp
   std::string recompute = "none";     // none, swiglu, experts

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "moe_echo/config.hpp"
 #include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/trace.hpp"
@@ -44,8 +45,9 @@ struct SimulatorConfig {
                                       // come from the trace)
   int steps = 0;        // 0: every step of the trace
   int layers = 0;       // 0: every layer of the trace
-  int spare_slots = 1;  // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas)
-  int max_clones = 2;   // ECHO: clones per expert per step
+  // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas); the library's default.
+  int spare_slots = EchoConfig{}.spare_slots_per_rank;
+  int max_clones = EchoConfig{}.max_clones_per_expert;  // ECHO: clones per expert per step
   int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (clone_ms / row_ms)
   int eplb_period = 100;         // steps between EPLB re-placements
   int threads = 2;

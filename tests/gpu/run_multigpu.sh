@@ -102,7 +102,7 @@ if [[ "$bench" == *layers* ]] && [ "$gpus" -ge 2 ]; then
     t0=$SECONDS
     timeout 300 "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout 280 -- \
       "$bin/moe-echo" bench --preset "$preset" --ep "$n" --skew "$skew" --echo "$echo" \
-      --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
+      --spare-slots 2 --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
       --json "/tmp/layer_$name.json" >"/tmp/layer_$name.log" 2>&1
     rc=$?
     { echo "==== $name rc=$rc $((SECONDS - t0)) s"; cat "/tmp/layer_$name.log"; } >>"$out/layers.log"
