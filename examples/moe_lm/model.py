@@ -80,11 +80,12 @@ class TorchMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.hidden)
         T, E, K, F = x.shape[0], self.experts, self.top_k, self.ffn
-        logits = x.float() @ self.router_weight.float().t()
-        if self.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32, as moe_echo's
+            logits = x.float() @ self.router_weight.float().t()
+            if self.score_function == "softmax":
+                scores = torch.softmax(logits, dim=-1)
+            else:
+                scores = torch.sigmoid(logits)
         w, idx = torch.topk(scores, K, dim=-1)
         if self.normalize_topk:
             w = w / w.sum(dim=-1, keepdim=True)
@@ -224,9 +225,11 @@ class MoeLM(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0):
-        """Every weight from one seeded CPU generator, in module order, so that the "echo" and
-        "torch" models of the same shape start from the same weights."""
-        g = torch.Generator().manual_seed(seed)
+        """Every weight from one seeded generator on the parameters' device, in module order, so
+        that the "echo" and "torch" models of the same shape on one device start from the same
+        weights."""
+        device = next(self.parameters()).device
+        g = torch.Generator(device=device).manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
                 p.fill_(1.0)
@@ -235,7 +238,7 @@ class MoeLM(nn.Module):
             if name.endswith("router_weight") or name == "embed.weight":
                 fan_in = p.shape[-1]
             std = 1.0 / math.sqrt(fan_in)
-            p.copy_(torch.randn(p.shape, generator=g) * std)
+            p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
 
     def forward(self, ids, targets=None):
         x = self.embed(ids)

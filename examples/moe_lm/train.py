@@ -62,6 +62,9 @@ def parse_args(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="parameter dtype (the MoE computes in bf16 on CUDA either way)")
+    ap.add_argument("--amp", action="store_true",
+                    help="bf16 autocast for the dense layers (the MoE blocks compute in bf16 on "
+                         "CUDA either way)")
     ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture the whole training step (forward, backward, AdamW) in a CUDA graph")
@@ -116,13 +119,14 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
     model = build(args, moe, echo)
     capturable = args.cuda_graph
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            capturable=capturable)
+                            capturable=capturable, fused=device.type == "cuda")
     fwd = torch.compile(model, fullgraph=True) if args.compile else model
     batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed)
     tokens_per_step = args.batch * args.seq_len
 
     def step(ids, targets):
-        loss = fwd(ids, targets)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = fwd(ids, targets)
         loss.backward()
         opt.step()
         return loss

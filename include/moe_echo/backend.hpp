@@ -106,6 +106,9 @@ struct GemmArgs {
   // a group with no rows at all keeps its dw either way, as does every group without rows in the
   // window with true.
   bool accumulate = true;
+  // wgrad writing only: groups g < zero_empty_below with no rows at all are zeroed too instead of
+  // kept (a layer's home experts that no token picked, when the backward writes the gradients).
+  int zero_empty_below = 0;
 };
 
 struct SwigluArgs {

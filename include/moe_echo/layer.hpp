@@ -99,6 +99,11 @@ class MoeLayer {
   // backward keeps that choice, so replay it whole (a backward captured without the zero_grad
   // before it adds, as after any other backward).
   void zero_grad(Stream stream = nullptr);
+  // Makes the next backward write the gradients as after zero_grad, without zeroing them first
+  // (only the router weight's, which the backward adds to): the expert gradients hold stale values
+  // until that backward writes every home expert's, those of experts no token picked as zeros.
+  // For a framework that takes the gradients out after each backward.
+  void discard_grad(Stream stream = nullptr);
   // The router weight is replicated on every EP rank: sum its gradient over the ranks before the
   // optimizer (a framework that owns data-parallel gradient reduction does this itself).
   void all_reduce_router_grad(Stream stream = nullptr);

@@ -112,6 +112,7 @@ class Layer {
   }
 
   void zero_grad(uintptr_t stream) { layer_->zero_grad(as_stream(stream)); }
+  void discard_grad(uintptr_t stream) { layer_->discard_grad(as_stream(stream)); }
 
   // A DLPack view of a buffer of the layer, owned by `self`.
   nb::object view(const Tensor& t, nb::handle self) const {
@@ -215,6 +216,8 @@ NB_MODULE(_ext, m) {
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
            "dx <- gradient of x; parameter gradients accumulate (+=) in the layer's buffers")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
+      .def("discard_grad", &Layer::discard_grad, "stream"_a,
+           "the next backward writes the gradients without zeroing them first")
       .def(
           "param",
           [](nb::handle self, const std::string& name) {

@@ -55,7 +55,7 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
     const RowRange rr = group_rows(a.window, g);
     if (rr.end <= rr.begin) {  // no rows in the window: kept, or zero when written and the group
       const bool has_rows = a.window.group_offsets[g + 1] > a.window.group_offsets[g];
-      if (!a.accumulate && has_rows)  // has rows in other windows
+      if (!a.accumulate && (has_rows || g < a.zero_empty_below))  // rows in other windows
         std::fill_n(a.c.as<T>() + int64_t(g) * Kd * N, Kd * N, T(0));
       continue;
     }

@@ -249,6 +249,11 @@ Tensor MoeLayer::grad(Param p) const {
   return {};
 }
 
+void MoeLayer::discard_grad(Stream s) {
+  backend_.fill_zero(buf_->d_router_weight, s);
+  grads_zeroed_ = true;
+}
+
 void MoeLayer::zero_grad(Stream s) {
   backend_.fill_zero(buf_->d_router_weight, s);
   backend_.fill_zero(buf_->dw1, s);
@@ -464,8 +469,8 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   Buffers& b = *buf_;
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
-  // 0), which the spill rounds then add to; a slot without rows keeps its zeros (home) or is not
-  // read (a spare slot without a clone). Otherwise home slots add to what earlier backwards
+  // 0), which the spill rounds then add to; a home slot without rows is zeroed (so discard_grad
+  // needs no zeroing before), a spare slot without a clone is not read. Otherwise home slots add to what earlier backwards
   // left, and clone slots, which hold this step's gradients only, are zeroed first.
   const int64_t EPR = moe_.experts / par_.ep_size;
   mark("bwd_zero_clone_grads", s);
@@ -528,13 +533,14 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_dgrad_fc2", s);
   backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
   mark(round, "bwd_wgrad_fc2", s);
-  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads}, s);
+  const int zero_empty = overwrite_grads ? int(moe_.experts / par_.ep_size) : 0;  // home slots
+  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads, zero_empty}, s);
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
   backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_out}, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
-  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads}, s);
+  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads, zero_empty}, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;

@@ -310,25 +310,27 @@ TEST(GroupedGemmGpu, MatchesCpuReference) {
 
 // wgrad with accumulate = false: the product where the group has rows in the window, zero where
 // its rows are all outside (the old values are NaN, so a kernel that read them would leave NaN); a
-// group with no rows at all keeps its bits.
+// group with no rows at all keeps its bits, or is zero when below zero_empty_below.
 TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
   SKIP_WITHOUT_GPU();
   cuda::GroupedGemm gg(8);
   uint64_t seed = 5000;
-  for (const Case& c : cases()) {
-    SCOPED_TRACE(c.name);
+  for (const Case& c : cases())
+  for (const int below : {0, 4}) {
+    SCOPED_TRACE(c.name + " zero_empty_below " + std::to_string(below));
     CaseData d(c);
     d.refill(c, seed += 10);
     const int Gs = std::max(d.G, 1);
     const size_t slab = size_t(c.K * c.N);
     const GroupWindow w = window_of(c, c.offsets.data());
     std::vector<float> start(size_t(Gs) * slab, std::numeric_limits<float>::quiet_NaN());
-    for (int g = 0; g < d.G; ++g)
+    for (int g = below; g < d.G; ++g)
       if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
         std::copy(d.hdw0.begin() + g * slab, d.hdw0.begin() + (g + 1) * slab, start.begin() + g * slab);
     d.dw.upload(start);
     GemmArgs args = d.wgrad_args(c);
     args.accumulate = false;
+    args.zero_empty_below = below;
     gg.wgrad(args, nullptr);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
@@ -347,7 +349,7 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
           non_finite += !std::isfinite(got[j]);
           g_rows.push_back(got[j]);
           r_rows.push_back(ref[j]);
-        } else if (float_bits(got[j]) != (has_rows ? 0u : float_bits(d.hdw0[j]))) {
+        } else if (float_bits(got[j]) != (has_rows || g < below ? 0u : float_bits(d.hdw0[j]))) {
           ++wrong_outside;
         }
       }

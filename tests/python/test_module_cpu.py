@@ -297,3 +297,38 @@ def test_torch_compile_fullgraph(backend):
     compiled = run(torch.compile(m, fullgraph=True, backend=backend))
     for a, b in zip(eager, compiled):
         assert rel(a, b) < 1e-12
+
+
+def test_parameters_of_the_layer_dtype_are_its_buffers():
+    m64 = make(dtype=torch.float64)  # the CPU layer computes in float64: all bound
+    assert m64.bound_parameters() == ["router_weight", "w1", "w2"]
+    m16 = make(dtype=torch.bfloat16)  # float32 layer: copies, cast by each forward
+    assert m16.bound_parameters() == []
+    x = torch.randn(8, 16, dtype=torch.float64)
+    check_against_reference(m64, x)
+    # A parameter whose storage was replaced (as FSDP does) is copied in, with the same result.
+    m = make(dtype=torch.float64)
+    with torch.no_grad():
+        m.w1.data = m.w1.data.clone()
+    assert m.bound_parameters() == ["router_weight", "w2"]
+    check_against_reference(m, x)
+    # After .to(float32) the rebuilt float32 layer binds the parameters again.
+    m32 = make(dtype=torch.float64).float()
+    assert m32.bound_parameters() == ["router_weight", "w1", "w2"]
+
+
+def test_gradients_of_unused_experts_are_zero_every_step():
+    # The backward writes the gradients without zeroing them first: an expert that the first step
+    # used and the second did not must get zeros, not the first step's values.
+    m = make(experts=8, top_k=1)
+    x = torch.rand(32, 16, dtype=torch.float64) + 0.1  # positive: the bias below wins everywhere
+    m(x).sum().backward()
+    assert (m.w1.grad.abs().amax(dim=(1, 2)) > 0).sum() > 1
+    m.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        m.router_weight[3].add_(100.0)  # every token now picks expert 3
+    m(x).sum().backward()
+    used = torch.zeros(8, dtype=torch.bool)
+    used[3] = True
+    assert m.w1.grad[~used].abs().max() == 0 and m.w2.grad[~used].abs().max() == 0
+    assert m.w1.grad[3].abs().max() > 0

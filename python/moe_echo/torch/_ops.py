@@ -11,8 +11,12 @@ first round's activations), so:
   forward (one forward, then its backward: two forwards of one module before their backwards,
   as pipeline schedules do, are refused rather than given wrong gradients).
 
-Parameters stay torch's: the forward copies (and casts) them into the layer's own buffers, and
-the backward returns the gradients as new tensors, which autograd accumulates into ``.grad``.
+Parameters are torch tensors. A parameter of the layer's own dtype is normally a view of the
+layer's buffer (the module binds it so), and the forward reads it in place; any other parameter
+(another dtype, or storage that a wrapper such as FSDP replaced) is copied and cast into the
+layer's buffer by the forward. The backward has the layer write its gradients (no zeroing before)
+and returns them as new tensors of the parameters' dtypes, which autograd accumulates into
+``.grad``.
 Both ops run on torch's current CUDA stream and never synchronise with the host.
 """
 
@@ -78,9 +82,9 @@ def moe_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """y, losses [aux, z], token of the layer on x [T, H] (the layer's activation dtype)."""
     h = handle(layer_id)
-    h.router_weight.copy_(router_weight)
-    h.w1.copy_(w1)
-    h.w2.copy_(w2)
+    for src, dst in ((router_weight, h.router_weight), (w1, h.w1), (w2, h.w2)):
+        if src.data_ptr() != dst.data_ptr():  # not bound to the layer's buffer: copy it in
+            dst.copy_(src)
     y = torch.empty_like(x)
     h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device))
     h.serial += 1
@@ -100,9 +104,16 @@ def _(x, router_weight, w1, w2, layer_id):
 
 @torch.library.custom_op("moe_echo::moe_backward", mutates_args=())
 def moe_backward(
-    dy: Tensor, x: Tensor, token: Tensor, layer_id: int
+    dy: Tensor,
+    x: Tensor,
+    token: Tensor,
+    layer_id: int,
+    router_dtype: torch.dtype,
+    w1_dtype: torch.dtype,
+    w2_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx, d router_weight, d w1, d w2 of the forward that returned `token`."""
+    """dx, d router_weight, d w1, d w2 (in the given dtypes) of the forward that returned
+    `token`."""
     h = handle(layer_id)
     serial = int(token[0])  # a CPU tensor: no device sync
     if h.pending != serial:
@@ -116,19 +127,24 @@ def moe_backward(
     h.pending = None
     dx = torch.empty_like(dy)
     stream = _stream(dy.device)
-    h.layer.zero_grad(stream)
+    h.layer.discard_grad(stream)
     h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream)
-    return dx, h.d_router_weight.clone(), h.dw1.clone(), h.dw2.clone()
+    return (
+        dx,
+        h.d_router_weight.to(router_dtype, copy=True),
+        h.dw1.to(w1_dtype, copy=True),
+        h.dw2.to(w2_dtype, copy=True),
+    )
 
 
 @moe_backward.register_fake
-def _(dy, x, token, layer_id):
+def _(dy, x, token, layer_id, router_dtype, w1_dtype, w2_dtype):
     h = handle(layer_id)
     return (
         torch.empty_like(dy),
-        dy.new_empty(tuple(h.d_router_weight.shape), dtype=h.float_dtype),
-        dy.new_empty(tuple(h.dw1.shape), dtype=h.float_dtype),
-        dy.new_empty(tuple(h.dw2.shape), dtype=h.float_dtype),
+        dy.new_empty(tuple(h.d_router_weight.shape), dtype=router_dtype),
+        dy.new_empty(tuple(h.dw1.shape), dtype=w1_dtype),
+        dy.new_empty(tuple(h.dw2.shape), dtype=w2_dtype),
     )
 
 
@@ -143,9 +159,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dy, dlosses, dtoken):
     x, token = ctx.saved_tensors
-    dx, d_router, dw1, dw2 = moe_backward(dy.contiguous(), x, token, ctx.layer_id)
-    rt, t1, t2 = ctx.dtypes
-    return dx, d_router.to(rt), dw1.to(t1), dw2.to(t2), None
+    dx, d_router, dw1, dw2 = moe_backward(dy.contiguous(), x, token, ctx.layer_id, *ctx.dtypes)
+    return dx, d_router, dw1, dw2, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

@@ -121,9 +121,10 @@ class MoE(nn.Module):
             self._build_meta(dtype)
         else:
             h = self._build(device, dtype)
-            self.router_weight = nn.Parameter(h.router_weight.to(dtype, copy=True))
-            self.w1 = nn.Parameter(h.w1.to(dtype, copy=True))
-            self.w2 = nn.Parameter(h.w2.to(dtype, copy=True))
+            # A parameter of the layer's dtype is its buffer (no copy per forward); others are
+            # copies, cast into the layer by each forward.
+            for name, view in (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2)):
+                setattr(self, name, nn.Parameter(view if view.dtype == dtype else view.to(dtype)))
             self.register_buffer("router_bias", h.router_bias, persistent=True)
 
     # ---- the C++ layer behind the module ----------------------------------------------------
@@ -167,12 +168,27 @@ class MoE(nn.Module):
             raise ValueError("MoE parameters on different devices: allowed one device for all")
         key = (device, _compute_dtypes(device, dtype)[1])
         if key != self._layer_key:
-            old_bias = bias
             h = self._build(device, dtype)
-            if old_bias.device.type != "meta":
-                h.router_bias.copy_(old_bias)
+            if bias.device.type != "meta":
+                h.router_bias.copy_(bias)
             self._buffers["router_bias"] = h.router_bias
+            with torch.no_grad():  # parameters of the new layer's dtype become its buffers
+                for name, view in (("router_weight", h.router_weight), ("w1", h.w1),
+                                   ("w2", h.w2)):
+                    p = self._parameters[name]
+                    if p.dtype == view.dtype:
+                        view.copy_(p)
+                        p.data = view
         return self
+
+    def bound_parameters(self) -> list[str]:
+        """Names of the parameters that are the layer's own buffers (read in place by the
+        forward; the others are copied and cast into the layer by each forward)."""
+        h = self._handle
+        if h is None:
+            return []
+        pairs = (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2))
+        return [n for n, v in pairs if self._parameters[n].data_ptr() == v.data_ptr()]
 
     def __del__(self):
         if getattr(self, "_layer_id", None) is not None:

@@ -1,0 +1,205 @@
+"""End-to-end training benchmark on one GPU: the example MoE language model (examples/moe_lm) with
+moe_echo.torch.MoE against the same model with the plain PyTorch MoE block (torch._grouped_mm),
+eager and torch.compile'd, and MoE Echo with the whole step in one CUDA graph; tokens/s and peak
+memory of full training steps (forward under bf16 autocast, backward, fused AdamW on fp32
+parameters), in one job.
+
+Also the module alone against the C++ layer's numbers (layer_bench's shapes, --layer-json):
+forward+backward of moe_echo.torch.MoE under a CUDA graph and eager.
+
+usage: python3 bench/e2e_moe_lm.py --out e2e.json [--layers 8 --hidden 2048 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "moe_lm"))
+from model import Batches, MoeLM, load_corpus  # noqa: E402
+
+from moe_echo.torch import MoE  # noqa: E402
+
+
+def timed_steps(step, n, warmup):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(n):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        step()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1))
+    return statistics.median(times), times
+
+
+def run_model(args, moe: str, variant: str, batches):
+    """One model and one way of running it: median step ms, tokens/s, peak memory, losses."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    model = MoeLM(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
+                  top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
+                  max_tokens=args.batch * args.seq_len, moe=moe,
+                  moe_args=dict(echo=False, aux_loss_coeff=1e-2) if moe == "echo" else
+                  dict(aux_loss_coeff=1e-2), device="cuda", dtype=torch.float32)
+    model.reset_parameters(0)
+    graph = variant.endswith("graph")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graph)
+    fwd = torch.compile(model, fullgraph=True) if variant.startswith("compile") else model
+    ids, targets = (t.cuda() for t in batches.next())
+    losses = []
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.amp):
+            loss = fwd(ids, targets)
+        loss.backward()
+        opt.step()
+        return loss
+
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    if graph:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                opt.zero_grad(set_to_none=True)
+                step()
+        torch.cuda.current_stream().wait_stream(s)
+        opt.zero_grad(set_to_none=True)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_loss = step()
+
+        def run():
+            g.replay()
+            losses.append(static_loss.detach().clone())
+    else:
+
+        def run():
+            opt.zero_grad(set_to_none=True)
+            losses.append(step().detach())
+
+    run()
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - t0
+    ms, times = timed_steps(run, args.steps, args.warmup)
+    tokens = args.batch * args.seq_len
+    out = dict(moe=moe, variant=variant, step_ms=ms, step_ms_all=times,
+               tokens_per_s=tokens / (ms * 1e-3),
+               peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
+               first_step_and_setup_s=setup_s,
+               loss_first=float(losses[0]), loss_last=float(losses[-1]))
+    del model, opt, fwd
+    return out
+
+
+def run_module(args, cfg):
+    """moe_echo.torch.MoE alone at one of layer_bench's shapes: forward+backward, graph and eager."""
+    T, H, E, K, F = cfg["tokens"], cfg["hidden"], cfg["experts"], cfg["top_k"], cfg["ffn"]
+    torch.cuda.empty_cache()
+    m = MoE(H, F, E, K, max_tokens=T, echo=False, capacity_factor=1.0, device="cuda",
+            dtype=torch.bfloat16)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) * 1e-2
+
+    def step():
+        x.grad = None
+        for p in m.parameters():
+            p.grad = None
+        m(x).backward(dy)
+
+    eager_ms, _ = timed_steps(step, args.steps, args.warmup)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    graph_ms, _ = timed_steps(g.replay, args.steps, args.warmup)
+    del m, x, dy, g
+    return dict(config=cfg["config"], skew=cfg["skew"], layer_fwd_bwd_ms=cfg["fwd_bwd_ms"],
+                module_graph_ms=graph_ms, module_eager_ms=eager_ms,
+                graph_over_layer=graph_ms / cfg["fwd_bwd_ms"],
+                eager_over_layer=eager_ms / cfg["fwd_bwd_ms"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variants", default="torch:eager,torch:compile,echo:eager,echo:graph,"
+                                          "echo:compile+graph")
+    ap.add_argument("--no-amp", dest="amp", action="store_false",
+                    help="dense layers in fp32 instead of bf16 autocast")
+    ap.add_argument("--layer-json", default=None, help="layer_bench's JSON: also time the module")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    batches = Batches(load_corpus(ROOT / "examples" / "data" / "shakespeare.txt"), args.batch,
+                      args.seq_len, 0)
+    rows = []
+    for v in args.variants.split(","):
+        moe, variant = v.split(":")
+        try:
+            r = run_model(args, moe, variant, batches)
+        except Exception as e:  # a variant that cannot run is recorded, not fatal
+            r = dict(moe=moe, variant=variant, error=f"{type(e).__name__}: {e}"[:500])
+        rows.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "step_ms_all"}), flush=True)
+    module_rows = []
+    if args.layer_json:
+        for cfg in json.load(open(args.layer_json))["results"]:
+            try:
+                module_rows.append(run_module(args, cfg))
+            except Exception as e:
+                module_rows.append(dict(config=cfg["config"], skew=cfg["skew"],
+                                        error=f"{type(e).__name__}: {e}"[:500]))
+            print(json.dumps(module_rows[-1]), flush=True)
+    best_torch = min((r["step_ms"] for r in rows if r["moe"] == "torch" and "step_ms" in r),
+                     default=None)
+    out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               config={k: v for k, v in vars(args).items() if k not in ("out", "layer_json")},
+               tokens_per_step=args.batch * args.seq_len, results=rows, module=module_rows,
+               best_torch_step_ms=best_torch)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"\n{'model':8s} {'variant':16s} {'step ms':>9s} {'tok/s':>10s} {'peak GiB':>9s} "
+          f"{'vs best torch':>13s}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['moe']:8s} {r['variant']:16s} error: {r['error'][:80]}")
+            continue
+        ratio = f"{best_torch / r['step_ms']:.2f}x" if best_torch else "-"
+        print(f"{r['moe']:8s} {r['variant']:16s} {r['step_ms']:9.2f} {r['tokens_per_s']:10,.0f} "
+              f"{r['peak_memory_gib']:9.1f} {ratio:>13s}")
+    for r in module_rows:
+        if "error" in r:
+            print(f"module {r['config']} {r['skew']}: error {r['error'][:80]}")
+        else:
+            print(f"module {r['config']:14s} {r['skew']:9s} layer {r['layer_fwd_bwd_ms']:.3f} ms, "
+                  f"graph {r['module_graph_ms']:.3f} ({r['graph_over_layer']:.3f}x), "
+                  f"eager {r['module_eager_ms']:.3f} ({r['eager_over_layer']:.3f}x)")
+
+
+if __name__ == "__main__":
+    main()
