@@ -43,6 +43,24 @@ def timed_steps(step, n, warmup):
     return statistics.median(times), times
 
 
+def profile_kernels(run, label, top):
+    """CUDA time per kernel over 3 steps (torch.profiler), the `top` largest printed."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            rows[e.name] = rows.get(e.name, 0.0) + e.device_time_total / 3e3
+    total = sum(rows.values())
+    print(f"-- {label}: {total:.1f} ms of kernels per step")
+    for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"   {ms:8.2f} ms  {name[:110]}")
+
+
 def run_model(args, moe: str, variant: str, batches):
     """One model and one way of running it: median step ms, tokens/s, peak memory, losses."""
     torch.manual_seed(0)
@@ -95,6 +113,8 @@ def run_model(args, moe: str, variant: str, batches):
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
     ms, times = timed_steps(run, args.steps, args.warmup)
+    if args.profile:
+        profile_kernels(run, f"{moe}:{variant}", args.profile)
     tokens = args.batch * args.seq_len
     out = dict(moe=moe, variant=variant, step_ms=ms, step_ms_all=times,
                tokens_per_s=tokens / (ms * 1e-3),
@@ -153,6 +173,8 @@ def main():
                                           "echo:compile+graph")
     ap.add_argument("--no-amp", dest="amp", action="store_false",
                     help="dense layers in fp32 instead of bf16 autocast")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print the N kernels that take the most CUDA time per step")
     ap.add_argument("--layer-json", default=None, help="layer_bench's JSON: also time the module")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
