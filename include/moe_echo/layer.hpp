@@ -37,7 +37,9 @@ struct StepStats {
   double max_over_mean_before = 0;   // busiest rank over the mean, without ECHO
   double max_over_mean_after = 0;    // ... with this step's plan
   int clones = 0;                    // spare slots filled this step (all ranks)
-  int64_t clone_bytes = 0;           // clone traffic, all ranks: weights in + gradients home
+  // Clone traffic, all ranks: per clone 3 H F weights in (activation dtype) and 3 H F gradients
+  // home (float dtype), so 3 H F (2 + 4) bytes on the CUDA backend (bf16 weights, fp32 gradients).
+  int64_t clone_bytes = 0;
   int64_t received_rows = 0;         // rows this rank's experts processed
   int64_t overflow_rows = 0;         // rows beyond this rank's capacity (done in spill rounds)
   int64_t overflow_rows_all = 0;     // the same over all ranks

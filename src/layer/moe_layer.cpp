@@ -574,10 +574,12 @@ StepStats MoeLayer::stats() const {
   st.max_over_mean_before = max_over_mean(st.load_before);
   st.max_over_mean_after = max_over_mean(st.load_after);
   st.clones = pv.num_clones[0];
-  // Per clone: fc1 and fc2 weights pulled in, their gradients reduced home.
-  const int64_t expert_bytes =
-      int64_t(3) * moe_.hidden * moe_.ffn * int64_t(dtype_size(backend_.activation_dtype()));
-  st.clone_bytes = int64_t(st.clones) * 2 * expert_bytes;
+  // Per clone: fc1 and fc2 weights (3 H F values) pulled in, in the activation dtype, and their
+  // gradients reduced home, in the float dtype (bf16 in and fp32 home on the CUDA backend).
+  const int64_t expert_values = int64_t(3) * moe_.hidden * moe_.ffn;
+  st.clone_bytes = int64_t(st.clones) * expert_values *
+                   int64_t(dtype_size(backend_.activation_dtype()) +
+                           dtype_size(backend_.float_dtype()));
   st.received_rows = st.load_after[size_t(par_.ep_rank)];
   st.overflow_rows = std::max<int64_t>(0, st.received_rows - capacity_);
   int64_t max_rows = 0;

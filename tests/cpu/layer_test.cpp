@@ -270,6 +270,8 @@ TEST(Layer, AllTokensOnOneExpert) {
   const LayerRun ref = run_layer(off, x, g, p);
   EXPECT_EQ(ref.stats[0].load_before[2], 64);  // expert 5 lives on rank 2
   EXPECT_EQ(on.stats[0].clones, 3);
+  // Per clone 3 H F weights in and 3 H F gradients home, both f64 here.
+  EXPECT_EQ(on.stats[0].clone_bytes, 3 * 3 * c.moe.hidden * c.moe.ffn * (8 + 8));
   EXPECT_EQ(on.stats[0].load_after[2], 16);  // split over 4 replicas
   EXPECT_GT(ref.stats[0].overflow_rows_all, 0);
   for (int r = 0; r < 4; ++r) expect_close(on.y[size_t(r)], ref.y[size_t(r)], 1e-14, "y");

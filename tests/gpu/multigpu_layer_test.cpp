@@ -126,6 +126,8 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
     EXPECT_GT(gpu.stats.clones, 0) << "skewed routing should make clones";
     EXPECT_LT(gpu.stats.max_over_mean_after, gpu.stats.max_over_mean_before);
   }
+  // Clone traffic: per clone 3 H F bf16 weights in and 3 H F fp32 gradients home.
+  EXPECT_EQ(gpu.stats.clone_bytes, int64_t(gpu.stats.clones) * 3 * lp.H * lp.F * (2 + 4));
   if (lp.capacity_factor < 0.5) {
     EXPECT_GT(gpu.stats.overflow_rows_all, 0) << "expected overflow";
   }
