@@ -115,7 +115,10 @@ class MoeLayer {
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
   void set_phase_observer(PhaseObserver* observer) { observer_ = observer; }
 
-  // Statistics of the last forward (read after the step; the CPU backend has them at once).
+  // Statistics of the last forward: the losses, the plan's loads and clones, and the rows and
+  // rounds the layout computed. Waits for the device (all work queued on it, as read_tensor does)
+  // before copying them to the host, so call it after the step, never inside a capture; the CPU
+  // backend has them at once.
   StepStats stats() const;
 
   const MoeConfig& moe_config() const { return moe_; }

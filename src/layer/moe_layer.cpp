@@ -187,7 +187,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
                     &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.optimizer_step,
                     &b.losses, &b.counts,
-                    &b.routing_map, &b.plan, &b.group_offsets, &b.rank_rows})
+                    &b.routing_map, &b.plan, &b.group_offsets, &b.rank_rows, &b.round_active})
     if (t->data) backend.fill_zero(*t, nullptr);
   init_parameters(seed);
   backend.synchronize();
@@ -580,14 +580,19 @@ StepStats MoeLayer::stats() const {
   st.clone_bytes = int64_t(st.clones) * expert_values *
                    int64_t(dtype_size(backend_.activation_dtype()) +
                            dtype_size(backend_.float_dtype()));
-  st.received_rows = st.load_after[size_t(par_.ep_rank)];
+  // Rows and rounds as the layout computed them on the device: every rank's receive rows, and
+  // the rounds some rank has rows in (round 0 and the spill rounds).
+  std::vector<int32_t> rank_rows(static_cast<size_t>(R)),
+      round_active(static_cast<size_t>(rounds_));
+  backend_.copy_to_host(rank_rows.data(), b.rank_rows.data, rank_rows.size() * sizeof(int32_t));
+  backend_.copy_to_host(round_active.data(), b.round_active.data,
+                        round_active.size() * sizeof(int32_t));
+  st.received_rows = rank_rows[size_t(par_.ep_rank)];
   st.overflow_rows = std::max<int64_t>(0, st.received_rows - capacity_);
-  int64_t max_rows = 0;
-  for (int32_t v : st.load_after) {
-    st.overflow_rows_all += std::max<int64_t>(0, v - capacity_);
-    max_rows = std::max<int64_t>(max_rows, v);
-  }
-  st.spill_rounds = max_rows > 0 ? int((max_rows + capacity_ - 1) / capacity_) - 1 : 0;
+  for (int32_t v : rank_rows) st.overflow_rows_all += std::max<int64_t>(0, v - capacity_);
+  const auto active = std::count_if(round_active.begin(), round_active.end(),
+                                    [](int32_t a) { return a != 0; });
+  st.spill_rounds = std::max(0, int(active) - 1);
   return st;
 }
 
