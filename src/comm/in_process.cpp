@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/host_comm_ops.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/error.hpp"
 
@@ -54,16 +55,12 @@ struct InProcessWorld::State {
 
 namespace {
 
-char* row_ptr(void* base, int64_t row, size_t row_bytes) {
-  return static_cast<char*>(base) + size_t(row) * row_bytes;
-}
-
-template <class T>
-void add_into(void* dst, const void* src, int64_t n) {
-  T* d = static_cast<T*>(dst);
-  const T* s = static_cast<const T*>(src);
-  for (int64_t i = 0; i < n; ++i) d[i] += s[i];
-}
+using host_comm::add_into;
+using host_comm::check_window;
+using host_comm::float_size;
+using host_comm::in_window;
+using host_comm::lead_entry;
+using host_comm::row_ptr;
 
 class InProcessCommunicator final : public Communicator {
  public:
@@ -115,23 +112,11 @@ class InProcessCommunicator final : public Communicator {
   void all_reduce_sum(const Tensor& t, Stream) override {
     MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
                    "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
-    const int64_t n = t.numel();
-    std::vector<double> sum(static_cast<size_t>(n), 0.0);
     w_.staging[size_t(rank_)] = t.data;
     w_.barrier();
-    for (int r = 0; r < w_.ranks; ++r) {
-      const void* p = w_.staging[size_t(r)];
-      for (int64_t i = 0; i < n; ++i)
-        sum[size_t(i)] += t.dtype == DType::f32 ? double(static_cast<const float*>(p)[i])
-                                                : static_cast<const double*>(p)[i];
-    }
+    const std::vector<double> sum = host_comm::rank_order_sum(w_.staging, t.dtype, t.numel());
     w_.barrier();
-    for (int64_t i = 0; i < n; ++i) {
-      if (t.dtype == DType::f32)
-        t.as<float>()[i] = float(sum[size_t(i)]);
-      else
-        t.as<double>()[i] = sum[size_t(i)];
-    }
+    host_comm::store_sum(sum, t.dtype, t.data);
   }
 
   void dispatch(const RowRoute& route, RoundWindow win, const void* src, size_t row_bytes,
@@ -154,21 +139,8 @@ class InProcessCommunicator final : public Communicator {
         }
         std::memcpy(row_ptr(peer(recv, d), row, row_bytes),
                     static_cast<const char*>(src) + size_t(t) * row_bytes, row_bytes);
-        // The members of (t, d): t's entries in the window on rank d, in k order, lead first.
-        char* weights = row_ptr(peer(fan.weights, d), row, size_t(K) * fl);
-        int m = 0;
-        for (int k2 = k; k2 < K; ++k2) {
-          const int64_t j = first + k2;
-          if (!in_window(route, win, j) || route.dest_rank[j] != d) continue;
-          members[m] = int32_t(route.dest_row[j] - win.row_lo);
-          if (route.weight)
-            std::memcpy(weights + size_t(m) * fl,
-                        static_cast<const char*>(route.weight) + size_t(j) * fl, fl);
-          else
-            write_one(weights + size_t(m) * fl, fan.float_dtype);
-          ++m;
-        }
-        for (; m < K; ++m) members[m] = -1;
+        host_comm::list_members(route, win, first, k, fan.float_dtype, members,
+                                row_ptr(peer(fan.weights, d), row, size_t(K) * fl));
       }
     }
     w_.barrier();
@@ -183,10 +155,11 @@ class InProcessCommunicator final : public Communicator {
         "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
     check_window(win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
     w_.barrier();
+    const bool add = accumulate && *accumulate != 0;
     if (y.dtype == DType::f32)
-      combine_rows<float>(route, win, red, y, accumulate, fan, values_out);
+      combine_rows<float>(route, win, red, y, add, fan, values_out);
     else
-      combine_rows<double>(route, win, red, y, accumulate, fan, values_out);
+      combine_rows<double>(route, win, red, y, add, fan, values_out);
     w_.barrier();
   }
 
@@ -235,72 +208,22 @@ class InProcessCommunicator final : public Communicator {
     return w_.table[size_t(buf.id)][size_t(rank)];
   }
 
-  static bool in_window(const RowRoute& route, RoundWindow win, int64_t i) {
-    const int64_t row = int64_t(route.dest_row[i]) - win.row_lo;
-    return row >= 0 && row < win.rows;
-  }
-
-  // The k of the lead of entry first + k's (token, rank) pair: its first entry in the window.
-  static int lead_entry(const RowRoute& route, RoundWindow win, int64_t first, int k) {
-    const int d = route.dest_rank[first + k];
-    for (int k2 = 0; k2 < k; ++k2)
-      if (in_window(route, win, first + k2) && route.dest_rank[first + k2] == d) return k2;
-    return k;
-  }
-
-  static size_t float_size(DType dt) {
-    MOE_ECHO_CHECK(dt == DType::f32 || dt == DType::f64,
-                   "fan table float dtype must be f32 or f64, not " << to_string(dt));
-    return dtype_size(dt);
-  }
-
-  static void write_one(void* p, DType dt) {
-    if (dt == DType::f32)
-      *static_cast<float*>(p) = 1.0f;
-    else
-      *static_cast<double*>(p) = 1.0;
-  }
-
-  // The window's rows fit the receive buffer and the fan table.
-  void check_window(RoundWindow win, const SymmetricBuffer& rows_buf, size_t row_bytes,
-                    const FanTable& fan) const {
-    const size_t rows = size_t(win.rows);
-    MOE_ECHO_CHECK(
-        rows * row_bytes <= rows_buf.bytes &&
-            rows * size_t(fan.top_k) * sizeof(int32_t) <= fan.members.bytes &&
-            rows * size_t(fan.top_k) * float_size(fan.float_dtype) <= fan.weights.bytes &&
-            rows * float_size(fan.float_dtype) <= fan.values.bytes,
-        "a window of " << win.rows << " rows does not fit the symmetric buffers");
-  }
-
-  // y[t] = (accumulate ? y[t] : 0) + sum of t's lead rows, summed in T; values pulled per entry.
+  // y[t] = (add ? y[t] : 0) + sum of t's lead rows, summed in T; values pulled per entry.
   template <class T>
   void combine_rows(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
-                    const Tensor& y, const int32_t* accumulate, const FanTable& fan,
-                    void* values_out) const {
-    const int K = route.top_k;
-    const int64_t H = y.size(1);
-    const size_t row_bytes = size_t(H) * sizeof(T), fl = float_size(fan.float_dtype);
-    const bool add = accumulate && *accumulate != 0;
-    std::vector<T> acc(static_cast<size_t>(H));
-    for (int64_t t = 0; t < y.size(0); ++t) {
-      T* out = y.as<T>() + t * H;
-      for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add ? out[h] : T(0);
-      const int64_t first = t * K;
-      for (int k = 0; k < K; ++k) {
-        const int64_t i = first + k;
-        if (!in_window(route, win, i)) continue;
-        const int d = route.dest_rank[i];
-        const int64_t row = route.dest_row[i] - win.row_lo;
-        if (values_out)
-          std::memcpy(static_cast<char*>(values_out) + size_t(i) * fl,
-                      row_ptr(peer(fan.values, d), row, fl), fl);
-        if (lead_entry(route, win, first, k) != k) continue;
-        const T* r = reinterpret_cast<const T*>(row_ptr(peer(red, d), row, row_bytes));
-        for (int64_t h = 0; h < H; ++h) acc[size_t(h)] += r[h];
-      }
-      for (int64_t h = 0; h < H; ++h) out[h] = acc[size_t(h)];
-    }
+                    const Tensor& y, bool add, const FanTable& fan, void* values_out) const {
+    const size_t row_bytes = size_t(y.size(1)) * sizeof(T), fl = float_size(fan.float_dtype);
+    auto row_of = [&](int64_t i) {
+      return reinterpret_cast<const T*>(
+          row_ptr(peer(red, route.dest_rank[i]), route.dest_row[i] - win.row_lo, row_bytes));
+    };
+    auto value_of = [&](int64_t i) {
+      if (values_out)
+        std::memcpy(
+            static_cast<char*>(values_out) + size_t(i) * fl,
+            row_ptr(peer(fan.values, route.dest_rank[i]), route.dest_row[i] - win.row_lo, fl), fl);
+    };
+    host_comm::sum_leads<T>(route, win, y.as<T>(), y.size(0), y.size(1), add, row_of, value_of);
   }
 
   InProcessWorld::State& w_;

@@ -2,13 +2,14 @@
 
 #include <mutex>
 
+#include "core/synthetic.hpp"
 #include "moe_echo/host_io.hpp"
 
 namespace moe_echo::test {
 
 LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,
                    const std::vector<std::vector<double>>& g,
-                   const std::optional<GlobalParams>& params) {
+                   const std::optional<GlobalParams>& params, const CommunicatorOf& communicator) {
   const int R = c.ranks;
   const int64_t H = c.moe.hidden, F = c.moe.ffn, E = c.moe.experts, EPR = E / R;
   LayerRun out;
@@ -24,7 +25,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
   InProcessWorld world(R);
   world.run([&](int r) {
     auto be = make_cpu_backend(c.dtype);
-    MoeLayer layer(*be, world.communicator(r), c.moe, ParallelConfig{R, r}, c.echo, c.seed);
+    Communicator& comm = communicator ? communicator(world, r, *be) : world.communicator(r);
+    MoeLayer layer(*be, comm, c.moe, ParallelConfig{R, r}, c.echo, c.seed);
     const size_t w1n = size_t(H * 2 * F), w2n = size_t(F * H);
     if (params) {
       write_tensor(*be, layer.param(Param::router_weight), params->router_weight);
@@ -74,6 +76,17 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
   });
   for (double o : objective) out.objective += o;
   return out;
+}
+
+SkewedInput skewed(const LayerCase& c, int tokens, double exponent, uint64_t seed) {
+  SkewSpec spec;
+  spec.exponent = exponent;
+  SyntheticTokens synth(c.moe.experts, c.moe.hidden, spec, seed);
+  SkewedInput in;
+  for (int r = 0; r < c.ranks; ++r) in.x.push_back(synth.tokens(0, r, tokens));
+  in.params = run_layer(c, in.x, in.x).params;  // the seeded experts
+  in.params.router_weight = synth.router_weight();
+  return in;
 }
 
 }  // namespace moe_echo::test

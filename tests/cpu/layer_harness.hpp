@@ -2,6 +2,7 @@
 // the host, so layer tests can compare layouts (R ranks vs 1, ECHO on vs off, capacities).
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -36,9 +37,22 @@ struct LayerRun {
   double objective = 0;  // sum over ranks of <y_r, g_r> + aux_r + z_r
 };
 
+// The communicator of one rank, from the in-process world whose threads run the ranks, the rank
+// and its backend; left empty, the world's own (in-process) communicator.
+using CommunicatorOf =
+    std::function<Communicator&(InProcessWorld& world, int rank, Backend& backend)>;
+
 // x[r] holds T_r * H values (T_r may differ per rank, <= max_tokens); g[r] the same shape.
 LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,
                    const std::vector<std::vector<double>>& g,
-                   const std::optional<GlobalParams>& params = std::nullopt);
+                   const std::optional<GlobalParams>& params = std::nullopt,
+                   const CommunicatorOf& communicator = {});
+
+// Tokens that route with Zipf-skewed popularity: the router weight is overridden to match.
+struct SkewedInput {
+  std::vector<std::vector<double>> x;
+  GlobalParams params;
+};
+SkewedInput skewed(const LayerCase& c, int tokens, double exponent, uint64_t seed);
 
 }  // namespace moe_echo::test

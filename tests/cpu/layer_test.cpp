@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "core/random.hpp"
-#include "core/synthetic.hpp"
 #include "layer_harness.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
@@ -44,23 +43,6 @@ std::vector<double> sum(const std::vector<std::vector<double>>& parts) {
   for (const auto& p : parts)
     for (size_t i = 0; i < p.size(); ++i) s[i] += p[i];
   return s;
-}
-
-// Tokens that route with Zipf-skewed popularity: the router weight is overridden to match.
-struct SkewedInput {
-  std::vector<std::vector<double>> x;
-  GlobalParams params;
-};
-
-SkewedInput skewed(const LayerCase& c, int tokens, double exponent, uint64_t seed) {
-  SkewSpec spec;
-  spec.exponent = exponent;
-  SyntheticTokens synth(c.moe.experts, c.moe.hidden, spec, seed);
-  SkewedInput in;
-  for (int r = 0; r < c.ranks; ++r) in.x.push_back(synth.tokens(0, r, tokens));
-  in.params = run_layer(c, in.x, in.x).params;  // the seeded experts
-  in.params.router_weight = synth.router_weight();
-  return in;
 }
 
 void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tol,
