@@ -286,11 +286,21 @@ class HostCollectivesCommunicator final : public Communicator {
       if (lead) lead_slot_[size_t(i)] = count[2 * size_t(d)]++;
       if (values_out) value_slot_[size_t(i)] = count[2 * size_t(d) + 1]++;
     });
-    std::vector<size_t> ask_bytes(R), answer_bytes(R);
-    for (size_t d = 0; d < R; ++d) {
-      ask_bytes[d] = (count[2 * d] + count[2 * d + 1]) * sizeof(int32_t);
-      answer_bytes[d] = round_up8(count[2 * d] * row_bytes + count[2 * d + 1] * fl);
-    }
+    // Per rank, for its (leads, entries) counts: the request's bytes (window rows as i32) and
+    // the answer's (the rows, then the values, padded to 8 bytes).
+    auto request_bytes = [&](const std::vector<size_t>& c) {
+      std::vector<size_t> ask(R);
+      for (size_t r = 0; r < R; ++r) ask[r] = (c[2 * r] + c[2 * r + 1]) * sizeof(int32_t);
+      return ask;
+    };
+    auto answer_bytes_of = [&](const std::vector<size_t>& c) {
+      std::vector<size_t> answer(R);
+      for (size_t r = 0; r < R; ++r)
+        answer[r] = round_up8(c[2 * r] * row_bytes + c[2 * r + 1] * fl);
+      return answer;
+    };
+    const std::vector<size_t> ask_bytes = request_bytes(count),
+                              answer_bytes = answer_bytes_of(count);
     const std::vector<size_t> ask_at = offsets(ask_bytes), answer_at = offsets(answer_bytes);
     send_.resize(ask_at[R]);
     for_each_in_window(h, win, size_, [&](int64_t i, int d, bool lead) {
@@ -302,11 +312,8 @@ class HostCollectivesCommunicator final : public Communicator {
 
     // The requests this rank answers, per source.
     const std::vector<size_t> asked = counts_to_me(count, 2);
-    std::vector<size_t> asked_bytes(R), reply_bytes(R);
-    for (size_t s = 0; s < R; ++s) {
-      asked_bytes[s] = (asked[2 * s] + asked[2 * s + 1]) * sizeof(int32_t);
-      reply_bytes[s] = round_up8(asked[2 * s] * row_bytes + asked[2 * s + 1] * fl);
-    }
+    const std::vector<size_t> asked_bytes = request_bytes(asked),
+                              reply_bytes = answer_bytes_of(asked);
     const std::vector<size_t> asked_at = offsets(asked_bytes), reply_at = offsets(reply_bytes);
     recv_.resize(asked_at[R]);
     coll_.all_to_all_v(send_.data(), ask_bytes, recv_.data(), asked_bytes);
