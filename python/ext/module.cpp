@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_collectives.hpp"
 #include "moe_echo/layer.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
@@ -62,12 +64,51 @@ nb::dlpack::dtype dlpack_dtype(DType t) {
   throw Error("unknown dtype");
 }
 
-// One MoE layer on one rank with the backend and communicator it runs on. EP size 1 only here:
-// the in-process communicator on the CPU, the single-GPU communicator on CUDA.
+// HostCollectives over a Python object with `rank` and `size` (ints) and the methods
+// all_gather(data: bytes) -> bytes, all_to_all_v(data: bytes, send_sizes: list[int],
+// recv_sizes: list[int]) -> bytes and barrier() (moe_echo.torch.dist.TorchCollectives implements
+// them on torch.distributed). Called with the GIL held (from inside the layer's calls).
+class PyCollectives final : public HostCollectives {
+ public:
+  explicit PyCollectives(nb::object impl)
+      : impl_(std::move(impl)),
+        rank_(nb::cast<int>(impl_.attr("rank"))),
+        size_(nb::cast<int>(impl_.attr("size"))) {}
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void all_gather(const void* send, void* recv, size_t bytes) override {
+    nb::bytes out = nb::cast<nb::bytes>(impl_.attr("all_gather")(nb::bytes(send, bytes)));
+    expect_size(out, bytes * size_t(size_), "all_gather");
+    std::memcpy(recv, out.c_str(), out.size());
+  }
+  void all_to_all_v(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                    const std::vector<size_t>& recv_bytes) override {
+    size_t total_send = 0, total_recv = 0;
+    for (size_t b : send_bytes) total_send += b;
+    for (size_t b : recv_bytes) total_recv += b;
+    nb::bytes out = nb::cast<nb::bytes>(
+        impl_.attr("all_to_all_v")(nb::bytes(send, total_send), send_bytes, recv_bytes));
+    expect_size(out, total_recv, "all_to_all_v");
+    if (total_recv) std::memcpy(recv, out.c_str(), total_recv);
+  }
+  void barrier() override { impl_.attr("barrier")(); }
+
+ private:
+  static void expect_size(const nb::bytes& b, size_t want, const char* what) {
+    MOE_ECHO_CHECK(b.size() == want, "collectives." << what << " returned " << b.size()
+                                                    << " bytes, expected " << want);
+  }
+  nb::object impl_;
+  int rank_, size_;
+};
+
+// One MoE layer on one rank with the backend and communicator it runs on: without collectives,
+// EP size 1 (the in-process communicator on the CPU, the single-GPU communicator on CUDA); with
+// them, the ranks of `collectives` (host-collectives communicator).
 class Layer {
  public:
   Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
-        const EchoConfig& echo, uint64_t seed) {
+        const EchoConfig& echo, uint64_t seed, nb::object collectives) {
     if (backend == "cpu") {
       const DType dt = parse_dtype(dtype, "dtype");
       if (dt != DType::f32 && dt != DType::f64)
@@ -77,8 +118,7 @@ class Layer {
       comm_ = &world_->communicator(0);
     } else if (backend == "cuda") {
 #ifdef MOE_ECHO_WITH_CUDA
-      if (dtype != "bfloat16")
-        reject("dtype", "'" + dtype + "'", "bfloat16 on the CUDA backend");
+      if (dtype != "bfloat16") reject("dtype", "'" + dtype + "'", "bfloat16 on the CUDA backend");
       backend_ = make_backend("cuda");
       owned_comm_ = cuda::make_local_communicator();
       comm_ = owned_comm_.get();
@@ -89,6 +129,13 @@ class Layer {
       reject("backend", "'" + backend + "'", "cpu or cuda");
     }
     ParallelConfig par;
+    if (!collectives.is_none()) {
+      collectives_ = std::make_unique<PyCollectives>(std::move(collectives));
+      owned_comm_ = make_host_collectives_communicator(*collectives_, *backend_);
+      comm_ = owned_comm_.get();
+      par.ep_size = collectives_->size();
+      par.ep_rank = collectives_->rank();
+    }
     layer_ = std::make_unique<MoeLayer>(*backend_, *comm_, moe, par, echo, seed,
                                         /*optimizer_state=*/false);
   }
@@ -125,8 +172,7 @@ class Layer {
 #endif
     nb::ndarray<nb::pytorch> a(t.data, size_t(t.ndim), shape.data(), self, nullptr,
                                dlpack_dtype(t.dtype),
-                               cuda ? nb::device::cuda::value : nb::device::cpu::value,
-                               device_id);
+                               cuda ? nb::device::cuda::value : nb::device::cpu::value, device_id);
     return nb::cast(a, nb::rv_policy::reference);
   }
 
@@ -136,6 +182,7 @@ class Layer {
  private:
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<InProcessWorld> world_;
+  std::unique_ptr<PyCollectives> collectives_;  // before the communicator that uses it
   std::unique_ptr<Communicator> owned_comm_;
   Communicator* comm_ = nullptr;
   std::unique_ptr<MoeLayer> layer_;
@@ -182,11 +229,11 @@ NB_MODULE(_ext, m) {
   nb::class_<Layer>(m, "Layer")
       .def(
           "__init__",
-          [](Layer* self, const std::string& backend, const std::string& dtype, int hidden,
-             int ffn, int experts, int top_k, int max_tokens, const std::string& score_function,
+          [](Layer* self, const std::string& backend, const std::string& dtype, int hidden, int ffn,
+             int experts, int top_k, int max_tokens, const std::string& score_function,
              bool normalize_topk, double aux_loss_coeff, double z_loss_coeff, bool bias_update,
              double bias_update_rate, bool echo, int spare_slots, double capacity_factor,
-             int max_clones, int64_t clone_cost_rows, uint64_t seed) {
+             int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -205,12 +252,12 @@ NB_MODULE(_ext, m) {
             e.capacity_factor = capacity_factor;
             e.max_clones_per_expert = max_clones;
             e.clone_cost_rows = clone_cost_rows;
-            new (self) Layer(backend, dtype, moe, e, seed);
+            new (self) Layer(backend, dtype, moe, e, seed, std::move(collectives));
           },
           "backend"_a, "dtype"_a, "hidden"_a, "ffn"_a, "experts"_a, "top_k"_a, "max_tokens"_a,
           "score_function"_a, "normalize_topk"_a, "aux_loss_coeff"_a, "z_loss_coeff"_a,
-          "bias_update"_a, "bias_update_rate"_a, "echo"_a, "spare_slots"_a,
-          "capacity_factor"_a, "max_clones"_a, "clone_cost_rows"_a, "seed"_a)
+          "bias_update"_a, "bias_update_rate"_a, "echo"_a, "spare_slots"_a, "capacity_factor"_a,
+          "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none())
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -246,13 +293,16 @@ NB_MODULE(_ext, m) {
             return l.view(l.layer().losses(), self);
           },
           "the last forward's [aux, z] losses, as a torch view")
-      .def_prop_ro("activation_dtype",
-                   [](const Layer& l) { return std::string(dtype_name(l.backend().activation_dtype())); })
-      .def_prop_ro("float_dtype",
-                   [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
+      .def_prop_ro(
+          "activation_dtype",
+          [](const Layer& l) { return std::string(dtype_name(l.backend().activation_dtype())); })
+      .def_prop_ro(
+          "float_dtype",
+          [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
       .def_prop_ro("capacity", [](Layer& l) { return l.layer().capacity(); })
       .def_prop_ro("slots", [](Layer& l) { return l.layer().slots(); })
       .def_prop_ro("ranks", [](Layer& l) { return l.layer().parallel_config().ep_size; })
+      .def_prop_ro("rank", [](Layer& l) { return l.layer().parallel_config().ep_rank; })
       .def_prop_ro("workspace_bytes", [](Layer& l) { return l.layer().workspace_bytes(); })
       .def_prop_ro("plan_layout", [](Layer& l) {
         // Offsets (in int32 entries) of the PlanView arrays in plan_buffer.

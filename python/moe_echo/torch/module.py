@@ -44,6 +44,9 @@ class MoE(nn.Module):
             rows beyond it run in extra (spill) rounds, never dropped.
         device, dtype: where the parameters live and their dtype.
         seed: the initial weights (per global expert, so any layout of the same seed agrees).
+        ep_group: a torch.distributed process group whose R ranks share the experts (expert
+            parallelism): this rank holds experts [rank * E/R, (rank + 1) * E/R) in w1 and w2, the
+            router weight is replicated. None: one rank holds all experts.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class MoE(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
+        ep_group=None,
     ):
         super().__init__()
         for name, value in (
@@ -112,6 +116,18 @@ class MoE(nn.Module):
         )
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
+        self._collectives = None
+        self.ep_size, self.ep_rank = 1, 0
+        if ep_group is not None:
+            from moe_echo.torch.dist import TorchCollectives
+
+            self._collectives = TorchCollectives(ep_group)
+            self.ep_size, self.ep_rank = self._collectives.size, self._collectives.rank
+            if experts % self.ep_size:
+                raise ValueError(
+                    f"experts = {experts} is invalid: allowed a multiple of the ep_group's size "
+                    f"({self.ep_size})"
+                )
         self._layer_id: int | None = None
         self._handle: _ops.LayerHandle | None = None
         self._layer_key = None
@@ -135,9 +151,10 @@ class MoE(nn.Module):
         cfg = dict(self._config)
         if backend == "cuda":
             with torch.cuda.device(device):
-                layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
+                layer = _ext.Layer(backend=backend, dtype=compute, collectives=self._collectives,
+                                   **cfg)
         else:
-            layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
+            layer = _ext.Layer(backend=backend, dtype=compute, collectives=self._collectives, **cfg)
         old = self._layer_id
         self._handle = _ops.LayerHandle(layer, device)
         self._layer_id = _ops.register(self._handle)
@@ -147,12 +164,14 @@ class MoE(nn.Module):
         return self._handle
 
     def _build_meta(self, dtype: torch.dtype) -> None:
-        H, F, E = self.hidden, self.ffn, self.experts
+        H, F, E = self.hidden, self.ffn, self.experts // self.ep_size
         meta = dict(device="meta", dtype=dtype)
-        self.router_weight = nn.Parameter(torch.empty(E, H, **meta))
+        self.router_weight = nn.Parameter(torch.empty(self.experts, H, **meta))
         self.w1 = nn.Parameter(torch.empty(E, H, 2 * F, **meta))
         self.w2 = nn.Parameter(torch.empty(E, F, H, **meta))
-        self.register_buffer("router_bias", torch.zeros(E, device="meta", dtype=torch.float32))
+        self.register_buffer(
+            "router_bias", torch.zeros(self.experts, device="meta", dtype=torch.float32)
+        )
 
     def _apply(self, fn, recurse=True):
         # The router bias is the layer's own buffer: moved by hand below, not by `fn`.
@@ -276,6 +295,6 @@ class MoE(nn.Module):
         return (
             f"hidden={c['hidden']}, ffn={c['ffn']}, experts={c['experts']}, top_k={c['top_k']}, "
             f"max_tokens={c['max_tokens']}, score_function={c['score_function']!r}, "
-            f"echo={c['echo']}"
+            f"echo={c['echo']}, ep_size={self.ep_size}"
         )
 
