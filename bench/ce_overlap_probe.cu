@@ -23,14 +23,13 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                       \
-  do {                                                                              \
-    cudaError_t e_ = (x);                                                           \
-    if (e_ != cudaSuccess) {                                                        \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                \
-                   cudaGetErrorString(e_));                                         \
-      std::exit(1);                                                                 \
-    }                                                                               \
+#define CK(x)                                                                                 \
+  do {                                                                                        \
+    cudaError_t e_ = (x);                                                                     \
+    if (e_ != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                           \
+    }                                                                                         \
   } while (0)
 
 __global__ void compute_kernel(float* out, int iters) {
@@ -92,7 +91,8 @@ __global__ void tma_copy_kernel(const char* src, char* dst, size_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(kChunk));
     asm volatile(
         "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(d), "l"(src + c * kChunk), "r"(kChunk), "r"(b)
+            "r"(d),
+        "l"(src + c * kChunk), "r"(kChunk), "r"(b)
         : "memory");
   };
   // chunks of this CTA: blockIdx.x, blockIdx.x + gridDim.x, ...
@@ -112,10 +112,10 @@ __global__ void tma_copy_kernel(const char* src, char* dst, size_t bytes) {
           : "r"(b), "r"(phase[st]));
     phase[st] ^= 1;
     const unsigned sp = unsigned(__cvta_generic_to_shared(buf + st * kChunk));
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
-                     dst + cur * kChunk),
-                 "r"(sp), "r"(kChunk)
-                 : "memory");
+    asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + cur * kChunk),
+        "r"(sp), "r"(kChunk)
+        : "memory");
     asm volatile("cp.async.bulk.commit_group;");
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
     if (next < chunks) issue(next, st), next += gridDim.x;
@@ -133,8 +133,8 @@ struct Ctx {
   int sms = 0;
   int iters = 0;
   size_t bytes = 0;
-  void* src = nullptr;  // on GPU 1
-  void* dst = nullptr;  // on GPU 0
+  void* src = nullptr;        // on GPU 1
+  void* dst = nullptr;        // on GPU 0
   void* local_src = nullptr;  // on GPU 0
   void* peer_dst = nullptr;   // on GPU 1
   float* sink = nullptr;
@@ -144,8 +144,8 @@ struct Ctx {
 constexpr int kSmem = 200 * 1024;
 
 // One kernel node (no dependencies) of `func` with the given launch shape and arguments.
-cudaGraphNode_t add_kernel(cudaGraph_t g, void* func, unsigned grid, unsigned block,
-                           unsigned smem, void** args) {
+cudaGraphNode_t add_kernel(cudaGraph_t g, void* func, unsigned grid, unsigned block, unsigned smem,
+                           void** args) {
   cudaKernelNodeParams p{};
   p.func = func;
   p.gridDim = dim3(grid);
@@ -319,8 +319,7 @@ int main(int argc, char** argv) {
       {"ce_switch_local", {add_ce_switch_local}},
       {"compute + ce_switch_local", {add_compute<0>, add_ce_switch_local}},
   };
-  std::printf("GPU 0 <- GPU 1, %zu MiB, %d SMs, compute iters %d\n", c.bytes >> 20, c.sms,
-              c.iters);
+  std::printf("GPU 0 <- GPU 1, %zu MiB, %d SMs, compute iters %d\n", c.bytes >> 20, c.sms, c.iters);
   std::printf("%-26s %10s %10s\n", "case", "ms", "GB/s");
   for (const Case& k : cases) {
     cudaGraph_t g;

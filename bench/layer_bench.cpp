@@ -39,13 +39,13 @@ Case slice(const ModelPreset& p, int experts, bool dump_weights) {
   return {std::string(p.name), experts, p.top_k, p.hidden, p.ffn, dump_weights};
 }
 
-#define CHECK_CUDA(x)                                                                   \
-  do {                                                                                  \
-    cudaError_t e = (x);                                                                \
-    if (e != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e));               \
-      std::exit(1);                                                                     \
-    }                                                                                   \
+#define CHECK_CUDA(x)                                                     \
+  do {                                                                    \
+    cudaError_t e = (x);                                                  \
+    if (e != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e)); \
+      std::exit(1);                                                       \
+    }                                                                     \
   } while (0)
 
 void dump(Backend& be, const Tensor& t, const std::string& path) {
@@ -68,14 +68,24 @@ int main(int argc, char** argv) {
   bool profile = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--dump") dump_dir = v;
-    else if (a == "--out") out = v;
-    else if (a == "--iters") iters = std::stoi(v);
-    else if (a == "--warmup") warmup = std::stoi(v);
-    else if (a == "--config") only = v;
-    else if (a == "--tokens") tokens = std::stoi(v);
-    else if (a == "--profile") profile = std::stoi(v) != 0;
-    else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
+    if (a == "--dump")
+      dump_dir = v;
+    else if (a == "--out")
+      out = v;
+    else if (a == "--iters")
+      iters = std::stoi(v);
+    else if (a == "--warmup")
+      warmup = std::stoi(v);
+    else if (a == "--config")
+      only = v;
+    else if (a == "--tokens")
+      tokens = std::stoi(v);
+    else if (a == "--profile")
+      profile = std::stoi(v) != 0;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
   }
   const std::vector<Case> cases = {
       slice(kQwen3_30B_A3B, 16, true),
@@ -175,12 +185,19 @@ int main(int argc, char** argv) {
       }
       std::printf("%-14s %-9s %10.3f %10.3f %12.1f\n", c.name.c_str(), skew_name.c_str(), fwd_ms,
                   step_ms, flops / (step_ms * 1e-3) / 1e12);
-      results.push_back({{"config", c.name}, {"skew", skew_name}, {"tag", tag},
-                         {"experts", c.experts}, {"top_k", c.top_k}, {"hidden", c.hidden},
-                         {"ffn", c.ffn}, {"tokens", T}, {"fwd_ms", fwd_ms},
+      results.push_back({{"config", c.name},
+                         {"skew", skew_name},
+                         {"tag", tag},
+                         {"experts", c.experts},
+                         {"top_k", c.top_k},
+                         {"hidden", c.hidden},
+                         {"ffn", c.ffn},
+                         {"tokens", T},
+                         {"fwd_ms", fwd_ms},
                          {"fwd_bwd_ms", step_ms},
                          {"expert_tflops", flops / (step_ms * 1e-3) / 1e12},
-                         {"aux_loss", st.aux_loss}, {"dumped_weights", c.dump_weights},
+                         {"aux_loss", st.aux_loss},
+                         {"dumped_weights", c.dump_weights},
                          {"graph_nodes", step.top_level_nodes()}});
       CHECK_CUDA(cudaEventDestroy(e0));
       CHECK_CUDA(cudaEventDestroy(e1));
@@ -189,8 +206,11 @@ int main(int argc, char** argv) {
     }
   }
   if (profile) return 0;
-  nlohmann::json doc = {{"device", prop.name}, {"kernel", "moe_echo MoeLayer (CUDA graph)"},
-                        {"iters", iters}, {"warmup", warmup}, {"results", results}};
+  nlohmann::json doc = {{"device", prop.name},
+                        {"kernel", "moe_echo MoeLayer (CUDA graph)"},
+                        {"iters", iters},
+                        {"warmup", warmup},
+                        {"results", results}};
   std::ofstream(out) << doc.dump(2) << "\n";
   return 0;
 }

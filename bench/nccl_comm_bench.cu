@@ -219,7 +219,8 @@ int main(int argc, char** argv) {
             }
             for (int64_t t = 0; t < T; ++t) {
               uint64_t seen = 0;  // ranks < 64
-              for (int64_t k = 0; k < K; ++k) seen |= 1ull << dest_rank[size_t(src)][size_t(t * K + k)];
+              for (int64_t k = 0; k < K; ++k)
+                seen |= 1ull << dest_rank[size_t(src)][size_t(t * K + k)];
               leads[size_t(src)] += std::popcount(seen);
             }
           }
@@ -261,8 +262,8 @@ int main(int argc, char** argv) {
             MOE_ECHO_CUDA_CHECK(cudaMemcpy2D(static_cast<char*>(x_entry) + size_t(k) * row_bytes,
                                              size_t(K) * row_bytes, x, row_bytes, row_bytes,
                                              size_t(T), cudaMemcpyDeviceToDevice));
-          MOE_ECHO_CUDA_CHECK(cudaMemcpy(a2a_send, x_entry, size_t(n) * row_bytes,
-                                         cudaMemcpyDeviceToDevice));
+          MOE_ECHO_CUDA_CHECK(
+              cudaMemcpy(a2a_send, x_entry, size_t(n) * row_bytes, cudaMemcpyDeviceToDevice));
         }
         SymmetricBuffer recv = comm->alloc_symmetric(*be, size_t(cap) * row_bytes);
         SymmetricBuffer red = comm->alloc_symmetric(*be, size_t(cap) * row_bytes);
@@ -330,7 +331,8 @@ int main(int argc, char** argv) {
               }
             const int64_t toks = n / top;
             std::vector<uint16_t> g(size_t(toks * H));
-            MOE_ECHO_CUDA_CHECK(cudaMemcpy(g.data(), ro.y.data, g.size() * 2, cudaMemcpyDeviceToHost));
+            MOE_ECHO_CUDA_CHECK(
+                cudaMemcpy(g.data(), ro.y.data, g.size() * 2, cudaMemcpyDeviceToHost));
             for (int64_t t = 0; t < toks; ++t)
               for (int64_t hh = 0; hh < H; hh += 61) {
                 uint64_t seen = 0;
@@ -363,7 +365,8 @@ int main(int argc, char** argv) {
           const double alltoall = max_over_ranks(time_graph_us(s, a2a, reps, sync_ranks));
           if (me == 0) {
             std::printf(
-                "%-38s %4d %5s %8lld %8.0f %7.1f %8.1f %7.1f %8.1f %7.1f %8.1f %7.1f %5.2f %5.2f%s\n",
+                "%-38s %4d %5s %8lld %8.0f %7.1f %8.1f %7.1f %8.1f %7.1f %8.1f %7.1f %5.2f "
+                "%5.2f%s\n",
                 c.name.c_str(), ctas, ro.name, static_cast<long long>(n), ro.rows_moved,
                 bytes / (1 << 20), disp, bytes / disp * 1e-3, comb, bytes / comb * 1e-3, alltoall,
                 bytes / alltoall * 1e-3, alltoall / disp, alltoall / comb,

@@ -168,9 +168,10 @@ void Report::summary() const {
   std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
               (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
   if (!phase_names.empty()) {
-    std::printf("\n  phases (ms, median over timed steps; a phase ends where the next starts; comm\n"
-                "  phases include the wait for the slowest peer)\n  %-22s %9s %9s\n", "phase",
-                "max rank", "mean");
+    std::printf(
+        "\n  phases (ms, median over timed steps; a phase ends where the next starts; comm\n"
+        "  phases include the wait for the slowest peer)\n  %-22s %9s %9s\n",
+        "phase", "max rank", "mean");
     for (size_t i = 0; i < phase_names.size(); ++i)
       std::printf("  %-22s %9.3f %9.3f\n", phase_names[i].c_str(), median(phase_max[i]),
                   median(phase_mean[i]));

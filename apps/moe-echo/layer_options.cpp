@@ -24,8 +24,7 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   cmd->add_option("--preset", o.preset,
                   "Layer shape: " + model_preset_names(false) + " (default " + o.preset +
                       ", seconds on a CPU). Explicit flags below override it.");
-  cmd->add_option("--backend", o.backend,
-                  "auto (the GPU when there is one, else the CPU) or cpu");
+  cmd->add_option("--backend", o.backend, "auto (the GPU when there is one, else the CPU) or cpu");
   cmd->add_option("--hidden", o.hidden, "Hidden size H");
   cmd->add_option("--ffn", o.ffn, "Expert FFN size F (SwiGLU: fc1 H x 2F, fc2 F x H)");
   cmd->add_option("--experts", o.experts, "Routed experts E (a multiple of --ep)");
@@ -35,7 +34,8 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
                   "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
                   "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
   cmd->add_option("--score", o.score, "Router score function: softmax or sigmoid");
-  cmd->add_option("--aux-loss", o.aux_loss_coeff, "Aux load-balancing loss coefficient (default 0)");
+  cmd->add_option("--aux-loss", o.aux_loss_coeff,
+                  "Aux load-balancing loss coefficient (default 0)");
   cmd->add_option("--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
   cmd->add_flag("--bias-update", o.bias_update, "Aux-loss-free balancing bias updates");
   cmd->add_option("--echo", o.echo, "ECHO cloning of hot experts: on (default) or off");
@@ -89,8 +89,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
     reject(r.moe.hidden % 8 != 0 ? "hidden" : "ffn",
            r.moe.hidden % 8 != 0 ? r.moe.hidden : r.moe.ffn,
            "a multiple of 8 on the CUDA backend (16-byte aligned GEMM rows)");
-  if (o.echo != "on" && o.echo != "off")
-    reject("echo", "'" + o.echo + "'", "on or off");
+  if (o.echo != "on" && o.echo != "off") reject("echo", "'" + o.echo + "'", "on or off");
   r.echo.enabled = o.echo == "on";
   r.echo.spare_slots_per_rank = o.spare_slots.value_or(kEcho.spare_slots_per_rank);
   r.echo.max_clones_per_expert = o.max_clones.value_or(kEcho.max_clones_per_expert);

@@ -31,7 +31,7 @@ struct ResolvedLayer {
   EchoConfig echo;
   std::string preset;
   bool tokens_reduced_for_cpu = false;
-  bool gpu = false;                     // the CUDA backend
+  bool gpu = false;  // the CUDA backend
 };
 
 void add_layer_options(CLI::App* cmd, LayerOptions& o);

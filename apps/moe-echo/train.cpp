@@ -101,20 +101,19 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
 }
 
 int run_train(const TrainOptions& o) {
-  if (o.steps < 2)
-    reject("steps", o.steps, "steps >= 2");
-  if (!(o.lr > 0) || !std::isfinite(o.lr))
-    reject("lr", o.lr, "a finite value > 0");
+  if (o.steps < 2) reject("steps", o.steps, "steps >= 2");
+  if (!(o.lr > 0) || !std::isfinite(o.lr)) reject("lr", o.lr, "a finite value > 0");
   if (o.compare != "both" && o.compare != "on" && o.compare != "off")
     reject("echo", "'" + o.compare + "'", "both, on or off");
   auto probe = make_backend(o.layer.backend);
   LayerOptions lo = o.layer;
   lo.echo = "on";
   const ResolvedLayer L = resolve(lo, *probe);
-  std::printf("moe-echo train: teacher-student regression, preset %s, backend %s, H %d, F %d, "
-              "E %d, top-%d, %d tokens/rank, EP %d, AdamW lr %g\n",
-              L.preset.c_str(), probe->name(), L.moe.hidden, L.moe.ffn, L.moe.experts,
-              L.moe.top_k, L.moe.max_tokens, L.ep, o.lr);
+  std::printf(
+      "moe-echo train: teacher-student regression, preset %s, backend %s, H %d, F %d, "
+      "E %d, top-%d, %d tokens/rank, EP %d, AdamW lr %g\n",
+      L.preset.c_str(), probe->name(), L.moe.hidden, L.moe.ffn, L.moe.experts, L.moe.top_k,
+      L.moe.max_tokens, L.ep, o.lr);
 
   std::vector<double> on, off;
   if (o.compare != "off") on = train_once(o, L, true);
@@ -125,7 +124,8 @@ int run_train(const TrainOptions& o) {
   double max_diff = 0;
   for (int s = 0; s < o.steps; ++s) {
     const double a = on.empty() ? NAN : on[size_t(s)], b = off.empty() ? NAN : off[size_t(s)];
-    const double d = (on.empty() || off.empty()) ? NAN : std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
+    const double d =
+        (on.empty() || off.empty()) ? NAN : std::fabs(a - b) / std::max(std::fabs(b), 1e-30);
     if (std::isfinite(d)) max_diff = std::max(max_diff, d);
     std::printf("%5d %14.6e %14.6e %11.2e\n", s, a, b, d);
   }
@@ -140,11 +140,17 @@ int run_train(const TrainOptions& o) {
   if (!o.json.empty()) {
     nlohmann::json j = {{"command", "train"},
                         {"backend", probe->name()},
-                        {"config", {{"preset", L.preset}, {"hidden", L.moe.hidden},
-                                    {"ffn", L.moe.ffn}, {"experts", L.moe.experts},
-                                    {"top_k", L.moe.top_k}, {"tokens_per_rank", L.moe.max_tokens},
-                                    {"ep", L.ep}, {"lr", o.lr}, {"steps", o.steps},
-                                    {"seed", o.layer.seed}}},
+                        {"config",
+                         {{"preset", L.preset},
+                          {"hidden", L.moe.hidden},
+                          {"ffn", L.moe.ffn},
+                          {"experts", L.moe.experts},
+                          {"top_k", L.moe.top_k},
+                          {"tokens_per_rank", L.moe.max_tokens},
+                          {"ep", L.ep},
+                          {"lr", o.lr},
+                          {"steps", o.steps},
+                          {"seed", o.layer.seed}}},
                         {"loss_echo", on},
                         {"loss_no_echo", off},
                         {"max_rel_diff", max_diff},

@@ -81,19 +81,19 @@ struct RouterBackwardArgs {
 
 // Where every (token, k) row goes, from the routing map and the plan; identical on every rank.
 struct LayoutArgs {
-  Tensor routing_map;   // [R, E] i32, C[src][e]
-  Tensor plan;          // [plan_ints] i32 (PlanView layout)
-  Tensor topk_idx;      // [T, K] i32, this rank's routes
-  Tensor assign;        // scratch [R * E * M] i32
-  Tensor dest_rank;     // out [T * K] i32
-  Tensor dest_row;      // out [T * K] i32: receive row on dest_rank (global over rounds)
-  Tensor group_offsets; // out [slots + 1] i32: this rank's receive rows per slot
-  Tensor rank_rows;     // out [R] i32: rows every rank receives
-  Tensor round_active;  // out [max_rounds] i32: 1 where some rank has rows in that round
+  Tensor routing_map;    // [R, E] i32, C[src][e]
+  Tensor plan;           // [plan_ints] i32 (PlanView layout)
+  Tensor topk_idx;       // [T, K] i32, this rank's routes
+  Tensor assign;         // scratch [R * E * M] i32
+  Tensor dest_rank;      // out [T * K] i32
+  Tensor dest_row;       // out [T * K] i32: receive row on dest_rank (global over rounds)
+  Tensor group_offsets;  // out [slots + 1] i32: this rank's receive rows per slot
+  Tensor rank_rows;      // out [R] i32: rows every rank receives
+  Tensor round_active;   // out [max_rounds] i32: 1 where some rank has rows in that round
   PlannerConfig planner;
   int rank = 0;
-  int slots = 0;        // home + spare slots per rank
-  int64_t capacity = 0; // receive rows per round
+  int slots = 0;         // home + spare slots per rank
+  int64_t capacity = 0;  // receive rows per round
 };
 
 struct GemmArgs {
@@ -145,7 +145,7 @@ struct Reservation {
   int64_t max_rows = 0;    // receive window rows (the capacity)
   int64_t max_tokens = 0;  // tokens per rank
   int hidden = 0, ffn = 0, experts = 0, top_k = 0, ranks = 1;
-  PlannerConfig planner;   // the plans this layer will ask for (spare slots, clone limit)
+  PlannerConfig planner;  // the plans this layer will ask for (spare slots, clone limit)
 };
 
 // What Backend::enqueue_as_graph keeps between calls of one call site (an instantiated graph).

@@ -97,8 +97,7 @@ class Communicator {
   // ECHO clone weight sync: every spare slot s of this rank that the plan fills with expert e gets
   // slot (e % (E/R)) of rank (e / (E/R)): `weights` holds [home + spare slots][slot_bytes].
   virtual void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
-                                  const SymmetricBuffer& weights, size_t slot_bytes,
-                                  Stream s) = 0;
+                                  const SymmetricBuffer& weights, size_t slot_bytes, Stream s) = 0;
   // ECHO clone gradient reduction: every home expert of this rank adds, in replica order, the
   // gradients its clones accumulated in their spare slots on other ranks.
   virtual void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,

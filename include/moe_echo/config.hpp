@@ -24,16 +24,16 @@ ScoreFunction parse_score_function(const std::string& s, const char* field = "sc
 inline constexpr int kMaxTopK = 32;
 
 struct MoeConfig {
-  int hidden = 0;       // H
-  int ffn = 0;          // F: fc1 is H x 2F (gate | up), fc2 is F x H
-  int experts = 0;      // E, routed experts of the layer (all ranks together)
-  int top_k = 0;        // K, experts chosen per token
-  int max_tokens = 0;   // T, the most tokens one rank feeds the layer in one step
+  int hidden = 0;      // H
+  int ffn = 0;         // F: fc1 is H x 2F (gate | up), fc2 is F x H
+  int experts = 0;     // E, routed experts of the layer (all ranks together)
+  int top_k = 0;       // K, experts chosen per token
+  int max_tokens = 0;  // T, the most tokens one rank feeds the layer in one step
   ScoreFunction score_function = ScoreFunction::softmax;
-  bool normalize_topk = true;       // rescale the K chosen weights to sum to 1
-  double aux_loss_coeff = 0.0;      // Switch-style load-balancing loss: coeff * E * sum_e f_e P_e
-  double z_loss_coeff = 0.0;        // coeff * mean_t logsumexp(logits_t)^2
-  bool bias_update = false;         // aux-loss-free balancing: b_e += rate * sign(mean - count_e)
+  bool normalize_topk = true;   // rescale the K chosen weights to sum to 1
+  double aux_loss_coeff = 0.0;  // Switch-style load-balancing loss: coeff * E * sum_e f_e P_e
+  double z_loss_coeff = 0.0;    // coeff * mean_t logsumexp(logits_t)^2
+  bool bias_update = false;     // aux-loss-free balancing: b_e += rate * sign(mean - count_e)
   double bias_update_rate = 1e-3;
 };
 
@@ -44,9 +44,9 @@ struct ParallelConfig {
 
 struct EchoConfig {
   bool enabled = true;
-  int spare_slots_per_rank = 1;     // S: slots per rank that may hold a clone for one step
-  double capacity_factor = 1.25;    // receive buffer rows = ceil(capacity_factor * T * K)
-  int max_clones_per_expert = 2;    // clones of one expert in one step (replicas = 1 + clones)
+  int spare_slots_per_rank = 1;   // S: slots per rank that may hold a clone for one step
+  double capacity_factor = 1.25;  // receive buffer rows = ceil(capacity_factor * T * K)
+  int max_clones_per_expert = 2;  // clones of one expert in one step (replicas = 1 + clones)
   // Cost of one clone (weights in, gradient out) in routed rows of expert work: a clone is made
   // only when it lowers the busiest rank's load by more than this.
   int64_t clone_cost_rows = 0;

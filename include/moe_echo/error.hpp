@@ -21,8 +21,7 @@ class Error : public std::runtime_error {
 // "top_k = 0 is invalid: allowed 1 <= top_k <= experts (16)".
 class ConfigError : public Error {
  public:
-  ConfigError(std::string field, std::string message)
-      : Error(message), field_(std::move(field)) {}
+  ConfigError(std::string field, std::string message) : Error(message), field_(std::move(field)) {}
   const std::string& field() const { return field_; }
 
  private:
@@ -45,12 +44,11 @@ namespace detail {
 }  // namespace moe_echo
 
 // Throws moe_echo::Error with file, line and a streamed message when `cond` is false.
-#define MOE_ECHO_CHECK(cond, msg)                                   \
-  do {                                                              \
-    if (!(cond)) {                                                  \
-      std::ostringstream moe_echo_check_stream_;                    \
-      moe_echo_check_stream_ << "check failed: " #cond ": " << msg; \
-      ::moe_echo::detail::fail(__FILE__, __LINE__,                  \
-                               moe_echo_check_stream_.str());       \
-    }                                                               \
+#define MOE_ECHO_CHECK(cond, msg)                                                 \
+  do {                                                                            \
+    if (!(cond)) {                                                                \
+      std::ostringstream moe_echo_check_stream_;                                  \
+      moe_echo_check_stream_ << "check failed: " #cond ": " << msg;               \
+      ::moe_echo::detail::fail(__FILE__, __LINE__, moe_echo_check_stream_.str()); \
+    }                                                                             \
   } while (0)

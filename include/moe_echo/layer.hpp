@@ -5,8 +5,9 @@
 // symmetric buffers are registered with the communicator). forward() and backward() allocate
 // nothing and never wait on the host; every rank of the layer must call them in the same order.
 //
-// Gradients accumulate (+=) across backward calls until zero_grad(), in the backend's float dtype. Home expert weights are
-// the parameters; spare slots hold clones for one step only and are not parameters.
+// Gradients accumulate (+=) across backward calls until zero_grad(), in the backend's float dtype.
+// Home expert weights are the parameters; spare slots hold clones for one step only and are not
+// parameters.
 #pragma once
 
 #include <cstdint>
@@ -40,10 +41,10 @@ struct StepStats {
   // Clone traffic, all ranks: per clone 3 H F weights in (activation dtype) and 3 H F gradients
   // home (float dtype), so 3 H F (2 + 4) bytes on the CUDA backend (bf16 weights, fp32 gradients).
   int64_t clone_bytes = 0;
-  int64_t received_rows = 0;         // rows this rank's experts processed
-  int64_t overflow_rows = 0;         // rows beyond this rank's capacity (done in spill rounds)
-  int64_t overflow_rows_all = 0;     // the same over all ranks
-  int spill_rounds = 0;              // rounds beyond the first (identical on all ranks)
+  int64_t received_rows = 0;      // rows this rank's experts processed
+  int64_t overflow_rows = 0;      // rows beyond this rank's capacity (done in spill rounds)
+  int64_t overflow_rows_all = 0;  // the same over all ranks
+  int spill_rounds = 0;           // rounds beyond the first (identical on all ranks)
 };
 
 struct AdamWConfig {
@@ -78,9 +79,10 @@ class MoeLayer {
   // by op, and on the CUDA backend each possible spill round then reads its flag on the host.
   void forward(const Tensor& x, const Tensor& y, Stream stream = nullptr);
   // Once per forward (throws otherwise), the same way as the forward (graph or op by op).
-  // dy: [T, H] for the last forward, whose x must still hold the same values; dx: [T, H] out. Accumulates parameter gradients; the aux and
-  // z losses enter with gradient 1. Reduces clone gradients into their home experts and, when
-  // enabled, applies the aux-loss-free bias update. Capture-safe.
+  // dy: [T, H] for the last forward, whose x must still hold the same values; dx: [T, H] out.
+  // Accumulates parameter gradients; the aux and z losses enter with gradient 1. Reduces clone
+  // gradients into their home experts and, when enabled, applies the aux-loss-free bias update.
+  // Capture-safe.
   void backward(const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
 
   // The same, with x given again (a framework that saves x for the backward passes it here): it
@@ -140,8 +142,8 @@ class MoeLayer {
   RowRoute route(int64_t T) const;
   FanArgs fan_args(int round) const;
   void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
-  void run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
-                 const int32_t* accumulate, Stream s);
+  void run_round(int round, const Tensor& x, const Tensor& y, int64_t T, const int32_t* accumulate,
+                 Stream s);
   void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
                           const int32_t* accumulate, bool overwrite_grads, Stream s);
   void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
@@ -169,7 +171,7 @@ class MoeLayer {
   int64_t capacity_ = 0;
   int rounds_ = 0;
   PhaseObserver* observer_ = nullptr;
-  bool grads_zeroed_ = false;  // zero_grad since the last backward
+  bool grads_zeroed_ = false;     // zero_grad since the last backward
   bool forward_pending_ = false;  // a forward whose backward has not run yet
   std::unique_ptr<GraphCache> forward_graph_, backward_graph_;
   int64_t last_tokens_ = 0;

@@ -17,10 +17,10 @@
 namespace moe_echo {
 
 struct PlannerConfig {
-  int ranks = 1;            // R
-  int experts = 1;          // E (home expert e lives on rank e / (E/R), local slot e % (E/R))
-  int spare_slots = 0;      // S per rank
-  int max_clones = 0;       // clones per expert per step; replicas per expert M = 1 + max_clones
+  int ranks = 1;        // R
+  int experts = 1;      // E (home expert e lives on rank e / (E/R), local slot e % (E/R))
+  int spare_slots = 0;  // S per rank
+  int max_clones = 0;   // clones per expert per step; replicas per expert M = 1 + max_clones
   int64_t clone_cost_rows = 0;  // a clone must lower the max load by more than this many rows
 
   int experts_per_rank() const { return experts / ranks; }
@@ -33,13 +33,13 @@ struct PlannerConfig {
 // replica, j >= 1 are its clones in ascending (rank, spare slot) order; unused entries hold -1
 // (rank, slot) and 0 (rows). Slots are local: home slots 0..E/R-1, spare slot s is E/R + s.
 struct PlanView {
-  int32_t* spare_expert = nullptr;   // [R * S]: expert cloned into spare slot s of rank r, or -1
-  int32_t* replica_rank = nullptr;   // [E * M]
-  int32_t* replica_slot = nullptr;   // [E * M]
-  int32_t* replica_rows = nullptr;   // [E * M]: rows replica j of e processes (sum = load of e)
-  int32_t* load_before = nullptr;    // [R]: rows each rank would receive with no clones
-  int32_t* load_after = nullptr;     // [R]: rows each rank receives under this plan
-  int32_t* num_clones = nullptr;     // [1]
+  int32_t* spare_expert = nullptr;  // [R * S]: expert cloned into spare slot s of rank r, or -1
+  int32_t* replica_rank = nullptr;  // [E * M]
+  int32_t* replica_slot = nullptr;  // [E * M]
+  int32_t* replica_rows = nullptr;  // [E * M]: rows replica j of e processes (sum = load of e)
+  int32_t* load_before = nullptr;   // [R]: rows each rank would receive with no clones
+  int32_t* load_after = nullptr;    // [R]: rows each rank receives under this plan
+  int32_t* num_clones = nullptr;    // [1]
 };
 
 // int32 entries of a plan's storage; PlanView over `base` laid out in the field order above.

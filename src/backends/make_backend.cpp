@@ -23,12 +23,14 @@ std::unique_ptr<Backend> make_backend(const std::string& name) {
 #ifdef MOE_ECHO_WITH_CUDA
   if (name == "cuda" || (name == "auto" && cuda_backend_available())) {
     if (!cuda_backend_available())
-      throw ConfigError("backend", "backend = 'cuda' is invalid here: no GPU is visible; allowed auto or cpu");
+      throw ConfigError("backend",
+                        "backend = 'cuda' is invalid here: no GPU is visible; allowed auto or cpu");
     return cuda::make_cuda_backend();
   }
 #endif
   if (name == "auto") return make_cpu_backend(DType::f32);
-  reject("backend", "'" + name + "'", cuda_backend_available() ? "auto, cpu or cuda" : "auto or cpu");
+  reject("backend", "'" + name + "'",
+         cuda_backend_available() ? "auto, cpu or cuda" : "auto or cpu");
 }
 
 }  // namespace moe_echo

@@ -189,7 +189,8 @@ class InProcessCommunicator final : public Communicator {
         const int r = plan.replica_rank[e * M + rep];
         if (r < 0) continue;
         const void* peer = w_.table[size_t(grads.id)][size_t(r)];
-        const void* src = row_ptr(const_cast<void*>(peer), plan.replica_slot[e * M + rep], slot_bytes);
+        const void* src =
+            row_ptr(const_cast<void*>(peer), plan.replica_slot[e * M + rep], slot_bytes);
         void* dst = row_ptr(grads.local, j, slot_bytes);
         if (dtype == DType::f32)
           add_into<float>(dst, src, slot_elems);

@@ -286,8 +286,8 @@ class LocalCommunicator final : public Communicator {
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
                       static_cast<double*>(grads.local), slot_elems);
     else
-      MOE_ECHO_CHECK(false, "clone gradient reduction supports f32 and f64, not "
-                                << to_string(dtype));
+      MOE_ECHO_CHECK(false,
+                     "clone gradient reduction supports f32 and f64, not " << to_string(dtype));
   }
 
  private:

@@ -29,8 +29,8 @@
 #include <cstring>
 #include <initializer_list>
 #include <sstream>
-#include <utility>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "comm/nccl_communicator.hpp"
@@ -305,14 +305,14 @@ __global__ void __launch_bounds__(kThreads)
     }
     // The row.
     const unsigned long long to =
-        e.lead ? reinterpret_cast<unsigned long long>(ncclGetLsaPointer(
-                     recv, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
+        e.lead ? reinterpret_cast<unsigned long long>(
+                     ncclGetLsaPointer(recv, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
                : 0ull;
     cuda::warp_row_steps<kInFlight>(
         src + t * row_words, row_words, lane, [&](const W(&v)[kInFlight], int64_t w0) {
           for (unsigned l = e.leads; l; l &= l - 1)  // the steps are uniform: shuffles are safe
-            cuda::warp_store_step(reinterpret_cast<W*>(__shfl_sync(kFull, to, __ffs(l) - 1)), v,
-                                  w0, row_words);
+            cuda::warp_store_step(reinterpret_cast<W*>(__shfl_sync(kFull, to, __ffs(l) - 1)), v, w0,
+                                  row_words);
         });
   }
   b.sync(Coop(), kAcqRel);
@@ -339,8 +339,8 @@ __global__ void __launch_bounds__(kThreads)
           *static_cast<const F*>(ncclGetLsaPointer(values, size_t(e.row) * sizeof(F), e.rank));
     if (e.leads == 0 && add) continue;
     const unsigned long long from =
-        e.lead ? reinterpret_cast<unsigned long long>(ncclGetLsaPointer(
-                     red, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
+        e.lead ? reinterpret_cast<unsigned long long>(
+                     ncclGetLsaPointer(red, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
                : 0ull;
     // Lane j takes the address of the j-th lead (k order).
     unsigned rest = e.leads;
@@ -511,8 +511,8 @@ __global__ void index_copy_kernel(int64_t count, const int32_t* __restrict__ src
 
 // Baseline: dst[dst_idx ? dst_idx[j] : j] <- src[src_idx ? src_idx[j] : j] (single values).
 template <class T>
-__global__ void index_move_kernel(int64_t count, const int32_t* __restrict__ src_idx,
-                                  const T* src, const int32_t* __restrict__ dst_idx, T* dst) {
+__global__ void index_move_kernel(int64_t count, const int32_t* __restrict__ src_idx, const T* src,
+                                  const int32_t* __restrict__ dst_idx, T* dst) {
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < count;
        j += int64_t(gridDim.x) * blockDim.x)
     dst[dst_idx ? int64_t(dst_idx[j]) : j] = src[src_idx ? int64_t(src_idx[j]) : j];
@@ -579,15 +579,9 @@ void with_float(DType t, F&& f) {
 template <class F>
 void with_rows(DType t, bool vec, F&& f) {
   switch (t) {
-    case DType::bf16:
-      vec ? f(cuda::bf16{}, uint4{}) : f(cuda::bf16{}, cuda::bf16{});
-      break;
-    case DType::f32:
-      vec ? f(float{}, uint4{}) : f(float{}, float{});
-      break;
-    default:
-      vec ? f(double{}, uint4{}) : f(double{}, double{});
-      break;
+    case DType::bf16: vec ? f(cuda::bf16{}, uint4{}) : f(cuda::bf16{}, cuda::bf16{}); break;
+    case DType::f32: vec ? f(float{}, uint4{}) : f(float{}, float{}); break;
+    default: vec ? f(double{}, uint4{}) : f(double{}, double{}); break;
   }
 }
 
@@ -806,9 +800,9 @@ class NcclCommunicator final : public Communicator {
         using W = decltype(word);
         MOE_ECHO_LAUNCH((dispatch_kernel<W, F>), unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
                         dev_, barrier_base(kDispatchBarriers), w.win, m.win, wt.win,
-                        route.n / route.top_k, route.top_k, size_, route.dest_rank,
-                        route.dest_row, static_cast<const F*>(route.weight), window.row_lo,
-                        window.rows, static_cast<const W*>(src), int64_t(row_bytes / sizeof(W)));
+                        route.n / route.top_k, route.top_k, size_, route.dest_rank, route.dest_row,
+                        static_cast<const F*>(route.weight), window.row_lo, window.rows,
+                        static_cast<const W*>(src), int64_t(row_bytes / sizeof(W)));
       });
     });
   }
@@ -819,16 +813,15 @@ class NcclCommunicator final : public Communicator {
     check_route(route, fan);
     MOE_ECHO_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32 || y.dtype == DType::f64,
                    "combine: rows of bf16, f32 or f64, not " << to_string(y.dtype));
-    MOE_ECHO_CHECK(y.ndim == 2 && y.size(0) * route.top_k == route.n,
-                   "combine: y " << y.describe() << " for " << route.n << " entries of top_k "
-                                 << route.top_k);
+    MOE_ECHO_CHECK(
+        y.ndim == 2 && y.size(0) * route.top_k == route.n,
+        "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
     const size_t rows = size_t(std::max<int64_t>(window.rows, 0));
     const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
     const Window& r = window_of(red, rows * row_bytes, "combine");
-    const Window* v =
-        values_out
-            ? &window_of(fan.values, rows * dtype_size(fan.float_dtype), "combine (fan values)")
-            : nullptr;
+    const Window* v = values_out ? &window_of(fan.values, rows * dtype_size(fan.float_dtype),
+                                              "combine (fan values)")
+                                 : nullptr;
     if (opts_.dispatcher == Dispatcher::baseline)
       return baseline_combine(route, window, r, y, accumulate, v, fan.float_dtype, values_out,
                               as_cuda(s));
@@ -959,10 +952,10 @@ class NcclCommunicator final : public Communicator {
   }
 
   static void check_route(const RowRoute& route, const FanTable& fan) {
-    MOE_ECHO_CHECK(route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 &&
-                       route.n % route.top_k == 0,
-                   "route of " << route.n << " entries, top_k " << route.top_k << " (1.."
-                               << kMaxTopK << ", dividing the entries)");
+    MOE_ECHO_CHECK(
+        route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 && route.n % route.top_k == 0,
+        "route of " << route.n << " entries, top_k " << route.top_k << " (1.." << kMaxTopK
+                    << ", dividing the entries)");
     MOE_ECHO_CHECK(fan.top_k == route.top_k,
                    "fan table of top_k " << fan.top_k << " for a route of top_k " << route.top_k);
     MOE_ECHO_CHECK(fan.float_dtype == DType::f32 || fan.float_dtype == DType::f64,
@@ -1004,8 +997,7 @@ class NcclCommunicator final : public Communicator {
         char* to = base + size_t(epr + sl) * slot_bytes;
         const char* from = base + size_t(e % epr) * slot_bytes;
         if (r == rank_ && home == rank_)
-          MOE_ECHO_CUDA_CHECK(
-              cudaMemcpyAsync(to, from, slot_bytes, cudaMemcpyDeviceToDevice, s));
+          MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(to, from, slot_bytes, cudaMemcpyDeviceToDevice, s));
         else if (r == rank_)
           MOE_ECHO_NCCL_CHECK(ncclRecv(to, slot_bytes, ncclUint8, home, comm_, s));
         else if (home == rank_)
@@ -1073,8 +1065,8 @@ class NcclCommunicator final : public Communicator {
   //   the index of each lead in k order) [L], and with `entries` every in-window entry grouped
   //   by destination (entry_off_): entry_row [Ne], entry_idx [Ne].
   // h_weights_ holds each lead's K member weights (bytes of the float dtype) when `weights`.
-  void plan_leads(const RowRoute& route, RoundWindow window, DType fdt, bool weights,
-                  bool entries, cudaStream_t s) {
+  void plan_leads(const RowRoute& route, RoundWindow window, DType fdt, bool weights, bool entries,
+                  cudaStream_t s) {
     const size_t n = size_t(route.n), fl = dtype_size(fdt);
     const int K = route.top_k;
     const int64_t T = route.n / K;
@@ -1098,7 +1090,8 @@ class NcclCommunicator final : public Communicator {
     };
     auto is_lead = [&](size_t first, int k) {
       for (int k2 = 0; k2 < k; ++k2)
-        if (in(first + size_t(k2)) && h_rank_.data[first + size_t(k2)] == h_rank_.data[first + size_t(k)])
+        if (in(first + size_t(k2)) &&
+            h_rank_.data[first + size_t(k2)] == h_rank_.data[first + size_t(k)])
           return false;
       return true;
     };
@@ -1231,8 +1224,8 @@ class NcclCommunicator final : public Communicator {
   template <class T>
   void index_move(int64_t count, const int32_t* src_idx, const void* src, const int32_t* dst_idx,
                   void* dst, cudaStream_t s) {
-    MOE_ECHO_LAUNCH(index_move_kernel<T>, cuda::blocks_for(count, 256, cuda::grid_cap()), 256, 0,
-                    s, count, src_idx, static_cast<const T*>(src), dst_idx, static_cast<T*>(dst));
+    MOE_ECHO_LAUNCH(index_move_kernel<T>, cuda::blocks_for(count, 256, cuda::grid_cap()), 256, 0, s,
+                    count, src_idx, static_cast<const T*>(src), dst_idx, static_cast<T*>(dst));
   }
 
   // Leads to their ranks: token rows packed by destination, with their members and weights;
@@ -1279,8 +1272,8 @@ class NcclCommunicator final : public Communicator {
   // red rows back, and each token sums its leads' rows in k order (sum_leads_kernel); the fan
   // values travel the same way, per entry, when values_out is given.
   void baseline_combine(const RowRoute& route, RoundWindow window, const Window& red,
-                        const Tensor& y, const int32_t* accumulate, const Window* values,
-                        DType fdt, void* values_out, cudaStream_t s) {
+                        const Tensor& y, const int32_t* accumulate, const Window* values, DType fdt,
+                        void* values_out, cudaStream_t s) {
     const size_t R = size_t(size_), fl = dtype_size(fdt);
     const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
     const int64_t T = y.size(0);
@@ -1309,8 +1302,8 @@ class NcclCommunicator final : public Communicator {
       using W = decltype(word);
       index_copy<W>(incoming, in_rows, red.ptr, nullptr, staged, row_bytes, s);
       exchange(staged, packed, row_bytes, recv_lead_off_, lead_off_, s);
-      MOE_ECHO_LAUNCH((sum_leads_kernel<Y, W>), cuda::blocks_for(T, 8, cuda::grid_cap()), 256, 0,
-                      s, T, token_off, token_leads, static_cast<const W*>(packed),
+      MOE_ECHO_LAUNCH((sum_leads_kernel<Y, W>), cuda::blocks_for(T, 8, cuda::grid_cap()), 256, 0, s,
+                      T, token_off, token_leads, static_cast<const W*>(packed),
                       int64_t(row_bytes / sizeof(W)), accumulate, static_cast<W*>(y.data));
     });
     if (!values_out) return;

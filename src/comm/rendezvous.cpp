@@ -45,14 +45,10 @@ constexpr std::chrono::seconds kAnswerGrace{5};
 
 const char* op_name(uint8_t op) {
   switch (op) {
-    case kAllGather:
-      return "all_gather_bytes";
-    case kBroadcast:
-      return "broadcast_bytes";
-    case kBarrier:
-      return "barrier";
-    default:
-      return "an unknown operation";
+    case kAllGather: return "all_gather_bytes";
+    case kBroadcast: return "broadcast_bytes";
+    case kBarrier: return "barrier";
+    default: return "an unknown operation";
   }
 }
 

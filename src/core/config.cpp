@@ -32,8 +32,7 @@ void validate(const MoeConfig& m) {
   if (m.ffn < 1) reject("ffn", m.ffn, "ffn >= 1");
   if (m.experts < 1) reject("experts", m.experts, "experts >= 1");
   if (m.top_k < 1 || m.top_k > m.experts)
-    reject("top_k", m.top_k,
-           range("1", "top_k", "experts (" + std::to_string(m.experts) + ")"));
+    reject("top_k", m.top_k, range("1", "top_k", "experts (" + std::to_string(m.experts) + ")"));
   if (m.top_k > kMaxTopK)
     reject("top_k", m.top_k,
            "top_k <= " + std::to_string(kMaxTopK) + " (a token's entries are handled by one warp)");
@@ -55,8 +54,7 @@ void validate(const ParallelConfig& p, const MoeConfig& m) {
     reject("ep_rank", p.ep_rank,
            range("0", "ep_rank", "ep_size - 1 (" + std::to_string(p.ep_size - 1) + ")"));
   if (m.experts % p.ep_size != 0)
-    reject("experts", m.experts,
-           "a multiple of ep_size (" + std::to_string(p.ep_size) + ")");
+    reject("experts", m.experts, "a multiple of ep_size (" + std::to_string(p.ep_size) + ")");
   if (int64_t(m.max_tokens) * m.top_k * p.ep_size > kMaxRows)
     reject("ep_size", p.ep_size, "max_tokens * top_k * ep_size <= 2^31-1");
 }
@@ -80,7 +78,8 @@ void validate(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) 
   if (cap > double(kMaxRows))
     reject("capacity_factor", e.capacity_factor, "capacity_factor * max_tokens * top_k <= 2^31-1");
   if (int64_t(m.experts) / p.ep_size + e.spare_slots_per_rank > 1 << 20)
-    reject("spare_slots_per_rank", e.spare_slots_per_rank, "experts / ep_size + spare slots <= 2^20");
+    reject("spare_slots_per_rank", e.spare_slots_per_rank,
+           "experts / ep_size + spare slots <= 2^20");
 }
 
 int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {

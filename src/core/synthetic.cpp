@@ -37,12 +37,13 @@ std::string to_string(const SkewSpec& s) {
 
 SyntheticTokens::SyntheticTokens(int experts, int hidden, const SkewSpec& skew, uint64_t seed)
     : experts_(experts), hidden_(hidden), skew_(skew), seed_(seed) {
-  MOE_ECHO_CHECK(experts <= hidden, "synthetic routing needs experts (" << experts
-                                        << ") <= hidden (" << hidden << ")");
+  MOE_ECHO_CHECK(experts <= hidden, "synthetic routing needs experts ("
+                                        << experts << ") <= hidden (" << hidden << ")");
   Rng rng(seed, 0x51e3, 0);
   zipf_rank_.resize(size_t(experts));
   std::iota(zipf_rank_.begin(), zipf_rank_.end(), 0);
-  for (int i = experts - 1; i > 0; --i) std::swap(zipf_rank_[size_t(i)], zipf_rank_[rng.below(uint64_t(i) + 1)]);
+  for (int i = experts - 1; i > 0; --i)
+    std::swap(zipf_rank_[size_t(i)], zipf_rank_[rng.below(uint64_t(i) + 1)]);
   phase_.resize(size_t(experts));
   for (auto& p : phase_) p = rng.uniform(0, 6.283185307179586);
   // Q: Gram-Schmidt on Gaussian rows.
@@ -70,8 +71,8 @@ std::vector<double> SyntheticTokens::popularity(int step) const {
   double sum = 0;
   for (int e = 0; e < experts_; ++e) {
     const double drift =
-        skew_.drift * std::sin(6.283185307179586 * step / std::max(1, skew_.drift_period) +
-                               phase_[size_t(e)]);
+        skew_.drift *
+        std::sin(6.283185307179586 * step / std::max(1, skew_.drift_period) + phase_[size_t(e)]);
     p[size_t(e)] = std::exp(-skew_.exponent * std::log(zipf_rank_[size_t(e)] + 1.0) + drift);
     sum += p[size_t(e)];
   }

@@ -63,7 +63,8 @@ std::string Tensor::describe() const {
   return s.str();
 }
 
-void check_tensor(const Tensor& t, const char* what, DType dt, std::initializer_list<int64_t> dims) {
+void check_tensor(const Tensor& t, const char* what, DType dt,
+                  std::initializer_list<int64_t> dims) {
   bool ok = t.dtype == dt && t.ndim == int(dims.size());
   int i = 0;
   for (int64_t v : dims) {
@@ -76,7 +77,10 @@ void check_tensor(const Tensor& t, const char* what, DType dt, std::initializer_
     i = 0;
     for (int64_t v : dims) {
       want << (i++ ? ", " : "");
-      if (v < 0) want << "*"; else want << v;
+      if (v < 0)
+        want << "*";
+      else
+        want << v;
     }
     want << "]";
     MOE_ECHO_CHECK(false, what << " must be " << want.str() << ", got " << t.describe());

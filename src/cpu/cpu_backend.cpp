@@ -108,6 +108,8 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(DType dtype) { return std::make_unique<CpuBackend>(dtype); }
+std::unique_ptr<Backend> make_cpu_backend(DType dtype) {
+  return std::make_unique<CpuBackend>(dtype);
+}
 
 }  // namespace moe_echo

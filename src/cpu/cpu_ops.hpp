@@ -8,18 +8,29 @@
 
 namespace moe_echo::cpu {
 
-template <class T> void router_forward(const RouterForwardArgs& a);
-template <class T> void router_backward(const RouterBackwardArgs& a);
-template <class T> void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate);
+template <class T>
+void router_forward(const RouterForwardArgs& a);
+template <class T>
+void router_backward(const RouterBackwardArgs& a);
+template <class T>
+void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate);
 void layout(const LayoutArgs& a);
-template <class T> void gemm_fprop(const GemmArgs& a);
-template <class T> void gemm_dgrad(const GemmArgs& a);
-template <class T> void gemm_wgrad(const GemmArgs& a);
-template <class T> void swiglu_forward(const SwigluArgs& a);
-template <class T> void swiglu_backward(const SwigluArgs& a);
-template <class T> void fan_out(const FanArgs& a);
-template <class T> void fan_in(const FanArgs& a);
-template <class T> void adamw(const AdamWArgs& a);
+template <class T>
+void gemm_fprop(const GemmArgs& a);
+template <class T>
+void gemm_dgrad(const GemmArgs& a);
+template <class T>
+void gemm_wgrad(const GemmArgs& a);
+template <class T>
+void swiglu_forward(const SwigluArgs& a);
+template <class T>
+void swiglu_backward(const SwigluArgs& a);
+template <class T>
+void fan_out(const FanArgs& a);
+template <class T>
+void fan_in(const FanArgs& a);
+template <class T>
+void adamw(const AdamWArgs& a);
 
 // Rows [begin, end) of the window that group g owns (window-relative), and the valid rows of the
 // window (groups are contiguous from receive row 0, so valid rows are a prefix).

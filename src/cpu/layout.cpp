@@ -36,7 +36,9 @@ void layout(const LayoutArgs& a) {
 
   // Rows of every (rank, slot), then the first receive row of every (rank, slot).
   std::vector<int64_t> slot_base(size_t(R) * size_t(a.slots + 1), 0);
-  auto base = [&](int r, int g) -> int64_t& { return slot_base[size_t(r) * size_t(a.slots + 1) + size_t(g)]; };
+  auto base = [&](int r, int g) -> int64_t& {
+    return slot_base[size_t(r) * size_t(a.slots + 1) + size_t(g)];
+  };
   for (int e = 0; e < E; ++e)
     for (int j = 0; j < M; ++j) {
       const int r = plan.replica_rank[e * M + j];
@@ -56,8 +58,9 @@ void layout(const LayoutArgs& a) {
   const int64_t rounds = a.round_active.size(0);
   int32_t* active = a.round_active.as<int32_t>();
   for (int64_t r = 0; r < rounds; ++r) active[r] = max_rows > r * a.capacity ? 1 : 0;
-  MOE_ECHO_CHECK(max_rows <= rounds * a.capacity,
-                 "receive rows " << max_rows << " exceed " << rounds << " rounds of " << a.capacity);
+  MOE_ECHO_CHECK(max_rows <= rounds * a.capacity, "receive rows " << max_rows << " exceed "
+                                                                  << rounds << " rounds of "
+                                                                  << a.capacity);
 
   // First receive row, on the replica's rank, of this source's rows for replica j of e.
   const int me = a.rank;
@@ -86,8 +89,8 @@ void layout(const LayoutArgs& a) {
       used[size_t(e)] = 0;
       ++j;
     }
-    MOE_ECHO_CHECK(j < M, "routing map disagrees with the routes: expert " << e
-                              << " got more rows from rank " << me << " than C says");
+    MOE_ECHO_CHECK(j < M, "routing map disagrees with the routes: expert "
+                              << e << " got more rows from rank " << me << " than C says");
     dest_rank[i] = plan.replica_rank[e * M + j];
     dest_row[i] = int32_t(first_row[size_t(e) * M + j] + used[size_t(e)]);
     ++used[size_t(e)];

@@ -29,8 +29,7 @@ template <class T>
 void router_forward(const RouterForwardArgs& a) {
   const RouterTensors& io = a.tensors;
   const RouterConfig& cfg = a.config;
-  const int64_t T_ = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
-                K = io.topk_idx.size(1);
+  const int64_t T_ = io.x.size(0), H = io.x.size(1), E = io.weight.size(0), K = io.topk_idx.size(1);
   const T* x = io.x.as<T>();
   const T* w = io.weight.as<T>();
   const T* bias = a.bias.as<T>();
@@ -41,7 +40,8 @@ void router_forward(const RouterForwardArgs& a) {
   int32_t* counts = io.counts.as<int32_t>();
   std::fill(counts, counts + E, 0);
 
-  std::vector<double> l(static_cast<size_t>(E)), s(static_cast<size_t>(E)), prob_sum(static_cast<size_t>(E), 0.0);
+  std::vector<double> l(static_cast<size_t>(E)), s(static_cast<size_t>(E)),
+      prob_sum(static_cast<size_t>(E), 0.0);
   std::vector<int> order(static_cast<size_t>(E));
   double z_sum = 0;
   for (int64_t t = 0; t < T_; ++t) {
@@ -96,8 +96,7 @@ template <class T>
 void router_backward(const RouterBackwardArgs& a) {
   const RouterTensors& io = a.tensors;
   const RouterConfig& cfg = a.config;
-  const int64_t T_ = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
-                K = io.topk_idx.size(1);
+  const int64_t T_ = io.x.size(0), H = io.x.size(1), E = io.weight.size(0), K = io.topk_idx.size(1);
   if (T_ == 0) return;
   const T* x = io.x.as<T>();
   const T* w = io.weight.as<T>();
@@ -116,7 +115,8 @@ void router_backward(const RouterBackwardArgs& a) {
     d_p[size_t(e)] =
         cfg.aux_loss_coeff * double(E) * double(counts[e]) / double(T_ * K) / double(T_);
 
-  std::vector<double> ds(static_cast<size_t>(E)), dl(static_cast<size_t>(E)), l(static_cast<size_t>(E));
+  std::vector<double> ds(static_cast<size_t>(E)), dl(static_cast<size_t>(E)),
+      l(static_cast<size_t>(E));
   for (int64_t t = 0; t < T_; ++t) {
     const T* s = scores + t * E;
     std::fill(ds.begin(), ds.end(), 0.0);

@@ -86,8 +86,8 @@ class CudaBackend final : public Backend {
     MOE_ECHO_CHECK(dst.bytes() == src.bytes(),
                    "copy " << src.describe() << " into " << dst.describe());
     if (src.bytes() && dst.data != src.data)
-      MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, src.bytes(),
-                                          cudaMemcpyDeviceToDevice, as_cuda(s)));
+      MOE_ECHO_CUDA_CHECK(
+          cudaMemcpyAsync(dst.data, src.data, src.bytes(), cudaMemcpyDeviceToDevice, as_cuda(s)));
   }
   void router_forward(const RouterForwardArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
@@ -114,11 +114,21 @@ class CudaBackend final : public Backend {
     const cudaStream_t cs = as_cuda(s);
     cuda::layout(a, scratch(layout_scratch_bytes(a.planner, a.slots, a.topk_idx.numel()), cs), cs);
   }
-  void gemm_fprop(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).fprop(a, as_cuda(s)); }
-  void gemm_dgrad(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).dgrad(a, as_cuda(s)); }
-  void gemm_wgrad(const GemmArgs& a, Stream s) override { gemm(a.window.groups, s).wgrad(a, as_cuda(s)); }
-  void swiglu_forward(const SwigluArgs& a, Stream s) override { cuda::swiglu_forward(a, as_cuda(s)); }
-  void swiglu_backward(const SwigluArgs& a, Stream s) override { cuda::swiglu_backward(a, as_cuda(s)); }
+  void gemm_fprop(const GemmArgs& a, Stream s) override {
+    gemm(a.window.groups, s).fprop(a, as_cuda(s));
+  }
+  void gemm_dgrad(const GemmArgs& a, Stream s) override {
+    gemm(a.window.groups, s).dgrad(a, as_cuda(s));
+  }
+  void gemm_wgrad(const GemmArgs& a, Stream s) override {
+    gemm(a.window.groups, s).wgrad(a, as_cuda(s));
+  }
+  void swiglu_forward(const SwigluArgs& a, Stream s) override {
+    cuda::swiglu_forward(a, as_cuda(s));
+  }
+  void swiglu_backward(const SwigluArgs& a, Stream s) override {
+    cuda::swiglu_backward(a, as_cuda(s));
+  }
   void fan_out(const FanArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
     cuda::fan_out(a, scratch(fan_scratch_bytes(a.window.rows), cs), cs);
@@ -156,12 +166,14 @@ class CudaBackend final : public Backend {
     cudaGraph_t graph = nullptr;
     MOE_ECHO_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, &graph));
     cudaGraphConditionalHandle handle;
-    MOE_ECHO_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault));
+    MOE_ECHO_CUDA_CHECK(
+        cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault));
     set_conditional_from_flag(handle, device_flag, s);
 
     const cudaGraphNode_t* deps = nullptr;
     size_t num_deps = 0;
-    MOE_ECHO_CUDA_CHECK(cudaStreamGetCaptureInfo(s, &st, nullptr, &graph, &deps, nullptr, &num_deps));
+    MOE_ECHO_CUDA_CHECK(
+        cudaStreamGetCaptureInfo(s, &st, nullptr, &graph, &deps, nullptr, &num_deps));
     cudaGraphNodeParams params{};
     params.type = cudaGraphNodeTypeConditional;
     params.conditional.handle = handle;
@@ -201,8 +213,8 @@ class CudaBackend final : public Backend {
   // work runs in `s`'s order. The cached executable graph is updated in place when the new
   // capture has the same topology (new pointers, sizes, grids), re-instantiated otherwise.
   // cudaGraphExecUpdate leaves launches already enqueued as they were.
-  void enqueue_as_graph(std::unique_ptr<GraphCache>& cache,
-                        const std::function<void(Stream)>& body, Stream stream) override {
+  void enqueue_as_graph(std::unique_ptr<GraphCache>& cache, const std::function<void(Stream)>& body,
+                        Stream stream) override {
     const cudaStream_t s = as_cuda(stream);
     if (is_capturing(s)) {
       body(stream);
@@ -247,9 +259,10 @@ class CudaBackend final : public Backend {
  private:
   GroupedGemm& gemm(int groups, Stream s) {
     if (!gemm_ || gemm_->max_groups() < groups) {
-      MOE_ECHO_CHECK(!is_capturing(as_cuda(s)),
-                     "grouped GEMM for " << groups << " groups not reserved before capture: "
-                                         "build the layer (Backend::reserve) first");
+      MOE_ECHO_CHECK(!is_capturing(as_cuda(s)), "grouped GEMM for "
+                                                    << groups
+                                                    << " groups not reserved before capture: "
+                                                       "build the layer (Backend::reserve) first");
       if (gemm_) retired_gemms_.push_back(std::move(gemm_));
       gemm_ = std::make_unique<GroupedGemm>(groups);
     }
@@ -283,8 +296,8 @@ class CudaBackend final : public Backend {
   };
 
   int device_ = 0;
-  cudaStream_t capture_stream_ = nullptr;      // enqueue_as_graph's captures
-  std::vector<cudaStream_t> body_streams_;     // run_if bodies, one per nesting depth
+  cudaStream_t capture_stream_ = nullptr;   // enqueue_as_graph's captures
+  std::vector<cudaStream_t> body_streams_;  // run_if bodies, one per nesting depth
   int body_depth_ = 0;
   std::unique_ptr<GroupedGemm> gemm_;
   std::vector<std::unique_ptr<GroupedGemm>> retired_gemms_;

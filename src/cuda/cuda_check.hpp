@@ -13,10 +13,10 @@ namespace moe_echo::cuda::detail {
 
 }  // namespace moe_echo::cuda::detail
 
-#define MOE_ECHO_CUDA_CHECK(call)                                                   \
-  do {                                                                              \
-    const cudaError_t moe_echo_cuda_status_ = (call);                               \
-    if (moe_echo_cuda_status_ != cudaSuccess)                                       \
+#define MOE_ECHO_CUDA_CHECK(call)                                                        \
+  do {                                                                                   \
+    const cudaError_t moe_echo_cuda_status_ = (call);                                    \
+    if (moe_echo_cuda_status_ != cudaSuccess)                                            \
       ::moe_echo::cuda::detail::throw_cuda_error(moe_echo_cuda_status_, #call, __FILE__, \
-                                                 __LINE__);                         \
+                                                 __LINE__);                              \
   } while (0)

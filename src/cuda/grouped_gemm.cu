@@ -26,12 +26,9 @@ namespace gemm_detail {
 
 const char* to_string(GemmOp op) {
   switch (op) {
-    case GemmOp::fprop:
-      return "fprop";
-    case GemmOp::dgrad:
-      return "dgrad";
-    case GemmOp::wgrad:
-      return "wgrad";
+    case GemmOp::fprop: return "fprop";
+    case GemmOp::dgrad: return "dgrad";
+    case GemmOp::wgrad: return "wgrad";
   }
   return "?";
 }
@@ -239,8 +236,7 @@ struct GroupedGemm::Impl {
     }
     // The kernel whose tile order suits this call's (estimated) CUTLASS problem.
     // `other`: the op's other beta (fprop adds, wgrad writes).
-    gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d,
-                                    bool other) {
+    gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d, bool other) {
       const int64_t groups = a.window.groups > 0 ? a.window.groups : 1;
       const int64_t rows = (a.window.rows + groups - 1) / groups;
       const int64_t m = op == GemmOp::wgrad ? d.k : rows;

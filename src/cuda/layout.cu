@@ -50,8 +50,8 @@ LayoutScratch carve(ScratchCarver& c, const PlannerConfig& cfg, int slots, int64
 // (1) Rank of each route among the routes of its expert within its chunk, and chunk histograms.
 // Routes with an expert outside [0, E) are not counted (place() marks them unrouted).
 __global__ void __launch_bounds__(kChunk)
-    rank_in_chunk_kernel(int64_t n, int E, const int32_t* __restrict__ topk_idx,
-                         int32_t* rank_out, int32_t* hist) {
+    rank_in_chunk_kernel(int64_t n, int E, const int32_t* __restrict__ topk_idx, int32_t* rank_out,
+                         int32_t* hist) {
   extern __shared__ int32_t warp_count[];  // [kChunkWarps, E]
   const int tid = int(threadIdx.x), lane = tid & 31, warp = tid >> 5;
   for (int i = tid; i < kChunkWarps * E; i += kChunk) warp_count[i] = 0;
@@ -82,9 +82,8 @@ __global__ void __launch_bounds__(kTableThreads)
                        int64_t capacity, int rounds, const int32_t* __restrict__ C,
                        const int32_t* __restrict__ replica_rank,
                        const int32_t* __restrict__ replica_slot,
-                       const int32_t* __restrict__ replica_rows, int32_t* assign,
-                       LayoutScratch sc, int32_t* group_offsets, int32_t* rank_rows,
-                       int32_t* round_active) {
+                       const int32_t* __restrict__ replica_rows, int32_t* assign, LayoutScratch sc,
+                       int32_t* group_offsets, int32_t* rank_rows, int32_t* round_active) {
   const int tid = int(threadIdx.x), nt = int(blockDim.x);
   // Assignment of every source's rows of expert e to its replicas (compute_assignment).
   for (int e = tid; e < E; e += nt) {
@@ -227,13 +226,12 @@ void layout(const LayoutArgs& a, void* scratch, cudaStream_t s) {
   const PlanView plan = plan_view(a.plan.as<int32_t>(), cfg);
   const size_t smem = size_t(kChunkWarps) * size_t(E) * sizeof(int32_t);
   if (smem > 48 * 1024)
-    MOE_ECHO_CUDA_CHECK(cudaFuncSetAttribute(rank_in_chunk_kernel,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             int(smem)));
+    MOE_ECHO_CUDA_CHECK(cudaFuncSetAttribute(
+        rank_in_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   MOE_ECHO_LAUNCH(rank_in_chunk_kernel, unsigned(chunks), kChunk, smem, s, n, E,
                   a.topk_idx.as<int32_t>(), a.dest_row.as<int32_t>(), sc.hist);
-  MOE_ECHO_LAUNCH(plan_tables_kernel, 1, kTableThreads, 0, s, R, E, M, EPR, a.slots, a.rank,
-                  chunks, a.capacity, int(a.round_active.size(0)), a.routing_map.as<int32_t>(),
+  MOE_ECHO_LAUNCH(plan_tables_kernel, 1, kTableThreads, 0, s, R, E, M, EPR, a.slots, a.rank, chunks,
+                  a.capacity, int(a.round_active.size(0)), a.routing_map.as<int32_t>(),
                   plan.replica_rank, plan.replica_slot, plan.replica_rows, a.assign.as<int32_t>(),
                   sc, a.group_offsets.as<int32_t>(), a.rank_rows.as<int32_t>(),
                   a.round_active.as<int32_t>());

@@ -25,12 +25,9 @@ class GroupedGemm;
 size_t router_scratch_bytes(int64_t tokens, int64_t experts, int64_t hidden);
 // `gemm` (may be null): the grouped GEMM the three f32 products run on as bf16 splits on tensor
 // cores where the shapes allow (see router_products.cu); without it they take the FFMA kernels.
-void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm,
-                    cudaStream_t s);
-void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* gemm,
-                     cudaStream_t s);
-void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
-                        cudaStream_t s);
+void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm, cudaStream_t s);
+void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* gemm, cudaStream_t s);
+void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate, cudaStream_t s);
 
 // Layout (layout.cu): `entries` = T * K routes of this rank.
 size_t layout_scratch_bytes(const PlannerConfig& cfg, int slots, int64_t entries);

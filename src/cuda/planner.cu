@@ -47,8 +47,8 @@ struct Warp {
 // compile to shared-memory instructions rather than generic ones) or in `scratch`.
 template <bool kShared>
 __global__ void __launch_bounds__(kPlanThreads, 1)
-    plan_kernel(PlannerConfig cfg, bool echo, const int32_t* __restrict__ routing_map,
-                PlanView out, void* scratch) {
+    plan_kernel(PlannerConfig cfg, bool echo, const int32_t* __restrict__ routing_map, PlanView out,
+                void* scratch) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int clones;
   const int tid = int(threadIdx.x), threads = int(blockDim.x);
@@ -80,10 +80,10 @@ size_t planner_scratch_bytes(const PlannerConfig& cfg) {
 void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const Tensor& plan,
           void* scratch, cudaStream_t s) {
   validate(cfg);
-  MOE_ECHO_CHECK(routing_map.dtype == DType::i32 &&
-                     routing_map.numel() == int64_t(cfg.ranks) * cfg.experts,
-                 "routing_map must be i32[" << cfg.ranks << ", " << cfg.experts << "], got "
-                                            << routing_map.describe());
+  MOE_ECHO_CHECK(
+      routing_map.dtype == DType::i32 && routing_map.numel() == int64_t(cfg.ranks) * cfg.experts,
+      "routing_map must be i32[" << cfg.ranks << ", " << cfg.experts << "], got "
+                                 << routing_map.describe());
   MOE_ECHO_CHECK(plan.dtype == DType::i32 && plan.numel() >= plan_ints(cfg),
                  "plan storage " << plan.describe() << " < " << plan_ints(cfg) << " ints");
   const size_t bytes = planner_core::PlannerCore::bytes(cfg);

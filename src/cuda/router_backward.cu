@@ -12,14 +12,11 @@ namespace moe_echo::cuda::router_detail {
 namespace {
 
 // One warp per token: dl[t, :] = d(task + aux + z) / d logits[t, :].
-__global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __restrict__ logits,
-                                      const float* __restrict__ scores,
-                                      const int32_t* __restrict__ idx,
-                                      const float* __restrict__ weights,
-                                      const int32_t* __restrict__ counts,
-                                      const float* __restrict__ d_weights, bool sigmoid,
-                                      bool normalize, double aux_coeff, double z_coeff,
-                                      int Ep, float* dl_out) {
+__global__ void router_dlogits_kernel(
+    int64_t T, int E, int K, const float* __restrict__ logits, const float* __restrict__ scores,
+    const int32_t* __restrict__ idx, const float* __restrict__ weights,
+    const int32_t* __restrict__ counts, const float* __restrict__ d_weights, bool sigmoid,
+    bool normalize, double aux_coeff, double z_coeff, int Ep, float* dl_out) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
@@ -85,15 +82,11 @@ __global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __re
 // loads in the loops over k). Per expert the sums run in the order of router_dlogits_kernel; the
 // sums over routes (sel_sum, gw) are warp trees instead of sequential.
 template <int P>
-__global__ void router_dlogits_reg_kernel(int64_t T, int E, int K,
-                                          const float* __restrict__ logits,
-                                          const float* __restrict__ scores,
-                                          const int32_t* __restrict__ idx,
-                                          const float* __restrict__ weights,
-                                          const int32_t* __restrict__ counts,
-                                          const float* __restrict__ d_weights, bool sigmoid,
-                                          bool normalize, double aux_coeff, double z_coeff,
-                                          int Ep, float* __restrict__ dl_out) {
+__global__ void router_dlogits_reg_kernel(
+    int64_t T, int E, int K, const float* __restrict__ logits, const float* __restrict__ scores,
+    const int32_t* __restrict__ idx, const float* __restrict__ weights,
+    const int32_t* __restrict__ counts, const float* __restrict__ d_weights, bool sigmoid,
+    bool normalize, double aux_coeff, double z_coeff, int Ep, float* __restrict__ dl_out) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   double d_p[P];  // aux-loss gradient w.r.t. p[e]
@@ -212,8 +205,7 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* ge
   const RouterTensors& io = a.tensors;
   const RouterConfig& cfg = a.config;
   check_router_dtypes(io.x, io.weight);
-  const int64_t T = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
-                K = io.topk_idx.size(1);
+  const int64_t T = io.x.size(0), H = io.x.size(1), E = io.weight.size(0), K = io.topk_idx.size(1);
   if (T == 0) return;
   ScratchCarver c(scratch);
   const RouterScratch sc = carve(c, T, E, H);

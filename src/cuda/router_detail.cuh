@@ -44,12 +44,12 @@ constexpr int kExpertPad = 8;
 inline int64_t padded_experts(int64_t E) { return (E + kExpertPad - 1) / kExpertPad * kExpertPad; }
 
 struct RouterScratch {
-  double* lse = nullptr;        // [T] logsumexp of each token's logits
-  double* total = nullptr;      // [T] sum over experts of the (unrounded) scores
-  double* partial = nullptr;    // [blocks, E] per-block sums of the normalised scores
-  double* partial_z = nullptr;  // [blocks] per-block sums of lse^2
+  double* lse = nullptr;            // [T] logsumexp of each token's logits
+  double* total = nullptr;          // [T] sum over experts of the (unrounded) scores
+  double* partial = nullptr;        // [blocks, E] per-block sums of the normalised scores
+  double* partial_z = nullptr;      // [blocks] per-block sums of lse^2
   int32_t* block_counts = nullptr;  // [blocks, E] routes per expert of each block
-  float* dl = nullptr;          // [T, padded E] gradient w.r.t. the logits (backward)
+  float* dl = nullptr;              // [T, padded E] gradient w.r.t. the logits (backward)
   // The tensor-core products (tensor_shapes only): one-group windows {0, H} and {0, T}; x^T
   // [H, T]; W's three parts, transposed [3][H, E] (forward) or as [W0; W1; W0] [3E, H]
   // (backward); dl's parts [3][T, E] and [dl0 | dl0 | dl1] [T, 3E].
@@ -67,26 +67,29 @@ inline int64_t loss_blocks(int64_t T) {
 RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E, int64_t H);
 
 inline void check_router_dtypes(const Tensor& x, const Tensor& w) {
-  MOE_ECHO_CHECK(x.dtype == DType::bf16, "router x must be bf16 on the CUDA backend, got "
-                                             << x.describe());
-  MOE_ECHO_CHECK(w.dtype == DType::f32, "router weight must be f32 on the CUDA backend, got "
-                                            << w.describe());
+  MOE_ECHO_CHECK(x.dtype == DType::bf16,
+                 "router x must be bf16 on the CUDA backend, got " << x.describe());
+  MOE_ECHO_CHECK(w.dtype == DType::f32,
+                 "router weight must be f32 on the CUDA backend, got " << w.describe());
 }
 
-inline unsigned token_warp_blocks(int64_t T) {
-  return blocks_for(T, kWarpsPerBlock, grid_cap());
-}
+inline unsigned token_warp_blocks(int64_t T) { return blocks_for(T, kWarpsPerBlock, grid_cap()); }
 
 // The register kernels' experts per lane for E experts: calls f(std::integral_constant<int, P>{})
 // with the fewest P of 1, 2, 4, kMaxExpertsPerLane that hold E on a warp and returns true, or
 // returns false without a call when E > 32 * kMaxExpertsPerLane.
 template <class F>
 bool with_experts_per_lane(int64_t E, F&& f) {
-  if (E <= 32) f(std::integral_constant<int, 1>{});
-  else if (E <= 64) f(std::integral_constant<int, 2>{});
-  else if (E <= 128) f(std::integral_constant<int, 4>{});
-  else if (E <= 32 * kMaxExpertsPerLane) f(std::integral_constant<int, kMaxExpertsPerLane>{});
-  else return false;
+  if (E <= 32)
+    f(std::integral_constant<int, 1>{});
+  else if (E <= 64)
+    f(std::integral_constant<int, 2>{});
+  else if (E <= 128)
+    f(std::integral_constant<int, 4>{});
+  else if (E <= 32 * kMaxExpertsPerLane)
+    f(std::integral_constant<int, kMaxExpertsPerLane>{});
+  else
+    return false;
   return true;
 }
 
@@ -109,8 +112,8 @@ __device__ __forceinline__ double warp_logsumexp(const double (&l)[P], int lane,
 // The products (router_products.cu), each on the fastest path the shapes allow: on tensor cores
 // when `gemm` is given (see router_products.cu), else the FFMA kernels, else the tiled GEMM.
 // logits [T, E] = x W^T.
-void logits_product(const Tensor& x, const Tensor& w, const Tensor& logits,
-                    const RouterScratch& sc, GroupedGemm* gemm, cudaStream_t s);
+void logits_product(const Tensor& x, const Tensor& w, const Tensor& logits, const RouterScratch& sc,
+                    GroupedGemm* gemm, cudaStream_t s);
 // dW [E, H] += dl^T x (a sum over tokens) and dx [T, H] += dl W (a sum over experts), dl = sc.dl.
 void grad_products(const Tensor& x, const Tensor& w, const Tensor& d_weight, const Tensor& dx,
                    const RouterScratch& sc, GroupedGemm* gemm, cudaStream_t s);

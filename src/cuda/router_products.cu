@@ -226,8 +226,7 @@ __global__ void __launch_bounds__(256)
     for (int64_t c = lane; c < H4; c += 32) {
       uint2 xv[TT];
 #pragma unroll
-      for (int i = 0; i < TT; ++i)
-        xv[i] = t0 + i < T ? x[(t0 + i) * H4 + c] : make_uint2(0u, 0u);
+      for (int i = 0; i < TT; ++i) xv[i] = t0 + i < T ? x[(t0 + i) * H4 + c] : make_uint2(0u, 0u);
       float4 wv[TE];
 #pragma unroll
       for (int j = 0; j < TE; ++j)
@@ -282,7 +281,7 @@ __global__ void __launch_bounds__(kDwWarps * 32, 2)
   for (int j = 0; j < TE; ++j)
 #pragma unroll
     for (int q = 0; q < 8; ++q) acc[j][q] = 0.f;
-  auto load = [&](int64_t t, uint4 (&xv)[TU], float (&dv)[TU]) {
+  auto load = [&](int64_t t, uint4(&xv)[TU], float(&dv)[TU]) {
 #pragma unroll
     for (int u = 0; u < TU; ++u) {
       const int64_t tu = t + int64_t(W) * u;
@@ -353,7 +352,7 @@ __global__ void router_dw_reduce_kernel(int64_t E, int64_t Ep, int64_t H, int64_
 // dx[t, h] += sum_e dl[t, e] W[e, h] (e in increasing order). A block owns kDxWords words of 8 h
 // (its W columns, E x 512 f32, stay in L1) and a range of tokens; each thread takes kDxTokens
 // tokens of one word per step.
-__global__ void __launch_bounds__(kDxWords * kDxGroups)
+__global__ void __launch_bounds__(kDxWords* kDxGroups)
     router_dx_kernel(int64_t T, int E, int64_t Ep, int64_t H8, int64_t hblocks,
                      int64_t tokens_per_block, const float* __restrict__ dl,
                      const float4* __restrict__ w, uint4* __restrict__ dx) {
@@ -496,15 +495,15 @@ void grad_products(const Tensor& x, const Tensor& w, const Tensor& d_weight, con
   if (fast_products(x, w) && aligned16(dx.data)) {
     const int64_t splits = dw_splits(T, E, H), per_split = (T + splits - 1) / splits;
     const dim3 grid(unsigned(Ep / kDwExperts * ((H / 8 + 31) / 32)), unsigned(splits));
-    MOE_ECHO_LAUNCH(router_dw_partial_kernel, grid, kDwWarps * 32, 0, s, T, Ep, H, per_split,
-                    sc.dl, static_cast<const uint4*>(x.data), sc.dw_partial);
+    MOE_ECHO_LAUNCH(router_dw_partial_kernel, grid, kDwWarps * 32, 0, s, T, Ep, H, per_split, sc.dl,
+                    static_cast<const uint4*>(x.data), sc.dw_partial);
     MOE_ECHO_LAUNCH(router_dw_reduce_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, Ep,
                     H, splits, sc.dw_partial, d_weight.as<float>());
     // dx: about 3 blocks per multiprocessor; token ranges in whole steps of 32 tokens.
     const int64_t H8 = H / 8, hblocks = (H8 + kDxWords - 1) / kDxWords;
     const int64_t step = int64_t(kDxGroups) * kDxTokens;
-    int64_t tblocks = std::clamp<int64_t>((3 * sm_count() + hblocks - 1) / hblocks, 1,
-                                          (T + step - 1) / step);
+    int64_t tblocks =
+        std::clamp<int64_t>((3 * sm_count() + hblocks - 1) / hblocks, 1, (T + step - 1) / step);
     const int64_t per_block = ((T + tblocks - 1) / tblocks + step - 1) / step * step;
     tblocks = (T + per_block - 1) / per_block;
     MOE_ECHO_LAUNCH(router_dx_kernel, unsigned(hblocks * tblocks), kDxWords * kDxGroups, 0, s, T,

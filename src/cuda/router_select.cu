@@ -262,11 +262,10 @@ __global__ void router_loss_partial_kernel(int64_t T, int E, const float* __rest
 // for the per-expert terms. One warp per expert sums the blocks (lanes in block order, then a
 // fixed butterfly), so the block count does not serialise.
 // With block_counts, counts[e] is first written as the sum of the blocks' routes to e.
-__global__ void router_loss_final_kernel(int64_t T, int E, int K, int64_t blocks,
-                                         double* partial, const double* __restrict__ partial_z,
-                                         const int32_t* __restrict__ block_counts,
-                                         int32_t* counts, double aux_coeff, double z_coeff,
-                                         float* losses) {
+__global__ void router_loss_final_kernel(int64_t T, int E, int K, int64_t blocks, double* partial,
+                                         const double* __restrict__ partial_z,
+                                         const int32_t* __restrict__ block_counts, int32_t* counts,
+                                         double aux_coeff, double z_coeff, float* losses) {
   __shared__ double z_sum;
   const int lane = int(threadIdx.x) & 31, warp = int(threadIdx.x) >> 5;
   const int warps = int(blockDim.x) >> 5;
@@ -306,13 +305,11 @@ namespace moe_echo::cuda {
 
 using namespace router_detail;
 
-void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm,
-                    cudaStream_t s) {
+void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm, cudaStream_t s) {
   const RouterTensors& io = a.tensors;
   const RouterConfig& cfg = a.config;
   check_router_dtypes(io.x, io.weight);
-  const int64_t T = io.x.size(0), H = io.x.size(1), E = io.weight.size(0),
-                K = io.topk_idx.size(1);
+  const int64_t T = io.x.size(0), H = io.x.size(1), E = io.weight.size(0), K = io.topk_idx.size(1);
   if (T == 0) {
     MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(io.counts.data, 0, size_t(E) * sizeof(int32_t), s));
     MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(a.losses.data, 0, 2 * sizeof(float), s));
@@ -325,8 +322,8 @@ void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm
   const bool sigmoid = cfg.score_function == ScoreFunction::sigmoid;
   const int64_t blocks = loss_blocks(T);
   auto select = [&](auto kernel) {
-    MOE_ECHO_LAUNCH(kernel, unsigned(blocks), kSelectWarps * 32, select_smem_bytes(E), s, T,
-                    int(E), int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
+    MOE_ECHO_LAUNCH(kernel, unsigned(blocks), kSelectWarps * 32, select_smem_bytes(E), s, T, int(E),
+                    int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
                     io.topk_idx.as<int32_t>(), io.topk_weight.as<float>(), sc.block_counts,
                     sc.partial, sc.partial_z, sigmoid, cfg.normalize_topk);
   };
@@ -334,10 +331,10 @@ void router_forward(const RouterForwardArgs& a, void* scratch, GroupedGemm* gemm
       with_experts_per_lane(E, [&](auto p) { select(router_select_kernel<decltype(p)::value>); });
   if (!fused) {
     MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(io.counts.data, 0, size_t(E) * sizeof(int32_t), s));
-    MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T,
-                    int(E), int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
-                    io.topk_idx.as<int32_t>(), io.topk_weight.as<float>(),
-                    io.counts.as<int32_t>(), sc.lse, sc.total, sigmoid, cfg.normalize_topk);
+    MOE_ECHO_LAUNCH(router_topk_kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E),
+                    int(K), logits, a.bias.as<float>(), io.scores.as<float>(),
+                    io.topk_idx.as<int32_t>(), io.topk_weight.as<float>(), io.counts.as<int32_t>(),
+                    sc.lse, sc.total, sigmoid, cfg.normalize_topk);
     MOE_ECHO_LAUNCH(router_loss_partial_kernel, unsigned(blocks), 256, 0, s, T, int(E), logits,
                     sc.lse, sc.total, sigmoid, sc.partial, sc.partial_z);
   }

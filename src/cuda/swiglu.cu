@@ -63,7 +63,8 @@ __global__ void swiglu_forward_kernel(const int32_t* __restrict__ offsets, int g
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / F, f = i - r * F;
-    const float gate = __bfloat162float(h[r * 2 * F + f]), up = __bfloat162float(h[r * 2 * F + F + f]);
+    const float gate = __bfloat162float(h[r * 2 * F + f]),
+                up = __bfloat162float(h[r * 2 * F + F + f]);
     a[i] = __float2bfloat16_rn(gate * sigmoidf_(gate) * up);
   }
 }
@@ -76,7 +77,8 @@ __global__ void swiglu_backward_kernel(const int32_t* __restrict__ offsets, int 
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / F, f = i - r * F;
-    const float gate = __bfloat162float(h[r * 2 * F + f]), up = __bfloat162float(h[r * 2 * F + F + f]);
+    const float gate = __bfloat162float(h[r * 2 * F + f]),
+                up = __bfloat162float(h[r * 2 * F + F + f]);
     const float sg = sigmoidf_(gate), d = __bfloat162float(da[i]);
     dh[r * 2 * F + f] = __float2bfloat16_rn(d * up * sg * (1.f + gate * (1.f - sg)));
     dh[r * 2 * F + F + f] = __float2bfloat16_rn(d * gate * sg);
@@ -113,8 +115,8 @@ void swiglu_backward(const SwigluArgs& a, cudaStream_t s) {
     return;
   }
   MOE_ECHO_LAUNCH(swiglu_backward_kernel, blocks_for(w.rows * F, 256, grid_cap()), 256, 0, s,
-                  w.group_offsets, w.groups, w.row_lo, w.rows, F, a.h.as<bf16>(),
-                  a.da.as<bf16>(), a.dh.as<bf16>());
+                  w.group_offsets, w.groups, w.row_lo, w.rows, F, a.h.as<bf16>(), a.da.as<bf16>(),
+                  a.dh.as<bf16>());
 }
 
 }  // namespace moe_echo::cuda

@@ -117,11 +117,11 @@ void tiled_gemm(const char* name, int64_t M, int64_t N, int64_t K, LoadA a, Load
                   unsigned(splits));
   float* partial = splits > 1 ? split_scratch : nullptr;
   launch(name, tiled_gemm_kernel<kAContigK, kBContigK, LoadA, LoadB, Store>, grid,
-         dim3(kGemmThreads), 0, s, M, N, K, k_per_split > 0 ? k_per_split : int64_t(kGemmBK), a,
-         b, c, partial);
+         dim3(kGemmThreads), 0, s, M, N, K, k_per_split > 0 ? k_per_split : int64_t(kGemmBK), a, b,
+         c, partial);
   if (partial)
-    launch(name, tiled_gemm_reduce_kernel<Store>, blocks_for(M * N, 256, grid_cap()), dim3(256),
-           0, s, M, N, int(splits), partial, c);
+    launch(name, tiled_gemm_reduce_kernel<Store>, blocks_for(M * N, 256, grid_cap()), dim3(256), 0,
+           s, M, N, int(splits), partial, c);
 }
 
 }  // namespace moe_echo::cuda

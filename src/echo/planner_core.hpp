@@ -474,12 +474,9 @@ struct PlannerCore {
   // device's re-split.
   MOE_ECHO_HD bool resplit_fast(int e, int extra, bool propagate) {
     switch (M) {
-      case 2:
-        return resplit_regs<2>(e, extra, propagate);
-      case 3:
-        return resplit_regs<3>(e, extra, propagate);
-      case 4:
-        return resplit_regs<4>(e, extra, propagate);
+      case 2: return resplit_regs<2>(e, extra, propagate);
+      case 3: return resplit_regs<3>(e, extra, propagate);
+      case 4: return resplit_regs<4>(e, extra, propagate);
       default:
         if (extra < 0) return refill(e, propagate);
         commit(e, trial_fill(e, extra), propagate);

@@ -180,14 +180,31 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
     view.data = sb.local;
     return view;
   };
-  declare_buffers(b, {moe, par, planner_, slots_, capacity_, rounds_, backend.activation_dtype(),
-                      backend.float_dtype(), optimizer_state},
+  declare_buffers(b,
+                  {moe, par, planner_, slots_, capacity_, rounds_, backend.activation_dtype(),
+                   backend.float_dtype(), optimizer_state},
                   dev, sym);
 
-  for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
-                    &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.optimizer_step,
-                    &b.losses, &b.counts,
-                    &b.routing_map, &b.plan, &b.group_offsets, &b.rank_rows, &b.round_active})
+  for (Tensor* t : {&b.w1,
+                    &b.w2,
+                    &b.dw1,
+                    &b.dw2,
+                    &b.d_router_weight,
+                    &b.router_bias,
+                    &b.m_router,
+                    &b.v_router,
+                    &b.m_w1,
+                    &b.v_w1,
+                    &b.m_w2,
+                    &b.v_w2,
+                    &b.optimizer_step,
+                    &b.losses,
+                    &b.counts,
+                    &b.routing_map,
+                    &b.plan,
+                    &b.group_offsets,
+                    &b.rank_rows,
+                    &b.round_active})
     if (t->data) backend.fill_zero(*t, nullptr);
   init_parameters(seed);
   backend.synchronize();
@@ -265,12 +282,13 @@ void MoeLayer::all_reduce_router_grad(Stream s) { comm_.all_reduce_sum(buf_->d_r
 
 void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   Buffers& b = *buf_;
-  MOE_ECHO_CHECK(b.m_router.data != nullptr,
-                 "optimizer_step on a layer built without optimizer state (optimizer_state = false)");
+  MOE_ECHO_CHECK(
+      b.m_router.data != nullptr,
+      "optimizer_step on a layer built without optimizer state (optimizer_state = false)");
   backend_.add_i32(b.optimizer_step, 1, s);
   auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
-    AdamWArgs a{p, g, m, v, b.optimizer_step, cfg.lr, cfg.beta1, cfg.beta2, cfg.eps,
-                cfg.weight_decay};
+    AdamWArgs a{p,      g,         m,         v,       b.optimizer_step,
+                cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
     backend_.adamw(a, s);
   };
   step(b.router_weight, b.d_router_weight, b.m_router, b.v_router);
@@ -299,8 +317,9 @@ size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
   auto sym = [&](SymmetricBuffer&, DType t, std::initializer_list<int64_t> dims) {
     return dev(t, dims);
   };
-  declare_buffers(b, {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
-                      max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
+  declare_buffers(b,
+                  {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
+                   max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
                   dev, sym);
   return total;
 }
@@ -328,7 +347,8 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   last_x_ = x;  // the router backward and spill-round recompute read it again
   forward_pending_ = true;
   if (eager_graphs())
-    backend_.enqueue_as_graph(forward_graph_, [&](Stream g) { forward_ops(x, y, T, g); }, s);
+    backend_.enqueue_as_graph(
+        forward_graph_, [&](Stream g) { forward_ops(x, y, T, g); }, s);
   else
     forward_ops(x, y, T, s);
 }
@@ -369,21 +389,26 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
   if (planner_.spare_slots > 0) {
     mark("clone_pull", s);
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
-    comm_.pull_clone_weights(plan, planner_, b.w1_sym, b.w1.row_numel() * dtype_size(b.w1.dtype), s);
-    comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2.row_numel() * dtype_size(b.w2.dtype), s);
+    comm_.pull_clone_weights(plan, planner_, b.w1_sym, b.w1.row_numel() * dtype_size(b.w1.dtype),
+                             s);
+    comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2.row_numel() * dtype_size(b.w2.dtype),
+                             s);
   }
 
   // Spill rounds add into y (zeroed first when there are any); round 0 then adds to them, or
   // writes y when there were none.
   const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
   if (spill) mark("spill_rounds", s);
-  if (spill) backend_.run_if(spill, [&](Stream bs) { backend_.fill_zero(y, bs); }, s);
+  if (spill)
+    backend_.run_if(
+        spill, [&](Stream bs) { backend_.fill_zero(y, bs); }, s);
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
       run_round(0, x, y, T, spill, s);
     else
-      backend_.run_if(b.round_active.as<int32_t>() + r,
-                      [&, r](Stream bs) { run_round(r, x, y, T, spill, bs); }, s);
+      backend_.run_if(
+          b.round_active.as<int32_t>() + r, [&, r](Stream bs) { run_round(r, x, y, T, spill, bs); },
+          s);
   }
 }
 
@@ -450,8 +475,9 @@ Tensor MoeLayer::losses() const { return buf_->losses; }
 
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   const int64_t T = last_tokens_, H = moe_.hidden;
-  MOE_ECHO_CHECK(forward_pending_, "backward without a forward before it (each forward takes "
-                                    "one backward; a second backward needs a new forward)");
+  MOE_ECHO_CHECK(forward_pending_,
+                 "backward without a forward before it (each forward takes "
+                 "one backward; a second backward needs a new forward)");
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
   forward_pending_ = false;
@@ -470,8 +496,9 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
   // 0), which the spill rounds then add to; a home slot without rows is zeroed (so discard_grad
-  // needs no zeroing before), a spare slot without a clone is not read. Otherwise home slots add to what earlier backwards
-  // left, and clone slots, which hold this step's gradients only, are zeroed first.
+  // needs no zeroing before), a spare slot without a clone is not read. Otherwise home slots add to
+  // what earlier backwards left, and clone slots, which hold this step's gradients only, are zeroed
+  // first.
   const int64_t EPR = moe_.experts / par_.ep_size;
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
@@ -482,9 +509,12 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     if (r == 0)
       run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, s);
     else
-      backend_.run_if(b.round_active.as<int32_t>() + r, [&, r](Stream bs) {
-        run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, bs);
-      }, s);
+      backend_.run_if(
+          b.round_active.as<int32_t>() + r,
+          [&, r](Stream bs) {
+            run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, bs);
+          },
+          s);
   }
 
   RouterBackwardArgs rb;
@@ -577,9 +607,9 @@ StepStats MoeLayer::stats() const {
   // Per clone: fc1 and fc2 weights (3 H F values) pulled in, in the activation dtype, and their
   // gradients reduced home, in the float dtype (bf16 in and fp32 home on the CUDA backend).
   const int64_t expert_values = int64_t(3) * moe_.hidden * moe_.ffn;
-  st.clone_bytes = int64_t(st.clones) * expert_values *
-                   int64_t(dtype_size(backend_.activation_dtype()) +
-                           dtype_size(backend_.float_dtype()));
+  st.clone_bytes =
+      int64_t(st.clones) * expert_values *
+      int64_t(dtype_size(backend_.activation_dtype()) + dtype_size(backend_.float_dtype()));
   // Rows and rounds as the layout computed them on the device: every rank's receive rows, and
   // the rounds some rank has rows in (round 0 and the spill rounds).
   std::vector<int32_t> rank_rows(static_cast<size_t>(R)),
@@ -590,8 +620,8 @@ StepStats MoeLayer::stats() const {
   st.received_rows = rank_rows[size_t(par_.ep_rank)];
   st.overflow_rows = std::max<int64_t>(0, st.received_rows - capacity_);
   for (int32_t v : rank_rows) st.overflow_rows_all += std::max<int64_t>(0, v - capacity_);
-  const auto active = std::count_if(round_active.begin(), round_active.end(),
-                                    [](int32_t a) { return a != 0; });
+  const auto active =
+      std::count_if(round_active.begin(), round_active.end(), [](int32_t a) { return a != 0; });
   st.spill_rounds = std::max(0, int(active) - 1);
   return st;
 }

@@ -16,14 +16,10 @@ namespace moe_echo::offline {
 
 const char* to_string(Policy p) {
   switch (p) {
-    case Policy::echo:
-      return "echo";
-    case Policy::eplb:
-      return "eplb";
-    case Policy::eplb_periodic:
-      return "eplb_periodic";
-    case Policy::none:
-      return "none";
+    case Policy::echo: return "echo";
+    case Policy::eplb: return "eplb";
+    case Policy::eplb_periodic: return "eplb_periodic";
+    case Policy::none: return "none";
   }
   return "?";
 }
@@ -264,8 +260,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
             cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
         // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's rows
         // (one per token and rank it picks)
-        o.comm_ms[idx] = 4.0 * cost.all_to_all_ms(
-                                   double(max_load) * rows_per_entry * remote * row_bytes, R);
+        o.comm_ms[idx] =
+            4.0 * cost.all_to_all_ms(double(max_load) * rows_per_entry * remote * row_bytes, R);
         o.clone_ms[idx] = cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
       }
     }

@@ -39,12 +39,12 @@ inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::ep
                                           Policy::none};
 
 struct SimulatorConfig {
-  int ranks = 32;       // R, the EP size
+  int ranks = 32;                     // R, the EP size
   int experts = kDeepSeekV3.experts;  // E
   int top_k = kDeepSeekV3.top_k;      // K (the text report, and rows moved per routed entry; rows
                                       // come from the trace)
-  int steps = 0;        // 0: every step of the trace
-  int layers = 0;       // 0: every layer of the trace
+  int steps = 0;                      // 0: every step of the trace
+  int layers = 0;                     // 0: every layer of the trace
   // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas); the library's default.
   int spare_slots = EchoConfig{}.spare_slots_per_rank;
   int max_clones = EchoConfig{}.max_clones_per_expert;  // ECHO: clones per expert per step
@@ -55,9 +55,9 @@ struct SimulatorConfig {
   // Model (DeepSeek-V3's layer unless set) and cost model, for bytes and time.
   int hidden = kDeepSeekV3.hidden;  // H
   int ffn = kDeepSeekV3.ffn;        // F
-  int grad_bytes = 2;           // bytes per parameter of a clone's gradient sent home (bf16)
-  int master_state_bytes = 14;  // bytes per parameter moved with a master: bf16 weight + fp32
-                                // master copy + Adam m and v (2 + 4 + 4 + 4)
+  int grad_bytes = 2;               // bytes per parameter of a clone's gradient sent home (bf16)
+  int master_state_bytes = 14;      // bytes per parameter moved with a master: bf16 weight + fp32
+                                    // master copy + Adam m and v (2 + 4 + 4 + 4)
   CostModel cost;
 };
 

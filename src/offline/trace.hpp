@@ -83,7 +83,7 @@ class Sampler {
  public:
   explicit Sampler(uint64_t seed) : rng_(seed) {}
   double uniform() { return rng_.uniform(); }  // [0, 1)
-  double normal();                              // N(0, 1)
+  double normal();                             // N(0, 1)
   int64_t binomial(int64_t n, double q);
 
  private:

@@ -274,8 +274,8 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   EXPECT_EQ(r.layer.tokens, 4096);
   // One row per (token, rank it picks): 8 ranks of 16 experts each, a token's 8 distinct experts
   // miss a given rank with probability C(112, 8) / C(128, 8).
-  const double missed = std::exp(std::lgamma(113.0) - std::lgamma(105.0) - std::lgamma(129.0) +
-                                  std::lgamma(121.0));
+  const double missed =
+      std::exp(std::lgamma(113.0) - std::lgamma(105.0) - std::lgamma(129.0) + std::lgamma(121.0));
   const double ranks_per_token = 8 * (1 - missed);
   EXPECT_NEAR(r.layer.dispatch_bytes, T * ranks_per_token * 7.0 / 8 * H * 2, 1e-3);
   EXPECT_LT(r.layer.dispatch_bytes, T * K * 7.0 / 8 * H * 2);  // fewer rows than (token, k) pairs
@@ -302,9 +302,9 @@ TEST(WallsModel, DispatchBytesCountOneRowPerTokenAndRank) {
     in.model.top_k = top_k;
     return estimate_walls(in, imb).layer.dispatch_bytes;
   };
-  EXPECT_EQ(bytes(1, 128, 8), 0.0);                                 // no remote rank
-  EXPECT_NEAR(bytes(8, 128, 1), T * 7.0 / 8 * H * 2, 1e-6);         // top-1: one rank per token
-  EXPECT_NEAR(bytes(8, 8, 8), T * 7.0 * H * 2, 1e-6);               // every expert: every rank
+  EXPECT_EQ(bytes(1, 128, 8), 0.0);                          // no remote rank
+  EXPECT_NEAR(bytes(8, 128, 1), T * 7.0 / 8 * H * 2, 1e-6);  // top-1: one rank per token
+  EXPECT_NEAR(bytes(8, 8, 8), T * 7.0 * H * 2, 1e-6);        // every expert: every rank
   EXPECT_NEAR(bytes(8, 16, 2), T * 7.0 / 8 * H * 2 * 8 * (1 - 14.0 / 16 * 13 / 15), 1e-6);
 }
 

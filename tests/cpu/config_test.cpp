@@ -54,16 +54,27 @@ TEST(Config, MoeFields) {
   expect_rejected(with([](MoeConfig& m) { m.top_k = 0; }), "top_k", "0");
   expect_rejected(with([](MoeConfig& m) { m.top_k = 17; }), "top_k", "17");
   // More experts than kMaxTopK: the top_k limit of one warp per token applies on its own.
-  expect_rejected(with([](MoeConfig& m) { m.experts = 64; m.top_k = kMaxTopK + 1; }), "top_k",
-                  std::to_string(kMaxTopK + 1));
-  EXPECT_NO_THROW(with([](MoeConfig& m) { m.experts = 64; m.top_k = kMaxTopK; })());
+  expect_rejected(with([](MoeConfig& m) {
+                    m.experts = 64;
+                    m.top_k = kMaxTopK + 1;
+                  }),
+                  "top_k", std::to_string(kMaxTopK + 1));
+  EXPECT_NO_THROW(with([](MoeConfig& m) {
+    m.experts = 64;
+    m.top_k = kMaxTopK;
+  })());
   expect_rejected(with([](MoeConfig& m) { m.max_tokens = 0; }), "max_tokens", "0");
-  expect_rejected(with([](MoeConfig& m) { m.max_tokens = 1 << 30; m.top_k = 8; }), "max_tokens",
-                  std::to_string(1 << 30));
+  expect_rejected(with([](MoeConfig& m) {
+                    m.max_tokens = 1 << 30;
+                    m.top_k = 8;
+                  }),
+                  "max_tokens", std::to_string(1 << 30));
   expect_rejected(with([](MoeConfig& m) { m.aux_loss_coeff = -1; }), "aux_loss_coeff", "-1");
-  expect_rejected(with([](MoeConfig& m) { m.z_loss_coeff = std::numeric_limits<double>::infinity(); }),
-                  "z_loss_coeff", "inf");
-  expect_rejected(with([](MoeConfig& m) { m.bias_update_rate = -0.5; }), "bias_update_rate", "-0.5");
+  expect_rejected(
+      with([](MoeConfig& m) { m.z_loss_coeff = std::numeric_limits<double>::infinity(); }),
+      "z_loss_coeff", "inf");
+  expect_rejected(with([](MoeConfig& m) { m.bias_update_rate = -0.5; }), "bias_update_rate",
+                  "-0.5");
 }
 
 TEST(Config, TopKMessageNamesTheBound) {
@@ -99,11 +110,14 @@ TEST(Config, EchoFields) {
       validate(e, p);
     };
   };
-  expect_rejected(with([](EchoConfig& e) { e.spare_slots_per_rank = -1; }), "spare_slots_per_rank", "-1");
+  expect_rejected(with([](EchoConfig& e) { e.spare_slots_per_rank = -1; }), "spare_slots_per_rank",
+                  "-1");
   expect_rejected(with([](EchoConfig& e) { e.capacity_factor = 0; }), "capacity_factor", "0");
   expect_rejected(with([](EchoConfig& e) { e.capacity_factor = -2; }), "capacity_factor", "-2");
-  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = std::nan(""); }), "capacity_factor", "nan");
-  expect_rejected(with([](EchoConfig& e) { e.max_clones_per_expert = -1; }), "max_clones_per_expert", "-1");
+  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = std::nan(""); }), "capacity_factor",
+                  "nan");
+  expect_rejected(with([](EchoConfig& e) { e.max_clones_per_expert = -1; }),
+                  "max_clones_per_expert", "-1");
   expect_rejected(with([](EchoConfig& e) { e.clone_cost_rows = -5; }), "clone_cost_rows", "-5");
 }
 

@@ -70,7 +70,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
       out.params.router_bias = read_tensor(*be, layer.param(Param::router_bias));
     }
     double obj = out.stats[size_t(r)].aux_loss + out.stats[size_t(r)].z_loss;
-    for (size_t i = 0; i < out.y[size_t(r)].size(); ++i) obj += out.y[size_t(r)][i] * g[size_t(r)][i];
+    for (size_t i = 0; i < out.y[size_t(r)].size(); ++i)
+      obj += out.y[size_t(r)][i] * g[size_t(r)][i];
     objective[size_t(r)] = obj;
     for (Tensor* t : {&xt, &yt, &gt, &dxt}) be->deallocate(t->data);
   });

@@ -26,7 +26,8 @@ MoeConfig small_moe(int experts = 8, int top_k = 2, int tokens = 12) {
   return m;
 }
 
-std::vector<std::vector<double>> per_rank(int ranks, int64_t tokens, int64_t hidden, uint64_t seed) {
+std::vector<std::vector<double>> per_rank(int ranks, int64_t tokens, int64_t hidden,
+                                          uint64_t seed) {
   std::vector<std::vector<double>> v;
   for (int r = 0; r < ranks; ++r) v.push_back(random_values(size_t(tokens * hidden), seed + r));
   return v;
@@ -393,8 +394,8 @@ TEST(Layer, MemoryEstimateMatchesWhatIsAllocated) {
       EchoConfig e;
       e.enabled = echo;
       MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 1, optimizer);
-      EXPECT_EQ(layer.workspace_bytes(),
-                MoeLayer::memory_bytes(m, ParallelConfig{1, 0}, e, DType::f32, DType::f32, optimizer));
+      EXPECT_EQ(layer.workspace_bytes(), MoeLayer::memory_bytes(m, ParallelConfig{1, 0}, e,
+                                                                DType::f32, DType::f32, optimizer));
       if (!optimizer) {
         EXPECT_THROW(layer.optimizer_step(AdamWConfig{}), Error);
       }

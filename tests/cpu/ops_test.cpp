@@ -710,7 +710,8 @@ TEST_P(GroupedGemmTest, FpropDgradWgradMatchReferenceAndAreAdjoint) {
     std::vector<double> start(dw0.size(), std::nan("")), ref(dw0.size(), 0.0);
     for (int64_t g = 0; g < G; ++g)
       if (wc.offsets[size_t(g + 1)] == wc.offsets[size_t(g)])
-        for (int64_t j = g * K * N; j < (g + 1) * K * N; ++j) start[size_t(j)] = ref[size_t(j)] = dw0[size_t(j)];
+        for (int64_t j = g * K * N; j < (g + 1) * K * N; ++j)
+          start[size_t(j)] = ref[size_t(j)] = dw0[size_t(j)];
     put(*be, dw, start);
     GemmArgs over{win, x, dy, dw};
     over.accumulate = false;
@@ -723,7 +724,8 @@ TEST_P(GroupedGemmTest, FpropDgradWgradMatchReferenceAndAreAdjoint) {
     std::vector<double> start(dw0.size(), std::nan("")), ref(dw0.size(), 0.0);
     for (int64_t g = below; g < G; ++g)
       if (wc.offsets[size_t(g + 1)] == wc.offsets[size_t(g)])
-        for (int64_t j = g * K * N; j < (g + 1) * K * N; ++j) start[size_t(j)] = ref[size_t(j)] = dw0[size_t(j)];
+        for (int64_t j = g * K * N; j < (g + 1) * K * N; ++j)
+          start[size_t(j)] = ref[size_t(j)] = dw0[size_t(j)];
     put(*be, dw, start);
     GemmArgs over{win, x, dy, dw};
     over.accumulate = false;

@@ -468,20 +468,14 @@ TEST(Planner, RandomConfigsKeepInvariants) {
     const auto cfg = make_cfg(R, R * epr, S, mc, cost);
     RoutingMap C;
     switch (it % 4) {
-      case 0:
-        C = uniform_map(R, R * epr, 50, rng());
-        break;
-      case 1:
-        C = zipf_map(R, R * epr, 1.4, 2000, rng());
-        break;
+      case 0: C = uniform_map(R, R * epr, 50, rng()); break;
+      case 1: C = zipf_map(R, R * epr, 1.4, 2000, rng()); break;
       case 2: {  // sparse: most entries zero
         C = uniform_map(R, R * epr, 1000, rng());
         for (auto& c : C) c = (rng() % 5 == 0) ? c : 0;
         break;
       }
-      default:
-        C = uniform_map(R, R * epr, 2, rng());
-        break;
+      default: C = uniform_map(R, R * epr, 2, rng()); break;
     }
     SCOPED_TRACE("case " + std::to_string(it));
     Plan p = run_echo(C, cfg);

@@ -97,7 +97,6 @@ std::vector<int32_t> plan_on_emulated_warp(const std::vector<int32_t>& map,
   return storage;
 }
 
-
 template <int L>
 void check_shapes(int modes_per_shape, uint64_t seed) {
   struct Shape {

@@ -4,8 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace moe_echo::test {

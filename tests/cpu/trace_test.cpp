@@ -334,8 +334,7 @@ TEST(TraceGenerator, InvalidParametersNameTheField) {
   for (const auto& [mutate, message] : cases) {
     GeneratorConfig c;
     mutate(c);
-    EXPECT_NE(config_error([&] { validate(c); }).find(message), std::string::npos)
-        << message;
+    EXPECT_NE(config_error([&] { validate(c); }).find(message), std::string::npos) << message;
   }
 }
 
@@ -487,8 +486,7 @@ TEST(TraceFile, BadCsvFilesNameTheLine) {
       {"step,layer,step,expert,count\n", "bad.csv:1: column 'step' appears twice"},
   };
   for (const BadFile& c : cases) {
-    const std::string msg =
-        config_error([&] { TraceFile::parse_csv(c.text, "bad.csv", 4); });
+    const std::string msg = config_error([&] { TraceFile::parse_csv(c.text, "bad.csv", 4); });
     EXPECT_NE(msg.find(c.message), std::string::npos) << "got: " << msg << "\nwant: " << c.message;
   }
 }
@@ -523,8 +521,7 @@ TEST(TraceFile, BadJsonFilesNameTheLineOrThePath) {
        "missing array \"counts\""},
   };
   for (const BadFile& c : cases) {
-    const std::string msg =
-        config_error([&] { TraceFile::parse_json(c.text, "bad.json", 2); });
+    const std::string msg = config_error([&] { TraceFile::parse_json(c.text, "bad.json", 2); });
     EXPECT_NE(msg.find(c.message), std::string::npos) << "got: " << msg << "\nwant: " << c.message;
   }
 }

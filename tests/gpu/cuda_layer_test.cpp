@@ -170,7 +170,7 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
   m.bias_update = true;
   m.bias_update_rate = 1e-3;
   EchoConfig echo;
-  echo.capacity_factor = 0.4;  // capacity 52 rows, 3 rounds configured
+  echo.capacity_factor = 0.4;          // capacity 52 rows, 3 rounds configured
   const int64_t T = 48, H = m.hidden;  // 96 rows: rounds 0 and 1 run, round 2 stays idle
   // The optimizer step lives on the device, so every replay advances the bias correction. A large
   // eps keeps the update a smooth function of g (with a tiny eps the first steps are close to
@@ -216,7 +216,8 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
     SCOPED_TRACE("replay " + std::to_string(replay));
     // Both layers start the step from the GPU's parameters (optimizer moments do not carry over
     // with beta = 0), so every replay is checked on its own.
-    for (Param p : params) write_tensor(*cpu_be, cpu.param(p), read_tensor(*gl.be, gl.layer.param(p)));
+    for (Param p : params)
+      write_tensor(*cpu_be, cpu.param(p), read_tensor(*gl.be, gl.layer.param(p)));
     const auto w = read_tensor(*gl.be, gl.layer.param(Param::router_weight));
     const auto bias = read_tensor(*gl.be, gl.layer.param(Param::router_bias));
     const int hot = replay == 3 ? 5 : -1;  // replay 3: every token picks expert 5 first
@@ -251,12 +252,15 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
     EXPECT_TRUE(close(dx.read(), cdx.read(), kLayerTol, "dx"));
     EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), cpu_grads[0],
                       kLayerTol, "d_router"));
-    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu_grads[1], kLayerTol, "dw1"));
-    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu_grads[2], kLayerTol, "dw2"));
+    EXPECT_TRUE(
+        close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu_grads[1], kLayerTol, "dw1"));
+    EXPECT_TRUE(
+        close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu_grads[2], kLayerTol, "dw2"));
     // After the optimizer: the router (f32) closely, experts within bf16 rounding, and the bias
     // (integer counts, the same double arithmetic) bit for bit.
     EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.param(Param::router_weight)),
-                      read_tensor(*cpu_be, cpu.param(Param::router_weight)), 1e-3, "router_weight"));
+                      read_tensor(*cpu_be, cpu.param(Param::router_weight)), 1e-3,
+                      "router_weight"));
     EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.param(Param::w1)),
                       read_tensor(*cpu_be, cpu.param(Param::w1)), kBf16Tol, "w1"));
     EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.param(Param::w2)),
@@ -344,10 +348,11 @@ TEST(CudaLayerTiming, Qwen3SizedStepInOneGraph) {
   const double rf_ms = median_ms(router_f), rb_ms = median_ms(router_b);
   std::printf("[ timing ] router alone: forward %.3f ms, backward %.3f ms\n", rf_ms, rb_ms);
   const double rows = double(T) * m.top_k, flops = 18.0 * rows * H * m.ffn;
-  std::printf("[ timing ] Qwen3-sized step (T %lld, H %lld, F %d, E %d, K %d): forward %.3f ms, "
-              "forward+backward %.3f ms, expert TFLOP/s %.0f\n",
-              (long long)T, (long long)H, m.ffn, m.experts, m.top_k, f_ms, s_ms,
-              flops / (s_ms * 1e-3) / 1e12);
+  std::printf(
+      "[ timing ] Qwen3-sized step (T %lld, H %lld, F %d, E %d, K %d): forward %.3f ms, "
+      "forward+backward %.3f ms, expert TFLOP/s %.0f\n",
+      (long long)T, (long long)H, m.ffn, m.experts, m.top_k, f_ms, s_ms,
+      flops / (s_ms * 1e-3) / 1e12);
   RecordProperty("forward_ms", std::to_string(f_ms));
   RecordProperty("step_ms", std::to_string(s_ms));
   EXPECT_TRUE(all_finite(dx.read()));

@@ -33,7 +33,8 @@ struct Pair {
   OwnedTensor c, g;
   Pair(Backends& b, Kind k, std::initializer_list<int64_t> dims)
       : c(*b.cpu, k == Kind::i32 ? DType::i32 : DType::f32, dims),
-        g(*b.gpu, k == Kind::i32 ? DType::i32 : (k == Kind::act ? DType::bf16 : DType::f32), dims) {}
+        g(*b.gpu, k == Kind::i32 ? DType::i32 : (k == Kind::act ? DType::bf16 : DType::f32), dims) {
+  }
   // Writes v (already rounded to what the GPU tensor holds) to both.
   void write(const std::vector<double>& v) const {
     c.write(v);
@@ -53,10 +54,12 @@ std::vector<double> uniform(size_t n, uint64_t seed, double lo = -1, double hi =
 ::testing::AssertionResult close(const std::vector<double>& gpu, const std::vector<double>& cpu,
                                  double tol, const char* what) {
   if (gpu.size() != cpu.size())
-    return ::testing::AssertionFailure() << what << ": sizes " << gpu.size() << " vs " << cpu.size();
+    return ::testing::AssertionFailure()
+           << what << ": sizes " << gpu.size() << " vs " << cpu.size();
   if (!all_finite(gpu)) return ::testing::AssertionFailure() << what << ": non-finite GPU output";
   const double err = rel_error(gpu, cpu);
-  if (err > tol) return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
+  if (err > tol)
+    return ::testing::AssertionFailure() << what << ": rel error " << err << " > " << tol;
   return ::testing::AssertionSuccess();
 }
 
@@ -196,8 +199,8 @@ TEST_P(RouterTest, ForwardAndBackwardMatchCpu) {
     return v;
   };
   if (c.T > 0) {
-    EXPECT_TRUE(close(minus_start(dw.g.read()), minus_start(dw.c.read()), 1e-3,
-                      "d_weight increment"));
+    EXPECT_TRUE(
+        close(minus_start(dw.g.read()), minus_start(dw.c.read()), 1e-3, "d_weight increment"));
   }
 }
 
@@ -304,7 +307,8 @@ TEST_P(LayoutTest, MatchesCpuExactly) {
   cfg.max_clones = lc.max_clones;
   const int slots = lc.EPR + lc.S, M = cfg.max_replicas();
   uint64_t seed = uint64_t(R * 1000 + E * 10 + K);
-  for (int64_t T : {int64_t(0), int64_t(1), int64_t(255), int64_t(256), int64_t(257), int64_t(3000)})
+  for (int64_t T :
+       {int64_t(0), int64_t(1), int64_t(255), int64_t(256), int64_t(257), int64_t(3000)})
     for (bool hot : {false, true})
       for (double cf : {1.25, 0.3}) {
         SCOPED_TRACE("T " + std::to_string(T) + (hot ? " hot" : " uniform") + " cf " +

@@ -17,7 +17,6 @@
 namespace moe_echo::test {
 namespace {
 
-
 TEST(CudaPlanner, PlansAreBitIdenticalToTheCpuPlanner) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   auto gpu = cuda::make_cuda_backend();
@@ -25,8 +24,8 @@ TEST(CudaPlanner, PlansAreBitIdenticalToTheCpuPlanner) {
   struct Shape {
     int R, EPR, S, clones;
   };
-  const Shape shapes[] = {{1, 8, 1, 2},  {1, 64, 0, 0}, {2, 4, 1, 1},  {4, 2, 2, 2},
-                          {4, 8, 1, 3},  {8, 4, 2, 2},  {8, 32, 1, 8}, {16, 2, 4, 4},
+  const Shape shapes[] = {{1, 8, 1, 2},  {1, 64, 0, 0}, {2, 4, 1, 1},   {4, 2, 2, 2},
+                          {4, 8, 1, 3},  {8, 4, 2, 2},  {8, 32, 1, 8},  {16, 2, 4, 4},
                           {32, 8, 1, 2}, {64, 4, 2, 2}, {256, 1, 1, 2}, {256, 1, 4, 8}};
   int64_t plans = 0, clones = 0;
   for (const Shape& sh : shapes)

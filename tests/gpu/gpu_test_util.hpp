@@ -45,7 +45,8 @@ inline std::vector<double> round_f32(std::vector<double> v) {
 // A tensor allocated on a backend, freed with it.
 class OwnedTensor {
  public:
-  OwnedTensor(Backend& be, DType dt, std::initializer_list<int64_t> dims) : be_(&be), t_(nullptr, dt, dims) {
+  OwnedTensor(Backend& be, DType dt, std::initializer_list<int64_t> dims)
+      : be_(&be), t_(nullptr, dt, dims) {
     t_.data = be.allocate(t_.bytes());
   }
   ~OwnedTensor() {

@@ -316,53 +316,54 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
   cuda::GroupedGemm gg(8);
   uint64_t seed = 5000;
   for (const Case& c : cases())
-  for (const int below : {0, 4}) {
-    SCOPED_TRACE(c.name + " zero_empty_below " + std::to_string(below));
-    CaseData d(c);
-    d.refill(c, seed += 10);
-    const int Gs = std::max(d.G, 1);
-    const size_t slab = size_t(c.K * c.N);
-    const GroupWindow w = window_of(c, c.offsets.data());
-    std::vector<float> start(size_t(Gs) * slab, std::numeric_limits<float>::quiet_NaN());
-    for (int g = below; g < d.G; ++g)
-      if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
-        std::copy(d.hdw0.begin() + g * slab, d.hdw0.begin() + (g + 1) * slab, start.begin() + g * slab);
-    d.dw.upload(start);
-    GemmArgs args = d.wgrad_args(c);
-    args.accumulate = false;
-    args.zero_empty_below = below;
-    gg.wgrad(args, nullptr);
-    CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
+    for (const int below : {0, 4}) {
+      SCOPED_TRACE(c.name + " zero_empty_below " + std::to_string(below));
+      CaseData d(c);
+      d.refill(c, seed += 10);
+      const int Gs = std::max(d.G, 1);
+      const size_t slab = size_t(c.K * c.N);
+      const GroupWindow w = window_of(c, c.offsets.data());
+      std::vector<float> start(size_t(Gs) * slab, std::numeric_limits<float>::quiet_NaN());
+      for (int g = below; g < d.G; ++g)
+        if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
+          std::copy(d.hdw0.begin() + g * slab, d.hdw0.begin() + (g + 1) * slab,
+                    start.begin() + g * slab);
+      d.dw.upload(start);
+      GemmArgs args = d.wgrad_args(c);
+      args.accumulate = false;
+      args.zero_empty_below = below;
+      gg.wgrad(args, nullptr);
+      CK(cudaGetLastError());
+      CK(cudaDeviceSynchronize());
 
-    std::vector<float> hx = d.hx.values, hdy = d.hdy.values, ref = start;
-    const GemmArgs h = host_args(args, c, hx.data(), hdy.data(), ref.data());
-    cpu::gemm_wgrad<float>(h);
-    const std::vector<float> got = d.dw.download<float>(size_t(Gs) * slab);
-    std::vector<double> g_rows, r_rows;
-    int64_t wrong_outside = 0, non_finite = 0;
-    for (int g = 0; g < d.G; ++g) {  // (with no groups the slab is no group's and stays NaN)
-      const cpu::RowRange rr = cpu::group_rows(w, g);
-      const bool has_rows = c.offsets[size_t(g + 1)] > c.offsets[size_t(g)];
-      for (size_t j = size_t(g) * slab; j < size_t(g + 1) * slab; ++j) {
-        if (rr.end > rr.begin) {
-          non_finite += !std::isfinite(got[j]);
-          g_rows.push_back(got[j]);
-          r_rows.push_back(ref[j]);
-        } else if (float_bits(got[j]) != (has_rows || g < below ? 0u : float_bits(d.hdw0[j]))) {
-          ++wrong_outside;
+      std::vector<float> hx = d.hx.values, hdy = d.hdy.values, ref = start;
+      const GemmArgs h = host_args(args, c, hx.data(), hdy.data(), ref.data());
+      cpu::gemm_wgrad<float>(h);
+      const std::vector<float> got = d.dw.download<float>(size_t(Gs) * slab);
+      std::vector<double> g_rows, r_rows;
+      int64_t wrong_outside = 0, non_finite = 0;
+      for (int g = 0; g < d.G; ++g) {  // (with no groups the slab is no group's and stays NaN)
+        const cpu::RowRange rr = cpu::group_rows(w, g);
+        const bool has_rows = c.offsets[size_t(g + 1)] > c.offsets[size_t(g)];
+        for (size_t j = size_t(g) * slab; j < size_t(g + 1) * slab; ++j) {
+          if (rr.end > rr.begin) {
+            non_finite += !std::isfinite(got[j]);
+            g_rows.push_back(got[j]);
+            r_rows.push_back(ref[j]);
+          } else if (float_bits(got[j]) != (has_rows || g < below ? 0u : float_bits(d.hdw0[j]))) {
+            ++wrong_outside;
+          }
         }
       }
+      EXPECT_EQ(non_finite, 0) << "wgrad overwrite: non-finite values (the old gradient was read)";
+      EXPECT_EQ(wrong_outside, 0)
+          << "wgrad overwrite: a group without rows in the window is not zero (rows elsewhere) or "
+             "not kept (no rows)";
+      if (!g_rows.empty()) {
+        const double err = test::rel_error(g_rows, r_rows);
+        EXPECT_LT(err, 1e-3) << "wgrad overwrite: relative error " << err;
+      }
     }
-    EXPECT_EQ(non_finite, 0) << "wgrad overwrite: non-finite values (the old gradient was read)";
-    EXPECT_EQ(wrong_outside, 0)
-        << "wgrad overwrite: a group without rows in the window is not zero (rows elsewhere) or "
-           "not kept (no rows)";
-    if (!g_rows.empty()) {
-      const double err = test::rel_error(g_rows, r_rows);
-      EXPECT_LT(err, 1e-3) << "wgrad overwrite: relative error " << err;
-    }
-  }
 }
 
 // fprop_add: rows in a group become c + a @ b[g] (rounded once), the other rows keep their bits.

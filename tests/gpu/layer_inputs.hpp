@@ -20,7 +20,8 @@ namespace moe_echo::test {
 // Host selection keys (score + bias) in double; tokens whose best K + 1 keys are not separated
 // by more than `margin` are redrawn. `hot` >= 0 pulls every token towards that expert.
 inline std::vector<double> draw_tokens(int64_t T, const MoeConfig& m, const std::vector<double>& w,
-                                const std::vector<double>& bias, uint64_t seed, int hot = -1) {
+                                       const std::vector<double>& bias, uint64_t seed,
+                                       int hot = -1) {
   const int64_t H = m.hidden, E = m.experts, K = m.top_k;
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(-1, 1);
@@ -80,8 +81,9 @@ inline GlobalParams rounded_params(const MoeConfig& m, uint64_t seed, int hot_bi
 }
 
 // `got` against the reference `want`: same size, finite, relative error within tol.
-inline ::testing::AssertionResult close(const std::vector<double>& got, const std::vector<double>& want,
-                                 double tol, const std::string& what) {
+inline ::testing::AssertionResult close(const std::vector<double>& got,
+                                        const std::vector<double>& want, double tol,
+                                        const std::string& what) {
   if (got.size() != want.size())
     return ::testing::AssertionFailure()
            << what << ": sizes " << got.size() << " vs " << want.size();

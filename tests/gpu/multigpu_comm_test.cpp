@@ -123,8 +123,7 @@ std::vector<RowCase> row_cases(int R) {
       {"k32_one_token", per_rank([](int) { return 1; }), 32, 37, bf, 64, f32, true, true},
       {"no_tokens", per_rank([](int) { return 0; }), 4, 4096, bf, 2048, f32, true, true},
       {"f64", per_rank([](int s) { return 90 + s; }), 5, 4096, f64, 40, f64, true, true},
-      {"grid_stride", per_rank([](int s) { return 3000 + 7 * s; }), 2, 80, bf, 40, f32, true,
-       true},
+      {"grid_stride", per_rank([](int s) { return 3000 + 7 * s; }), 2, 80, bf, 40, f32, true, true},
   };
 }
 
@@ -194,8 +193,8 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
       dw.write(rw);
       wt.write(wv);
     }
-    const RowRoute route{dr->as<int32_t>(), dw->as<int32_t>(), c.weighted ? wt->data : nullptr,
-                         n, K};
+    const RowRoute route{dr->as<int32_t>(), dw->as<int32_t>(), c.weighted ? wt->data : nullptr, n,
+                         K};
     std::vector<double> y0 = random_values(size_t(std::max<int64_t>(T, 1) * H), seed + 3, -2, 2);
     for (double& x : y0) x = round_to(c.y, x);
 
@@ -336,8 +335,7 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
             for (int64_t h = 0; h < H; ++h)
               no_lead_bad += yg[size_t(t * H + h)] != want[size_t(t * H + h)];
         }
-        const double tol =
-            c.y == DType::bf16 ? kBf16Tol : c.y == DType::f32 ? kF32Tol : 1e-12;
+        const double tol = c.y == DType::bf16 ? kBf16Tol : c.y == DType::f32 ? kF32Tol : 1e-12;
         EXPECT_LT(rel_error(yg, want), tol) << "combined rows (accumulate mode " << mode << ")";
         EXPECT_EQ(no_lead_bad, 0) << "tokens without a lead in the window";
         EXPECT_EQ(values_bad, 0) << "values_out";
@@ -349,8 +347,7 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
       for (SymmetricBuffer* b : {&recv, &red, &fan.members, &fan.weights, &fan.values})
         comm.free_symmetric(be, *b);
     }
-    EXPECT_EQ(y_by_dispatcher[0], y_by_dispatcher[1])
-        << "the dispatchers' combines differ in bits";
+    EXPECT_EQ(y_by_dispatcher[0], y_by_dispatcher[1]) << "the dispatchers' combines differ in bits";
     EXPECT_EQ(y_by_dispatcher[0], y_by_dispatcher[2])
         << "the host-API mode's combine differs in bits";
   }

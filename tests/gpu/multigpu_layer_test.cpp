@@ -200,8 +200,8 @@ INSTANTIATE_TEST_SUITE_P(
                    false, false, Dispatcher::baseline},
         LayerParam{"host_api_echo_skew", 64, 32, 4, 2, 96, ScoreFunction::softmax, 1.25, true, 1,
                    false, false, Dispatcher::baseline, true},
-        LayerParam{"host_api_overflow_echo", 64, 32, 4, 2, 96, ScoreFunction::softmax, 0.3, true,
-                   2, false, false, Dispatcher::baseline, true}),
+        LayerParam{"host_api_overflow_echo", 64, 32, 4, 2, 96, ScoreFunction::softmax, 0.3, true, 2,
+                   false, false, Dispatcher::baseline, true}),
     [](const auto& p) { return p.param.name; });
 
 // ================================================================================================
