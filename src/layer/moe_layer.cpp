@@ -141,11 +141,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
                  "communicator has " << comm.size() << " ranks but ep_size = " << par.ep_size);
   MOE_ECHO_CHECK(comm.rank() == par.ep_rank,
                  "communicator rank " << comm.rank() << " but ep_rank = " << par.ep_rank);
-  planner_.ranks = par.ep_size;
-  planner_.experts = moe.experts;
-  planner_.spare_slots = echo.enabled ? echo.spare_slots_per_rank : 0;
-  planner_.max_clones = echo.enabled ? echo.max_clones_per_expert : 0;
-  planner_.clone_cost_rows = echo.clone_cost_rows;
+  planner_ = moe_echo::planner_config(moe, par, echo);
   validate(planner_);
   slots_ = slots_per_rank(moe, par, echo);
   capacity_ = capacity_rows(moe, echo);
@@ -302,11 +298,7 @@ size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                               const EchoConfig& echo, DType activation, DType float_dtype,
                               bool optimizer_state) {
   validate(moe, par, echo);
-  PlannerConfig planner;
-  planner.ranks = par.ep_size;
-  planner.experts = moe.experts;
-  planner.spare_slots = echo.enabled ? echo.spare_slots_per_rank : 0;
-  planner.max_clones = echo.enabled ? echo.max_clones_per_expert : 0;
+  const PlannerConfig planner = moe_echo::planner_config(moe, par, echo);
   Buffers b;
   size_t total = 0;
   auto dev = [&](DType t, std::initializer_list<int64_t> dims) {

@@ -133,6 +133,25 @@ TEST(Config, DerivedSizes) {
   EXPECT_EQ(max_rounds(m, ParallelConfig{4, 0}, e), 4);  // 2048 rows / 640 per round
 }
 
+TEST(Config, PlannerConfigFollowsEcho) {
+  MoeConfig m;
+  m.experts = 16;
+  EchoConfig e;
+  e.spare_slots_per_rank = 3;
+  e.max_clones_per_expert = 2;
+  e.clone_cost_rows = 77;
+  const PlannerConfig on = planner_config(m, ParallelConfig{4, 1}, e);
+  EXPECT_EQ(on.ranks, 4);
+  EXPECT_EQ(on.experts, 16);
+  EXPECT_EQ(on.spare_slots, 3);
+  EXPECT_EQ(on.max_clones, 2);
+  EXPECT_EQ(on.clone_cost_rows, 77);
+  e.enabled = false;
+  const PlannerConfig off = planner_config(m, ParallelConfig{4, 1}, e);
+  EXPECT_EQ(off.spare_slots, 0);
+  EXPECT_EQ(off.max_clones, 0);
+}
+
 TEST(Config, ScoreFunctionAndSkewParsing) {
   EXPECT_EQ(parse_score_function("sigmoid"), ScoreFunction::sigmoid);
   expect_rejected([] { parse_score_function("relu", "score"); }, "score", "'relu'");
