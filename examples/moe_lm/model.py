@@ -238,7 +238,16 @@ class MoeLM(nn.Module):
             if name.endswith("router_weight") or name == "embed.weight":
                 fan_in = p.shape[-1]
             std = 1.0 / math.sqrt(fan_in)
-            p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
+            shape, rows = p.shape, slice(None)
+            owner = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
+            ranks = getattr(owner, "ep_size", 1)
+            if ranks > 1 and name.endswith((".w1", ".w2")):
+                # Expert parallel: draw every expert, keep this rank's (the same weights, and the
+                # same generator state afterwards, on every layout).
+                shape = (p.shape[0] * ranks, *p.shape[1:])
+                rows = slice(owner.ep_rank * p.shape[0], (owner.ep_rank + 1) * p.shape[0])
+            w = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * std
+            p.copy_(w[rows])
 
     def forward(self, ids, targets=None):
         x = self.embed(ids)

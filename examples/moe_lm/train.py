@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import Batches, MoeLM, load_corpus  # noqa: E402
@@ -65,6 +66,9 @@ def parse_args(argv=None):
     ap.add_argument("--amp", action="store_true",
                     help="bf16 autocast for the dense layers (the MoE blocks compute in bf16 on "
                          "CUDA either way)")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert parallelism over this many processes (start them with torchrun "
+                         "--nproc-per-node N; each trains on its own batches, gradients averaged)")
     ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture the whole training step (forward, backward, AdamW) in a CUDA graph")
@@ -84,6 +88,13 @@ def parse_args(argv=None):
         ap.error(f"--tolerance = {args.tolerance} is invalid: allowed a finite value >= 0")
     if args.warmup < 0 or args.warmup >= args.steps:
         ap.error(f"--warmup = {args.warmup} is invalid: allowed 0 <= warmup < steps ({args.steps})")
+    if args.ep < 1:
+        ap.error(f"--ep = {args.ep} is invalid: allowed >= 1")
+    if args.ep > 1 and args.cuda_graph:
+        ap.error("--cuda-graph with --ep > 1 is invalid: expert parallelism over torch.distributed "
+                 "runs host-synchronised collectives; allowed with --ep 1")
+    if args.ep > 1 and args.compare != "none":
+        ap.error("--compare with --ep > 1 is invalid: allowed with --ep 1")
     if args.cuda_graph and not args.device.startswith("cuda"):
         ap.error(f"--cuda-graph with --device = {args.device} is invalid: allowed with cuda only")
     for path in (args.json, args.plot):
@@ -100,7 +111,9 @@ def build(args, moe: str, echo: bool) -> MoeLM:
                   max_tokens=args.batch * args.seq_len, moe=moe,
                   moe_args=dict(echo=echo, aux_loss_coeff=args.aux_loss_coeff,
                                 z_loss_coeff=args.z_loss_coeff,
-                                capacity_factor=args.capacity_factor) if moe == "echo" else
+                                capacity_factor=args.capacity_factor,
+                                ep_group=dist.group.WORLD if args.ep > 1 else None)
+                  if moe == "echo" else
                   dict(aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff),
                   device=device, dtype=dtype)
     model.reset_parameters(args.seed)
@@ -121,13 +134,31 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                             capturable=capturable, fused=device.type == "cuda")
     fwd = torch.compile(model, fullgraph=True) if args.compile else model
-    batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed)
-    tokens_per_step = args.batch * args.seq_len
+    rank = dist.get_rank() if args.ep > 1 else 0
+    batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed + rank)
+    tokens_per_step = args.batch * args.seq_len * args.ep
+    experts = {id(b.moe.w1) for b in model.blocks} | {id(b.moe.w2) for b in model.blocks}
+
+    def average_gradients(loss):
+        # Each rank's loss is the mean over its own tokens; the step follows their mean. Expert
+        # gradients already hold every rank's tokens (the layer sums them): divide by the ranks.
+        # The other parameters are replicated: average their gradients over the ranks.
+        for p in model.parameters():
+            if p.grad is None:
+                continue
+            if id(p) not in experts:
+                dist.all_reduce(p.grad)
+            p.grad.div_(args.ep)
+        loss = loss.detach().clone()
+        dist.all_reduce(loss)
+        return loss / args.ep
 
     def step(ids, targets):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
             loss = fwd(ids, targets)
         loss.backward()
+        if args.ep > 1:
+            loss = average_gradients(loss)
         opt.step()
         return loss
 
@@ -167,7 +198,7 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
             opt.zero_grad(set_to_none=True)
             loss = step(ids, targets)
         losses.append(loss.detach().clone())  # read back at the end: no sync per step
-        if args.log_every and ((i + 1) % args.log_every == 0 or i + 1 == args.steps):
+        if args.log_every and rank == 0 and ((i + 1) % args.log_every == 0 or i + 1 == args.steps):
             value = losses[-1].item()
             rate = ""
             if t_start is not None and i >= args.warmup:
@@ -216,8 +247,34 @@ def plot(records, path):
     print(f"plot: {path}")
 
 
+def init_distributed(args) -> bool:
+    """With --ep > 1: joins the torchrun job (RANK, WORLD_SIZE, MASTER_ADDR/PORT); gloo on the
+    CPU, NCCL on GPUs (one per process, LOCAL_RANK). Returns whether this process prints."""
+    if args.ep == 1:
+        return True
+    if "RANK" not in os.environ:
+        raise SystemExit(f"--ep {args.ep} needs torchrun --nproc-per-node {args.ep}")
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        args.device = f"cuda:{torch.cuda.current_device()}"
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if dist.get_world_size() != args.ep:
+        raise SystemExit(f"--ep = {args.ep} is invalid: allowed the job's world size "
+                         f"({dist.get_world_size()})")
+    return dist.get_rank() == 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    leader = init_distributed(args)
+    try:
+        return run(args, leader)
+    finally:
+        if args.ep > 1:
+            dist.destroy_process_group()
+
+
+def run(args, leader: bool) -> int:
     first = "plain PyTorch MoE" if args.moe == "torch" else f"moe_echo (ECHO {args.echo})"
     runs = [(args.moe, args.echo == "on", first)]
     if args.compare == "torch":
@@ -249,14 +306,15 @@ def main(argv=None) -> int:
               f"{'agree' if out['curves_agree'] else 'DIFFER'}")
         rc = 0 if out["curves_agree"] else 1
     first, last = records[0]["losses"][0], records[0]["losses"][-1]
-    print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps")
+    if leader:
+        print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps")
     if not all(math.isfinite(v) for r in records for v in r["losses"]):
         print("error: a loss is not finite", file=sys.stderr)
         rc = 1
-    if args.json:
+    if args.json and leader:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"json: {args.json}")
-    if args.plot:
+    if args.plot and leader:
         plot(records, args.plot)
     return rc
 

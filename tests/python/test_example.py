@@ -46,3 +46,30 @@ def test_bad_flags_exit_2(capsys):
         train.main(["--experts", "0"])
     assert e.value.code == 2
     assert "--experts = 0 is invalid" in capsys.readouterr().err
+
+
+def ep_worker(rank, port, out):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rc = train.main(SMALL + ["--ep", "2", "--steps", "30", "--json", out])
+    assert rc == 0
+
+
+def test_expert_parallel_training_over_gloo(tmp_path):
+    # Two processes (as torchrun starts them) train with the experts split over them.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free loopback port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ep.json"
+    mp.spawn(ep_worker, args=(port, str(out)), nprocs=2, join=True)
+    rec = json.loads(out.read_text())
+    losses = rec["runs"][0]["losses"]
+    assert rec["config"]["ep"] == 2 and len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+    assert len(rec["runs"][0]["layer0_stats"]["load_after"]) == 2
