@@ -517,7 +517,11 @@ int main(int argc, char** argv) {
     CK(cudaGetDeviceProperties(&prop, dev));
     // One EP4 rank of the Mixtral layer bench: 2 experts of 8192 rows, fc1 and fc2 (K = F, N = H).
     const Shape ep4 = fc1(moe_echo::kMixtral8x7B, 2);
+    // The whole Qwen3-30B-A3B layer's 64 experts on one GPU (the end-to-end model's MoE blocks):
+    // 1024 rows per expert instead of 4096.
+    const Shape all64 = fc1(moe_echo::kQwen3_30B_A3B, 64);
     const Shape shapes[] = {fc1(moe_echo::kQwen3_30B_A3B, 16),
+                            {all64.name + "-64e", all64.experts, all64.rows, all64.K, all64.N},
                             fc1(moe_echo::kDeepSeekV3, 32),
                             fc1(moe_echo::kMixtral8x7B, 8),
                             {ep4.name + "-ep4-fc1", ep4.experts, ep4.rows, ep4.K, ep4.N},

@@ -23,6 +23,7 @@ import torch
 # cannot read the C++ table. (name, experts, rows = tokens * top_k, K = hidden, N = 2 * ffn)
 SHAPES = [
     ("qwen3-30b-a3b", 16, 65536, 2048, 1536),
+    ("qwen3-30b-a3b-64e", 64, 65536, 2048, 1536),
     ("deepseek-v3", 32, 65536, 7168, 4096),
     ("mixtral-8x7b", 8, 16384, 4096, 28672),
 ]
