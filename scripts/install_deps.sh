@@ -23,7 +23,7 @@ fi
 if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && [ ! -f third_party/cutlass/include/cutlass/cutlass.h ]; then
   echo "setup: installing CUTLASS 4.2 headers (nvidia-cutlass==4.2.0.0) into third_party/cutlass"
   tmp=$(mktemp -d)
-  python3 -m pip install -q --no-deps --target "$tmp" nvidia-cutlass==4.2.0.0
+  python3 -m pip install -q --root-user-action=ignore --no-deps --target "$tmp" nvidia-cutlass==4.2.0.0
   mkdir -p third_party/cutlass/tools/util
   rm -rf third_party/cutlass/include third_party/cutlass/tools/util/include
   cp -r "$tmp/cutlass_library/source/include" third_party/cutlass/include
@@ -42,5 +42,5 @@ sys.exit(any(not m.version(k).startswith(v) for k, v in need.items()))
 PY
 then
   echo "setup: installing ${python_packages[*]} (pip)"
-  python3 -m pip install -q "${python_packages[@]}"
+  python3 -m pip install -q --root-user-action=ignore "${python_packages[@]}"
 fi

@@ -14,5 +14,5 @@ cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_PYTHON
   ${CMAKE_ARGS:-} >/dev/null
 cmake --build "$build_dir" -j "$jobs"
 # The package, from the build tree above (nothing is compiled again).
-CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --no-build-isolation --no-deps \
+CMAKE_BUILD_PARALLEL_LEVEL=$jobs python3 -m pip install -q --root-user-action=ignore --no-build-isolation --no-deps \
   -C build-dir="$build_dir" -C cmake.define.MOE_ECHO_PYTHON=ON .
