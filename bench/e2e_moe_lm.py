@@ -70,7 +70,8 @@ def run_model(args, moe: str, variant: str, batches):
                   top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
                   max_tokens=args.batch * args.seq_len, moe=moe,
                   moe_args=dict(echo=False, aux_loss_coeff=1e-2) if moe == "echo" else
-                  dict(aux_loss_coeff=1e-2), device="cuda", dtype=torch.float32)
+                  dict(aux_loss_coeff=1e-2), device="cuda",
+                  dtype=getattr(torch, args.param_dtype))
     model.reset_parameters(0)
     graph = variant.endswith("graph")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graph)
@@ -171,6 +172,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="torch:eager,torch:compile,echo:eager,echo:graph,"
                                           "echo:compile+graph")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the model's parameter dtype (AdamW updates them in it)")
     ap.add_argument("--no-amp", dest="amp", action="store_false",
                     help="dense layers in fp32 instead of bf16 autocast")
     ap.add_argument("--profile", type=int, default=0,
