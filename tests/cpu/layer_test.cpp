@@ -429,6 +429,15 @@ TEST(Layer, RejectsBadTensorsAndConfigs) {
   std::vector<double> dh(size_t(4 * 16));
   Tensor wrong_dtype(dh.data(), DType::f64, {4, 16});
   EXPECT_THROW(layer.forward(wrong_dtype, y), Error);
+  // Each forward takes exactly one backward: its activations are spent by it.
+  std::vector<float> xh(size_t(4 * 16), 0.25f), y4(size_t(4 * 16)), dyh(size_t(4 * 16), 0.5f),
+      dxh(size_t(4 * 16));
+  Tensor x4(xh.data(), DType::f32, {4, 16}), y4t(y4.data(), DType::f32, {4, 16}),
+      dy4(dyh.data(), DType::f32, {4, 16}), dx4(dxh.data(), DType::f32, {4, 16});
+  EXPECT_THROW(layer.backward(dy4, dx4), Error);  // no forward yet
+  layer.forward(x4, y4t);
+  EXPECT_NO_THROW(layer.backward(dy4, dx4));
+  EXPECT_THROW(layer.backward(dy4, dx4), Error);  // its forward's backward already ran
 }
 
 }  // namespace
