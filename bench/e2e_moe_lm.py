@@ -23,24 +23,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "moe_lm"))
+from cuda_timing import time_calls  # noqa: E402 (bench/, this script's folder)
 from model import Batches, MoeLM, load_corpus  # noqa: E402
 
 from moe_echo.torch import MoE  # noqa: E402
-
-
-def timed_steps(step, n, warmup):
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        step()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times), times
 
 
 def profile_kernels(run, label, top):
@@ -57,8 +43,10 @@ def profile_kernels(run, label, top):
             rows[e.name] = rows.get(e.name, 0.0) + e.device_time_total / 3e3
     total = sum(rows.values())
     print(f"-- {label}: {total:.1f} ms of kernels per step")
-    for name, ms in sorted(rows.items(), key=lambda kv: -kv[1])[:top]:
+    top_rows = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
+    for name, ms in top_rows:
         print(f"   {ms:8.2f} ms  {name[:110]}")
+    return dict(kernel_ms_per_step=total, top_kernels=[dict(name=n, ms=m) for n, m in top_rows])
 
 
 def run_model(args, moe: str, variant: str, batches):
@@ -113,15 +101,17 @@ def run_model(args, moe: str, variant: str, batches):
     run()
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - t0
-    ms, times = timed_steps(run, args.steps, args.warmup)
-    if args.profile:
-        profile_kernels(run, f"{moe}:{variant}", args.profile)
+    times = time_calls(run, args.steps, args.warmup)
+    ms = statistics.median(times)
+    profile = profile_kernels(run, f"{moe}:{variant}", args.profile) if args.profile else None
     tokens = args.batch * args.seq_len
     out = dict(moe=moe, variant=variant, step_ms=ms, step_ms_all=times,
                tokens_per_s=tokens / (ms * 1e-3),
                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
                first_step_and_setup_s=setup_s,
                loss_first=float(losses[0]), loss_last=float(losses[-1]))
+    if profile:
+        out["profile"] = profile
     del model, opt, fwd
     return out
 
@@ -141,7 +131,7 @@ def run_module(args, cfg):
             p.grad = None
         m(x).backward(dy)
 
-    eager_ms, _ = timed_steps(step, args.steps, args.warmup)
+    eager_ms = statistics.median(time_calls(step, args.steps, args.warmup))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -150,7 +140,7 @@ def run_module(args, cfg):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         step()
-    graph_ms, _ = timed_steps(g.replay, args.steps, args.warmup)
+    graph_ms = statistics.median(time_calls(g.replay, args.steps, args.warmup))
     del m, x, dy, g
     return dict(config=cfg["config"], skew=cfg["skew"], layer_fwd_bwd_ms=cfg["fwd_bwd_ms"],
                 module_graph_ms=graph_ms, module_eager_ms=eager_ms,

@@ -15,6 +15,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import time_calls
+
 
 def load(path, dtype, shape):
     data = open(path, "rb").read()
@@ -88,17 +90,7 @@ def main():
         if r["dumped_weights"]:
             y_err = rel(load(base + "_y.bin", torch.bfloat16, (T, H)), y.detach())
             dx_err = rel(load(base + "_dx.bin", torch.bfloat16, (T, H)), xr.grad)
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(args.iters):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            step()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
+        times = time_calls(step, args.iters, args.warmup)
         ms = sorted(times)[len(times) // 2]
         flops = 3 * 6 * T * K * H * FF
         row = dict(r, torch_fwd_bwd_ms=ms, torch_expert_tflops=flops / (ms * 1e-3) / 1e12,

@@ -111,13 +111,11 @@ class TorchMoE(nn.Module):
         out = torch.empty_like(o)
         out[order] = o
         y = (out.view(T, K, -1).float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
-        losses = []
         if T > 0 and (self.aux_loss_coeff or self.z_loss_coeff):
             p = scores / scores.sum(dim=-1, keepdim=True)
             f = counts.to(p.dtype) / (T * K)
             aux = self.aux_loss_coeff * E * (f * p.mean(0)).sum()
             z = self.z_loss_coeff * (torch.logsumexp(logits, dim=-1) ** 2).mean()
-            losses = [aux, z]
             y = _AddLossGrad.apply(y, aux + z)
             self.last_losses = torch.stack([aux.detach(), z.detach()])
         return y.reshape(shape)

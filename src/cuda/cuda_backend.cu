@@ -24,6 +24,24 @@ bool is_capturing(cudaStream_t s) {
   return st == cudaStreamCaptureStatusActive;
 }
 
+// The graph of the work `enqueue` puts on `s` (a stream other than the legacy default stream).
+// When enqueue throws, the capture is ended and its graph dropped before the exception goes on.
+cudaGraph_t capture_graph(cudaStream_t s, const std::function<void()>& enqueue) {
+  MOE_ECHO_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  try {
+    enqueue();
+  } catch (...) {
+    cudaGraph_t discard = nullptr;
+    if (cudaStreamEndCapture(s, &discard) == cudaSuccess && discard)
+      (void)cudaGraphDestroy(discard);
+    (void)cudaGetLastError();
+    throw;
+  }
+  cudaGraph_t graph = nullptr;
+  MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  return graph;
+}
+
 class CudaBackend final : public Backend {
  public:
   CudaBackend() { MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_)); }
@@ -222,18 +240,7 @@ class CudaBackend final : public Backend {
     }
     if (!capture_stream_)
       MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
-    MOE_ECHO_CUDA_CHECK(cudaStreamBeginCapture(capture_stream_, cudaStreamCaptureModeThreadLocal));
-    try {
-      body(capture_stream_);
-    } catch (...) {
-      cudaGraph_t discard = nullptr;
-      if (cudaStreamEndCapture(capture_stream_, &discard) == cudaSuccess && discard)
-        (void)cudaGraphDestroy(discard);
-      (void)cudaGetLastError();
-      throw;
-    }
-    cudaGraph_t graph = nullptr;
-    MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(capture_stream_, &graph));
+    cudaGraph_t graph = capture_graph(capture_stream_, [&] { body(capture_stream_); });
     if (!cache) cache = std::make_unique<ExecCache>();
     auto& exec = static_cast<ExecCache&>(*cache).exec;
     if (exec) {
@@ -314,17 +321,7 @@ std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBacke
 
 CapturedGraph::CapturedGraph(cudaStream_t stream, const std::function<void()>& enqueue) {
   MOE_ECHO_CHECK(stream != nullptr, "capture needs a stream other than the legacy default stream");
-  MOE_ECHO_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  try {
-    enqueue();
-  } catch (...) {
-    cudaGraph_t discard = nullptr;
-    if (cudaStreamEndCapture(stream, &discard) == cudaSuccess && discard)
-      (void)cudaGraphDestroy(discard);
-    (void)cudaGetLastError();
-    throw;
-  }
-  MOE_ECHO_CUDA_CHECK(cudaStreamEndCapture(stream, &graph_));
+  graph_ = capture_graph(stream, enqueue);
   MOE_ECHO_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
 }
 

@@ -45,6 +45,20 @@ struct GpuLayer {
   }
 };
 
+// x, y, dy, dx of a [T, H] step in bf16: x drawn from seed in [-1, 1), dy from seed + 1 in
+// [-dy_scale, dy_scale), both bf16-exact; y and dx for the step to write.
+struct StepTensors {
+  OwnedTensor x, y, dy, dx;
+  StepTensors(Backend& be, int64_t T, int64_t H, uint64_t seed, double dy_scale)
+      : x(be, DType::bf16, {T, H}),
+        y(be, DType::bf16, {T, H}),
+        dy(be, DType::bf16, {T, H}),
+        dx(be, DType::bf16, {T, H}) {
+    x.write(round_bf16(random_values(size_t(T * H), seed, -1, 1)));
+    dy.write(round_bf16(random_values(size_t(T * H), seed + 1, -dy_scale, dy_scale)));
+  }
+};
+
 // =================================================================================================
 // Forward + backward against the CPU layer
 // =================================================================================================
@@ -294,10 +308,8 @@ TEST(CudaLayerTiming, Qwen3SizedStepInOneGraph) {
   EchoConfig echo;
   GpuLayer gl(m, echo, 3);
   const int64_t T = m.max_tokens, H = m.hidden;
-  OwnedTensor x(*gl.be, DType::bf16, {T, H}), y(*gl.be, DType::bf16, {T, H}),
-      dy(*gl.be, DType::bf16, {T, H}), dx(*gl.be, DType::bf16, {T, H});
-  x.write(round_bf16(random_values(size_t(T * H), 1, -1, 1)));
-  dy.write(round_bf16(random_values(size_t(T * H), 2, -1e-3, 1e-3)));
+  StepTensors tensors(*gl.be, T, H, 1, 1e-3);
+  OwnedTensor &x = tensors.x, &y = tensors.y, &dy = tensors.dy, &dx = tensors.dx;
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const Stream s = stream;
@@ -383,10 +395,8 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   GpuLayer gl(m, echo, 9);
   gl.set(rounded_params(m, 41));
   const int64_t T = m.max_tokens, H = m.hidden;
-  OwnedTensor x(*gl.be, DType::bf16, {T, H}), y(*gl.be, DType::bf16, {T, H}),
-      dy(*gl.be, DType::bf16, {T, H}), dx(*gl.be, DType::bf16, {T, H});
-  x.write(round_bf16(random_values(size_t(T * H), 51, -1, 1)));
-  dy.write(round_bf16(random_values(size_t(T * H), 52, -1, 1)));
+  StepTensors tensors(*gl.be, T, H, 51, 1.0);
+  OwnedTensor &x = tensors.x, &y = tensors.y, &dy = tensors.dy, &dx = tensors.dx;
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   const Stream s = stream;

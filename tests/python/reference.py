@@ -16,6 +16,13 @@ import torch
 import torch.nn.functional as Fn
 
 
+def rel(a, b, floor=1e-6):
+    """|a - b| / |b| in float64 on the CPU, with |b| floored at `floor` (a reference that is
+    zero up to rounding)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return (a - b).norm().item() / max(b.norm().item(), floor)
+
+
 def reference_moe(
     x,
     router_weight,

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 import moe_echo
 from moe_echo.torch import MoE
+from reference import rel
 
 H, F, E, K, T = 16, 16, 8, 2, 40  # multiples of 8, as the CUDA GEMMs need
 
@@ -57,10 +58,6 @@ def worker(rank, ranks, init_file, out_dir, kw, skew):
         torch.save(step(m, rank, skew), Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
-
-
-def rel(a, b):
-    return (a - b).norm().item() / max(b.norm().item(), 1e-6)
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

@@ -8,15 +8,9 @@ import pytest
 import torch
 
 from moe_echo.torch import MoE, export_hf_moe, load_hf_moe
-from reference import reference_moe
+from reference import reference_moe, rel
 
 TOL = 1e-10  # relative norm, float64 both sides (the CPU backend accumulates in double)
-
-
-def rel(a, b):
-    """|a - b| / |b|, with |b| floored at 1e-6 (a reference that is zero up to rounding)."""
-    a, b = a.detach().double(), b.detach().double()
-    return (a - b).norm().item() / max(b.norm().item(), 1e-6)
 
 
 def make(hidden=16, ffn=12, experts=8, top_k=2, max_tokens=64, dtype=torch.float64, **kw):
@@ -332,3 +326,4 @@ def test_gradients_of_unused_experts_are_zero_every_step():
     used[3] = True
     assert m.w1.grad[~used].abs().max() == 0 and m.w2.grad[~used].abs().max() == 0
     assert m.w1.grad[3].abs().max() > 0
+

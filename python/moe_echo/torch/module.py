@@ -28,6 +28,11 @@ def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str
     raise ValueError(f"device = {device} is invalid: allowed cpu or cuda")
 
 
+def _param_views(h: _ops.LayerHandle) -> tuple[tuple[str, Tensor], ...]:
+    """(parameter name, the layer's buffer for it) of every parameter."""
+    return (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2))
+
+
 class MoE(nn.Module):
     """A dropless MoE layer (router, SwiGLU experts, ECHO load balancing) on one rank.
 
@@ -139,7 +144,7 @@ class MoE(nn.Module):
             h = self._build(device, dtype)
             # A parameter of the layer's dtype is its buffer (no copy per forward); others are
             # copies, cast into the layer by each forward.
-            for name, view in (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2)):
+            for name, view in _param_views(h):
                 setattr(self, name, nn.Parameter(view if view.dtype == dtype else view.to(dtype)))
             self.register_buffer("router_bias", h.router_bias, persistent=True)
 
@@ -192,8 +197,7 @@ class MoE(nn.Module):
                 h.router_bias.copy_(bias)
             self._buffers["router_bias"] = h.router_bias
             with torch.no_grad():  # parameters of the new layer's dtype become its buffers
-                for name, view in (("router_weight", h.router_weight), ("w1", h.w1),
-                                   ("w2", h.w2)):
+                for name, view in _param_views(h):
                     p = self._parameters[name]
                     if p.dtype == view.dtype:
                         view.copy_(p)
@@ -206,8 +210,7 @@ class MoE(nn.Module):
         h = self._handle
         if h is None:
             return []
-        pairs = (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2))
-        return [n for n, v in pairs if self._parameters[n].data_ptr() == v.data_ptr()]
+        return [n for n, v in _param_views(h) if self._parameters[n].data_ptr() == v.data_ptr()]
 
     def __del__(self):
         if getattr(self, "_layer_id", None) is not None:
