@@ -327,3 +327,23 @@ def test_gradients_of_unused_experts_are_zero_every_step():
     assert m.w1.grad[~used].abs().max() == 0 and m.w2.grad[~used].abs().max() == 0
     assert m.w1.grad[3].abs().max() > 0
 
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(reentrant):
+    # The forward runs twice (without gradients, then again in the backward): the backward takes
+    # the recomputed forward's state.
+    torch.manual_seed(5)
+    m = make(aux_loss_coeff=0.01, capacity_factor=0.5)
+    x = torch.randn(24, 16, dtype=torch.float64)
+    g = torch.randn(24, 16, dtype=torch.float64)
+
+    def run(fn):
+        m.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        (fn(xx) * g).sum().backward()
+        return xx.grad, m.w1.grad, m.w2.grad, m.router_weight.grad
+
+    plain = run(m)
+    ckpt = run(lambda t: torch.utils.checkpoint.checkpoint(m, t, use_reentrant=reentrant))
+    for a, b in zip(plain, ckpt):
+        assert torch.equal(a, b)
