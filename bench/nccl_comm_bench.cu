@@ -35,11 +35,11 @@
 #include <string>
 #include <vector>
 
-#include "comm/nccl_communicator.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/nccl.hpp"
 #include "moe_echo/presets.hpp"
 
 using namespace moe_echo;

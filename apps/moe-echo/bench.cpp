@@ -34,7 +34,7 @@
 #include "cuda/cuda_check.hpp"
 #endif
 #ifdef MOE_ECHO_WITH_NCCL
-#include "comm/nccl_communicator.hpp"
+#include "moe_echo/nccl.hpp"
 #endif
 
 namespace moe_echo::cli {

@@ -1,6 +1,7 @@
 // The CUDA entry points a user of the library needs besides make_backend("cuda"): device
 // queries, the single-GPU communicator, and capturing a step into a CUDA graph. Available in
-// builds with the CUDA backend (MOE_ECHO_WITH_CUDA); the NCCL communicator is in nccl.hpp.
+// builds with the CUDA backend (MOE_ECHO_WITH_CUDA); the NCCL communicator is in moe_echo/nccl.hpp
+// (builds with NCCL, MOE_ECHO_WITH_NCCL).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -19,6 +19,7 @@
 
 #include "moe_echo/backend.hpp"
 #include "moe_echo/comm.hpp"
+#include "moe_echo/dist.hpp"
 
 namespace moe_echo {
 
@@ -63,5 +64,10 @@ class HostCollectives {
 //   reduce_clone_grads   all_to_all_v (clone gradients; the same)
 std::unique_ptr<Communicator> make_host_collectives_communicator(HostCollectives& collectives,
                                                                  Backend& backend);
+
+// HostCollectives over a Rendezvous (not owned; it must outlive the result): the rendezvous's TCP
+// store moves every byte, all_to_all_v by sending each rank's whole send buffer to every rank.
+// For setup (the NCCL communicator's bootstrap) and tests, not a step's hot path.
+std::unique_ptr<HostCollectives> make_rendezvous_collectives(Rendezvous& rendezvous);
 
 }  // namespace moe_echo

@@ -26,6 +26,9 @@
 #ifdef MOE_ECHO_WITH_CUDA
 #include "moe_echo/cuda.hpp"
 #endif
+#ifdef MOE_ECHO_WITH_NCCL
+#include "moe_echo/nccl.hpp"
+#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -104,11 +107,16 @@ class PyCollectives final : public HostCollectives {
 
 // One MoE layer on one rank with the backend and communicator it runs on: without collectives,
 // EP size 1 (the in-process communicator on the CPU, the single-GPU communicator on CUDA); with
-// them, the ranks of `collectives` (host-collectives communicator).
+// them, the ranks of `collectives`, over `transport`: "host" (the host-collectives
+// communicator: every byte through the collectives) or, on the CUDA backend of a build with
+// NCCL, "nccl" (the sync-free NCCL communicator, bootstrapped through the collectives).
 class Layer {
  public:
   Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
-        const EchoConfig& echo, uint64_t seed, nb::object collectives) {
+        const EchoConfig& echo, uint64_t seed, nb::object collectives,
+        const std::string& transport) {
+    if (transport != "host" && transport != "nccl")
+      reject("transport", "'" + transport + "'", "host or nccl");
     if (backend == "cpu") {
       const DType dt = parse_dtype(dtype, "dtype");
       if (dt != DType::f32 && dt != DType::f64)
@@ -131,7 +139,17 @@ class Layer {
     ParallelConfig par;
     if (!collectives.is_none()) {
       collectives_ = std::make_unique<PyCollectives>(std::move(collectives));
-      owned_comm_ = make_host_collectives_communicator(*collectives_, *backend_);
+      if (transport == "nccl") {
+#ifdef MOE_ECHO_WITH_NCCL
+        if (backend != "cuda")
+          reject("transport", "'nccl'", "host with the " + backend + " backend (nccl needs cuda)");
+        owned_comm_ = make_nccl_communicator(*collectives_);
+#else
+        reject("transport", "'nccl'", "host: this build of moe_echo has no NCCL communicator");
+#endif
+      } else {
+        owned_comm_ = make_host_collectives_communicator(*collectives_, *backend_);
+      }
       comm_ = owned_comm_.get();
       par.ep_size = collectives_->size();
       par.ep_rank = collectives_->rank();
@@ -213,6 +231,16 @@ NB_MODULE(_ext, m) {
 
   m.def("cuda_available", &cuda_backend_available,
         "True when this build has the CUDA backend and a GPU is visible");
+  m.def(
+      "has_nccl",
+      [] {
+#ifdef MOE_ECHO_WITH_NCCL
+        return true;
+#else
+        return false;
+#endif
+      },
+      "True when this build has the NCCL communicator (transport='nccl')");
   m.def("version", [] {
     return std::to_string(kVersionMajor) + "." + std::to_string(kVersionMinor) + "." +
            std::to_string(kVersionPatch);
@@ -233,7 +261,8 @@ NB_MODULE(_ext, m) {
              int experts, int top_k, int max_tokens, const std::string& score_function,
              bool normalize_topk, double aux_loss_coeff, double z_loss_coeff, bool bias_update,
              double bias_update_rate, bool echo, int spare_slots, double capacity_factor,
-             int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives) {
+             int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives,
+             const std::string& transport) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -252,12 +281,13 @@ NB_MODULE(_ext, m) {
             e.capacity_factor = capacity_factor;
             e.max_clones_per_expert = max_clones;
             e.clone_cost_rows = clone_cost_rows;
-            new (self) Layer(backend, dtype, moe, e, seed, std::move(collectives));
+            new (self) Layer(backend, dtype, moe, e, seed, std::move(collectives), transport);
           },
           "backend"_a, "dtype"_a, "hidden"_a, "ffn"_a, "experts"_a, "top_k"_a, "max_tokens"_a,
           "score_function"_a, "normalize_topk"_a, "aux_loss_coeff"_a, "z_loss_coeff"_a,
           "bias_update"_a, "bias_update_rate"_a, "echo"_a, "spare_slots"_a, "capacity_factor"_a,
-          "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none())
+          "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none(),
+          "transport"_a = "host")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,

@@ -1,4 +1,4 @@
-// NCCL communicator (see nccl_communicator.hpp). Invariants every kernel here keeps:
+// NCCL communicator (see include/moe_echo/nccl.hpp). Invariants every kernel here keeps:
 // - A barrier-using kernel always launches with the same grid on every rank (kCtas CTAs, or one
 //   CTA for the count all-gather), whatever its rank-local sizes: CTA i's LSA barrier pairs with
 //   CTA i of every peer, so a rank that skipped a launch would hang the others. Rank-local work
@@ -11,7 +11,7 @@
 //   next one on the stream (all CTAs of this kernel have then passed their exit barriers).
 // - Peers are addressed by world rank: construction checks that the LSA team is the whole world,
 //   where LSA rank == world rank; otherwise (or when asked) the communicator runs in host-API
-//   mode (nccl_communicator.hpp), where none of the kernels with barriers is launched.
+//   mode (moe_echo/nccl.hpp), where none of the kernels with barriers is launched.
 // - Per-step ops read routes, plans and counts on the device; nothing here reads device memory
 //   on the host, except the baseline dispatcher (documented, not capturable).
 //
@@ -33,11 +33,12 @@
 #include <utility>
 #include <vector>
 
-#include "comm/nccl_communicator.hpp"
 #include "cuda/common.cuh"
 #include "cuda/warp_copy.cuh"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_collectives.hpp"
+#include "moe_echo/nccl.hpp"
 
 #define MOE_ECHO_NCCL_CHECK(call)                                                             \
   do {                                                                                        \
@@ -641,10 +642,13 @@ struct DeviceScratch {
 
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(Rendezvous& rv, std::unique_ptr<Rendezvous> owned, const NcclOptions& o)
-      : owned_rv_(std::move(owned)), rv_(rv), opts_(o) {
-    rank_ = rv.rank();
-    size_ = rv.world_size();
+  NcclCommunicator(HostCollectives& boot, std::unique_ptr<HostCollectives> owned,
+                   std::unique_ptr<Rendezvous> owned_rv, const NcclOptions& o)
+      : owned_rv_(std::move(owned_rv)), owned_boot_(std::move(owned)), boot_(boot), opts_(o) {
+    rank_ = boot.rank();
+    size_ = boot.size();
+    if (size_ < 1 || rank_ < 0 || rank_ >= size_)
+      reject("bootstrap rank", rank_, "0 <= rank < size (" + std::to_string(size_) + ")");
     if (opts_.ctas < 1 || opts_.ctas > kMaxCtas)
       reject("ctas", opts_.ctas, "1 <= ctas <= " + std::to_string(kMaxCtas));
     if (opts_.max_gather_ints < 1) reject("max_gather_ints", opts_.max_gather_ints, ">= 1");
@@ -654,15 +658,14 @@ class NcclCommunicator final : public Communicator {
     host_api_ = opts_.host_api;
     MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_));
 
+    // The unique id of rank 0 reaches every rank through an all-gather of one id per rank (the
+    // other ranks' entries are zeros and unused).
     ncclUniqueId id;
-    Bytes bytes(sizeof id, 0);
-    if (rank_ == 0) {
-      MOE_ECHO_NCCL_CHECK(ncclGetUniqueId(&id));
-      std::memcpy(bytes.data(), &id, sizeof id);
-    }
-    bytes = rv_.broadcast_bytes(bytes);
-    MOE_ECHO_CHECK(bytes.size() == sizeof id, "NCCL unique id of " << bytes.size() << " bytes");
-    std::memcpy(&id, bytes.data(), sizeof id);
+    std::memset(&id, 0, sizeof id);
+    if (rank_ == 0) MOE_ECHO_NCCL_CHECK(ncclGetUniqueId(&id));
+    Bytes ids(size_t(size_) * sizeof id);
+    boot_.all_gather(&id, ids.data(), sizeof id);
+    std::memcpy(&id, ids.data(), sizeof id);
     MOE_ECHO_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
 
     try {
@@ -706,7 +709,7 @@ class NcclCommunicator final : public Communicator {
       destroy_comm();
       throw;
     }
-    rv_.barrier();
+    boot_.barrier();
   }
 
   ~NcclCommunicator() override {
@@ -747,7 +750,7 @@ class NcclCommunicator final : public Communicator {
     buf.local = nullptr;
   }
 
-  void barrier() override { rv_.barrier(); }
+  void barrier() override { boot_.barrier(); }
 
   void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, Stream s) override {
     MOE_ECHO_CHECK(n >= 0 && n <= opts_.max_gather_ints,
@@ -897,12 +900,10 @@ class NcclCommunicator final : public Communicator {
   // first through the rendezvous, so a mismatch is an error rather than an NCCL hang).
   Window make_window(size_t bytes) {
     const uint64_t want = bytes;
-    Bytes mine(sizeof want);
-    std::memcpy(mine.data(), &want, sizeof want);
-    const std::vector<Bytes> all = rv_.all_gather_bytes(mine);
+    std::vector<uint64_t> all(static_cast<size_t>(size_));
+    boot_.all_gather(&want, all.data(), sizeof want);
     for (int r = 0; r < size_; ++r) {
-      uint64_t theirs = 0;
-      std::memcpy(&theirs, all[size_t(r)].data(), sizeof theirs);
+      const uint64_t theirs = all[size_t(r)];
       MOE_ECHO_CHECK(theirs == want, "symmetric buffer "
                                          << windows_.size() << ": rank " << r << " allocates "
                                          << theirs << " bytes, rank " << rank_ << " " << want);
@@ -1318,14 +1319,15 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  std::unique_ptr<Rendezvous> owned_rv_;
-  Rendezvous& rv_;
+  std::unique_ptr<Rendezvous> owned_rv_;         // a rendezvous of its own, if made here
+  std::unique_ptr<HostCollectives> owned_boot_;  // the collectives over owned_rv_ or a caller's
+  HostCollectives& boot_;
   NcclOptions opts_;
   int rank_ = 0, size_ = 1, device_ = 0;
   ncclComm_t comm_ = nullptr;
   ncclDevComm dev_{};
   bool have_dev_ = false;
-  bool host_api_ = false;  // host-API mode (nccl_communicator.hpp)
+  bool host_api_ = false;  // host-API mode (moe_echo/nccl.hpp)
   cudaStream_t setup_stream_ = nullptr;
   std::vector<Window> windows_;  // by SymmetricBuffer id; freed ones stay as empty entries
   Window gather_, staging_;
@@ -1342,16 +1344,24 @@ class NcclCommunicator final : public Communicator {
 
 }  // namespace
 
+std::unique_ptr<Communicator> make_nccl_communicator(HostCollectives& bootstrap,
+                                                     const NcclOptions& options) {
+  return std::make_unique<NcclCommunicator>(bootstrap, nullptr, nullptr, options);
+}
+
 std::unique_ptr<Communicator> make_nccl_communicator(Rendezvous& rendezvous,
                                                      const NcclOptions& options) {
-  return std::make_unique<NcclCommunicator>(rendezvous, nullptr, options);
+  auto boot = make_rendezvous_collectives(rendezvous);
+  HostCollectives& ref = *boot;
+  return std::make_unique<NcclCommunicator>(ref, std::move(boot), nullptr, options);
 }
 
 std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
                                                      const NcclOptions& options) {
   auto rv = std::make_unique<Rendezvous>(env);
-  Rendezvous& ref = *rv;
-  return std::make_unique<NcclCommunicator>(ref, std::move(rv), options);
+  auto boot = make_rendezvous_collectives(*rv);
+  HostCollectives& ref = *boot;
+  return std::make_unique<NcclCommunicator>(ref, std::move(boot), std::move(rv), options);
 }
 
 void* nccl_comm_handle(Communicator& comm) {

@@ -27,6 +27,7 @@
 
 #include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_collectives.hpp"
 
 namespace moe_echo {
 namespace {
@@ -525,5 +526,70 @@ Bytes Rendezvous::broadcast_bytes(const Bytes& bytes, int root) {
 }
 
 void Rendezvous::barrier() { exchange(kBarrier, {}); }
+
+namespace {
+
+class RendezvousCollectives final : public HostCollectives {
+ public:
+  explicit RendezvousCollectives(Rendezvous& rv) : rv_(rv) {}
+  int rank() const override { return rv_.rank(); }
+  int size() const override { return rv_.world_size(); }
+
+  void all_gather(const void* send, void* recv, size_t bytes) override {
+    const auto* p = static_cast<const uint8_t*>(send);
+    const std::vector<Bytes> all = rv_.all_gather_bytes(Bytes(p, p + bytes));
+    auto* out = static_cast<uint8_t*>(recv);
+    for (size_t r = 0; r < all.size(); ++r) {
+      MOE_ECHO_CHECK(all[r].size() == bytes, "all_gather: rank " << r << " sent " << all[r].size()
+                                                                 << " bytes, this rank " << bytes);
+      if (bytes) std::memcpy(out + r * bytes, all[r].data(), bytes);
+    }
+  }
+
+  // Every rank's whole send buffer travels to every rank, which keeps its own segments: simple
+  // and correct, meant for setup and tests rather than a step's hot path.
+  void all_to_all_v(const void* send, const std::vector<size_t>& send_bytes, void* recv,
+                    const std::vector<size_t>& recv_bytes) override {
+    const int n = size(), me = rank();
+    MOE_ECHO_CHECK(int(send_bytes.size()) == n && int(recv_bytes.size()) == n,
+                   "all_to_all_v: " << send_bytes.size() << " send and " << recv_bytes.size()
+                                    << " receive sizes for " << n << " ranks");
+    Bytes mine;
+    for (size_t b : send_bytes) put_u64(mine, b);
+    size_t total = 0;
+    for (size_t b : send_bytes) total += b;
+    const auto* p = static_cast<const uint8_t*>(send);
+    mine.insert(mine.end(), p, p + total);
+    const std::vector<Bytes> all = rv_.all_gather_bytes(mine);
+    auto* out = static_cast<uint8_t*>(recv);
+    for (int s = 0; s < n; ++s) {
+      const Bytes& theirs = all[size_t(s)];
+      MOE_ECHO_CHECK(theirs.size() >= size_t(n) * 8,
+                     "all_to_all_v: rank " << s << " sent a short header");
+      size_t offset = size_t(n) * 8, size = 0;
+      for (int d = 0; d < n; ++d) {
+        const size_t b = get_u64(theirs.data() + size_t(d) * 8);
+        if (d < me) offset += b;
+        if (d == me) size = b;
+      }
+      MOE_ECHO_CHECK(size == recv_bytes[size_t(s)] && offset + size <= theirs.size(),
+                     "all_to_all_v: rank " << s << " sends " << size << " bytes to rank " << me
+                                           << ", which expects " << recv_bytes[size_t(s)]);
+      if (size) std::memcpy(out, theirs.data() + offset, size);
+      out += size;
+    }
+  }
+
+  void barrier() override { rv_.barrier(); }
+
+ private:
+  Rendezvous& rv_;
+};
+
+}  // namespace
+
+std::unique_ptr<HostCollectives> make_rendezvous_collectives(Rendezvous& rendezvous) {
+  return std::make_unique<RendezvousCollectives>(rendezvous);
+}
 
 }  // namespace moe_echo

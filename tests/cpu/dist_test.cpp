@@ -16,12 +16,14 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_collectives.hpp"
 
 namespace moe_echo {
 namespace {
@@ -226,6 +228,39 @@ TEST(Rendezvous, ThreadsExchangeBytesAndBarriers) {
       const Bytes big(3 << 20, uint8_t(r));
       const std::vector<Bytes> all = rv.all_gather_bytes(big);
       for (int s = 0; s < world; ++s) EXPECT_EQ(all[size_t(s)], Bytes(3 << 20, uint8_t(s)));
+    });
+    for (const std::string& e : errors) EXPECT_EQ(e, "");
+  }
+}
+
+TEST(Rendezvous, HostCollectivesOverIt) {
+  // make_rendezvous_collectives: all_gather and all_to_all_v with segments of different sizes
+  // (empty ones included), every byte where HostCollectives says.
+  for (const int world : {1, 3}) {
+    const int port = free_tcp_port();
+    const auto errors = run_ranks(world, [&](int r) {
+      Rendezvous rv(local_env(r, world, port), 20s);
+      const std::unique_ptr<HostCollectives> hc = make_rendezvous_collectives(rv);
+      EXPECT_EQ(hc->rank(), r);
+      EXPECT_EQ(hc->size(), world);
+      const uint64_t mine = 1000 + uint64_t(r);
+      std::vector<uint64_t> all(size_t(world), 0);
+      hc->all_gather(&mine, all.data(), sizeof mine);
+      for (int s = 0; s < world; ++s) EXPECT_EQ(all[size_t(s)], 1000 + uint64_t(s));
+      // Rank s sends (s + d) % 3 bytes of value 16 s + d to rank d.
+      auto bytes = [](int s, int d) { return size_t((s + d) % 3); };
+      std::vector<size_t> send_bytes, recv_bytes;
+      Bytes send, expected;
+      for (int d = 0; d < world; ++d) {
+        send_bytes.push_back(bytes(r, d));
+        send.insert(send.end(), bytes(r, d), uint8_t(16 * r + d));
+        recv_bytes.push_back(bytes(d, r));
+        expected.insert(expected.end(), bytes(d, r), uint8_t(16 * d + r));
+      }
+      Bytes recv(expected.size(), 0xee);
+      hc->all_to_all_v(send.data(), send_bytes, recv.data(), recv_bytes);
+      EXPECT_EQ(recv, expected);
+      hc->barrier();
     });
     for (const std::string& e : errors) EXPECT_EQ(e, "");
   }

@@ -16,10 +16,10 @@
 #include <string>
 #include <vector>
 
-#include "comm/nccl_communicator.hpp"
 #include "moe_echo/backend.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/dist.hpp"
+#include "moe_echo/nccl.hpp"
 
 namespace moe_echo::test {
 

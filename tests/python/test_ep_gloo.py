@@ -127,10 +127,12 @@ def test_ddp_over_the_expert_data_parallel_group():
 def test_ep_over_gloo_on_cuda():
     # Two processes on one GPU, the CUDA layer over the gloo host collectives (rows staged through
     # the host), against one CUDA module holding every expert: bf16 compute, so within 2e-2.
-    kw = dict(echo=True, spare_slots_per_rank=2, capacity_factor=0.5, device="cuda")
+    kw = dict(echo=True, spare_slots_per_rank=2, capacity_factor=0.5, device="cuda",
+              ep_transport="host")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(2, f"{tmp}/init", tmp, kw, 2.0), nprocs=2, join=True)
         got = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
+    kw.pop("ep_transport")
     ref = [step(MoE(H, F, E, K, **config(**kw)), r, 2.0) for r in range(2)]
     per = E // 2
     for r in range(2):
@@ -140,3 +142,14 @@ def test_ep_over_gloo_on_cuda():
             want = sum(ref[s][name][r * per:(r + 1) * per] for s in range(2))
             assert rel(got[r][name], want) < 2e-2, (r, name)
     assert got[0]["stats"]["overflow_rows"] > 0
+
+
+def test_nccl_transport_needs_cuda_tensors(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="ep_transport = 'nccl' is invalid"):
+            MoE(H, F, E, K, ep_group=dist.group.WORLD, ep_transport="nccl", **config())
+        m = MoE(H, F, E, K, ep_group=dist.group.WORLD, **config())  # auto: host on the CPU
+        assert m.ep_size == 1 and m.w1.shape[0] == E
+    finally:
+        dist.destroy_process_group()

@@ -231,6 +231,8 @@ def test_bad_input_errors():
         make(experts=8.5)
     with pytest.raises(ValueError, match="device = "):
         make(device="mps")
+    with pytest.raises(ValueError, match="ep_transport = 'mpi' is invalid: allowed 'auto'"):
+        make(ep_transport="mpi")
 
 
 def test_two_forwards_before_backward_is_refused():

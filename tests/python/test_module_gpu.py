@@ -148,3 +148,41 @@ def test_torch_compile_fullgraph():
     assert torch.equal(y, y_eager)
     assert torch.equal(dx, dx_eager)
     assert torch.equal(m.w1.grad, g_eager)
+
+
+@pytest.mark.skipif(not moe_echo._ext.has_nccl(), reason="needs a build with NCCL")
+def test_nccl_transport_one_rank(tmp_path):
+    # ep_transport="nccl" on a process group of one rank: the sync-free NCCL communicator,
+    # bootstrapped through the group, against the module without a group (the single-GPU
+    # communicator): the same bits, and an eager step that never waits on the host.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        kw = dict(max_tokens=512, capacity_factor=0.3, aux_loss_coeff=0.01, device="cuda")
+        a = MoE(256, 128, 16, 4, ep_group=dist.group.WORLD, ep_transport="nccl", **kw)
+        b = MoE(256, 128, 16, 4, **kw)
+        torch.manual_seed(4)
+        x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(512, 256, device="cuda")
+        ya, dxa = step(a, x, g)
+        yb, dxb = step(b, x, g)
+        assert torch.equal(ya, yb) and torch.equal(dxa, dxb)
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(pa.grad, pb.grad), name
+        assert a.stats(as_numbers=True)["overflow_rows"] > 0
+        a.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(3e9))
+        t0 = time.perf_counter()
+        y, dx = step(a, x, g)
+        host_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        gpu_wait_s = time.perf_counter() - t1
+        assert gpu_wait_s > 0.5, "the GPU was not held: the test proves nothing"
+        assert host_s < 0.5 * gpu_wait_s, f"forward+backward took {host_s:.2f} s on the host"
+        assert torch.equal(y, ya) and torch.equal(dx, dxa)
+        del a
+    finally:
+        dist.destroy_process_group()

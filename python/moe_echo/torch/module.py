@@ -52,6 +52,10 @@ class MoE(nn.Module):
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
             parallelism): this rank holds experts [rank * E/R, (rank + 1) * E/R) in w1 and w2, the
             router weight is replicated. None: one rank holds all experts.
+        ep_transport: how the EP ranks exchange rows: "nccl" (CUDA, a build with NCCL: the
+            sync-free NCCL communicator, its NCCL id shared through ``ep_group``; no host sync in
+            a step, capturable), "host" (``ep_group``'s own collectives, every op host-synced:
+            any backend, the CPU's included), or "auto" (nccl on CUDA when built, host otherwise).
     """
 
     def __init__(
@@ -77,6 +81,7 @@ class MoE(nn.Module):
         dtype: torch.dtype | None = None,
         seed: int = 1,
         ep_group=None,
+        ep_transport: str = "auto",
     ):
         super().__init__()
         for name, value in (
@@ -121,6 +126,16 @@ class MoE(nn.Module):
         )
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
+        if ep_transport not in ("auto", "nccl", "host"):
+            raise ValueError(
+                f"ep_transport = {ep_transport!r} is invalid: allowed 'auto', 'nccl' or 'host'"
+            )
+        if ep_transport == "nccl" and not _ext.has_nccl():
+            raise ValueError(
+                "ep_transport = 'nccl' is invalid: this build of moe_echo has no NCCL "
+                "communicator; allowed 'host' or 'auto'"
+            )
+        self.ep_transport = ep_transport
         self._collectives = None
         self.ep_size, self.ep_rank = 1, 0
         if ep_group is not None:
@@ -150,16 +165,29 @@ class MoE(nn.Module):
 
     # ---- the C++ layer behind the module ----------------------------------------------------
 
+    def _transport(self, backend: str) -> str:
+        """The EP transport of a layer on `backend` (see ep_transport)."""
+        if self.ep_transport == "auto":
+            return "nccl" if backend == "cuda" and _ext.has_nccl() else "host"
+        if self.ep_transport == "nccl" and backend != "cuda":
+            raise ValueError(
+                f"ep_transport = 'nccl' is invalid on {backend} parameters: allowed 'host' or "
+                "'auto' (nccl needs CUDA tensors)"
+            )
+        return self.ep_transport
+
     def _build(self, device: torch.device, dtype: torch.dtype) -> _ops.LayerHandle:
-        """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`."""
+        """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`. With an
+        ep_group this is collective: every rank of the group builds at the same point."""
         backend, compute = _compute_dtypes(device, dtype)
         cfg = dict(self._config)
+        if self._collectives is not None:
+            cfg.update(collectives=self._collectives, transport=self._transport(backend))
         if backend == "cuda":
             with torch.cuda.device(device):
-                layer = _ext.Layer(backend=backend, dtype=compute, collectives=self._collectives,
-                                   **cfg)
+                layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
         else:
-            layer = _ext.Layer(backend=backend, dtype=compute, collectives=self._collectives, **cfg)
+            layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
         old = self._layer_id
         self._handle = _ops.LayerHandle(layer, device)
         self._layer_id = _ops.register(self._handle)

@@ -41,6 +41,7 @@
 
 #include "moe_echo/comm.hpp"
 #include "moe_echo/dist.hpp"
+#include "moe_echo/host_collectives.hpp"
 
 namespace moe_echo {
 
@@ -77,6 +78,13 @@ std::unique_ptr<Communicator> make_nccl_communicator(Rendezvous& rendezvous,
                                                      const NcclOptions& options = {});
 // The same with a rendezvous of its own, from the launcher's variables.
 std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
+                                                     const NcclOptions& options = {});
+// The same bootstrapped through any host collectives (not owned; they must outlive the
+// communicator): the unique id travels in one all_gather, the symmetric buffer sizes are checked
+// with all_gather, barrier() is theirs. The ranks are the collectives' rank() and size(); an
+// NCCL process group of torch.distributed serves (moe_echo.torch), so no extra port is opened.
+// Only setup and barrier() call the collectives, never a step's op.
+std::unique_ptr<Communicator> make_nccl_communicator(HostCollectives& bootstrap,
                                                      const NcclOptions& options = {});
 
 // The ncclComm_t behind an NCCL communicator (as void*), or nullptr for any other Communicator.
