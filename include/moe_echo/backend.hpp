@@ -109,6 +109,10 @@ struct GemmArgs {
   // wgrad writing only: groups g < zero_empty_below with no rows at all are zeroed too instead of
   // kept (a layer's home experts that no token picked, when the backward writes the gradients).
   int zero_empty_below = 0;
+  // wgrad only, optional: groups g < c_home.size(0) are in c_home[g] (same [K, N] float slabs)
+  // instead of c[g]; c still holds the others at their own index (a layer's home experts'
+  // gradients in a framework's tensor, its clone slots in the layer's buffer).
+  Tensor c_home = {};
 };
 
 struct SwigluArgs {

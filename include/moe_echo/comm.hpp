@@ -98,11 +98,13 @@ class Communicator {
   // slot (e % (E/R)) of rank (e / (E/R)): `weights` holds [home + spare slots][slot_bytes].
   virtual void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                                   const SymmetricBuffer& weights, size_t slot_bytes, Stream s) = 0;
-  // ECHO clone gradient reduction: every home expert of this rank adds, in replica order, the
-  // gradients its clones accumulated in their spare slots on other ranks.
+  // ECHO clone gradient reduction: every home expert j of this rank adds, in replica order, the
+  // gradients its clones accumulated in their spare slots of `grads` on other ranks (or on this
+  // one) to its slot j of `home`: this rank's E/R home slots of slot_elems each, either
+  // grads.local itself or other memory of the backend (a framework's gradient tensor).
   virtual void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                                  const SymmetricBuffer& grads, int64_t slot_elems, DType dtype,
-                                  Stream s) = 0;
+                                  const SymmetricBuffer& grads, void* home, int64_t slot_elems,
+                                  DType dtype, Stream s) = 0;
 };
 
 // R ranks as threads of one process. Each thread drives one rank through communicator(r); ops

@@ -89,6 +89,19 @@ class MoeLayer {
   // must have the last forward's shape and values.
   void backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
 
+  // Where backward_into puts the home experts' gradients: dw1 [E/R, H, 2F] and dw2 [E/R, F, H],
+  // both of the backend's float dtype, in its memory (16-byte aligned on CUDA).
+  struct ExpertGrads {
+    Tensor dw1, dw2;
+  };
+  // backward(x, dy, dx) that writes this step's home-expert gradients of w1 and w2 into `into`
+  // (a framework's fresh gradient tensors) instead of the layer's buffers: written, not added
+  // (experts no token picked get zeros; their clones' gradients are reduced into them), so no
+  // copy out is needed. The layer's own w1 and w2 gradients are left stale, as after
+  // discard_grad; the router weight's gradient accumulates in the layer as in backward().
+  void backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                     Stream stream = nullptr);
+
   // Device views that each forward writes (valid until the next forward, read without a sync):
   // the plan (PlanView layout over planner_config(): rank loads before and after ECHO, clones)
   // and the losses [2] float (aux, z; coefficients applied).
@@ -145,9 +158,12 @@ class MoeLayer {
   void run_round(int round, const Tensor& x, const Tensor& y, int64_t T, const int32_t* accumulate,
                  Stream s);
   void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                          const int32_t* accumulate, bool overwrite_grads, Stream s);
+                          const int32_t* accumulate, bool overwrite_grads, const ExpertGrads& into,
+                          Stream s);
   void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
-  void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads, Stream s);
+  void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
+                    const ExpertGrads& into, Stream s);
+  void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.
   bool eager_graphs() const { return observer_ == nullptr && comm_.capturable(); }

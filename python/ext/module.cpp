@@ -176,6 +176,17 @@ class Layer {
                      Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream));
   }
 
+  void backward_into(uintptr_t x, uintptr_t dy, uintptr_t dx, uintptr_t dw1, uintptr_t dw2,
+                     int64_t tokens, uintptr_t stream) {
+    const DType act = backend_->activation_dtype(), fl = backend_->float_dtype();
+    const MoeConfig& m = layer_->moe_config();
+    const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / layer_->parallel_config().ep_size;
+    const MoeLayer::ExpertGrads into{Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}),
+                                     Tensor(as_ptr(dw2), fl, {EPR, F, H})};
+    layer_->backward_into(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
+                          Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream));
+  }
+
   void zero_grad(uintptr_t stream) { layer_->zero_grad(as_stream(stream)); }
   void discard_grad(uintptr_t stream) { layer_->discard_grad(as_stream(stream)); }
 
@@ -292,6 +303,9 @@ NB_MODULE(_ext, m) {
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
            "dx <- gradient of x; parameter gradients accumulate (+=) in the layer's buffers")
+      .def("backward_into", &Layer::backward_into, "x"_a, "dy"_a, "dx"_a, "dw1"_a, "dw2"_a,
+           "tokens"_a, "stream"_a,
+           "backward that writes the home experts' w1/w2 gradients into dw1, dw2 (float dtype)")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
       .def("discard_grad", &Layer::discard_grad, "stream"_a,
            "the next backward writes the gradients without zeroing them first")

@@ -406,7 +406,7 @@ class HostCollectivesCommunicator final : public Communicator {
   // Every clone's gradient slot goes to its expert's home rank, which adds them in replica order.
   // Both sides of every pair of ranks visit the clones in (expert, replica) order.
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
     check_plan(cfg);
     MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
@@ -429,16 +429,16 @@ class HostCollectivesCommunicator final : public Communicator {
     for (int e = 0; e < E; ++e)  // home ranks ascend with e: destination segments in turn
       for (int rep = 1; rep < M; ++rep) {
         const size_t x = size_t(e) * size_t(M) + size_t(rep);
-        const int r = rep_rank[x], home = cfg.home_rank(e);
+        const int r = rep_rank[x], home_rank = cfg.home_rank(e);
         if (r < 0) continue;
         MOE_ECHO_CHECK(r < size_ && rep_slot[x] >= 0 && rep_slot[x] < EPR + S,
                        "plan: replica " << rep << " of expert " << e << " on rank " << r
                                         << ", slot " << rep_slot[x]);
         if (r == rank_) {
-          send_bytes[size_t(home)] += slot;
+          send_bytes[size_t(home_rank)] += slot;
           pieces_.push_back({size_t(rep_slot[x]) * slot, slot, nullptr});
         }
-        if (home == rank_) recv_bytes[size_t(r)] += slot;
+        if (home_rank == rank_) recv_bytes[size_t(r)] += slot;
       }
     std::vector<size_t> at = exchange_slots(grads.local, limit, slot, send_bytes, recv_bytes,
                                             "reduce_clone_grads (clone slots)");
@@ -455,7 +455,7 @@ class HostCollectivesCommunicator final : public Communicator {
     pieces_.clear();
     for (size_t c = 0; c < cloned.size(); ++c)
       pieces_.push_back({size_t(cloned[c]) * slot, slot, y_.data() + c * slot});
-    io_.read(grads.local, limit, pieces_, "reduce_clone_grads (home slots)");
+    io_.read(home, size_t(EPR) * slot, pieces_, "reduce_clone_grads (home slots)");
     for (size_t c = 0; c < cloned.size(); ++c) {
       const int e = rank_ * EPR + cloned[c];
       for (int rep = 1; rep < M; ++rep) {
@@ -469,7 +469,7 @@ class HostCollectivesCommunicator final : public Communicator {
         from += slot;
       }
     }
-    io_.write(grads.local, limit, pieces_, "reduce_clone_grads (home slots)");
+    io_.write(home, size_t(EPR) * slot, pieces_, "reduce_clone_grads (home slots)");
   }
 
  private:

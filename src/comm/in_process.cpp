@@ -178,7 +178,7 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
     w_.barrier();
     const int EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
@@ -191,7 +191,7 @@ class InProcessCommunicator final : public Communicator {
         const void* peer = w_.table[size_t(grads.id)][size_t(r)];
         const void* src =
             row_ptr(const_cast<void*>(peer), plan.replica_slot[e * M + rep], slot_bytes);
-        void* dst = row_ptr(grads.local, j, slot_bytes);
+        void* dst = row_ptr(home, j, slot_bytes);
         if (dtype == DType::f32)
           add_into<float>(dst, src, slot_elems);
         else if (dtype == DType::f64)

@@ -144,12 +144,13 @@ __global__ void pull_clones_kernel(const int32_t* __restrict__ spare_expert, int
 template <class T>
 __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
                                      const int32_t* __restrict__ replica_slot, int M,
-                                     int experts_per_rank, T* grads, int64_t slot_elems) {
+                                     int experts_per_rank, const T* grads, T* home,
+                                     int64_t slot_elems) {
   const int64_t n = int64_t(experts_per_rank) * slot_elems;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t j = i / slot_elems, x = i - j * slot_elems;
-    T acc = grads[i];
+    T acc = home[i];
     bool any = false;
     for (int rep = 1; rep < M; ++rep) {
       const int64_t at = j * M + rep;  // expert j (rank 0's experts are 0 .. E/R - 1)
@@ -157,7 +158,7 @@ __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
       acc += grads[int64_t(replica_slot[at]) * slot_elems + x];
       any = true;
     }
-    if (any) grads[i] = acc;
+    if (any) home[i] = acc;
   }
 }
 
@@ -272,7 +273,7 @@ class LocalCommunicator final : public Communicator {
     });
   }
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
                           Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == 1, "the local communicator has one rank, the plan " << cfg.ranks);
     const int64_t n = int64_t(cfg.experts_per_rank()) * slot_elems;
@@ -280,11 +281,13 @@ class LocalCommunicator final : public Communicator {
     if (dtype == DType::f32)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, grid, 256, 0, as_cuda(s), plan.replica_rank,
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
-                      static_cast<float*>(grads.local), slot_elems);
+                      static_cast<const float*>(grads.local), static_cast<float*>(home),
+                      slot_elems);
     else if (dtype == DType::f64)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<double>, grid, 256, 0, as_cuda(s), plan.replica_rank,
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
-                      static_cast<double*>(grads.local), slot_elems);
+                      static_cast<const double*>(grads.local), static_cast<double*>(home),
+                      slot_elems);
     else
       MOE_ECHO_CHECK(false,
                      "clone gradient reduction supports f32 and f64, not " << to_string(dtype));

@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kThreads)
     reduce_clones_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar,
                          const int32_t* __restrict__ replica_rank,
                          const int32_t* __restrict__ replica_slot, int rank, int M,
-                         int experts_per_rank, T* grads, int64_t slot_elems) {
+                         int experts_per_rank, T* home, int64_t slot_elems) {
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
   b.sync(Coop(), kAcqRel);
   auto has_clones = [&](int j) {
@@ -424,7 +424,7 @@ __global__ void __launch_bounds__(kThreads)
       from[clones++] = static_cast<const T*>(ncclGetLsaPointer(
           win, size_t(replica_slot[e * M + rep]) * size_t(slot_elems) * sizeof(T), r));
     }
-    T* to = grads + int64_t(j) * slot_elems;
+    T* to = home + int64_t(j) * slot_elems;
     const int64_t stride = int64_t(shares) * kThreads;
     const int64_t first = int64_t(share) * kThreads + threadIdx.x;
     if constexpr (std::is_same_v<T, float>) {
@@ -861,7 +861,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
                           Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == size_, "plan for " << cfg.ranks << " ranks on " << size_);
     MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
@@ -875,17 +875,19 @@ class NcclCommunicator final : public Communicator {
                   "reduce_clone_grads");
     if (host_api_) {
       if (dtype == DType::f32)
-        return host_reduce_clones<float>(plan, cfg, w, slot_elems, as_cuda(s));
-      return host_reduce_clones<double>(plan, cfg, w, slot_elems, as_cuda(s));
+        return host_reduce_clones<float>(plan, cfg, w, static_cast<float*>(home), slot_elems,
+                                         as_cuda(s));
+      return host_reduce_clones<double>(plan, cfg, w, static_cast<double*>(home), slot_elems,
+                                        as_cuda(s));
     }
     if (dtype == DType::f32)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
                       dev_, w.win, barrier_base(kReduceBarriers), plan.replica_rank,
-                      plan.replica_slot, rank_, M, epr, static_cast<float*>(w.ptr), slot_elems);
+                      plan.replica_slot, rank_, M, epr, static_cast<float*>(home), slot_elems);
     else
       MOE_ECHO_LAUNCH(reduce_clones_kernel<double>, unsigned(opts_.ctas), kThreads, 0, as_cuda(s),
                       dev_, w.win, barrier_base(kReduceBarriers), plan.replica_rank,
-                      plan.replica_slot, rank_, M, epr, static_cast<double*>(w.ptr), slot_elems);
+                      plan.replica_slot, rank_, M, epr, static_cast<double*>(home), slot_elems);
   }
 
  private:
@@ -1010,7 +1012,7 @@ class NcclCommunicator final : public Communicator {
   // Each clone's gradient slot travels to its expert's home rank (replica order, the same order
   // on both sides of every pair), which adds them in replica order (add_clones_kernel).
   template <class T>
-  void host_reduce_clones(const PlanView& plan, const PlannerConfig& cfg, const Window& w,
+  void host_reduce_clones(const PlanView& plan, const PlannerConfig& cfg, const Window& w, T* home,
                           int64_t slot_elems, cudaStream_t s) {
     const int M = cfg.max_replicas(), epr = cfg.experts_per_rank(), E = cfg.experts;
     const size_t EM = size_t(E) * size_t(M);
@@ -1052,7 +1054,7 @@ class NcclCommunicator final : public Communicator {
     for (int j = 0; j < epr; ++j)
       if (clones[size_t(j)] > 0)
         MOE_ECHO_LAUNCH(add_clones_kernel<T>, cuda::blocks_for(slot_elems, 256, cuda::grid_cap()),
-                        256, 0, s, grads + int64_t(j) * slot_elems, from[size_t(j)],
+                        256, 0, s, home + int64_t(j) * slot_elems, from[size_t(j)],
                         clones[size_t(j)], slot_elems);
   }
 

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
+#include "moe_echo/error.hpp"
 
 namespace moe_echo::cpu {
 
@@ -50,13 +51,21 @@ void gemm_dgrad(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]^T
 template <class T>
 void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
   const int64_t Kd = a.a.size(1), N = a.b.size(1);
+  const int64_t home = a.c_home.data ? a.c_home.size(0) : 0;
+  MOE_ECHO_CHECK(
+      !a.c_home.data || (a.c_home.dtype == a.c.dtype && a.c_home.ndim == 3 &&
+                         a.c_home.size(1) == Kd && a.c_home.size(2) == N),
+      "grouped_gemm wgrad: c_home " << a.c_home.describe() << " for c " << a.c.describe());
+  auto slab = [&](int g) {
+    return g < home ? a.c_home.as<T>() + int64_t(g) * Kd * N : a.c.as<T>() + int64_t(g) * Kd * N;
+  };
   std::vector<double> acc(size_t(Kd * N));
   for (int g = 0; g < a.window.groups; ++g) {
     const RowRange rr = group_rows(a.window, g);
     if (rr.end <= rr.begin) {  // no rows in the window: kept, or zero when written and the group
       const bool has_rows = a.window.group_offsets[g + 1] > a.window.group_offsets[g];
       if (!a.accumulate && (has_rows || g < a.zero_empty_below))  // rows in other windows
-        std::fill_n(a.c.as<T>() + int64_t(g) * Kd * N, Kd * N, T(0));
+        std::fill_n(slab(g), Kd * N, T(0));
       continue;
     }
     std::fill(acc.begin(), acc.end(), 0.0);
@@ -69,7 +78,7 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
         for (int64_t n = 0; n < N; ++n) row[n] += xv * double(dy[n]);
       }
     }
-    T* dw = a.c.as<T>() + int64_t(g) * Kd * N;
+    T* dw = slab(g);
     for (int64_t j = 0; j < Kd * N; ++j)
       dw[j] = T(a.accumulate ? double(dw[j]) + acc[size_t(j)] : acc[size_t(j)]);
   }

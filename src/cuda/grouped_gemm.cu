@@ -40,7 +40,8 @@ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 // One block; thread g handles groups g, g + blockDim.x, ...
 __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int groups,
                             int max_groups, int64_t row_lo, int64_t rows, const char* a,
-                            const char* b, char* c, int64_t K, int64_t N, ProblemArrays p) {
+                            const char* b, char* c, char* c_home, int n_home, int64_t K, int64_t N,
+                            ProblemArrays p) {
   constexpr int64_t kBf16 = 2, kF32 = 4;
   for (int g = int(threadIdx.x); g < max_groups; g += int(blockDim.x)) {
     int64_t lo = 0, hi = 0;
@@ -72,7 +73,7 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
         if (m > 0) shape[0] = int32_t(K), shape[1] = int32_t(N), shape[2] = int32_t(m);
         p.ptr_a[g] = a + r * K * kBf16;
         p.ptr_b[g] = b + r * N * kBf16;
-        p.ptr_c[g] = c + gw * K * N * kF32;
+        p.ptr_c[g] = gw < n_home ? c_home + gw * K * N * kF32 : c + gw * K * N * kF32;
         p.ld_a[g] = K, p.ld_b[g] = N, p.ld_c[g] = N;
         break;
     }
@@ -83,6 +84,8 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+int home_groups(const GemmArgs& a) { return a.c_home.data ? int(a.c_home.size(0)) : 0; }
 
 }  // namespace
 
@@ -155,6 +158,11 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
                      "grouped_gemm wgrad: a " << a.a.describe() << ", b " << a.b.describe()
                                               << " need " << w.rows << " rows and c "
                                               << a.c.describe() << " " << w.groups << " groups");
+      if (a.c_home.data) {
+        check_tensor(a.c_home, "grouped_gemm wgrad c_home", DType::f32, {-1, d.k, d.n});
+        MOE_ECHO_CHECK(aligned16(a.c_home.data), "grouped_gemm wgrad: c_home at "
+                                                     << a.c_home.data << " is not 16-byte aligned");
+      }
       break;
   }
   // TMA moves 16-byte aligned boxes: every row of every operand must start 16-byte aligned.
@@ -176,13 +184,13 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
 // Block (x, g) takes part x of group g's slab.
 __global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, int64_t row_lo,
                                          int64_t rows, int zero_empty_below, float* c,
-                                         int64_t slab_words) {
+                                         float* c_home, int n_home, int64_t slab_words) {
   const int g = int(blockIdx.y);
   const int64_t begin = offsets[g], end = offsets[g + 1];
   const int64_t lo = begin > row_lo ? begin : row_lo;
   const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
   if (hi > lo || (end <= begin && g >= zero_empty_below)) return;
-  float4* slab = reinterpret_cast<float4*>(c) + int64_t(g) * slab_words;
+  float4* slab = reinterpret_cast<float4*>(g < n_home ? c_home : c) + int64_t(g) * slab_words;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slab_words;
        i += int64_t(gridDim.x) * blockDim.x)
     slab[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -194,7 +202,7 @@ void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t
   const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 64));
   zero_empty_groups_kernel<<<dim3(parts, unsigned(a.window.groups)), 256, 0, s>>>(
       a.window.group_offsets, a.window.row_lo, a.window.rows, a.zero_empty_below,
-      static_cast<float*>(a.c.data), words);
+      static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data), home_groups(a), words);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -204,7 +212,7 @@ void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemA
   prep_kernel<<<1, threads, 0, s>>>(
       op, a.window.group_offsets, a.window.groups, max_groups, a.window.row_lo, a.window.rows,
       static_cast<const char*>(a.a.data), static_cast<const char*>(a.b.data),
-      static_cast<char*>(a.c.data), d.k, d.n, p);
+      static_cast<char*>(a.c.data), static_cast<char*>(a.c_home.data), home_groups(a), d.k, d.n, p);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -462,10 +462,29 @@ void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Str
   backward(dy, dx, s);
 }
 
+void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx,
+                             const ExpertGrads& into, Stream s) {
+  check_tensor(x, "x", backend_.activation_dtype(), {last_tokens_, moe_.hidden});
+  const int64_t EPR = moe_.experts / par_.ep_size, H = moe_.hidden, F = moe_.ffn;
+  check_tensor(into.dw1, "dw1", backend_.float_dtype(), {EPR, H, 2 * F});
+  check_tensor(into.dw2, "dw2", backend_.float_dtype(), {EPR, F, H});
+  MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(into.dw1.data) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(into.dw2.data) % 16 == 0,
+                 "backward_into: dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
+                                          << " must be 16-byte aligned");
+  last_x_ = x;
+  backward_impl(dy, dx, into, s);
+}
+
 Tensor MoeLayer::plan_buffer() const { return buf_->plan; }
 Tensor MoeLayer::losses() const { return buf_->losses; }
 
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
+  backward_impl(dy, dx, ExpertGrads{}, s);
+}
+
+void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                             Stream s) {
   const int64_t T = last_tokens_, H = moe_.hidden;
   MOE_ECHO_CHECK(forward_pending_,
                  "backward without a forward before it (each forward takes "
@@ -473,17 +492,19 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
   forward_pending_ = false;
-  const bool overwrite_grads = grads_zeroed_;
-  grads_zeroed_ = false;
+  // Gradients written elsewhere: the layer's expert gradients are left stale, as after
+  // discard_grad (a later backward() must not add to them).
+  const bool overwrite_grads = grads_zeroed_ || into.dw1.data != nullptr;
+  grads_zeroed_ = into.dw1.data != nullptr;
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        backward_graph_, [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, g); }, s);
+        backward_graph_, [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, into, g); }, s);
   else
-    backward_ops(dy, dx, T, overwrite_grads, s);
+    backward_ops(dy, dx, T, overwrite_grads, into, s);
 }
 
 void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                            Stream s) {
+                            const ExpertGrads& into, Stream s) {
   Buffers& b = *buf_;
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
@@ -499,12 +520,12 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   }
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
-      run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, s);
+      run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, into, s);
     else
       backend_.run_if(
           b.round_active.as<int32_t>() + r,
           [&, r](Stream bs) {
-            run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, bs);
+            run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, into, bs);
           },
           s);
   }
@@ -521,8 +542,10 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   if (planner_.spare_slots > 0) {
     mark("bwd_clone_reduce", s);
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
-    comm_.reduce_clone_grads(plan, planner_, b.dw1_sym, b.dw1.row_numel(), b.dw1.dtype, s);
-    comm_.reduce_clone_grads(plan, planner_, b.dw2_sym, b.dw2.row_numel(), b.dw2.dtype, s);
+    void* home1 = into.dw1.data ? into.dw1.data : b.dw1.data;
+    void* home2 = into.dw2.data ? into.dw2.data : b.dw2.data;
+    comm_.reduce_clone_grads(plan, planner_, b.dw1_sym, home1, b.dw1.row_numel(), b.dw1.dtype, s);
+    comm_.reduce_clone_grads(plan, planner_, b.dw2_sym, home2, b.dw2.row_numel(), b.dw2.dtype, s);
   }
   mark("bwd_bias_update", s);
   if (moe_.bias_update)
@@ -530,7 +553,8 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
 }
 
 void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                                  const int32_t* accumulate, bool overwrite_grads, Stream s) {
+                                  const int32_t* accumulate, bool overwrite_grads,
+                                  const ExpertGrads& into, Stream s) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
@@ -556,13 +580,13 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
   mark(round, "bwd_wgrad_fc2", s);
   const int zero_empty = overwrite_grads ? int(moe_.experts / par_.ep_size) : 0;  // home slots
-  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads, zero_empty}, s);
+  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads, zero_empty, into.dw2}, s);
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
   backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_out}, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
-  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads, zero_empty}, s);
+  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads, zero_empty, into.dw1}, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;

@@ -510,7 +510,7 @@ TEST(HostCollectivesComm, ClonePullAndReduceEqualInProcess) {
         rec.add("weights", w);
         auto [g_sym, g] = make_symmetric(comm, be, dt, {slots, elems});
         write_tensor(be, g, mixed(size_t(slots * elems), 60 + uint64_t(rank)));
-        comm.reduce_clone_grads(mine.view(), cfg, g_sym, elems, dt, nullptr);
+        comm.reduce_clone_grads(mine.view(), cfg, g_sym, g_sym.local, elems, dt, nullptr);
         rec.add("gradients", g);
         comm.free_symmetric(be, w_sym);
         comm.free_symmetric(be, g_sym);
@@ -571,6 +571,16 @@ TEST(HostCollectivesLayer, EqualsInProcessLayerBitForBit) {
         }
         EXPECT_EQ(differing(got.dw1, want.dw1), 0u) << "dw1";
         EXPECT_EQ(differing(got.dw2, want.dw2), 0u) << "dw2";
+        if (c.passes == 1) {  // home gradients in the caller's tensors: clones reduced there
+          c.backward_into = true;
+          HostRanks into_ranks(R);
+          const test::LayerRun into = test::run_layer(
+              c, in.x, g, in.params, [&](InProcessWorld& w, int r, Backend& be) -> Communicator& {
+                return into_ranks(w, r, be);
+              });
+          EXPECT_EQ(differing(into.dw1, want.dw1), 0u) << "dw1 (backward_into)";
+          EXPECT_EQ(differing(into.dw2, want.dw2), 0u) << "dw2 (backward_into)";
+        }
       }
 }
 
@@ -681,8 +691,8 @@ TEST(HostCollectivesComm, BadUseThrowsClearErrors) {
   expect_error(2, "plan of 4 ranks, 8 experts, 1 spare slots, 1 clones on a communicator of 2",
                [](Communicator& comm, Backend& be, int, Record&) {
                  SymmetricBuffer b = comm.alloc_symmetric(be, 64);
-                 comm.reduce_clone_grads(PlanView{}, PlannerConfig{4, 8, 1, 1, 0}, b, 2, DType::f32,
-                                         nullptr);
+                 comm.reduce_clone_grads(PlanView{}, PlannerConfig{4, 8, 1, 1, 0}, b, b.local, 2,
+                                         DType::f32, nullptr);
                });
   expect_error(1, "all_reduce_sum supports f32 and f64, not i32",
                [](Communicator& comm, Backend&, int, Record&) {

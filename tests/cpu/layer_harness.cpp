@@ -3,6 +3,7 @@
 #include <mutex>
 
 #include "core/synthetic.hpp"
+#include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 
 namespace moe_echo::test {
@@ -49,7 +50,18 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     Tensor xt = alloc(&x[size_t(r)]), yt = alloc(nullptr), gt = alloc(&g[size_t(r)]),
            dxt = alloc(nullptr);
     layer.zero_grad();
-    for (int pass = 0; pass < c.passes; ++pass) {
+    Tensor dw1_into(nullptr, be->float_dtype(), {EPR, H, 2 * F}),
+        dw2_into(nullptr, be->float_dtype(), {EPR, F, H});
+    if (c.backward_into) {
+      MOE_ECHO_CHECK(c.passes == 1, "backward_into takes one pass, not " << c.passes);
+      for (Tensor* t : {&dw1_into, &dw2_into}) {
+        t->data = be->allocate(t->bytes());
+        write_tensor(*be, *t, std::vector<double>(size_t(t->numel()), 1e30));
+      }
+      layer.forward(xt, yt);
+      layer.backward_into(xt, gt, dxt, {dw1_into, dw2_into});
+    }
+    for (int pass = 0; pass < c.passes && !c.backward_into; ++pass) {
       layer.forward(xt, yt);
       layer.backward(gt, dxt);
     }
@@ -57,8 +69,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     out.dx[size_t(r)] = read_tensor(*be, dxt);
     out.d_router[size_t(r)] = read_tensor(*be, layer.grad(Param::router_weight));
     out.stats[size_t(r)] = layer.stats();
-    const auto dw1 = read_tensor(*be, layer.grad(Param::w1));
-    const auto dw2 = read_tensor(*be, layer.grad(Param::w2));
+    const auto dw1 = read_tensor(*be, c.backward_into ? dw1_into : layer.grad(Param::w1));
+    const auto dw2 = read_tensor(*be, c.backward_into ? dw2_into : layer.grad(Param::w2));
     const auto w1 = read_tensor(*be, layer.param(Param::w1));
     const auto w2 = read_tensor(*be, layer.param(Param::w2));
     std::copy(dw1.begin(), dw1.end(), out.dw1.begin() + r * EPR * w1n);
@@ -74,6 +86,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
       obj += out.y[size_t(r)][i] * g[size_t(r)][i];
     objective[size_t(r)] = obj;
     for (Tensor* t : {&xt, &yt, &gt, &dxt}) be->deallocate(t->data);
+    for (Tensor* t : {&dw1_into, &dw2_into})
+      if (t->data) be->deallocate(t->data);
   });
   for (double o : objective) out.objective += o;
   return out;

@@ -19,6 +19,9 @@ struct LayerCase {
   uint64_t seed = 7;
   DType dtype = DType::f64;
   int passes = 1;  // forward + backward passes after one zero_grad (gradients accumulate)
+  // backward_into tensors of the test's own (poisoned first) instead of the layer's buffers;
+  // with one pass only.
+  bool backward_into = false;
 };
 
 // Parameters of the whole layer (all experts), to override the seeded initial values.

@@ -138,6 +138,42 @@ TEST(Layer, BackwardsAfterOneZeroGradAccumulate) {
   }
 }
 
+// backward_into writes the home experts' gradients into tensors of the caller's, poisoned first:
+// the same bits as backward() after zero_grad, with clones reduced into them and spill rounds.
+TEST(Layer, BackwardIntoWritesTheGradientsBackwardWould) {
+  for (int R : {1, 2, 4}) {
+    for (double cf : {0.3, 4.0}) {
+      for (bool echo : {false, true}) {
+        LayerCase c;
+        c.moe = small_moe(8, 2, 32);
+        c.ranks = R;
+        c.echo.enabled = echo;
+        c.echo.spare_slots_per_rank = 2;
+        c.echo.capacity_factor = cf;
+        const SkewedInput in = skewed(c, 32, 1.5, 13);
+        const auto g = per_rank(R, 32, 16, 900);
+        SCOPED_TRACE("R = " + std::to_string(R) + ", capacity factor " + std::to_string(cf) +
+                     (echo ? ", echo" : ""));
+        const LayerRun ref = run_layer(c, in.x, g, in.params);
+        c.backward_into = true;
+        const LayerRun into = run_layer(c, in.x, g, in.params);
+        EXPECT_EQ(into.dw1, ref.dw1);
+        EXPECT_EQ(into.dw2, ref.dw2);
+        for (int r = 0; r < R; ++r) {
+          EXPECT_EQ(into.dx[size_t(r)], ref.dx[size_t(r)]);
+          EXPECT_EQ(into.d_router[size_t(r)], ref.d_router[size_t(r)]);
+        }
+        if (echo && R > 1) {
+          EXPECT_GT(ref.stats[0].clones, 0);
+        }
+        if (cf < 1) {
+          EXPECT_GT(ref.stats[0].spill_rounds, 0);
+        }
+      }
+    }
+  }
+}
+
 TEST(Layer, ForcedOverflowIsExactAndCounted) {
   LayerCase roomy;
   roomy.moe = small_moe(8, 2, 32);

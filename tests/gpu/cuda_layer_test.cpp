@@ -136,6 +136,24 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), dr_1)
       << "d_router differs between two runs";
 
+  // backward_into: the same expert gradients, written into poisoned tensors of the caller's.
+  {
+    const auto dw2_0 = read_tensor(*gl.be, gl.layer.grad(Param::w2));
+    OwnedTensor dw1_into(*gl.be, DType::f32, {lp.E, lp.H, 2 * lp.F}),
+        dw2_into(*gl.be, DType::f32, {lp.E, lp.F, lp.H});
+    poison(dw1_into);
+    poison(dw2_into);
+    gl.layer.zero_grad();
+    gl.layer.forward(*xt, *yt);
+    gl.layer.backward_into(*xt, *gt, *dxt, {*dw1_into, *dw2_into});
+    EXPECT_EQ(dw1_into.read(), dw1_1) << "dw1 of backward_into";
+    EXPECT_EQ(dw2_into.read(), dw2_0) << "dw2 of backward_into";
+    EXPECT_EQ(dxt.read(), dx1) << "dx of backward_into";
+    gl.layer.zero_grad();  // the layer's own expert gradients are stale now; start again
+    gl.layer.forward(*xt, *yt);
+    gl.layer.backward(*gt, *dxt);
+  }
+
   // Without zero_grad the next backward adds: the expert gradients double (after zero_grad the
   // first round writes them instead, see MoeLayer::zero_grad).
   const auto dw2_1 = read_tensor(*gl.be, gl.layer.grad(Param::w2));

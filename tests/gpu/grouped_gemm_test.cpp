@@ -366,6 +366,50 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
     }
 }
 
+// wgrad with c_home: groups g < c_home.size(0) go to c_home (accumulating or writing, empty ones
+// zeroed below zero_empty_below there), the others to c; the bits equal a run without c_home, and
+// c's slabs of the home groups are never touched.
+TEST(GroupedGemmGpu, WgradHomeGroupsGoToTheirOwnTensor) {
+  SKIP_WITHOUT_GPU();
+  cuda::GroupedGemm gg(8);
+  uint64_t seed = 7000;
+  for (const Case& c : cases())
+    for (const bool accumulate : {true, false}) {
+      CaseData d(c);
+      if (d.G < 2) continue;
+      SCOPED_TRACE(c.name + (accumulate ? " accumulate" : " write"));
+      d.refill(c, seed += 10);
+      const int home = d.G / 2;
+      const size_t slab = size_t(c.K * c.N), total = size_t(d.G) * slab;
+      GemmArgs args = d.wgrad_args(c);
+      args.accumulate = accumulate;
+      args.zero_empty_below = accumulate ? 0 : home;
+      d.dw.upload(d.hdw0);
+      gg.wgrad(args, nullptr);
+      CK(cudaDeviceSynchronize());
+      const std::vector<float> want = d.dw.download<float>(total);
+
+      DeviceBuffer home_dw(size_t(home) * slab * 4);
+      home_dw.upload(std::vector<float>(d.hdw0.begin(), d.hdw0.begin() + home * slab));
+      std::vector<float> poisoned = d.hdw0;
+      std::fill(poisoned.begin(), poisoned.begin() + home * slab, -7.25f);
+      d.dw.upload(poisoned);
+      args.c_home = Tensor(home_dw.get(), DType::f32, {home, c.K, c.N});
+      gg.wgrad(args, nullptr);
+      CK(cudaDeviceSynchronize());
+      const std::vector<float> got_home = home_dw.download<float>(size_t(home) * slab);
+      const std::vector<float> got_rest = d.dw.download<float>(total);
+      int64_t differ = 0, touched = 0;
+      for (size_t j = 0; j < total; ++j) {
+        const float got = j < home * slab ? got_home[j] : got_rest[j];
+        differ += float_bits(got) != float_bits(want[j]);
+        if (j < home * slab) touched += float_bits(got_rest[j]) != float_bits(-7.25f);
+      }
+      EXPECT_EQ(differ, 0) << "values differing from the run without c_home";
+      EXPECT_EQ(touched, 0) << "c's slabs of home groups were written";
+    }
+}
+
 // fprop_add: rows in a group become c + a @ b[g] (rounded once), the other rows keep their bits.
 TEST(GroupedGemmGpu, FpropAddAddsToTheOutputRows) {
   SKIP_WITHOUT_GPU();

@@ -440,7 +440,7 @@ TEST(LocalCommunicator, AllGatherAllReduceAndCloneKernelsFollowThePlan) {
     Tensor gt(g.local, DType::f32, {6, slot_elems});
     auto gv = round_f32(random_values(size_t(6 * slot_elems), uint64_t(slot_elems) + 1));
     write_tensor(*be, gt, gv);
-    comm->reduce_clone_grads(dev, cfg, g, slot_elems, DType::f32, nullptr);
+    comm->reduce_clone_grads(dev, cfg, g, g.local, slot_elems, DType::f32, nullptr);
     const auto reduced = read_tensor(*be, gt);
     for (int64_t x = 0; x < slot_elems; ++x)
       gv[size_t(2 * slot_elems + x)] =

@@ -504,7 +504,7 @@ TEST(MultiGpuClones, PullWeightsAndReduceGradientsFollowThePlan) {
           gv[size_t(slot * slot_elems + x)] = gval(me, slot, x);
       write_tensor(be, gt, gv);
       comm.barrier();
-      comm.reduce_clone_grads(dplan, cfg, gb, slot_elems, dt, nullptr);
+      comm.reduce_clone_grads(dplan, cfg, gb, gb.local, slot_elems, dt, nullptr);
       be.synchronize();
       const auto got = read_tensor(be, gt);
       int64_t bad = 0;

@@ -14,9 +14,11 @@ first round's activations), so:
 Parameters are torch tensors. A parameter of the layer's own dtype is normally a view of the
 layer's buffer (the module binds it so), and the forward reads it in place; any other parameter
 (another dtype, or storage that a wrapper such as FSDP replaced) is copied and cast into the
-layer's buffer by the forward. The backward has the layer write its gradients (no zeroing before)
-and returns them as new tensors of the parameters' dtypes, which autograd accumulates into
-``.grad``.
+layer's buffer by the forward. The backward returns the gradients as new tensors of the
+parameters' dtypes, which autograd accumulates into ``.grad``: expert gradients of the layer's
+float dtype (fp32 parameters on CUDA) are written by the layer straight into them
+(``backward_into``); those of other dtypes are written into the layer's buffers (no zeroing
+before) and cast out.
 Both ops run on torch's current CUDA stream and never synchronise with the host.
 """
 
@@ -128,13 +130,16 @@ def moe_backward(
     dx = torch.empty_like(dy)
     stream = _stream(dy.device)
     h.layer.discard_grad(stream)
-    h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream)
-    return (
-        dx,
-        h.d_router_weight.to(router_dtype, copy=True),
-        h.dw1.to(w1_dtype, copy=True),
-        h.dw2.to(w2_dtype, copy=True),
-    )
+    if w1_dtype == h.dw1.dtype and w2_dtype == h.dw2.dtype:
+        # Expert gradients straight into the tensors returned (no copy out of the layer).
+        dw1 = torch.empty(h.dw1.shape, dtype=w1_dtype, device=dy.device)
+        dw2 = torch.empty(h.dw2.shape, dtype=w2_dtype, device=dy.device)
+        h.layer.backward_into(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dw1.data_ptr(),
+                              dw2.data_ptr(), x.shape[0], stream)
+    else:
+        h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream)
+        dw1, dw2 = h.dw1.to(w1_dtype, copy=True), h.dw2.to(w2_dtype, copy=True)
+    return dx, h.d_router_weight.to(router_dtype, copy=True), dw1, dw2
 
 
 @moe_backward.register_fake
