@@ -69,6 +69,10 @@ def parse_args(argv=None):
     ap.add_argument("--ep", type=int, default=1,
                     help="expert parallelism over this many processes (start them with torchrun "
                          "--nproc-per-node N; each trains on its own batches, gradients averaged)")
+    ap.add_argument("--ep-transport", choices=["auto", "nccl", "host"], default="auto",
+                    help="how the EP ranks move rows (moe_echo.torch.MoE's ep_transport): nccl "
+                         "(sync-free, CUDA), host (torch.distributed collectives, any device), "
+                         "auto (nccl on CUDA when built, host otherwise)")
     ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="capture the whole training step (forward, backward, AdamW) in a CUDA graph")
@@ -90,9 +94,10 @@ def parse_args(argv=None):
         ap.error(f"--warmup = {args.warmup} is invalid: allowed 0 <= warmup < steps ({args.steps})")
     if args.ep < 1:
         ap.error(f"--ep = {args.ep} is invalid: allowed >= 1")
-    if args.ep > 1 and args.cuda_graph:
-        ap.error("--cuda-graph with --ep > 1 is invalid: expert parallelism over torch.distributed "
-                 "runs host-synchronised collectives; allowed with --ep 1")
+    if args.ep > 1 and args.cuda_graph and args.ep_transport == "host":
+        ap.error("--cuda-graph with --ep > 1 and --ep-transport host is invalid: the host "
+                 "transport runs host-synchronised collectives; allowed with --ep-transport nccl "
+                 "or auto")
     if args.ep > 1 and args.compare != "none":
         ap.error("--compare with --ep > 1 is invalid: allowed with --ep 1")
     if args.cuda_graph and not args.device.startswith("cuda"):
@@ -112,7 +117,8 @@ def build(args, moe: str, echo: bool) -> MoeLM:
                   moe_args=dict(echo=echo, aux_loss_coeff=args.aux_loss_coeff,
                                 z_loss_coeff=args.z_loss_coeff,
                                 capacity_factor=args.capacity_factor,
-                                ep_group=dist.group.WORLD if args.ep > 1 else None)
+                                ep_group=dist.group.WORLD if args.ep > 1 else None,
+                                ep_transport=args.ep_transport)
                   if moe == "echo" else
                   dict(aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff),
                   device=device, dtype=dtype)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python package's GPU tests on this machine's GPUs: builds the extension (CUDA, NCCL) with
 # all cores, then runs the module's GPU tests, EP over gloo on CUDA and EP over NCCL (the last
-# needs 2 GPUs; with 1 it skips, and the one-rank NCCL test in test_module_gpu.py runs).
+# needs 2 GPUs; with 1 it skips, and the one-rank NCCL test in test_module_gpu.py runs), and with
+# 2 GPUs or more the example model with --ep 2 --cuda-graph under torchrun.
 # Logs go to $OUT (or out/python); a summary last. Needs third_party/ carried along.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,9 +25,19 @@ PYTHONPATH="$PWD/$build/python" timeout 900 python3 -m pytest -q -rs \
   "tests/python/test_ep_gloo.py::test_ep_over_gloo_on_cuda" >"$out/pytest.log" 2>&1
 py_rc=$?
 tail -30 "$out/pytest.log"
+gpus=$(nvidia-smi -L | wc -l)
+ex_rc=skipped
+if [ "$gpus" -ge 2 ]; then  # the example with experts over 2 GPUs, the whole step in one graph
+  PYTHONPATH="$PWD/$build/python" timeout 300 torchrun --standalone --nproc-per-node 2 \
+    examples/moe_lm/train.py --ep 2 --steps 40 --cuda-graph --amp --json "$out/moe_lm_ep2.json" \
+    >"$out/moe_lm_ep2.log" 2>&1
+  ex_rc=$?
+  tail -5 "$out/moe_lm_ep2.log"
+fi
 echo
 echo "== summary"
 printf "%-22s %s\n" "build" "rc $build_rc (${build_s} s)"
-printf "%-22s %s\n" "GPUs" "$(nvidia-smi -L | wc -l)"
+printf "%-22s %s\n" "GPUs" "$gpus"
+printf "%-22s %s\n" "example --ep 2" "rc $ex_rc"
 printf "%-22s %s\n" "pytest" "rc $py_rc: $(tail -1 "$out/pytest.log")"
 printf "%-22s %s\n" "time" "$((SECONDS - t1)) s of tests"
