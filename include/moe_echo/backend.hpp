@@ -211,8 +211,12 @@ class Backend {
   // the body on a stream of its own, updates the graph held in `cache` from the last call with
   // it (or instantiates a new one when the work's shape changed), and launches the graph on `s`;
   // while `s` is capturing, and on the CPU backend, the body runs on `s` directly. The body must
-  // be capture-safe. One `cache` serves one call site; it is created on first use.
+  // be capture-safe. One `cache` serves one call site; it is created on first use. `key` holds
+  // everything the body's work depends on that may change between calls (pointers, sizes,
+  // flags): when it equals the last call's, the cached graph is launched again as it is, with
+  // no capture (the body would capture the same work).
   virtual void enqueue_as_graph(std::unique_ptr<GraphCache>& cache,
+                                const std::vector<uint64_t>& key,
                                 const std::function<void(Stream)>& body, Stream s) {
     body(s);
   }

@@ -231,18 +231,26 @@ class CudaBackend final : public Backend {
   // work runs in `s`'s order. The cached executable graph is updated in place when the new
   // capture has the same topology (new pointers, sizes, grids), re-instantiated otherwise.
   // cudaGraphExecUpdate leaves launches already enqueued as they were.
-  void enqueue_as_graph(std::unique_ptr<GraphCache>& cache, const std::function<void(Stream)>& body,
-                        Stream stream) override {
+  void enqueue_as_graph(std::unique_ptr<GraphCache>& cache, const std::vector<uint64_t>& key,
+                        const std::function<void(Stream)>& body, Stream stream) override {
     const cudaStream_t s = as_cuda(stream);
     if (is_capturing(s)) {
       body(stream);
       return;
+    }
+    if (cache) {
+      auto& c = static_cast<ExecCache&>(*cache);
+      if (c.exec && c.key == key) {
+        MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(c.exec, s));
+        return;
+      }
     }
     if (!capture_stream_)
       MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
     cudaGraph_t graph = capture_graph(capture_stream_, [&] { body(capture_stream_); });
     if (!cache) cache = std::make_unique<ExecCache>();
     auto& exec = static_cast<ExecCache&>(*cache).exec;
+    static_cast<ExecCache&>(*cache).key.clear();  // until the new graph is in place
     if (exec) {
       cudaGraphExecUpdateResultInfo info{};
       if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
@@ -260,6 +268,7 @@ class CudaBackend final : public Backend {
       }
     }
     (void)cudaGraphDestroy(graph);
+    static_cast<ExecCache&>(*cache).key = key;
     MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(exec, s));
   }
 
@@ -297,6 +306,7 @@ class CudaBackend final : public Backend {
 
   struct ExecCache final : GraphCache {
     cudaGraphExec_t exec = nullptr;
+    std::vector<uint64_t> key;  // the call whose work exec holds (empty: none)
     ~ExecCache() override {
       if (exec) (void)cudaGraphExecDestroy(exec);
     }

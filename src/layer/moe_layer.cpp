@@ -317,6 +317,8 @@ size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
 }
 
 namespace {
+uint64_t address(const void* p) { return uint64_t(reinterpret_cast<uintptr_t>(p)); }
+
 // The router's tensors for T tokens of x: the forward writes them, the backward reads them again.
 RouterTensors router_tensors(const MoeLayer::Buffers& b, const Tensor& x, int64_t T) {
   return RouterTensors{x,
@@ -340,7 +342,8 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   forward_pending_ = true;
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        forward_graph_, [&](Stream g) { forward_ops(x, y, T, g); }, s);
+        forward_graph_, {address(x.data), address(y.data), uint64_t(T)},
+        [&](Stream g) { forward_ops(x, y, T, g); }, s);
   else
     forward_ops(x, y, T, s);
 }
@@ -498,7 +501,10 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
   grads_zeroed_ = into.dw1.data != nullptr;
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        backward_graph_, [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, into, g); }, s);
+        backward_graph_,
+        {address(last_x_.data), address(dy.data), address(dx.data), uint64_t(T),
+         uint64_t(overwrite_grads), address(into.dw1.data), address(into.dw2.data)},
+        [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, into, g); }, s);
   else
     backward_ops(dy, dx, T, overwrite_grads, into, s);
 }

@@ -451,6 +451,28 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   EXPECT_EQ(y.read(), y_ref);
   EXPECT_EQ(dx.read(), dx_ref);
   EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref);
+
+  // New values in the same tensors (the cached graphs launched again, no capture) and the same
+  // values in other tensors (captured anew): the same bits, and not the first step's.
+  StepTensors other(*gl.be, T, H, 77, 1.0);
+  x.write(other.x.read());
+  dy.write(other.dy.read());
+  poison(y);
+  poison(dx);
+  step();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const auto y_cached = y.read(), dx_cached = dx.read();
+  const auto dw1_cached = read_tensor(*gl.be, gl.layer.grad(Param::w1));
+  EXPECT_NE(y_cached, y_ref);
+  poison(other.y);
+  poison(other.dx);
+  gl.layer.zero_grad(s);
+  gl.layer.forward(*other.x, *other.y, s);
+  gl.layer.backward(*other.dy, *other.dx, s);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(other.y.read(), y_cached);
+  EXPECT_EQ(other.dx.read(), dx_cached);
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_cached);
   cudaStreamDestroy(stream);
 }
 
