@@ -135,6 +135,25 @@ struct FanArgs {
   Tensor d_weight;     // fan_out only: out [rows] float, or empty
 };
 
+// FP8 blockwise quantization (DeepSeek-V3's recipe): each tile's values x are stored as
+// q = e4m3(x / s) with one fp32 scale s = amax / 448 per tile (amax the tile's largest |x|; s = 1
+// for a tile of zeros), e4m3 rounded to nearest even and saturated at 448 (host_io.hpp's
+// to_e4m3), so that q s gives x back within e4m3's 3 mantissa bits. amax / 448 and x / s are
+// IEEE fp32 divisions, so every backend gives the same bits. A partial tile at an edge is a tile
+// of the elements that exist.
+struct Fp8RowArgs {  // 1 x 128 tiles along each row (activations and gradients, GEMM operand A)
+  Tensor x;          // [rows, K] activation dtype
+  Tensor q;          // [rows, K] e4m3
+  Tensor scale;      // [rows, ceil(K / 128)] f32
+};
+struct Fp8BlockArgs {  // 128 x 128 blocks of each [K, N] slab (expert weights, operand B)
+  Tensor w;            // [G, K, N] activation dtype
+  Tensor q;            // [G, K, N] e4m3, or empty
+  Tensor q_t;          // [G, N, K] e4m3: the same values transposed (for the other GEMM), or empty
+  Tensor scale;        // [G, ceil(K / 128), ceil(N / 128)] f32 (the same blocks for q and q_t)
+};
+inline constexpr int64_t kFp8Tile = 128;
+
 struct AdamWArgs {
   Tensor param, grad, m, v;  // same shape; param in its dtype, grad, m and v float
   Tensor step;               // [1] i32 on the device: the 1-based step, for bias correction; read
@@ -199,6 +218,8 @@ class Backend {
   // accumulated in float and rounded once. dst and src are distinct buffers.
   virtual void fan_in(const FanArgs& a, Stream s) = 0;
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
+  virtual void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) = 0;
+  virtual void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) = 0;
   // t[i] += value for every element of an i32 tensor (step counters).
   virtual void add_i32(const Tensor& t, int32_t value, Stream s) = 0;
   // Runs `body` (which enqueues ops on the stream it is given) only when the device flag is

@@ -36,4 +36,11 @@ inline float from_bf16(uint16_t b) {
   return f;
 }
 
+// f32 -> e4m3 (OCP E4M3FN) bits, rounded to nearest even and saturated to +-448 (infinities
+// included), a NaN to 0x7F: what CUDA's __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3)
+// does.
+uint8_t to_e4m3(float f);
+// e4m3 bits -> f32 (exact; 0x7F and 0xFF are NaN).
+float from_e4m3(uint8_t b);
+
 }  // namespace moe_echo

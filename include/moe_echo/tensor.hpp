@@ -13,7 +13,9 @@
 
 namespace moe_echo {
 
-enum class DType : uint8_t { f32, f64, bf16, i32 };
+// e4m3: OCP FP8 E4M3FN (1 byte; 4 exponent bits, 3 mantissa bits, largest finite 448, no
+// infinities), the storage of blockwise-quantized tensors (backend.hpp, quantize_fp8_*).
+enum class DType : uint8_t { f32, f64, bf16, i32, e4m3 };
 
 size_t dtype_size(DType t);
 const char* to_string(DType t);

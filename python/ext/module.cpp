@@ -53,6 +53,7 @@ const char* dtype_name(DType t) {
     case DType::f64: return "float64";
     case DType::bf16: return "bfloat16";
     case DType::i32: return "int32";
+    case DType::e4m3: return "float8_e4m3fn";
   }
   return "?";
 }
@@ -62,6 +63,7 @@ nb::dlpack::dtype dlpack_dtype(DType t) {
     case DType::f32: return nb::dtype<float>();
     case DType::f64: return nb::dtype<double>();
     case DType::i32: return nb::dtype<int32_t>();
+    case DType::e4m3: return nb::dtype<uint8_t>();  // the bits (no layer buffer is e4m3 yet)
     case DType::bf16: return {uint8_t(nb::dlpack::dtype_code::Bfloat), 16, 1};
   }
   throw Error("unknown dtype");

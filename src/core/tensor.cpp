@@ -12,6 +12,7 @@ size_t dtype_size(DType t) {
     case DType::f64: return 8;
     case DType::bf16: return 2;
     case DType::i32: return 4;
+    case DType::e4m3: return 1;
   }
   return 0;
 }
@@ -22,6 +23,7 @@ const char* to_string(DType t) {
     case DType::f64: return "f64";
     case DType::bf16: return "bf16";
     case DType::i32: return "i32";
+    case DType::e4m3: return "e4m3";
   }
   return "?";
 }

@@ -86,6 +86,12 @@ class CpuBackend final : public Backend {
   void adamw(const AdamWArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::adamw<T>(a); });
   }
+  void quantize_fp8_rows(const Fp8RowArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::quantize_fp8_rows<T>(a); });
+  }
+  void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::quantize_fp8_blocks<T>(a); });
+  }
   void add_i32(const Tensor& t, int32_t value, Stream) override {
     MOE_ECHO_CHECK(t.dtype == DType::i32, "add_i32 on " << t.describe());
     for (int64_t i = 0; i < t.numel(); ++i) t.as<int32_t>()[i] += value;

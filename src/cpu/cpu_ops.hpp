@@ -31,6 +31,11 @@ template <class T>
 void fan_in(const FanArgs& a);
 template <class T>
 void adamw(const AdamWArgs& a);
+// FP8 quantization (backend.hpp): x and w of element type T, read as float.
+template <class T>
+void quantize_fp8_rows(const Fp8RowArgs& a);
+template <class T>
+void quantize_fp8_blocks(const Fp8BlockArgs& a);
 
 // Rows [begin, end) of the window that group g owns (window-relative), and the valid rows of the
 // window (groups are contiguous from receive row 0, so valid rows are a prefix).

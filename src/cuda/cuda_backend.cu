@@ -156,6 +156,12 @@ class CudaBackend final : public Backend {
     cuda::fan_in(a, scratch(fan_scratch_bytes(a.window.rows), cs), cs);
   }
   void adamw(const AdamWArgs& a, Stream s) override { cuda::adamw(a, as_cuda(s)); }
+  void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) override {
+    cuda::quantize_fp8_rows(a, as_cuda(s));
+  }
+  void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) override {
+    cuda::quantize_fp8_blocks(a, as_cuda(s));
+  }
   void add_i32(const Tensor& t, int32_t value, Stream s) override {
     cuda::add_i32(t, value, as_cuda(s));
   }

@@ -1,0 +1,72 @@
+// FP8 blockwise quantization (backend.hpp, Fp8RowArgs / Fp8BlockArgs): per tile, the largest
+// magnitude, the scale amax / 448 (1 for a tile of zeros) and every element as e4m3(x / scale),
+// all in float as the CUDA kernels compute it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cpu/cpu_ops.hpp"
+#include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
+
+namespace moe_echo::cpu {
+namespace {
+
+int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
+
+float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+
+}  // namespace
+
+template <class T>
+void quantize_fp8_rows(const Fp8RowArgs& a) {
+  const int64_t rows = a.x.size(0), K = a.x.size(1), KT = tiles(K);
+  check_tensor(a.q, "quantize_fp8_rows q", DType::e4m3, {rows, K});
+  check_tensor(a.scale, "quantize_fp8_rows scale", DType::f32, {rows, KT});
+  const T* x = a.x.as<T>();
+  uint8_t* q = a.q.as<uint8_t>();
+  float* scale = a.scale.as<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < KT; ++t) {
+      const int64_t lo = t * kFp8Tile, hi = std::min(K, lo + kFp8Tile);
+      float amax = 0.f;
+      for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(float(x[r * K + k])));
+      const float s = tile_scale(amax);
+      scale[r * KT + t] = s;
+      for (int64_t k = lo; k < hi; ++k) q[r * K + k] = to_e4m3(float(x[r * K + k]) / s);
+    }
+}
+
+template <class T>
+void quantize_fp8_blocks(const Fp8BlockArgs& a) {
+  const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = tiles(K), NT = tiles(N);
+  check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
+  if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
+  if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
+  const T* w = a.w.as<T>();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t kt = 0; kt < KT; ++kt)
+      for (int64_t nt = 0; nt < NT; ++nt) {
+        const int64_t k0 = kt * kFp8Tile, k1 = std::min(K, k0 + kFp8Tile);
+        const int64_t n0 = nt * kFp8Tile, n1 = std::min(N, n0 + kFp8Tile);
+        auto at = [&](int64_t k, int64_t n) { return float(w[(g * K + k) * N + n]); };
+        float amax = 0.f;
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t n = n0; n < n1; ++n) amax = std::max(amax, std::fabs(at(k, n)));
+        const float s = tile_scale(amax);
+        a.scale.as<float>()[(g * KT + kt) * NT + nt] = s;
+        for (int64_t k = k0; k < k1; ++k)
+          for (int64_t n = n0; n < n1; ++n) {
+            const uint8_t v = to_e4m3(at(k, n) / s);
+            if (a.q.data) a.q.as<uint8_t>()[(g * K + k) * N + n] = v;
+            if (a.q_t.data) a.q_t.as<uint8_t>()[(g * N + n) * K + k] = v;
+          }
+      }
+}
+
+template void quantize_fp8_rows<float>(const Fp8RowArgs&);
+template void quantize_fp8_rows<double>(const Fp8RowArgs&);
+template void quantize_fp8_blocks<float>(const Fp8BlockArgs&);
+template void quantize_fp8_blocks<double>(const Fp8BlockArgs&);
+
+}  // namespace moe_echo::cpu

@@ -1,0 +1,160 @@
+// FP8 (e4m3) on the host and the CPU backend: the conversion against a brute-force nearest-value
+// search over all 256 codes (ties to the even code, saturation at 448, NaN), and the blockwise
+// quantization of rows (1 x 128 tiles) and weight slabs (128 x 128 blocks) against a plain fp64
+// reading of its definition: scale = amax / 448 (1 for zeros), q = e4m3(x / scale), dequantized
+// q * scale within e4m3's half-ulp of x.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+#include "moe_echo/backends.hpp"
+#include "moe_echo/host_io.hpp"
+#include "test_util.hpp"
+
+namespace moe_echo::test {
+namespace {
+
+// A tensor of the CPU backend, freed with it.
+class OwnedTensor {
+ public:
+  OwnedTensor(Backend& be, DType dt, std::initializer_list<int64_t> dims)
+      : be_(be), t_(nullptr, dt, dims) {
+    t_.data = be.allocate(t_.bytes());
+  }
+  ~OwnedTensor() { be_.deallocate(t_.data); }
+  OwnedTensor(const OwnedTensor&) = delete;
+  OwnedTensor& operator=(const OwnedTensor&) = delete;
+  const Tensor& operator*() const { return t_; }
+  void write(const std::vector<double>& v) const { write_tensor(be_, t_, v); }
+  std::vector<double> read() const { return read_tensor(be_, t_); }
+
+ private:
+  Backend& be_;
+  Tensor t_;
+};
+
+// The code whose value is nearest to f (ties: the even code), by trying all of them; finite
+// values beyond 448 saturate, NaN is 0x7F.
+uint8_t nearest_e4m3(float f) {
+  if (std::isnan(f)) return 0x7F;
+  const double a = std::fabs(double(f));
+  int best = 0;
+  double best_err = std::numeric_limits<double>::infinity();
+  for (int c = 0; c < 0x7F; ++c) {  // the finite non-negative codes
+    const double err = std::fabs(double(from_e4m3(uint8_t(c))) - a);
+    if (err < best_err || (err == best_err && c % 2 == 0)) best = c, best_err = err;
+  }
+  return uint8_t(best | (std::signbit(f) ? 0x80 : 0));
+}
+
+TEST(Fp8, DecodesEveryCode) {
+  EXPECT_EQ(from_e4m3(0x00), 0.f);
+  EXPECT_EQ(from_e4m3(0x01), std::ldexp(1.f, -9));  // smallest subnormal
+  EXPECT_EQ(from_e4m3(0x08), std::ldexp(1.f, -6));  // smallest normal
+  EXPECT_EQ(from_e4m3(0x38), 1.f);
+  EXPECT_EQ(from_e4m3(0x7E), 448.f);
+  EXPECT_EQ(from_e4m3(0xFE), -448.f);
+  EXPECT_TRUE(std::isnan(from_e4m3(0x7F)) && std::isnan(from_e4m3(0xFF)));
+  for (int c = 0; c < 256; ++c) {  // every finite code converts back to itself
+    if ((c & 0x7F) != 0x7F && c != 0x80) {
+      EXPECT_EQ(to_e4m3(from_e4m3(uint8_t(c))), c) << c;
+    }
+  }
+}
+
+TEST(Fp8, RoundsToNearestEvenAndSaturates) {
+  // Every midpoint between neighbouring codes and values around each, both signs.
+  std::vector<float> probes;
+  for (int c = 0; c < 0x7E; ++c) {
+    const float lo = from_e4m3(uint8_t(c)), hi = from_e4m3(uint8_t(c + 1));
+    const float mid = (lo + hi) / 2;  // exact in float
+    for (float v : {lo, mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1000.f), hi})
+      probes.push_back(v);
+  }
+  for (float v :
+       {447.f, 448.f, 449.f, 463.9f, 464.f, 480.f, 1e6f, 1e-30f, std::ldexp(1.f, -10),
+        std::nextafter(std::ldexp(1.f, -10), 1.f), std::numeric_limits<float>::infinity()})
+    probes.push_back(v);
+  for (float v : random_floats(20000, 5))  // spread over many binades
+    probes.push_back(v * std::ldexp(1.f, int(std::fabs(v) * 1e4f) % 24 - 12));
+  for (float v : probes)
+    for (float f : {v, -v}) {
+      const uint8_t want = std::isinf(f) ? uint8_t(f > 0 ? 0x7E : 0xFE) : nearest_e4m3(f);
+      EXPECT_EQ(to_e4m3(f), want) << f;
+    }
+  EXPECT_EQ(to_e4m3(std::numeric_limits<float>::quiet_NaN()), 0x7F);
+}
+
+// The definition in fp64 where it can be: per tile amax, scale = float(amax / 448), each value
+// converted by the brute-force nearest code of float(x / scale).
+float definition_scale(double amax) { return amax > 0 ? float(float(amax) / 448.f) : 1.f; }
+
+TEST(Fp8, RowTilesFollowTheDefinition) {
+  auto be = make_cpu_backend(DType::f32);
+  for (const auto& [rows, K] :
+       std::vector<std::pair<int64_t, int64_t>>{{5, 256}, {3, 300}, {1, 7}}) {
+    SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(K));
+    const int64_t KT = (K + 127) / 128;
+    std::vector<double> x = random_values(size_t(rows * K), uint64_t(rows * K), -3, 3);
+    for (int64_t k = 0; k < std::min<int64_t>(K, 128); ++k) x[size_t(k)] = 0;  // a zero tile
+    if (rows > 2)
+      for (int64_t k = 0; k < K; ++k) x[size_t(2 * K + k)] *= 1e-3;  // a small-valued row
+    OwnedTensor xt(*be, DType::f32, {rows, K}), q(*be, DType::e4m3, {rows, K}),
+        s(*be, DType::f32, {rows, KT});
+    xt.write(x);
+    be->quantize_fp8_rows({*xt, *q, *s}, nullptr);
+    const std::vector<double> got_q = q.read(), got_s = s.read();
+    std::vector<double> deq, orig;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t t = 0; t < KT; ++t) {
+        double amax = 0;
+        for (int64_t k = t * 128; k < std::min(K, t * 128 + 128); ++k)
+          amax = std::max(amax, std::fabs(double(float(x[size_t(r * K + k)]))));
+        const float sc = definition_scale(amax);
+        ASSERT_EQ(float(got_s[size_t(r * KT + t)]), sc) << "scale of row " << r << " tile " << t;
+        for (int64_t k = t * 128; k < std::min(K, t * 128 + 128); ++k) {
+          const float v = float(x[size_t(r * K + k)]);
+          ASSERT_EQ(float(got_q[size_t(r * K + k)]), from_e4m3(nearest_e4m3(v / sc)))
+              << r << ", " << k;
+          deq.push_back(got_q[size_t(r * K + k)] * sc);
+          orig.push_back(v);
+        }
+      }
+    EXPECT_LT(rel_error(deq, orig), 1.0 / 16) << "dequantized values";
+    EXPECT_EQ(got_s[0], 1.0) << "a tile of zeros has scale 1";
+  }
+}
+
+TEST(Fp8, WeightBlocksFollowTheDefinitionInBothLayouts) {
+  auto be = make_cpu_backend(DType::f32);
+  const int64_t G = 2, K = 200, N = 136, KT = 2, NT = 2;
+  const std::vector<double> w = random_values(size_t(G * K * N), 77, -0.5, 0.5);
+  OwnedTensor wt(*be, DType::f32, {G, K, N}), q(*be, DType::e4m3, {G, K, N}),
+      qt(*be, DType::e4m3, {G, N, K}), s(*be, DType::f32, {G, KT, NT});
+  wt.write(w);
+  be->quantize_fp8_blocks({*wt, *q, *qt, *s}, nullptr);
+  const std::vector<double> got_q = q.read(), got_qt = qt.read(), got_s = s.read();
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t kt = 0; kt < KT; ++kt)
+      for (int64_t nt = 0; nt < NT; ++nt) {
+        double amax = 0;
+        for (int64_t k = kt * 128; k < std::min(K, kt * 128 + 128); ++k)
+          for (int64_t n = nt * 128; n < std::min(N, nt * 128 + 128); ++n)
+            amax = std::max(amax, std::fabs(double(float(w[size_t((g * K + k) * N + n)]))));
+        const float sc = definition_scale(amax);
+        ASSERT_EQ(float(got_s[size_t((g * KT + kt) * NT + nt)]), sc);
+        for (int64_t k = kt * 128; k < std::min(K, kt * 128 + 128); ++k)
+          for (int64_t n = nt * 128; n < std::min(N, nt * 128 + 128); ++n) {
+            const double want = from_e4m3(nearest_e4m3(float(w[size_t((g * K + k) * N + n)]) / sc));
+            ASSERT_EQ(got_q[size_t((g * K + k) * N + n)], want) << g << ", " << k << ", " << n;
+            ASSERT_EQ(got_qt[size_t((g * N + n) * K + k)], want) << g << ", " << n << ", " << k;
+          }
+      }
+}
+
+}  // namespace
+}  // namespace moe_echo::test
