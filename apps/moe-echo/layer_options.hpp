@@ -40,6 +40,20 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o);
 // number of processes of the job, `world_size` (WORLD_SIZE under moe-echo launch or torchrun).
 ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_size = 1);
 
+// Refuses, before anything is allocated, a run whose layers cannot fit: on the CPU backend every
+// rank lives in this process, so `layers_per_rank` layers of L (with or without AdamW state) on
+// each of the L.ep ranks, plus `extra_bytes_per_rank`, must fit in 80% of this machine's memory.
+// Throws ConfigError naming the memory needed and the flags that set it.
+void check_memory(const ResolvedLayer& L, const Backend& backend, int layers_per_rank,
+                  bool optimizer_state, double extra_bytes_per_rank);
+
+// Physical memory of this machine in bytes (0 when unknown).
+double physical_memory_bytes();
+
+// Checks before a run that `path` (a --json, --plot or --write-trace file) can be written: its
+// folder exists and is writable, and the path is not a folder. Throws ConfigError naming `field`.
+void check_output_path(const std::string& field, const std::string& path);
+
 // The communicator of `rank`: the in-process world's on the CPU backend; on the CUDA backend the
 // single-GPU communicator, kept alive by `holder`.
 Communicator& rank_communicator(const Backend& backend, InProcessWorld& world, int rank,
