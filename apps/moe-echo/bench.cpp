@@ -342,12 +342,7 @@ int run_bench(const BenchOptions& opts) {
                    /*optimizer_state=*/false);
     if (rank == 0) report.workspace = layer.workspace_bytes();
     write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
-    const DType act = backend->activation_dtype();
-    auto alloc = [&](std::initializer_list<int64_t> dims) {
-      Tensor t(nullptr, act, dims);
-      t.data = backend->allocate(t.bytes());
-      return t;
-    };
+    RankTensors alloc(*backend);
     Tensor x = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}), dx = alloc({T, H});
     std::vector<double> dy_host(size_t(T) * size_t(H));
     for (int step = 0; step < o.steps; ++step) {

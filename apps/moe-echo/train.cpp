@@ -59,12 +59,7 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
     // student can reach it: it must learn the teacher's experts and keep the routing.
     write_tensor(*backend, teacher.param(Param::router_weight),
                  read_tensor(*backend, student.param(Param::router_weight)));
-    const DType act = backend->activation_dtype();
-    auto alloc = [&](std::initializer_list<int64_t> dims) {
-      Tensor t(nullptr, act, dims);
-      t.data = backend->allocate(t.bytes());
-      return t;
-    };
+    RankTensors alloc(*backend);
     Tensor x = alloc({T, H}), target = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}),
            dx = alloc({T, H});
     std::vector<double> xh(size_t(T) * size_t(H));

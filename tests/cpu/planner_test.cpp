@@ -589,7 +589,9 @@ TEST(Planner, Time256x256) {
       if (alpha >= 0.6) {
         EXPECT_LT(p.max_load_after(), p.max_load_before()) << "zipf " << alpha << ", S " << S;
       }
+#ifndef MOE_ECHO_SANITIZED  // sanitized code runs several times slower
       EXPECT_LT(ms, 30.0) << "zipf " << alpha << ", S " << S;
+#endif
     }
 }
 
