@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -49,7 +50,7 @@ struct BenchOptions {
   std::string dispatcher = "syncfree";  // GPU ranks: syncfree or baseline
   std::string capture = "off";          // GPU: on = one CUDA graph per step, replayed
   std::string phases = "off";           // GPU: on = time each phase of the step
-  int comm_ctas = 0;                    // GPU ranks: CTAs of the NCCL kernels (0: its default)
+  std::optional<int> comm_ctas;         // GPU ranks: CTAs of the NCCL kernels (unset: its default)
 };
 
 struct StepRow {
@@ -62,11 +63,6 @@ struct StepRow {
   double aux_loss = 0, z_loss = 0;
   std::vector<int32_t> load_before, load_after;
 };
-
-double physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
-}
 
 // What both paths (CPU ranks as threads; one GPU per process) report, printed by rank 0.
 struct Report {
@@ -109,8 +105,20 @@ struct Report {
                 L.echo.enabled ? "(ECHO)" : "(ECHO off)", "", "rows", "rounds");
   }
 
-  // Fills the row's statistics from rank 0's layer and prints it.
+  // Fills the row's statistics from rank 0's layer and prints it. A statistic or time that is
+  // NaN or infinite ends the run (moe_echo::Error naming the step and the quantity).
   void add(StepRow row, const StepStats& st) {
+    const std::pair<const char*, double> checked[] = {
+        {"fwd_ms", row.fwd_ms},
+        {"bwd_ms", row.bwd_ms},
+        {"aux_loss", st.aux_loss},
+        {"z_loss", st.z_loss},
+        {"load max/mean without ECHO", st.max_over_mean_before},
+        {"load max/mean with ECHO", st.max_over_mean_after}};
+    for (const auto& [name, v] : checked)
+      if (!std::isfinite(v))
+        throw Error("bench: step " + std::to_string(row.step) + ": " + name + " is " +
+                    std::to_string(v) + " (not finite); the run is stopped");
     const int R = L.ep, T = L.moe.max_tokens;
     row.tokens_per_s = double(R) * T / ((row.fwd_ms + row.bwd_ms) * 1e-3);
     row.mm_no_echo = st.max_over_mean_before;
@@ -273,10 +281,16 @@ int run_bench(const BenchOptions& opts) {
     reject("capture", "'" + opts.capture + "'", "on or off");
   if (opts.phases != "on" && opts.phases != "off")
     reject("phases", "'" + opts.phases + "'", "on or off");
-  if (opts.comm_ctas < 0 || opts.comm_ctas > 128)
-    reject("comm-ctas", opts.comm_ctas, "1 <= comm-ctas <= 128, or 0 for the default");
+  if (opts.comm_ctas && (*opts.comm_ctas < 1 || *opts.comm_ctas > 128))
+    reject("comm_ctas", *opts.comm_ctas, "1 <= comm_ctas <= 128 (unset: the communicator's 128)");
+  check_output_path("json", opts.json);
   if (opts.dispatcher != "syncfree" && opts.dispatcher != "baseline")
     reject("dispatcher", "'" + opts.dispatcher + "'", "syncfree or baseline");
+  if (env.world_size > 1 && opts.layer.backend == "cpu")
+    reject("WORLD_SIZE", env.world_size,
+           "1 with --backend cpu: the CPU backend runs its ranks as threads of one process; run "
+           "`moe-echo bench --backend cpu --ep " +
+               std::to_string(env.world_size) + "` without moe-echo launch");
 #ifdef MOE_ECHO_WITH_CUDA
   if (env.world_size > 1 || opts.layer.backend == "cuda" ||
       (opts.layer.backend == "auto" && cuda_backend_available()))
@@ -284,7 +298,9 @@ int run_bench(const BenchOptions& opts) {
 #endif
   if (env.world_size > 1)
     reject("WORLD_SIZE", env.world_size,
-           "1 without GPUs: the CPU backend simulates the ranks as threads of one process (--ep)");
+           "1: this moe-echo is built without CUDA, and the CPU backend runs its ranks as threads "
+           "of one process; run `moe-echo bench --ep " +
+               std::to_string(env.world_size) + "` without moe-echo launch");
   if (opts.capture == "on")
     reject("capture", "on", "off on the CPU backend (CUDA graphs need a GPU)");
   if (opts.phases == "on")
@@ -292,6 +308,9 @@ int run_bench(const BenchOptions& opts) {
   if (opts.dispatcher != "syncfree")
     reject("dispatcher", "'" + opts.dispatcher + "'",
            "syncfree on the CPU backend (in-process ranks)");
+  if (opts.comm_ctas)
+    reject("comm_ctas", *opts.comm_ctas,
+           "unset on the CPU backend (it sets the NCCL kernels of GPU ranks)");
   auto probe = make_backend(opts.layer.backend);
   const ResolvedLayer L = resolve(opts.layer, *probe);
   BenchOptions o = opts;
@@ -305,21 +324,7 @@ int run_bench(const BenchOptions& opts) {
                                      "hidden (" +
                                      std::to_string(moe.hidden) + ")");
   // Ranks of the CPU backend share this process: refuse what cannot fit rather than swap or die.
-  const size_t per_rank = MoeLayer::memory_bytes(moe, ParallelConfig{R, 0}, L.echo,
-                                                 probe->activation_dtype(), probe->float_dtype(),
-                                                 /*optimizer_state=*/false);
-  if (!L.gpu) {
-    const double need = double(per_rank) * R, have = physical_memory_bytes();
-    if (have > 0 && need > 0.8 * have) {
-      char msg[512];
-      std::snprintf(msg, sizeof msg,
-                    "memory = %.1f GiB is invalid: the CPU backend holds all %d ranks in this "
-                    "process (%.1f GiB each) and allowed is at most 80%% of this machine's "
-                    "%.1f GiB; lower --experts, --hidden, --ffn or --tokens, or run on a GPU",
-                    need / (1 << 30), R, double(per_rank) / (1 << 30), have / (1 << 30));
-      throw ConfigError("memory", msg);
-    }
-  }
+  check_memory(L, *probe, 1, /*optimizer_state=*/false, 4.0 * T * H * 8);
   SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
 
   Report report(o, L, probe->name());
@@ -337,12 +342,7 @@ int run_bench(const BenchOptions& opts) {
                    /*optimizer_state=*/false);
     if (rank == 0) report.workspace = layer.workspace_bytes();
     write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
-    const DType act = backend->activation_dtype();
-    auto alloc = [&](std::initializer_list<int64_t> dims) {
-      Tensor t(nullptr, act, dims);
-      t.data = backend->allocate(t.bytes());
-      return t;
-    };
+    RankTensors alloc(*backend);
     Tensor x = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}), dx = alloc({T, H});
     std::vector<double> dy_host(size_t(T) * size_t(H));
     for (int step = 0; step < o.steps; ++step) {
@@ -470,7 +470,7 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     rv = std::make_unique<Rendezvous>(env);
     NcclOptions no;
     no.dispatcher = dispatcher;
-    if (o.comm_ctas > 0) no.ctas = o.comm_ctas;
+    if (o.comm_ctas) no.ctas = *o.comm_ctas;
     comm = make_nccl_communicator(*rv, no);
   }
 #endif
@@ -632,26 +632,26 @@ void add_bench(CLI::App& app, Runner& run) {
       "Time training steps (forward + backward) of one MoE layer on synthetic tokens with skewed "
       "expert popularity; report rank load balance with and without ECHO, clones and overflow.");
   add_layer_options(cmd, opts->layer);
-  cmd->add_option("--steps", opts->steps, "Steps to run (default 20)");
-  cmd->add_option("--warmup", opts->warmup,
-                  "Leading steps left out of the timing summary (default 1)");
-  cmd->add_option("--skew", opts->skew,
-                  "Expert popularity: uniform or zipf:S (default zipf:1.2), drifting slowly "
-                  "across steps");
-  cmd->add_option("--json", opts->json, "Write every number printed to this JSON file");
-  cmd->add_option("--dispatcher", opts->dispatcher,
-                  "GPU ranks (moe-echo launch -n N -- moe-echo bench --ep N): syncfree (default; "
-                  "NCCL device API, no host sync) or baseline (counts to the host, exact-size "
-                  "ncclSend/ncclRecv)");
-  cmd->add_option("--capture", opts->capture,
-                  "GPU: on = each step (forward + backward) captured once into one CUDA graph and "
-                  "replayed; off (default) = launched eagerly. Times come from CUDA events");
-  cmd->add_option("--comm-ctas", opts->comm_ctas,
-                  "GPU ranks: CTAs of the NCCL communicator's dispatch/combine kernels (default: "
-                  "the communicator's, 128; 1 to 128)");
-  cmd->add_option("--phases", opts->phases,
-                  "GPU: on = also time each phase of the step (router, plan, dispatch, GEMMs, ...) "
-                  "with CUDA events and print them after the summary; off (default)");
+  add_option(cmd, "--steps", opts->steps, "Steps to run (default 20)");
+  add_option(cmd, "--warmup", opts->warmup,
+             "Leading steps left out of the timing summary (default 1)");
+  add_option(cmd, "--skew", opts->skew,
+             "Expert popularity: uniform or zipf:S (default zipf:1.2), drifting slowly "
+             "across steps");
+  add_option(cmd, "--json", opts->json, "Write every number printed to this JSON file");
+  add_option(cmd, "--dispatcher", opts->dispatcher,
+             "GPU ranks (moe-echo launch -n N -- moe-echo bench --ep N): syncfree (default; "
+             "NCCL device API, no host sync) or baseline (counts to the host, exact-size "
+             "ncclSend/ncclRecv)");
+  add_option(cmd, "--capture", opts->capture,
+             "GPU: on = each step (forward + backward) captured once into one CUDA graph and "
+             "replayed; off (default) = launched eagerly. Times come from CUDA events");
+  add_option(cmd, "--comm-ctas", opts->comm_ctas,
+             "GPU ranks: CTAs of the NCCL communicator's dispatch/combine kernels, 1 to 128 "
+             "(default: the communicator's, 128)");
+  add_option(cmd, "--phases", opts->phases,
+             "GPU: on = also time each phase of the step (router, plan, dispatch, GEMMs, ...) "
+             "with CUDA events and print them after the summary; off (default)");
   cmd->callback([opts, &run] { run = [opts] { return run_bench(*opts); }; });
 }
 

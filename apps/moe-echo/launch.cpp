@@ -419,15 +419,15 @@ void add_launch(CLI::App& app, Runner& run) {
       "Start N local ranks of a command with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, "
       "MASTER_ADDR, MASTER_PORT), prefix their output with the rank, and stop them all when one "
       "fails (docs/launch.md)");
-  cmd->add_option("-n,--nproc", o->nproc, "ranks to start (one per GPU)")->required();
-  cmd->add_option("--master-port", o->master_port, "rendezvous port; 0 picks a free one")
+  add_option(cmd, "-n,--nproc", o->nproc, "ranks to start (one per GPU)")->required();
+  add_option(cmd, "--master-port", o->master_port, "rendezvous port; 0 picks a free one")
       ->capture_default_str();
-  cmd->add_option("--timeout", o->timeout_s, "stop every rank after this many seconds (0: never)")
+  add_option(cmd, "--timeout", o->timeout_s, "stop every rank after this many seconds (0: never)")
       ->capture_default_str();
-  cmd->add_option("--grace", o->grace_s,
-                  "seconds between SIGTERM and SIGKILL when stopping the ranks")
+  add_option(cmd, "--grace", o->grace_s,
+             "seconds between SIGTERM and SIGKILL when stopping the ranks")
       ->capture_default_str();
-  cmd->add_option("command", o->command, "the command every rank runs, after `--`")->required();
+  add_option(cmd, "command", o->command, "the command every rank runs, after `--`")->required();
   // Everything after `--` is the command: CLI11 takes it as positionals, options included.
   cmd->footer("Put `--` before the command: moe-echo launch -n 8 -- python train.py --steps 100");
   cmd->callback([&run, o] { run = [o] { return run_launch(*o); }; });

@@ -1,5 +1,13 @@
 #include "layer_options.hpp"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+
+#include "moe_echo/layer.hpp"
+
 #include "commands.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/presets.hpp"
@@ -21,38 +29,38 @@ const EchoConfig kEcho;
 }  // namespace
 
 void add_layer_options(CLI::App* cmd, LayerOptions& o) {
-  cmd->add_option("--preset", o.preset,
-                  "Layer shape: " + model_preset_names(false) + " (default " + o.preset +
-                      ", seconds on a CPU). Explicit flags below override it.");
-  cmd->add_option("--backend", o.backend, "auto (the GPU when there is one, else the CPU) or cpu");
-  cmd->add_option("--hidden", o.hidden, "Hidden size H");
-  cmd->add_option("--ffn", o.ffn, "Expert FFN size F (SwiGLU: fc1 H x 2F, fc2 F x H)");
-  cmd->add_option("--experts", o.experts, "Routed experts E (a multiple of --ep)");
-  cmd->add_option("--top-k", o.top_k, "Experts per token K (1 <= K <= E)");
-  cmd->add_option("--tokens", o.tokens, "Tokens per rank per step T");
-  cmd->add_option("--ep", o.ep,
-                  "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
-                  "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
-  cmd->add_option("--score", o.score, "Router score function: softmax or sigmoid");
-  cmd->add_option("--aux-loss", o.aux_loss_coeff,
-                  "Aux load-balancing loss coefficient (default 0)");
-  cmd->add_option("--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
+  add_option(cmd, "--preset", o.preset,
+             "Layer shape: " + model_preset_names(false) + " (default " + o.preset +
+                 ", seconds on a CPU). Explicit flags below override it.");
+  add_option(cmd, "--backend", o.backend, "auto (the GPU when there is one, else the CPU) or cpu");
+  add_option(cmd, "--hidden", o.hidden, "Hidden size H");
+  add_option(cmd, "--ffn", o.ffn, "Expert FFN size F (SwiGLU: fc1 H x 2F, fc2 F x H)");
+  add_option(cmd, "--experts", o.experts, "Routed experts E (a multiple of --ep)");
+  add_option(cmd, "--top-k", o.top_k, "Experts per token K (1 <= K <= E)");
+  add_option(cmd, "--tokens", o.tokens, "Tokens per rank per step T");
+  add_option(cmd, "--ep", o.ep,
+             "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
+             "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
+  add_option(cmd, "--score", o.score, "Router score function: softmax or sigmoid");
+  add_option(cmd, "--aux-loss", o.aux_loss_coeff,
+             "Aux load-balancing loss coefficient (default 0)");
+  add_option(cmd, "--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
   cmd->add_flag("--bias-update", o.bias_update, "Aux-loss-free balancing bias updates");
-  cmd->add_option("--echo", o.echo, "ECHO cloning of hot experts: on (default) or off");
-  cmd->add_option(
-      "--spare-slots", o.spare_slots,
+  add_option(cmd, "--echo", o.echo, "ECHO cloning of hot experts: on (default) or off");
+  add_option(
+      cmd, "--spare-slots", o.spare_slots,
       "Spare expert slots per rank for clones (" + default_is(kEcho.spare_slots_per_rank) + ")");
-  cmd->add_option("--max-clones", o.max_clones,
-                  "Clones per expert per step (" + default_is(kEcho.max_clones_per_expert) + ")");
-  cmd->add_option("--capacity-factor", o.capacity_factor,
-                  "Receive buffer rows = ceil(factor * T * K); rows beyond it run in spill "
-                  "rounds, never dropped (" +
-                      default_is(kEcho.capacity_factor) + ")");
-  cmd->add_option("--clone-cost-rows", o.clone_cost_rows,
-                  "A clone must lower the busiest rank's load by more than this many rows "
-                  "(default: on the GPU, the H200 cost model's clone traffic time over one row's "
-                  "expert time, ~2200 rows; 0 on the CPU backend)");
-  cmd->add_option("--seed", o.seed, "Seed of weights and synthetic data (default 1)");
+  add_option(cmd, "--max-clones", o.max_clones,
+             "Clones per expert per step (" + default_is(kEcho.max_clones_per_expert) + ")");
+  add_option(cmd, "--capacity-factor", o.capacity_factor,
+             "Receive buffer rows = ceil(factor * T * K); rows beyond it run in spill "
+             "rounds, never dropped (" +
+                 default_is(kEcho.capacity_factor) + ")");
+  add_option(cmd, "--clone-cost-rows", o.clone_cost_rows,
+             "A clone must lower the busiest rank's load by more than this many rows "
+             "(default: on the GPU, the H200 cost model's clone traffic time over one row's "
+             "expert time, ~2200 rows; 0 on the CPU backend)");
+  add_option(cmd, "--seed", o.seed, "Seed of weights and synthetic data (default 1)");
 }
 
 bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
@@ -101,7 +109,55 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
       cpu_backend ? 0 : offline::CostModel{}.clone_cost_rows(r.moe.hidden, r.moe.ffn, 4));
   ParallelConfig par{r.ep, 0};
   validate(r.moe, par, r.echo);
+  // A rank's spare slots hold clones of experts homed on other ranks, one slot per expert at
+  // most: more slots stay empty. One spare slot (the default) is accepted on any layout.
+  const int useful_slots = std::max(r.moe.experts - r.moe.experts / r.ep, 1);
+  if (r.echo.spare_slots_per_rank > useful_slots)
+    reject("spare_slots", r.echo.spare_slots_per_rank,
+           "spare_slots <= max(experts - experts / ep, 1) = " + std::to_string(useful_slots) +
+               " (a spare slot holds a clone of another rank's expert)");
   return r;
+}
+
+double physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
+}
+
+void check_memory(const ResolvedLayer& L, const Backend& backend, int layers_per_rank,
+                  bool optimizer_state, double extra_bytes_per_rank) {
+  if (L.gpu) return;  // one rank per process, on its GPU: the device allocator reports a shortfall
+  const size_t layer =
+      MoeLayer::memory_bytes(L.moe, ParallelConfig{L.ep, 0}, L.echo, backend.activation_dtype(),
+                             backend.float_dtype(), optimizer_state);
+  const double per_rank = double(layer) * layers_per_rank + extra_bytes_per_rank;
+  const double need = per_rank * L.ep, have = physical_memory_bytes();
+  if (have > 0 && need > 0.8 * have) {
+    char msg[512];
+    std::snprintf(msg, sizeof msg,
+                  "memory = %.1f GiB is invalid: the CPU backend holds all %d ranks in this "
+                  "process (%.1f GiB each) and allowed is at most 80%% of this machine's "
+                  "%.1f GiB; lower --experts, --hidden, --ffn, --tokens or --ep, or run on a GPU",
+                  need / (1 << 30), L.ep, per_rank / (1 << 30), have / (1 << 30));
+    throw ConfigError("memory", msg);
+  }
+}
+
+void check_output_path(const std::string& field, const std::string& path) {
+  if (path.empty()) return;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    if (S_ISDIR(st.st_mode)) reject(field, "'" + path + "'", "a file path, not a folder");
+    if (::access(path.c_str(), W_OK) != 0)
+      reject(field, "'" + path + "'", "a file this user may write (it is read-only)");
+    return;
+  }
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
+    reject(field, "'" + path + "'", "a path in an existing folder ('" + dir + "' is none)");
+  if (::access(dir.c_str(), W_OK) != 0)
+    reject(field, "'" + path + "'", "a path in a folder this user may write ('" + dir + "')");
 }
 
 Communicator& rank_communicator(const Backend& backend, InProcessWorld& world, int rank,

@@ -2,8 +2,10 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <initializer_list>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "moe_echo/backend.hpp"
 #include "moe_echo/comm.hpp"
@@ -39,6 +41,42 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o);
 // GPU-sized presets run with fewer tokens; on the CUDA backend (one GPU per process) ep is the
 // number of processes of the job, `world_size` (WORLD_SIZE under moe-echo launch or torchrun).
 ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_size = 1);
+
+// Refuses, before anything is allocated, a run whose layers cannot fit: on the CPU backend every
+// rank lives in this process, so `layers_per_rank` layers of L (with or without AdamW state) on
+// each of the L.ep ranks, plus `extra_bytes_per_rank`, must fit in 80% of this machine's memory.
+// Throws ConfigError naming the memory needed and the flags that set it.
+void check_memory(const ResolvedLayer& L, const Backend& backend, int layers_per_rank,
+                  bool optimizer_state, double extra_bytes_per_rank);
+
+// Physical memory of this machine in bytes (0 when unknown).
+double physical_memory_bytes();
+
+// Checks before a run that `path` (a --json, --plot or --write-trace file) can be written: its
+// folder exists and is writable, and the path is not a folder. Throws ConfigError naming `field`.
+void check_output_path(const std::string& field, const std::string& path);
+
+// Tensors of one rank's run in the backend's activation dtype, freed when it ends (an exception
+// included). Declare it after the backend, which must outlive it.
+class RankTensors {
+ public:
+  explicit RankTensors(Backend& backend) : backend_(backend) {}
+  ~RankTensors() {
+    for (void* p : owned_) backend_.deallocate(p);
+  }
+  RankTensors(const RankTensors&) = delete;
+  RankTensors& operator=(const RankTensors&) = delete;
+  Tensor operator()(std::initializer_list<int64_t> dims) {
+    Tensor t(nullptr, backend_.activation_dtype(), dims);
+    t.data = backend_.allocate(t.bytes());
+    owned_.push_back(t.data);
+    return t;
+  }
+
+ private:
+  Backend& backend_;
+  std::vector<void*> owned_;
+};
 
 // The communicator of `rank`: the in-process world's on the CPU backend; on the CUDA backend the
 // single-GPU communicator, kept alive by `holder`.

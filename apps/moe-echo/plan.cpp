@@ -1,6 +1,7 @@
 // moe-echo plan: memory, communication and compute of the MoE layers on one GPU of a parallel
 // layout, which wall binds, the validation rules of the combination, and a capacity factor and
 // spare-slot count suggested by the simulator. docs/plan.md documents the model and every field.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <sstream>
 
 #include "commands.hpp"
+#include "layer_options.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/presets.hpp"
 #include "offline/capacity_plan.hpp"
@@ -71,6 +73,30 @@ int run_plan(const PlanOptions& o) {
     reject("imbalance", *o.imbalance, "a finite value >= 1 (busiest rank / mean)");
   if (o.sweep.steps < 1) reject("sim_steps", o.sweep.steps, "sim_steps >= 1");
   if (o.sweep.layers < 1) reject("sim_layers", o.sweep.layers, "sim_layers >= 1");
+  if (o.imbalance && !o.trace.empty())
+    reject("trace", "'" + o.trace + "'",
+           "no --trace with --imbalance (the trace feeds the simulator, which --imbalance skips)");
+  check_output_path("json", o.json);
+  if (!o.imbalance && in.layout.ep > 1) {  // the simulator's sweep: refuse what cannot fit
+    SimulatorConfig sc;
+    sc.ranks = in.layout.ep;
+    sc.experts = in.model.experts;
+    sc.spare_slots = std::max(in.train.spare_slots, 4);
+    sc.max_clones = std::max(in.train.max_clones, 8);
+    sc.threads = o.sweep.threads;
+    sc.policies = {Policy::echo};
+    const double need = memory_bytes(sc, o.sweep.steps, o.sweep.layers);
+    const double have = physical_memory_bytes();
+    if (have > 0 && need > 0.8 * have) {
+      std::ostringstream m;
+      m.precision(3);
+      m << "memory = " << need / (1 << 30) << " GiB is invalid: allowed at most 80% of this "
+        << "machine's " << have / (1 << 30) << " GiB for the simulator (" << o.sweep.steps
+        << " steps x " << o.sweep.layers << " layers, EP " << sc.ranks << ", " << sc.experts
+        << " experts); lower --sim-steps, --sim-layers or --threads, or give --imbalance";
+      throw ConfigError("memory", m.str());
+    }
+  }
 
   const ModelSpec& m = in.model;
   const LayoutSpec& l = in.layout;
@@ -268,63 +294,63 @@ void add_plan(CLI::App& app, Runner& run) {
       "Memory, communication and compute of the MoE layers per GPU for a model, parallel layout "
       "and GPU: which wall binds, validation of the combination, and a capacity factor and "
       "spare-slot count from the simulator (docs/plan.md)");
-  cmd->add_option("--model", o->model, "preset: " + model_preset_names(true))
+  add_option(cmd, "--model", o->model, "preset: " + model_preset_names(true))
       ->capture_default_str();
-  cmd->add_option("--hidden", o->hidden, "hidden size H (overrides the preset)");
-  cmd->add_option("--ffn", o->ffn, "expert FFN size F");
-  cmd->add_option("--experts", o->experts, "routed experts E");
-  cmd->add_option("--top-k", o->top_k, "experts per token K");
-  cmd->add_option("--layers", o->layers, "MoE layers");
-  cmd->add_option("--seq-len", o->seq_len, "sequence length")->capture_default_str();
-  cmd->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")
+  add_option(cmd, "--hidden", o->hidden, "hidden size H (overrides the preset)");
+  add_option(cmd, "--ffn", o->ffn, "expert FFN size F");
+  add_option(cmd, "--experts", o->experts, "routed experts E");
+  add_option(cmd, "--top-k", o->top_k, "experts per token K");
+  add_option(cmd, "--layers", o->layers, "MoE layers");
+  add_option(cmd, "--seq-len", o->seq_len, "sequence length")->capture_default_str();
+  add_option(cmd, "--micro-batch", o->micro_batch, "sequences per micro-batch")
       ->capture_default_str();
-  cmd->add_option("--dtype", o->dtype, "bf16, fp16 or fp32")->capture_default_str();
-  cmd->add_option("--ep", o->layout.ep, "expert parallel size")->capture_default_str();
-  cmd->add_option("--etp", o->layout.etp, "expert tensor parallel size")->capture_default_str();
-  cmd->add_option("--dp", o->layout.dp, "expert data parallel size")->capture_default_str();
-  cmd->add_option("--pp", o->layout.pp, "pipeline parallel size")->capture_default_str();
-  cmd->add_option("--vpp", o->layout.vpp, "virtual pipeline stages per rank")
+  add_option(cmd, "--dtype", o->dtype, "bf16, fp16 or fp32")->capture_default_str();
+  add_option(cmd, "--ep", o->layout.ep, "expert parallel size")->capture_default_str();
+  add_option(cmd, "--etp", o->layout.etp, "expert tensor parallel size")->capture_default_str();
+  add_option(cmd, "--dp", o->layout.dp, "expert data parallel size")->capture_default_str();
+  add_option(cmd, "--pp", o->layout.pp, "pipeline parallel size")->capture_default_str();
+  add_option(cmd, "--vpp", o->layout.vpp, "virtual pipeline stages per rank")
       ->capture_default_str();
-  cmd->add_option("--gpu", o->gpu, "h200 or h100")->capture_default_str();
-  cmd->add_option("--measured", o->measured, "measured-results JSON overriding the GPU constants");
-  cmd->add_option("--memory-gb", o->memory_gb, "GPU memory, GB");
-  cmd->add_option("--gemm-tflops", o->gemm_tflops, "grouped GEMM TFLOP/s reached");
-  cmd->add_option("--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
-  cmd->add_option("--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
-  cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
-  cmd->add_option("--capacity-factor", o->train.capacity_factor, "receive window / balanced rows")
+  add_option(cmd, "--gpu", o->gpu, "h200 or h100")->capture_default_str();
+  add_option(cmd, "--measured", o->measured, "measured-results JSON overriding the GPU constants");
+  add_option(cmd, "--memory-gb", o->memory_gb, "GPU memory, GB");
+  add_option(cmd, "--gemm-tflops", o->gemm_tflops, "grouped GEMM TFLOP/s reached");
+  add_option(cmd, "--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
+  add_option(cmd, "--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
+  add_option(cmd, "--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
+  add_option(cmd, "--capacity-factor", o->train.capacity_factor, "receive window / balanced rows")
       ->capture_default_str();
-  cmd->add_option("--spare-slots", o->train.spare_slots, "spare slots per rank")
+  add_option(cmd, "--spare-slots", o->train.spare_slots, "spare slots per rank")
       ->capture_default_str();
-  cmd->add_option("--max-clones", o->train.max_clones, "ECHO clones per expert per step")
+  add_option(cmd, "--max-clones", o->train.max_clones, "ECHO clones per expert per step")
       ->capture_default_str();
-  cmd->add_option("--overlap", o->train.overlap,
-                  "overlap dispatch/combine with computation (on/off)")
+  add_option(cmd, "--overlap", o->train.overlap,
+             "overlap dispatch/combine with computation (on/off)")
       ->capture_default_str();
-  cmd->add_option("--distributed-optimizer", o->train.distributed_optimizer,
-                  "shard optimizer state over dp (on/off)")
+  add_option(cmd, "--distributed-optimizer", o->train.distributed_optimizer,
+             "shard optimizer state over dp (on/off)")
       ->capture_default_str();
-  cmd->add_option("--recompute", o->train.recompute, "none, swiglu or experts")
+  add_option(cmd, "--recompute", o->train.recompute, "none, swiglu or experts")
       ->capture_default_str();
-  cmd->add_option("--grad-dtype", o->train.grad_dtype, "main gradients: fp32 or bf16")
+  add_option(cmd, "--grad-dtype", o->train.grad_dtype, "main gradients: fp32 or bf16")
       ->capture_default_str();
-  cmd->add_option("--cuda-graphs", o->train.cuda_graphs,
-                  "the step replays as a CUDA graph (on/off)")
+  add_option(cmd, "--cuda-graphs", o->train.cuda_graphs,
+             "the step replays as a CUDA graph (on/off)")
       ->capture_default_str();
-  cmd->add_option("--kernels-per-layer", o->train.kernels_per_layer,
-                  "kernel launches per MoE layer, forward + backward")
+  add_option(cmd, "--kernels-per-layer", o->train.kernels_per_layer,
+             "kernel launches per MoE layer, forward + backward")
       ->capture_default_str();
-  cmd->add_option("--reserve-gb", o->train.reserve_gb, "memory of everything but the MoE layers")
+  add_option(cmd, "--reserve-gb", o->train.reserve_gb, "memory of everything but the MoE layers")
       ->capture_default_str();
-  cmd->add_option("--imbalance", o->imbalance,
-                  "busiest rank / mean to plan for (skips the simulator)");
-  cmd->add_option("--trace", o->trace, "routing trace for the simulator (.csv or .json)");
-  cmd->add_option("--sim-steps", o->sweep.steps, "simulator steps per spare-slot count")
+  add_option(cmd, "--imbalance", o->imbalance,
+             "busiest rank / mean to plan for (skips the simulator)");
+  add_option(cmd, "--trace", o->trace, "routing trace for the simulator (.csv or .json)");
+  add_option(cmd, "--sim-steps", o->sweep.steps, "simulator steps per spare-slot count")
       ->capture_default_str();
-  cmd->add_option("--sim-layers", o->sweep.layers, "simulator layers")->capture_default_str();
-  cmd->add_option("--seed", o->sweep.seed, "simulator seed")->capture_default_str();
-  cmd->add_option("--threads", o->sweep.threads, "simulator threads")->capture_default_str();
-  cmd->add_option("--json", o->json, "write the report as JSON");
+  add_option(cmd, "--sim-layers", o->sweep.layers, "simulator layers")->capture_default_str();
+  add_option(cmd, "--seed", o->sweep.seed, "simulator seed")->capture_default_str();
+  add_option(cmd, "--threads", o->sweep.threads, "simulator threads")->capture_default_str();
+  add_option(cmd, "--json", o->json, "write the report as JSON");
   cmd->callback([&run, o] { run = [o] { return run_plan(*o); }; });
 }
 

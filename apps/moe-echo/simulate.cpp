@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "commands.hpp"
+#include "layer_options.hpp"
 #include "moe_echo/error.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/simulator.hpp"
@@ -105,6 +106,9 @@ int run_simulate(const SimulateOptions& o) {
   if (o.steps && *o.steps < 1) reject("steps", *o.steps, "steps >= 1");
   if (o.layers && *o.layers < 1) reject("layers", *o.layers, "layers >= 1");
   validate(sc);  // flags first, before any work
+  check_output_path("json", o.json);
+  check_output_path("plot", o.plot);
+  check_output_path("write_trace", o.write_trace);
 
   std::unique_ptr<TraceSource> source;
   if (!o.trace.empty()) {
@@ -131,6 +135,19 @@ int run_simulate(const SimulateOptions& o) {
     g.switch_prob = o.switch_prob.value_or(g.switch_prob);
     g.seed = o.seed;
     source = std::make_unique<TraceGenerator>(g);
+  }
+  // Refuse what cannot fit before the run (the steps and layers a trace holds are known now).
+  const int64_t steps = sc.steps > 0 ? sc.steps : source->steps();
+  const int64_t layers = sc.layers > 0 ? sc.layers : source->layers();
+  const double need = memory_bytes(sc, steps, layers), have = physical_memory_bytes();
+  if (have > 0 && need > 0.8 * have) {
+    std::ostringstream m;
+    m.precision(3);
+    m << "memory = " << need / (1 << 30) << " GiB is invalid: allowed at most 80% of this "
+      << "machine's " << have / (1 << 30) << " GiB (" << steps << " steps x " << layers
+      << " layers, EP " << sc.ranks << ", " << sc.experts << " experts, " << sc.threads
+      << " threads); lower --steps, --layers, --ep, --experts or --threads";
+    throw ConfigError("memory", m.str());
   }
   if (!o.write_trace.empty()) write_trace_csv(*source, o.ep, false, o.write_trace);
 
@@ -232,58 +249,56 @@ void add_simulate(CLI::App& app, Runner& run) {
       "simulate",
       "Compare ECHO, EPLB (restricted to the spare slots, and periodic), and no balancing on "
       "routing counts from a generator or a trace file (docs/simulate.md)");
-  cmd->add_option("--ep", o->ep, "EP size R (source and destination ranks)")->capture_default_str();
-  cmd->add_option("--experts", o->experts, "routed experts E")->capture_default_str();
-  cmd->add_option("--top-k", o->top_k, "experts per token K")->capture_default_str();
-  cmd->add_option("--tokens", o->tokens, "generator: tokens per rank per step T")
+  add_option(cmd, "--ep", o->ep, "EP size R (source and destination ranks)")->capture_default_str();
+  add_option(cmd, "--experts", o->experts, "routed experts E")->capture_default_str();
+  add_option(cmd, "--top-k", o->top_k, "experts per token K")->capture_default_str();
+  add_option(cmd, "--tokens", o->tokens, "generator: tokens per rank per step T")
       ->capture_default_str();
-  cmd->add_option("--steps", o->steps,
-                  "steps (" + default_is(kGen.steps) + "; with --trace every step of the file)");
-  cmd->add_option(
-      "--layers", o->layers,
-      "MoE layers (" + default_is(kGen.layers) + "; with --trace every layer of the file)");
-  cmd->add_option("--spare-slots", o->spare_slots, "spare slots per rank S")->capture_default_str();
-  cmd->add_option("--max-clones", o->max_clones, "ECHO: clones per expert per step")
+  add_option(cmd, "--steps", o->steps,
+             "steps (" + default_is(kGen.steps) + "; with --trace every step of the file)");
+  add_option(cmd, "--layers", o->layers,
+             "MoE layers (" + default_is(kGen.layers) + "; with --trace every layer of the file)");
+  add_option(cmd, "--spare-slots", o->spare_slots, "spare slots per rank S")->capture_default_str();
+  add_option(cmd, "--max-clones", o->max_clones, "ECHO: clones per expert per step")
       ->capture_default_str();
-  cmd->add_option("--clone-cost-rows", o->clone_cost_rows,
-                  "ECHO: rows a clone must save (-1: from the cost model)")
+  add_option(cmd, "--clone-cost-rows", o->clone_cost_rows,
+             "ECHO: rows a clone must save (-1: from the cost model)")
       ->capture_default_str();
-  cmd->add_option("--eplb-period", o->eplb_period, "eplb_periodic: steps between re-placements")
+  add_option(cmd, "--eplb-period", o->eplb_period, "eplb_periodic: steps between re-placements")
       ->capture_default_str();
-  cmd->add_option("--threads", o->threads, "worker threads (layers are split over them)")
+  add_option(cmd, "--threads", o->threads, "worker threads (layers are split over them)")
       ->capture_default_str();
-  cmd->add_option("--seed", o->seed, "generator seed")->capture_default_str();
-  cmd->add_option("--trace", o->trace,
-                  "routing trace file (.csv or .json) instead of the generator");
-  cmd->add_option("--write-trace", o->write_trace, "write the routing counts used as a CSV trace");
-  cmd->add_option("--zipf", o->zipf, "generator: Zipf exponent, one value or one per layer")
+  add_option(cmd, "--seed", o->seed, "generator seed")->capture_default_str();
+  add_option(cmd, "--trace", o->trace,
+             "routing trace file (.csv or .json) instead of the generator");
+  add_option(cmd, "--write-trace", o->write_trace, "write the routing counts used as a CSV trace");
+  add_option(cmd, "--zipf", o->zipf, "generator: Zipf exponent, one value or one per layer")
       ->delimiter(',');
-  cmd->add_option("--zipf-lo", o->zipf_lo,
-                  "generator: exponent of the first layer (" + default_is(kGen.zipf_lo) + ")");
-  cmd->add_option("--zipf-hi", o->zipf_hi,
-                  "generator: exponent of the last layer (" + default_is(kGen.zipf_hi) + ")");
-  cmd->add_option(
-      "--drift-std", o->drift_std,
-      "generator: stationary std of log-popularity (" + default_is(kGen.drift_std) + ")");
-  cmd->add_option("--drift-steps", o->drift_steps,
-                  "generator: mean-reversion time in steps (" + default_is(kGen.drift_steps) + ")");
-  cmd->add_option("--switch-prob", o->switch_prob,
-                  "generator: domain switches per step (" + default_is(kGen.switch_prob) + ")");
-  cmd->add_option("--hidden", o->hidden, "hidden size H (bytes and time)")->capture_default_str();
-  cmd->add_option("--ffn", o->ffn, "expert FFN size F (bytes and time)")->capture_default_str();
-  cmd->add_option("--grad-bytes", o->grad_bytes,
-                  "bytes per parameter of a clone's gradient (2 or 4)")
+  add_option(cmd, "--zipf-lo", o->zipf_lo,
+             "generator: exponent of the first layer (" + default_is(kGen.zipf_lo) + ")");
+  add_option(cmd, "--zipf-hi", o->zipf_hi,
+             "generator: exponent of the last layer (" + default_is(kGen.zipf_hi) + ")");
+  add_option(cmd, "--drift-std", o->drift_std,
+             "generator: stationary std of log-popularity (" + default_is(kGen.drift_std) + ")");
+  add_option(cmd, "--drift-steps", o->drift_steps,
+             "generator: mean-reversion time in steps (" + default_is(kGen.drift_steps) + ")");
+  add_option(cmd, "--switch-prob", o->switch_prob,
+             "generator: domain switches per step (" + default_is(kGen.switch_prob) + ")");
+  add_option(cmd, "--hidden", o->hidden, "hidden size H (bytes and time)")->capture_default_str();
+  add_option(cmd, "--ffn", o->ffn, "expert FFN size F (bytes and time)")->capture_default_str();
+  add_option(cmd, "--grad-bytes", o->grad_bytes,
+             "bytes per parameter of a clone's gradient (2 or 4)")
       ->capture_default_str();
-  cmd->add_option("--gpu", o->gpu, "cost model preset: h200 or h100")->capture_default_str();
-  cmd->add_option("--measured", o->measured, "measured-results JSON overriding the cost model");
-  cmd->add_option("--gemm-tflops", o->gemm_tflops, "grouped GEMM TFLOP/s reached");
-  cmd->add_option("--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
-  cmd->add_option("--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
-  cmd->add_option("--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
-  cmd->add_option("--policies", o->policies, "subset of echo,eplb,eplb_periodic,none")
+  add_option(cmd, "--gpu", o->gpu, "cost model preset: h200 or h100")->capture_default_str();
+  add_option(cmd, "--measured", o->measured, "measured-results JSON overriding the cost model");
+  add_option(cmd, "--gemm-tflops", o->gemm_tflops, "grouped GEMM TFLOP/s reached");
+  add_option(cmd, "--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
+  add_option(cmd, "--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
+  add_option(cmd, "--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
+  add_option(cmd, "--policies", o->policies, "subset of echo,eplb,eplb_periodic,none")
       ->delimiter(',');
-  cmd->add_option("--json", o->json, "write the results as JSON");
-  cmd->add_option("--plot", o->plot, "write an SVG plot of max/mean over steps");
+  add_option(cmd, "--json", o->json, "write the results as JSON");
+  add_option(cmd, "--plot", o->plot, "write an SVG plot of max/mean over steps");
   cmd->callback([&run, o] { run = [o] { return run_simulate(*o); }; });
 }
 

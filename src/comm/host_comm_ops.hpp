@@ -47,11 +47,14 @@ inline size_t float_size(DType dt) {
   return dtype_size(dt);
 }
 
+// Writes 1 at p, which may be unaligned (a weight inside a byte buffer of rows).
 inline void write_one(void* p, DType dt) {
+  const float one_f = 1.0f;
+  const double one_d = 1.0;
   if (dt == DType::f32)
-    *static_cast<float*>(p) = 1.0f;
+    std::memcpy(p, &one_f, sizeof one_f);
   else
-    *static_cast<double*>(p) = 1.0;
+    std::memcpy(p, &one_d, sizeof one_d);
 }
 
 // The fan table row of the lead entry first + k (destination d): members[0..K) gets the window

@@ -69,6 +69,11 @@ int select_device(const DistEnv& env) {
   if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
   if (env.local_rank >= count) {
     (void)cudaGetLastError();
+    if (count == 0)
+      reject("LOCAL_RANK", env.local_rank,
+             "a GPU for this rank, and this process sees none: GPU ranks need one GPU each; "
+             "ranks on the CPU backend run as threads of one process (moe-echo bench --backend "
+             "cpu --ep N, without launch)");
     reject("LOCAL_RANK", env.local_rank,
            "0 <= LOCAL_RANK < " + std::to_string(count) +
                " (the GPUs this process sees): one process per GPU");

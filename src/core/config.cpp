@@ -1,5 +1,6 @@
 #include "moe_echo/config.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -14,6 +15,11 @@ std::string range(const char* lo, const char* field, const std::string& hi) {
 }
 
 constexpr int64_t kMaxRows = std::numeric_limits<int32_t>::max();
+// The most elements of one tensor a layer allocates (8 TiB of f64), so that no size product
+// overflows and a nonsense shape is refused before anything is sized from it.
+constexpr int64_t kMaxElements = int64_t(1) << 40;
+// Rank-by-expert tables (routing counts, the planner's loads) hold at most this many entries.
+constexpr int64_t kMaxRankExperts = int64_t(1) << 28;
 
 }  // namespace
 
@@ -57,6 +63,9 @@ void validate(const ParallelConfig& p, const MoeConfig& m) {
     reject("experts", m.experts, "a multiple of ep_size (" + std::to_string(p.ep_size) + ")");
   if (int64_t(m.max_tokens) * m.top_k * p.ep_size > kMaxRows)
     reject("ep_size", p.ep_size, "max_tokens * top_k * ep_size <= 2^31-1");
+  if (int64_t(m.experts) * p.ep_size > kMaxRankExperts)
+    reject("ep_size", p.ep_size,
+           "experts * ep_size <= 2^28 (experts = " + std::to_string(m.experts) + ")");
 }
 
 void validate(const EchoConfig& e, const ParallelConfig& p) {
@@ -67,7 +76,13 @@ void validate(const EchoConfig& e, const ParallelConfig& p) {
   if (e.max_clones_per_expert < 0)
     reject("max_clones_per_expert", e.max_clones_per_expert, "max_clones_per_expert >= 0");
   if (e.clone_cost_rows < 0) reject("clone_cost_rows", e.clone_cost_rows, "clone_cost_rows >= 0");
-  (void)p;
+  // Each clone of an expert sits on a rank other than the expert's, one per rank: more than
+  // ep_size - 1 clones cannot be placed. The library default (2) is accepted on any ep_size.
+  const int useful_clones = std::max(p.ep_size - 1, EchoConfig{}.max_clones_per_expert);
+  if (e.max_clones_per_expert > useful_clones)
+    reject("max_clones_per_expert", e.max_clones_per_expert,
+           "max_clones_per_expert <= max(ep_size - 1, 2) = " + std::to_string(useful_clones) +
+               " (a clone sits on another rank than its expert, one per rank)");
 }
 
 void validate(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
@@ -80,6 +95,21 @@ void validate(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) 
   if (int64_t(m.experts) / p.ep_size + e.spare_slots_per_rank > 1 << 20)
     reject("spare_slots_per_rank", e.spare_slots_per_rank,
            "experts / ep_size + spare slots <= 2^20");
+  if (int64_t(m.max_tokens) * m.hidden > kMaxElements)
+    reject("max_tokens", m.max_tokens,
+           "max_tokens * hidden <= 2^40 (hidden = " + std::to_string(m.hidden) + ")");
+  if (int64_t(m.experts) * m.hidden > kMaxElements)
+    reject("experts", m.experts,
+           "experts * hidden <= 2^40 (hidden = " + std::to_string(m.hidden) + ")");
+  const int64_t slots = int64_t(m.experts) / p.ep_size + e.spare_slots_per_rank;
+  if (double(slots) * 3.0 * m.hidden * m.ffn > double(kMaxElements))
+    reject("ffn", m.ffn,
+           "3 * hidden * ffn * slots per rank <= 2^40 (hidden = " + std::to_string(m.hidden) +
+               ", " + std::to_string(slots) + " slots per rank)");
+  if (cap * 2.0 * std::max(m.hidden, m.ffn) > double(kMaxElements))
+    reject("capacity_factor", e.capacity_factor,
+           "capacity_factor * max_tokens * top_k * 2 * max(hidden, ffn) <= 2^40 (the receive "
+           "buffers)");
 }
 
 int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {

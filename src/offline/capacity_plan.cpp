@@ -123,6 +123,23 @@ std::vector<Finding> check(const WallsInput& in) {
   if (m.experts % l.ep != 0)
     error("experts",
           invalid("experts", m.experts, "a multiple of ep (" + std::to_string(l.ep) + ")"));
+  // Clones and spare slots beyond what can be placed (one replica of an expert per rank, on
+  // ranks other than its home) never help; the library defaults pass on any layout.
+  const int useful_clones = std::max(l.ep - 1, 2);
+  if (t.max_clones > useful_clones)
+    error("max_clones", invalid("max_clones", t.max_clones,
+                                "max_clones <= max(ep - 1, 2) = " + std::to_string(useful_clones) +
+                                    " (a clone sits on another rank than its expert)"));
+  const int useful_slots = std::max(m.experts - m.experts / l.ep, 1);
+  if (t.spare_slots > useful_slots)
+    error("spare_slots", invalid("spare_slots", t.spare_slots,
+                                 "spare_slots <= max(experts - experts / ep, 1) = " +
+                                     std::to_string(useful_slots) +
+                                     " (a spare slot holds a clone of another rank's expert)"));
+  if (int64_t(m.experts) * l.ep > (int64_t(1) << 28))
+    error("ep", invalid("ep", l.ep,
+                        "ep * experts <= 2^28 (experts = " + std::to_string(m.experts) +
+                            "): the simulator's rank-by-expert tables"));
   if (m.ffn % l.etp != 0)
     error("etp", invalid("etp", l.etp,
                          "a divisor of ffn (" + std::to_string(m.ffn) +
@@ -366,7 +383,10 @@ Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSou
   for (int S : opt.spare_slots)
     for (int mc : opt.max_clones) cands.emplace_back(S, mc);
   cands.emplace_back(in.train.spare_slots, in.train.max_clones);
+  // The sweep's own candidates within what can be placed (the user's pair is valid already).
+  const int useful_slots = std::max(m.experts - m.experts / l.ep, 1);
   for (auto& c : cands) {
+    c.first = std::min(c.first, useful_slots);
     if (c.first == 0) c.second = 0;  // no spare slot, no clone
     c.second = std::min(c.second, l.ep - 1);
   }

@@ -106,7 +106,9 @@ void apply_measured_json(GpuSpec& g, const std::string& text, const std::string&
 
 void apply_measured_file(GpuSpec& g, const std::string& path) {
   std::ifstream in(path);
-  if (!in) throw ConfigError("measured", path + ": cannot open the file");
+  if (!in)
+    reject("measured", "'" + path + "'",
+           "a measured-results JSON file this user can read (cannot open it)");
   std::stringstream s;
   s << in.rdbuf();
   apply_measured_json(g, s.str(), path);

@@ -24,6 +24,11 @@ const char* to_string(Policy p) {
   return "?";
 }
 
+namespace {
+constexpr int64_t kMaxRankExperts = int64_t(1) << 28;
+constexpr int kMaxThreads = 1024;
+}  // namespace
+
 void validate(const SimulatorConfig& c) {
   if (c.ranks < 1) reject("ep", c.ranks, "ep >= 1");
   if (c.experts < 1) reject("experts", c.experts, "experts >= 1");
@@ -38,8 +43,25 @@ void validate(const SimulatorConfig& c) {
   if (c.clone_cost_rows < -1)
     reject("clone_cost_rows", c.clone_cost_rows,
            "clone_cost_rows >= 0 (or -1: from the cost model)");
+  // Sense: clones and slots beyond what can be placed (one replica of an expert per rank, on
+  // ranks other than its home) never help; the library defaults pass on any layout.
+  const int useful_clones = std::max(c.ranks - 1, EchoConfig{}.max_clones_per_expert);
+  if (c.max_clones > useful_clones)
+    reject("max_clones", c.max_clones,
+           "max_clones <= max(ep - 1, 2) = " + std::to_string(useful_clones) +
+               " (a clone sits on another rank than its expert, one per rank)");
+  const int useful_slots = std::max(c.experts - c.experts / c.ranks, 1);
+  if (c.spare_slots > useful_slots)
+    reject("spare_slots", c.spare_slots,
+           "spare_slots <= max(experts - experts / ep, 1) = " + std::to_string(useful_slots) +
+               " (a spare slot holds a clone of another rank's expert)");
+  if (int64_t(c.experts) * c.ranks > kMaxRankExperts)
+    reject("ep", c.ranks,
+           "ep * experts <= 2^28 (experts = " + std::to_string(c.experts) +
+               "): the rank-by-expert count tables");
   if (c.eplb_period < 1) reject("eplb_period", c.eplb_period, "eplb_period >= 1");
-  if (c.threads < 1) reject("threads", c.threads, "threads >= 1");
+  if (c.threads < 1 || c.threads > kMaxThreads)
+    reject("threads", c.threads, "1 <= threads <= " + std::to_string(kMaxThreads));
   if (c.hidden < 1) reject("hidden", c.hidden, "hidden >= 1");
   if (c.ffn < 1) reject("ffn", c.ffn, "ffn >= 1");
   if (c.grad_bytes != 2 && c.grad_bytes != 4)
@@ -48,7 +70,21 @@ void validate(const SimulatorConfig& c) {
     reject("master_state_bytes", c.master_state_bytes, "master_state_bytes >= 0");
   if (c.policies.empty())
     reject("policies", "(none)", "at least one of echo, eplb, eplb_periodic, none");
+  for (size_t i = 0; i < c.policies.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (c.policies[i] == c.policies[j])
+        reject("policies", std::string("'") + to_string(c.policies[i]) + "' twice",
+               "each of echo, eplb, eplb_periodic, none at most once");
   validate(c.cost.gpu);
+}
+
+double memory_bytes(const SimulatorConfig& c, int64_t steps, int64_t layers) {
+  const double R = c.ranks, E = c.experts, P = double(c.policies.size());
+  const double samples = double(steps) * double(layers);
+  const double slots = R * (E / R + c.spare_slots);
+  const double per_thread = R * E * 16 + slots * 64 + E * (1.0 + c.max_clones) * 32 + E * 64;
+  const double threads = std::min<double>(c.threads, std::max<double>(double(layers), 1));
+  return samples * (P * 56 + 16) + threads * P * per_thread + double(layers) * E * 64;
 }
 
 double percentile_sorted(const std::vector<double>& sorted, double q) {

@@ -98,6 +98,11 @@ struct SimulationResult {
 
 SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg);
 
+// An upper estimate of the bytes simulate() allocates for `steps` x `layers` samples of a valid
+// cfg (the per-sample results of every policy, each thread's count tables and plans, the
+// generator's state), so that a caller can refuse a run that cannot fit before it starts.
+double memory_bytes(const SimulatorConfig& cfg, int64_t steps, int64_t layers);
+
 // Nearest-rank percentile (q in [0, 1]) of ascending values.
 double percentile_sorted(const std::vector<double>& sorted, double q);
 

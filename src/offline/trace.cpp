@@ -467,6 +467,8 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
   } catch (const nlohmann::json::parse_error& e) {
     // nlohmann reports "at line L, column C"
     file_error(origin, std::string("not valid JSON: ") + e.what());
+  } catch (const nlohmann::json::out_of_range& e) {  // a number beyond double, e.g. 1e999
+    file_error(origin, std::string("not valid JSON: ") + e.what());
   }
   if (!doc.is_object()) file_error(origin, "expected a JSON object at the top level");
   auto get_int = [&](const char* key, bool required, int64_t lo) -> int64_t {

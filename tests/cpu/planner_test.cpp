@@ -565,8 +565,11 @@ TEST(Planner, RejectsNegativeCounts) {
   EXPECT_THROW(plan_echo(C.data(), cfg, p.view()), Error);
 }
 
-// Prints the time of one 256 x 256 plan (no assertion on time: a loaded machine would flake).
-// Mild skews are the slow ones: many clones each lower the busiest load a little.
+// Prints the time of one 256 x 256 plan. Every plan is checked (check_plan: its invariants, and
+// no higher busiest load); skewed maps must be balanced better than without clones; the time
+// bound is 100 times the documented worst (0.3 ms with max_clones 2), so that a loaded machine
+// passes and a planner gone quadratic fails. Mild skews are the slow ones: many clones each lower
+// the busiest load a little.
 TEST(Planner, Time256x256) {
   for (double alpha : {0.0, 0.3, 0.6, 1.2})
     for (int S = 1; S <= 4; ++S) {
@@ -582,6 +585,13 @@ TEST(Planner, Time256x256) {
           "[ planner ] R=256 E=256 S=%d max_clones=2 zipf %.1f: %.3f ms per plan, "
           "%3d clones, max load %d -> %d\n",
           S, alpha, ms, p.view().num_clones[0], p.max_load_before(), p.max_load_after());
+      check_plan(C, cfg, p);
+      if (alpha >= 0.6) {
+        EXPECT_LT(p.max_load_after(), p.max_load_before()) << "zipf " << alpha << ", S " << S;
+      }
+#ifndef MOE_ECHO_SANITIZED  // sanitized code runs several times slower
+      EXPECT_LT(ms, 30.0) << "zipf " << alpha << ", S " << S;
+#endif
     }
 }
 

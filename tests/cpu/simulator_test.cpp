@@ -131,7 +131,8 @@ TEST(CostModel, BadMeasuredFilesNameTheKey) {
   };
   for (const auto& [text, message] : cases) {
     GpuSpec g;
-    const std::string msg = config_error([&] { apply_measured_json(g, text, "m.json"); });
+    const std::string json = text;  // clang 14 cannot capture a structured binding
+    const std::string msg = config_error([&] { apply_measured_json(g, json, "m.json"); });
     EXPECT_NE(msg.find(message), std::string::npos) << "got: " << msg << "\nwant: " << message;
   }
   GpuSpec g;
@@ -382,7 +383,9 @@ TEST(Simulator, Ep256ScaleIsFast) {
   c.threads = 2;
   const SimulationResult r = simulate(gen, c);
   const double per_map_s = r.elapsed_s / (g.steps * g.layers);
+#ifndef MOE_ECHO_SANITIZED  // sanitized code runs several times slower
   EXPECT_LT(per_map_s * 8000, 60.0) << "projected " << per_map_s * 8000 << " s for 1000 x 8";
+#endif
   EXPECT_LT(r.find(Policy::echo)->max_over_mean_mean, r.find(Policy::none)->max_over_mean_mean);
 }
 

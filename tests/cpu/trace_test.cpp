@@ -146,7 +146,8 @@ TEST(TraceGenerator, DeterministicWhateverTheOrderLayersAreRead) {
   }
   GeneratorConfig other = small_cfg();
   other.seed = 8;
-  auto c = TraceGenerator(other).open_layer(2, R);
+  const TraceGenerator other_gen(other);  // a stream reads its generator: keep it alive
+  auto c = other_gen.open_layer(2, R);
   EXPECT_NE(next_map(*c, R, E), first[0]);
 }
 

@@ -1,0 +1,42 @@
+# The invalid-input corpus (tests/cli/invalid_inputs/cases.txt): every case must exit with code 2
+# within 30 s and print "moe-echo: error:" and its expected text (the parameter, and the value
+# where one was given) on stderr. A crash, a hang, another exit code or another message fails the
+# test; every failing case is listed, with a count at the end.
+set(dir ${CMAKE_CURRENT_LIST_DIR}/invalid_inputs)
+file(STRINGS ${dir}/cases.txt lines)
+file(MAKE_DIRECTORY ${WORK_DIR})
+set(total 0)
+set(failed 0)
+set(report "")
+foreach(line IN LISTS lines)
+  if(line MATCHES "^#" OR line STREQUAL "")
+    continue()
+  endif()
+  string(FIND "${line}" " |" bar)
+  if(bar EQUAL -1)
+    message(FATAL_ERROR "cases.txt: no ' |' in: ${line}")
+  endif()
+  string(SUBSTRING "${line}" 0 ${bar} want)
+  math(EXPR from "${bar} + 2")
+  string(SUBSTRING "${line}" ${from} -1 args)
+  string(REPLACE "@DIR@" "${dir}" args "${args}")
+  string(REPLACE "@WORK@" "${WORK_DIR}" args "${args}")
+  string(REPLACE "@DIR@" "${dir}" want "${want}")
+  string(STRIP "${args}" args)
+  separate_arguments(argv UNIX_COMMAND "${args}")
+  math(EXPR total "${total} + 1")
+  execute_process(COMMAND ${EXE} ${argv} TIMEOUT 30 WORKING_DIRECTORY ${WORK_DIR}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  string(FIND "${err}" "moe-echo: error: " has_prefix)
+  string(FIND "${err}" "${want}" has_want)
+  if(NOT rc STREQUAL "2" OR has_prefix EQUAL -1 OR has_want EQUAL -1)
+    math(EXPR failed "${failed} + 1")
+    string(APPEND report "\n  moe-echo ${args}\n    exit: ${rc}, want 2\n"
+                         "    want on stderr: '${want}'\n    stderr: ${err}")
+  endif()
+endforeach()
+if(failed GREATER 0)
+  message(FATAL_ERROR "${failed} of ${total} invalid inputs not answered with exit 2 and the "
+                      "expected message:${report}")
+endif()
+message(STATUS "${total} of ${total} invalid inputs answered with exit 2 and a named message")
