@@ -33,6 +33,7 @@ const char* to_string(Param p);
 struct StepStats {
   double aux_loss = 0;  // this rank's aux loss (coefficient applied)
   double z_loss = 0;
+  double seq_aux_loss = 0;           // this rank's sequence-level aux loss (coefficient applied)
   std::vector<int32_t> load_before;  // [R] rows each rank would receive without ECHO
   std::vector<int32_t> load_after;   // [R] rows each rank received
   double max_over_mean_before = 0;   // busiest rank over the mean, without ECHO
@@ -45,6 +46,11 @@ struct StepStats {
   int64_t overflow_rows = 0;      // rows beyond this rank's capacity (done in spill rounds)
   int64_t overflow_rows_all = 0;  // the same over all ranks
   int spill_rounds = 0;           // rounds beyond the first (identical on all ranks)
+  // Ranks this rank's tokens send rows to (each token once per rank it picks experts on, after
+  // ECHO's placement): mean and max over the tokens. Group-limited routing with groups aligned
+  // to ranks bounds the max by topk_groups.
+  double ranks_per_token_mean = 0;
+  int ranks_per_token_max = 0;
 };
 
 struct AdamWConfig {
@@ -91,7 +97,7 @@ class MoeLayer {
 
   // Device views that each forward writes (valid until the next forward, read without a sync):
   // the plan (PlanView layout over planner_config(): rank loads before and after ECHO, clones)
-  // and the losses [2] float (aux, z; coefficients applied).
+  // and the losses [3] float (aux, z, sequence aux; coefficients applied).
   Tensor plan_buffer() const;
   Tensor losses() const;
 

@@ -107,7 +107,7 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   b.topk_idx = dev(DType::i32, {T, K});
   b.topk_weight = dev(fl, {T, K});
   b.counts = dev(DType::i32, {E});
-  b.losses = dev(fl, {2});
+  b.losses = dev(fl, {3});
   b.routing_map = dev(DType::i32, {R, E});
   b.plan = dev(DType::i32, {plan_ints(planner_)});
   b.assign = dev(DType::i32, {R * E * planner_.max_replicas()});
@@ -579,6 +579,7 @@ StepStats MoeLayer::stats() const {
   const auto losses = read_tensor(backend_, b.losses);
   st.aux_loss = losses[0];
   st.z_loss = losses[1];
+  st.seq_aux_loss = losses[2];
   const int R = par_.ep_size;
   std::vector<int32_t> plan(size_t(plan_ints(planner_)));
   backend_.copy_to_host(plan.data(), b.plan.data, plan.size() * sizeof(int32_t));
@@ -615,6 +616,19 @@ StepStats MoeLayer::stats() const {
   const auto active =
       std::count_if(round_active.begin(), round_active.end(), [](int32_t a) { return a != 0; });
   st.spill_rounds = std::max(0, int(active) - 1);
+  // Distinct destination ranks of each token's K rows.
+  const int64_t T = last_tokens_, K = moe_.top_k;
+  std::vector<int32_t> dest(static_cast<size_t>(T * K));
+  backend_.copy_to_host(dest.data(), b.dest_rank.data, dest.size() * sizeof(int32_t));
+  int64_t ranks_sum = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::sort(dest.begin() + t * K, dest.begin() + (t + 1) * K);
+    const int n =
+        int(std::unique(dest.begin() + t * K, dest.begin() + (t + 1) * K) - (dest.begin() + t * K));
+    ranks_sum += n;
+    st.ranks_per_token_max = std::max(st.ranks_per_token_max, n);
+  }
+  st.ranks_per_token_mean = T > 0 ? double(ranks_sum) / double(T) : 0.0;
   return st;
 }
 

@@ -69,7 +69,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
       out.params.router_weight = read_tensor(*be, layer.param(Param::router_weight));
       out.params.router_bias = read_tensor(*be, layer.param(Param::router_bias));
     }
-    double obj = out.stats[size_t(r)].aux_loss + out.stats[size_t(r)].z_loss;
+    double obj = out.stats[size_t(r)].aux_loss + out.stats[size_t(r)].z_loss +
+                 out.stats[size_t(r)].seq_aux_loss;
     for (size_t i = 0; i < out.y[size_t(r)].size(); ++i)
       obj += out.y[size_t(r)][i] * g[size_t(r)][i];
     objective[size_t(r)] = obj;

@@ -34,7 +34,7 @@ struct LayerRun {
   std::vector<double> dw1, dw2;                      // all experts, home gradients concatenated
   GlobalParams params;                               // as initialised (or overridden)
   std::vector<StepStats> stats;                      // per rank
-  double objective = 0;                              // sum over ranks of <y_r, g_r> + aux_r + z_r
+  double objective = 0;  // sum over ranks of <y_r, g_r> + aux_r + z_r + seq_aux_r
 };
 
 // The communicator of one rank, from the in-process world whose threads run the ranks, the rank

@@ -284,6 +284,31 @@ TEST(Layer, OddShapes) {
 }
 
 // Central differences of the objective sum_r <y_r, g_r> + aux_r + z_r (fp64) against backward.
+// Groups aligned to ranks bound the ranks a token's rows go to by topk_groups: 16 experts on 4
+// ranks in 4 groups, top-4 inside 2 groups; without the limit, tokens reach 3 or 4 ranks.
+TEST(Layer, GroupsAlignedToRanksBoundRanksPerToken) {
+  for (int topk_groups : {2, 4}) {
+    LayerCase c;
+    c.moe = small_moe(16, 4, 40);
+    c.moe.score_function = ScoreFunction::sigmoid;
+    c.moe.expert_groups = 4;
+    c.moe.topk_groups = topk_groups;
+    c.moe.routed_scaling_factor = 2.5;
+    c.ranks = 4;
+    c.echo.enabled = false;
+    const LayerRun run = run_layer(c, per_rank(4, 40, 16, 500), per_rank(4, 40, 16, 600));
+    SCOPED_TRACE("topk_groups " + std::to_string(topk_groups));
+    for (const StepStats& st : run.stats) {
+      EXPECT_GE(st.ranks_per_token_mean, 1.0);
+      if (topk_groups == 2) {
+        EXPECT_LE(st.ranks_per_token_max, 2);
+      } else {
+        EXPECT_GT(st.ranks_per_token_max, 2);
+      }
+    }
+  }
+}
+
 TEST(Layer, GradientsMatchFiniteDifferences) {
   for (auto score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
     LayerCase c;
@@ -293,6 +318,14 @@ TEST(Layer, GradientsMatchFiniteDifferences) {
     c.moe.score_function = score;
     c.moe.aux_loss_coeff = 0.1;
     c.moe.z_loss_coeff = 0.01;
+    // The routing rules of real models: groups (2 of 2 experts, 1 kept), scaling, sequence loss.
+    if (score == ScoreFunction::sigmoid) {
+      c.moe.expert_groups = 2;
+      c.moe.topk_groups = 1;
+      c.moe.routed_scaling_factor = 2.5;
+      c.moe.seq_aux_loss_coeff = 0.05;
+      c.moe.seq_len = 4;
+    }
     c.ranks = 2;
     c.echo.spare_slots_per_rank = 1;
     c.echo.capacity_factor = 0.5;
