@@ -34,6 +34,19 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
                   "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
                   "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
   cmd->add_option("--score", o.score, "Router score function: softmax or sigmoid");
+  cmd->add_option("--expert-groups", o.expert_groups,
+                  "Group-limited top-k: experts in G groups of E/G (1 <= G <= " +
+                      std::to_string(kMaxExpertGroups) + "; preset's, 1 = no limit)");
+  cmd->add_option("--topk-groups", o.topk_groups,
+                  "Groups each token picks its experts from (1 <= n <= G; preset's)");
+  cmd->add_option("--group-score", o.group_score,
+                  "How a group is scored: top2_sum (sum of its two best keys, DeepSeek-V3) or max");
+  cmd->add_option("--routed-scaling", o.routed_scaling,
+                  "Combine weights times this factor after normalisation (preset's, 1 = none)");
+  cmd->add_option("--seq-aux-loss", o.seq_aux_loss_coeff,
+                  "Sequence-level aux loss coefficient (default 0; needs --seq-len)");
+  cmd->add_option("--seq-len", o.seq_len,
+                  "Tokens per sequence of the sequence-level aux loss (consecutive tokens)");
   cmd->add_option("--aux-loss", o.aux_loss_coeff,
                   "Aux load-balancing loss coefficient (default 0)");
   cmd->add_option("--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
@@ -75,6 +88,14 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
     r.tokens_reduced_for_cpu = true;
   }
   r.moe.score_function = o.score ? parse_score_function(*o.score, "score") : p.score;
+  r.moe.normalize_topk = p.normalize_topk;
+  r.moe.expert_groups = o.expert_groups.value_or(p.expert_groups);
+  r.moe.topk_groups = o.topk_groups.value_or(o.expert_groups ? r.moe.expert_groups : p.topk_groups);
+  r.moe.group_score =
+      o.group_score ? parse_group_score(*o.group_score, "group_score") : p.group_score;
+  r.moe.routed_scaling_factor = o.routed_scaling.value_or(p.routed_scaling_factor);
+  r.moe.seq_aux_loss_coeff = o.seq_aux_loss_coeff;
+  r.moe.seq_len = o.seq_len;
   r.moe.aux_loss_coeff = o.aux_loss_coeff;
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;

@@ -25,7 +25,7 @@ using namespace moe_echo::offline;
 
 struct PlanOptions {
   std::string model{ModelSpec{}.name};
-  std::optional<int> hidden, ffn, experts, top_k, layers;
+  std::optional<int> hidden, ffn, experts, top_k, layers, expert_groups, topk_groups;
   int seq_len = 4096, micro_batch = 1;
   std::string dtype = "bf16";
   LayoutSpec layout;
@@ -53,6 +53,10 @@ int run_plan(const PlanOptions& o) {
   if (o.ffn) in.model.ffn = *o.ffn;
   if (o.experts) in.model.experts = *o.experts;
   if (o.top_k) in.model.top_k = *o.top_k;
+  if (o.expert_groups) in.model.expert_groups = *o.expert_groups;
+  if (o.topk_groups) in.model.topk_groups = *o.topk_groups;
+  // Another expert count without groups given: no group limit.
+  if (o.experts && !o.expert_groups) in.model.expert_groups = in.model.topk_groups = 1;
   if (o.layers) in.model.layers = *o.layers;
   in.model.seq_len = o.seq_len;
   in.model.micro_batch = o.micro_batch;
@@ -141,6 +145,12 @@ int run_plan(const PlanOptions& o) {
   out << "per MoE layer and micro-batch, forward + backward, busiest rank:\n"
       << "  tokens per GPU " << lt.tokens << "; receive window " << lt.capacity_rows
       << " rows (capacity factor " << fmt(in.train.capacity_factor, 2) << ")\n"
+      << "  EP ranks a token's row goes to: " << fmt(lt.ranks_per_token, 2)
+      << " expected under uniform routing, at most " << lt.max_ranks_per_token;
+  if (in.model.expert_groups > 1)
+    out << " (top " << in.model.topk_groups << " of " << in.model.expert_groups
+        << " expert groups)";
+  out << "\n"
       << "  dispatch " << fmt(lt.dispatch_bytes / 1e6, 1) << " MB, combine "
       << fmt(lt.combine_bytes / 1e6, 1) << " MB leaving each GPU per direction (forward)";
   if (l.etp > 1) out << ", ETP gather " << fmt(lt.etp_bytes / 1e6, 1) << " MB";
@@ -219,6 +229,8 @@ int run_plan(const PlanOptions& o) {
                       {"recompute_experts_saves", mem.recompute_experts_saves_gb}};
     j["layer"] = {{"tokens", lt.tokens},
                   {"capacity_rows", lt.capacity_rows},
+                  {"ranks_per_token", lt.ranks_per_token},
+                  {"max_ranks_per_token", lt.max_ranks_per_token},
                   {"dispatch_bytes", lt.dispatch_bytes},
                   {"combine_bytes", lt.combine_bytes},
                   {"etp_bytes", lt.etp_bytes},
@@ -274,6 +286,9 @@ void add_plan(CLI::App& app, Runner& run) {
   cmd->add_option("--ffn", o->ffn, "expert FFN size F");
   cmd->add_option("--experts", o->experts, "routed experts E");
   cmd->add_option("--top-k", o->top_k, "experts per token K");
+  cmd->add_option("--expert-groups", o->expert_groups,
+                  "group-limited routing: experts in G groups (the model's; 1: no limit)");
+  cmd->add_option("--topk-groups", o->topk_groups, "groups a token picks its experts from");
   cmd->add_option("--layers", o->layers, "MoE layers");
   cmd->add_option("--seq-len", o->seq_len, "sequence length")->capture_default_str();
   cmd->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")

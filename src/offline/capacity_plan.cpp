@@ -72,6 +72,8 @@ ModelSpec model_preset(const std::string& name) {
   m.experts = p->experts;
   m.top_k = p->top_k;
   m.layers = p->moe_layers;
+  m.expert_groups = p->expert_groups;
+  m.topk_groups = p->topk_groups;
   return m;
 }
 
@@ -105,6 +107,18 @@ std::vector<Finding> check(const WallsInput& in) {
   if (m.top_k < 1 || m.top_k > m.experts)
     error("top_k",
           invalid("top_k", m.top_k, "1 <= top_k <= experts (" + std::to_string(m.experts) + ")"));
+  if (m.expert_groups < 1 || m.expert_groups > kMaxExpertGroups || m.experts % m.expert_groups != 0)
+    error("expert_groups", invalid("expert_groups", m.expert_groups,
+                                   "1 <= expert_groups <= " + std::to_string(kMaxExpertGroups) +
+                                       ", dividing experts (" + std::to_string(m.experts) + ")"));
+  else if (m.topk_groups < 1 || m.topk_groups > m.expert_groups)
+    error("topk_groups",
+          invalid("topk_groups", m.topk_groups,
+                  "1 <= topk_groups <= expert_groups (" + std::to_string(m.expert_groups) + ")"));
+  else if (m.top_k > int64_t(m.topk_groups) * (m.experts / m.expert_groups))
+    error("top_k", invalid("top_k", m.top_k,
+                           "top_k <= topk_groups * experts / expert_groups (the experts of the "
+                           "chosen groups)"));
   if (dtype_bytes(m.dtype) == 0)
     error("dtype", invalid("dtype", "'" + m.dtype + "'", "bf16, fp16 or fp32"));
   if (t.grad_dtype != "fp32" && t.grad_dtype != "bf16")
@@ -281,7 +295,10 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // crosses once to each rank it picks (the receiver fans it out to the experts there and sums
   // their outputs before it goes back), (ep-1)/ep of those ranks remote.
   const double remote = double(l.ep - 1) / double(l.ep);
-  const double token_rows = T * ranks_per_token(E, l.ep, K);
+  lt.ranks_per_token = ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
+  lt.max_ranks_per_token =
+      max_ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
+  const double token_rows = T * lt.ranks_per_token;
   lt.dispatch_bytes = token_rows * remote * H * a;
   lt.combine_bytes = lt.dispatch_bytes;
   lt.etp_bytes = double(l.etp - 1) * token_rows * H * a;

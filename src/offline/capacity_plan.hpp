@@ -25,11 +25,13 @@ namespace moe_echo::offline {
 
 struct ModelSpec {  // defaults: DeepSeek-V3
   std::string name{kDeepSeekV3.name};
-  int hidden = kDeepSeekV3.hidden;      // H
-  int ffn = kDeepSeekV3.ffn;            // F (expert FFN size)
-  int experts = kDeepSeekV3.experts;    // E
-  int top_k = kDeepSeekV3.top_k;        // K
-  int layers = kDeepSeekV3.moe_layers;  // MoE layers
+  int hidden = kDeepSeekV3.hidden;                // H
+  int ffn = kDeepSeekV3.ffn;                      // F (expert FFN size)
+  int experts = kDeepSeekV3.experts;              // E
+  int top_k = kDeepSeekV3.top_k;                  // K
+  int layers = kDeepSeekV3.moe_layers;            // MoE layers
+  int expert_groups = kDeepSeekV3.expert_groups;  // group-limited routing (1: none)
+  int topk_groups = kDeepSeekV3.topk_groups;
   int seq_len = 4096;
   int micro_batch = 1;
   std::string dtype = "bf16";  // bf16, fp16 or fp32 (weights and activations)
@@ -103,6 +105,10 @@ struct MemoryBreakdown {
 struct LayerTimes {
   int64_t tokens = 0;         // T per GPU per micro-batch
   int64_t capacity_rows = 0;  // receive window rows per GPU
+  // EP ranks a token's row goes to: expected under uniform routing (with the model's group
+  // limit), and at most.
+  double ranks_per_token = 0;
+  int max_ranks_per_token = 0;
   double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced): one row
                               // per token and rank it picks
   double combine_bytes = 0;
