@@ -95,13 +95,14 @@ struct Report {
         to_string(moe.score_function), moe.max_tokens, L.ep, L.echo.enabled ? "on" : "off",
         L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.echo.capacity_factor,
         o.skew.c_str());
-    if (moe.expert_groups > 1 || moe.routed_scaling_factor != 1.0 || moe.seq_aux_loss_coeff > 0)
+    if (moe.expert_groups > 1 || moe.routed_scaling_factor != 1.0 || moe.seq_aux_loss_coeff > 0 ||
+        moe.shared_experts > 0)
       std::printf(
           "routing: %d expert groups, top %d by %s, weights %s x %.3g, sequence aux loss %g "
-          "(sequences of %d)\n",
+          "(sequences of %d), %d shared expert(s)\n",
           moe.expert_groups, moe.topk_groups, to_string(moe.group_score),
           moe.normalize_topk ? "normalised" : "raw", moe.routed_scaling_factor,
-          moe.seq_aux_loss_coeff, moe.seq_len);
+          moe.seq_aux_loss_coeff, moe.seq_len, moe.shared_experts);
     if (!dispatcher.empty())
       std::printf(
           "GPU ranks: %d x %s, dispatcher %s, capture %s (times: CUDA events, max over "
@@ -215,6 +216,7 @@ void Report::summary() const {
                  {"routed_scaling_factor", moe.routed_scaling_factor},
                  {"seq_aux_loss_coeff", moe.seq_aux_loss_coeff},
                  {"seq_len", moe.seq_len},
+                 {"shared_experts", moe.shared_experts},
                  {"echo", L.echo.enabled},
                  {"spare_slots", L.echo.spare_slots_per_rank},
                  {"max_clones", L.echo.max_clones_per_expert},

@@ -18,7 +18,7 @@ struct LayerOptions {
   std::optional<int> hidden, ffn, experts, top_k, tokens, ep, spare_slots, max_clones;
   std::optional<double> capacity_factor;
   std::optional<std::string> score, group_score;
-  std::optional<int> expert_groups, topk_groups;
+  std::optional<int> expert_groups, topk_groups, shared_experts;
   std::optional<double> routed_scaling;
   double seq_aux_loss_coeff = 0.0;
   int seq_len = 0;

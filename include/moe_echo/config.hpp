@@ -59,7 +59,16 @@ struct MoeConfig {
   // (the last run may be shorter), averaged over the runs: coeff * mean_s E sum_e f_se P_se.
   double seq_aux_loss_coeff = 0.0;
   int seq_len = 0;  // tokens per sequence; 0 with seq_aux_loss_coeff 0
+  // Shared experts: dense SwiGLU experts every token goes through, their output added to the
+  // routed experts'. Together they are one SwiGLU of width shared_experts * shared_ffn (0: ffn),
+  // replicated on every EP rank, run by the expert GEMM kernels as one group.
+  int shared_experts = 0;
+  int shared_ffn = 0;
 };
+// The shared experts' total FFN width (0 without shared experts).
+inline int shared_width(const MoeConfig& m) {
+  return m.shared_experts * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn);
+}
 
 struct ParallelConfig {
   int ep_size = 1;  // R

@@ -27,6 +27,8 @@ enum class Param {
   router_bias,    // [E] float (aux-loss-free balancing; updated by the layer, no gradient)
   w1,             // [E/R, H, 2F] activation: fc1 of this rank's home experts (gate | up)
   w2,             // [E/R, F, H] activation: fc2 of this rank's home experts
+  shared_w1,      // [1, H, 2S] activation: fc1 of the shared experts (S = shared_width), or empty
+  shared_w2,      // [1, S, H] activation: fc2 of the shared experts, or empty
 };
 const char* to_string(Param p);
 
@@ -114,10 +116,11 @@ class MoeLayer {
   // until that backward writes every home expert's, those of experts no token picked as zeros.
   // For a framework that takes the gradients out after each backward.
   void discard_grad(Stream stream = nullptr);
-  // The router weight is replicated on every EP rank: sum its gradient over the ranks before the
-  // optimizer (a framework that owns data-parallel gradient reduction does this itself).
+  // The router weight and the shared experts are replicated on every EP rank: sum their gradients
+  // over the ranks before the optimizer (a framework that owns data-parallel gradient reduction
+  // does this itself).
   void all_reduce_router_grad(Stream stream = nullptr);
-  // AdamW on every parameter with a gradient (router weight, home w1, w2).
+  // AdamW on every parameter with a gradient (router weight, home w1, w2, shared experts).
   void optimizer_step(const AdamWConfig& cfg, Stream stream = nullptr);
 
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
@@ -146,6 +149,10 @@ class MoeLayer {
 
  private:
   RowRoute route(int64_t T) const;
+  GroupWindow shared_window(int64_t T) const;
+  void shared_forward(const Tensor& x, const Tensor& y, int64_t T, Stream s);
+  void shared_backward(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
+                       Stream s);
   FanArgs fan_args(int round) const;
   void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
   void run_round(int round, const Tensor& x, const Tensor& y, int64_t T, const int32_t* accumulate,

@@ -72,6 +72,10 @@ void validate(const MoeConfig& m) {
            "max when a group holds one expert (experts / expert_groups = 1)");
   if (!std::isfinite(m.routed_scaling_factor) || m.routed_scaling_factor <= 0)
     reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value > 0");
+  if (m.shared_experts < 0) reject("shared_experts", m.shared_experts, "shared_experts >= 0");
+  if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
+  if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)
+    reject("shared_experts", m.shared_experts, "shared_experts * shared_ffn <= 2^31-1");
   if (!std::isfinite(m.seq_aux_loss_coeff) || m.seq_aux_loss_coeff < 0)
     reject("seq_aux_loss_coeff", m.seq_aux_loss_coeff, "a finite value >= 0");
   if (m.seq_len < 0 || (m.seq_aux_loss_coeff > 0 && m.seq_len < 1))
