@@ -5,8 +5,8 @@
 // expert weights and our outputs, and the script checks them numerically before timing.
 //
 // With --shared 1 each config also runs with its model's shared experts (DeepSeek-V3: one, of
-// size F; configs without one get one, to time it), and the table gives the step time over the
-// same layer without them (target: at most 1.1x).
+// size F; configs without one get one, to time it), on the step's stream and on the side stream,
+// and the table gives the step time over the same layer without them (target: at most 1.1x).
 //
 // usage: layer_bench --dump DIR --out results.json [--iters N] [--warmup N] [--config NAME[,NAME]]
 //                    [--shared 1]
@@ -39,6 +39,7 @@ struct Case {
   int experts, top_k, hidden, ffn;
   bool dump_weights;       // experts small enough to hand to the PyTorch script for a numeric check
   int shared_experts = 0;  // with --shared 1: the model's, at least one
+  bool side_stream = false;  // the shared experts on the backend's side stream
 };
 
 // `experts` experts of a model's layer on one GPU.
@@ -105,8 +106,8 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%-14s %-9s %6s %10s %10s %12s %9s\n", "config", "skew", "shared", "fwd_ms",
-              "fwd+bwd_ms", "expert TF/s", "vs plain");
+  std::printf("%-14s %-9s %6s %5s %10s %10s %12s %9s\n", "config", "skew", "shared", "side",
+              "fwd_ms", "fwd+bwd_ms", "expert TF/s", "vs plain");
   std::vector<Case> runs;
   for (const Case& c : cases) {
     Case plain = c;
@@ -115,6 +116,8 @@ int main(int argc, char** argv) {
     if (shared && !profile) {
       Case with = c;
       with.dump_weights = false;
+      runs.push_back(with);
+      with.side_stream = true;
       runs.push_back(with);
     }
   }
@@ -132,6 +135,7 @@ int main(int argc, char** argv) {
     m.top_k = c.top_k;
     m.max_tokens = tokens;
     m.shared_experts = c.shared_experts;
+    m.shared_side_stream = c.side_stream;
     EchoConfig echo;
     echo.enabled = false;        // one GPU: nothing to balance
     echo.capacity_factor = 1.0;  // one rank receives exactly T * K rows
@@ -196,7 +200,8 @@ int main(int argc, char** argv) {
       const StepStats st = layer.stats();
       const double flops = 3.0 * 6.0 * double(T) * c.top_k * c.hidden * c.ffn;
       const std::string tag = c.name + "_" + (skew_name == "uniform" ? "uniform" : "zipf1.2") +
-                              (c.shared_experts > 0 ? "_shared" : "");
+                              (c.shared_experts > 0 ? "_shared" : "") +
+                              (c.side_stream ? "_side" : "");
       const std::string base = dump_dir + "/" + tag;
       dump(*be, x, base + "_x.bin");
       dump(*be, dy, base + "_dy.bin");
@@ -210,8 +215,9 @@ int main(int argc, char** argv) {
       if (c.shared_experts == 0) plain_ms[c.name + skew_name] = step_ms;
       const double over_plain =
           plain_ms.count(c.name + skew_name) ? step_ms / plain_ms[c.name + skew_name] : 0.0;
-      std::printf("%-14s %-9s %6d %10.3f %10.3f %12.1f %8.3fx\n", c.name.c_str(), skew_name.c_str(),
-                  c.shared_experts, fwd_ms, step_ms, flops / (step_ms * 1e-3) / 1e12, over_plain);
+      std::printf("%-14s %-9s %6d %5s %10.3f %10.3f %12.1f %8.3fx\n", c.name.c_str(),
+                  skew_name.c_str(), c.shared_experts, c.side_stream ? "on" : "off", fwd_ms,
+                  step_ms, flops / (step_ms * 1e-3) / 1e12, over_plain);
       results.push_back({{"config", c.name},
                          {"skew", skew_name},
                          {"tag", tag},
@@ -220,6 +226,7 @@ int main(int argc, char** argv) {
                          {"hidden", c.hidden},
                          {"ffn", c.ffn},
                          {"shared_experts", c.shared_experts},
+                         {"shared_side_stream", c.side_stream},
                          {"over_no_shared", over_plain},
                          {"tokens", T},
                          {"fwd_ms", fwd_ms},

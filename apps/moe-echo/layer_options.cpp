@@ -45,6 +45,8 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
                   "Combine weights times this factor after normalisation (preset's, 1 = none)");
   cmd->add_option("--shared-experts", o.shared_experts,
                   "Dense SwiGLU experts of size F every token goes through (preset's)");
+  cmd->add_flag("--shared-side-stream", o.shared_side_stream,
+                "Run the shared experts on a second stream beside the router and dispatch");
   cmd->add_option("--seq-aux-loss", o.seq_aux_loss_coeff,
                   "Sequence-level aux loss coefficient (default 0; needs --seq-len)");
   cmd->add_option("--seq-len", o.seq_len,
@@ -97,6 +99,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
       o.group_score ? parse_group_score(*o.group_score, "group_score") : p.group_score;
   r.moe.routed_scaling_factor = o.routed_scaling.value_or(p.routed_scaling_factor);
   r.moe.shared_experts = o.shared_experts.value_or(p.shared_experts);
+  r.moe.shared_side_stream = o.shared_side_stream;
   r.moe.seq_aux_loss_coeff = o.seq_aux_loss_coeff;
   r.moe.seq_len = o.seq_len;
   r.moe.aux_loss_coeff = o.aux_loss_coeff;

@@ -24,7 +24,7 @@ struct LayerOptions {
   int seq_len = 0;
   std::string echo = "on";
   double aux_loss_coeff = 0.0, z_loss_coeff = 0.0;
-  bool bias_update = false;
+  bool bias_update = false, shared_side_stream = false;
   std::optional<int64_t> clone_cost_rows;
   uint64_t seed = 1;
 };

@@ -229,6 +229,13 @@ class Backend {
                                 const std::function<void(Stream)>& body, Stream s) {
     body(s);
   }
+  // Enqueues `body` on the backend's side stream, after the work enqueued on `s` so far, and
+  // returns; join_side(s) makes the work enqueued on `s` after it wait for all of body's. Only the
+  // grouped GEMMs and SwiGLU may run in body (the CUDA backend gives the side stream a grouped
+  // GEMM of its own; the other ops share a scratch arena). One fork at a time, each joined before
+  // the next. Capture-safe (the side stream joins the capture). The CPU backend runs body on `s`.
+  virtual void fork_side(const std::function<void(Stream)>& body, Stream s) { body(s); }
+  virtual void join_side(Stream s) {}
 };
 
 }  // namespace moe_echo

@@ -64,6 +64,10 @@ struct MoeConfig {
   // replicated on every EP rank, run by the expert GEMM kernels as one group.
   int shared_experts = 0;
   int shared_ffn = 0;
+  // Run the shared experts on a second stream (Backend::fork_side), beside the router, the plan,
+  // the layout and (without spill rounds configured) round 0's dispatch and expert GEMMs; joined
+  // before the first combine that adds into y (forward) or dx (backward).
+  bool shared_side_stream = false;
 };
 // The shared experts' total FFN width (0 without shared experts).
 inline int shared_width(const MoeConfig& m) {

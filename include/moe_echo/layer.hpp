@@ -156,9 +156,10 @@ class MoeLayer {
   FanArgs fan_args(int round) const;
   void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
   void run_round(int round, const Tensor& x, const Tensor& y, int64_t T, const int32_t* accumulate,
-                 Stream s);
+                 Stream s, bool join_side = false);
   void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                          const int32_t* accumulate, bool overwrite_grads, Stream s);
+                          const int32_t* accumulate, bool overwrite_grads, Stream s,
+                          bool join_side = false);
   void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
   void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on

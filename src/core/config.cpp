@@ -74,6 +74,8 @@ void validate(const MoeConfig& m) {
     reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value > 0");
   if (m.shared_experts < 0) reject("shared_experts", m.shared_experts, "shared_experts >= 0");
   if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
+  if (m.shared_side_stream && m.shared_experts == 0)
+    reject("shared_side_stream", "true", "false without shared experts (shared_experts = 0)");
   if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)
     reject("shared_experts", m.shared_experts, "shared_experts * shared_ffn <= 2^31-1");
   if (!std::isfinite(m.seq_aux_loss_coeff) || m.seq_aux_loss_coeff < 0)

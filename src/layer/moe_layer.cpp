@@ -419,6 +419,13 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
 void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s) {
   Buffers& b = *buf_;
   const int64_t K = moe_.top_k;
+  // Shared experts first (they write y), on the side stream when asked: joined before the first
+  // combine, i.e. before the rounds when spill rounds are configured, else in round 0.
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  if (side)
+    backend_.fork_side([&](Stream ss) { shared_forward(x, y, T, ss); }, s);
+  else if (shared)
+    shared_forward(x, y, T, s);
   RouterForwardArgs ra;
   ra.tensors = router_tensors(b, x, T);
   ra.bias = b.router_bias;
@@ -458,11 +465,9 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
                              s);
   }
 
-  // With shared experts they write y, and every round adds to it. Otherwise spill rounds add into
-  // y (zeroed first when there are any); round 0 then adds to them, or writes y when there were
-  // none.
-  const bool shared = b.shared_w1.data != nullptr;
-  if (shared) shared_forward(x, y, T, s);
+  // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first
+  // when there are any); round 0 then adds to them, or writes y when there were none.
+  if (side && rounds_ > 1) backend_.join_side(s);
   const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
   if (spill) mark("spill_rounds", s);
   if (spill && !shared)
@@ -470,7 +475,7 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
         spill, [&](Stream bs) { backend_.fill_zero(y, bs); }, s);
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
-      run_round(0, x, y, T, shared ? b.one.as<int32_t>() : spill, s);
+      run_round(0, x, y, T, shared ? b.one.as<int32_t>() : spill, s, side && rounds_ == 1);
     else
       backend_.run_if(
           b.round_active.as<int32_t>() + r, [&, r](Stream bs) { run_round(r, x, y, T, spill, bs); },
@@ -545,7 +550,7 @@ void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) 
 }
 
 void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
-                         const int32_t* accumulate, Stream s) {
+                         const int32_t* accumulate, Stream s, bool join_side) {
   Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
@@ -563,6 +568,7 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   mark(round, "fan_in", s);
   backend_.fan_in(sum, s);
   mark(round, "combine", s);
+  if (join_side) backend_.join_side(s);
   comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
 }
 
@@ -607,11 +613,17 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
     backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
   }
-  const bool shared = b.shared_w1.data != nullptr;
-  if (shared) shared_backward(dy, dx, T, overwrite_grads, s);
+  // Shared experts first (they write dx), on the side stream when asked: joined before round 0's
+  // combine, which adds into dx.
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  if (side)
+    backend_.fork_side([&](Stream ss) { shared_backward(dy, dx, T, overwrite_grads, ss); }, s);
+  else if (shared)
+    shared_backward(dy, dx, T, overwrite_grads, s);
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
-      run_round_backward(0, dy, dx, T, shared ? b.one.as<int32_t>() : nullptr, overwrite_grads, s);
+      run_round_backward(0, dy, dx, T, shared ? b.one.as<int32_t>() : nullptr, overwrite_grads, s,
+                         side);
     else
       backend_.run_if(
           b.round_active.as<int32_t>() + r,
@@ -642,7 +654,8 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
 }
 
 void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                                  const int32_t* accumulate, bool overwrite_grads, Stream s) {
+                                  const int32_t* accumulate, bool overwrite_grads, Stream s,
+                                  bool join_side) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
@@ -682,6 +695,7 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_fan_in", s);
   backend_.fan_in(sum, s);
   mark(round, "bwd_combine", s);
+  if (join_side) backend_.join_side(s);
   comm_.combine(route(T), win, b.recv_red_sym, dx, accumulate, b.fan, b.d_topk_weight.data, s);
 }
 

@@ -78,6 +78,10 @@ TEST(Config, RoutingRules) {
                   "-1");
   expect_rejected(with([](MoeConfig& m) { m.seq_aux_loss_coeff = 0.1; }), "seq_len", "0");
   expect_rejected(with([](MoeConfig& m) { m.seq_len = -2; }), "seq_len", "-2");
+  expect_rejected(with([](MoeConfig& m) { m.shared_experts = -1; }), "shared_experts", "-1");
+  expect_rejected(with([](MoeConfig& m) { m.shared_ffn = -4; }), "shared_ffn", "-4");
+  expect_rejected(with([](MoeConfig& m) { m.shared_side_stream = true; }), "shared_side_stream",
+                  "true");
   EXPECT_EQ(parse_group_score("max"), GroupScore::max);
   EXPECT_EQ(parse_group_score("top2_sum"), GroupScore::top2_sum);
   expect_rejected([] { parse_group_score("sum"); }, "group_score", "'sum'");

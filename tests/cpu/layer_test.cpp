@@ -376,6 +376,15 @@ TEST(Layer, SharedExpertsEqualTheLayerWithoutPlusADenseSwiGLU) {
     expect_close(a.dw2, b.dw2, 1e-13, "dw2");
     expect_close(sum(a.d_shared_w1), dw1, 1e-13, "shared w1 gradient");
     expect_close(sum(a.d_shared_w2), dw2, 1e-13, "shared w2 gradient");
+    // On a side stream (the CPU backend runs it in place): the same values.
+    LayerCase side = with;
+    side.moe.shared_side_stream = true;
+    const LayerRun c = run_layer(side, x, g);
+    for (int r = 0; r < 2; ++r) {
+      expect_close(c.y[size_t(r)], a.y[size_t(r)], 0.0, "y, side stream");
+      expect_close(c.dx[size_t(r)], a.dx[size_t(r)], 0.0, "dx, side stream");
+    }
+    expect_close(sum(c.d_shared_w1), sum(a.d_shared_w1), 0.0, "shared w1 gradient, side stream");
     EXPECT_GT(a.stats[0].spill_rounds + a.stats[1].spill_rounds, 0) << "no spill round ran";
     // Central differences of the objective (two passes: twice the one-pass gradient).
     LayerCase once = with;

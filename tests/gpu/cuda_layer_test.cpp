@@ -79,6 +79,7 @@ struct LayerParam {
   int groups = 1, topk_groups = 1;
   double scale = 1.0, seq_aux = 0.0;
   int seq_len = 0, shared_experts = 0;
+  bool side_stream = false;  // the shared experts on the backend's side stream
 };
 
 class CudaLayerTest : public ::testing::TestWithParam<LayerParam> {};
@@ -105,6 +106,8 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   c.moe.seq_len = lp.seq_len;
   c.moe.shared_experts = lp.shared_experts;
   c.ranks = 1;
+  LayerCase gpu_case = c;  // the CPU layer runs the shared experts in place either way
+  gpu_case.moe.shared_side_stream = lp.side_stream;
   c.dtype = DType::f32;
   const uint64_t seed = uint64_t(lp.H + lp.E * 3 + lp.T * 7 + lp.K);
   const GlobalParams p = rounded_params(c.moe, seed, lp.hot);
@@ -112,7 +115,7 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   const auto g = round_bf16(random_values(size_t(lp.T * lp.H), seed + 11, -1, 1));
   const LayerRun cpu = run_layer(c, {x}, {g}, p);
 
-  GpuLayer gl(c.moe, c.echo, c.seed);
+  GpuLayer gl(gpu_case.moe, c.echo, c.seed);
   gl.set(p);
   OwnedTensor xt(*gl.be, DType::bf16, {lp.T, lp.H}), yt(*gl.be, DType::bf16, {lp.T, lp.H}),
       gt(*gl.be, DType::bf16, {lp.T, lp.H}), dxt(*gl.be, DType::bf16, {lp.T, lp.H});
@@ -193,7 +196,13 @@ INSTANTIATE_TEST_SUITE_P(
         LayerParam{"deepseek_routing_spill", 64, 32, 32, 4, 128, 100, ScoreFunction::sigmoid, 0.4,
                    -1, true, 8, 2, 2.5, 0.01, 30, 2},
         LayerParam{"shared_no_tokens", 64, 32, 8, 2, 16, 0, ScoreFunction::softmax, 1.25, -1, true,
-                   1, 1, 1.0, 0.0, 0, 1}),
+                   1, 1, 1.0, 0.0, 0, 1},
+        // The shared experts on the side stream: without spill rounds (joined in round 0) and
+        // with them (joined before the rounds).
+        LayerParam{"shared_side_stream", 128, 64, 64, 8, 256, 256, ScoreFunction::sigmoid, 1.25, -1,
+                   true, 8, 4, 2.5, 0.01, 64, 1, true},
+        LayerParam{"shared_side_stream_spill", 64, 32, 32, 4, 128, 100, ScoreFunction::sigmoid, 0.4,
+                   -1, true, 8, 2, 2.5, 0.0, 0, 2, true}),
     layer_name);
 
 // =================================================================================================
