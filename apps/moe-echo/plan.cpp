@@ -156,10 +156,12 @@ int run_plan(const PlanOptions& o) {
   if (l.etp > 1) out << ", ETP gather " << fmt(lt.etp_bytes / 1e6, 1) << " MB";
   out << "\n";
   std::snprintf(line, sizeof line,
-                "  dispatch/combine %.3f ms, clones %.3f ms, expert GEMM %.3f ms, launches %.3f "
-                "ms -> %.3f ms per layer%s\n",
-                lt.comm_ms, lt.clone_ms, lt.gemm_ms, lt.host_ms, lt.layer_ms,
-                in.train.overlap ? " (overlapped)" : "");
+                "  dispatch/combine %.3f ms, clones %.3f ms, expert GEMM %.3f ms, shared experts "
+                "%.3f ms, launches %.3f ms -> %.3f ms per layer%s\n",
+                lt.comm_ms, lt.clone_ms, lt.gemm_ms, lt.shared_ms, lt.host_ms, lt.layer_ms,
+                in.train.overlap                 ? " (overlapped)"
+                : in.train.shared_expert_overlap ? " (shared experts beside dispatch/combine)"
+                                                 : "");
   out << line << "  MoE time of one micro-batch on one stage: " << fmt(rep.stage_ms, 2)
       << " ms\n\n";
   out << "binding wall: " << rep.binding_wall << " (" << rep.reason << ")\n";
@@ -195,6 +197,7 @@ int run_plan(const PlanOptions& o) {
                      {"spare_slots", t.spare_slots},
                      {"max_clones", t.max_clones},
                      {"overlap", t.overlap},
+                     {"shared_expert_overlap", t.shared_expert_overlap},
                      {"distributed_optimizer", t.distributed_optimizer},
                      {"recompute", t.recompute},
                      {"grad_dtype", t.grad_dtype},
@@ -229,6 +232,7 @@ int run_plan(const PlanOptions& o) {
                       {"recompute_experts_saves", mem.recompute_experts_saves_gb}};
     j["layer"] = {{"tokens", lt.tokens},
                   {"capacity_rows", lt.capacity_rows},
+                  {"shared_ms", lt.shared_ms},
                   {"ranks_per_token", lt.ranks_per_token},
                   {"max_ranks_per_token", lt.max_ranks_per_token},
                   {"dispatch_bytes", lt.dispatch_bytes},
@@ -313,6 +317,9 @@ void add_plan(CLI::App& app, Runner& run) {
       ->capture_default_str();
   cmd->add_option("--max-clones", o->train.max_clones, "ECHO clones per expert per step")
       ->capture_default_str();
+  cmd->add_option("--shared-expert-overlap", o->train.shared_expert_overlap,
+                  "run the model's shared experts beside dispatch/combine (on/off; not with "
+                  "--overlap)");
   cmd->add_option("--overlap", o->train.overlap,
                   "overlap dispatch/combine with computation (on/off)")
       ->capture_default_str();

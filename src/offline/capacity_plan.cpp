@@ -74,6 +74,7 @@ ModelSpec model_preset(const std::string& name) {
   m.layers = p->moe_layers;
   m.expert_groups = p->expert_groups;
   m.topk_groups = p->topk_groups;
+  m.shared_experts = p->shared_experts;
   return m;
 }
 
@@ -151,6 +152,16 @@ std::vector<Finding> check(const WallsInput& in) {
     error("vpp", invalid("vpp", l.vpp,
                          "a divisor of the layers per pipeline stage (" +
                              std::to_string(m.layers / l.pp) + ")"));
+  if (m.shared_experts < 0)
+    error("shared_experts", invalid("shared_experts", m.shared_experts, "shared_experts >= 0"));
+  if (t.shared_expert_overlap && t.overlap)
+    error("shared_expert_overlap",
+          invalid("shared_expert_overlap", "true",
+                  "false with overlap (both put work on the one stream beside the expert "
+                  "GEMMs: the shared experts or the dispatch/combine)"));
+  if (t.shared_expert_overlap && m.shared_experts == 0)
+    error("shared_expert_overlap",
+          invalid("shared_expert_overlap", "true", "false without shared experts"));
   if (t.overlap && l.ep == 1)
     error("overlap", invalid("overlap", "true",
                              "only with ep > 1 (ep = 1 has no dispatch or "
@@ -313,10 +324,19 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   double flops = CostModel::train_flops(busiest_rows, m.hidden, m.ffn) / l.etp;
   if (t.recompute == "experts") flops += 4.0 * busiest_rows * H * F / l.etp;  // fc1 again
   lt.gemm_ms = cost.gemm_ms(flops);
+  lt.shared_ms =
+      cost.gemm_ms(CostModel::train_flops(T, m.hidden, m.shared_experts * m.ffn) / l.etp);
   lt.host_ms = cost.launch_ms(t.kernels_per_layer, t.cuda_graphs);
   const double comm = lt.comm_ms + lt.clone_ms;
-  const double gpu_ms = t.overlap ? std::max(lt.gemm_ms, comm) : lt.gemm_ms + comm;
-  lt.exposed_comm_ms = t.overlap ? std::max(0.0, comm - lt.gemm_ms) : comm;
+  double gpu_ms = 0;
+  if (t.shared_expert_overlap) {  // the shared experts beside dispatch/combine
+    gpu_ms = lt.gemm_ms + std::max(lt.shared_ms, comm);
+    lt.exposed_comm_ms = std::max(0.0, comm - lt.shared_ms);
+  } else {
+    const double gemm = lt.gemm_ms + lt.shared_ms;
+    gpu_ms = t.overlap ? std::max(gemm, comm) : gemm + comm;
+    lt.exposed_comm_ms = t.overlap ? std::max(0.0, comm - gemm) : comm;
+  }
   lt.layer_ms = std::max(gpu_ms, lt.host_ms);
   r.stage_ms = Lp * lt.layer_ms;
 
