@@ -3,8 +3,9 @@
 # and the router and layer benchmarks with all cores; runs the router's GPU tests (plain, group-
 # limited, scaled and sequence-loss routes against the CPU reference) and the layer's; then
 # router_bench (group-limited forward + backward against plain top-k at E 256, top-8, 8192
-# tokens; target at most 1.2x) and layer_bench --shared (the DeepSeek-V3-shaped layer with and
-# without its shared expert; target at most 1.1x). Logs and JSON go to $OUT (default
+# tokens; target at most 1.2x) and layer_bench --shared (the DeepSeek-V3-shaped layer, 32 of its
+# experts on one GPU, without its shared expert, with it on the step's stream and with it on the
+# side stream; target at most 1.1x). Logs and JSON go to $OUT (default
 # out/router_round); a short table is printed last.
 # BUILD_DIR (default build-gpu); SKIP_BUILD=1 uses a build dir made elsewhere.
 set -uo pipefail
@@ -30,8 +31,9 @@ tests_rc=$?
 layer_rc=$?
 "$build"/router_bench --out "$OUT/router_bench.json" >"$OUT/router_bench.log" 2>&1
 bench_rc=$?
-"$build"/layer_bench --shared 1 --config deepseek-v3 --out "$OUT/layer_shared.json" \
-  >"$OUT/layer_shared.log" 2>&1
+mkdir -p /tmp/moe_echo_layer  # the layer inputs layer_bench dumps (not brought back)
+"$build"/layer_bench --shared 1 --config deepseek-v3 --dump /tmp/moe_echo_layer \
+  --out "$OUT/layer_shared.json" >"$OUT/layer_shared.log" 2>&1
 shared_rc=$?
 
 grep -E "Failure|rel error|Expected|Which is" "$OUT/router_tests.log" "$OUT/layer_tests.log" |
@@ -42,4 +44,4 @@ echo "layer GPU tests:  $(grep -E '^\[  (PASSED|FAILED)' "$OUT/layer_tests.log" 
 echo "router_bench (rc $bench_rc; target: group-limited at most 1.2x plain):"
 tail -n 7 "$OUT/router_bench.log"
 echo "layer_bench --shared (rc $shared_rc; target: with the shared expert at most 1.1x without):"
-tail -n 6 "$OUT/layer_shared.log"
+tail -n 7 "$OUT/layer_shared.log"
