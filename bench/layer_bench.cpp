@@ -4,7 +4,12 @@
 // the PyTorch layer on exactly the same routing; for cases with small experts it also writes the
 // expert weights and our outputs, and the script checks them numerically before timing.
 //
+// With --shared 1 each config also runs with its model's shared experts (DeepSeek-V3: one, of
+// size F; configs without one get one, to time it), on the step's stream and on the side stream,
+// and the table gives the step time over the same layer without them (target: at most 1.1x).
+//
 // usage: layer_bench --dump DIR --out results.json [--iters N] [--warmup N] [--config NAME[,NAME]]
+//                    [--shared 1]
 //        layer_bench --profile 1 [--config NAME]   (one uniform-routing step of each config, for
 //                                                   a kernel profiler: no timing, no dump)
 #include <cuda_runtime.h>
@@ -13,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -31,12 +37,15 @@ namespace {
 struct Case {
   std::string name;
   int experts, top_k, hidden, ffn;
-  bool dump_weights;  // experts small enough to hand to the PyTorch script for a numeric check
+  bool dump_weights;       // experts small enough to hand to the PyTorch script for a numeric check
+  int shared_experts = 0;  // with --shared 1: the model's, at least one
+  bool side_stream = false;  // the shared experts on the backend's side stream
 };
 
 // `experts` experts of a model's layer on one GPU.
 Case slice(const ModelPreset& p, int experts, bool dump_weights) {
-  return {std::string(p.name), experts, p.top_k, p.hidden, p.ffn, dump_weights};
+  return {std::string(p.name),          experts, p.top_k, p.hidden, p.ffn, dump_weights,
+          std::max(1, p.shared_experts)};
 }
 
 #define CHECK_CUDA(x)                                                     \
@@ -65,7 +74,7 @@ double median(std::vector<double> v) {
 int main(int argc, char** argv) {
   std::string dump_dir = "/tmp/moe_echo_layer", out = "layer_bench.json", only;
   int iters = 20, warmup = 5, tokens = 8192;
-  bool profile = false;
+  bool profile = false, shared = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
     if (a == "--dump")
@@ -82,6 +91,8 @@ int main(int argc, char** argv) {
       tokens = std::stoi(v);
     else if (a == "--profile")
       profile = std::stoi(v) != 0;
+    else if (a == "--shared")
+      shared = std::stoi(v) != 0;
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -95,9 +106,23 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%-14s %-9s %10s %10s %12s\n", "config", "skew", "fwd_ms", "fwd+bwd_ms",
-              "expert TF/s");
+  std::printf("%-14s %-9s %6s %5s %10s %10s %12s %9s\n", "config", "skew", "shared", "side",
+              "fwd_ms", "fwd+bwd_ms", "expert TF/s", "vs plain");
+  std::vector<Case> runs;
   for (const Case& c : cases) {
+    Case plain = c;
+    plain.shared_experts = 0;
+    runs.push_back(plain);
+    if (shared && !profile) {
+      Case with = c;
+      with.dump_weights = false;
+      runs.push_back(with);
+      with.side_stream = true;
+      runs.push_back(with);
+    }
+  }
+  std::map<std::string, double> plain_ms;  // config + skew: step time without shared experts
+  for (const Case& c : runs) {
     if (!only.empty() && ("," + only + ",").find("," + c.name + ",") == std::string::npos) continue;
     // One layer per config (its expert weights take a while to draw on the host); each skew
     // writes its own router weight and tokens.
@@ -109,6 +134,8 @@ int main(int argc, char** argv) {
     m.experts = c.experts;
     m.top_k = c.top_k;
     m.max_tokens = tokens;
+    m.shared_experts = c.shared_experts;
+    m.shared_side_stream = c.side_stream;
     EchoConfig echo;
     echo.enabled = false;        // one GPU: nothing to balance
     echo.capacity_factor = 1.0;  // one rank receives exactly T * K rows
@@ -172,7 +199,9 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaStreamSynchronize(s));
       const StepStats st = layer.stats();
       const double flops = 3.0 * 6.0 * double(T) * c.top_k * c.hidden * c.ffn;
-      const std::string tag = c.name + "_" + (skew_name == "uniform" ? "uniform" : "zipf1.2");
+      const std::string tag = c.name + "_" + (skew_name == "uniform" ? "uniform" : "zipf1.2") +
+                              (c.shared_experts > 0 ? "_shared" : "") +
+                              (c.side_stream ? "_side" : "");
       const std::string base = dump_dir + "/" + tag;
       dump(*be, x, base + "_x.bin");
       dump(*be, dy, base + "_dy.bin");
@@ -183,8 +212,12 @@ int main(int argc, char** argv) {
         dump(*be, y, base + "_y.bin");
         dump(*be, dx, base + "_dx.bin");
       }
-      std::printf("%-14s %-9s %10.3f %10.3f %12.1f\n", c.name.c_str(), skew_name.c_str(), fwd_ms,
-                  step_ms, flops / (step_ms * 1e-3) / 1e12);
+      if (c.shared_experts == 0) plain_ms[c.name + skew_name] = step_ms;
+      const double over_plain =
+          plain_ms.count(c.name + skew_name) ? step_ms / plain_ms[c.name + skew_name] : 0.0;
+      std::printf("%-14s %-9s %6d %5s %10.3f %10.3f %12.1f %8.3fx\n", c.name.c_str(),
+                  skew_name.c_str(), c.shared_experts, c.side_stream ? "on" : "off", fwd_ms,
+                  step_ms, flops / (step_ms * 1e-3) / 1e12, over_plain);
       results.push_back({{"config", c.name},
                          {"skew", skew_name},
                          {"tag", tag},
@@ -192,6 +225,9 @@ int main(int argc, char** argv) {
                          {"top_k", c.top_k},
                          {"hidden", c.hidden},
                          {"ffn", c.ffn},
+                         {"shared_experts", c.shared_experts},
+                         {"shared_side_stream", c.side_stream},
+                         {"over_no_shared", over_plain},
                          {"tokens", T},
                          {"fwd_ms", fwd_ms},
                          {"fwd_bwd_ms", step_ms},

@@ -63,6 +63,8 @@ def main():
     print(f"{'config':14s} {'skew':9s} {'torch ms':>9s} {'ours ms':>9s} {'ours/torch':>10s} "
           f"{'torch TF/s':>10s} {'y err':>9s} {'dx err':>9s}")
     for r in ours["results"]:
+        if r.get("shared_experts", 0):  # layer_bench --shared rows: no PyTorch counterpart here
+            continue
         T, H, E, K, FF = r["tokens"], r["hidden"], r["experts"], r["top_k"], r["ffn"]
         base = os.path.join(args.dump, r["tag"])
         x = load(base + "_x.bin", torch.bfloat16, (T, H))

@@ -60,7 +60,9 @@ struct StepRow {
   int clones = 0;
   int64_t clone_bytes = 0, overflow_rows = 0;
   int spill_rounds = 0;
-  double aux_loss = 0, z_loss = 0;
+  double aux_loss = 0, z_loss = 0, seq_aux_loss = 0;
+  double ranks_per_token = 0;  // rank 0's tokens: mean ranks their rows go to
+  int max_ranks_per_token = 0;
   std::vector<int32_t> load_before, load_after;
 };
 
@@ -89,6 +91,14 @@ struct Report {
         to_string(moe.score_function), moe.max_tokens, L.ep, L.echo.enabled ? "on" : "off",
         L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.echo.capacity_factor,
         o.skew.c_str());
+    if (moe.expert_groups > 1 || moe.routed_scaling_factor != 1.0 || moe.seq_aux_loss_coeff > 0 ||
+        moe.shared_experts > 0)
+      std::printf(
+          "routing: %d expert groups, top %d by %s, weights %s x %.3g, sequence aux loss %g "
+          "(sequences of %d), %d shared expert(s)\n",
+          moe.expert_groups, moe.topk_groups, to_string(moe.group_score),
+          moe.normalize_topk ? "normalised" : "raw", moe.routed_scaling_factor,
+          moe.seq_aux_loss_coeff, moe.seq_len, moe.shared_experts);
     if (!dispatcher.empty())
       std::printf(
           "GPU ranks: %d x %s, dispatcher %s, capture %s (times: CUDA events, max over "
@@ -129,6 +139,9 @@ struct Report {
     row.spill_rounds = st.spill_rounds;
     row.aux_loss = st.aux_loss;
     row.z_loss = st.z_loss;
+    row.seq_aux_loss = st.seq_aux_loss;
+    row.ranks_per_token = st.ranks_per_token_mean;
+    row.max_ranks_per_token = st.ranks_per_token_max;
     row.load_before = st.load_before;
     row.load_after = st.load_after;
     std::printf("%5d %9.3f %9.3f %11.0f %12.3f %12.3f %6d %9lld %6d\n", row.step, row.fwd_ms,
@@ -144,7 +157,8 @@ struct Report {
 void Report::summary() const {
   const MoeConfig& moe = L.moe;
   const int R = L.ep, T = moe.max_tokens, H = moe.hidden;
-  std::vector<double> f, b, tps, before, after, clones, clone_bytes;
+  std::vector<double> f, b, tps, before, after, clones, clone_bytes, reach;
+  int reach_max = 0;
   int64_t overflow = 0;
   int spill_steps = 0;
   for (const StepRow& r : rows) {
@@ -157,6 +171,8 @@ void Report::summary() const {
     after.push_back(r.mm_echo);
     clones.push_back(r.clones);
     clone_bytes.push_back(double(r.clone_bytes));
+    reach.push_back(r.ranks_per_token);
+    reach_max = std::max(reach_max, r.max_ranks_per_token);
     overflow += r.overflow_rows;
     spill_steps += r.spill_rounds > 0;
   }
@@ -173,6 +189,8 @@ void Report::summary() const {
         "  rank load max/mean with ECHO:    mean %.3f, p99 %.3f; %.2f clones/step, "
         "%.1f KiB clone traffic/step\n",
         mean(after), percentile(after, 0.99), mean(clones), mean(clone_bytes) / 1024);
+  std::printf("  ranks a token's rows go to (rank 0's tokens): mean %.2f, at most %d\n",
+              mean(reach), reach_max);
   std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
               (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
   if (!phase_names.empty()) {
@@ -199,6 +217,14 @@ void Report::summary() const {
                  {"tokens_per_rank", T},
                  {"ep", R},
                  {"score_function", to_string(moe.score_function)},
+                 {"normalize_topk", moe.normalize_topk},
+                 {"expert_groups", moe.expert_groups},
+                 {"topk_groups", moe.topk_groups},
+                 {"group_score", to_string(moe.group_score)},
+                 {"routed_scaling_factor", moe.routed_scaling_factor},
+                 {"seq_aux_loss_coeff", moe.seq_aux_loss_coeff},
+                 {"seq_len", moe.seq_len},
+                 {"shared_experts", moe.shared_experts},
                  {"echo", L.echo.enabled},
                  {"spare_slots", L.echo.spare_slots_per_rank},
                  {"max_clones", L.echo.max_clones_per_expert},
@@ -231,13 +257,18 @@ void Report::summary() const {
                           {"overflow_rows", r.overflow_rows},
                           {"spill_rounds", r.spill_rounds},
                           {"aux_loss", r.aux_loss},
-                          {"z_loss", r.z_loss}});
+                          {"z_loss", r.z_loss},
+                          {"seq_aux_loss", r.seq_aux_loss},
+                          {"ranks_per_token", r.ranks_per_token},
+                          {"max_ranks_per_token", r.max_ranks_per_token}});
   json s = {{"fwd_ms", fwd_ms},
             {"bwd_ms", bwd_ms},
             {"tokens_per_s", tokens_per_s},
             {"load_max_over_mean_no_echo", mean(before)},
             {"load_max_over_mean_no_echo_p99", percentile(before, 0.99)},
             {"clones_per_step", mean(clones)},
+            {"ranks_per_token", mean(reach)},
+            {"max_ranks_per_token", reach_max},
             {"clone_bytes_per_step", mean(clone_bytes)},
             {"overflow_rows", overflow},
             {"steps_with_spill", spill_steps}};

@@ -42,6 +42,23 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
              "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
              "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
   add_option(cmd, "--score", o.score, "Router score function: softmax or sigmoid");
+  add_option(cmd, "--expert-groups", o.expert_groups,
+             "Group-limited top-k: experts in G groups of E/G (1 <= G <= " +
+                 std::to_string(kMaxExpertGroups) + "; preset's, 1 = no limit)");
+  add_option(cmd, "--topk-groups", o.topk_groups,
+             "Groups each token picks its experts from (1 <= n <= G; preset's)");
+  add_option(cmd, "--group-score", o.group_score,
+             "How a group is scored: top2_sum (sum of its two best keys, DeepSeek-V3) or max");
+  add_option(cmd, "--routed-scaling", o.routed_scaling,
+             "Combine weights times this factor after normalisation (preset's, 1 = none)");
+  add_option(cmd, "--shared-experts", o.shared_experts,
+             "Dense SwiGLU experts of size F every token goes through (preset's)");
+  cmd->add_flag("--shared-side-stream", o.shared_side_stream,
+                "Run the shared experts on a second stream beside the router and dispatch");
+  add_option(cmd, "--seq-aux-loss", o.seq_aux_loss_coeff,
+             "Sequence-level aux loss coefficient (default 0; needs --seq-len)");
+  add_option(cmd, "--seq-len", o.seq_len,
+             "Tokens per sequence of the sequence-level aux loss (consecutive tokens)");
   add_option(cmd, "--aux-loss", o.aux_loss_coeff,
              "Aux load-balancing loss coefficient (default 0)");
   add_option(cmd, "--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
@@ -83,6 +100,16 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
     r.tokens_reduced_for_cpu = true;
   }
   r.moe.score_function = o.score ? parse_score_function(*o.score, "score") : p.score;
+  r.moe.normalize_topk = p.normalize_topk;
+  r.moe.expert_groups = o.expert_groups.value_or(p.expert_groups);
+  r.moe.topk_groups = o.topk_groups.value_or(o.expert_groups ? r.moe.expert_groups : p.topk_groups);
+  r.moe.group_score =
+      o.group_score ? parse_group_score(*o.group_score, "group_score") : p.group_score;
+  r.moe.routed_scaling_factor = o.routed_scaling.value_or(p.routed_scaling_factor);
+  r.moe.shared_experts = o.shared_experts.value_or(p.shared_experts);
+  r.moe.shared_side_stream = o.shared_side_stream;
+  r.moe.seq_aux_loss_coeff = o.seq_aux_loss_coeff;
+  r.moe.seq_len = o.seq_len;
   r.moe.aux_loss_coeff = o.aux_loss_coeff;
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;

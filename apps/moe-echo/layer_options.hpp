@@ -19,10 +19,14 @@ struct LayerOptions {
   std::string backend = "auto";
   std::optional<int> hidden, ffn, experts, top_k, tokens, ep, spare_slots, max_clones;
   std::optional<double> capacity_factor;
-  std::optional<std::string> score;
+  std::optional<std::string> score, group_score;
+  std::optional<int> expert_groups, topk_groups, shared_experts;
+  std::optional<double> routed_scaling;
+  double seq_aux_loss_coeff = 0.0;
+  int seq_len = 0;
   std::string echo = "on";
   double aux_loss_coeff = 0.0, z_loss_coeff = 0.0;
-  bool bias_update = false;
+  bool bias_update = false, shared_side_stream = false;
   std::optional<int64_t> clone_cost_rows;
   uint64_t seed = 1;
 };

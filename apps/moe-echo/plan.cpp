@@ -27,7 +27,7 @@ using namespace moe_echo::offline;
 
 struct PlanOptions {
   std::string model{ModelSpec{}.name};
-  std::optional<int> hidden, ffn, experts, top_k, layers;
+  std::optional<int> hidden, ffn, experts, top_k, layers, expert_groups, topk_groups;
   int seq_len = 4096, micro_batch = 1;
   std::string dtype = "bf16";
   LayoutSpec layout;
@@ -55,6 +55,10 @@ int run_plan(const PlanOptions& o) {
   if (o.ffn) in.model.ffn = *o.ffn;
   if (o.experts) in.model.experts = *o.experts;
   if (o.top_k) in.model.top_k = *o.top_k;
+  if (o.expert_groups) in.model.expert_groups = *o.expert_groups;
+  if (o.topk_groups) in.model.topk_groups = *o.topk_groups;
+  // Another expert count without groups given: no group limit.
+  if (o.experts && !o.expert_groups) in.model.expert_groups = in.model.topk_groups = 1;
   if (o.layers) in.model.layers = *o.layers;
   in.model.seq_len = o.seq_len;
   in.model.micro_batch = o.micro_batch;
@@ -167,15 +171,23 @@ int run_plan(const PlanOptions& o) {
   out << "per MoE layer and micro-batch, forward + backward, busiest rank:\n"
       << "  tokens per GPU " << lt.tokens << "; receive window " << lt.capacity_rows
       << " rows (capacity factor " << fmt(in.train.capacity_factor, 2) << ")\n"
+      << "  EP ranks a token's row goes to: " << fmt(lt.ranks_per_token, 2)
+      << " expected under uniform routing, at most " << lt.max_ranks_per_token;
+  if (in.model.expert_groups > 1)
+    out << " (top " << in.model.topk_groups << " of " << in.model.expert_groups
+        << " expert groups)";
+  out << "\n"
       << "  dispatch " << fmt(lt.dispatch_bytes / 1e6, 1) << " MB, combine "
       << fmt(lt.combine_bytes / 1e6, 1) << " MB leaving each GPU per direction (forward)";
   if (l.etp > 1) out << ", ETP gather " << fmt(lt.etp_bytes / 1e6, 1) << " MB";
   out << "\n";
   std::snprintf(line, sizeof line,
-                "  dispatch/combine %.3f ms, clones %.3f ms, expert GEMM %.3f ms, launches %.3f "
-                "ms -> %.3f ms per layer%s\n",
-                lt.comm_ms, lt.clone_ms, lt.gemm_ms, lt.host_ms, lt.layer_ms,
-                in.train.overlap ? " (overlapped)" : "");
+                "  dispatch/combine %.3f ms, clones %.3f ms, expert GEMM %.3f ms, shared experts "
+                "%.3f ms, launches %.3f ms -> %.3f ms per layer%s\n",
+                lt.comm_ms, lt.clone_ms, lt.gemm_ms, lt.shared_ms, lt.host_ms, lt.layer_ms,
+                in.train.overlap                 ? " (overlapped)"
+                : in.train.shared_expert_overlap ? " (shared experts beside dispatch/combine)"
+                                                 : "");
   out << line << "  MoE time of one micro-batch on one stage: " << fmt(rep.stage_ms, 2)
       << " ms\n\n";
   out << "binding wall: " << rep.binding_wall << " (" << rep.reason << ")\n";
@@ -211,6 +223,7 @@ int run_plan(const PlanOptions& o) {
                      {"spare_slots", t.spare_slots},
                      {"max_clones", t.max_clones},
                      {"overlap", t.overlap},
+                     {"shared_expert_overlap", t.shared_expert_overlap},
                      {"distributed_optimizer", t.distributed_optimizer},
                      {"recompute", t.recompute},
                      {"grad_dtype", t.grad_dtype},
@@ -245,6 +258,9 @@ int run_plan(const PlanOptions& o) {
                       {"recompute_experts_saves", mem.recompute_experts_saves_gb}};
     j["layer"] = {{"tokens", lt.tokens},
                   {"capacity_rows", lt.capacity_rows},
+                  {"shared_ms", lt.shared_ms},
+                  {"ranks_per_token", lt.ranks_per_token},
+                  {"max_ranks_per_token", lt.max_ranks_per_token},
                   {"dispatch_bytes", lt.dispatch_bytes},
                   {"combine_bytes", lt.combine_bytes},
                   {"etp_bytes", lt.etp_bytes},
@@ -300,6 +316,9 @@ void add_plan(CLI::App& app, Runner& run) {
   add_option(cmd, "--ffn", o->ffn, "expert FFN size F");
   add_option(cmd, "--experts", o->experts, "routed experts E");
   add_option(cmd, "--top-k", o->top_k, "experts per token K");
+  add_option(cmd, "--expert-groups", o->expert_groups,
+             "group-limited routing: experts in G groups (the model's; 1: no limit)");
+  add_option(cmd, "--topk-groups", o->topk_groups, "groups a token picks its experts from");
   add_option(cmd, "--layers", o->layers, "MoE layers");
   add_option(cmd, "--seq-len", o->seq_len, "sequence length")->capture_default_str();
   add_option(cmd, "--micro-batch", o->micro_batch, "sequences per micro-batch")
@@ -324,6 +343,9 @@ void add_plan(CLI::App& app, Runner& run) {
       ->capture_default_str();
   add_option(cmd, "--max-clones", o->train.max_clones, "ECHO clones per expert per step")
       ->capture_default_str();
+  add_option(cmd, "--shared-expert-overlap", o->train.shared_expert_overlap,
+             "run the model's shared experts beside dispatch/combine (on/off; not with "
+             "--overlap)");
   add_option(cmd, "--overlap", o->train.overlap,
              "overlap dispatch/combine with computation (on/off)")
       ->capture_default_str();

@@ -31,6 +31,7 @@ const GeneratorConfig kGen;
 
 struct SimulateOptions {
   int ep = kSim.ranks, experts = kSim.experts, top_k = kSim.top_k, tokens = kGen.tokens;
+  int expert_groups = kSim.expert_groups, topk_groups = kSim.topk_groups;
   std::optional<int> steps, layers;
   int spare_slots = kSim.spare_slots, max_clones = kSim.max_clones;
   int eplb_period = kSim.eplb_period, threads = kSim.threads;
@@ -84,6 +85,8 @@ int run_simulate(const SimulateOptions& o) {
   sc.ranks = o.ep;
   sc.experts = o.experts;
   sc.top_k = o.top_k;
+  sc.expert_groups = o.expert_groups;
+  sc.topk_groups = o.topk_groups;
   sc.spare_slots = o.spare_slots;
   sc.max_clones = o.max_clones;
   sc.clone_cost_rows = o.clone_cost_rows;
@@ -160,6 +163,11 @@ int run_simulate(const SimulateOptions& o) {
       << " spare slot(s) per rank, max " << c.max_clones << " clone(s) per expert\n"
       << "trace: " << res.trace << "\n"
       << "rows per rank (mean): " << fmt(res.mean_rows_per_rank, 0) << "\n"
+      << "ranks a token's rows go to: " << fmt(res.ranks_per_token, 2)
+      << " expected under uniform routing, at most " << res.max_ranks_per_token;
+  if (c.expert_groups > 1)
+    out << " (top " << c.topk_groups << " of " << c.expert_groups << " expert groups)";
+  out << "\n"
       << "cost model: " << gpu.name << ", GEMM " << fmt(gpu.gemm_tflops, 0) << " TFLOP/s, NVLink "
       << fmt(gpu.nvlink_gbps, 0) << " GB/s, network " << fmt(gpu.network_gbps, 0) << " GB/s, "
       << gpu.gpus_per_node << " GPUs/node; H " << c.hidden << ", F " << c.ffn << "; clone "
@@ -192,6 +200,10 @@ int run_simulate(const SimulateOptions& o) {
     j["config"] = {{"ep", c.ranks},
                    {"experts", c.experts},
                    {"top_k", c.top_k},
+                   {"expert_groups", c.expert_groups},
+                   {"topk_groups", c.topk_groups},
+                   {"ranks_per_token", res.ranks_per_token},
+                   {"max_ranks_per_token", res.max_ranks_per_token},
                    {"steps", res.steps},
                    {"layers", res.layers},
                    {"spare_slots", c.spare_slots},
@@ -252,6 +264,11 @@ void add_simulate(CLI::App& app, Runner& run) {
   add_option(cmd, "--ep", o->ep, "EP size R (source and destination ranks)")->capture_default_str();
   add_option(cmd, "--experts", o->experts, "routed experts E")->capture_default_str();
   add_option(cmd, "--top-k", o->top_k, "experts per token K")->capture_default_str();
+  add_option(cmd, "--expert-groups", o->expert_groups,
+             "group-limited routing: experts in G groups (1: no limit)")
+      ->capture_default_str();
+  add_option(cmd, "--topk-groups", o->topk_groups, "groups a token picks its experts from")
+      ->capture_default_str();
   add_option(cmd, "--tokens", o->tokens, "generator: tokens per rank per step T")
       ->capture_default_str();
   add_option(cmd, "--steps", o->steps,

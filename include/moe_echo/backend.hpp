@@ -41,15 +41,32 @@ struct GroupWindow : RoundWindow {
 };
 
 // The router's options, the same in its forward and its backward.
+// Selection: per token, with expert_groups G > 1, its topk_groups best groups by group_score of
+// the selection keys (score + bias; ties to the lower group), then the top K keys among the
+// experts of those groups (ties to the lower expert). Combine weights: the chosen experts'
+// unbiased scores, normalised to sum 1 when normalize_topk, times routed_scaling_factor.
 struct RouterConfig {
   ScoreFunction score_function = ScoreFunction::softmax;
   bool normalize_topk = true;
-  double aux_loss_coeff = 0;  // the backward takes the aux and z losses with upstream gradient 1
+  double aux_loss_coeff = 0;  // the backward takes every loss with upstream gradient 1
   double z_loss_coeff = 0;
+  int expert_groups = 1;
+  int topk_groups = 1;
+  GroupScore group_score = GroupScore::top2_sum;
+  double routed_scaling_factor = 1.0;
+  double seq_aux_loss_coeff = 0;  // the aux loss per run of seq_len tokens, averaged over runs
+  int seq_len = 0;
 };
 // A layer's router options (MoeConfig's fields of the same names).
 inline RouterConfig router_config(const MoeConfig& m) {
-  return RouterConfig{m.score_function, m.normalize_topk, m.aux_loss_coeff, m.z_loss_coeff};
+  return RouterConfig{m.score_function, m.normalize_topk,        m.aux_loss_coeff,
+                      m.z_loss_coeff,   m.expert_groups,         m.topk_groups,
+                      m.group_score,    m.routed_scaling_factor, m.seq_aux_loss_coeff,
+                      m.seq_len};
+}
+// Runs of seq_len tokens among T (the last may be shorter); 0 without a sequence-level loss.
+inline int64_t router_sequences(const RouterConfig& c, int64_t T) {
+  return c.seq_aux_loss_coeff != 0 && c.seq_len > 0 ? (T + c.seq_len - 1) / c.seq_len : 0;
 }
 
 // The router's tensors in its forward and its backward: the forward reads x and weight and writes
@@ -67,7 +84,7 @@ struct RouterTensors {
 struct RouterForwardArgs {
   RouterTensors tensors;  // x, weight in; the others out
   Tensor bias;            // [E] float, added to scores for expert selection only
-  Tensor losses;          // out [2] float: aux loss, z loss (coefficients applied)
+  Tensor losses;          // out [3] float: aux, z and sequence aux losses (coefficients applied)
   RouterConfig config;
 };
 
@@ -241,6 +258,13 @@ class Backend {
                                 const std::function<void(Stream)>& body, Stream s) {
     body(s);
   }
+  // Enqueues `body` on the backend's side stream, after the work enqueued on `s` so far, and
+  // returns; join_side(s) makes the work enqueued on `s` after it wait for all of body's. Only the
+  // grouped GEMMs and SwiGLU may run in body (the CUDA backend gives the side stream a grouped
+  // GEMM of its own; the other ops share a scratch arena). One fork at a time, each joined before
+  // the next. Capture-safe (the side stream joins the capture). The CPU backend runs body on `s`.
+  virtual void fork_side(const std::function<void(Stream)>& body, Stream s) { body(s); }
+  virtual void join_side(Stream s) {}
 };
 
 }  // namespace moe_echo

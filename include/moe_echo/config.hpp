@@ -22,8 +22,18 @@ const char* to_string(ScoreFunction f);
 // Parses "softmax" or "sigmoid"; throws ConfigError naming `field` otherwise.
 ScoreFunction parse_score_function(const std::string& s, const char* field = "score_function");
 
+// How group-limited routing scores a group of experts from its experts' selection keys (score +
+// bias): top2_sum, the sum of its two largest keys (DeepSeek-V3); max, its largest key.
+enum class GroupScore { top2_sum, max };
+
+const char* to_string(GroupScore g);
+// Parses "top2_sum" or "max"; throws ConfigError naming `field` otherwise.
+GroupScore parse_group_score(const std::string& s, const char* field = "group_score");
+
 // The largest top_k a layer takes: one warp handles a token's entries in dispatch and combine.
 inline constexpr int kMaxTopK = 32;
+// The most expert groups of group-limited routing: one warp holds a token's group scores.
+inline constexpr int kMaxExpertGroups = 32;
 
 struct MoeConfig {
   int hidden = 0;      // H
@@ -37,7 +47,32 @@ struct MoeConfig {
   double z_loss_coeff = 0.0;    // coeff * mean_t logsumexp(logits_t)^2
   bool bias_update = false;     // aux-loss-free balancing: b_e += rate * sign(mean - count_e)
   double bias_update_rate = 1e-3;
+  // Group-limited top-k: experts [g E/G, (g + 1) E/G) form group g of G = expert_groups; a token
+  // picks its topk_groups best groups by group_score, then its top_k experts inside them. Groups
+  // that align to EP ranks bound the ranks a token's rows go to. 1 and 1: no group limit.
+  int expert_groups = 1;
+  int topk_groups = 1;
+  GroupScore group_score = GroupScore::top2_sum;
+  // Combine weights times this constant, after normalisation (DeepSeek-V3's 2.5).
+  double routed_scaling_factor = 1.0;
+  // Sequence-level aux loss: the aux loss's formula over each run of seq_len consecutive tokens
+  // (the last run may be shorter), averaged over the runs: coeff * mean_s E sum_e f_se P_se.
+  double seq_aux_loss_coeff = 0.0;
+  int seq_len = 0;  // tokens per sequence; 0 with seq_aux_loss_coeff 0
+  // Shared experts: dense SwiGLU experts every token goes through, their output added to the
+  // routed experts'. Together they are one SwiGLU of width shared_experts * shared_ffn (0: ffn),
+  // replicated on every EP rank, run by the expert GEMM kernels as one group.
+  int shared_experts = 0;
+  int shared_ffn = 0;
+  // Run the shared experts on a second stream (Backend::fork_side), beside the router, the plan,
+  // the layout and (without spill rounds configured) round 0's dispatch and expert GEMMs; joined
+  // before the first combine that adds into y (forward) or dx (backward).
+  bool shared_side_stream = false;
 };
+// The shared experts' total FFN width (0 without shared experts).
+inline int shared_width(const MoeConfig& m) {
+  return m.shared_experts * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn);
+}
 
 struct ParallelConfig {
   int ep_size = 1;  // R

@@ -27,12 +27,15 @@ enum class Param {
   router_bias,    // [E] float (aux-loss-free balancing; updated by the layer, no gradient)
   w1,             // [E/R, H, 2F] activation: fc1 of this rank's home experts (gate | up)
   w2,             // [E/R, F, H] activation: fc2 of this rank's home experts
+  shared_w1,      // [1, H, 2S] activation: fc1 of the shared experts (S = shared_width), or empty
+  shared_w2,      // [1, S, H] activation: fc2 of the shared experts, or empty
 };
 const char* to_string(Param p);
 
 struct StepStats {
   double aux_loss = 0;  // this rank's aux loss (coefficient applied)
   double z_loss = 0;
+  double seq_aux_loss = 0;           // this rank's sequence-level aux loss (coefficient applied)
   std::vector<int32_t> load_before;  // [R] rows each rank would receive without ECHO
   std::vector<int32_t> load_after;   // [R] rows each rank received
   double max_over_mean_before = 0;   // busiest rank over the mean, without ECHO
@@ -45,6 +48,11 @@ struct StepStats {
   int64_t overflow_rows = 0;      // rows beyond this rank's capacity (done in spill rounds)
   int64_t overflow_rows_all = 0;  // the same over all ranks
   int spill_rounds = 0;           // rounds beyond the first (identical on all ranks)
+  // Ranks this rank's tokens send rows to (each token once per rank it picks experts on, after
+  // ECHO's placement): mean and max over the tokens. Group-limited routing with groups aligned
+  // to ranks bounds the max by topk_groups.
+  double ranks_per_token_mean = 0;
+  int ranks_per_token_max = 0;
 };
 
 struct AdamWConfig {
@@ -104,7 +112,7 @@ class MoeLayer {
 
   // Device views that each forward writes (valid until the next forward, read without a sync):
   // the plan (PlanView layout over planner_config(): rank loads before and after ECHO, clones)
-  // and the losses [2] float (aux, z; coefficients applied).
+  // and the losses [3] float (aux, z, sequence aux; coefficients applied).
   Tensor plan_buffer() const;
   Tensor losses() const;
 
@@ -121,10 +129,11 @@ class MoeLayer {
   // until that backward writes every home expert's, those of experts no token picked as zeros.
   // For a framework that takes the gradients out after each backward.
   void discard_grad(Stream stream = nullptr);
-  // The router weight is replicated on every EP rank: sum its gradient over the ranks before the
-  // optimizer (a framework that owns data-parallel gradient reduction does this itself).
+  // The router weight and the shared experts are replicated on every EP rank: sum their gradients
+  // over the ranks before the optimizer (a framework that owns data-parallel gradient reduction
+  // does this itself).
   void all_reduce_router_grad(Stream stream = nullptr);
-  // AdamW on every parameter with a gradient (router weight, home w1, w2).
+  // AdamW on every parameter with a gradient (router weight, home w1, w2, shared experts).
   void optimizer_step(const AdamWConfig& cfg, Stream stream = nullptr);
 
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
@@ -153,16 +162,20 @@ class MoeLayer {
 
  private:
   RowRoute route(int64_t T) const;
+  GroupWindow shared_window(int64_t T) const;
+  void shared_forward(const Tensor& x, const Tensor& y, int64_t T, Stream s);
+  void shared_backward(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
+                       Stream s);
   FanArgs fan_args(int round) const;
   void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
   void run_round(int round, const Tensor& x, const Tensor& y, int64_t T, const int32_t* accumulate,
-                 Stream s);
+                 Stream s, bool join_side = false);
   void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
                           const int32_t* accumulate, bool overwrite_grads, const ExpertGrads& into,
-                          Stream s);
+                          Stream s, bool join_side = false);
   void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
   void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                    const ExpertGrads& into, Stream s);
+                    bool overwrite_shared, const ExpertGrads& into, Stream s);
   void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.
@@ -187,8 +200,9 @@ class MoeLayer {
   int64_t capacity_ = 0;
   int rounds_ = 0;
   PhaseObserver* observer_ = nullptr;
-  bool grads_zeroed_ = false;     // zero_grad since the last backward
-  bool forward_pending_ = false;  // a forward whose backward has not run yet
+  bool grads_zeroed_ = false;        // zero_grad or discard_grad since the last backward
+  bool expert_grads_stale_ = false;  // the last backward wrote the expert gradients elsewhere
+  bool forward_pending_ = false;     // a forward whose backward has not run yet
   std::unique_ptr<GraphCache> forward_graph_, backward_graph_;
   int64_t last_tokens_ = 0;
   Tensor last_x_;

@@ -7,6 +7,10 @@
 // - moe_layers == 0 marks a shape that is no model ("tiny": a layer that runs in seconds on a
 //   CPU); the capacity plan takes models only.
 // - Names are lowercase; the table's order is the order names are listed in messages.
+// - Routing as the models define it: DeepSeek-V3 sigmoid scores, 8 groups of which a token keeps
+//   4 (sum of each group's top-2 keys), weights normalised and times 2.5, one shared expert;
+//   Qwen3-MoE (norm_topk_prob) and Mixtral softmax top-k renormalised over the k. gpt-oss is not
+//   in the table: its experts' clamped SwiGLU with biases is not this library's expert.
 #pragma once
 
 #include <string>
@@ -26,6 +30,13 @@ struct ModelPreset {
   int moe_layers = 0;  // MoE layers of the model (0: no model)
   int tokens = 0;      // tokens per rank per step of the layer benchmarks (ANCHORS.md)
   int ep = 0;          // expert-parallel ranks of the layer benchmarks
+  // The model's routing (MoeConfig's fields of the same names).
+  bool normalize_topk = true;
+  int expert_groups = 1;
+  int topk_groups = 1;
+  GroupScore group_score = GroupScore::top2_sum;
+  double routed_scaling_factor = 1.0;
+  int shared_experts = 0;  // dense SwiGLU experts of size F every token goes through
 };
 
 inline constexpr ModelPreset kTinyLayer{
@@ -38,7 +49,12 @@ inline constexpr ModelPreset kDeepSeekV3{.name = "deepseek-v3",
                                          .score = ScoreFunction::sigmoid,
                                          .moe_layers = 58,  // of 61 layers, the first 3 dense
                                          .tokens = 8192,
-                                         .ep = 4};
+                                         .ep = 4,
+                                         .expert_groups = 8,
+                                         .topk_groups = 4,
+                                         .group_score = GroupScore::top2_sum,
+                                         .routed_scaling_factor = 2.5,
+                                         .shared_experts = 1};
 inline constexpr ModelPreset kQwen3_30B_A3B{.name = "qwen3-30b-a3b",
                                             .hidden = 2048,
                                             .ffn = 768,
@@ -47,6 +63,14 @@ inline constexpr ModelPreset kQwen3_30B_A3B{.name = "qwen3-30b-a3b",
                                             .moe_layers = 48,
                                             .tokens = 8192,
                                             .ep = 4};
+inline constexpr ModelPreset kQwen3_235B_A22B{.name = "qwen3-235b-a22b",
+                                              .hidden = 4096,
+                                              .ffn = 1536,
+                                              .experts = 128,
+                                              .top_k = 8,
+                                              .moe_layers = 94,
+                                              .tokens = 8192,
+                                              .ep = 4};
 inline constexpr ModelPreset kMixtral8x7B{.name = "mixtral-8x7b",
                                           .hidden = 4096,
                                           .ffn = 14336,
@@ -57,7 +81,7 @@ inline constexpr ModelPreset kMixtral8x7B{.name = "mixtral-8x7b",
                                           .ep = 4};
 
 inline constexpr const ModelPreset* kModelPresets[] = {&kTinyLayer, &kDeepSeekV3, &kQwen3_30B_A3B,
-                                                       &kMixtral8x7B};
+                                                       &kQwen3_235B_A22B, &kMixtral8x7B};
 
 // The preset named `name` (exactly), or nullptr.
 const ModelPreset* find_model_preset(std::string_view name);

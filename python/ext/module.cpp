@@ -275,7 +275,9 @@ NB_MODULE(_ext, m) {
              bool normalize_topk, double aux_loss_coeff, double z_loss_coeff, bool bias_update,
              double bias_update_rate, bool echo, int spare_slots, double capacity_factor,
              int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives,
-             const std::string& transport) {
+             const std::string& transport, int expert_groups, int topk_groups,
+             const std::string& group_score, double routed_scaling_factor,
+             double seq_aux_loss_coeff, int seq_len) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -288,6 +290,12 @@ NB_MODULE(_ext, m) {
             moe.z_loss_coeff = z_loss_coeff;
             moe.bias_update = bias_update;
             moe.bias_update_rate = bias_update_rate;
+            moe.expert_groups = expert_groups;
+            moe.topk_groups = topk_groups;
+            moe.group_score = parse_group_score(group_score);
+            moe.routed_scaling_factor = routed_scaling_factor;
+            moe.seq_aux_loss_coeff = seq_aux_loss_coeff;
+            moe.seq_len = seq_len;
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -300,7 +308,9 @@ NB_MODULE(_ext, m) {
           "score_function"_a, "normalize_topk"_a, "aux_loss_coeff"_a, "z_loss_coeff"_a,
           "bias_update"_a, "bias_update_rate"_a, "echo"_a, "spare_slots"_a, "capacity_factor"_a,
           "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none(),
-          "transport"_a = "host")
+          "transport"_a = "host", "expert_groups"_a = 1, "topk_groups"_a = 1,
+          "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
+          "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0)
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -338,7 +348,7 @@ NB_MODULE(_ext, m) {
             Layer& l = nb::cast<Layer&>(self);
             return l.view(l.layer().losses(), self);
           },
-          "the last forward's [aux, z] losses, as a torch view")
+          "the last forward's [aux, z, sequence aux] losses, as a torch view")
       .def_prop_ro(
           "activation_dtype",
           [](const Layer& l) { return std::string(dtype_name(l.backend().activation_dtype())); })

@@ -33,6 +33,14 @@ ScoreFunction parse_score_function(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "softmax or sigmoid");
 }
 
+const char* to_string(GroupScore g) { return g == GroupScore::top2_sum ? "top2_sum" : "max"; }
+
+GroupScore parse_group_score(const std::string& s, const char* field) {
+  if (s == "top2_sum") return GroupScore::top2_sum;
+  if (s == "max") return GroupScore::max;
+  reject(field, "'" + s + "'", "top2_sum or max");
+}
+
 void validate(const MoeConfig& m) {
   if (m.hidden < 1) reject("hidden", m.hidden, "hidden >= 1");
   if (m.ffn < 1) reject("ffn", m.ffn, "ffn >= 1");
@@ -52,6 +60,35 @@ void validate(const MoeConfig& m) {
     reject("z_loss_coeff", m.z_loss_coeff, "a finite value >= 0");
   if (!std::isfinite(m.bias_update_rate) || m.bias_update_rate < 0)
     reject("bias_update_rate", m.bias_update_rate, "a finite value >= 0");
+  if (m.expert_groups < 1 || m.expert_groups > kMaxExpertGroups || m.experts % m.expert_groups != 0)
+    reject("expert_groups", m.expert_groups,
+           range("1", "expert_groups", std::to_string(kMaxExpertGroups)) + ", dividing experts (" +
+               std::to_string(m.experts) + ")");
+  if (m.topk_groups < 1 || m.topk_groups > m.expert_groups)
+    reject("topk_groups", m.topk_groups,
+           range("1", "topk_groups", "expert_groups (" + std::to_string(m.expert_groups) + ")"));
+  const int64_t selectable = int64_t(m.topk_groups) * (m.experts / m.expert_groups);
+  if (m.top_k > selectable)
+    reject("top_k", m.top_k,
+           "top_k <= topk_groups * experts / expert_groups (" + std::to_string(selectable) +
+               ": the experts of the chosen groups)");
+  if (m.group_score == GroupScore::top2_sum && m.expert_groups > 1 &&
+      m.experts / m.expert_groups < 2)
+    reject("group_score", to_string(m.group_score),
+           "max when a group holds one expert (experts / expert_groups = 1)");
+  if (!std::isfinite(m.routed_scaling_factor) || m.routed_scaling_factor <= 0)
+    reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value > 0");
+  if (m.shared_experts < 0) reject("shared_experts", m.shared_experts, "shared_experts >= 0");
+  if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
+  if (m.shared_side_stream && m.shared_experts == 0)
+    reject("shared_side_stream", "true", "false without shared experts (shared_experts = 0)");
+  if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)
+    reject("shared_experts", m.shared_experts, "shared_experts * shared_ffn <= 2^31-1");
+  if (!std::isfinite(m.seq_aux_loss_coeff) || m.seq_aux_loss_coeff < 0)
+    reject("seq_aux_loss_coeff", m.seq_aux_loss_coeff, "a finite value >= 0");
+  if (m.seq_len < 0 || (m.seq_aux_loss_coeff > 0 && m.seq_len < 1))
+    reject("seq_len", m.seq_len,
+           m.seq_aux_loss_coeff > 0 ? "seq_len >= 1 with seq_aux_loss_coeff > 0" : "seq_len >= 0");
 }
 
 void validate(const ParallelConfig& p, const MoeConfig& m) {

@@ -4,6 +4,11 @@
 // aux = coeff * E * sum_e f_e * P_e with f_e = counts_e / (T*K) (not differentiated) and
 // P_e = mean_t p[t,e], p = softmax probabilities, or sigmoid scores normalised over experts.
 // z = coeff * mean_t logsumexp(logits_t)^2. The bias only changes which experts are selected.
+// The sequence aux loss is aux's formula over each run of seq_len tokens, averaged over the runs.
+// Group-limited selection (expert_groups > 1) keeps the experts of the token's topk_groups best
+// groups (group score: the sum of the group's two largest keys, or its largest; ties to the lower
+// group) and takes the top-k among them; the weights are the normalised unbiased scores times
+// routed_scaling_factor.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -21,6 +26,50 @@ double logsumexp(const double* l, int n) {
   double s = 0;
   for (int i = 0; i < n; ++i) s += std::exp(l[i] - m);
   return m + std::log(s);
+}
+
+// The experts a token may pick (ascending), given its selection keys: all of them, or those of
+// its topk_groups best groups.
+void eligible_experts(const RouterConfig& cfg, const std::vector<double>& key,
+                      std::vector<int>& out) {
+  const int E = int(key.size()), G = cfg.expert_groups, per = E / G;
+  out.clear();
+  if (G <= 1) {
+    for (int e = 0; e < E; ++e) out.push_back(e);
+    return;
+  }
+  std::vector<double> group(static_cast<size_t>(G));
+  for (int g = 0; g < G; ++g) {
+    double first = -INFINITY, second = -INFINITY;  // the two largest keys, first >= second
+    for (int e = g * per; e < (g + 1) * per; ++e) {
+      const double k = key[size_t(e)];
+      if (k > first) {
+        second = first;
+        first = k;
+      } else if (k > second) {
+        second = k;
+      }
+    }
+    group[size_t(g)] = cfg.group_score == GroupScore::top2_sum ? first + second : first;
+  }
+  std::vector<int> order(static_cast<size_t>(G));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + cfg.topk_groups, order.end(), [&](int p, int q) {
+    return group[size_t(p)] > group[size_t(q)] || (group[size_t(p)] == group[size_t(q)] && p < q);
+  });
+  std::sort(order.begin(), order.begin() + cfg.topk_groups);
+  for (int i = 0; i < cfg.topk_groups; ++i)
+    for (int e = order[size_t(i)] * per; e < (order[size_t(i)] + 1) * per; ++e) out.push_back(e);
+}
+
+// Routes per expert of each sequence: [sequences, E].
+std::vector<int64_t> sequence_counts(const RouterConfig& cfg, const int32_t* idx, int64_t T,
+                                     int64_t E, int64_t K) {
+  const int64_t S = router_sequences(cfg, T);
+  std::vector<int64_t> c(static_cast<size_t>(S * E), 0);
+  for (int64_t t = 0; S > 0 && t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) c[size_t(t / cfg.seq_len * E + idx[t * K + k])] += 1;
+  return c;
 }
 
 }  // namespace
@@ -42,7 +91,10 @@ void router_forward(const RouterForwardArgs& a) {
 
   std::vector<double> l(static_cast<size_t>(E)), s(static_cast<size_t>(E)),
       prob_sum(static_cast<size_t>(E), 0.0);
-  std::vector<int> order(static_cast<size_t>(E));
+  std::vector<double> key(static_cast<size_t>(E));
+  std::vector<int> order;
+  const int64_t S = router_sequences(cfg, T_);
+  std::vector<double> seq_prob(static_cast<size_t>(S * E), 0.0);  // sum over a sequence's p
   double z_sum = 0;
   for (int64_t t = 0; t < T_; ++t) {
     for (int64_t e = 0; e < E; ++e) {
@@ -61,13 +113,17 @@ void router_forward(const RouterForwardArgs& a) {
       scores[t * E + e] = T(s[size_t(e)]);
       s_total += s[size_t(e)];
     }
-    for (int64_t e = 0; e < E; ++e) prob_sum[size_t(e)] += s[size_t(e)] / s_total;
-    // Top-k by score + bias, ties to the lower expert index.
-    std::iota(order.begin(), order.end(), 0);
+    for (int64_t e = 0; e < E; ++e) {
+      prob_sum[size_t(e)] += s[size_t(e)] / s_total;
+      key[size_t(e)] = double(T(s[size_t(e)])) + double(bias[e]);
+    }
+    if (S > 0)
+      for (int64_t e = 0; e < E; ++e)
+        seq_prob[size_t(t / cfg.seq_len * E + e)] += s[size_t(e)] / s_total;
+    // Top-k by score + bias among the eligible experts, ties to the lower expert index.
+    eligible_experts(cfg, key, order);
     auto better = [&](int p, int q) {
-      const double sp = double(T(s[size_t(p)])) + double(bias[p]);
-      const double sq = double(T(s[size_t(q)])) + double(bias[q]);
-      return sp > sq || (sp == sq && p < q);
+      return key[size_t(p)] > key[size_t(q)] || (key[size_t(p)] == key[size_t(q)] && p < q);
     };
     std::partial_sort(order.begin(), order.begin() + K, order.end(), better);
     double sel_sum = 0;
@@ -76,7 +132,7 @@ void router_forward(const RouterForwardArgs& a) {
       const int e = order[size_t(k)];
       idx[t * K + k] = e;
       const double sv = double(T(s[size_t(e)]));
-      tw[t * K + k] = T(cfg.normalize_topk ? sv / sel_sum : sv);
+      tw[t * K + k] = T((cfg.normalize_topk ? sv / sel_sum : sv) * cfg.routed_scaling_factor);
       counts[e] += 1;
     }
   }
@@ -88,8 +144,23 @@ void router_forward(const RouterForwardArgs& a) {
     aux *= cfg.aux_loss_coeff * double(E);
     z = cfg.z_loss_coeff * z_sum / double(T_);
   }
+  // Sequence aux: per sequence of L tokens, E sum_e count_se / (L K) * seq_prob_se / L.
+  double seq_aux = 0;
+  if (S > 0) {
+    const auto seq_counts = sequence_counts(cfg, idx, T_, E, K);
+    for (int64_t q = 0; q < S; ++q) {
+      const double L = double(std::min<int64_t>(cfg.seq_len, T_ - q * cfg.seq_len));
+      double fp = 0;
+      for (int64_t e = 0; e < E; ++e)
+        fp += double(seq_counts[size_t(q * E + e)]) / (L * double(K)) *
+              (seq_prob[size_t(q * E + e)] / L);
+      seq_aux += fp;
+    }
+    seq_aux *= cfg.seq_aux_loss_coeff * double(E) / double(S);
+  }
   losses[0] = T(aux);
   losses[1] = T(z);
+  losses[2] = T(seq_aux);
 }
 
 template <class T>
@@ -115,12 +186,16 @@ void router_backward(const RouterBackwardArgs& a) {
     d_p[size_t(e)] =
         cfg.aux_loss_coeff * double(E) * double(counts[e]) / double(T_ * K) / double(T_);
 
+  // d seq_aux / d p[t,e] = coeff / sequences * E * count_se / (L K) / L for t in sequence s.
+  const int64_t sequences = router_sequences(cfg, T_);
+  const auto seq_counts = sequence_counts(cfg, idx, T_, E, K);
+  const double scale = cfg.routed_scaling_factor;
   std::vector<double> ds(static_cast<size_t>(E)), dl(static_cast<size_t>(E)),
-      l(static_cast<size_t>(E));
+      l(static_cast<size_t>(E)), d_pt(static_cast<size_t>(E));
   for (int64_t t = 0; t < T_; ++t) {
     const T* s = scores + t * E;
     std::fill(ds.begin(), ds.end(), 0.0);
-    // Combine weights.
+    // Combine weights w_k = c s_k / sum_j s_j (normalised) or c s_k.
     if (cfg.normalize_topk) {
       double sel_sum = 0, gw = 0;
       for (int64_t k = 0; k < K; ++k) {
@@ -128,21 +203,29 @@ void router_backward(const RouterBackwardArgs& a) {
         gw += double(g[t * K + k]) * double(tw[t * K + k]);
       }
       for (int64_t k = 0; k < K; ++k)
-        ds[size_t(idx[t * K + k])] += (double(g[t * K + k]) - gw) / sel_sum;
+        ds[size_t(idx[t * K + k])] += (scale * double(g[t * K + k]) - gw) / sel_sum;
     } else {
-      for (int64_t k = 0; k < K; ++k) ds[size_t(idx[t * K + k])] += double(g[t * K + k]);
+      for (int64_t k = 0; k < K; ++k) ds[size_t(idx[t * K + k])] += scale * double(g[t * K + k]);
     }
-    // Aux loss through p.
-    if (cfg.aux_loss_coeff != 0) {
+    // Aux losses through p.
+    if (cfg.aux_loss_coeff != 0 || sequences > 0) {
+      d_pt = d_p;
+      if (sequences > 0) {
+        const int64_t q = t / cfg.seq_len;
+        const double L = double(std::min<int64_t>(cfg.seq_len, T_ - q * cfg.seq_len));
+        for (int64_t e = 0; e < E; ++e)
+          d_pt[size_t(e)] += cfg.seq_aux_loss_coeff / double(sequences) * double(E) *
+                             double(seq_counts[size_t(q * E + e)]) / (L * double(K)) / L;
+      }
       if (cfg.score_function == ScoreFunction::softmax) {
-        for (int64_t e = 0; e < E; ++e) ds[size_t(e)] += d_p[size_t(e)];
+        for (int64_t e = 0; e < E; ++e) ds[size_t(e)] += d_pt[size_t(e)];
       } else {
         double S = 0, dps = 0;
         for (int64_t e = 0; e < E; ++e) {
           S += double(s[e]);
-          dps += d_p[size_t(e)] * double(s[e]);
+          dps += d_pt[size_t(e)] * double(s[e]);
         }
-        for (int64_t e = 0; e < E; ++e) ds[size_t(e)] += d_p[size_t(e)] / S - dps / (S * S);
+        for (int64_t e = 0; e < E; ++e) ds[size_t(e)] += d_pt[size_t(e)] / S - dps / (S * S);
       }
     }
     // Scores to logits.

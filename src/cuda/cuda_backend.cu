@@ -50,6 +50,10 @@ class CudaBackend final : public Backend {
     gemm_.reset();
     retired_gemms_.clear();
     for (void* p : arenas_) (void)cudaFree(p);
+    side_gemm_.reset();
+    if (side_stream_) (void)cudaStreamDestroy(side_stream_);
+    if (fork_event_) (void)cudaEventDestroy(fork_event_);
+    if (join_event_) (void)cudaEventDestroy(join_event_);
     if (capture_stream_) (void)cudaStreamDestroy(capture_stream_);
     for (cudaStream_t bs : body_streams_) (void)cudaStreamDestroy(bs);
   }
@@ -95,6 +99,23 @@ class CudaBackend final : public Backend {
     need = std::max(need, planner_scratch_bytes(cfg));
     need = std::max(need, fan_scratch_bytes(r.max_rows));
     grow_arena(need);
+    if (!side_stream_) {  // fork_side: the stream, its events and its one-group GEMM
+      MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
+      MOE_ECHO_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
+      MOE_ECHO_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
+      side_gemm_ = std::make_unique<GroupedGemm>(1);
+    }
+  }
+
+  void fork_side(const std::function<void(Stream)>& body, Stream s) override {
+    MOE_ECHO_CHECK(side_stream_ != nullptr, "fork_side before reserve(): build the layer first");
+    MOE_ECHO_CUDA_CHECK(cudaEventRecord(fork_event_, as_cuda(s)));
+    MOE_ECHO_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_event_, 0));
+    body(side_stream_);
+    MOE_ECHO_CUDA_CHECK(cudaEventRecord(join_event_, side_stream_));
+  }
+  void join_side(Stream s) override {
+    MOE_ECHO_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(s), join_event_, 0));
   }
 
   void fill_zero(const Tensor& t, Stream s) override {
@@ -280,6 +301,10 @@ class CudaBackend final : public Backend {
 
  private:
   GroupedGemm& gemm(int groups, Stream s) {
+    if (s != nullptr && as_cuda(s) == side_stream_) {
+      MOE_ECHO_CHECK(groups == 1, "the side stream's grouped GEMM takes one group, got " << groups);
+      return *side_gemm_;
+    }
     if (!gemm_ || gemm_->max_groups() < groups) {
       MOE_ECHO_CHECK(!is_capturing(as_cuda(s)), "grouped GEMM for "
                                                     << groups
@@ -324,6 +349,9 @@ class CudaBackend final : public Backend {
   int body_depth_ = 0;
   std::unique_ptr<GroupedGemm> gemm_;
   std::vector<std::unique_ptr<GroupedGemm>> retired_gemms_;
+  cudaStream_t side_stream_ = nullptr;  // fork_side's, with its events and its own GEMM
+  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
+  std::unique_ptr<GroupedGemm> side_gemm_;
   void* arena_ = nullptr;
   size_t arena_bytes_ = 0;
   std::vector<void*> arenas_;

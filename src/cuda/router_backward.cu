@@ -12,11 +12,14 @@ namespace moe_echo::cuda::router_detail {
 namespace {
 
 // One warp per token: dl[t, :] = d(task + aux + z) / d logits[t, :].
-__global__ void router_dlogits_kernel(
-    int64_t T, int E, int K, const float* __restrict__ logits, const float* __restrict__ scores,
-    const int32_t* __restrict__ idx, const float* __restrict__ weights,
-    const int32_t* __restrict__ counts, const float* __restrict__ d_weights, bool sigmoid,
-    bool normalize, double aux_coeff, double z_coeff, int Ep, float* dl_out) {
+__global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __restrict__ logits,
+                                      const float* __restrict__ scores,
+                                      const int32_t* __restrict__ idx,
+                                      const float* __restrict__ weights,
+                                      const int32_t* __restrict__ counts,
+                                      const float* __restrict__ d_weights, bool sigmoid,
+                                      bool normalize, double aux_coeff, double z_coeff, int Ep,
+                                      float* dl_out, double scale, SequenceLoss seq) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
@@ -28,11 +31,14 @@ __global__ void router_dlogits_kernel(
       sel_sum += double(s[sel[k]]);
       gw += double(d_weights[t * K + k]) * double(weights[t * K + k]);
     }
+    const bool aux = aux_coeff != 0 || seq.sequences > 0;
     auto d_p = [&](int e) {
-      return aux_coeff * double(E) * double(counts[e]) / double(T * K) / double(T);
+      double d = aux_coeff * double(E) * double(counts[e]) / double(T * K) / double(T);
+      if (seq.sequences > 0) d += seq.d_p(T, E, K, t, e);
+      return d;
     };
     double S = 1, dps = 0;  // sigmoid aux: sum of scores and sum of d_p * s
-    if (aux_coeff != 0 && sigmoid) {
+    if (aux && sigmoid) {
       S = 0;
       for (int e = lane; e < E; e += 32) {
         S += double(s[e]);
@@ -46,9 +52,9 @@ __global__ void router_dlogits_kernel(
       for (int k = 0; k < K; ++k)
         if (sel[k] == e) {
           const double g = double(d_weights[t * K + k]);
-          ds += normalize ? (g - gw) / sel_sum : g;
+          ds += normalize ? (scale * g - gw) / sel_sum : scale * g;
         }
-      if (aux_coeff != 0) ds += sigmoid ? d_p(e) / S - dps / (S * S) : d_p(e);
+      if (aux) ds += sigmoid ? d_p(e) / S - dps / (S * S) : d_p(e);
       return ds;
     };
     double dot = 0;
@@ -86,14 +92,17 @@ __global__ void router_dlogits_reg_kernel(
     int64_t T, int E, int K, const float* __restrict__ logits, const float* __restrict__ scores,
     const int32_t* __restrict__ idx, const float* __restrict__ weights,
     const int32_t* __restrict__ counts, const float* __restrict__ d_weights, bool sigmoid,
-    bool normalize, double aux_coeff, double z_coeff, int Ep, float* __restrict__ dl_out) {
+    bool normalize, double aux_coeff, double z_coeff, int Ep, float* __restrict__ dl_out,
+    double scale, SequenceLoss seq) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  double d_p[P];  // aux-loss gradient w.r.t. p[e]
+  const bool aux = aux_coeff != 0 || seq.sequences > 0;
+  double d_p_batch[P];  // the batch aux loss's gradient w.r.t. p[e]
 #pragma unroll
   for (int p = 0; p < P; ++p) {
     const int e = lane + 32 * p;
-    d_p[p] = e < E ? aux_coeff * double(E) * double(counts[e]) / double(T * K) / double(T) : 0.0;
+    d_p_batch[p] =
+        e < E ? aux_coeff * double(E) * double(counts[e]) / double(T * K) / double(T) : 0.0;
   }
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
     double sv[P], l[P];
@@ -116,8 +125,15 @@ __global__ void router_dlogits_reg_kernel(
       }
     }
     const double sel_sum = warp_sum(sel_part), gw = warp_sum(gw_part);
+    double d_p[P];  // every aux loss's gradient w.r.t. p[t, e]
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      const int e = lane + 32 * p;
+      d_p[p] = d_p_batch[p];
+      if (seq.sequences > 0 && e < E) d_p[p] += seq.d_p(T, E, K, t, e);
+    }
     double S = 1, dps = 0;  // sigmoid aux: sum of scores and sum of d_p * s
-    if (aux_coeff != 0 && sigmoid) {
+    if (aux && sigmoid) {
       S = 0;
 #pragma unroll
       for (int p = 0; p < P; ++p)
@@ -137,13 +153,13 @@ __global__ void router_dlogits_reg_kernel(
       for (int j = 0; j < 32 && 32 * q + j < K; ++j) {
         const int e = __shfl_sync(0xffffffffu, sel[q], j);
         const double gk = __shfl_sync(0xffffffffu, g[q], j);
-        const double term = normalize ? (gk - gw) / sel_sum : gk;
+        const double term = normalize ? (scale * gk - gw) / sel_sum : scale * gk;
 #pragma unroll
         for (int p = 0; p < P; ++p)
           if (e == lane + 32 * p) ds[p] += term;
       }
     }
-    if (aux_coeff != 0) {
+    if (aux) {
 #pragma unroll
       for (int p = 0; p < P; ++p) ds[p] += sigmoid ? d_p[p] / S - dps / (S * S) : d_p[p];
     }
@@ -210,12 +226,22 @@ void router_backward(const RouterBackwardArgs& a, void* scratch, GroupedGemm* ge
   ScratchCarver c(scratch);
   const RouterScratch sc = carve(c, T, E, H);
   const int64_t Ep = padded_experts(E);
+  SequenceLoss seq;
+  seq.sequences = router_sequences(cfg, T);
+  if (seq.sequences > 0) {  // the forward's routes per sequence, counted again
+    sequence_counts(T, int(E), int(K), cfg.seq_len, seq.sequences, io.topk_idx.as<int32_t>(),
+                    sc.seq_counts, s);
+    seq.counts = sc.seq_counts;
+    seq.seq_len = cfg.seq_len;
+    seq.coeff = cfg.seq_aux_loss_coeff;
+  }
   auto dlogits = [&](auto kernel) {
     MOE_ECHO_LAUNCH(kernel, token_warp_blocks(T), 32 * kWarpsPerBlock, 0, s, T, int(E), int(K),
                     io.logits.as<float>(), io.scores.as<float>(), io.topk_idx.as<int32_t>(),
                     io.topk_weight.as<float>(), io.counts.as<int32_t>(),
                     a.d_topk_weight.as<float>(), cfg.score_function == ScoreFunction::sigmoid,
-                    cfg.normalize_topk, cfg.aux_loss_coeff, cfg.z_loss_coeff, int(Ep), sc.dl);
+                    cfg.normalize_topk, cfg.aux_loss_coeff, cfg.z_loss_coeff, int(Ep), sc.dl,
+                    cfg.routed_scaling_factor, seq);
   };
   const bool in_registers = with_experts_per_lane(
       E, [&](auto p) { dlogits(router_dlogits_reg_kernel<decltype(p)::value>); });

@@ -1,8 +1,8 @@
 // Internal pieces shared by the router's translation units (semantics: src/cpu/router.cpp):
 // - router_products.cu: the three f32 products logits = x W^T, dW += dl^T x and dx += dl W (FFMA
 //   kernels, tensor cores through the grouped GEMM, or the generic tiled GEMM), and the scratch;
-// - router_select.cu: the forward, i.e. scores, top-k by score + bias with ties to the lower
-//   expert index, combine weights, counts, aux and z losses;
+// - router_select.cu: the forward, i.e. scores, the group limit, top-k by score + bias with ties
+//   to the lower expert index, combine weights, counts, aux, z and sequence aux losses;
 // - router_backward.cu: dl = the gradient w.r.t. the logits, the backward to dW and dx, and the
 //   aux-loss-free bias update.
 //
@@ -50,6 +50,10 @@ struct RouterScratch {
   double* partial_z = nullptr;      // [blocks] per-block sums of lse^2
   int32_t* block_counts = nullptr;  // [blocks, E] routes per expert of each block
   float* dl = nullptr;              // [T, padded E] gradient w.r.t. the logits (backward)
+  // The sequence aux loss (at most T sequences): routes per expert of each sequence, and each
+  // sequence's per-expert terms f_se P_se (forward).
+  int32_t* seq_counts = nullptr;  // [sequences, E]
+  double* seq_terms = nullptr;    // [sequences, E]
   // The tensor-core products (tensor_shapes only): one-group windows {0, H} and {0, T}; x^T
   // [H, T]; W's three parts, transposed [3][H, E] (forward) or as [W0; W1; W0] [3E, H]
   // (backward); dl's parts [3][T, E] and [dl0 | dl0 | dl1] [T, 3E].
@@ -58,6 +62,26 @@ struct RouterScratch {
   float* split = nullptr;       // split-K partial sums of the tiled GEMMs
   float* dw_partial = nullptr;  // [splits, padded E, H] per-split sums of the dW product
 };
+
+// The sequence aux loss's part of d loss / d p[t, e]: coeff / sequences * E * count_qe / (L K) / L
+// for token t of sequence q of L tokens (the CPU's expression, in its order).
+struct SequenceLoss {
+  const int32_t* counts = nullptr;  // [sequences, E]
+  int seq_len = 0;
+  int64_t sequences = 0;  // 0: no sequence loss
+  double coeff = 0;
+  __device__ __forceinline__ double d_p(int64_t T, int E, int K, int64_t t, int e) const {
+    const int64_t q = t / seq_len;
+    const int64_t left = T - q * seq_len;
+    const double L = double(left < seq_len ? left : int64_t(seq_len));
+    return coeff / double(sequences) * double(E) * double(counts[q * E + e]) / (L * double(K)) / L;
+  }
+};
+
+// Routes per expert of each sequence of `seq_len` tokens: counts [sequences, E] (forward and
+// backward; router_select.cu).
+void sequence_counts(int64_t T, int E, int K, int seq_len, int64_t sequences, const int32_t* idx,
+                     int32_t* counts, cudaStream_t s);
 
 inline int64_t loss_blocks(int64_t T) {
   return (T + kTokensPerLossBlock - 1) / kTokensPerLossBlock;

@@ -68,6 +68,8 @@ RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E, int64_t H) {
   r.partial_z = c.take<double>(loss_blocks(T));
   r.block_counts = c.take<int32_t>(loss_blocks(T) * E);
   r.dl = c.take<float>(T * padded_experts(E));
+  r.seq_counts = c.take<int32_t>(T * E);
+  r.seq_terms = c.take<double>(T * E);
   r.split = c.take<float>(tiled_gemm_scratch_floats());
   r.dw_partial = c.take<float>(dw_splits(T, E, H) * padded_experts(E) * H);
   // Sized for T rounded up to 8 whatever T is, so the bytes never shrink as T grows (the arena is

@@ -14,6 +14,10 @@
 // first and round 0 last, so round 0's activations stay in the workspace for the backward; the
 // backward runs round 0 on them and recomputes each spill round's activations. Memory is bounded
 // by the capacity whatever the routing, and no row is ever dropped.
+//
+// Shared experts: one dense SwiGLU over all T tokens (a single group of the expert GEMMs). The
+// forward runs it first and writes y, so every routed round adds to y; the backward runs it first
+// and writes dx, so every routed round adds to dx too. Their weights are replicated on the ranks.
 #include "moe_echo/layer.hpp"
 
 #include <algorithm>
@@ -31,6 +35,8 @@ const char* to_string(Param p) {
     case Param::router_bias: return "router_bias";
     case Param::w1: return "w1";
     case Param::w2: return "w2";
+    case Param::shared_w1: return "shared_w1";
+    case Param::shared_w2: return "shared_w2";
   }
   return "?";
 }
@@ -57,6 +63,11 @@ struct MoeLayer::Buffers {
   Tensor fan_members, fan_weights, fan_values;
   // Source side.
   Tensor d_topk_weight;
+  // Shared experts (empty without): weights [1, H, 2S] and [1, S, H], their gradients and AdamW
+  // state; the group offsets {0, T} of their one group; activations of up to T tokens; and a
+  // device flag holding 1 (the routed rounds then add to y and dx).
+  Tensor shared_w1, shared_w2, d_shared_w1, d_shared_w2, m_sw1, v_sw1, m_sw2, v_sw2;
+  Tensor shared_offsets, shared_h, shared_a, shared_da, shared_dh, one;
 
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
@@ -107,7 +118,7 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   b.topk_idx = dev(DType::i32, {T, K});
   b.topk_weight = dev(fl, {T, K});
   b.counts = dev(DType::i32, {E});
-  b.losses = dev(fl, {2});
+  b.losses = dev(fl, {3});
   b.routing_map = dev(DType::i32, {R, E});
   b.plan = dev(DType::i32, {plan_ints(planner_)});
   b.assign = dev(DType::i32, {R * E * planner_.max_replicas()});
@@ -130,6 +141,26 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   b.da = dev(act, {cap, F});
   b.dh = dev(act, {cap, 2 * F});
   b.d_topk_weight = dev(fl, {T, K});
+
+  const int64_t S = shared_width(s.moe);
+  if (S > 0) {
+    b.shared_w1 = dev(act, {1, H, 2 * S});
+    b.shared_w2 = dev(act, {1, S, H});
+    b.d_shared_w1 = dev(fl, {1, H, 2 * S});
+    b.d_shared_w2 = dev(fl, {1, S, H});
+    if (optimizer_state) {
+      b.m_sw1 = dev(fl, {1, H, 2 * S});
+      b.v_sw1 = dev(fl, {1, H, 2 * S});
+      b.m_sw2 = dev(fl, {1, S, H});
+      b.v_sw2 = dev(fl, {1, S, H});
+    }
+    b.shared_offsets = dev(DType::i32, {2});
+    b.shared_h = dev(act, {T, 2 * S});
+    b.shared_a = dev(act, {T, S});
+    b.shared_da = dev(act, {T, S});
+    b.shared_dh = dev(act, {T, 2 * S});
+    b.one = dev(DType::i32, {1});
+  }
 }
 
 MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
@@ -149,7 +180,9 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
 
   Reservation reservation;
   reservation.max_groups = slots_;
-  reservation.max_rows = capacity_;
+  // The shared experts' GEMMs take up to T rows in one window.
+  reservation.max_rows =
+      shared_width(moe) > 0 ? std::max<int64_t>(capacity_, moe.max_tokens) : capacity_;
   reservation.max_tokens = moe.max_tokens;
   reservation.hidden = moe.hidden;
   reservation.ffn = moe.ffn;
@@ -200,8 +233,18 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
                     &b.plan,
                     &b.group_offsets,
                     &b.rank_rows,
-                    &b.round_active})
+                    &b.round_active,
+                    &b.d_shared_w1,
+                    &b.d_shared_w2,
+                    &b.m_sw1,
+                    &b.v_sw1,
+                    &b.m_sw2,
+                    &b.v_sw2})
     if (t->data) backend.fill_zero(*t, nullptr);
+  if (b.one.data) {
+    write_tensor(backend, b.one, std::vector<double>{1.0});
+    write_tensor(backend, b.shared_offsets, std::vector<double>{0.0, double(moe.max_tokens)});
+  }
   init_parameters(seed);
   backend.synchronize();
   comm.barrier();
@@ -238,6 +281,16 @@ void MoeLayer::init_parameters(uint64_t seed) {
     write_tensor(backend_, b.w1.rows(j, 1), w1);
     write_tensor(backend_, b.w2.rows(j, 1), w2);
   }
+  // Shared experts: the same on every rank.
+  const int64_t S = shared_width(moe_);
+  if (S > 0) {
+    std::vector<double> s1(size_t(H * 2 * S)), s2(size_t(S * H));
+    Rng r1(seed, 0x5a4ed, 1), r2(seed, 0x5a4ed, 2);
+    for (auto& v : s1) v = r1.uniform(-1.0, 1.0) / std::sqrt(double(H));
+    for (auto& v : s2) v = r2.uniform(-1.0, 1.0) / std::sqrt(double(S));
+    write_tensor(backend_, b.shared_w1, s1);
+    write_tensor(backend_, b.shared_w2, s2);
+  }
 }
 
 Tensor MoeLayer::param(Param p) const {
@@ -247,6 +300,8 @@ Tensor MoeLayer::param(Param p) const {
     case Param::router_bias: return buf_->router_bias;
     case Param::w1: return buf_->w1.rows(0, EPR);
     case Param::w2: return buf_->w2.rows(0, EPR);
+    case Param::shared_w1: return buf_->shared_w1;
+    case Param::shared_w2: return buf_->shared_w2;
   }
   return {};
 }
@@ -258,6 +313,8 @@ Tensor MoeLayer::grad(Param p) const {
     case Param::router_bias: throw Error("router_bias has no gradient");
     case Param::w1: return buf_->dw1.rows(0, EPR);
     case Param::w2: return buf_->dw2.rows(0, EPR);
+    case Param::shared_w1: return buf_->d_shared_w1;
+    case Param::shared_w2: return buf_->d_shared_w2;
   }
   return {};
 }
@@ -271,10 +328,20 @@ void MoeLayer::zero_grad(Stream s) {
   backend_.fill_zero(buf_->d_router_weight, s);
   backend_.fill_zero(buf_->dw1, s);
   backend_.fill_zero(buf_->dw2, s);
+  if (buf_->d_shared_w1.data) {
+    backend_.fill_zero(buf_->d_shared_w1, s);
+    backend_.fill_zero(buf_->d_shared_w2, s);
+  }
   grads_zeroed_ = true;
 }
 
-void MoeLayer::all_reduce_router_grad(Stream s) { comm_.all_reduce_sum(buf_->d_router_weight, s); }
+void MoeLayer::all_reduce_router_grad(Stream s) {
+  comm_.all_reduce_sum(buf_->d_router_weight, s);
+  if (buf_->d_shared_w1.data) {
+    comm_.all_reduce_sum(buf_->d_shared_w1, s);
+    comm_.all_reduce_sum(buf_->d_shared_w2, s);
+  }
+}
 
 void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   Buffers& b = *buf_;
@@ -290,6 +357,10 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   step(b.router_weight, b.d_router_weight, b.m_router, b.v_router);
   step(param(Param::w1), grad(Param::w1), b.m_w1, b.v_w1);
   step(param(Param::w2), grad(Param::w2), b.m_w2, b.v_w2);
+  if (b.shared_w1.data) {
+    step(b.shared_w1, b.d_shared_w1, b.m_sw1, b.v_sw1);
+    step(b.shared_w2, b.d_shared_w2, b.m_sw2, b.v_sw2);
+  }
 }
 
 size_t MoeLayer::workspace_bytes() const { return buf_->bytes; }
@@ -351,6 +422,13 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
 void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s) {
   Buffers& b = *buf_;
   const int64_t K = moe_.top_k;
+  // Shared experts first (they write y), on the side stream when asked: joined before the first
+  // combine, i.e. before the rounds when spill rounds are configured, else in round 0.
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  if (side)
+    backend_.fork_side([&](Stream ss) { shared_forward(x, y, T, ss); }, s);
+  else if (shared)
+    shared_forward(x, y, T, s);
   RouterForwardArgs ra;
   ra.tensors = router_tensors(b, x, T);
   ra.bias = b.router_bias;
@@ -390,21 +468,58 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
                              s);
   }
 
-  // Spill rounds add into y (zeroed first when there are any); round 0 then adds to them, or
-  // writes y when there were none.
+  // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first
+  // when there are any); round 0 then adds to them, or writes y when there were none.
+  if (side && rounds_ > 1) backend_.join_side(s);
   const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
   if (spill) mark("spill_rounds", s);
-  if (spill)
+  if (spill && !shared)
     backend_.run_if(
         spill, [&](Stream bs) { backend_.fill_zero(y, bs); }, s);
   for (int r = rounds_ - 1; r >= 0; --r) {
     if (r == 0)
-      run_round(0, x, y, T, spill, s);
+      run_round(0, x, y, T, shared ? b.one.as<int32_t>() : spill, s, side && rounds_ == 1);
     else
       backend_.run_if(
           b.round_active.as<int32_t>() + r, [&, r](Stream bs) { run_round(r, x, y, T, spill, bs); },
           s);
   }
+}
+
+GroupWindow MoeLayer::shared_window(int64_t T) const {
+  return GroupWindow{{0, T}, buf_->shared_offsets.as<int32_t>(), 1};
+}
+
+// y = SwiGLU(x W1s) W2s over the T tokens (written, not added).
+void MoeLayer::shared_forward(const Tensor& x, const Tensor& y, int64_t T, Stream s) {
+  Buffers& b = *buf_;
+  mark("shared_experts", s);
+  if (T == 0) return;
+  const GroupWindow gw = shared_window(T);
+  backend_.gemm_fprop({gw, x, b.shared_w1, b.shared_h}, s);
+  backend_.swiglu_forward({gw, b.shared_h, b.shared_a, Tensor(), Tensor()}, s);
+  backend_.gemm_fprop({gw, b.shared_a, b.shared_w2, y}, s);
+}
+
+// dx = the shared experts' input gradient (written); their weight gradients added, or written
+// after zero_grad / discard_grad.
+void MoeLayer::shared_backward(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
+                               Stream s) {
+  Buffers& b = *buf_;
+  mark("bwd_shared_experts", s);
+  if (T == 0) {
+    if (overwrite_grads) {
+      backend_.fill_zero(b.d_shared_w1, s);
+      backend_.fill_zero(b.d_shared_w2, s);
+    }
+    return;
+  }
+  const GroupWindow gw = shared_window(T);
+  backend_.gemm_dgrad({gw, dy, b.shared_w2, b.shared_da}, s);
+  backend_.gemm_wgrad({gw, b.shared_a, dy, b.d_shared_w2, !overwrite_grads}, s);
+  backend_.swiglu_backward({gw, b.shared_h, b.shared_a, b.shared_da, b.shared_dh}, s);
+  backend_.gemm_dgrad({gw, b.shared_dh, b.shared_w1, dx}, s);
+  backend_.gemm_wgrad({gw, last_x_, b.shared_dh, b.d_shared_w1, !overwrite_grads}, s);
 }
 
 RowRoute MoeLayer::route(int64_t T) const {
@@ -438,7 +553,7 @@ void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) 
 }
 
 void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
-                         const int32_t* accumulate, Stream s) {
+                         const int32_t* accumulate, Stream s, bool join_side) {
   Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
@@ -456,6 +571,7 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   mark(round, "fan_in", s);
   backend_.fan_in(sum, s);
   mark(round, "combine", s);
+  if (join_side) backend_.join_side(s);
   comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
 }
 
@@ -495,22 +611,25 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
   forward_pending_ = false;
-  // Gradients written elsewhere: the layer's expert gradients are left stale, as after
-  // discard_grad (a later backward() must not add to them).
-  const bool overwrite_grads = grads_zeroed_ || into.dw1.data != nullptr;
-  grads_zeroed_ = into.dw1.data != nullptr;
+  // Expert gradients written elsewhere leave the layer's stale (a later backward() writes them
+  // instead of adding to them); the shared experts' stay in the layer and accumulate as usual.
+  const bool overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
+  const bool overwrite_shared = grads_zeroed_;
+  grads_zeroed_ = false;
+  expert_grads_stale_ = into.dw1.data != nullptr;
   if (eager_graphs())
     backend_.enqueue_as_graph(
         backward_graph_,
         {address(last_x_.data), address(dy.data), address(dx.data), uint64_t(T),
-         uint64_t(overwrite_grads), address(into.dw1.data), address(into.dw2.data)},
-        [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, into, g); }, s);
+         uint64_t(overwrite_grads), uint64_t(overwrite_shared), address(into.dw1.data),
+         address(into.dw2.data)},
+        [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, g); }, s);
   else
-    backward_ops(dy, dx, T, overwrite_grads, into, s);
+    backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, s);
 }
 
 void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                            const ExpertGrads& into, Stream s) {
+                            bool overwrite_shared, const ExpertGrads& into, Stream s) {
   Buffers& b = *buf_;
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
@@ -524,9 +643,17 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
     backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
   }
+  // Shared experts first (they write dx), on the side stream when asked: joined before round 0's
+  // combine, which adds into dx.
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  if (side)
+    backend_.fork_side([&](Stream ss) { shared_backward(dy, dx, T, overwrite_shared, ss); }, s);
+  else if (shared)
+    shared_backward(dy, dx, T, overwrite_shared, s);
   for (int r = 0; r < rounds_; ++r) {
     if (r == 0)
-      run_round_backward(0, dy, dx, T, nullptr, overwrite_grads, into, s);
+      run_round_backward(0, dy, dx, T, shared ? b.one.as<int32_t>() : nullptr, overwrite_grads,
+                         into, s, side);
     else
       backend_.run_if(
           b.round_active.as<int32_t>() + r,
@@ -560,7 +687,7 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
 
 void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
                                   const int32_t* accumulate, bool overwrite_grads,
-                                  const ExpertGrads& into, Stream s) {
+                                  const ExpertGrads& into, Stream s, bool join_side) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
@@ -600,6 +727,7 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_fan_in", s);
   backend_.fan_in(sum, s);
   mark(round, "bwd_combine", s);
+  if (join_side) backend_.join_side(s);
   comm_.combine(route(T), win, b.recv_red_sym, dx, accumulate, b.fan, b.d_topk_weight.data, s);
 }
 
@@ -609,6 +737,7 @@ StepStats MoeLayer::stats() const {
   const auto losses = read_tensor(backend_, b.losses);
   st.aux_loss = losses[0];
   st.z_loss = losses[1];
+  st.seq_aux_loss = losses[2];
   const int R = par_.ep_size;
   std::vector<int32_t> plan(size_t(plan_ints(planner_)));
   backend_.copy_to_host(plan.data(), b.plan.data, plan.size() * sizeof(int32_t));
@@ -645,6 +774,19 @@ StepStats MoeLayer::stats() const {
   const auto active =
       std::count_if(round_active.begin(), round_active.end(), [](int32_t a) { return a != 0; });
   st.spill_rounds = std::max(0, int(active) - 1);
+  // Distinct destination ranks of each token's K rows.
+  const int64_t T = last_tokens_, K = moe_.top_k;
+  std::vector<int32_t> dest(static_cast<size_t>(T * K));
+  backend_.copy_to_host(dest.data(), b.dest_rank.data, dest.size() * sizeof(int32_t));
+  int64_t ranks_sum = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::sort(dest.begin() + t * K, dest.begin() + (t + 1) * K);
+    const int n =
+        int(std::unique(dest.begin() + t * K, dest.begin() + (t + 1) * K) - (dest.begin() + t * K));
+    ranks_sum += n;
+    st.ranks_per_token_max = std::max(st.ranks_per_token_max, n);
+  }
+  st.ranks_per_token_mean = T > 0 ? double(ranks_sum) / double(T) : 0.0;
   return st;
 }
 

@@ -72,6 +72,9 @@ ModelSpec model_preset(const std::string& name) {
   m.experts = p->experts;
   m.top_k = p->top_k;
   m.layers = p->moe_layers;
+  m.expert_groups = p->expert_groups;
+  m.topk_groups = p->topk_groups;
+  m.shared_experts = p->shared_experts;
   return m;
 }
 
@@ -105,6 +108,18 @@ std::vector<Finding> check(const WallsInput& in) {
   if (m.top_k < 1 || m.top_k > m.experts)
     error("top_k",
           invalid("top_k", m.top_k, "1 <= top_k <= experts (" + std::to_string(m.experts) + ")"));
+  if (m.expert_groups < 1 || m.expert_groups > kMaxExpertGroups || m.experts % m.expert_groups != 0)
+    error("expert_groups", invalid("expert_groups", m.expert_groups,
+                                   "1 <= expert_groups <= " + std::to_string(kMaxExpertGroups) +
+                                       ", dividing experts (" + std::to_string(m.experts) + ")"));
+  else if (m.topk_groups < 1 || m.topk_groups > m.expert_groups)
+    error("topk_groups",
+          invalid("topk_groups", m.topk_groups,
+                  "1 <= topk_groups <= expert_groups (" + std::to_string(m.expert_groups) + ")"));
+  else if (m.top_k > int64_t(m.topk_groups) * (m.experts / m.expert_groups))
+    error("top_k", invalid("top_k", m.top_k,
+                           "top_k <= topk_groups * experts / expert_groups (the experts of the "
+                           "chosen groups)"));
   if (dtype_bytes(m.dtype) == 0)
     error("dtype", invalid("dtype", "'" + m.dtype + "'", "bf16, fp16 or fp32"));
   if (t.grad_dtype != "fp32" && t.grad_dtype != "bf16")
@@ -154,6 +169,16 @@ std::vector<Finding> check(const WallsInput& in) {
     error("vpp", invalid("vpp", l.vpp,
                          "a divisor of the layers per pipeline stage (" +
                              std::to_string(m.layers / l.pp) + ")"));
+  if (m.shared_experts < 0)
+    error("shared_experts", invalid("shared_experts", m.shared_experts, "shared_experts >= 0"));
+  if (t.shared_expert_overlap && t.overlap)
+    error("shared_expert_overlap",
+          invalid("shared_expert_overlap", "true",
+                  "false with overlap (both put work on the one stream beside the expert "
+                  "GEMMs: the shared experts or the dispatch/combine)"));
+  if (t.shared_expert_overlap && m.shared_experts == 0)
+    error("shared_expert_overlap",
+          invalid("shared_expert_overlap", "true", "false without shared experts"));
   if (t.overlap && l.ep == 1)
     error("overlap", invalid("overlap", "true",
                              "only with ep > 1 (ep = 1 has no dispatch or "
@@ -298,7 +323,10 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // crosses once to each rank it picks (the receiver fans it out to the experts there and sums
   // their outputs before it goes back), (ep-1)/ep of those ranks remote.
   const double remote = double(l.ep - 1) / double(l.ep);
-  const double token_rows = T * ranks_per_token(E, l.ep, K);
+  lt.ranks_per_token = ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
+  lt.max_ranks_per_token =
+      max_ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
+  const double token_rows = T * lt.ranks_per_token;
   lt.dispatch_bytes = token_rows * remote * H * a;
   lt.combine_bytes = lt.dispatch_bytes;
   lt.etp_bytes = double(l.etp - 1) * token_rows * H * a;
@@ -313,10 +341,19 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   double flops = CostModel::train_flops(busiest_rows, m.hidden, m.ffn) / l.etp;
   if (t.recompute == "experts") flops += 4.0 * busiest_rows * H * F / l.etp;  // fc1 again
   lt.gemm_ms = cost.gemm_ms(flops);
+  lt.shared_ms =
+      cost.gemm_ms(CostModel::train_flops(T, m.hidden, m.shared_experts * m.ffn) / l.etp);
   lt.host_ms = cost.launch_ms(t.kernels_per_layer, t.cuda_graphs);
   const double comm = lt.comm_ms + lt.clone_ms;
-  const double gpu_ms = t.overlap ? std::max(lt.gemm_ms, comm) : lt.gemm_ms + comm;
-  lt.exposed_comm_ms = t.overlap ? std::max(0.0, comm - lt.gemm_ms) : comm;
+  double gpu_ms = 0;
+  if (t.shared_expert_overlap) {  // the shared experts beside dispatch/combine
+    gpu_ms = lt.gemm_ms + std::max(lt.shared_ms, comm);
+    lt.exposed_comm_ms = std::max(0.0, comm - lt.shared_ms);
+  } else {
+    const double gemm = lt.gemm_ms + lt.shared_ms;
+    gpu_ms = t.overlap ? std::max(gemm, comm) : gemm + comm;
+    lt.exposed_comm_ms = t.overlap ? std::max(0.0, comm - gemm) : comm;
+  }
   lt.layer_ms = std::max(gpu_ms, lt.host_ms);
   r.stage_ms = Lp * lt.layer_ms;
 

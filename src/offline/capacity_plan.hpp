@@ -25,11 +25,14 @@ namespace moe_echo::offline {
 
 struct ModelSpec {  // defaults: DeepSeek-V3
   std::string name{kDeepSeekV3.name};
-  int hidden = kDeepSeekV3.hidden;      // H
-  int ffn = kDeepSeekV3.ffn;            // F (expert FFN size)
-  int experts = kDeepSeekV3.experts;    // E
-  int top_k = kDeepSeekV3.top_k;        // K
-  int layers = kDeepSeekV3.moe_layers;  // MoE layers
+  int hidden = kDeepSeekV3.hidden;                // H
+  int ffn = kDeepSeekV3.ffn;                      // F (expert FFN size)
+  int experts = kDeepSeekV3.experts;              // E
+  int top_k = kDeepSeekV3.top_k;                  // K
+  int layers = kDeepSeekV3.moe_layers;            // MoE layers
+  int expert_groups = kDeepSeekV3.expert_groups;  // group-limited routing (1: none)
+  int topk_groups = kDeepSeekV3.topk_groups;
+  int shared_experts = kDeepSeekV3.shared_experts;  // dense SwiGLU experts of size F per layer
   int seq_len = 4096;
   int micro_batch = 1;
   std::string dtype = "bf16";  // bf16, fp16 or fp32 (weights and activations)
@@ -52,7 +55,10 @@ struct TrainingSpec {
   double capacity_factor = EchoConfig{}.capacity_factor;
   int spare_slots = EchoConfig{}.spare_slots_per_rank;
   int max_clones = EchoConfig{}.max_clones_per_expert;
-  bool overlap = false;               // overlap dispatch/combine with expert computation
+  bool overlap = false;  // overlap dispatch/combine with expert computation
+  // Run the shared experts beside dispatch/combine (on a side stream); conflicts with overlap,
+  // which claims the same stream beside the expert GEMMs.
+  bool shared_expert_overlap = false;
   bool distributed_optimizer = true;  // optimizer state sharded over dp
   std::string recompute = "none";     // none, swiglu, experts
   std::string grad_dtype = "fp32";    // main gradients: fp32 or bf16
@@ -103,6 +109,10 @@ struct MemoryBreakdown {
 struct LayerTimes {
   int64_t tokens = 0;         // T per GPU per micro-batch
   int64_t capacity_rows = 0;  // receive window rows per GPU
+  // EP ranks a token's row goes to: expected under uniform routing (with the model's group
+  // limit), and at most.
+  double ranks_per_token = 0;
+  int max_ranks_per_token = 0;
   double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced): one row
                               // per token and rank it picks
   double combine_bytes = 0;
@@ -110,9 +120,10 @@ struct LayerTimes {
   double clone_bytes = 0;  // clone weights in + gradients out
   double comm_ms = 0;      // dispatch + combine + ETP, forward + backward, busiest rank
   double clone_ms = 0;
-  double gemm_ms = 0;   // expert GEMMs forward + backward (+ recompute), busiest rank
-  double host_ms = 0;   // kernel launch overhead
-  double layer_ms = 0;  // max(gpu time, host time); gpu = overlap ? max : sum
+  double gemm_ms = 0;    // expert GEMMs forward + backward (+ recompute), busiest rank
+  double shared_ms = 0;  // shared experts' GEMMs forward + backward (all T tokens)
+  double host_ms = 0;    // kernel launch overhead
+  double layer_ms = 0;   // max(gpu time, host time); gpu = overlap ? max : sum
   double exposed_comm_ms = 0;
 };
 

@@ -4,8 +4,10 @@
 #include <cctype>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <vector>
 
 namespace moe_echo::offline {
 namespace {
@@ -155,6 +157,55 @@ double ranks_per_token(double E, double ep, double K) {
   double missed = 1.0;
   for (int i = 0; i < int(K); ++i) missed *= std::max(0.0, (E - E / ep - i) / (E - i));
   return ep * (1.0 - missed);
+}
+
+namespace {
+// Experts of group g on rank r (groups of E/G, ranks of E/ep consecutive experts).
+int64_t overlap(int64_t E, int64_t ep, int64_t G, int64_t r, int64_t g) {
+  const int64_t r0 = r * (E / ep), r1 = r0 + E / ep, g0 = g * (E / G), g1 = g0 + E / G;
+  return std::max<int64_t>(0, std::min(r1, g1) - std::max(r0, g0));
+}
+}  // namespace
+
+double ranks_per_token(int E, int ep, int K, int groups, int topk_groups) {
+  const int64_t M = int64_t(topk_groups) * (E / groups);  // experts of the chosen groups
+  double total = 0;
+  for (int64_t r = 0; r < ep; ++r) {
+    // ways[c][s]: choices of c groups (of those seen) holding s of rank r's experts.
+    std::vector<std::vector<double>> ways(size_t(topk_groups) + 1,
+                                          std::vector<double>(size_t(E) + 1, 0.0));
+    ways[0][0] = 1;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t o = overlap(E, ep, groups, r, g);
+      for (int64_t c = topk_groups; c >= 1; --c)
+        for (int64_t s = E; s >= o; --s)
+          ways[size_t(c)][size_t(s)] += ways[size_t(c - 1)][size_t(s - o)];
+    }
+    double all = 0, missed = 0;
+    for (int64_t s = 0; s <= E; ++s) {
+      const double w = ways[size_t(topk_groups)][size_t(s)];
+      if (w == 0) continue;
+      double miss = 1.0;  // C(M - s, K) / C(M, K)
+      for (int64_t i = 0; i < K; ++i) miss *= std::max(0.0, double(M - s - i) / double(M - i));
+      all += w;
+      missed += w * miss;
+    }
+    total += 1.0 - missed / all;
+  }
+  return total;
+}
+
+int max_ranks_per_token(int E, int ep, int K, int groups, int topk_groups) {
+  std::vector<int> spans;
+  for (int64_t g = 0; g < groups; ++g) {
+    int n = 0;
+    for (int64_t r = 0; r < ep; ++r) n += overlap(E, ep, groups, r, g) > 0;
+    spans.push_back(n);
+  }
+  std::sort(spans.begin(), spans.end(), std::greater<int>());
+  int reach = 0;
+  for (int i = 0; i < topk_groups; ++i) reach += spans[size_t(i)];
+  return std::min({K, ep, reach});
 }
 
 }  // namespace moe_echo::offline

@@ -88,6 +88,15 @@ struct CostModel {
 // C(E - E/ep, K) / C(E, K). The layer sends a token's row once per rank it picks, not once per
 // expert, so dispatch and combine move ranks_per_token / K rows per routed (token, k) entry.
 double ranks_per_token(double E, double ep, double K);
+// The same under group-limited routing (expert groups of E/groups consecutive experts, ranks of
+// E/ep): the token's topk_groups groups a uniform draw of the groups, its K experts a uniform
+// draw of theirs. Exact for that model (a sum over how many of a rank's experts the chosen groups
+// hold); groups = topk_groups gives the formula above.
+double ranks_per_token(int E, int ep, int K, int groups, int topk_groups);
+// The most ranks one token's rows can reach: min(K, ep, the ranks the topk_groups groups that
+// span the most ranks span). With groups aligned to ranks (ep dividing groups) it is
+// min(K, topk_groups).
+int max_ranks_per_token(int E, int ep, int K, int groups, int topk_groups);
 
 // Bytes of one expert's weights (SwiGLU: 3 * H * F parameters) at `bytes_per_param`.
 inline double expert_bytes(int hidden, int ffn, double bytes_per_param) {

@@ -36,6 +36,14 @@ void validate(const SimulatorConfig& c) {
     reject("experts", c.experts, "a multiple of ep (" + std::to_string(c.ranks) + ")");
   if (c.top_k < 1 || c.top_k > c.experts)
     reject("top_k", c.top_k, "1 <= top_k <= experts (" + std::to_string(c.experts) + ")");
+  MoeConfig routing;  // the layer's rules for groups
+  routing.hidden = routing.ffn = routing.max_tokens = 1;
+  routing.experts = c.experts;
+  routing.top_k = std::min(c.top_k, kMaxTopK);
+  routing.expert_groups = c.expert_groups;
+  routing.topk_groups = c.topk_groups;
+  routing.group_score = GroupScore::max;  // any group size
+  validate(routing);
   if (c.steps < 0) reject("steps", c.steps, "steps >= 1 (or 0: every step of the trace)");
   if (c.layers < 0) reject("layers", c.layers, "layers >= 1 (or 0: every layer of the trace)");
   if (c.spare_slots < 0) reject("spare_slots", c.spare_slots, "spare_slots >= 0");
@@ -168,6 +176,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
 
   const auto t0 = std::chrono::steady_clock::now();
   const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, N = cfg.steps, L = cfg.layers;
+  const double reach = ranks_per_token(E, R, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
+  const int reach_max = max_ranks_per_token(E, R, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
   const int64_t clone_cost_rows =
       cfg.clone_cost_rows >= 0 ? cfg.clone_cost_rows
                                : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
@@ -197,8 +207,7 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   const double master_bytes = expert_bytes(cfg.hidden, cfg.ffn, double(cfg.master_state_bytes));
   const double remote = R > 1 ? double(R - 1) / double(R) : 0.0;
   // A token's row crosses once per rank it picks: rows moved per routed (token, k) entry.
-  const double rows_per_entry =
-      ranks_per_token(double(E), double(R), double(cfg.top_k)) / double(cfg.top_k);
+  const double rows_per_entry = reach / double(cfg.top_k);
   const CostModel& cost = cfg.cost;
 
   auto run_layer = [&](int layer) {
@@ -339,6 +348,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   res.config = cfg;
   res.steps = N;
   res.layers = L;
+  res.ranks_per_token = reach;
+  res.max_ranks_per_token = reach_max;
   res.clone_cost_rows = clone_cost_rows;
   res.trace = trace.describe();
   res.mean_rows_per_rank =

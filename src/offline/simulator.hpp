@@ -43,8 +43,12 @@ struct SimulatorConfig {
   int experts = kDeepSeekV3.experts;  // E
   int top_k = kDeepSeekV3.top_k;      // K (the text report, and rows moved per routed entry; rows
                                       // come from the trace)
-  int steps = 0;                      // 0: every step of the trace
-  int layers = 0;                     // 0: every layer of the trace
+  // Group-limited routing (1, 1: none): the rows a token sends go to the ranks its topk_groups
+  // groups cover (the cost model's ranks_per_token), for the all-to-all bytes.
+  int expert_groups = 1;
+  int topk_groups = 1;
+  int steps = 0;   // 0: every step of the trace
+  int layers = 0;  // 0: every layer of the trace
   // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas); the library's default.
   int spare_slots = EchoConfig{}.spare_slots_per_rank;
   int max_clones = EchoConfig{}.max_clones_per_expert;  // ECHO: clones per expert per step
@@ -88,6 +92,9 @@ struct PolicyStats {
 struct SimulationResult {
   SimulatorConfig config;
   int steps = 0, layers = 0;
+  // Ranks a token's rows go to: expected under uniform routing and at most (cost model).
+  double ranks_per_token = 0;
+  int max_ranks_per_token = 0;
   double mean_rows_per_rank = 0;      // mean over samples of the mean rank load
   int64_t clone_cost_rows = 0;        // what ECHO used
   std::string trace;                  // describe() of the source

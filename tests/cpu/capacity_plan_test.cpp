@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "moe_echo/error.hpp"
+#include "test_util.hpp"
 
 namespace moe_echo::offline {
 namespace {
@@ -217,9 +218,11 @@ TEST(WallsModel, Presets) {
     ADD_FAILURE();
   } catch (const ConfigError& e) {
     EXPECT_EQ(e.field(), "model");
-    EXPECT_NE(std::string(e.what()).find(
-                  "model = 'gpt-5' is invalid: allowed deepseek-v3, qwen3-30b-a3b or mixtral-8x7b"),
-              std::string::npos);
+    EXPECT_NE(
+        std::string(e.what()).find(
+            "model = 'gpt-5' is invalid: allowed deepseek-v3, qwen3-30b-a3b, qwen3-235b-a22b or "
+            "mixtral-8x7b"),
+        std::string::npos);
   }
 }
 
@@ -306,6 +309,49 @@ TEST(WallsModel, DispatchBytesCountOneRowPerTokenAndRank) {
   EXPECT_NEAR(bytes(8, 128, 1), T * 7.0 / 8 * H * 2, 1e-6);  // top-1: one rank per token
   EXPECT_NEAR(bytes(8, 8, 8), T * 7.0 * H * 2, 1e-6);        // every expert: every rank
   EXPECT_NEAR(bytes(8, 16, 2), T * 7.0 / 8 * H * 2 * 8 * (1 - 14.0 / 16 * 13 / 15), 1e-6);
+}
+
+// DeepSeek-V3's shared expert: its GEMMs add to the layer's time on the step's stream, or run
+// beside dispatch/combine with shared_expert_overlap, which refuses overlap; group-limited routing
+// bounds the ranks a token's row goes to by topk_groups.
+TEST(WallsModel, SharedExpertsAndGroupLimits) {
+  Imbalance imb;
+  WallsInput in;
+  in.model = model_preset("deepseek-v3");
+  in.layout.ep = 8;
+  const CostModel cost{in.gpu};
+  const WallsReport plain = estimate_walls(in, imb);
+  const double T = double(plain.layer.tokens);
+  EXPECT_EQ(in.model.shared_experts, 1);
+  EXPECT_NEAR(plain.layer.shared_ms, cost.gemm_ms(CostModel::train_flops(T, 7168, 2048)), 1e-12);
+  const double comm = plain.layer.comm_ms + plain.layer.clone_ms;
+  EXPECT_NEAR(plain.layer.layer_ms,
+              std::max(plain.layer.gemm_ms + plain.layer.shared_ms + comm, plain.layer.host_ms),
+              1e-12);
+  in.train.shared_expert_overlap = true;
+  const WallsReport side = estimate_walls(in, imb);
+  EXPECT_NEAR(
+      side.layer.layer_ms,
+      std::max(side.layer.gemm_ms + std::max(side.layer.shared_ms, comm), side.layer.host_ms),
+      1e-12);
+  EXPECT_LT(side.layer.layer_ms, plain.layer.layer_ms);
+  in.train.overlap = true;
+  EXPECT_EQ(test::config_error([&] { validate(in); }),
+            "shared_expert_overlap = true is invalid: allowed false with overlap (both put work "
+            "on the one stream beside the expert GEMMs: the shared experts or the "
+            "dispatch/combine)");
+  in.train.overlap = false;
+  in.model.shared_experts = 0;
+  EXPECT_NE(test::config_error([&] { validate(in); }).find("shared_expert_overlap"),
+            std::string::npos);
+  // 8 groups on 8 ranks, 4 kept: at most 4 ranks; fewer rows than without the limit.
+  EXPECT_EQ(plain.layer.max_ranks_per_token, 4);
+  WallsInput open = in;
+  open.train.shared_expert_overlap = false;
+  open.model.expert_groups = open.model.topk_groups = 1;
+  const WallsReport free = estimate_walls(open, imb);
+  EXPECT_EQ(free.layer.max_ranks_per_token, 8);
+  EXPECT_LT(plain.layer.dispatch_bytes, free.layer.dispatch_bytes);
 }
 
 TEST(WallsModel, EachWallBindsWhereItShould) {

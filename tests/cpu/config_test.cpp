@@ -39,6 +39,61 @@ TEST(Config, DefaultsOfAGoodConfigPass) {
   EXPECT_NO_THROW(validate(good_moe(), ParallelConfig{4, 3}, EchoConfig{}));
 }
 
+// Group-limited routing, routed scaling and the sequence aux loss.
+TEST(Config, RoutingRules) {
+  auto with = [](auto edit) {
+    return [edit] {
+      MoeConfig m = good_moe();  // 16 experts, top-2
+      edit(m);
+      validate(m);
+    };
+  };
+  expect_rejected(with([](MoeConfig& m) { m.expert_groups = 0; }), "expert_groups", "0");
+  expect_rejected(with([](MoeConfig& m) { m.expert_groups = 3; }), "expert_groups", "3");
+  expect_rejected(with([](MoeConfig& m) {
+                    m.experts = 128;
+                    m.expert_groups = 64;
+                  }),
+                  "expert_groups", "64");
+  expect_rejected(with([](MoeConfig& m) {
+                    m.expert_groups = 4;
+                    m.topk_groups = 5;
+                  }),
+                  "topk_groups", "5");
+  expect_rejected(with([](MoeConfig& m) { m.topk_groups = 0; }), "topk_groups", "0");
+  // Top-2 inside one group of 1 expert: fewer experts than top_k to pick from.
+  expect_rejected(with([](MoeConfig& m) {
+                    m.expert_groups = 16;
+                    m.group_score = GroupScore::max;
+                  }),
+                  "top_k", "2");
+  expect_rejected(with([](MoeConfig& m) {
+                    m.expert_groups = 16;
+                    m.topk_groups = 4;
+                  }),
+                  "group_score", "top2_sum");
+  expect_rejected(with([](MoeConfig& m) { m.routed_scaling_factor = 0; }), "routed_scaling_factor",
+                  "0");
+  expect_rejected(with([](MoeConfig& m) { m.seq_aux_loss_coeff = -1; }), "seq_aux_loss_coeff",
+                  "-1");
+  expect_rejected(with([](MoeConfig& m) { m.seq_aux_loss_coeff = 0.1; }), "seq_len", "0");
+  expect_rejected(with([](MoeConfig& m) { m.seq_len = -2; }), "seq_len", "-2");
+  expect_rejected(with([](MoeConfig& m) { m.shared_experts = -1; }), "shared_experts", "-1");
+  expect_rejected(with([](MoeConfig& m) { m.shared_ffn = -4; }), "shared_ffn", "-4");
+  expect_rejected(with([](MoeConfig& m) { m.shared_side_stream = true; }), "shared_side_stream",
+                  "true");
+  EXPECT_EQ(parse_group_score("max"), GroupScore::max);
+  EXPECT_EQ(parse_group_score("top2_sum"), GroupScore::top2_sum);
+  expect_rejected([] { parse_group_score("sum"); }, "group_score", "'sum'");
+  EXPECT_NO_THROW(with([](MoeConfig& m) {
+    m.expert_groups = 8;
+    m.topk_groups = 1;
+    m.routed_scaling_factor = 2.5;
+    m.seq_aux_loss_coeff = 1e-4;
+    m.seq_len = 64;
+  })());
+}
+
 TEST(Config, MoeFields) {
   auto with = [](auto edit) {
     return [edit] {

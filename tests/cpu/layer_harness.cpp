@@ -18,6 +18,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
   out.dx.resize(size_t(R));
   out.d_router.resize(size_t(R));
   out.stats.resize(size_t(R));
+  out.d_shared_w1.resize(size_t(R));
+  out.d_shared_w2.resize(size_t(R));
   out.dw1.assign(size_t(E * H * 2 * F), 0.0);
   out.dw2.assign(size_t(E * F * H), 0.0);
   out.params.w1.assign(size_t(E * H * 2 * F), 0.0);
@@ -38,6 +40,10 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
       write_tensor(*be, layer.param(Param::w2),
                    std::vector<double>(params->w2.begin() + r * EPR * w2n,
                                        params->w2.begin() + (r + 1) * EPR * w2n));
+      if (!params->shared_w1.empty()) {
+        write_tensor(*be, layer.param(Param::shared_w1), params->shared_w1);
+        write_tensor(*be, layer.param(Param::shared_w2), params->shared_w2);
+      }
     }
     const int64_t T = int64_t(x[size_t(r)].size()) / H;
     auto alloc = [&](const std::vector<double>* init) {
@@ -77,11 +83,20 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     std::copy(dw2.begin(), dw2.end(), out.dw2.begin() + r * EPR * w2n);
     std::copy(w1.begin(), w1.end(), out.params.w1.begin() + r * EPR * w1n);
     std::copy(w2.begin(), w2.end(), out.params.w2.begin() + r * EPR * w2n);
+    if (shared_width(c.moe) > 0) {
+      out.d_shared_w1[size_t(r)] = read_tensor(*be, layer.grad(Param::shared_w1));
+      out.d_shared_w2[size_t(r)] = read_tensor(*be, layer.grad(Param::shared_w2));
+    }
     if (r == 0) {
       out.params.router_weight = read_tensor(*be, layer.param(Param::router_weight));
       out.params.router_bias = read_tensor(*be, layer.param(Param::router_bias));
+      if (shared_width(c.moe) > 0) {
+        out.params.shared_w1 = read_tensor(*be, layer.param(Param::shared_w1));
+        out.params.shared_w2 = read_tensor(*be, layer.param(Param::shared_w2));
+      }
     }
-    double obj = out.stats[size_t(r)].aux_loss + out.stats[size_t(r)].z_loss;
+    double obj = out.stats[size_t(r)].aux_loss + out.stats[size_t(r)].z_loss +
+                 out.stats[size_t(r)].seq_aux_loss;
     for (size_t i = 0; i < out.y[size_t(r)].size(); ++i)
       obj += out.y[size_t(r)][i] * g[size_t(r)][i];
     objective[size_t(r)] = obj;

@@ -30,14 +30,17 @@ struct GlobalParams {
   std::vector<double> router_bias;    // [E]
   std::vector<double> w1;             // [E, H, 2F]
   std::vector<double> w2;             // [E, F, H]
+  std::vector<double> shared_w1;      // [H, 2S] (shared experts; every rank holds them)
+  std::vector<double> shared_w2;      // [S, H]
 };
 
 struct LayerRun {
   std::vector<std::vector<double>> y, dx, d_router;  // per rank
   std::vector<double> dw1, dw2;                      // all experts, home gradients concatenated
-  GlobalParams params;                               // as initialised (or overridden)
-  std::vector<StepStats> stats;                      // per rank
-  double objective = 0;                              // sum over ranks of <y_r, g_r> + aux_r + z_r
+  std::vector<std::vector<double>> d_shared_w1, d_shared_w2;  // per rank (not all-reduced)
+  GlobalParams params;                                        // as initialised (or overridden)
+  std::vector<StepStats> stats;                               // per rank
+  double objective = 0;  // sum over ranks of <y_r, g_r> + aux_r + z_r + seq_aux_r
 };
 
 // The communicator of one rank, from the in-process world whose threads run the ranks, the rank

@@ -320,6 +320,130 @@ TEST(Layer, OddShapes) {
 }
 
 // Central differences of the objective sum_r <y_r, g_r> + aux_r + z_r (fp64) against backward.
+// Groups aligned to ranks bound the ranks a token's rows go to by topk_groups: 16 experts on 4
+// ranks in 4 groups, top-4 inside 2 groups; without the limit, tokens reach 3 or 4 ranks.
+TEST(Layer, GroupsAlignedToRanksBoundRanksPerToken) {
+  for (int topk_groups : {2, 4}) {
+    LayerCase c;
+    c.moe = small_moe(16, 4, 40);
+    c.moe.score_function = ScoreFunction::sigmoid;
+    c.moe.expert_groups = 4;
+    c.moe.topk_groups = topk_groups;
+    c.moe.routed_scaling_factor = 2.5;
+    c.ranks = 4;
+    c.echo.enabled = false;
+    const LayerRun run = run_layer(c, per_rank(4, 40, 16, 500), per_rank(4, 40, 16, 600));
+    SCOPED_TRACE("topk_groups " + std::to_string(topk_groups));
+    for (const StepStats& st : run.stats) {
+      EXPECT_GE(st.ranks_per_token_mean, 1.0);
+      if (topk_groups == 2) {
+        EXPECT_LE(st.ranks_per_token_max, 2);
+      } else {
+        EXPECT_GT(st.ranks_per_token_max, 2);
+      }
+    }
+  }
+}
+
+// y, dx and every gradient of a layer with shared experts equal the layer without them plus a
+// dense SwiGLU of the shared weights computed here, on 2 ranks with spill rounds, two passes
+// (gradients accumulate), and a rank with no tokens; the shared weights' gradients also against
+// central differences.
+TEST(Layer, SharedExpertsEqualTheLayerWithoutPlusADenseSwiGLU) {
+  for (int64_t T1 : {10, 0}) {
+    LayerCase with;
+    with.moe = small_moe(8, 2, 10);
+    with.moe.shared_experts = 2;
+    with.moe.shared_ffn = 3;
+    with.ranks = 2;
+    with.passes = 2;
+    with.echo.capacity_factor = 0.3;  // spill rounds on busy ranks
+    LayerCase without = with;
+    without.moe.shared_experts = 0;
+    SCOPED_TRACE("rank 1 tokens " + std::to_string(T1));
+    const int64_t H = 16, S = 6, T[2] = {10, T1};
+    std::vector<std::vector<double>> x = {random_values(size_t(T[0] * H), 40),
+                                          random_values(size_t(T[1] * H), 41)};
+    std::vector<std::vector<double>> g = {random_values(size_t(T[0] * H), 42),
+                                          random_values(size_t(T[1] * H), 43)};
+    const LayerRun a = run_layer(with, x, g);
+    const LayerRun b = run_layer(without, x, g);
+    const std::vector<double>&w1 = a.params.shared_w1, &w2 = a.params.shared_w2;
+    ASSERT_EQ(w1.size(), size_t(H * 2 * S));
+    std::vector<double> dw1(w1.size(), 0.0), dw2(w2.size(), 0.0);
+    for (int r = 0; r < 2; ++r) {
+      std::vector<double> y(b.y[size_t(r)]), dx(b.dx[size_t(r)]);
+      for (int64_t t = 0; t < T[r]; ++t) {
+        const double* xt = &x[size_t(r)][size_t(t * H)];
+        const double* gt = &g[size_t(r)][size_t(t * H)];
+        std::vector<double> gate(static_cast<size_t>(S)), up(gate), act(gate), da(gate);
+        for (int64_t j = 0; j < S; ++j) {
+          gate[size_t(j)] = up[size_t(j)] = 0;
+          for (int64_t h = 0; h < H; ++h) {
+            gate[size_t(j)] += xt[h] * w1[size_t(h * 2 * S + j)];
+            up[size_t(j)] += xt[h] * w1[size_t(h * 2 * S + S + j)];
+          }
+          const double sg = 1 / (1 + std::exp(-gate[size_t(j)]));
+          act[size_t(j)] = gate[size_t(j)] * sg * up[size_t(j)];
+        }
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t j = 0; j < S; ++j) {
+            y[size_t(t * H + h)] += act[size_t(j)] * w2[size_t(j * H + h)];
+            da[size_t(j)] += gt[h] * w2[size_t(j * H + h)];
+            dw2[size_t(j * H + h)] += 2 * act[size_t(j)] * gt[h];  // two passes
+          }
+        for (int64_t j = 0; j < S; ++j) {
+          const double gj = gate[size_t(j)], sg = 1 / (1 + std::exp(-gj));
+          const double d_gate = da[size_t(j)] * up[size_t(j)] * sg * (1 + gj * (1 - sg));
+          const double d_up = da[size_t(j)] * gj * sg;
+          for (int64_t h = 0; h < H; ++h) {
+            dx[size_t(t * H + h)] +=
+                d_gate * w1[size_t(h * 2 * S + j)] + d_up * w1[size_t(h * 2 * S + S + j)];
+            dw1[size_t(h * 2 * S + j)] += 2 * d_gate * xt[h];
+            dw1[size_t(h * 2 * S + S + j)] += 2 * d_up * xt[h];
+          }
+        }
+      }
+      expect_close(a.y[size_t(r)], y, 1e-13, "y");
+      expect_close(a.dx[size_t(r)], dx, 1e-13, "dx");
+      expect_close(a.d_router[size_t(r)], b.d_router[size_t(r)], 1e-13, "router gradient");
+    }
+    expect_close(a.dw1, b.dw1, 1e-13, "dw1");
+    expect_close(a.dw2, b.dw2, 1e-13, "dw2");
+    expect_close(sum(a.d_shared_w1), dw1, 1e-13, "shared w1 gradient");
+    expect_close(sum(a.d_shared_w2), dw2, 1e-13, "shared w2 gradient");
+    // On a side stream (the CPU backend runs it in place): the same values.
+    LayerCase side = with;
+    side.moe.shared_side_stream = true;
+    const LayerRun c = run_layer(side, x, g);
+    for (int r = 0; r < 2; ++r) {
+      expect_close(c.y[size_t(r)], a.y[size_t(r)], 0.0, "y, side stream");
+      expect_close(c.dx[size_t(r)], a.dx[size_t(r)], 0.0, "dx, side stream");
+    }
+    expect_close(sum(c.d_shared_w1), sum(a.d_shared_w1), 0.0, "shared w1 gradient, side stream");
+    EXPECT_GT(a.stats[0].spill_rounds + a.stats[1].spill_rounds, 0) << "no spill round ran";
+    // Central differences of the objective (two passes: twice the one-pass gradient).
+    LayerCase once = with;
+    once.passes = 1;
+    Rng pick(9, 0);
+    for (int trial = 0; trial < 3; ++trial) {
+      const size_t i1 = pick.below(w1.size()), i2 = pick.below(w2.size());
+      auto fd = [&](auto mutate) {
+        GlobalParams p = a.params;
+        mutate(p, 1e-6);
+        const double up = run_layer(once, x, g, p).objective;
+        p = a.params;
+        mutate(p, -1e-6);
+        return (up - run_layer(once, x, g, p).objective) / 2e-6;
+      };
+      const double d1 = fd([&](GlobalParams& p, double e) { p.shared_w1[i1] += e; });
+      const double d2 = fd([&](GlobalParams& p, double e) { p.shared_w2[i2] += e; });
+      EXPECT_NEAR(dw1[i1] / 2, d1, 1e-6 * (1 + std::fabs(d1))) << "shared_w1[" << i1 << "]";
+      EXPECT_NEAR(dw2[i2] / 2, d2, 1e-6 * (1 + std::fabs(d2))) << "shared_w2[" << i2 << "]";
+    }
+  }
+}
+
 TEST(Layer, GradientsMatchFiniteDifferences) {
   for (auto score : {ScoreFunction::softmax, ScoreFunction::sigmoid}) {
     LayerCase c;
@@ -329,6 +453,14 @@ TEST(Layer, GradientsMatchFiniteDifferences) {
     c.moe.score_function = score;
     c.moe.aux_loss_coeff = 0.1;
     c.moe.z_loss_coeff = 0.01;
+    // The routing rules of real models: groups (2 of 2 experts, 1 kept), scaling, sequence loss.
+    if (score == ScoreFunction::sigmoid) {
+      c.moe.expert_groups = 2;
+      c.moe.topk_groups = 1;
+      c.moe.routed_scaling_factor = 2.5;
+      c.moe.seq_aux_loss_coeff = 0.05;
+      c.moe.seq_len = 4;
+    }
     c.ranks = 2;
     c.echo.spare_slots_per_rank = 1;
     c.echo.capacity_factor = 0.5;

@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "model_routing_reference.hpp"
 #include "moe_echo/backend.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/error.hpp"
@@ -182,16 +183,19 @@ struct RouterRig {
     topk_idx = arena.make(DType::i32, {T, K});
     topk_weight = arena.make(fl, {T, K});
     counts = arena.make(DType::i32, {E});
-    losses = arena.make(fl, {2});
+    losses = arena.make(fl, {3});
   }
 
-  RouterForwardArgs args(ScoreFunction sf, bool normalize, double aux, double z) const {
+  RouterForwardArgs args(const RouterConfig& config) const {
     RouterForwardArgs a;
     a.tensors = RouterTensors{x, weight, logits, scores, topk_idx, topk_weight, counts};
     a.bias = bias;
     a.losses = losses;
-    a.config = RouterConfig{sf, normalize, aux, z};
+    a.config = config;
     return a;
+  }
+  RouterForwardArgs args(ScoreFunction sf, bool normalize, double aux, double z) const {
+    return args(RouterConfig{sf, normalize, aux, z});
   }
 
   void poison_outputs() {
@@ -369,21 +373,18 @@ double router_objective(Backend& be, RouterRig& rig, const RouterForwardArgs& a,
   EXPECT_EQ(idx, want_idx) << "the perturbation changed the selection";
   const auto tw = get(be, rig.topk_weight);
   const auto losses = get(be, rig.losses);
-  return dot(g, tw) + losses[0] + losses[1];
+  return dot(g, tw) + losses[0] + losses[1] + losses[2];
 }
 
 // d_weight and dx (accumulated onto random values) against central differences of the forward.
-TEST_P(RouterBackwardTest, MatchesFiniteDifferences) {
-  const auto c = GetParam();
+void check_router_gradients(RouterShape shape, const RouterConfig& config, uint64_t seed) {
   auto be = make_cpu_backend(DType::f64);
-  RouterRig rig(*be, c.shape);
-  const int64_t T = c.shape.T, H = c.shape.H, E = c.shape.E, K = c.shape.K;
-  const uint64_t seed = uint64_t(7000 + T * 31 + E * 7 + K) + (c.normalize ? 1 : 0);
+  RouterRig rig(*be, shape);
+  const int64_t T = shape.T, H = shape.H, E = shape.E, K = shape.K;
   auto x = put_random(*be, rig.x, seed + 1, -2.0, 2.0);
   auto w = put_random(*be, rig.weight, seed + 2);
   put(*be, rig.bias, bias_values(BiasMode::random, E, seed + 3));
-  const double aux_c = 0.3, z_c = 0.05;
-  const auto fa = rig.args(c.sf, c.normalize, aux_c, z_c);
+  const auto fa = rig.args(config);
   rig.poison_outputs();
   be->router_forward(fa, nullptr);
   const auto idx0 = as_ints(get(*be, rig.topk_idx));
@@ -431,6 +432,13 @@ TEST_P(RouterBackwardTest, MatchesFiniteDifferences) {
   EXPECT_GT(norm(fd_w), 1e-3);  // the check compares something
   EXPECT_TRUE(rig.arena.guards_intact());
   EXPECT_TRUE(arena.guards_intact());
+}
+
+TEST_P(RouterBackwardTest, MatchesFiniteDifferences) {
+  const auto c = GetParam();
+  const uint64_t seed =
+      uint64_t(7000 + c.shape.T * 31 + c.shape.E * 7 + c.shape.K) + (c.normalize ? 1 : 0);
+  check_router_gradients(c.shape, RouterConfig{c.sf, c.normalize, 0.3, 0.05}, seed);
 }
 
 const RouterBackwardCase kRouterBackwardCases[] = {
@@ -514,6 +522,194 @@ TEST(RouterBackward, F32MatchesF64AndZeroTokensIsANoOp) {
         EXPECT_LT(rel_error(grads[1][0], grads[0][0]), 1e-5);
         EXPECT_LT(rel_error(grads[1][1], grads[0][1]), 1e-5);
       }
+}
+
+// =================================================================================================
+// Router rules of real models: group-limited top-k, routed scaling, sequence aux loss
+// =================================================================================================
+
+// A router config and the model definition it should reproduce.
+struct ModelRoutingCase {
+  const char* name;
+  RouterShape shape;
+  RouterConfig config;
+  bool grouped_reference;  // DeepSeek-style grouped gate, else softmax top-k (Qwen3, Mixtral)
+};
+
+RouterConfig grouped(ScoreFunction sf, bool normalize, int groups, int topk_groups, GroupScore rule,
+                     double scale) {
+  RouterConfig c{sf, normalize, 0.0, 0.0};
+  c.expert_groups = groups;
+  c.topk_groups = topk_groups;
+  c.group_score = rule;
+  c.routed_scaling_factor = scale;
+  return c;
+}
+
+const ModelRoutingCase kModelRoutingCases[] = {
+    // DeepSeek-V3's gate at a small size: 8 groups of 4, top 3 groups, sum of top-2, x 2.5.
+    {"deepseek_v3",
+     {257, 11, 32, 4},
+     grouped(ScoreFunction::sigmoid, true, 8, 3, GroupScore::top2_sum, 2.5),
+     true},
+    {"deepseek_v3_one_group",
+     {64, 7, 32, 8},
+     grouped(ScoreFunction::sigmoid, true, 8, 2, GroupScore::top2_sum, 2.5),
+     true},
+    {"group_max_raw",
+     {255, 9, 24, 3},
+     grouped(ScoreFunction::sigmoid, false, 6, 2, GroupScore::max, 1.7),
+     true},
+    {"group_max_softmax",
+     {33, 5, 16, 2},
+     grouped(ScoreFunction::softmax, true, 4, 1, GroupScore::max, 1.0),
+     true},
+    {"groups_of_one",
+     {40, 6, 8, 3},
+     grouped(ScoreFunction::sigmoid, true, 8, 4, GroupScore::max, 1.0),
+     true},
+    {"every_group",
+     {40, 6, 12, 3},
+     grouped(ScoreFunction::sigmoid, true, 3, 3, GroupScore::top2_sum, 2.0),
+     true},
+    // Qwen3-MoE (norm_topk_prob) and Mixtral: softmax top-k, renormalised; and without.
+    {"qwen3", {129, 10, 16, 4}, RouterConfig{ScoreFunction::softmax, true, 0.0, 0.0}, false},
+    {"mixtral", {77, 8, 8, 2}, RouterConfig{ScoreFunction::softmax, true, 0.0, 0.0}, false},
+    {"softmax_raw", {50, 8, 8, 2}, RouterConfig{ScoreFunction::softmax, false, 0.0, 0.0}, false},
+};
+
+// Routes and weights against the fp64 model definitions on the backend's stored scores (with the
+// scores themselves from the stored logits by the definition); the sequence aux loss against
+// DeepSeek-V3's sequence-wise loss. Routes exactly, weights by relative norm.
+TEST(RouterRules, MatchModelDefinitions) {
+  for (const ModelRoutingCase& c : kModelRoutingCases)
+    for (DType dt : {DType::f64, DType::f32}) {
+      SCOPED_TRACE(std::string(c.name) + " " + dtype_name(dt));
+      auto be = make_cpu_backend(dt);
+      RouterRig rig(*be, c.shape);
+      const int64_t T = c.shape.T, E = c.shape.E, K = c.shape.K;
+      const uint64_t seed = 4100 + uint64_t(T * 3 + E);
+      put_random(*be, rig.x, seed + 1, -2.0, 2.0);
+      put_random(*be, rig.weight, seed + 2);
+      // Softmax models have no bias; the grouped gate's bias is large enough to change picks.
+      put(*be, rig.bias,
+          c.grouped_reference ? test::random_values(size_t(E), seed + 3, -0.2, 0.2)
+                              : std::vector<double>(size_t(E), 0.0));
+      const auto bias = get(*be, rig.bias);
+      RouterConfig cfg = c.config;
+      cfg.seq_aux_loss_coeff = 0.21;
+      cfg.seq_len = 16;
+      rig.poison_outputs();
+      be->router_forward(rig.args(cfg), nullptr);
+
+      const auto logits = get(*be, rig.logits), scores = get(*be, rig.scores);
+      std::vector<double> exact(size_t(T * E)), stored_scores(size_t(T * E));
+      for (int64_t t = 0; t < T; ++t) {
+        double mx = -INFINITY, sum = 0;
+        for (int64_t e = 0; e < E; ++e) mx = std::max(mx, logits[size_t(t * E + e)]);
+        for (int64_t e = 0; e < E; ++e) sum += std::exp(logits[size_t(t * E + e)] - mx);
+        for (int64_t e = 0; e < E; ++e) {
+          const double l = logits[size_t(t * E + e)];
+          exact[size_t(t * E + e)] = cfg.score_function == ScoreFunction::softmax
+                                         ? std::exp(l - mx) / sum
+                                         : 1.0 / (1.0 + std::exp(-l));
+          stored_scores[size_t(t * E + e)] = test::ref::stored(dt, exact[size_t(t * E + e)]);
+        }
+      }
+      EXPECT_LT(rel_error(scores, stored_scores), tolerance(dt));
+      const test::model::Routes want =
+          c.grouped_reference
+              ? test::model::grouped_gate(
+                    stored_scores, bias, T, E, K, cfg.expert_groups, cfg.topk_groups,
+                    cfg.group_score == GroupScore::top2_sum ? test::model::GroupRule::top2_sum
+                                                            : test::model::GroupRule::max,
+                    cfg.normalize_topk, cfg.routed_scaling_factor)
+              : test::model::softmax_topk(stored_scores, T, E, K, cfg.normalize_topk);
+      const auto idx = as_ints(get(*be, rig.topk_idx));
+      EXPECT_EQ(idx, want.idx);
+      EXPECT_LT(rel_error(get(*be, rig.topk_weight), want.weights), tolerance(dt));
+      const auto losses = get(*be, rig.losses);
+      const double seq_want =
+          test::model::sequence_balance_loss(exact, idx, T, E, K, cfg.seq_len, 0.21);
+      EXPECT_LT(rel_scalar(losses[2], seq_want), tolerance(dt)) << losses[2] << " vs " << seq_want;
+      EXPECT_EQ(losses[0], 0.0);
+      // Every token's picks lie in at most topk_groups groups, and the limit changes the picks.
+      if (cfg.expert_groups > 1 && cfg.topk_groups < cfg.expert_groups) {
+        const int64_t per = E / cfg.expert_groups;
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int64_t> g;
+          for (int64_t k = 0; k < K; ++k) g.push_back(idx[size_t(t * K + k)] / per);
+          std::sort(g.begin(), g.end());
+          EXPECT_LE(std::unique(g.begin(), g.end()) - g.begin(), cfg.topk_groups) << "token " << t;
+        }
+        // (Groups of one expert scored by their max keep the top-k: the limit is then a no-op.)
+        RouterConfig open = cfg;
+        open.expert_groups = open.topk_groups = 1;
+        be->router_forward(rig.args(open), nullptr);
+        if (per > 1) {
+          EXPECT_NE(as_ints(get(*be, rig.topk_idx)), idx) << "the limit changed nothing";
+        }
+      }
+      EXPECT_TRUE(rig.arena.guards_intact());
+    }
+}
+
+// Tied groups go to the lower group, tied experts to the lower expert: every score is equal
+// (identical weight rows), so the bias alone orders the keys, and groups 1 and 3 have the same
+// biases (the best).
+TEST(RouterRules, TiedGroupsGoToLowerIndex) {
+  for (DType dt : {DType::f64, DType::f32})
+    for (GroupScore rule : {GroupScore::top2_sum, GroupScore::max}) {
+      SCOPED_TRACE(dtype_name(dt) + " " + to_string(rule));
+      auto be = make_cpu_backend(dt);
+      const int64_t T = 5, H = 4, E = 16, K = 3;
+      RouterRig rig(*be, {T, H, E, K});
+      put_random(*be, rig.x, 61);
+      const auto row = test::random_values(size_t(H), 62);
+      std::vector<double> w;
+      for (int64_t e = 0; e < E; ++e) w.insert(w.end(), row.begin(), row.end());
+      put(*be, rig.weight, w);
+      // Group g holds experts 4g .. 4g + 3; groups 1 and 3: biases 0.5, 0.25, 0.5, 0.
+      std::vector<double> b(size_t(E), -1.0);
+      for (int g : {1, 3}) {
+        b[size_t(4 * g + 0)] = 0.5;
+        b[size_t(4 * g + 1)] = 0.25;
+        b[size_t(4 * g + 2)] = 0.5;
+        b[size_t(4 * g + 3)] = 0.0;
+      }
+      put(*be, rig.bias, b);
+      const std::vector<int32_t> one_group = {4, 6, 5}, two_groups = {4, 6, 12};
+      for (int topk_groups : {1, 2}) {
+        rig.poison_outputs();
+        be->router_forward(
+            rig.args(grouped(ScoreFunction::sigmoid, true, 4, topk_groups, rule, 1.0)), nullptr);
+        const auto idx = as_ints(get(*be, rig.topk_idx));
+        for (int64_t t = 0; t < T; ++t)
+          EXPECT_EQ(std::vector<int32_t>(idx.begin() + t * K, idx.begin() + (t + 1) * K),
+                    topk_groups == 1 ? one_group : two_groups)
+              << "token " << t << ", top " << topk_groups << " groups";
+      }
+    }
+}
+
+// The gradients with groups, routed scaling and the sequence aux loss (plus both batch losses)
+// against central differences; sequences of 4 over 9 tokens leave a short last one.
+TEST(RouterRules, GradientsMatchFiniteDifferences) {
+  for (ScoreFunction sf : {ScoreFunction::softmax, ScoreFunction::sigmoid})
+    for (bool normalize : {true, false}) {
+      SCOPED_TRACE(std::string(to_string(sf)) + (normalize ? " norm" : " raw"));
+      RouterConfig cfg = grouped(sf, normalize, 4, 2, GroupScore::top2_sum, 2.5);
+      cfg.aux_loss_coeff = 0.3;
+      cfg.z_loss_coeff = 0.05;
+      cfg.seq_aux_loss_coeff = 0.4;
+      cfg.seq_len = 4;
+      check_router_gradients({9, 5, 8, 3}, cfg, 8100 + (normalize ? 1 : 0));
+      // The sequence loss alone, one token per sequence.
+      RouterConfig seq_only{sf, normalize, 0.0, 0.0};
+      seq_only.seq_aux_loss_coeff = 0.7;
+      seq_only.seq_len = 1;
+      check_router_gradients({3, 4, 6, 2}, seq_only, 8200 + (normalize ? 1 : 0));
+    }
 }
 
 // =================================================================================================

@@ -13,6 +13,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -327,6 +328,41 @@ TEST(Simulator, StepTimeAddsComputeCommAndClones) {
   EXPECT_EQ(p.clone_ms, 0.0);
   EXPECT_NEAR(p.est_step_ms, p.compute_ms + p.comm_ms, 1e-15);
   EXPECT_NEAR(p.est_step_ms_overlap, std::max(p.compute_ms, p.comm_ms), 1e-15);
+}
+
+// Ranks a token's rows reach under group-limited routing: no limit equals the plain formula;
+// groups of one rank each (DeepSeek-V3's 8 groups on EP 8) follow the hand formula and are
+// bounded by topk_groups; an unaligned layout matches a Monte Carlo draw of the same model.
+TEST(CostModel, RanksPerTokenUnderGroupLimits) {
+  EXPECT_NEAR(ranks_per_token(256, 8, 8, 1, 1), ranks_per_token(256.0, 8.0, 8.0), 1e-12);
+  EXPECT_NEAR(ranks_per_token(256, 8, 8, 8, 8), ranks_per_token(256.0, 8.0, 8.0), 1e-12);
+  // 4 groups chosen, each one rank of 32 experts; a chosen rank is missed when all 8 picks fall
+  // in the other 96 experts: 4 (1 - C(96, 8) / C(128, 8)).
+  double miss = 1;
+  for (int i = 0; i < 8; ++i) miss *= double(96 - i) / double(128 - i);
+  EXPECT_NEAR(ranks_per_token(256, 8, 8, 8, 4), 4 * (1 - miss), 1e-12);
+  EXPECT_EQ(max_ranks_per_token(256, 8, 8, 8, 4), 4);
+  EXPECT_EQ(max_ranks_per_token(256, 8, 8, 1, 1), 8);
+  EXPECT_EQ(max_ranks_per_token(256, 32, 8, 8, 4), 8);  // each group spans 4 ranks
+  EXPECT_EQ(max_ranks_per_token(256, 32, 8, 8, 1), 4);
+  EXPECT_LT(ranks_per_token(256, 8, 8, 8, 4), ranks_per_token(256.0, 8.0, 8.0));
+  // 12 experts in 3 groups of 4 on 4 ranks of 3 (groups straddle ranks), top 2 groups, top-3.
+  std::mt19937_64 rng(5);
+  const int draws = 200000;
+  double sum = 0;
+  for (int d = 0; d < draws; ++d) {
+    std::vector<int> groups = {0, 1, 2};
+    std::shuffle(groups.begin(), groups.end(), rng);
+    std::vector<int> experts;
+    for (int i = 0; i < 2; ++i)
+      for (int e = groups[size_t(i)] * 4; e < groups[size_t(i)] * 4 + 4; ++e) experts.push_back(e);
+    std::shuffle(experts.begin(), experts.end(), rng);
+    std::vector<int> ranks = {experts[0] / 3, experts[1] / 3, experts[2] / 3};
+    std::sort(ranks.begin(), ranks.end());
+    sum += double(std::unique(ranks.begin(), ranks.end()) - ranks.begin());
+  }
+  EXPECT_NEAR(ranks_per_token(12, 4, 3, 3, 2), sum / draws, 0.01);
+  EXPECT_EQ(max_ranks_per_token(12, 4, 3, 3, 2), 3);
 }
 
 TEST(Simulator, SpillFractionAndPercentiles) {

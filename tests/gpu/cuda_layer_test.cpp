@@ -42,6 +42,10 @@ struct GpuLayer {
     write_tensor(*be, layer.param(Param::router_bias), p.router_bias);
     write_tensor(*be, layer.param(Param::w1), p.w1);
     write_tensor(*be, layer.param(Param::w2), p.w2);
+    if (!p.shared_w1.empty()) {
+      write_tensor(*be, layer.param(Param::shared_w1), p.shared_w1);
+      write_tensor(*be, layer.param(Param::shared_w2), p.shared_w2);
+    }
   }
 };
 
@@ -70,6 +74,12 @@ struct LayerParam {
   double capacity_factor;
   int hot = -1;  // expert every token picks first (bias), or -1
   bool aux_z = true;
+  // The routing of real models: group-limited top-k, routed scaling, the sequence aux loss, and
+  // shared experts (defaults: none).
+  int groups = 1, topk_groups = 1;
+  double scale = 1.0, seq_aux = 0.0;
+  int seq_len = 0, shared_experts = 0;
+  bool side_stream = false;  // the shared experts on the backend's side stream
 };
 
 class CudaLayerTest : public ::testing::TestWithParam<LayerParam> {};
@@ -89,7 +99,15 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   c.moe.aux_loss_coeff = lp.aux_z ? 0.01 : 0.0;
   c.moe.z_loss_coeff = lp.aux_z ? 0.001 : 0.0;
   c.echo.capacity_factor = lp.capacity_factor;
+  c.moe.expert_groups = lp.groups;
+  c.moe.topk_groups = lp.topk_groups;
+  c.moe.routed_scaling_factor = lp.scale;
+  c.moe.seq_aux_loss_coeff = lp.seq_aux;
+  c.moe.seq_len = lp.seq_len;
+  c.moe.shared_experts = lp.shared_experts;
   c.ranks = 1;
+  LayerCase gpu_case = c;  // the CPU layer runs the shared experts in place either way
+  gpu_case.moe.shared_side_stream = lp.side_stream;
   c.dtype = DType::f32;
   const uint64_t seed = uint64_t(lp.H + lp.E * 3 + lp.T * 7 + lp.K);
   const GlobalParams p = rounded_params(c.moe, seed, lp.hot);
@@ -97,7 +115,7 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   const auto g = round_bf16(random_values(size_t(lp.T * lp.H), seed + 11, -1, 1));
   const LayerRun cpu = run_layer(c, {x}, {g}, p);
 
-  GpuLayer gl(c.moe, c.echo, c.seed);
+  GpuLayer gl(gpu_case.moe, c.echo, c.seed);
   gl.set(p);
   OwnedTensor xt(*gl.be, DType::bf16, {lp.T, lp.H}), yt(*gl.be, DType::bf16, {lp.T, lp.H}),
       gt(*gl.be, DType::bf16, {lp.T, lp.H}), dxt(*gl.be, DType::bf16, {lp.T, lp.H});
@@ -116,6 +134,12 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
                     kLayerTol, "d_router"));
   EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu.dw1, kLayerTol, "dw1"));
   EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu.dw2, kLayerTol, "dw2"));
+  if (lp.shared_experts > 0 && lp.T > 0) {
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::shared_w1)), cpu.d_shared_w1[0],
+                      kLayerTol, "d_shared_w1"));
+    EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::shared_w2)), cpu.d_shared_w2[0],
+                      kLayerTol, "d_shared_w2"));
+  }
   if (lp.hot >= 0) {
     EXPECT_EQ(st.load_after[0], lp.T * lp.K);
   }
@@ -182,7 +206,21 @@ INSTANTIATE_TEST_SUITE_P(
         LayerParam{"t255", 128, 64, 16, 4, 255, 255, ScoreFunction::softmax, 1.0},
         LayerParam{"t256", 128, 64, 16, 4, 256, 256, ScoreFunction::sigmoid, 0.75},
         LayerParam{"t257", 128, 64, 16, 4, 257, 257, ScoreFunction::softmax, 1.0, -1, false},
-        LayerParam{"wide", 256, 128, 64, 8, 512, 512, ScoreFunction::softmax, 1.25}),
+        LayerParam{"wide", 256, 128, 64, 8, 512, 512, ScoreFunction::softmax, 1.25},
+        // DeepSeek-V3's routing at a small size: 8 groups, top 4, x 2.5, the sequence aux loss
+        // and one shared expert; with spill rounds; and with no tokens.
+        LayerParam{"deepseek_routing", 128, 64, 64, 8, 256, 256, ScoreFunction::sigmoid, 1.0, -1,
+                   true, 8, 4, 2.5, 0.01, 64, 1},
+        LayerParam{"deepseek_routing_spill", 64, 32, 32, 4, 128, 100, ScoreFunction::sigmoid, 0.4,
+                   -1, true, 8, 2, 2.5, 0.01, 30, 2},
+        LayerParam{"shared_no_tokens", 64, 32, 8, 2, 16, 0, ScoreFunction::softmax, 1.25, -1, true,
+                   1, 1, 1.0, 0.0, 0, 1},
+        // The shared experts on the side stream: without spill rounds (joined in round 0) and
+        // with them (joined before the rounds).
+        LayerParam{"shared_side_stream", 128, 64, 64, 8, 256, 256, ScoreFunction::sigmoid, 1.25, -1,
+                   true, 8, 4, 2.5, 0.01, 64, 1, true},
+        LayerParam{"shared_side_stream_spill", 64, 32, 32, 4, 128, 100, ScoreFunction::sigmoid, 0.4,
+                   -1, true, 8, 2, 2.5, 0.0, 0, 2, true}),
     layer_name);
 
 // =================================================================================================

@@ -71,12 +71,32 @@ struct RouterCase {
   int64_t T, H, E, K;
   ScoreFunction sf;
   bool normalize;
+  // Group-limited top-k (1, 1: none), routed scaling, sequence aux loss (0: none).
+  int groups = 1, topk_groups = 1;
+  GroupScore group_score = GroupScore::top2_sum;
+  double scale = 1.0;
+  double seq_aux = 0.0;
+  int seq_len = 0;
+  RouterConfig config(double aux, double z) const {
+    RouterConfig r{sf, normalize, aux, z};
+    r.expert_groups = groups;
+    r.topk_groups = topk_groups;
+    r.group_score = group_score;
+    r.routed_scaling_factor = scale;
+    r.seq_aux_loss_coeff = seq_aux;
+    r.seq_len = seq_len;
+    return r;
+  }
 };
 std::string router_name(const ::testing::TestParamInfo<RouterCase>& info) {
   const RouterCase& c = info.param;
   std::ostringstream s;
   s << "T" << c.T << "_H" << c.H << "_E" << c.E << "_K" << c.K << "_" << to_string(c.sf)
     << (c.normalize ? "_norm" : "_raw");
+  if (c.groups > 1)
+    s << "_G" << c.groups << "_top" << c.topk_groups << "_" << to_string(c.group_score);
+  if (c.scale != 1.0) s << "_scaled";
+  if (c.seq_aux != 0) s << "_seq" << c.seq_len;
   return s.str();
 }
 
@@ -91,33 +111,59 @@ struct RouterPairs {
         idx(b, Kind::i32, {T, K}),
         weight(b, Kind::flt, {T, K}),
         counts(b, Kind::i32, {E}),
-        losses(b, Kind::flt, {2}) {}
+        losses(b, Kind::flt, {3}) {}
   RouterForwardArgs args(bool gpu, const RouterCase& c, double aux, double z) const {
     auto t = [&](const Pair& p) { return gpu ? *p.g : *p.c; };
     RouterForwardArgs a;
     a.tensors = RouterTensors{t(x), t(w), t(logits), t(scores), t(idx), t(weight), t(counts)};
     a.bias = t(bias);
     a.losses = t(losses);
-    a.config = RouterConfig{c.sf, c.normalize, aux, z};
+    a.config = c.config(aux, z);
     return a;
   }
 };
 
-// Tokens whose best K + 1 selection keys (score + bias, as the CPU computed them) are not all
-// separated by more than `margin`.
+// True when the n + 1 largest of v are not all separated by more than `margin` (sorts v).
+bool unclear_best(std::vector<double>& v, int64_t n, double margin) {
+  std::sort(v.begin(), v.end(), std::greater<double>());
+  for (int64_t k = 0; k < std::min<int64_t>(n, int64_t(v.size()) - 1); ++k)
+    if (v[size_t(k)] - v[size_t(k + 1)] <= margin) return true;
+  return false;
+}
+
+// Tokens whose selection is not clear by more than `margin` on the CPU's keys (score + bias):
+// with a group limit, the best topk_groups + 1 group scores, then the best K + 1 keys inside the
+// chosen groups; without, the best K + 1 keys.
 std::vector<int64_t> unclear_tokens(const std::vector<double>& scores,
-                                    const std::vector<double>& bias, int64_t T, int64_t E,
-                                    int64_t K, double margin) {
+                                    const std::vector<double>& bias, const RouterCase& c,
+                                    double margin) {
+  const int64_t T = c.T, E = c.E, K = c.K, per = E / c.groups;
   std::vector<int64_t> bad;
-  std::vector<double> key(static_cast<size_t>(E));
   for (int64_t t = 0; t < T; ++t) {
+    std::vector<double> key(static_cast<size_t>(E));
     for (int64_t e = 0; e < E; ++e) key[size_t(e)] = scores[size_t(t * E + e)] + bias[size_t(e)];
-    std::sort(key.begin(), key.end(), std::greater<double>());
-    for (int64_t k = 0; k < std::min(K, E - 1); ++k)
-      if (key[size_t(k)] - key[size_t(k + 1)] <= margin) {
-        bad.push_back(t);
-        break;
+    std::vector<double> eligible = key;
+    if (c.groups > 1) {
+      std::vector<std::pair<double, int>> group;
+      for (int g = 0; g < c.groups; ++g) {
+        std::vector<double> in(key.begin() + g * per, key.begin() + (g + 1) * per);
+        std::sort(in.begin(), in.end(), std::greater<double>());
+        group.push_back({c.group_score == GroupScore::top2_sum ? in[0] + in[1] : in[0], g});
       }
+      std::vector<double> group_scores;
+      for (const auto& gs : group) group_scores.push_back(gs.first);
+      if (unclear_best(group_scores, c.topk_groups, margin)) {
+        bad.push_back(t);
+        continue;
+      }
+      std::sort(group.begin(), group.end(), [](auto a, auto b) { return a.first > b.first; });
+      eligible.clear();
+      for (int i = 0; i < c.topk_groups; ++i)
+        for (int64_t e = group[size_t(i)].second * per; e < (group[size_t(i)].second + 1) * per;
+             ++e)
+          eligible.push_back(key[size_t(e)]);
+    }
+    if (unclear_best(eligible, K, margin)) bad.push_back(t);
   }
   return bad;
 }
@@ -131,7 +177,7 @@ std::vector<double> draw_clear_tokens(Backends& b, RouterPairs& rt, const Router
   for (int attempt = 0;; ++attempt) {
     rt.x.c.write(x);
     b.cpu->router_forward(rt.args(false, c, 0.01, 0.001), nullptr);
-    const auto bad = unclear_tokens(rt.scores.c.read(), bias, c.T, c.E, c.K, 1e-6);
+    const auto bad = unclear_tokens(rt.scores.c.read(), bias, c, 1e-6);
     if (bad.empty()) return x;
     EXPECT_LT(attempt, 50) << "could not draw tokens with clear top-k margins";
     if (attempt >= 50) return x;
@@ -168,8 +214,12 @@ TEST_P(RouterTest, ForwardAndBackwardMatchCpu) {
   const auto lg = rt.losses.g.read(), lc = rt.losses.c.read();
   EXPECT_NEAR(lg[0], lc[0], 1e-5 * std::abs(lc[0]) + 1e-9) << "aux loss";
   EXPECT_NEAR(lg[1], lc[1], 1e-5 * std::abs(lc[1]) + 1e-9) << "z loss";
+  EXPECT_NEAR(lg[2], lc[2], 1e-5 * std::abs(lc[2]) + 1e-9) << "sequence aux loss";
+  if (c.seq_aux != 0 && c.T > 0) {
+    EXPECT_GT(lc[2], 0.0);
+  }
   if (c.T == 0) {
-    EXPECT_EQ(lg, (std::vector<double>{0, 0}));
+    EXPECT_EQ(lg, (std::vector<double>{0, 0, 0}));
   }
 
   // Backward: += into random dW and dx.
@@ -206,19 +256,80 @@ TEST_P(RouterTest, ForwardAndBackwardMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, RouterTest,
-    ::testing::Values(RouterCase{0, 64, 8, 2, ScoreFunction::softmax, true},
-                      RouterCase{1, 64, 8, 2, ScoreFunction::softmax, true},
-                      RouterCase{1, 37, 5, 5, ScoreFunction::sigmoid, false},
-                      RouterCase{255, 64, 16, 4, ScoreFunction::softmax, true},
-                      RouterCase{256, 96, 64, 8, ScoreFunction::sigmoid, true},
-                      RouterCase{257, 37, 33, 1, ScoreFunction::softmax, false},
-                      RouterCase{257, 128, 128, 8, ScoreFunction::softmax, true},
-                      RouterCase{1000, 256, 40, 6, ScoreFunction::sigmoid, false},
-                      // Tensor-core products (E >= 32; T, E, H multiples of 8).
-                      RouterCase{256, 64, 32, 4, ScoreFunction::softmax, true},
-                      RouterCase{512, 512, 256, 8, ScoreFunction::sigmoid, true},
-                      RouterCase{1024, 2048, 128, 8, ScoreFunction::softmax, true}),
+    ::testing::Values(
+        RouterCase{0, 64, 8, 2, ScoreFunction::softmax, true},
+        RouterCase{1, 64, 8, 2, ScoreFunction::softmax, true},
+        RouterCase{1, 37, 5, 5, ScoreFunction::sigmoid, false},
+        RouterCase{255, 64, 16, 4, ScoreFunction::softmax, true},
+        RouterCase{256, 96, 64, 8, ScoreFunction::sigmoid, true},
+        RouterCase{257, 37, 33, 1, ScoreFunction::softmax, false},
+        RouterCase{257, 128, 128, 8, ScoreFunction::softmax, true},
+        RouterCase{1000, 256, 40, 6, ScoreFunction::sigmoid, false},
+        // Tensor-core products (E >= 32; T, E, H multiples of 8).
+        RouterCase{256, 64, 32, 4, ScoreFunction::softmax, true},
+        RouterCase{512, 512, 256, 8, ScoreFunction::sigmoid, true},
+        RouterCase{1024, 2048, 128, 8, ScoreFunction::softmax, true},
+        // Group-limited top-k, routed scaling and the sequence aux loss: DeepSeek-V3's
+        // gate (8 groups, top 4, sum of the top 2, x 2.5) in the register kernels,
+        // the group max, odd sizes, and E > 256 (the kernels that read memory).
+        RouterCase{512, 512, 256, 8, ScoreFunction::sigmoid, true, 8, 4, GroupScore::top2_sum, 2.5,
+                   0.003, 128},
+        RouterCase{1000, 256, 40, 6, ScoreFunction::sigmoid, false, 5, 2, GroupScore::max, 1.7,
+                   0.01, 100},
+        RouterCase{257, 128, 128, 8, ScoreFunction::softmax, true, 4, 2, GroupScore::max, 1.0, 0.01,
+                   50},
+        RouterCase{255, 64, 16, 4, ScoreFunction::sigmoid, true, 1, 1, GroupScore::top2_sum, 2.5,
+                   0.02, 1},
+        RouterCase{1, 64, 16, 4, ScoreFunction::sigmoid, true, 4, 2, GroupScore::top2_sum, 2.5, 0.1,
+                   4},
+        RouterCase{300, 64, 320, 8, ScoreFunction::sigmoid, true, 8, 3, GroupScore::top2_sum, 2.5,
+                   0.01, 64},
+        RouterCase{300, 64, 320, 6, ScoreFunction::softmax, false, 32, 6, GroupScore::max, 2.0, 0.0,
+                   0}),
     router_name);
+
+// Tied groups go to the lower group and tied experts to the lower expert, on the GPU as on the
+// CPU: identical weight rows make every score equal bit for bit, so the bias orders the keys, and
+// groups 1 and 3 have the same (best) biases.
+TEST(Router, TiedGroupsGoToTheLowerIndex) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  Backends b;
+  for (int64_t E : {16, 320})  // register and memory kernels
+    for (GroupScore rule : {GroupScore::top2_sum, GroupScore::max})
+      for (int topk_groups : {1, 2}) {
+        SCOPED_TRACE("E " + std::to_string(E) + " " + to_string(rule) + " top " +
+                     std::to_string(topk_groups));
+        const int64_t per = E / 4;
+        RouterCase c{37, 32, E, 3, ScoreFunction::sigmoid, true, 4, topk_groups, rule, 2.5};
+        RouterPairs rt(b, c.T, c.H, c.E, c.K);
+        const auto row = round_f32(uniform(size_t(c.H), 21, -0.5, 0.5));
+        std::vector<double> w;
+        for (int64_t e = 0; e < E; ++e) w.insert(w.end(), row.begin(), row.end());
+        std::vector<double> bias(size_t(E), -1.0);
+        for (int64_t g : {1, 3}) {
+          bias[size_t(g * per + 0)] = 0.5;
+          bias[size_t(g * per + 1)] = 0.25;
+          bias[size_t(g * per + 2)] = 0.5;
+          bias[size_t(g * per + 3)] = 0.0;
+        }
+        rt.w.write(w);
+        rt.bias.write(bias);
+        rt.x.write(round_bf16(uniform(size_t(c.T * c.H), 22)));
+        poison(rt.idx.c);
+        poison(rt.idx.g);
+        b.cpu->router_forward(rt.args(false, c, 0.0, 0.0), nullptr);
+        b.gpu->router_forward(rt.args(true, c, 0.0, 0.0), nullptr);
+        const auto idx = to_i32(rt.idx.g.read());
+        EXPECT_EQ(idx, to_i32(rt.idx.c.read()));
+        const std::vector<int32_t> want =
+            topk_groups == 1
+                ? std::vector<int32_t>{int32_t(per), int32_t(per + 2), int32_t(per + 1)}
+                : std::vector<int32_t>{int32_t(per), int32_t(per + 2), int32_t(3 * per)};
+        for (int64_t t = 0; t < c.T; ++t)
+          EXPECT_EQ(std::vector<int32_t>(idx.begin() + t * c.K, idx.begin() + (t + 1) * c.K), want)
+              << "token " << t;
+      }
+}
 
 TEST(Router, TiesGoToTheLowerIndexAndOneExpertCanTakeEveryToken) {
   MOE_ECHO_SKIP_WITHOUT_GPU();

@@ -17,8 +17,9 @@
 
 namespace moe_echo::test {
 
-// Host selection keys (score + bias) in double; tokens whose best K + 1 keys are not separated
-// by more than `margin` are redrawn. `hot` >= 0 pulls every token towards that expert.
+// Host selection keys (score + bias) in double; tokens whose best K + 1 keys (with a group limit:
+// whose best topk_groups + 1 group scores, then the best K + 1 keys inside the chosen groups) are
+// not separated by more than 1e-6 are redrawn. `hot` >= 0 pulls every token towards that expert.
 inline std::vector<double> draw_tokens(int64_t T, const MoeConfig& m, const std::vector<double>& w,
                                        const std::vector<double>& bias, uint64_t seed,
                                        int hot = -1) {
@@ -52,10 +53,34 @@ inline std::vector<double> draw_tokens(int64_t T, const MoeConfig& m, const std:
                              : 1.0 / (1.0 + std::exp(-l[size_t(e)]));
         key[size_t(e)] = double(float(s)) + bias[size_t(e)];
       }
-      std::sort(key.begin(), key.end(), std::greater<double>());
+      auto clear_best = [](std::vector<double> v, int64_t n) {
+        std::sort(v.begin(), v.end(), std::greater<double>());
+        bool ok = true;
+        for (int64_t k = 0; k < std::min<int64_t>(n, int64_t(v.size()) - 1); ++k)
+          ok = ok && v[size_t(k)] - v[size_t(k + 1)] > 1e-6;
+        return ok;
+      };
       bool clear = true;
-      for (int64_t k = 0; k < std::min(K, E - 1); ++k)
-        clear = clear && key[size_t(k)] - key[size_t(k + 1)] > 1e-6;
+      std::vector<double> eligible = key;
+      if (m.expert_groups > 1) {
+        const int64_t per = E / m.expert_groups;
+        std::vector<std::pair<double, int64_t>> group;
+        for (int64_t g = 0; g < m.expert_groups; ++g) {
+          std::vector<double> in(key.begin() + g * per, key.begin() + (g + 1) * per);
+          std::sort(in.begin(), in.end(), std::greater<double>());
+          group.push_back({m.group_score == GroupScore::top2_sum ? in[0] + in[1] : in[0], g});
+        }
+        std::vector<double> scores;
+        for (const auto& gs : group) scores.push_back(gs.first);
+        clear = clear_best(scores, m.topk_groups);
+        std::sort(group.begin(), group.end(), [](auto a, auto b) { return a.first > b.first; });
+        eligible.clear();
+        for (int i = 0; i < m.topk_groups; ++i)
+          for (int64_t e = group[size_t(i)].second * per; e < (group[size_t(i)].second + 1) * per;
+               ++e)
+            eligible.push_back(key[size_t(e)]);
+      }
+      clear = clear && clear_best(eligible, K);
       if (clear) break;
       if (attempt > 100) {
         ADD_FAILURE() << "no token with clear top-k margins";
@@ -77,6 +102,13 @@ inline GlobalParams rounded_params(const MoeConfig& m, uint64_t seed, int hot_bi
   p.w2 = round_bf16(random_values(size_t(E * F * H), seed + 3, -1, 1));
   for (auto& v : p.w1) v = round_bf16(v / std::sqrt(double(H)));
   for (auto& v : p.w2) v = round_bf16(v / std::sqrt(double(F)));
+  const int64_t S = shared_width(m);
+  if (S > 0) {
+    p.shared_w1 = round_bf16(random_values(size_t(H * 2 * S), seed + 4, -1, 1));
+    p.shared_w2 = round_bf16(random_values(size_t(S * H), seed + 5, -1, 1));
+    for (auto& v : p.shared_w1) v = round_bf16(v / std::sqrt(double(H)));
+    for (auto& v : p.shared_w2) v = round_bf16(v / std::sqrt(double(S)));
+  }
   return p;
 }
 
@@ -98,6 +130,9 @@ inline ::testing::AssertionResult close(const std::vector<double>& got,
 inline void expect_stats_equal(const StepStats& g, const StepStats& c) {
   EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);
   EXPECT_NEAR(g.z_loss, c.z_loss, 1e-4 * std::abs(c.z_loss) + 1e-9);
+  EXPECT_NEAR(g.seq_aux_loss, c.seq_aux_loss, 1e-4 * std::abs(c.seq_aux_loss) + 1e-9);
+  EXPECT_EQ(g.ranks_per_token_mean, c.ranks_per_token_mean);
+  EXPECT_EQ(g.ranks_per_token_max, c.ranks_per_token_max);
   EXPECT_EQ(g.load_before, c.load_before);
   EXPECT_EQ(g.load_after, c.load_after);
   EXPECT_EQ(g.clones, c.clones);

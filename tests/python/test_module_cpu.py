@@ -39,12 +39,15 @@ def check_against_reference(m, x, skew=0.0, tol=TOL):
     w1 = m.w1.detach().clone().requires_grad_(True)
     w2 = m.w2.detach().clone().requires_grad_(True)
     c = m._config
-    yr, aux, z, _ = reference_moe(
+    yr, aux, z, _, seq_aux = reference_moe(
         xr.reshape(-1, m.hidden), rw, w1, w2, top_k=m.top_k,
         router_bias=m.router_bias, score_function=c["score_function"],
         normalize_topk=c["normalize_topk"], aux_loss_coeff=c["aux_loss_coeff"],
-        z_loss_coeff=c["z_loss_coeff"])
-    ((yr.reshape(x.shape) * g).sum() + aux + z).backward()
+        z_loss_coeff=c["z_loss_coeff"], expert_groups=c["expert_groups"],
+        topk_groups=c["topk_groups"], group_score=c["group_score"],
+        routed_scaling_factor=c["routed_scaling_factor"],
+        seq_aux_loss_coeff=c["seq_aux_loss_coeff"], seq_len=c["seq_len"])
+    ((yr.reshape(x.shape) * g).sum() + aux + z + seq_aux).backward()
 
     assert rel(y, yr.reshape(x.shape)) < tol
     assert rel(x.grad, xr.grad) < tol
@@ -53,6 +56,7 @@ def check_against_reference(m, x, skew=0.0, tol=TOL):
     assert rel(m.w2.grad, w2.grad) < tol
     assert abs(m.aux_loss.item() - aux.item()) <= tol * max(1.0, abs(aux.item()))
     assert abs(m.z_loss.item() - z.item()) <= tol * max(1.0, abs(z.item()))
+    assert abs(m.seq_aux_loss.item() - seq_aux.item()) <= tol * max(1.0, abs(seq_aux.item()))
     return y
 
 
@@ -63,6 +67,43 @@ def test_matches_reference(score_function, normalize_topk):
     m = make(score_function=score_function, normalize_topk=normalize_topk,
              aux_loss_coeff=0.01, z_loss_coeff=0.001)
     check_against_reference(m, torch.randn(4, 10, 16, dtype=torch.float64))
+
+
+# DeepSeek-V3's routing at a small size (sigmoid, 4 groups of 2 experts, the best 2 groups by the
+# sum of their top-2 keys, weights x 2.5, a random selection bias) and the group max on softmax
+# scores; each with the batch and sequence aux losses (runs of 8 tokens, the last one shorter).
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(score_function="sigmoid", expert_groups=4, topk_groups=2, group_score="top2_sum",
+             routed_scaling_factor=2.5),
+        dict(score_function="softmax", expert_groups=4, topk_groups=1, group_score="max",
+             routed_scaling_factor=1.5, normalize_topk=False),
+    ],
+)
+def test_routing_rules_match_reference(routing):
+    torch.manual_seed(3)
+    m = make(aux_loss_coeff=0.01, z_loss_coeff=0.001, seq_aux_loss_coeff=0.02, seq_len=8,
+             **routing)
+    with torch.no_grad():
+        m.router_bias.copy_(torch.randn(8, dtype=torch.float32) * 0.1)
+    x = torch.randn(37, 16, dtype=torch.float64)
+    check_against_reference(m, x)
+    assert m.seq_aux_loss.item() > 0
+    # The group limit matters here: the same weights without it route some token elsewhere.
+    c = m._config
+    args = dict(top_k=2, router_bias=m.router_bias, score_function=c["score_function"])
+    _, _, _, limited, _ = reference_moe(x, m.router_weight.detach(), m.w1.detach(),
+                                        m.w2.detach(), expert_groups=4,
+                                        topk_groups=c["topk_groups"],
+                                        group_score=c["group_score"], **args)
+    _, _, _, free, _ = reference_moe(x, m.router_weight.detach(), m.w1.detach(), m.w2.detach(),
+                                     **args)
+    assert not torch.equal(limited, free)
+    with pytest.raises(ValueError, match="group_score"):
+        make(expert_groups=4, topk_groups=2, group_score="sum")
+    with pytest.raises(ValueError, match="topk_groups"):
+        make(expert_groups=4, topk_groups=5)
 
 
 def test_skewed_routing_with_spill_rounds():

@@ -82,7 +82,8 @@ def _stream(device: torch.device) -> int:
 def moe_forward(
     x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, layer_id: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """y, losses [aux, z], token of the layer on x [T, H] (the layer's activation dtype)."""
+    """y, losses [aux, z, sequence aux], token of the layer on x [T, H] (the layer's activation
+    dtype)."""
     h = handle(layer_id)
     for src, dst in ((router_weight, h.router_weight), (w1, h.w1), (w2, h.w2)):
         if src.data_ptr() != dst.data_ptr():  # not bound to the layer's buffer: copy it in
@@ -99,7 +100,7 @@ def _(x, router_weight, w1, w2, layer_id):
     h = handle(layer_id)
     return (
         torch.empty_like(x),
-        x.new_empty((2,), dtype=h.float_dtype),
+        x.new_empty((3,), dtype=h.float_dtype),
         torch.empty((1,), dtype=torch.int64, device="cpu"),
     )
 

@@ -5,9 +5,10 @@ computes in its backend's dtypes (CUDA: bf16 activations and expert weights, fp3
 gradients; CPU: everything in float32, or float64 when the parameters are float64). The forward
 casts what it reads, as ``torch.autocast`` would, and returns ``y`` in ``x``'s dtype.
 
-The aux and z losses enter the backward by themselves, with gradient 1 (as Megatron's
-``MoEAuxLossAutoScaler`` does): do not add them to the loss. ``module.aux_loss`` and
-``module.z_loss`` give their last values for logging, as device tensors.
+The aux, z and sequence aux losses enter the backward by themselves, with gradient 1 (as
+Megatron's ``MoEAuxLossAutoScaler`` does): do not add them to the loss. ``module.aux_loss``,
+``module.z_loss`` and ``module.seq_aux_loss`` give their last values for logging, as device
+tensors.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ class MoE(nn.Module):
             E routed experts, K experts per token.
         max_tokens: the most tokens one forward takes (buffers are sized for it up front).
         score_function: "softmax" or "sigmoid"; normalize_topk rescales the K weights to sum 1.
+        expert_groups, topk_groups, group_score: group-limited top-k: experts in expert_groups
+            groups of E/G consecutive experts; a token picks its topk_groups best groups
+            ("top2_sum": by the sum of each group's two best selection keys, as DeepSeek-V3;
+            "max": by its best key), then its K experts inside them. 1, 1: no limit.
+        routed_scaling_factor: the combine weights times this factor after normalisation.
+        seq_aux_loss_coeff, seq_len: the aux loss over each run of seq_len consecutive tokens,
+            averaged over the runs (DeepSeek-V3's sequence-wise balance loss).
         aux_loss_coeff, z_loss_coeff: load-balancing and z losses (enter the backward on their
             own, see the module docstring).
         bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
@@ -72,6 +80,12 @@ class MoE(nn.Module):
         z_loss_coeff: float = 0.0,
         bias_update: bool = False,
         bias_update_rate: float = 1e-3,
+        expert_groups: int = 1,
+        topk_groups: int = 1,
+        group_score: str = "top2_sum",
+        routed_scaling_factor: float = 1.0,
+        seq_aux_loss_coeff: float = 0.0,
+        seq_len: int = 0,
         echo: bool = True,
         spare_slots_per_rank: int = 1,
         capacity_factor: float = 1.25,
@@ -94,6 +108,9 @@ class MoE(nn.Module):
             ("max_clones_per_expert", max_clones_per_expert),
             ("clone_cost_rows", clone_cost_rows),
             ("seed", seed),
+            ("expert_groups", expert_groups),
+            ("topk_groups", topk_groups),
+            ("seq_len", seq_len),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
@@ -117,6 +134,12 @@ class MoE(nn.Module):
             z_loss_coeff=float(z_loss_coeff),
             bias_update=bool(bias_update),
             bias_update_rate=float(bias_update_rate),
+            expert_groups=expert_groups,
+            topk_groups=topk_groups,
+            group_score=group_score,
+            routed_scaling_factor=float(routed_scaling_factor),
+            seq_aux_loss_coeff=float(seq_aux_loss_coeff),
+            seq_len=seq_len,
             echo=bool(echo),
             spare_slots=spare_slots_per_rank,
             capacity_factor=float(capacity_factor),
@@ -285,6 +308,12 @@ class MoE(nn.Module):
     def z_loss(self) -> Tensor | None:
         """The last forward's z loss (coefficient applied), a device tensor; for logging only."""
         return None if self.last_losses is None else self.last_losses[1]
+
+    @property
+    def seq_aux_loss(self) -> Tensor | None:
+        """The last forward's sequence-level aux loss (coefficient applied), a device tensor;
+        already in the backward: for logging only."""
+        return None if self.last_losses is None else self.last_losses[2]
 
     @property
     def capacity(self) -> int:
