@@ -630,6 +630,16 @@ struct SmallWindow {
   RowRoute route() { return RowRoute{dest_rank, dest_row, nullptr, 2, 2}; }
 };
 
+// A symmetric buffer freed when its case ends, also when the op under test throws.
+struct ScopedSymmetric {
+  ScopedSymmetric(Communicator& comm, Backend& be, size_t bytes)
+      : comm_(comm), be_(be), buf(comm.alloc_symmetric(be, bytes)) {}
+  ~ScopedSymmetric() { comm_.free_symmetric(be_, buf); }
+  Communicator& comm_;
+  Backend& be_;
+  SymmetricBuffer buf;
+};
+
 TEST(HostCollectivesComm, BadUseThrowsClearErrors) {
   {
     // Each rank names the other's size, and either may throw first.
@@ -683,16 +693,17 @@ TEST(HostCollectivesComm, BadUseThrowsClearErrors) {
                  b.local = &b;  // a stale copy
                  comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b, 8, nullptr);
                });
-  expect_error(2, "pull_clone_weights: 80 bytes into a symmetric buffer of 64",
-               [](Communicator& comm, Backend& be, int, Record&) {
-                 SymmetricBuffer b = comm.alloc_symmetric(be, 64);
-                 comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b, 40, nullptr);
-               });
+  expect_error(
+      2, "pull_clone_weights: 80 bytes into a symmetric buffer of 64",
+      [](Communicator& comm, Backend& be, int, Record&) {
+        ScopedSymmetric b(comm, be, 64);
+        comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b.buf, 40, nullptr);
+      });
   expect_error(2, "plan of 4 ranks, 8 experts, 1 spare slots, 1 clones on a communicator of 2",
                [](Communicator& comm, Backend& be, int, Record&) {
-                 SymmetricBuffer b = comm.alloc_symmetric(be, 64);
-                 comm.reduce_clone_grads(PlanView{}, PlannerConfig{4, 8, 1, 1, 0}, b, b.local, 2,
-                                         DType::f32, nullptr);
+                 ScopedSymmetric b(comm, be, 64);
+                 comm.reduce_clone_grads(PlanView{}, PlannerConfig{4, 8, 1, 1, 0}, b.buf,
+                                         b.buf.local, 2, DType::f32, nullptr);
                });
   expect_error(1, "all_reduce_sum supports f32 and f64, not i32",
                [](Communicator& comm, Backend&, int, Record&) {
