@@ -33,7 +33,7 @@ else
   configure_rc=$?
   build_rc=1
 fi
-targets=(moe-echo cuda_ops_test cuda_layer_test cuda_planner_test local_comm_test grouped_gemm_test)
+targets=(moe-echo cuda_ops_test cuda_layer_test cuda_planner_test local_comm_test grouped_gemm_test fp8_quant_test)
 if [ "${SKIP_BUILD:-0}" = 1 ]; then
   :
 elif [ $configure_rc -eq 0 ]; then
