@@ -22,6 +22,10 @@ namespace moe_echo::offline {
 
 // ---- Random numbers --------------------------------------------------------------------------
 
+// The dense [step][layer][src][expert] count table a trace file becomes: at most 2^26 counts
+// (256 MiB), checked before it is allocated.
+constexpr size_t kMaxTraceCells = size_t(1) << 26;
+
 namespace {
 
 // Tags that keep the random streams of different purposes apart.
@@ -412,9 +416,9 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
       long_form ? (experts > 0 ? experts : int(max_expert + 1)) : int(expert_columns.size());
   const size_t srcs = size_t(std::max(1, tf.source_ranks_));
   const size_t cells = size_t(tf.steps_) * size_t(tf.layers_) * srcs * size_t(tf.experts_);
-  if (cells > (size_t(1) << 31))
+  if (cells > kMaxTraceCells)
     file_error(origin, "too large: steps x layers x sources x experts = " + std::to_string(cells) +
-                           " counts (at most 2^31)");
+                           " counts (at most 2^26, a 256 MiB table)");
   tf.counts_.assign(cells, 0);
   std::vector<uint8_t> seen(long_form ? cells : size_t(tf.steps_) * tf.layers_ * srcs, 0);
   std::vector<uint8_t> step_layer(size_t(tf.steps_) * size_t(tf.layers_), 0);
@@ -500,7 +504,9 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
   const nlohmann::json& counts = doc["counts"];
   const size_t srcs = size_t(std::max(1, tf.source_ranks_));
   const size_t cells = size_t(tf.steps_) * size_t(tf.layers_) * srcs * size_t(tf.experts_);
-  if (cells > (size_t(1) << 31)) file_error(origin, "too large: more than 2^31 counts");
+  if (cells > kMaxTraceCells)
+    file_error(origin, "too large: steps x layers x sources x experts = " + std::to_string(cells) +
+                           " counts (at most 2^26, a 256 MiB table)");
   tf.counts_.assign(cells, 0);
   auto expect_array = [&](const nlohmann::json& j, size_t n, const std::string& path,
                           const char* what) {

@@ -470,6 +470,10 @@ TEST(TraceFile, BadCsvFilesNameTheLine) {
       {"step,layer,expert,count\n0,0,1,99999999999\n",
        "bad.csv:2: column 'count': 99999999999 is too large"},
       {"step,layer,expert,count\n0,0,1\n", "bad.csv:2: 3 fields, but the header has 4"},
+      // A fuzzer's find: two rows naming step 5555555 and layer 55 ask for a dense table of
+      // 2.5 billion counts; refused before it is allocated.
+      {"step,layer,src,e0,e1,e2,e3\n5555555,55,0,1,2,3,4\n0,0,1,555,4,0,0\n",
+       "bad.csv: too large: steps x layers x sources x experts = 2488889088 counts (at most 2^26"},
       {"step,layer,expert,count\n0,0,1,2\n\n0,0,1,3\n",
        "bad.csv:4: a second count for step 0, layer 0, expert 1"},
       {"step,layer,expert,count\n0,0,9,2\n",
