@@ -53,6 +53,24 @@ def step(m, x, g):
     return y, x.grad
 
 
+def step_behind_held_gpu(m, x, g):
+    """step(m, x, g) enqueued while a sleeping kernel holds the GPU (about two seconds): asserts
+    that forward and backward returned on the host well before the GPU was free, i.e. without a
+    host sync; returns step's result."""
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))
+    t0 = time.perf_counter()
+    out = step(m, x, g)
+    host_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    gpu_wait_s = time.perf_counter() - t1
+    assert gpu_wait_s > 0.5, "the GPU was not held: the test proves nothing"
+    assert host_s < 0.5 * gpu_wait_s, f"forward+backward took {host_s:.2f} s on the host"
+    return out
+
+
 @pytest.mark.parametrize("capacity_factor", [1.25, 0.3])
 def test_cuda_matches_cpu(capacity_factor):
     torch.manual_seed(0)
@@ -79,17 +97,7 @@ def test_eager_step_never_waits_on_host():
     x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
     y_ref, dx_ref = step(m, x, torch.ones(512, 256, device="cuda"))  # also warms up the graphs
     ref = (y_ref.clone(), dx_ref.clone(), m.w1.grad.clone())
-    m.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(3e9))  # holds the GPU for about two seconds
-    t0 = time.perf_counter()
-    y, dx = step(m, x, torch.ones(512, 256, device="cuda"))
-    host_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    gpu_wait_s = time.perf_counter() - t1
-    assert gpu_wait_s > 0.5, "the GPU was not held: the test proves nothing"
-    assert host_s < 0.5 * gpu_wait_s, f"forward+backward took {host_s:.2f} s on the host"
+    y, dx = step_behind_held_gpu(m, x, torch.ones(512, 256, device="cuda"))
     assert torch.equal(y, ref[0]) and torch.equal(dx, ref[1]) and torch.equal(m.w1.grad, ref[2])
 
 
@@ -171,17 +179,7 @@ def test_nccl_transport_one_rank(tmp_path):
         for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(pa.grad, pb.grad), name
         assert a.stats(as_numbers=True)["overflow_rows"] > 0
-        a.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(int(3e9))
-        t0 = time.perf_counter()
-        y, dx = step(a, x, g)
-        host_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        gpu_wait_s = time.perf_counter() - t1
-        assert gpu_wait_s > 0.5, "the GPU was not held: the test proves nothing"
-        assert host_s < 0.5 * gpu_wait_s, f"forward+backward took {host_s:.2f} s on the host"
+        y, dx = step_behind_held_gpu(a, x, g)
         assert torch.equal(y, ya) and torch.equal(dx, dxa)
         del a
     finally:
