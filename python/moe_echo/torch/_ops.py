@@ -27,7 +27,13 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch._dynamo  # noqa: F401  (see below)
 from torch import Tensor
+
+# The first call of a custom op imports torch._dynamo, and with it torch.distributed modules
+# whose default arguments take the process group current at their import: one imported after
+# init_process_group holds that group forever, past destroy_process_group (its gloo threads then
+# live until the interpreter ends). Imported here, with moe_echo.torch, they take no group.
 
 _registry: dict[int, "LayerHandle"] = {}
 _next_id = itertools.count(1)

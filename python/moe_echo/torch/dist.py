@@ -9,8 +9,13 @@ fallback for any backend.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 import torch.distributed as dist
+
+# Finished collectives kept alive on the calling thread (see TorchCollectives._run).
+_HELD_WORKS = 8
 
 
 class TorchCollectives:
@@ -32,6 +37,16 @@ class TorchCollectives:
             if backend == "nccl"
             else torch.device("cpu")
         )
+        self._held: deque = deque(maxlen=_HELD_WORKS)
+
+    def _run(self, work) -> None:
+        """Waits for `work` (an async_op=True collective) and keeps it for the next few calls.
+        A gloo worker thread drops its own reference to a work once it has run it; were that the
+        last one, the work's tensors would be released on that thread, which must then take the
+        GIL, and a process ending at that moment aborts ("terminate called without an active
+        exception"). Held here, the work and its tensors are released on this thread instead."""
+        work.wait()
+        self._held.append(work)
 
     def _tensor(self, data: bytes) -> torch.Tensor:
         t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(
@@ -46,19 +61,22 @@ class TorchCollectives:
     def all_gather(self, data: bytes) -> bytes:
         t = self._tensor(data)
         parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t, group=self.group)
+        self._run(dist.all_gather(parts, t, group=self.group, async_op=True))
         return b"".join(self._bytes(p) for p in parts)
 
     def all_to_all_v(self, data: bytes, send_sizes: list[int], recv_sizes: list[int]) -> bytes:
         out = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self.device)
-        dist.all_to_all_single(
-            out,
-            self._tensor(data),
-            output_split_sizes=list(recv_sizes),
-            input_split_sizes=list(send_sizes),
-            group=self.group,
+        self._run(
+            dist.all_to_all_single(
+                out,
+                self._tensor(data),
+                output_split_sizes=list(recv_sizes),
+                input_split_sizes=list(send_sizes),
+                group=self.group,
+                async_op=True,
+            )
         )
         return self._bytes(out)
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        self._run(dist.barrier(group=self.group, async_op=True))
