@@ -126,11 +126,17 @@ struct GemmArgs {
   // wgrad writing only: groups g < zero_empty_below with no rows at all are zeroed too instead of
   // kept (a layer's home experts that no token picked, when the backward writes the gradients).
   int zero_empty_below = 0;
-  // wgrad only, optional: groups g < c_home.size(0) are in c_home[g] (same [K, N] float slabs)
-  // instead of c[g]; c still holds the others at their own index (a layer's home experts'
-  // gradients in a framework's tensor, its clone slots in the layer's buffer).
+  // Home split, optional: a layer's home experts and its clone slots in separate memory (home
+  // weights and gradients per layer, clone slots in a pool shared by the layers of a model, or
+  // home gradients in a framework's tensor). fprop/dgrad: groups g < b_home.size(0) take their
+  // weights from b_home[g], the others from b[g - b_home.size(0)]. wgrad: groups
+  // g < c_home.size(0) are in c_home[g] (same [K, N] float slabs), the others in
+  // c[g - c_home.size(0)]. With a split, b (or c) may be empty when every group is a home group.
+  Tensor b_home = {};
   Tensor c_home = {};
 };
+// Groups of `a` held in its home tensor (b_home for fprop/dgrad, c_home for wgrad), 0 if none.
+inline int64_t gemm_home_groups(const Tensor& home) { return home.data ? home.size(0) : 0; }
 
 struct SwigluArgs {
   GroupWindow window;  // only rows in some group are touched

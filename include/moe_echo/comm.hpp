@@ -95,15 +95,19 @@ class Communicator {
                        const Tensor& y, const int32_t* accumulate, const FanTable& fan,
                        void* values_out, Stream s) = 0;
   // ECHO clone weight sync: every spare slot s of this rank that the plan fills with expert e gets
-  // slot (e % (E/R)) of rank (e / (E/R)): `weights` holds [home + spare slots][slot_bytes].
+  // home slot (e % (E/R)) of rank (e / (E/R)) of `home` (symmetric: each rank's E/R home slots of
+  // slot_bytes), written at `spare` + s * slot_bytes (this rank's cfg.spare_slots slots, any memory
+  // of the backend: a layer's own, or a pool of echo slots that the layers of a model share).
   virtual void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
-                                  const SymmetricBuffer& weights, size_t slot_bytes, Stream s) = 0;
+                                  const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                                  Stream s) = 0;
   // ECHO clone gradient reduction: every home expert j of this rank adds, in replica order, the
-  // gradients its clones accumulated in their spare slots of `grads` on other ranks (or on this
-  // one) to its slot j of `home`: this rank's E/R home slots of slot_elems each, either
-  // grads.local itself or other memory of the backend (a framework's gradient tensor).
+  // gradients its clones accumulated in the spare slots of `spare` on other ranks (or on this one)
+  // to slot j of `home`. `spare` is symmetric: each rank's cfg.spare_slots slots of slot_elems
+  // (spare slot s, plan slot E/R + s, at s * slot_elems); `home` this rank's E/R home slots, any
+  // memory of the backend (the layer's gradients, or a framework's gradient tensor).
   virtual void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                                  const SymmetricBuffer& grads, void* home, int64_t slot_elems,
+                                  const SymmetricBuffer& spare, void* home, int64_t slot_elems,
                                   DType dtype, Stream s) = 0;
 };
 

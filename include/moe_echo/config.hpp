@@ -30,6 +30,19 @@ const char* to_string(GroupScore g);
 // Parses "top2_sum" or "max"; throws ConfigError naming `field` otherwise.
 GroupScore parse_group_score(const std::string& s, const char* field = "group_score");
 
+// What a layer keeps from its forward for its backward (round 0's expert activations at the
+// receive capacity); the backward recomputes the rest, with gradients bit-identical to none.
+enum class Recompute {
+  none,      // keep the received rows, fc1's output, SwiGLU's output and the experts' outputs
+  moe_act,   // keep the received rows, fc1's output and the experts' outputs; redo SwiGLU
+  experts,   // keep the received rows; redo fc1, SwiGLU and fc2
+  dispatch,  // keep only the routing (and the caller's x): redo the dispatch and the experts
+};
+
+const char* to_string(Recompute r);
+// Parses "none", "moe_act", "experts" or "dispatch"; throws ConfigError naming `field` otherwise.
+Recompute parse_recompute(const std::string& s, const char* field = "recompute");
+
 // The largest top_k a layer takes: one warp handles a token's entries in dispatch and combine.
 inline constexpr int kMaxTopK = 32;
 // The most expert groups of group-limited routing: one warp holds a token's group scores.
@@ -68,6 +81,8 @@ struct MoeConfig {
   // the layout and (without spill rounds configured) round 0's dispatch and expert GEMMs; joined
   // before the first combine that adds into y (forward) or dx (backward).
   bool shared_side_stream = false;
+  // What the forward keeps for the backward (see Recompute).
+  Recompute recompute = Recompute::none;
 };
 // The shared experts' total FFN width (0 without shared experts).
 inline int shared_width(const MoeConfig& m) {

@@ -69,14 +69,54 @@ class PhaseObserver {
   virtual void mark(const char* phase, Stream stream) = 0;
 };
 
+class MoeLayer;
+
+// What the MoE layers of a model on one rank share, used by one layer at a time: the receive
+// windows and the fan table, the expert activations of round 0 that a layer does not keep for its
+// backward (see Recompute), the backward's temporaries, and the pool of echo slots (the spare
+// slots' weights, pulled for a layer's forward and again for its backward when another layer
+// used the pool in between, and their gradients, reduced home at the end of each backward).
+// Each buffer is sized for the largest need of the layers it was built for. Building is
+// collective across the ranks of `comm` (the receive windows, the fan table and the echo slots'
+// gradients are symmetric).
+class MoeWorkspace {
+ public:
+  MoeWorkspace(Backend& backend, Communicator& comm, const std::vector<MoeConfig>& layers,
+               const ParallelConfig& par, const EchoConfig& echo);
+  ~MoeWorkspace();
+  MoeWorkspace(const MoeWorkspace&) = delete;
+  MoeWorkspace& operator=(const MoeWorkspace&) = delete;
+
+  size_t bytes() const;  // what it allocated on this rank
+  // The same, before building.
+  static size_t memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                             const EchoConfig& echo, DType activation, DType float_dtype);
+  Backend& backend() const { return backend_; }
+  Communicator& communicator() const { return comm_; }
+
+  struct Buffers;
+
+ private:
+  friend class MoeLayer;
+  Backend& backend_;
+  Communicator& comm_;
+  ParallelConfig par_;
+  EchoConfig echo_;
+  std::unique_ptr<Buffers> buf_;
+  const MoeLayer* pool_owner_ = nullptr;  // the layer whose clones the echo slots hold now
+};
+
 class MoeLayer {
  public:
   // Validates (throws ConfigError), then allocates everything. Collective across the ranks of
   // `comm`. Parameters are initialised from `seed` per global expert, so any EP layout of the
   // same config and seed holds the same weights. AdamW state (2 floats per parameter) is
-  // allocated only with optimizer_state.
+  // allocated only with optimizer_state. With a workspace (one built for this layer's config
+  // among others, on the same backend and communicator, not owned), the layer uses it for its
+  // receive windows, temporaries and echo slots; without, it builds its own.
   MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe, const ParallelConfig& par,
-           const EchoConfig& echo, uint64_t seed = 1, bool optimizer_state = true);
+           const EchoConfig& echo, uint64_t seed = 1, bool optimizer_state = true,
+           MoeWorkspace* workspace = nullptr);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
   MoeLayer& operator=(const MoeLayer&) = delete;
@@ -151,12 +191,19 @@ class MoeLayer {
   const PlannerConfig& planner_config() const { return planner_; }
   int64_t capacity() const { return capacity_; }
   int slots() const { return slots_; }
-  // Bytes this layer allocated on its rank (parameters, gradients, optimizer state, workspace).
+  // Bytes this layer allocated on its rank (parameters, gradients, optimizer state, routing,
+  // the activations it keeps for its backward) and those of its workspace when it owns one.
   size_t workspace_bytes() const;
-  // The same, before building: what a layer of this config would allocate on one rank.
+  // The layer's own part alone (without any workspace).
+  size_t layer_bytes() const;
+  // Before building: what a layer of this config allocates on one rank with its own workspace,
+  // and its own part alone (in a model, beside the shared MoeWorkspace).
   static size_t memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                              const EchoConfig& echo, DType activation, DType float_dtype,
                              bool optimizer_state = true);
+  static size_t layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
+                                   const EchoConfig& echo, DType activation, DType float_dtype,
+                                   bool optimizer_state = true);
 
   struct Buffers;
 
@@ -175,7 +222,10 @@ class MoeLayer {
                           Stream s, bool join_side = false);
   void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
   void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                    bool overwrite_shared, const ExpertGrads& into, Stream s);
+                    bool overwrite_shared, const ExpertGrads& into, bool repull, Stream s);
+  void pull_clones(Stream s);
+  GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,
+                 const Tensor& home, bool overwrite) const;
   void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.
@@ -192,6 +242,8 @@ class MoeLayer {
 
   Backend& backend_;
   Communicator& comm_;
+  std::unique_ptr<MoeWorkspace> own_workspace_;
+  MoeWorkspace* ws_ = nullptr;
   MoeConfig moe_;
   ParallelConfig par_;
   EchoConfig echo_;
@@ -207,6 +259,33 @@ class MoeLayer {
   int64_t last_tokens_ = 0;
   Tensor last_x_;
   std::unique_ptr<Buffers> buf_;
+};
+
+// The MoE layers of one model on one rank: L layers (each layer's output feeds the next, in the
+// caller's hands) sharing one MoeWorkspace, one communicator and one pool of
+// echo.spare_slots_per_rank echo slots. Layer l is initialised from seed + l. Every layer runs its
+// forward and backward as a MoeLayer does; the backwards go in reverse order of the forwards
+// (each layer's backward after its own forward; no other order is needed).
+class MoeStack {
+ public:
+  MoeStack(Backend& backend, Communicator& comm, const std::vector<MoeConfig>& layers,
+           const ParallelConfig& par, const EchoConfig& echo, uint64_t seed = 1,
+           bool optimizer_state = true);
+  ~MoeStack();
+  int size() const { return int(layers_.size()); }
+  MoeLayer& layer(int l);
+  const MoeLayer& layer(int l) const;
+  MoeWorkspace& workspace() { return *workspace_; }
+  // Bytes allocated on this rank: the workspace and every layer's own part.
+  size_t bytes() const;
+  // The same, before building.
+  static size_t memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                             const EchoConfig& echo, DType activation, DType float_dtype,
+                             bool optimizer_state = true);
+
+ private:
+  std::unique_ptr<MoeWorkspace> workspace_;
+  std::vector<std::unique_ptr<MoeLayer>> layers_;
 };
 
 }  // namespace moe_echo

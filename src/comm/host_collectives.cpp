@@ -366,11 +366,13 @@ class HostCollectivesCommunicator final : public Communicator {
   // Spare slot s of rank r <- the home slot of spare_expert[r][s] on its home rank. Both sides of
   // every pair of ranks visit the slots in (r, s) order.
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& weights, size_t slot_bytes, Stream) override {
+                          const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                          Stream) override {
     check_plan(cfg);
     const int S = cfg.spare_slots, EPR = cfg.experts_per_rank();
-    const size_t R = size_t(size_), limit = size_t(EPR + S) * slot_bytes;
-    check_fits(weights, limit, "pull_clone_weights");
+    const size_t R = size_t(size_), home_limit = size_t(EPR) * slot_bytes,
+                 spare_limit = size_t(S) * slot_bytes;
+    check_fits(home, home_limit, "pull_clone_weights");
     if (S == 0 || cfg.max_clones == 0) return;  // no clones on any rank
     plan_.resize(R * size_t(S));
     backend_.copy_to_host(plan_.data(), plan.spare_expert, plan_.size() * sizeof(int32_t));
@@ -383,30 +385,30 @@ class HostCollectivesCommunicator final : public Communicator {
         MOE_ECHO_CHECK(e < cfg.experts, "plan: spare slot " << s << " of rank " << r
                                                             << " holds expert " << e << " of "
                                                             << cfg.experts);
-        const int home = cfg.home_rank(e);
-        if (home == rank_) {  // in (r, s) order: the send buffer's destination segments in turn
+        const int owner = cfg.home_rank(e);
+        if (owner == rank_) {  // in (r, s) order: the send buffer's destination segments in turn
           send_bytes[size_t(r)] += slot_bytes;
           pieces_.push_back({size_t(cfg.home_slot(e)) * slot_bytes, slot_bytes, nullptr});
         }
-        if (r == rank_) recv_bytes[size_t(home)] += slot_bytes;
+        if (r == rank_) recv_bytes[size_t(owner)] += slot_bytes;
       }
-    std::vector<size_t> at = exchange_slots(weights.local, limit, slot_bytes, send_bytes,
+    std::vector<size_t> at = exchange_slots(home.local, home_limit, slot_bytes, send_bytes,
                                             recv_bytes, "pull_clone_weights (home slots)");
     pieces_.clear();
     for (int s = 0; s < S; ++s) {
       const int e = plan_[size_t(rank_ * S + s)];
       if (e < 0) continue;
       size_t& from = at[size_t(cfg.home_rank(e))];
-      pieces_.push_back({size_t(EPR + s) * slot_bytes, slot_bytes, recv_.data() + from});
+      pieces_.push_back({size_t(s) * slot_bytes, slot_bytes, recv_.data() + from});
       from += slot_bytes;
     }
-    io_.write(weights.local, limit, pieces_, "pull_clone_weights (spare slots)");
+    io_.write(spare, spare_limit, pieces_, "pull_clone_weights (spare slots)");
   }
 
   // Every clone's gradient slot goes to its expert's home rank, which adds them in replica order.
   // Both sides of every pair of ranks visit the clones in (expert, replica) order.
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
     check_plan(cfg);
     MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
@@ -415,8 +417,8 @@ class HostCollectivesCommunicator final : public Communicator {
     const int S = cfg.spare_slots, EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
     const int E = cfg.experts;
     const size_t R = size_t(size_), slot = size_t(slot_elems) * dtype_size(dtype);
-    const size_t limit = size_t(EPR + S) * slot;
-    check_fits(grads, limit, "reduce_clone_grads");
+    const size_t limit = size_t(S) * slot;
+    check_fits(spare, limit, "reduce_clone_grads");
     if (S == 0 || cfg.max_clones == 0) return;  // no clones on any rank
     const size_t EM = size_t(E) * size_t(M);
     plan_.resize(2 * EM);
@@ -431,16 +433,16 @@ class HostCollectivesCommunicator final : public Communicator {
         const size_t x = size_t(e) * size_t(M) + size_t(rep);
         const int r = rep_rank[x], home_rank = cfg.home_rank(e);
         if (r < 0) continue;
-        MOE_ECHO_CHECK(r < size_ && rep_slot[x] >= 0 && rep_slot[x] < EPR + S,
+        MOE_ECHO_CHECK(r < size_ && rep_slot[x] >= EPR && rep_slot[x] < EPR + S,
                        "plan: replica " << rep << " of expert " << e << " on rank " << r
                                         << ", slot " << rep_slot[x]);
         if (r == rank_) {
           send_bytes[size_t(home_rank)] += slot;
-          pieces_.push_back({size_t(rep_slot[x]) * slot, slot, nullptr});
+          pieces_.push_back({size_t(rep_slot[x] - EPR) * slot, slot, nullptr});
         }
         if (home_rank == rank_) recv_bytes[size_t(r)] += slot;
       }
-    std::vector<size_t> at = exchange_slots(grads.local, limit, slot, send_bytes, recv_bytes,
+    std::vector<size_t> at = exchange_slots(spare.local, limit, slot, send_bytes, recv_bytes,
                                             "reduce_clone_grads (clone slots)");
 
     // The home slots with clones, read, summed in replica order and written back.

@@ -164,21 +164,21 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& weights, size_t slot_bytes, Stream) override {
+                          const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                          Stream) override {
     w_.barrier();
-    const int EPR = cfg.experts_per_rank();
     for (int s = 0; s < cfg.spare_slots; ++s) {
       const int e = plan.spare_expert[rank_ * cfg.spare_slots + s];
       if (e < 0) continue;
-      const void* home = w_.table[size_t(weights.id)][size_t(cfg.home_rank(e))];
-      std::memcpy(row_ptr(weights.local, EPR + s, slot_bytes),
-                  row_ptr(const_cast<void*>(home), cfg.home_slot(e), slot_bytes), slot_bytes);
+      const void* from = w_.table[size_t(home.id)][size_t(cfg.home_rank(e))];
+      std::memcpy(row_ptr(spare, s, slot_bytes),
+                  row_ptr(const_cast<void*>(from), cfg.home_slot(e), slot_bytes), slot_bytes);
     }
     w_.barrier();
   }
 
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
     w_.barrier();
     const int EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
@@ -188,9 +188,9 @@ class InProcessCommunicator final : public Communicator {
       for (int rep = 1; rep < M; ++rep) {
         const int r = plan.replica_rank[e * M + rep];
         if (r < 0) continue;
-        const void* peer = w_.table[size_t(grads.id)][size_t(r)];
+        const void* peer = w_.table[size_t(spare.id)][size_t(r)];
         const void* src =
-            row_ptr(const_cast<void*>(peer), plan.replica_slot[e * M + rep], slot_bytes);
+            row_ptr(const_cast<void*>(peer), plan.replica_slot[e * M + rep] - EPR, slot_bytes);
         void* dst = row_ptr(home, j, slot_bytes);
         if (dtype == DType::f32)
           add_into<float>(dst, src, slot_elems);

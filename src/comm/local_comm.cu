@@ -128,12 +128,13 @@ __global__ void __launch_bounds__(kRowThreads)
 // Spare slot s of this rank <- the home slot of the expert the plan puts there.
 template <class W>
 __global__ void pull_clones_kernel(const int32_t* __restrict__ spare_expert, int spare_slots,
-                                   int experts_per_rank, W* weights, int64_t slot_words) {
+                                   int experts_per_rank, const W* home, W* spare,
+                                   int64_t slot_words) {
   const int s = int(blockIdx.y);
   const int e = spare_expert[s];  // rank 0's spare slots come first
   if (e < 0) return;
-  const W* from = weights + int64_t(e % experts_per_rank) * slot_words;
-  W* to = weights + int64_t(experts_per_rank + s) * slot_words;
+  const W* from = home + int64_t(e % experts_per_rank) * slot_words;
+  W* to = spare + int64_t(s) * slot_words;
   for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < slot_words;
        w += int64_t(gridDim.x) * blockDim.x)
     to[w] = from[w];
@@ -144,7 +145,7 @@ __global__ void pull_clones_kernel(const int32_t* __restrict__ spare_expert, int
 template <class T>
 __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
                                      const int32_t* __restrict__ replica_slot, int M,
-                                     int experts_per_rank, const T* grads, T* home,
+                                     int experts_per_rank, const T* spare, T* home,
                                      int64_t slot_elems) {
   const int64_t n = int64_t(experts_per_rank) * slot_elems;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
@@ -155,7 +156,7 @@ __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
     for (int rep = 1; rep < M; ++rep) {
       const int64_t at = j * M + rep;  // expert j (rank 0's experts are 0 .. E/R - 1)
       if (replica_rank[at] != 0) continue;
-      acc += grads[int64_t(replica_slot[at]) * slot_elems + x];
+      acc += spare[int64_t(replica_slot[at] - experts_per_rank) * slot_elems + x];
       any = true;
     }
     if (any) home[i] = acc;
@@ -260,33 +261,35 @@ class LocalCommunicator final : public Communicator {
     }
   }
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& weights, size_t slot_bytes, Stream s) override {
+                          const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                          Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == 1, "the local communicator has one rank, the plan " << cfg.ranks);
     if (cfg.spare_slots == 0 || slot_bytes == 0) return;
-    with_word(word_size(slot_bytes, {weights.local}), [&](auto word) {
+    with_word(word_size(slot_bytes, {home.local, spare}), [&](auto word) {
       using W = decltype(word);
       const int64_t words = int64_t(slot_bytes / sizeof(W));
       const dim3 grid(blocks_for(words, 256, 64), unsigned(cfg.spare_slots));
       MOE_ECHO_LAUNCH(pull_clones_kernel<W>, grid, 256, 0, as_cuda(s), plan.spare_expert,
-                      cfg.spare_slots, cfg.experts_per_rank(), static_cast<W*>(weights.local),
-                      words);
+                      cfg.spare_slots, cfg.experts_per_rank(), static_cast<const W*>(home.local),
+                      static_cast<W*>(spare), words);
     });
   }
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == 1, "the local communicator has one rank, the plan " << cfg.ranks);
+    if (cfg.spare_slots == 0 || cfg.max_replicas() == 1 || slot_elems == 0) return;
     const int64_t n = int64_t(cfg.experts_per_rank()) * slot_elems;
     const unsigned grid = blocks_for(n, 256, grid_cap());
     if (dtype == DType::f32)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, grid, 256, 0, as_cuda(s), plan.replica_rank,
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
-                      static_cast<const float*>(grads.local), static_cast<float*>(home),
+                      static_cast<const float*>(spare.local), static_cast<float*>(home),
                       slot_elems);
     else if (dtype == DType::f64)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<double>, grid, 256, 0, as_cuda(s), plan.replica_rank,
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
-                      static_cast<const double*>(grads.local), static_cast<double*>(home),
+                      static_cast<const double*>(spare.local), static_cast<double*>(home),
                       slot_elems);
     else
       MOE_ECHO_CHECK(false,

@@ -377,7 +377,7 @@ template <class W>
 __global__ void __launch_bounds__(kThreads)
     pull_clones_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar,
                        const int32_t* __restrict__ spare_expert, int rank, int spare_slots,
-                       int experts_per_rank, W* weights, int64_t slot_words) {
+                       int experts_per_rank, W* spare, int64_t slot_words) {
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
   b.sync(Coop(), kAcqRel);
   const int32_t* mine = spare_expert + int64_t(rank) * spare_slots;
@@ -390,7 +390,7 @@ __global__ void __launch_bounds__(kThreads)
     const int e = mine[s];
     const W* from = static_cast<const W*>(ncclGetLsaPointer(
         win, size_t(e % experts_per_rank) * size_t(slot_words) * sizeof(W), e / experts_per_rank));
-    W* to = weights + int64_t(experts_per_rank + s) * slot_words;
+    W* to = spare + int64_t(s) * slot_words;
     const int64_t stride = int64_t(shares) * kThreads;
     for (int64_t w = int64_t(share) * kThreads + threadIdx.x; w < slot_words; w += stride)
       to[w] = from[w];
@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(kThreads)
       const int r = replica_rank[e * M + rep];
       if (r < 0) continue;
       from[clones++] = static_cast<const T*>(ncclGetLsaPointer(
-          win, size_t(replica_slot[e * M + rep]) * size_t(slot_elems) * sizeof(T), r));
+          win, size_t(replica_slot[e * M + rep] - experts_per_rank) * size_t(slot_elems) * sizeof(T),
+          r));
     }
     T* to = home + int64_t(j) * slot_elems;
     const int64_t stride = int64_t(shares) * kThreads;
@@ -850,23 +851,24 @@ class NcclCommunicator final : public Communicator {
   }
 
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& weights, size_t slot_bytes, Stream s) override {
+                          const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                          Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == size_, "plan for " << cfg.ranks << " ranks on " << size_);
     if (cfg.spare_slots == 0 || slot_bytes == 0) return;  // the same on every rank
     const int epr = cfg.experts_per_rank();
-    const Window& w =
-        window_of(weights, size_t(epr + cfg.spare_slots) * slot_bytes, "pull_clone_weights");
-    if (host_api_) return host_pull_clones(plan, cfg, w, slot_bytes, as_cuda(s));
-    with_word(word_size(slot_bytes, {w.ptr}), [&](auto word) {
+    const Window& w = window_of(home, size_t(epr) * slot_bytes, "pull_clone_weights");
+    MOE_ECHO_CHECK(spare != nullptr, "pull_clone_weights: spare slots at null");
+    if (host_api_) return host_pull_clones(plan, cfg, w, spare, slot_bytes, as_cuda(s));
+    with_word(word_size(slot_bytes, {w.ptr, spare}), [&](auto word) {
       using W = decltype(word);
       MOE_ECHO_LAUNCH(pull_clones_kernel<W>, unsigned(opts_.ctas), kThreads, 0, as_cuda(s), dev_,
                       w.win, barrier_base(kPullBarriers), plan.spare_expert, rank_, cfg.spare_slots,
-                      epr, static_cast<W*>(w.ptr), int64_t(slot_bytes / sizeof(W)));
+                      epr, static_cast<W*>(spare), int64_t(slot_bytes / sizeof(W)));
     });
   }
 
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
-                          const SymmetricBuffer& grads, void* home, int64_t slot_elems, DType dtype,
+                          const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == size_, "plan for " << cfg.ranks << " ranks on " << size_);
     MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
@@ -875,9 +877,8 @@ class NcclCommunicator final : public Communicator {
     MOE_ECHO_CHECK(M <= kMaxReplicas, "max_replicas " << M << " > " << kMaxReplicas);
     if (cfg.spare_slots == 0 || M == 1 || slot_elems == 0) return;  // no clones on any rank
     const int epr = cfg.experts_per_rank();
-    const Window& w =
-        window_of(grads, size_t(epr + cfg.spare_slots) * size_t(slot_elems) * dtype_size(dtype),
-                  "reduce_clone_grads");
+    const Window& w = window_of(spare, size_t(cfg.spare_slots) * size_t(slot_elems) * dtype_size(dtype),
+                                "reduce_clone_grads");
     if (host_api_) {
       if (dtype == DType::f32)
         return host_reduce_clones<float>(plan, cfg, w, static_cast<float*>(home), slot_elems,
@@ -992,7 +993,7 @@ class NcclCommunicator final : public Communicator {
   // Spare slot s of rank r <- the home slot of spare_expert[r][s] from its home rank. Every pair
   // of ranks visits the slots in (r, s) order on both sides, so sends and receives match.
   void host_pull_clones(const PlanView& plan, const PlannerConfig& cfg, const Window& w,
-                        size_t slot_bytes, cudaStream_t s) {
+                        void* spare_slots, size_t slot_bytes, cudaStream_t s) {
     const int S = cfg.spare_slots, epr = cfg.experts_per_rank();
     const int32_t* spare = plan_on_host({{plan.spare_expert, size_t(size_) * size_t(S)}}, s);
     char* base = static_cast<char*>(w.ptr);
@@ -1002,7 +1003,7 @@ class NcclCommunicator final : public Communicator {
         const int e = spare[r * S + sl];
         if (e < 0) continue;
         const int home = e / epr;
-        char* to = base + size_t(epr + sl) * slot_bytes;
+        char* to = static_cast<char*>(spare_slots) + size_t(sl) * slot_bytes;
         const char* from = base + size_t(e % epr) * slot_bytes;
         if (r == rank_ && home == rank_)
           MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(to, from, slot_bytes, cudaMemcpyDeviceToDevice, s));
@@ -1041,7 +1042,7 @@ class NcclCommunicator final : public Communicator {
         const size_t at = size_t(e) * size_t(M) + size_t(rep);
         const int r = rep_rank[at], home = e / epr;
         if (r < 0) continue;
-        const T* held = grads + int64_t(rep_slot[at]) * slot_elems;
+        const T* held = grads + int64_t(rep_slot[at] - epr) * slot_elems;
         if (home == rank_) {
           const T* src = held;
           if (r != rank_) {

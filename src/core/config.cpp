@@ -41,6 +41,23 @@ GroupScore parse_group_score(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "top2_sum or max");
 }
 
+const char* to_string(Recompute r) {
+  switch (r) {
+    case Recompute::none: return "none";
+    case Recompute::moe_act: return "moe_act";
+    case Recompute::experts: return "experts";
+    case Recompute::dispatch: return "dispatch";
+  }
+  return "?";
+}
+
+Recompute parse_recompute(const std::string& s, const char* field) {
+  for (Recompute r :
+       {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch})
+    if (s == to_string(r)) return r;
+  reject(field, "'" + s + "'", "none, moe_act, experts or dispatch");
+}
+
 void validate(const MoeConfig& m) {
   if (m.hidden < 1) reject("hidden", m.hidden, "hidden >= 1");
   if (m.ffn < 1) reject("ffn", m.ffn, "ffn >= 1");
@@ -80,6 +97,8 @@ void validate(const MoeConfig& m) {
     reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value > 0");
   if (m.shared_experts < 0) reject("shared_experts", m.shared_experts, "shared_experts >= 0");
   if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
+  if (int(m.recompute) < 0 || int(m.recompute) > int(Recompute::dispatch))
+    reject("recompute", int(m.recompute), "none, moe_act, experts or dispatch");
   if (m.shared_side_stream && m.shared_experts == 0)
     reject("shared_side_stream", "true", "false without shared experts (shared_experts = 0)");
   if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)

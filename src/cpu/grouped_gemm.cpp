@@ -7,14 +7,37 @@
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cpu {
+namespace {
+
+// Weight slab of group g, [Kd, N]: b_home[g] for home groups, else b[g - home] (GemmArgs).
+template <class T>
+const T* weight_slab(const GemmArgs& a, int g, int64_t Kd, int64_t N) {
+  const int64_t home = gemm_home_groups(a.b_home);
+  if (home) {
+    MOE_ECHO_CHECK(a.b_home.dtype == a.b.dtype || !a.b.data,
+                   "grouped_gemm: b_home " << a.b_home.describe() << " for b " << a.b.describe());
+    MOE_ECHO_CHECK(a.b_home.ndim == 3 && a.b_home.size(1) * a.b_home.size(2) == Kd * N,
+                   "grouped_gemm: b_home " << a.b_home.describe() << " for slabs of " << Kd
+                                           << " x " << N);
+  }
+  if (g < home) return a.b_home.as<T>() + int64_t(g) * Kd * N;
+  MOE_ECHO_CHECK(a.b.data && g - home < a.b.size(0),
+                 "grouped_gemm: group " << g << " past b " << a.b.describe() << " (" << home
+                                        << " home groups)");
+  return a.b.as<T>() + (int64_t(g) - home) * Kd * N;
+}
+
+}  // namespace
 
 template <class T>
 void gemm_fprop(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]
-  const int64_t Kd = a.a.size(1), N = a.b.size(2);
+  const Tensor& shape = a.b_home.data ? a.b_home : a.b;
+  const int64_t Kd = a.a.size(1), N = shape.size(2);
   std::vector<double> acc(static_cast<size_t>(N));
   for (int g = 0; g < a.window.groups; ++g) {
     const RowRange rr = group_rows(a.window, g);
-    const T* w = a.b.as<T>() + int64_t(g) * Kd * N;
+    if (rr.end <= rr.begin) continue;
+    const T* w = weight_slab<T>(a, g, Kd, N);
     for (int64_t i = rr.begin; i < rr.end; ++i) {
       std::fill(acc.begin(), acc.end(), 0.0);
       const T* x = a.a.as<T>() + i * Kd;
@@ -31,10 +54,12 @@ void gemm_fprop(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]
 
 template <class T>
 void gemm_dgrad(const GemmArgs& a) {  // c[i, :] = a[i, :] @ b[g]^T
-  const int64_t N = a.a.size(1), Kd = a.b.size(1);
+  const Tensor& shape = a.b_home.data ? a.b_home : a.b;
+  const int64_t N = a.a.size(1), Kd = shape.size(1);
   for (int g = 0; g < a.window.groups; ++g) {
     const RowRange rr = group_rows(a.window, g);
-    const T* w = a.b.as<T>() + int64_t(g) * Kd * N;
+    if (rr.end <= rr.begin) continue;
+    const T* w = weight_slab<T>(a, g, Kd, N);
     for (int64_t i = rr.begin; i < rr.end; ++i) {
       const T* dy = a.a.as<T>() + i * N;
       T* dx = a.c.as<T>() + i * Kd;
@@ -53,11 +78,15 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
   const int64_t Kd = a.a.size(1), N = a.b.size(1);
   const int64_t home = a.c_home.data ? a.c_home.size(0) : 0;
   MOE_ECHO_CHECK(
-      !a.c_home.data || (a.c_home.dtype == a.c.dtype && a.c_home.ndim == 3 &&
+      !a.c_home.data || ((a.c_home.dtype == a.c.dtype || !a.c.data) && a.c_home.ndim == 3 &&
                          a.c_home.size(1) == Kd && a.c_home.size(2) == N),
       "grouped_gemm wgrad: c_home " << a.c_home.describe() << " for c " << a.c.describe());
   auto slab = [&](int g) {
-    return g < home ? a.c_home.as<T>() + int64_t(g) * Kd * N : a.c.as<T>() + int64_t(g) * Kd * N;
+    if (g < home) return a.c_home.as<T>() + int64_t(g) * Kd * N;
+    MOE_ECHO_CHECK(a.c.data && g - home < a.c.size(0),
+                   "grouped_gemm wgrad: group " << g << " past c " << a.c.describe() << " ("
+                                                << home << " home groups)");
+    return a.c.as<T>() + (int64_t(g) - home) * Kd * N;
   };
   std::vector<double> acc(size_t(Kd * N));
   for (int g = 0; g < a.window.groups; ++g) {

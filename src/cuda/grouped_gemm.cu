@@ -40,8 +40,8 @@ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 // One block; thread g handles groups g, g + blockDim.x, ...
 __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int groups,
                             int max_groups, int64_t row_lo, int64_t rows, const char* a,
-                            const char* b, char* c, char* c_home, int n_home, int64_t K, int64_t N,
-                            ProblemArrays p) {
+                            const char* b, const char* b_home, char* c, char* c_home, int n_home,
+                            int64_t K, int64_t N, ProblemArrays p) {
   constexpr int64_t kBf16 = 2, kF32 = 4;
   for (int g = int(threadIdx.x); g < max_groups; g += int(blockDim.x)) {
     int64_t lo = 0, hi = 0;
@@ -54,18 +54,20 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
     const int64_t r = m > 0 ? lo - row_lo : 0;  // first window row of the group
     int32_t shape[3] = {0, 0, 0};               // (M, N, K) of the CUTLASS problem
     const int gw = g < groups ? g : 0;          // weight slab of an empty trailing group
+    // Home split (GemmArgs::b_home / c_home): home groups in their own slabs, the others from 0.
+    const char* wb = gw < n_home ? b_home + gw * K * N * kBf16 : b + (gw - n_home) * K * N * kBf16;
     switch (op) {
       case GemmOp::fprop:  // (m x K) . (K x N)
         if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(N), shape[2] = int32_t(K);
         p.ptr_a[g] = a + r * K * kBf16;
-        p.ptr_b[g] = b + gw * K * N * kBf16;
+        p.ptr_b[g] = wb;
         p.ptr_c[g] = c + r * N * kBf16;
         p.ld_a[g] = K, p.ld_b[g] = N, p.ld_c[g] = N;
         break;
       case GemmOp::dgrad:  // (m x N) . (N x K), the weight slab read transposed
         if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(K), shape[2] = int32_t(N);
         p.ptr_a[g] = a + r * N * kBf16;
-        p.ptr_b[g] = b + gw * K * N * kBf16;
+        p.ptr_b[g] = wb;
         p.ptr_c[g] = c + r * K * kBf16;
         p.ld_a[g] = N, p.ld_b[g] = N, p.ld_c[g] = K;
         break;
@@ -73,7 +75,7 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
         if (m > 0) shape[0] = int32_t(K), shape[1] = int32_t(N), shape[2] = int32_t(m);
         p.ptr_a[g] = a + r * K * kBf16;
         p.ptr_b[g] = b + r * N * kBf16;
-        p.ptr_c[g] = gw < n_home ? c_home + gw * K * N * kF32 : c + gw * K * N * kF32;
+        p.ptr_c[g] = gw < n_home ? c_home + gw * K * N * kF32 : c + (gw - n_home) * K * N * kF32;
         p.ld_a[g] = K, p.ld_b[g] = N, p.ld_c[g] = N;
         break;
     }
@@ -85,7 +87,10 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-int home_groups(const GemmArgs& a) { return a.c_home.data ? int(a.c_home.size(0)) : 0; }
+// Groups in the home tensor of `op` (GemmArgs::b_home for fprop/dgrad, c_home for wgrad).
+int home_groups(GemmOp op, const GemmArgs& a) {
+  return int(gemm_home_groups(op == GemmOp::wgrad ? a.c_home : a.b_home));
+}
 
 }  // namespace
 
@@ -116,6 +121,22 @@ ProblemBuffers::~ProblemBuffers() {
   if (base_) cudaFree(base_);
 }
 
+// The weights of fprop/dgrad: b, or b_home and b (home split), of one dtype and slab shape.
+const Tensor& weights_shape(const GemmArgs& a) { return a.b_home.data ? a.b_home : a.b; }
+int64_t slabs(const GemmArgs& a) {
+  return gemm_home_groups(a.b_home) + (a.b.data ? a.b.size(0) : 0);
+}
+// dk, dn: the slab's K and N, or -1 for any.
+void check_weights(const GemmArgs& a, const char* b_name, const char* home_name, int64_t dk,
+                   int64_t dn) {
+  if (a.b_home.data) {
+    check_tensor(a.b_home, home_name, DType::bf16, {-1, dk, dn});
+    if (a.b.data) check_tensor(a.b, b_name, DType::bf16, {-1, a.b_home.size(1), a.b_home.size(2)});
+  } else {
+    check_tensor(a.b, b_name, DType::bf16, {-1, dk, dn});
+  }
+}
+
 GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
   const char* name = to_string(op);
   const GroupWindow& w = a.window;
@@ -131,20 +152,20 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
   switch (op) {
     case GemmOp::fprop:  // a [rows, K], b [G, K, N], c [rows, N]
       check_tensor(a.a, "grouped_gemm fprop a", DType::bf16, {-1, -1});
-      check_tensor(a.b, "grouped_gemm fprop b", DType::bf16, {-1, a.a.size(1), -1});
-      d.k = a.a.size(1), d.n = a.b.size(2);
+      check_weights(a, "grouped_gemm fprop b", "grouped_gemm fprop b_home", a.a.size(1), -1);
+      d.k = a.a.size(1), d.n = weights_shape(a).size(2);
       check_tensor(a.c, "grouped_gemm fprop c", DType::bf16, {-1, d.n});
-      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && a.b.size(0) >= w.groups,
+      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && slabs(a) >= w.groups,
                      "grouped_gemm fprop: a " << a.a.describe() << ", c " << a.c.describe()
                                               << " need " << w.rows << " rows and b "
                                               << a.b.describe() << " " << w.groups << " groups");
       break;
     case GemmOp::dgrad:  // a [rows, N], b [G, K, N], c [rows, K]
       check_tensor(a.a, "grouped_gemm dgrad a", DType::bf16, {-1, -1});
-      check_tensor(a.b, "grouped_gemm dgrad b", DType::bf16, {-1, -1, a.a.size(1)});
-      d.k = a.b.size(1), d.n = a.a.size(1);
+      check_weights(a, "grouped_gemm dgrad b", "grouped_gemm dgrad b_home", -1, a.a.size(1));
+      d.k = weights_shape(a).size(1), d.n = a.a.size(1);
       check_tensor(a.c, "grouped_gemm dgrad c", DType::bf16, {-1, d.k});
-      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && a.b.size(0) >= w.groups,
+      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && slabs(a) >= w.groups,
                      "grouped_gemm dgrad: a " << a.a.describe() << ", c " << a.c.describe()
                                               << " need " << w.rows << " rows and b "
                                               << a.b.describe() << " " << w.groups << " groups");
@@ -153,8 +174,10 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
       check_tensor(a.a, "grouped_gemm wgrad a", DType::bf16, {-1, -1});
       check_tensor(a.b, "grouped_gemm wgrad b", DType::bf16, {-1, -1});
       d.k = a.a.size(1), d.n = a.b.size(1);
-      check_tensor(a.c, "grouped_gemm wgrad c", DType::f32, {-1, d.k, d.n});
-      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.b.size(0) >= w.rows && a.c.size(0) >= w.groups,
+      if (a.c.data || !a.c_home.data)
+        check_tensor(a.c, "grouped_gemm wgrad c", DType::f32, {-1, d.k, d.n});
+      MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.b.size(0) >= w.rows &&
+                         gemm_home_groups(a.c_home) + (a.c.data ? a.c.size(0) : 0) >= w.groups,
                      "grouped_gemm wgrad: a " << a.a.describe() << ", b " << a.b.describe()
                                               << " need " << w.rows << " rows and c "
                                               << a.c.describe() << " " << w.groups << " groups");
@@ -170,10 +193,17 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
       d.k > 0 && d.n > 0 && d.k % 8 == 0 && d.n % 8 == 0 && d.k <= INT32_MAX && d.n <= INT32_MAX,
       "grouped_gemm " << name << ": K = " << d.k << " and N = " << d.n
                       << " must be positive multiples of 8 (16-byte rows for TMA)");
-  MOE_ECHO_CHECK(aligned16(a.a.data) && aligned16(a.b.data) && aligned16(a.c.data) && a.a.data &&
-                     a.b.data && a.c.data,
-                 "grouped_gemm " << name << ": a, b and c must be non-null and 16-byte aligned ("
-                                 << a.a.data << ", " << a.b.data << ", " << a.c.data << ")");
+  // b (wgrad: c) may be null when a home tensor holds every group.
+  const bool b_needed = !(op != GemmOp::wgrad && a.b_home.data),
+             c_needed = !(op == GemmOp::wgrad && a.c_home.data);
+  MOE_ECHO_CHECK(aligned16(a.a.data) && aligned16(a.b.data) && aligned16(a.c.data) &&
+                     aligned16(a.b_home.data) && a.a.data && (a.b.data || !b_needed) &&
+                     (a.c.data || !c_needed),
+                 "grouped_gemm " << name
+                                 << ": a, b, b_home and c must be 16-byte aligned and a, b and c "
+                                    "non-null ("
+                                 << a.a.data << ", " << a.b.data << ", " << a.b_home.data << ", "
+                                 << a.c.data << ")");
   return d;
 }
 
@@ -190,7 +220,8 @@ __global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, in
   const int64_t lo = begin > row_lo ? begin : row_lo;
   const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
   if (hi > lo || (end <= begin && g >= zero_empty_below)) return;
-  float4* slab = reinterpret_cast<float4*>(g < n_home ? c_home : c) + int64_t(g) * slab_words;
+  float4* slab = g < n_home ? reinterpret_cast<float4*>(c_home) + int64_t(g) * slab_words
+                            : reinterpret_cast<float4*>(c) + int64_t(g - n_home) * slab_words;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slab_words;
        i += int64_t(gridDim.x) * blockDim.x)
     slab[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -202,7 +233,7 @@ void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t
   const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 64));
   zero_empty_groups_kernel<<<dim3(parts, unsigned(a.window.groups)), 256, 0, s>>>(
       a.window.group_offsets, a.window.row_lo, a.window.rows, a.zero_empty_below,
-      static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data), home_groups(a), words);
+      static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data), home_groups(GemmOp::wgrad, a), words);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -212,7 +243,8 @@ void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemA
   prep_kernel<<<1, threads, 0, s>>>(
       op, a.window.group_offsets, a.window.groups, max_groups, a.window.row_lo, a.window.rows,
       static_cast<const char*>(a.a.data), static_cast<const char*>(a.b.data),
-      static_cast<char*>(a.c.data), static_cast<char*>(a.c_home.data), home_groups(a), d.k, d.n, p);
+      static_cast<const char*>(a.b_home.data), static_cast<char*>(a.c.data),
+      static_cast<char*>(a.c_home.data), home_groups(op, a), d.k, d.n, p);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 

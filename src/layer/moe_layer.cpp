@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 
 #include "core/random.hpp"
 #include "moe_echo/error.hpp"
@@ -42,18 +43,21 @@ const char* to_string(Param p) {
 }
 
 struct MoeLayer::Buffers {
-  // Parameters and gradients. w1/w2 hold [home slots + spare slots]; the home part is the
-  // parameter, spare slots hold this step's clones.
+  // Parameters and gradients of the home experts. w1 and w2 are symmetric (peers pull clones of
+  // them); the spare slots (this step's clones, not parameters) are views of the workspace's echo
+  // slots, their gradients symmetric there too (their home ranks reduce them).
   Tensor router_weight, router_bias, d_router_weight;
-  SymmetricBuffer w1_sym, w2_sym, dw1_sym, dw2_sym;
-  Tensor w1, w2, dw1, dw2;  // [slots, ...]
+  SymmetricBuffer w1_sym, w2_sym, dw1_spare_sym, dw2_spare_sym;
+  Tensor w1, w2, dw1, dw2;                          // [E/R, ...]
+  Tensor w1_spare, w2_spare, dw1_spare, dw2_spare;  // [S, ...] (empty without spare slots)
   // Optimizer state (float dtype), for router weight, w1 home, w2 home.
   Tensor m_router, v_router, m_w1, v_w1, m_w2, v_w2;
   Tensor optimizer_step;  // [1] i32: steps taken, advanced on the device
   // Routing.
   Tensor logits, scores, topk_idx, topk_weight, counts, losses;
   Tensor routing_map, plan, assign, dest_rank, dest_row, group_offsets, rank_rows, round_active;
-  // Receive windows and expert activations (capacity rows).
+  // Receive windows and expert activations (capacity rows): the layer's own where it keeps them
+  // for its backward (MoeConfig::recompute), the workspace's otherwise.
   // recv_x: token rows in (forward and recompute). recv_red: the rows the source reads back
   // (forward: weighted output sums; backward: dy rows in, then dx sums out). recv_out: expert
   // output rows, then their gradients, then dx rows.
@@ -74,8 +78,149 @@ struct MoeLayer::Buffers {
   size_t bytes = 0;
 };
 
-// Every buffer of a layer, in one place: `dev` allocates a device tensor, `sym` a symmetric one
-// (or both only count bytes, for MoeLayer::memory_bytes).
+namespace {
+
+// Round 0's expert activations, and whether a layer keeps each for its backward (its own buffer)
+// or leaves it to the workspace (recomputed in the backward).
+enum class Act { recv_x, h, a, recv_out };
+bool keeps(Recompute r, Act act) {
+  switch (act) {
+    case Act::recv_x: return r != Recompute::dispatch;
+    case Act::h: return r == Recompute::none || r == Recompute::moe_act;
+    case Act::a: return r == Recompute::none;
+    case Act::recv_out: return r == Recompute::none || r == Recompute::moe_act;
+  }
+  return true;
+}
+
+// Shapes of one layer's activation buffers (capacity rows).
+struct ActShapes {
+  int64_t cap, H, F, K, S;  // S: spare slots
+  ActShapes(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e)
+      : cap(capacity_rows(m, e)),
+        H(m.hidden),
+        F(m.ffn),
+        K(m.top_k),
+        S(planner_config(m, p, e).spare_slots) {}
+  int64_t cols(Act act) const {
+    switch (act) {
+      case Act::recv_x: return H;
+      case Act::h: return 2 * F;
+      case Act::a: return F;
+      case Act::recv_out: return H;
+    }
+    return 0;
+  }
+};
+
+// A device tensor `dev`, a symmetric one `sym` (or both only count bytes, for memory_bytes).
+struct Allocator {
+  std::function<Tensor(DType, std::initializer_list<int64_t>)> dev;
+  std::function<Tensor(SymmetricBuffer&, DType, std::initializer_list<int64_t>)> sym;
+};
+
+}  // namespace
+
+// Byte buffers; each layer views them with its own shapes.
+struct MoeWorkspace::Buffers {
+  struct Bytes {
+    size_t bytes = 0;
+    void* local = nullptr;
+    SymmetricBuffer sym;  // symmetric ones
+  };
+  Bytes recv_x, recv_red, fan_members, fan_weights, fan_values;  // symmetric
+  Bytes recv_out, h, a, da, dh;
+  Bytes w1_spare, w2_spare;    // echo slots' weights
+  Bytes dw1_spare, dw2_spare;  // echo slots' gradients (symmetric)
+  std::vector<void*> owned;
+  std::vector<SymmetricBuffer*> symmetric;
+  size_t bytes = 0;
+
+  // Every buffer with the bytes the largest layer needs; `each(bytes, symmetric)` in a fixed order.
+  void size_for(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                const EchoConfig& echo, DType act, DType fl) {
+    const size_t as = dtype_size(act), fs = dtype_size(fl);
+    auto grow = [](Bytes& b, int64_t n, size_t elem) {
+      b.bytes = std::max(b.bytes, size_t(n) * elem);
+    };
+    for (const MoeConfig& m : layers) {
+      const ActShapes s(m, par, echo);
+      const Recompute r = m.recompute;
+      if (!keeps(r, Act::recv_x)) grow(recv_x, s.cap * s.H, as);
+      if (!keeps(r, Act::h)) grow(h, s.cap * 2 * s.F, as);
+      if (!keeps(r, Act::a)) grow(a, s.cap * s.F, as);
+      if (!keeps(r, Act::recv_out)) grow(recv_out, s.cap * s.H, as);
+      grow(recv_red, s.cap * s.H, as);
+      grow(fan_members, s.cap * s.K, sizeof(int32_t));
+      grow(fan_weights, s.cap * s.K, fs);
+      grow(fan_values, s.cap, fs);
+      grow(da, s.cap * s.F, as);
+      grow(dh, s.cap * 2 * s.F, as);
+      grow(w1_spare, s.S * s.H * 2 * s.F, as);
+      grow(w2_spare, s.S * s.F * s.H, as);
+      grow(dw1_spare, s.S * s.H * 2 * s.F, fs);
+      grow(dw2_spare, s.S * s.F * s.H, fs);
+    }
+  }
+  template <class F>
+  void each(F&& f) {
+    f(recv_x, true), f(recv_red, true), f(fan_members, true), f(fan_weights, true);
+    f(fan_values, true), f(recv_out, false), f(h, false), f(a, false), f(da, false);
+    f(dh, false), f(w1_spare, false), f(w2_spare, false), f(dw1_spare, true);
+    f(dw2_spare, true);
+  }
+};
+
+MoeWorkspace::MoeWorkspace(Backend& backend, Communicator& comm,
+                           const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                           const EchoConfig& echo)
+    : backend_(backend), comm_(comm), par_(par), echo_(echo) {
+  MOE_ECHO_CHECK(!layers.empty(), "a workspace for no layers: allowed one layer or more");
+  for (const MoeConfig& m : layers) validate(m, par, echo);
+  buf_ = std::make_unique<Buffers>();
+  Buffers& b = *buf_;
+  b.size_for(layers, par, echo, backend.activation_dtype(), backend.float_dtype());
+  b.each([&](Buffers::Bytes& x, bool symmetric) {
+    if (x.bytes == 0) return;
+    if (symmetric) {
+      x.sym = comm.alloc_symmetric(backend, x.bytes);
+      b.symmetric.push_back(&x.sym);
+      x.local = x.sym.local;
+    } else {
+      x.local = backend.allocate(x.bytes);
+      b.owned.push_back(x.local);
+    }
+    b.bytes += x.bytes;
+  });
+  backend.synchronize();
+  comm.barrier();
+}
+
+MoeWorkspace::~MoeWorkspace() {
+  if (!buf_) return;
+  try {
+    backend_.synchronize();
+    for (SymmetricBuffer* s : buf_->symmetric) comm_.free_symmetric(backend_, *s);
+  } catch (...) {
+    for (SymmetricBuffer* s : buf_->symmetric)
+      if (s->local) backend_.deallocate(s->local);
+  }
+  for (void* p : buf_->owned) backend_.deallocate(p);
+}
+
+size_t MoeWorkspace::bytes() const { return buf_->bytes; }
+
+size_t MoeWorkspace::memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                                  const EchoConfig& echo, DType activation, DType float_dtype) {
+  for (const MoeConfig& m : layers) validate(m, par, echo);
+  Buffers b;
+  b.size_for(layers, par, echo, activation, float_dtype);
+  size_t total = 0;
+  b.each([&](Buffers::Bytes& x, bool) { total += x.bytes; });
+  return total;
+}
+
+// Every buffer a layer owns, in one place (the workspace's are views, bound in the constructor).
 struct BufferShapes {
   const MoeConfig& moe;
   const ParallelConfig& par;
@@ -87,8 +232,9 @@ struct BufferShapes {
   bool optimizer_state;
 };
 
-template <class Dev, class Sym>
-void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym&& sym) {
+void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocator& alloc) {
+  const auto& dev = alloc.dev;
+  const auto& sym = alloc.sym;
   const DType act = s.act, fl = s.fl;
   const int64_t T = s.moe.max_tokens, H = s.moe.hidden, F = s.moe.ffn, E = s.moe.experts,
                 K = s.moe.top_k;
@@ -99,10 +245,11 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   b.router_weight = dev(fl, {E, H});
   b.router_bias = dev(fl, {E});
   b.d_router_weight = dev(fl, {E, H});
-  b.w1 = sym(b.w1_sym, act, {G, H, 2 * F});
-  b.w2 = sym(b.w2_sym, act, {G, F, H});
-  b.dw1 = sym(b.dw1_sym, fl, {G, H, 2 * F});  // gradients accumulate in the float dtype
-  b.dw2 = sym(b.dw2_sym, fl, {G, F, H});
+  b.w1 = sym(b.w1_sym, act, {EPR, H, 2 * F});
+  b.w2 = sym(b.w2_sym, act, {EPR, F, H});
+  b.dw1 = dev(fl, {EPR, H, 2 * F});  // gradients accumulate in the float dtype
+  b.dw2 = dev(fl, {EPR, F, H});
+  (void)G;
   if (optimizer_state) {
     b.m_router = dev(fl, {E, H});
     b.v_router = dev(fl, {E, H});
@@ -128,18 +275,12 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   b.rank_rows = dev(DType::i32, {R});
   b.round_active = dev(DType::i32, {rounds_});
 
-  b.recv_x = sym(b.recv_x_sym, act, {cap, H});
-  b.recv_red = sym(b.recv_red_sym, act, {cap, H});
-  b.fan_members = sym(b.fan.members, DType::i32, {cap, K});
-  b.fan_weights = sym(b.fan.weights, fl, {cap, K});
-  b.fan_values = sym(b.fan.values, fl, {cap});
-  b.fan.top_k = int(K);
-  b.fan.float_dtype = fl;
-  b.recv_out = dev(act, {cap, H});
-  b.h = dev(act, {cap, 2 * F});
-  b.a = dev(act, {cap, F});
-  b.da = dev(act, {cap, F});
-  b.dh = dev(act, {cap, 2 * F});
+  // Round 0's activations that this layer keeps for its backward.
+  const Recompute r = s.moe.recompute;
+  if (keeps(r, Act::recv_x)) b.recv_x = sym(b.recv_x_sym, act, {cap, H});
+  if (keeps(r, Act::h)) b.h = dev(act, {cap, 2 * F});
+  if (keeps(r, Act::a)) b.a = dev(act, {cap, F});
+  if (keeps(r, Act::recv_out)) b.recv_out = dev(act, {cap, H});
   b.d_topk_weight = dev(fl, {T, K});
 
   const int64_t S = shared_width(s.moe);
@@ -163,9 +304,67 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, Dev&& dev, Sym
   }
 }
 
+namespace {
+
+// The workspace's buffers as this layer's tensors (those the layer does not own).
+void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeConfig& moe,
+                    const ParallelConfig& par, const EchoConfig& echo, DType act, DType fl) {
+  const ActShapes s(moe, par, echo);
+  auto view = [](const MoeWorkspace::Buffers::Bytes& x, DType t,
+                 std::initializer_list<int64_t> dims) {
+    Tensor v(x.local, t, dims);
+    MOE_ECHO_CHECK(v.bytes() <= x.bytes, "workspace buffer of " << x.bytes << " bytes for a "
+                                                                << v.describe()
+                                                                << " of this layer: build the "
+                                                                   "workspace for this layer's "
+                                                                   "config");
+    return v;
+  };
+  if (!b.recv_x.data) {
+    b.recv_x = view(w.recv_x, act, {s.cap, s.H});
+    b.recv_x_sym = w.recv_x.sym;
+  }
+  if (!b.h.data) b.h = view(w.h, act, {s.cap, 2 * s.F});
+  if (!b.a.data) b.a = view(w.a, act, {s.cap, s.F});
+  if (!b.recv_out.data) b.recv_out = view(w.recv_out, act, {s.cap, s.H});
+  b.recv_red = view(w.recv_red, act, {s.cap, s.H});
+  b.recv_red_sym = w.recv_red.sym;
+  b.fan_members = view(w.fan_members, DType::i32, {s.cap, s.K});
+  b.fan_weights = view(w.fan_weights, fl, {s.cap, s.K});
+  b.fan_values = view(w.fan_values, fl, {s.cap});
+  b.fan.members = w.fan_members.sym;
+  b.fan.weights = w.fan_weights.sym;
+  b.fan.values = w.fan_values.sym;
+  b.fan.top_k = int(s.K);
+  b.fan.float_dtype = fl;
+  b.da = view(w.da, act, {s.cap, s.F});
+  b.dh = view(w.dh, act, {s.cap, 2 * s.F});
+  if (s.S > 0) {
+    b.w1_spare = view(w.w1_spare, act, {s.S, s.H, 2 * s.F});
+    b.w2_spare = view(w.w2_spare, act, {s.S, s.F, s.H});
+    b.dw1_spare = view(w.dw1_spare, fl, {s.S, s.H, 2 * s.F});
+    b.dw2_spare = view(w.dw2_spare, fl, {s.S, s.F, s.H});
+    b.dw1_spare_sym = w.dw1_spare.sym;
+    b.dw2_spare_sym = w.dw2_spare.sym;
+  }
+}
+
+Allocator counting_allocator(size_t& total) {
+  auto dev = [&total](DType t, std::initializer_list<int64_t> dims) {
+    Tensor view(nullptr, t, dims);
+    total += view.bytes();
+    return view;
+  };
+  return Allocator{dev, [dev](SymmetricBuffer&, DType t, std::initializer_list<int64_t> dims) {
+                     return dev(t, dims);
+                   }};
+}
+
+}  // namespace
+
 MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
                    const ParallelConfig& par, const EchoConfig& echo, uint64_t seed,
-                   bool optimizer_state)
+                   bool optimizer_state, MoeWorkspace* workspace)
     : backend_(backend), comm_(comm), moe_(moe), par_(par), echo_(echo) {
   validate(moe_, par_, echo_);
   MOE_ECHO_CHECK(comm.size() == par.ep_size,
@@ -177,6 +376,21 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   slots_ = slots_per_rank(moe, par, echo);
   capacity_ = capacity_rows(moe, echo);
   rounds_ = max_rounds(moe, par, echo);
+  if (workspace) {
+    MOE_ECHO_CHECK(&workspace->backend() == &backend && &workspace->communicator() == &comm,
+                   "workspace built on another backend or communicator than the layer's");
+    MOE_ECHO_CHECK(
+        workspace->par_.ep_size == par.ep_size && workspace->par_.ep_rank == par.ep_rank &&
+            moe_echo::planner_config(moe, par, workspace->echo_).spare_slots ==
+                planner_.spare_slots,
+        "workspace built for another expert-parallel layout or number of echo slots than the "
+        "layer's");
+    ws_ = workspace;
+  } else {
+    own_workspace_ = std::make_unique<MoeWorkspace>(backend, comm, std::vector<MoeConfig>{moe},
+                                                    par, echo);
+    ws_ = own_workspace_.get();
+  }
 
   Reservation reservation;
   reservation.max_groups = slots_;
@@ -194,14 +408,15 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
 
   buf_ = std::make_unique<Buffers>();
   Buffers& b = *buf_;
-  auto dev = [&](DType t, std::initializer_list<int64_t> dims) {
+  Allocator alloc;
+  alloc.dev = [&](DType t, std::initializer_list<int64_t> dims) {
     Tensor view(nullptr, t, dims);
     view.data = backend.allocate(view.bytes());
     b.owned.push_back(view.data);
     b.bytes += view.bytes();
     return view;
   };
-  auto sym = [&](SymmetricBuffer& sb, DType t, std::initializer_list<int64_t> dims) {
+  alloc.sym = [&](SymmetricBuffer& sb, DType t, std::initializer_list<int64_t> dims) {
     Tensor view(nullptr, t, dims);
     sb = comm.alloc_symmetric(backend, view.bytes());
     b.symmetric.push_back(&sb);
@@ -212,7 +427,8 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   declare_buffers(b,
                   {moe, par, planner_, slots_, capacity_, rounds_, backend.activation_dtype(),
                    backend.float_dtype(), optimizer_state},
-                  dev, sym);
+                  alloc);
+  bind_workspace(b, *ws_->buf_, moe, par, echo, backend.activation_dtype(), backend.float_dtype());
 
   for (Tensor* t : {&b.w1,
                     &b.w2,
@@ -252,6 +468,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
 
 MoeLayer::~MoeLayer() {
   if (!buf_) return;
+  if (ws_ && ws_->pool_owner_ == this) ws_->pool_owner_ = nullptr;
   try {
     backend_.synchronize();
     for (SymmetricBuffer* s : buf_->symmetric) comm_.free_symmetric(backend_, *s);
@@ -363,27 +580,67 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   }
 }
 
-size_t MoeLayer::workspace_bytes() const { return buf_->bytes; }
+size_t MoeLayer::workspace_bytes() const {
+  return buf_->bytes + (own_workspace_ ? own_workspace_->bytes() : 0);
+}
 
-size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
-                              const EchoConfig& echo, DType activation, DType float_dtype,
-                              bool optimizer_state) {
+size_t MoeLayer::layer_bytes() const { return buf_->bytes; }
+
+size_t MoeLayer::layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
+                                    const EchoConfig& echo, DType activation, DType float_dtype,
+                                    bool optimizer_state) {
   validate(moe, par, echo);
   const PlannerConfig planner = moe_echo::planner_config(moe, par, echo);
   Buffers b;
   size_t total = 0;
-  auto dev = [&](DType t, std::initializer_list<int64_t> dims) {
-    Tensor view(nullptr, t, dims);
-    total += view.bytes();
-    return view;
-  };
-  auto sym = [&](SymmetricBuffer&, DType t, std::initializer_list<int64_t> dims) {
-    return dev(t, dims);
-  };
   declare_buffers(b,
                   {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
                    max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
-                  dev, sym);
+                  counting_allocator(total));
+  return total;
+}
+
+size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
+                              const EchoConfig& echo, DType activation, DType float_dtype,
+                              bool optimizer_state) {
+  return layer_memory_bytes(moe, par, echo, activation, float_dtype, optimizer_state) +
+         MoeWorkspace::memory_bytes({moe}, par, echo, activation, float_dtype);
+}
+
+MoeStack::MoeStack(Backend& backend, Communicator& comm, const std::vector<MoeConfig>& layers,
+                   const ParallelConfig& par, const EchoConfig& echo, uint64_t seed,
+                   bool optimizer_state)
+    : workspace_(std::make_unique<MoeWorkspace>(backend, comm, layers, par, echo)) {
+  layers_.reserve(layers.size());
+  for (size_t l = 0; l < layers.size(); ++l)
+    layers_.push_back(std::make_unique<MoeLayer>(backend, comm, layers[l], par, echo,
+                                                 seed + uint64_t(l), optimizer_state,
+                                                 workspace_.get()));
+}
+
+MoeStack::~MoeStack() { layers_.clear(); }  // before the workspace they use
+
+MoeLayer& MoeStack::layer(int l) {
+  MOE_ECHO_CHECK(l >= 0 && l < size(), "layer " << l << " of a stack of " << size());
+  return *layers_[size_t(l)];
+}
+const MoeLayer& MoeStack::layer(int l) const {
+  MOE_ECHO_CHECK(l >= 0 && l < size(), "layer " << l << " of a stack of " << size());
+  return *layers_[size_t(l)];
+}
+
+size_t MoeStack::bytes() const {
+  size_t total = workspace_->bytes();
+  for (const auto& l : layers_) total += l->layer_bytes();
+  return total;
+}
+
+size_t MoeStack::memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                              const EchoConfig& echo, DType activation, DType float_dtype,
+                              bool optimizer_state) {
+  size_t total = MoeWorkspace::memory_bytes(layers, par, echo, activation, float_dtype);
+  for (const MoeConfig& m : layers)
+    total += MoeLayer::layer_memory_bytes(m, par, echo, activation, float_dtype, optimizer_state);
   return total;
 }
 
@@ -400,7 +657,43 @@ RouterTensors router_tensors(const MoeLayer::Buffers& b, const Tensor& x, int64_
                        b.topk_weight.rows(0, T),
                        b.counts};
 }
+// An expert GEMM (fprop or dgrad) over the window: the home slots' weights from `home`, the
+// spare slots' (clones) from `spare`.
+GemmArgs experts_gemm(const GroupWindow& gw, const Tensor& a, const Tensor& spare,
+                      const Tensor& home, const Tensor& c) {
+  GemmArgs g;
+  g.window = gw;
+  g.a = a;
+  g.b = spare;
+  g.b_home = home;
+  g.c = c;
+  return g;
+}
 }  // namespace
+
+// The expert weight gradients over the window: home slots into `home`, spare slots into `spare`;
+// written (home slots without rows zeroed) or added.
+GemmArgs MoeLayer::wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b,
+                         const Tensor& spare, const Tensor& home, bool overwrite) const {
+  GemmArgs g;
+  g.window = gw;
+  g.a = a;
+  g.b = b;
+  g.c = spare;
+  g.c_home = home;
+  g.accumulate = !overwrite;
+  g.zero_empty_below = overwrite ? int(moe_.experts / par_.ep_size) : 0;
+  return g;
+}
+
+void MoeLayer::pull_clones(Stream s) {
+  const Buffers& b = *buf_;
+  const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
+  comm_.pull_clone_weights(plan, planner_, b.w1_sym, b.w1_spare.data,
+                           b.w1.row_numel() * dtype_size(b.w1.dtype), s);
+  comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2_spare.data,
+                           b.w2.row_numel() * dtype_size(b.w2.dtype), s);
+}
 
 void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   const int64_t T = x.ndim == 2 ? x.size(0) : -1, H = moe_.hidden;
@@ -417,6 +710,7 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
         [&](Stream g) { forward_ops(x, y, T, g); }, s);
   else
     forward_ops(x, y, T, s);
+  ws_->pool_owner_ = this;  // the forward pulled this layer's clones into the echo slots
 }
 
 void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s) {
@@ -461,11 +755,7 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
 
   if (planner_.spare_slots > 0) {
     mark("clone_pull", s);
-    const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
-    comm_.pull_clone_weights(plan, planner_, b.w1_sym, b.w1.row_numel() * dtype_size(b.w1.dtype),
-                             s);
-    comm_.pull_clone_weights(plan, planner_, b.w2_sym, b.w2.row_numel() * dtype_size(b.w2.dtype),
-                             s);
+    pull_clones(s);
   }
 
   // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first
@@ -560,11 +850,11 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
 
   dispatch_tokens(round, x, T, s);
   mark(round, "fc1", s);
-  backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
+  backend_.gemm_fprop(experts_gemm(gw, b.recv_x, b.w1_spare, b.w1, b.h), s);
   mark(round, "swiglu", s);
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   mark(round, "fc2", s);
-  backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
+  backend_.gemm_fprop(experts_gemm(gw, b.a, b.w2_spare, b.w2, b.recv_out), s);
   FanArgs sum = fan_args(round);
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
@@ -617,19 +907,27 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
   const bool overwrite_shared = grads_zeroed_;
   grads_zeroed_ = false;
   expert_grads_stale_ = into.dw1.data != nullptr;
+  // Another layer's forward or backward used the echo slots since this layer's forward: pull this
+  // layer's clones again.
+  const bool repull = planner_.spare_slots > 0 && ws_->pool_owner_ != this;
   if (eager_graphs())
     backend_.enqueue_as_graph(
         backward_graph_,
         {address(last_x_.data), address(dy.data), address(dx.data), uint64_t(T),
          uint64_t(overwrite_grads), uint64_t(overwrite_shared), address(into.dw1.data),
-         address(into.dw2.data)},
-        [&](Stream g) { backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, g); }, s);
+         address(into.dw2.data), uint64_t(repull)},
+        [&](Stream g) {
+          backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, repull, g);
+        },
+        s);
   else
-    backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, s);
+    backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, repull, s);
+  ws_->pool_owner_ = this;
 }
 
 void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                            bool overwrite_shared, const ExpertGrads& into, Stream s) {
+                            bool overwrite_shared, const ExpertGrads& into, bool repull,
+                            Stream s) {
   Buffers& b = *buf_;
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
@@ -638,10 +936,14 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   // what earlier backwards left, and clone slots, which hold this step's gradients only, are zeroed
   // first.
   const int64_t EPR = moe_.experts / par_.ep_size;
+  if (repull) {
+    mark("bwd_clone_pull", s);
+    pull_clones(s);
+  }
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
-    backend_.fill_zero(b.dw1.rows(EPR, slots_ - EPR), s);
-    backend_.fill_zero(b.dw2.rows(EPR, slots_ - EPR), s);
+    backend_.fill_zero(b.dw1_spare, s);
+    backend_.fill_zero(b.dw2_spare, s);
   }
   // Shared experts first (they write dx), on the side stream when asked: joined before round 0's
   // combine, which adds into dx.
@@ -677,8 +979,10 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
     void* home1 = into.dw1.data ? into.dw1.data : b.dw1.data;
     void* home2 = into.dw2.data ? into.dw2.data : b.dw2.data;
-    comm_.reduce_clone_grads(plan, planner_, b.dw1_sym, home1, b.dw1.row_numel(), b.dw1.dtype, s);
-    comm_.reduce_clone_grads(plan, planner_, b.dw2_sym, home2, b.dw2.row_numel(), b.dw2.dtype, s);
+    comm_.reduce_clone_grads(plan, planner_, b.dw1_spare_sym, home1, b.dw1.row_numel(),
+                             b.dw1.dtype, s);
+    comm_.reduce_clone_grads(plan, planner_, b.dw2_spare_sym, home2, b.dw2.row_numel(),
+                             b.dw2.dtype, s);
   }
   mark("bwd_bias_update", s);
   if (moe_.bias_update)
@@ -693,12 +997,16 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
 
-  if (round > 0) {  // recompute this spill round's activations and expert outputs
-    dispatch_tokens(round, last_x_, T, s);
-    backend_.gemm_fprop({gw, b.recv_x, b.w1, b.h}, s);
-    backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
-    backend_.gemm_fprop({gw, b.a, b.w2, b.recv_out}, s);
-  }
+  // Recompute what the forward did not keep: everything for a spill round (round 0 ran last in
+  // the forward), and for round 0 what MoeConfig::recompute leaves out.
+  const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
+  if (rc != Recompute::none) mark(round, "bwd_recompute", s);
+  if (rc == Recompute::dispatch) dispatch_tokens(round, last_x_, T, s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts)
+    backend_.gemm_fprop(experts_gemm(gw, b.recv_x, b.w1_spare, b.w1, b.h), s);
+  if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts)
+    backend_.gemm_fprop(experts_gemm(gw, b.a, b.w2_spare, b.w2, b.recv_out), s);
   // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
   mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
@@ -710,16 +1018,19 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
   mark(round, "bwd_dgrad_fc2", s);
-  backend_.gemm_dgrad({gw, b.recv_out, b.w2, b.da}, s);
+  backend_.gemm_dgrad(experts_gemm(gw, b.recv_out, b.w2_spare, b.w2, b.da), s);
   mark(round, "bwd_wgrad_fc2", s);
-  const int zero_empty = overwrite_grads ? int(moe_.experts / par_.ep_size) : 0;  // home slots
-  backend_.gemm_wgrad({gw, b.a, b.recv_out, b.dw2, !overwrite_grads, zero_empty, into.dw2}, s);
+  backend_.gemm_wgrad(
+      wgrad(gw, b.a, b.recv_out, b.dw2_spare, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads),
+      s);
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  backend_.gemm_dgrad({gw, b.dh, b.w1, b.recv_out}, s);  // dx rows
+  backend_.gemm_dgrad(experts_gemm(gw, b.dh, b.w1_spare, b.w1, b.recv_out), s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
-  backend_.gemm_wgrad({gw, b.recv_x, b.dh, b.dw1, !overwrite_grads, zero_empty, into.dw1}, s);
+  backend_.gemm_wgrad(
+      wgrad(gw, b.recv_x, b.dh, b.dw1_spare, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads),
+      s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;

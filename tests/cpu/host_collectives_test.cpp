@@ -485,7 +485,7 @@ TEST(HostCollectivesComm, ClonePullAndReduceEqualInProcess) {
     for (int R = 1; R <= 4; ++R) {
       SCOPED_TRACE("R = " + std::to_string(R) + " " + to_string(dt));
       const PlannerConfig cfg{R, 4 * R, 2, 2, 0};
-      const int EPR = cfg.experts_per_rank(), slots = EPR + cfg.spare_slots;
+      const int EPR = cfg.experts_per_rank();
       const int64_t elems = 6;
       // Two hot experts on rank 0: ECHO clones them (from 2 ranks on).
       std::vector<int32_t> map(size_t(R * cfg.experts));
@@ -500,19 +500,29 @@ TEST(HostCollectivesComm, ClonePullAndReduceEqualInProcess) {
       expect_same_records(R, dt, [&](Communicator& comm, Backend& be, int rank, Record& rec) {
         Plan mine(cfg);  // every rank plans for itself, as the layer does
         plan_echo(map.data(), cfg, mine.view());
-        auto [w_sym, w] = make_symmetric(comm, be, dt, {slots, elems});
-        std::vector<double> wv(size_t(slots * elems), -1.0);
+        // Home slots symmetric (clones are pulled from them), spare slots any memory.
+        auto [w_sym, w] = make_symmetric(comm, be, dt, {EPR, elems});
+        std::vector<double> wv(size_t(EPR * elems));
         for (int j = 0; j < EPR; ++j)
           for (int64_t i = 0; i < elems; ++i)
             wv[size_t(j * elems + i)] = rank * 100 + j + double(i) / 64;
         write_tensor(be, w, wv);
-        comm.pull_clone_weights(mine.view(), cfg, w_sym, size_t(elems) * dtype_size(dt), nullptr);
+        auto [spare_sym, spare] = make_symmetric(comm, be, dt, {cfg.spare_slots, elems});
+        write_tensor(be, spare, std::vector<double>(size_t(cfg.spare_slots * elems), -1.0));
+        comm.pull_clone_weights(mine.view(), cfg, w_sym, spare.data,
+                                size_t(elems) * dtype_size(dt), nullptr);
         rec.add("weights", w);
-        auto [g_sym, g] = make_symmetric(comm, be, dt, {slots, elems});
-        write_tensor(be, g, mixed(size_t(slots * elems), 60 + uint64_t(rank)));
-        comm.reduce_clone_grads(mine.view(), cfg, g_sym, g_sym.local, elems, dt, nullptr);
-        rec.add("gradients", g);
+        rec.add("spare weights", spare);
+        // Clone gradients symmetric (their home ranks read them), home gradients any memory.
+        auto [g_sym, g] = make_symmetric(comm, be, dt, {cfg.spare_slots, elems});
+        write_tensor(be, g, mixed(size_t(cfg.spare_slots * elems), 60 + uint64_t(rank)));
+        auto [h_sym, home] = make_symmetric(comm, be, dt, {EPR, elems});
+        write_tensor(be, home, mixed(size_t(EPR * elems), 90 + uint64_t(rank)));
+        comm.reduce_clone_grads(mine.view(), cfg, g_sym, home.data, elems, dt, nullptr);
+        rec.add("gradients", home);
         comm.free_symmetric(be, w_sym);
+        comm.free_symmetric(be, spare_sym);
+        comm.free_symmetric(be, h_sym);
         comm.free_symmetric(be, g_sym);
       });
     }
@@ -691,13 +701,15 @@ TEST(HostCollectivesComm, BadUseThrowsClearErrors) {
                  SymmetricBuffer b = comm.alloc_symmetric(be, 64);
                  comm.free_symmetric(be, b);
                  b.local = &b;  // a stale copy
-                 comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b, 8, nullptr);
+                 comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b, nullptr, 8,
+                                         nullptr);
                });
   expect_error(
-      2, "pull_clone_weights: 80 bytes into a symmetric buffer of 64",
+      2, "pull_clone_weights: 72 bytes into a symmetric buffer of 64",
       [](Communicator& comm, Backend& be, int, Record&) {
         ScopedSymmetric b(comm, be, 64);
-        comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b.buf, 40, nullptr);
+        comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b.buf, b.buf.local, 72,
+                                nullptr);
       });
   expect_error(2, "plan of 4 ranks, 8 experts, 1 spare slots, 1 clones on a communicator of 2",
                [](Communicator& comm, Backend& be, int, Record&) {

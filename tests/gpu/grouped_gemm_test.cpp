@@ -367,8 +367,8 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
 }
 
 // wgrad with c_home: groups g < c_home.size(0) go to c_home (accumulating or writing, empty ones
-// zeroed below zero_empty_below there), the others to c; the bits equal a run without c_home, and
-// c's slabs of the home groups are never touched.
+// zeroed below zero_empty_below there), the others to c[g - home]; the bits equal a run without
+// c_home, and the memory before c (where the home slabs were) is never touched.
 TEST(GroupedGemmGpu, WgradHomeGroupsGoToTheirOwnTensor) {
   SKIP_WITHOUT_GPU();
   cuda::GroupedGemm gg(8);
@@ -395,6 +395,8 @@ TEST(GroupedGemmGpu, WgradHomeGroupsGoToTheirOwnTensor) {
       std::fill(poisoned.begin(), poisoned.begin() + home * slab, -7.25f);
       d.dw.upload(poisoned);
       args.c_home = Tensor(home_dw.get(), DType::f32, {home, c.K, c.N});
+      args.c = Tensor(static_cast<float*>(d.dw.get()) + home * slab, DType::f32,
+                      {d.G - home, c.K, c.N});
       gg.wgrad(args, nullptr);
       CK(cudaDeviceSynchronize());
       const std::vector<float> got_home = home_dw.download<float>(size_t(home) * slab);
@@ -408,6 +410,48 @@ TEST(GroupedGemmGpu, WgradHomeGroupsGoToTheirOwnTensor) {
       EXPECT_EQ(differ, 0) << "values differing from the run without c_home";
       EXPECT_EQ(touched, 0) << "c's slabs of home groups were written";
     }
+}
+
+// fprop and dgrad with b_home: groups g < b_home.size(0) read their weights there, the others
+// from b[g - home]; the bits equal a run with every slab in b (the slabs before b poisoned).
+TEST(GroupedGemmGpu, HomeGroupsReadTheirOwnWeights) {
+  SKIP_WITHOUT_GPU();
+  cuda::GroupedGemm gg(8);
+  uint64_t seed = 7500;
+  for (const Case& c : cases()) {
+    CaseData d(c);
+    if (d.G < 2) continue;
+    SCOPED_TRACE(c.name);
+    d.refill(c, seed += 10);
+    const int home = d.G / 2;
+    const size_t slab = size_t(c.K * c.N);
+    d.poison();
+    gg.fprop(d.fprop_args(c), nullptr);
+    gg.dgrad(d.dgrad_args(c), nullptr);
+    CK(cudaDeviceSynchronize());
+    const auto want_y = d.y.download<uint16_t>(d.y_bytes() / 2);
+    const auto want_dx = d.dx.download<uint16_t>(d.dx_bytes() / 2);
+
+    DeviceBuffer home_w(size_t(home) * slab * 2);
+    home_w.upload(std::vector<uint16_t>(d.hw.bits.begin(), d.hw.bits.begin() + home * slab));
+    std::vector<uint16_t> poisoned = d.hw.bits;
+    std::fill(poisoned.begin(), poisoned.begin() + home * slab, uint16_t(0x7FC0));  // NaN
+    d.w.upload(poisoned);
+    d.poison();
+    for (bool fprop : {true, false}) {
+      GemmArgs args = fprop ? d.fprop_args(c) : d.dgrad_args(c);
+      args.b_home = Tensor(home_w.get(), DType::bf16, {home, c.K, c.N});
+      args.b = Tensor(static_cast<uint16_t*>(d.w.get()) + home * slab, DType::bf16,
+                      {d.G - home, c.K, c.N});
+      if (fprop)
+        gg.fprop(args, nullptr);
+      else
+        gg.dgrad(args, nullptr);
+    }
+    CK(cudaDeviceSynchronize());
+    EXPECT_EQ(d.y.download<uint16_t>(d.y_bytes() / 2), want_y) << "fprop";
+    EXPECT_EQ(d.dx.download<uint16_t>(d.dx_bytes() / 2), want_dx) << "dgrad";
+  }
 }
 
 // fprop_add: rows in a group become c + a @ b[g] (rounded once), the other rows keep their bits.

@@ -425,27 +425,32 @@ TEST(LocalCommunicator, AllGatherAllReduceAndCloneKernelsFollowThePlan) {
 
   for (int64_t slot_elems : {int64_t(1), int64_t(37), int64_t(4096)}) {
     SCOPED_TRACE("slot elems " + std::to_string(slot_elems));
+    // Home slots 0..3 and spare slots 4, 5 in one allocation; the spare part given apart.
     SymmetricBuffer w = comm->alloc_symmetric(*be, size_t(6 * slot_elems) * 2);
     Tensor wt(w.local, DType::bf16, {6, slot_elems});
     auto wv = round_bf16(random_values(size_t(6 * slot_elems), uint64_t(slot_elems)));
     write_tensor(*be, wt, wv);
-    comm->pull_clone_weights(dev, cfg, w, size_t(slot_elems) * 2, nullptr);
+    comm->pull_clone_weights(dev, cfg, w, wt.rows(4, 2).data, size_t(slot_elems) * 2, nullptr);
     auto after = read_tensor(*be, wt);
     for (int64_t x = 0; x < slot_elems; ++x) {
       wv[size_t(4 * slot_elems + x)] = wv[size_t(2 * slot_elems + x)];  // slot 4 <- expert 2
     }
     EXPECT_EQ(after, wv);
 
-    SymmetricBuffer g = comm->alloc_symmetric(*be, size_t(6 * slot_elems) * 4);
-    Tensor gt(g.local, DType::f32, {6, slot_elems});
-    auto gv = round_f32(random_values(size_t(6 * slot_elems), uint64_t(slot_elems) + 1));
+    // Spare slots' gradients (symmetric) reduced into home gradients elsewhere.
+    SymmetricBuffer g = comm->alloc_symmetric(*be, size_t(2 * slot_elems) * 4);
+    Tensor gt(g.local, DType::f32, {2, slot_elems});
+    auto gv = round_f32(random_values(size_t(2 * slot_elems), uint64_t(slot_elems) + 1));
     write_tensor(*be, gt, gv);
-    comm->reduce_clone_grads(dev, cfg, g, g.local, slot_elems, DType::f32, nullptr);
-    const auto reduced = read_tensor(*be, gt);
+    OwnedTensor home(*be, DType::f32, {4, slot_elems});
+    auto hv = round_f32(random_values(size_t(4 * slot_elems), uint64_t(slot_elems) + 2));
+    home.write(hv);
+    comm->reduce_clone_grads(dev, cfg, g, home->data, slot_elems, DType::f32, nullptr);
+    const auto reduced = home.read();
     for (int64_t x = 0; x < slot_elems; ++x)
-      gv[size_t(2 * slot_elems + x)] =
-          double(float(gv[size_t(2 * slot_elems + x)]) + float(gv[size_t(4 * slot_elems + x)]));
-    EXPECT_EQ(reduced, gv);
+      hv[size_t(2 * slot_elems + x)] =
+          double(float(hv[size_t(2 * slot_elems + x)]) + float(gv[size_t(x)]));
+    EXPECT_EQ(reduced, hv);
     comm->free_symmetric(*be, w);
     comm->free_symmetric(*be, g);
   }

@@ -465,17 +465,22 @@ TEST(MultiGpuClones, PullWeightsAndReduceGradientsFollowThePlan) {
       auto wbyte = [](int r, int slot, size_t b) {
         return uint8_t((r * 31 + slot * 17 + b * 3 + 5) & 0xff);
       };
-      SymmetricBuffer wb = comm.alloc_symmetric(be, size_t(EPR + S) * slot_bytes);
+      // Home slots symmetric (peers pull from them); the spare slots in plain device memory.
+      SymmetricBuffer wb = comm.alloc_symmetric(be, size_t(EPR) * slot_bytes);
+      void* spare = be.allocate(size_t(S) * slot_bytes);
       std::vector<uint8_t> mine(size_t(EPR + S) * slot_bytes);
       for (int slot = 0; slot < EPR + S; ++slot)
         for (size_t b = 0; b < slot_bytes; ++b)
           mine[size_t(slot) * slot_bytes + b] = wbyte(me, slot, b);
-      be.copy_from_host(wb.local, mine.data(), mine.size());
+      be.copy_from_host(wb.local, mine.data(), size_t(EPR) * slot_bytes);
+      be.copy_from_host(spare, mine.data() + size_t(EPR) * slot_bytes, size_t(S) * slot_bytes);
       comm.barrier();
-      comm.pull_clone_weights(dplan, cfg, wb, slot_bytes, nullptr);
+      comm.pull_clone_weights(dplan, cfg, wb, spare, slot_bytes, nullptr);
       be.synchronize();
       std::vector<uint8_t> got(mine.size());
-      be.copy_to_host(got.data(), wb.local, got.size());
+      be.copy_to_host(got.data(), wb.local, size_t(EPR) * slot_bytes);
+      be.copy_to_host(got.data() + size_t(EPR) * slot_bytes, spare, size_t(S) * slot_bytes);
+      be.deallocate(spare);
       int64_t bad = 0;
       for (int slot = 0; slot < EPR + S; ++slot) {
         const int e = slot >= EPR ? pv.spare_expert[me * S + (slot - EPR)] : -1;
@@ -495,28 +500,29 @@ TEST(MultiGpuClones, PullWeightsAndReduceGradientsFollowThePlan) {
       auto gval = [](int r, int slot, int64_t x) {
         return double((r * 7 + slot * 3 + x) % 17 - 8);
       };
-      SymmetricBuffer gb =
-          comm.alloc_symmetric(be, size_t(EPR + S) * size_t(slot_elems) * dtype_size(dt));
-      Tensor gt(gb.local, dt, {int64_t(EPR + S), slot_elems});
-      std::vector<double> gv(size_t((EPR + S) * slot_elems));
+      // The spare slots' gradients symmetric (their home ranks read them); home ones plain.
+      SymmetricBuffer gb = comm.alloc_symmetric(be, size_t(S) * size_t(slot_elems) * dtype_size(dt));
+      Tensor spare_g(gb.local, dt, {int64_t(S), slot_elems});
+      OwnedTensor home_g(be, dt, {int64_t(EPR), slot_elems});
+      std::vector<double> hv(size_t(EPR * slot_elems)), sv(size_t(S * slot_elems));
       for (int slot = 0; slot < EPR + S; ++slot)
         for (int64_t x = 0; x < slot_elems; ++x)
-          gv[size_t(slot * slot_elems + x)] = gval(me, slot, x);
-      write_tensor(be, gt, gv);
+          (slot < EPR ? hv[size_t(slot * slot_elems + x)]
+                      : sv[size_t((slot - EPR) * slot_elems + x)]) = gval(me, slot, x);
+      home_g.write(hv);
+      write_tensor(be, spare_g, sv);
       comm.barrier();
-      comm.reduce_clone_grads(dplan, cfg, gb, gb.local, slot_elems, dt, nullptr);
+      comm.reduce_clone_grads(dplan, cfg, gb, home_g->data, slot_elems, dt, nullptr);
       be.synchronize();
-      const auto got = read_tensor(be, gt);
+      const auto got = home_g.read();
       int64_t bad = 0;
-      for (int slot = 0; slot < EPR + S; ++slot)
+      for (int slot = 0; slot < EPR; ++slot)
         for (int64_t x = 0; x < slot_elems; ++x) {
           double want = gval(me, slot, x);
-          if (slot < EPR) {
-            const int e = me * EPR + slot;
-            for (int j = 1; j < M; ++j)
-              if (pv.replica_rank[e * M + j] >= 0)
-                want += gval(pv.replica_rank[e * M + j], pv.replica_slot[e * M + j], x);
-          }
+          const int e = me * EPR + slot;
+          for (int j = 1; j < M; ++j)
+            if (pv.replica_rank[e * M + j] >= 0)
+              want += gval(pv.replica_rank[e * M + j], pv.replica_slot[e * M + j], x);
           bad += got[size_t(slot * slot_elems + x)] != want;
         }
       EXPECT_EQ(bad, 0) << "reduced clone gradients";
