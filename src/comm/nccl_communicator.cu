@@ -427,7 +427,8 @@ __global__ void __launch_bounds__(kThreads)
       const int r = replica_rank[e * M + rep];
       if (r < 0) continue;
       from[clones++] = static_cast<const T*>(ncclGetLsaPointer(
-          win, size_t(replica_slot[e * M + rep] - experts_per_rank) * size_t(slot_elems) * sizeof(T),
+          win,
+          size_t(replica_slot[e * M + rep] - experts_per_rank) * size_t(slot_elems) * sizeof(T),
           r));
     }
     T* to = home + int64_t(j) * slot_elems;
@@ -877,8 +878,9 @@ class NcclCommunicator final : public Communicator {
     MOE_ECHO_CHECK(M <= kMaxReplicas, "max_replicas " << M << " > " << kMaxReplicas);
     if (cfg.spare_slots == 0 || M == 1 || slot_elems == 0) return;  // no clones on any rank
     const int epr = cfg.experts_per_rank();
-    const Window& w = window_of(spare, size_t(cfg.spare_slots) * size_t(slot_elems) * dtype_size(dtype),
-                                "reduce_clone_grads");
+    const Window& w =
+        window_of(spare, size_t(cfg.spare_slots) * size_t(slot_elems) * dtype_size(dtype),
+                  "reduce_clone_grads");
     if (host_api_) {
       if (dtype == DType::f32)
         return host_reduce_clones<float>(plan, cfg, w, static_cast<float*>(home), slot_elems,

@@ -52,8 +52,7 @@ const char* to_string(Recompute r) {
 }
 
 Recompute parse_recompute(const std::string& s, const char* field) {
-  for (Recompute r :
-       {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch})
+  for (Recompute r : {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch})
     if (s == to_string(r)) return r;
   reject(field, "'" + s + "'", "none, moe_act, experts or dispatch");
 }

@@ -16,14 +16,14 @@ const T* weight_slab(const GemmArgs& a, int g, int64_t Kd, int64_t N) {
   if (home) {
     MOE_ECHO_CHECK(a.b_home.dtype == a.b.dtype || !a.b.data,
                    "grouped_gemm: b_home " << a.b_home.describe() << " for b " << a.b.describe());
-    MOE_ECHO_CHECK(a.b_home.ndim == 3 && a.b_home.size(1) * a.b_home.size(2) == Kd * N,
-                   "grouped_gemm: b_home " << a.b_home.describe() << " for slabs of " << Kd
-                                           << " x " << N);
+    MOE_ECHO_CHECK(
+        a.b_home.ndim == 3 && a.b_home.size(1) * a.b_home.size(2) == Kd * N,
+        "grouped_gemm: b_home " << a.b_home.describe() << " for slabs of " << Kd << " x " << N);
   }
   if (g < home) return a.b_home.as<T>() + int64_t(g) * Kd * N;
-  MOE_ECHO_CHECK(a.b.data && g - home < a.b.size(0),
-                 "grouped_gemm: group " << g << " past b " << a.b.describe() << " (" << home
-                                        << " home groups)");
+  MOE_ECHO_CHECK(a.b.data && g - home < a.b.size(0), "grouped_gemm: group "
+                                                         << g << " past b " << a.b.describe()
+                                                         << " (" << home << " home groups)");
   return a.b.as<T>() + (int64_t(g) - home) * Kd * N;
 }
 
@@ -83,9 +83,9 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
       "grouped_gemm wgrad: c_home " << a.c_home.describe() << " for c " << a.c.describe());
   auto slab = [&](int g) {
     if (g < home) return a.c_home.as<T>() + int64_t(g) * Kd * N;
-    MOE_ECHO_CHECK(a.c.data && g - home < a.c.size(0),
-                   "grouped_gemm wgrad: group " << g << " past c " << a.c.describe() << " ("
-                                                << home << " home groups)");
+    MOE_ECHO_CHECK(a.c.data && g - home < a.c.size(0), "grouped_gemm wgrad: group "
+                                                           << g << " past c " << a.c.describe()
+                                                           << " (" << home << " home groups)");
     return a.c.as<T>() + (int64_t(g) - home) * Kd * N;
   };
   std::vector<double> acc(size_t(Kd * N));

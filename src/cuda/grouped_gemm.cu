@@ -233,7 +233,8 @@ void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t
   const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 64));
   zero_empty_groups_kernel<<<dim3(parts, unsigned(a.window.groups)), 256, 0, s>>>(
       a.window.group_offsets, a.window.row_lo, a.window.rows, a.zero_empty_below,
-      static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data), home_groups(GemmOp::wgrad, a), words);
+      static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data),
+      home_groups(GemmOp::wgrad, a), words);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 

@@ -387,8 +387,8 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
         "layer's");
     ws_ = workspace;
   } else {
-    own_workspace_ = std::make_unique<MoeWorkspace>(backend, comm, std::vector<MoeConfig>{moe},
-                                                    par, echo);
+    own_workspace_ =
+        std::make_unique<MoeWorkspace>(backend, comm, std::vector<MoeConfig>{moe}, par, echo);
     ws_ = own_workspace_.get();
   }
 
@@ -926,8 +926,7 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
 }
 
 void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                            bool overwrite_shared, const ExpertGrads& into, bool repull,
-                            Stream s) {
+                            bool overwrite_shared, const ExpertGrads& into, bool repull, Stream s) {
   Buffers& b = *buf_;
   // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
   // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
@@ -979,10 +978,10 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
     void* home1 = into.dw1.data ? into.dw1.data : b.dw1.data;
     void* home2 = into.dw2.data ? into.dw2.data : b.dw2.data;
-    comm_.reduce_clone_grads(plan, planner_, b.dw1_spare_sym, home1, b.dw1.row_numel(),
-                             b.dw1.dtype, s);
-    comm_.reduce_clone_grads(plan, planner_, b.dw2_spare_sym, home2, b.dw2.row_numel(),
-                             b.dw2.dtype, s);
+    comm_.reduce_clone_grads(plan, planner_, b.dw1_spare_sym, home1, b.dw1.row_numel(), b.dw1.dtype,
+                             s);
+    comm_.reduce_clone_grads(plan, planner_, b.dw2_spare_sym, home2, b.dw2.row_numel(), b.dw2.dtype,
+                             s);
   }
   mark("bwd_bias_update", s);
   if (moe_.bias_update)
@@ -1029,8 +1028,7 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   backend_.gemm_dgrad(experts_gemm(gw, b.dh, b.w1_spare, b.w1, b.recv_out), s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
   backend_.gemm_wgrad(
-      wgrad(gw, b.recv_x, b.dh, b.dw1_spare, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads),
-      s);
+      wgrad(gw, b.recv_x, b.dh, b.dw1_spare, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads), s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;

@@ -509,8 +509,8 @@ TEST(HostCollectivesComm, ClonePullAndReduceEqualInProcess) {
         write_tensor(be, w, wv);
         auto [spare_sym, spare] = make_symmetric(comm, be, dt, {cfg.spare_slots, elems});
         write_tensor(be, spare, std::vector<double>(size_t(cfg.spare_slots * elems), -1.0));
-        comm.pull_clone_weights(mine.view(), cfg, w_sym, spare.data,
-                                size_t(elems) * dtype_size(dt), nullptr);
+        comm.pull_clone_weights(mine.view(), cfg, w_sym, spare.data, size_t(elems) * dtype_size(dt),
+                                nullptr);
         rec.add("weights", w);
         rec.add("spare weights", spare);
         // Clone gradients symmetric (their home ranks read them), home gradients any memory.
@@ -696,21 +696,20 @@ TEST(HostCollectivesComm, BadUseThrowsClearErrors) {
                  comm.combine(w.route(), RoundWindow{0, 4}, w.recv_sym,
                               Tensor(y, DType::f32, {3, 4}), nullptr, w.fan, nullptr, nullptr);
                });
-  expect_error(2, "pull_clone_weights: symmetric buffer 0 is not a live buffer",
-               [](Communicator& comm, Backend& be, int, Record&) {
-                 SymmetricBuffer b = comm.alloc_symmetric(be, 64);
-                 comm.free_symmetric(be, b);
-                 b.local = &b;  // a stale copy
-                 comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b, nullptr, 8,
-                                         nullptr);
-               });
   expect_error(
-      2, "pull_clone_weights: 72 bytes into a symmetric buffer of 64",
+      2, "pull_clone_weights: symmetric buffer 0 is not a live buffer",
       [](Communicator& comm, Backend& be, int, Record&) {
-        ScopedSymmetric b(comm, be, 64);
-        comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b.buf, b.buf.local, 72,
-                                nullptr);
+        SymmetricBuffer b = comm.alloc_symmetric(be, 64);
+        comm.free_symmetric(be, b);
+        b.local = &b;  // a stale copy
+        comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b, nullptr, 8, nullptr);
       });
+  expect_error(2, "pull_clone_weights: 72 bytes into a symmetric buffer of 64",
+               [](Communicator& comm, Backend& be, int, Record&) {
+                 ScopedSymmetric b(comm, be, 64);
+                 comm.pull_clone_weights(PlanView{}, PlannerConfig{2, 2, 1, 1, 0}, b.buf,
+                                         b.buf.local, 72, nullptr);
+               });
   expect_error(2, "plan of 4 ranks, 8 experts, 1 spare slots, 1 clones on a communicator of 2",
                [](Communicator& comm, Backend& be, int, Record&) {
                  ScopedSymmetric b(comm, be, 64);

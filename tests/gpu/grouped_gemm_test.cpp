@@ -395,8 +395,8 @@ TEST(GroupedGemmGpu, WgradHomeGroupsGoToTheirOwnTensor) {
       std::fill(poisoned.begin(), poisoned.begin() + home * slab, -7.25f);
       d.dw.upload(poisoned);
       args.c_home = Tensor(home_dw.get(), DType::f32, {home, c.K, c.N});
-      args.c = Tensor(static_cast<float*>(d.dw.get()) + home * slab, DType::f32,
-                      {d.G - home, c.K, c.N});
+      args.c =
+          Tensor(static_cast<float*>(d.dw.get()) + home * slab, DType::f32, {d.G - home, c.K, c.N});
       gg.wgrad(args, nullptr);
       CK(cudaDeviceSynchronize());
       const std::vector<float> got_home = home_dw.download<float>(size_t(home) * slab);

@@ -501,7 +501,8 @@ TEST(MultiGpuClones, PullWeightsAndReduceGradientsFollowThePlan) {
         return double((r * 7 + slot * 3 + x) % 17 - 8);
       };
       // The spare slots' gradients symmetric (their home ranks read them); home ones plain.
-      SymmetricBuffer gb = comm.alloc_symmetric(be, size_t(S) * size_t(slot_elems) * dtype_size(dt));
+      SymmetricBuffer gb =
+          comm.alloc_symmetric(be, size_t(S) * size_t(slot_elems) * dtype_size(dt));
       Tensor spare_g(gb.local, dt, {int64_t(S), slot_elems});
       OwnedTensor home_g(be, dt, {int64_t(EPR), slot_elems});
       std::vector<double> hv(size_t(EPR * slot_elems)), sv(size_t(S * slot_elems));
