@@ -33,7 +33,8 @@ else
   configure_rc=$?
   build_rc=1
 fi
-targets=(moe-echo cuda_ops_test cuda_layer_test cuda_planner_test local_comm_test grouped_gemm_test fp8_quant_test)
+targets=(moe-echo cuda_ops_test cuda_layer_test cuda_planner_test local_comm_test grouped_gemm_test fp8_quant_test
+  cuda_stack_test)
 if [ "${SKIP_BUILD:-0}" = 1 ]; then
   :
 elif [ $configure_rc -eq 0 ]; then
@@ -97,6 +98,7 @@ if [ "${SANITIZE:-1}" = 1 ] && [ -x "$build/tests/gpu/cuda_layer_test" ]; then
   run_sanitizer initcheck ops cuda_ops_test "$ops"
   run_sanitizer memcheck layer cuda_layer_test "$small"
   run_sanitizer memcheck graph cuda_layer_test 'CudaLayerGraph.*'
+  run_sanitizer memcheck stack cuda_stack_test 'CudaStack.Equals*'
   run_sanitizer racecheck layer cuda_layer_test 'Configs/CudaLayerTest.ForwardBackwardMatchCpuLayer/small'
   run_sanitizer racecheck ops cuda_ops_test "$ops"
   run_sanitizer memcheck planner cuda_planner_test '*'
