@@ -160,7 +160,10 @@ TEST(CudaStack, WholeTrainingStepInOneGraphEqualsTheEagerStep) {
     SCOPED_TRACE("replay " + std::to_string(replay));
     captured.inputs(300 + 10 * uint64_t(replay));
     eager.inputs(300 + 10 * uint64_t(replay));
-    for (int l = 0; l <= captured.size(); ++l) poison(*captured.acts[size_t(l)]);
+    for (int l = 0; l < captured.size(); ++l) {  // every output and input gradient
+      poison(*captured.acts[size_t(l + 1)]);
+      poison(*captured.grads[size_t(l)]);
+    }
     graph->launch(stream);
     eager.step(true, s);
     for (int l = 0; l < eager.size(); ++l) eager.layer(l).optimizer_step(adam, s);

@@ -98,7 +98,9 @@ if [ "${SANITIZE:-1}" = 1 ] && [ -x "$build/tests/gpu/cuda_layer_test" ]; then
   run_sanitizer initcheck ops cuda_ops_test "$ops"
   run_sanitizer memcheck layer cuda_layer_test "$small"
   run_sanitizer memcheck graph cuda_layer_test 'CudaLayerGraph.*'
-  run_sanitizer memcheck stack cuda_stack_test 'CudaStack.Equals*'
+  # Eager steps relaunch cached graphs; an update that changes the topology fails by design (the
+  # graph is then instantiated anew), an API error memcheck would otherwise count.
+  SAN_EXTRA="--report-api-errors no" run_sanitizer memcheck stack cuda_stack_test 'CudaStack.Equals*'
   run_sanitizer racecheck layer cuda_layer_test 'Configs/CudaLayerTest.ForwardBackwardMatchCpuLayer/small'
   run_sanitizer racecheck ops cuda_ops_test "$ops"
   run_sanitizer memcheck planner cuda_planner_test '*'

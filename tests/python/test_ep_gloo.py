@@ -7,8 +7,8 @@ rank's tokens, and each rank's expert gradients the sum over all ranks' tokens o
 from __future__ import annotations
 
 import gc
-import os
 import tempfile
+import weakref
 from pathlib import Path
 
 import pytest
@@ -157,30 +157,25 @@ def test_nccl_transport_needs_cuda_tensors(tmp_path):
         dist.destroy_process_group()
 
 
-def _threads():
-    return len(os.listdir("/proc/self/task"))
-
-
 def release_worker(rank, init_file, out_dir):
-    before = _threads()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    group = weakref.ref(dist.group.WORLD)
     m = MoE(H, F, E, K, ep_group=dist.group.WORLD, **config(echo=True, spare_slots_per_rank=2))
     step(m, rank, 2.0)
     held = len(m._collectives._held)
     dist.destroy_process_group()
     del m
     gc.collect()
-    torch.save(dict(before=before, after=_threads(), held=held), Path(out_dir) / f"rank{rank}.pt")
+    torch.save(dict(alive=group() is not None, held=held), Path(out_dir) / f"rank{rank}.pt")
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
 def test_group_released_after_destroy():
-    # After a step, destroy_process_group and deleting the module, nothing holds the group: its
-    # gloo threads end (a group alive at interpreter exit can abort it), and the finished
-    # collectives were kept on the calling thread until then.
+    # After a step, destroy_process_group and deleting the module, nothing holds the group (a
+    # group alive at interpreter exit keeps its gloo threads, which can abort the exit), and the
+    # finished collectives were kept on the calling thread until then.
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(release_worker, args=(f"{tmp}/init", tmp), nprocs=2, join=True)
         got = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
     for g in got:
         assert g["held"] > 0
-        assert g["after"] == g["before"], g
+        assert not g["alive"], "the process group outlived destroy_process_group"
