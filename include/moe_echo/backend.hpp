@@ -182,6 +182,9 @@ struct AdamWArgs {
   Tensor step;               // [1] i32 on the device: the 1-based step, for bias correction; read
                              // by the op, so a captured graph that advances it stays correct
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+  // Optional float master copy of param (same numel): AdamW updates the master and writes param
+  // as the master rounded to param's dtype, so updates below param's precision accumulate.
+  Tensor master = {};
 };
 
 // What one layer's per-step ops will need at most; given to Backend::reserve at layer build so a

@@ -83,6 +83,10 @@ struct MoeConfig {
   bool shared_side_stream = false;
   // What the forward keeps for the backward (see Recompute).
   Recompute recompute = Recompute::none;
+  // Float master copies of the expert and shared-expert weights (with optimizer state): AdamW
+  // updates the masters and writes the weights the GEMMs read (bf16 on CUDA) as their rounding,
+  // so updates below a bf16 ulp are not lost. The router weight is float already.
+  bool master_weights = false;
 };
 // The shared experts' total FFN width (0 without shared experts).
 inline int shared_width(const MoeConfig& m) {

@@ -173,8 +173,12 @@ class MoeLayer {
   // over the ranks before the optimizer (a framework that owns data-parallel gradient reduction
   // does this itself).
   void all_reduce_router_grad(Stream stream = nullptr);
-  // AdamW on every parameter with a gradient (router weight, home w1, w2, shared experts).
+  // AdamW on every parameter with a gradient (router weight, home w1, w2, shared experts); with
+  // MoeConfig::master_weights on the float masters, the weights written as their rounding.
   void optimizer_step(const AdamWConfig& cfg, Stream stream = nullptr);
+  // With master weights: sets every master to its weight's current value (after the weights were
+  // written from outside, e.g. loaded from a checkpoint). Waits for the device.
+  void refresh_master_weights();
 
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
   void set_phase_observer(PhaseObserver* observer) { observer_ = observer; }

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "cpu/cpu_ops.hpp"
+#include "moe_echo/error.hpp"
 
 namespace moe_echo::cpu {
 
@@ -15,6 +16,9 @@ void adamw(const AdamWArgs& a) {
   const double step = double(a.step.as<int32_t>()[0]);
   const double c1 = 1.0 - std::pow(a.beta1, step);
   const double c2 = 1.0 - std::pow(a.beta2, step);
+  T* master = a.master.data ? a.master.as<T>() : nullptr;  // the CPU backend's dtypes are equal
+  MOE_ECHO_CHECK(!master || (a.master.numel() == n && a.master.dtype == a.param.dtype),
+                 "adamw master " << a.master.describe() << " for " << a.param.describe());
   for (int64_t i = 0; i < n; ++i) {
     const double gi = double(g[i]);
     const double mi = a.beta1 * double(m[i]) + (1.0 - a.beta1) * gi;
@@ -22,7 +26,10 @@ void adamw(const AdamWArgs& a) {
     m[i] = T(mi);
     v[i] = T(vi);
     const double update = (mi / c1) / (std::sqrt(vi / c2) + a.eps);
-    p[i] = T(double(p[i]) * (1.0 - a.lr * a.weight_decay) - a.lr * update);
+    const T w = master ? master[i] : p[i];
+    const T next = T(double(w) * (1.0 - a.lr * a.weight_decay) - a.lr * update);
+    if (master) master[i] = next;
+    p[i] = next;
   }
 }
 

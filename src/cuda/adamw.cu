@@ -2,12 +2,11 @@
 // and in place. Semantics: src/cpu/adamw.cpp. grad, m and v are f32; the parameter is f32 (router
 // weight) or bf16 (expert weights).
 //
-// Precision trade-off: the math runs in f32 and a bf16 parameter is read, updated and rounded back
-// to bf16 in one step; there is no f32 master copy. An update smaller than half a bf16 ulp of the
-// weight (about |w| * 2^-9) is rounded away, so with small learning rates bf16 experts stop
-// learning long before f32 ones would; m and v keep full f32 state, so nothing else drifts. A
-// training setup that needs exact small updates keeps f32 master weights (3 extra bytes per
-// parameter) or adds stochastic rounding; the layer here trades that for memory.
+// Precision: the math runs in f32. Without a master copy a bf16 parameter is read, updated and
+// rounded back to bf16 in one step: an update smaller than half a bf16 ulp of the weight (about
+// |w| * 2^-9) is rounded away, so with small learning rates bf16 experts stop learning long
+// before f32 ones would. With an f32 master (AdamWArgs::master, MoeConfig::master_weights: 4 more
+// bytes per parameter) the master takes the update and the bf16 parameter is its rounding.
 #include <cmath>
 
 #include "cuda/common.cuh"
@@ -20,9 +19,9 @@ namespace {
 // The step lives on the device (a captured graph advances it); each block derives the bias
 // corrections from it once, in double like the CPU reference.
 template <class P>
-__global__ void adamw_kernel(int64_t n, P* param, const float* __restrict__ grad, float* m,
-                             float* v, const int32_t* __restrict__ step, float beta1, float beta2,
-                             float lr, float eps, float decay) {
+__global__ void adamw_kernel(int64_t n, P* param, float* master, const float* __restrict__ grad,
+                             float* m, float* v, const int32_t* __restrict__ step, float beta1,
+                             float beta2, float lr, float eps, float decay) {
   __shared__ float corr[2];
   if (threadIdx.x == 0) {
     const double t = double(*step);
@@ -39,7 +38,9 @@ __global__ void adamw_kernel(int64_t n, P* param, const float* __restrict__ grad
     m[i] = mi;
     v[i] = vi;
     const float update = (mi * inv_c1) / (sqrtf(vi) * inv_sqrt_c2 + eps);
-    store_f(param + i, load_f(param + i) * decay - lr * update);
+    const float w = (master ? master[i] : load_f(param + i)) * decay - lr * update;
+    if (master) master[i] = w;
+    store_f(param + i, w);
   }
 }
 
@@ -67,14 +68,17 @@ void adamw(const AdamWArgs& a, cudaStream_t s) {
                  "adamw needs f32 grad, m and v");
   MOE_ECHO_CHECK(a.step.dtype == DType::i32 && a.step.numel() == 1,
                  "adamw step must be i32[1], got " << a.step.describe());
+  MOE_ECHO_CHECK(!a.master.data || (a.master.dtype == DType::f32 && a.master.numel() == n),
+                 "adamw master must be f32 of the parameter's size, got " << a.master.describe());
+  float* master = a.master.data ? a.master.as<float>() : nullptr;
   const unsigned grid = blocks_for(n, 256, grid_cap());
   const float decay = float(1.0 - a.lr * a.weight_decay);
   if (a.param.dtype == DType::bf16)
-    MOE_ECHO_LAUNCH(adamw_kernel<bf16>, grid, 256, 0, s, n, a.param.as<bf16>(), a.grad.as<float>(),
-                    a.m.as<float>(), a.v.as<float>(), a.step.as<int32_t>(), float(a.beta1),
-                    float(a.beta2), float(a.lr), float(a.eps), decay);
+    MOE_ECHO_LAUNCH(adamw_kernel<bf16>, grid, 256, 0, s, n, a.param.as<bf16>(), master,
+                    a.grad.as<float>(), a.m.as<float>(), a.v.as<float>(), a.step.as<int32_t>(),
+                    float(a.beta1), float(a.beta2), float(a.lr), float(a.eps), decay);
   else if (a.param.dtype == DType::f32)
-    MOE_ECHO_LAUNCH(adamw_kernel<float>, grid, 256, 0, s, n, a.param.as<float>(),
+    MOE_ECHO_LAUNCH(adamw_kernel<float>, grid, 256, 0, s, n, a.param.as<float>(), master,
                     a.grad.as<float>(), a.m.as<float>(), a.v.as<float>(), a.step.as<int32_t>(),
                     float(a.beta1), float(a.beta2), float(a.lr), float(a.eps), decay);
   else

@@ -50,8 +50,10 @@ struct MoeLayer::Buffers {
   SymmetricBuffer w1_sym, w2_sym, dw1_spare_sym, dw2_spare_sym;
   Tensor w1, w2, dw1, dw2;                          // [E/R, ...]
   Tensor w1_spare, w2_spare, dw1_spare, dw2_spare;  // [S, ...] (empty without spare slots)
-  // Optimizer state (float dtype), for router weight, w1 home, w2 home.
+  // Optimizer state (float dtype), for router weight, w1 home, w2 home; float masters of w1, w2
+  // and the shared experts (MoeConfig::master_weights).
   Tensor m_router, v_router, m_w1, v_w1, m_w2, v_w2;
+  Tensor master_w1, master_w2, master_sw1, master_sw2;
   Tensor optimizer_step;  // [1] i32: steps taken, advanced on the device
   // Routing.
   Tensor logits, scores, topk_idx, topk_weight, counts, losses;
@@ -258,6 +260,10 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
     b.m_w2 = dev(fl, {EPR, F, H});
     b.v_w2 = dev(fl, {EPR, F, H});
     b.optimizer_step = dev(DType::i32, {1});
+    if (s.moe.master_weights) {
+      b.master_w1 = dev(fl, {EPR, H, 2 * F});
+      b.master_w2 = dev(fl, {EPR, F, H});
+    }
   }
 
   b.logits = dev(fl, {T, E});
@@ -294,6 +300,10 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
       b.v_sw1 = dev(fl, {1, H, 2 * S});
       b.m_sw2 = dev(fl, {1, S, H});
       b.v_sw2 = dev(fl, {1, S, H});
+      if (s.moe.master_weights) {
+        b.master_sw1 = dev(fl, {1, H, 2 * S});
+        b.master_sw2 = dev(fl, {1, S, H});
+      }
     }
     b.shared_offsets = dev(DType::i32, {2});
     b.shared_h = dev(act, {T, 2 * S});
@@ -462,8 +472,19 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
     write_tensor(backend, b.shared_offsets, std::vector<double>{0.0, double(moe.max_tokens)});
   }
   init_parameters(seed);
+  refresh_master_weights();
   backend.synchronize();
   comm.barrier();
+}
+
+void MoeLayer::refresh_master_weights() {
+  Buffers& b = *buf_;
+  const std::pair<Tensor*, Tensor*> pairs[] = {{&b.master_w1, &b.w1},
+                                               {&b.master_w2, &b.w2},
+                                               {&b.master_sw1, &b.shared_w1},
+                                               {&b.master_sw2, &b.shared_w2}};
+  for (const auto& [master, param] : pairs)
+    if (master->data) write_tensor(backend_, *master, read_tensor(backend_, *param));
 }
 
 MoeLayer::~MoeLayer() {
@@ -566,17 +587,21 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
       b.m_router.data != nullptr,
       "optimizer_step on a layer built without optimizer state (optimizer_state = false)");
   backend_.add_i32(b.optimizer_step, 1, s);
-  auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v) {
-    AdamWArgs a{p,      g,         m,         v,       b.optimizer_step,
-                cfg.lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay};
+  auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
+                  const Tensor& master) {
+    AdamWArgs a;
+    a.param = p, a.grad = g, a.m = m, a.v = v, a.master = master;
+    a.step = b.optimizer_step;
+    a.lr = cfg.lr, a.beta1 = cfg.beta1, a.beta2 = cfg.beta2, a.eps = cfg.eps;
+    a.weight_decay = cfg.weight_decay;
     backend_.adamw(a, s);
   };
-  step(b.router_weight, b.d_router_weight, b.m_router, b.v_router);
-  step(param(Param::w1), grad(Param::w1), b.m_w1, b.v_w1);
-  step(param(Param::w2), grad(Param::w2), b.m_w2, b.v_w2);
+  step(b.router_weight, b.d_router_weight, b.m_router, b.v_router, Tensor());
+  step(param(Param::w1), grad(Param::w1), b.m_w1, b.v_w1, b.master_w1);
+  step(param(Param::w2), grad(Param::w2), b.m_w2, b.v_w2, b.master_w2);
   if (b.shared_w1.data) {
-    step(b.shared_w1, b.d_shared_w1, b.m_sw1, b.v_sw1);
-    step(b.shared_w2, b.d_shared_w2, b.m_sw2, b.v_sw2);
+    step(b.shared_w1, b.d_shared_w1, b.m_sw1, b.v_sw1, b.master_sw1);
+    step(b.shared_w2, b.d_shared_w2, b.m_sw2, b.v_sw2, b.master_sw2);
   }
 }
 

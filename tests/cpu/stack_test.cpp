@@ -278,6 +278,52 @@ TEST(Stack, BytesEqualTheEstimateAndGrowByTheLayersOwnPart) {
   }
 }
 
+// Master weights on the CPU backend (float masters of float weights: the same arithmetic): the
+// steps give the bits of a layer without them, also after weights written from outside and
+// refresh_master_weights; they cost one float per expert weight.
+TEST(Stack, MasterWeightsGiveTheSameStepsOnTheCpu) {
+  InProcessWorld world(1);
+  world.run([&](int) {
+    auto be = make_cpu_backend(DType::f32);
+    Communicator& comm = world.communicator(0);
+    MoeConfig plain = layer_config(24, 8, 2), mastered = plain;
+    mastered.master_weights = true;
+    const ParallelConfig par{1, 0};
+    MoeLayer a(*be, comm, plain, par, echo_config(), 5),
+        b(*be, comm, mastered, par, echo_config(), 5);
+    EXPECT_EQ(b.layer_bytes() - a.layer_bytes(), size_t(8 * (H * 2 * 24 + 24 * H)) * sizeof(float));
+    const int64_t T = 40;
+    std::vector<void*> owned;
+    auto tensor = [&](uint64_t seed) {
+      Tensor t(nullptr, DType::f32, {T, H});
+      t.data = be->allocate(t.bytes());
+      owned.push_back(t.data);
+      write_tensor(*be, t, random_values(size_t(T * H), seed));
+      return t;
+    };
+    const Tensor x = tensor(1), dy = tensor(2), y = tensor(3), dx = tensor(4);
+    AdamWConfig adam;
+    adam.lr = 1e-2;
+    for (int step = 0; step < 3; ++step) {
+      if (step == 2)  // weights from outside (a checkpoint): the masters follow after a refresh
+        for (MoeLayer* l : {&a, &b}) {
+          write_tensor(*be, l->param(Param::w1), random_values(size_t(8 * H * 48), 9));
+          if (l == &b) l->refresh_master_weights();
+        }
+      for (MoeLayer* l : {&a, &b}) {
+        l->zero_grad();
+        l->forward(x, y);
+        l->backward(dy, dx);
+        l->optimizer_step(adam);
+      }
+      for (Param p : {Param::w1, Param::w2, Param::router_weight})
+        EXPECT_EQ(read_tensor(*be, a.param(p)), read_tensor(*be, b.param(p)))
+            << "step " << step << " " << to_string(p);
+    }
+    for (void* p : owned) be->deallocate(p);
+  });
+}
+
 TEST(Stack, RejectsAWorkspaceTooSmallForTheLayer) {
   InProcessWorld world(1);
   world.run([&](int) {

@@ -789,6 +789,45 @@ TEST(AdamW, TwoStepsMatchCpuForF32AndBf16Parameters) {
       }
 }
 
+// A bf16 parameter with an f32 master: the master follows the CPU's f32 AdamW (on an f32 master)
+// and the parameter is exactly the master rounded to bf16, even when updates are far below a bf16
+// ulp (lr 1e-5: without the master they would be rounded away).
+TEST(AdamW, Bf16ParameterWithF32MasterIsTheMastersRounding) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  Backends b;
+  for (double lr : {1e-2, 1e-5}) {
+    SCOPED_TRACE("lr " + std::to_string(lr));
+    const int64_t n = 4099;
+    Pair p(b, Kind::act, {n}), master(b, Kind::flt, {n}), g(b, Kind::flt, {n}),
+        m(b, Kind::flt, {n}), v(b, Kind::flt, {n});
+    const auto w0 = round_bf16(uniform(size_t(n), 31));
+    p.write(w0);
+    master.write(w0);
+    m.write(std::vector<double>(size_t(n), 0.0));
+    v.write(std::vector<double>(size_t(n), 0.0));
+    for (int64_t step = 1; step <= 3; ++step) {
+      g.write(round_f32(uniform(size_t(n), 40 + uint64_t(step))));
+      for (bool gpu : {false, true}) {
+        auto t = [&](const Pair& x) { return gpu ? *x.g : *x.c; };
+        Backend& be = gpu ? *b.gpu : *b.cpu;
+        Tensor step_t(be.allocate(sizeof(int32_t)), DType::i32, {1});
+        write_tensor(be, step_t, {double(step)});
+        AdamWArgs a{t(p), t(g), t(m), t(v), step_t, lr, 0.9, 0.95, 1e-8, 0.1, t(master)};
+        be.adamw(a, nullptr);
+        be.synchronize();
+        be.deallocate(step_t.data);
+      }
+      EXPECT_TRUE(close(master.g.read(), master.c.read(), 1e-6, "master"));
+      EXPECT_EQ(p.g.read(), round_bf16(master.g.read())) << "parameter = bf16(master)";
+      for (const Pair* x : {&master, &m, &v}) x->c.write(x->g.read());
+    }
+    const auto moved = master.g.read();
+    int64_t changed = 0;
+    for (int64_t i = 0; i < n; ++i) changed += moved[size_t(i)] != w0[size_t(i)];
+    EXPECT_EQ(changed, n) << "every master moved";
+  }
+}
+
 // =================================================================================================
 // Memory, copies and errors
 // =================================================================================================
