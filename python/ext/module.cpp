@@ -277,7 +277,7 @@ NB_MODULE(_ext, m) {
              int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives,
              const std::string& transport, int expert_groups, int topk_groups,
              const std::string& group_score, double routed_scaling_factor,
-             double seq_aux_loss_coeff, int seq_len) {
+             double seq_aux_loss_coeff, int seq_len, const std::string& recompute) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -296,6 +296,7 @@ NB_MODULE(_ext, m) {
             moe.routed_scaling_factor = routed_scaling_factor;
             moe.seq_aux_loss_coeff = seq_aux_loss_coeff;
             moe.seq_len = seq_len;
+            moe.recompute = parse_recompute(recompute);
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -310,7 +311,7 @@ NB_MODULE(_ext, m) {
           "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none(),
           "transport"_a = "host", "expert_groups"_a = 1, "topk_groups"_a = 1,
           "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
-          "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0)
+          "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,

@@ -141,6 +141,23 @@ def test_echo_on_equals_off():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("recompute", ["moe_act", "experts", "dispatch"])
+def test_recompute_gives_the_bits_of_none(recompute):
+    # Spill rounds too (capacity 0.5): every option recomputes them; round 0 per the option.
+    x = torch.randn(48, 16, dtype=torch.float64)
+    outs = []
+    for r in ("none", recompute):
+        m = make(recompute=r, capacity_factor=0.5, aux_loss_coeff=0.01)
+        xx = x.clone().requires_grad_(True)
+        y = m(xx)
+        y.square().sum().backward()
+        outs.append((y.detach(), xx.grad, m.w1.grad, m.w2.grad, m.router_weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="recompute"):
+        make(recompute="everything")
+
+
 def test_float32_parameters_and_bf16_input():
     m = make(dtype=torch.float32)
     assert m._handle.activation_dtype == torch.float32

@@ -55,6 +55,10 @@ class MoE(nn.Module):
         echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
         capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
             rows beyond it run in extra (spill) rounds, never dropped.
+        recompute: what the forward keeps for the backward: "none" (received rows, fc1 and SwiGLU
+            outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
+            redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
+            dispatch and the experts). Gradients are the same bits whichever is chosen.
         device, dtype: where the parameters live and their dtype.
         seed: the initial weights (per global expert, so any layout of the same seed agrees).
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
@@ -91,6 +95,7 @@ class MoE(nn.Module):
         capacity_factor: float = 1.25,
         max_clones_per_expert: int = 2,
         clone_cost_rows: int = 0,
+        recompute: str = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -146,6 +151,7 @@ class MoE(nn.Module):
             max_clones=max_clones_per_expert,
             clone_cost_rows=clone_cost_rows,
             seed=seed,
+            recompute=recompute,
         )
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
