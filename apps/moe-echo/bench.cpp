@@ -1,5 +1,7 @@
-// moe-echo bench: training steps (forward + backward) of one MoE layer on synthetic tokens with
+// moe-echo bench: training steps (forward + backward) of L MoE layers on synthetic tokens with
 // skewed expert popularity, one table row per step and a summary; --json writes every number.
+// Each layer's output feeds the next and the backwards run in reverse; the layers share one
+// MoeStack (one workspace) or, with --separate, are L MoeLayers each with its own workspace.
 #include <unistd.h>
 
 #include <algorithm>
@@ -51,11 +53,29 @@ struct BenchOptions {
   std::string capture = "off";          // GPU: on = one CUDA graph per step, replayed
   std::string phases = "off";           // GPU: on = time each phase of the step
   std::optional<int> comm_ctas;         // GPU ranks: CTAs of the NCCL kernels (unset: its default)
+  int layers = 1;                       // L layers per step
+  bool separate = false;                // L MoeLayers with their own workspaces, not one MoeStack
 };
 
+// The most layers one bench step runs.
+constexpr int kMaxLayers = 4096;
+
+// One layer's statistics of a step (rank 0's view, as StepStats).
+struct LayerRow {
+  double mm_no_echo = 0, mm_echo = 0;
+  int clones = 0;
+  int64_t clone_bytes = 0, overflow_rows = 0;
+  int spill_rounds = 0;
+  double aux_loss = 0, z_loss = 0;
+};
+
+// A step of all L layers: times of all forwards and all backwards; statistics summed over the
+// layers (rows per rank, clones, clone bytes, overflow rows, spill rounds, losses) or averaged
+// (load max/mean, ranks per token; the most ranks per token is the largest), and per layer.
 struct StepRow {
   int step = 0;
   double fwd_ms = 0, bwd_ms = 0, tokens_per_s = 0;
+  double step_ms = 0, ms_per_layer = 0;
   double mm_no_echo = 0, mm_echo = 0;
   int clones = 0;
   int64_t clone_bytes = 0, overflow_rows = 0;
@@ -64,6 +84,82 @@ struct StepRow {
   double ranks_per_token = 0;  // rank 0's tokens: mean ranks their rows go to
   int max_ranks_per_token = 0;
   std::vector<int32_t> load_before, load_after;
+  std::vector<LayerRow> layers;
+};
+
+// What the MoE objects allocated on rank 0, and the estimate made before building them.
+struct BenchMemory {
+  size_t total = 0;      // everything: the workspaces and the layers' own parts
+  size_t workspace = 0;  // the stack's one workspace, or the sum of every layer's own
+  size_t layers = 0;     // the layers' own parts (parameters, gradients, routing, kept activations)
+  double estimate = 0;   // moe_bytes_per_rank, which check_memory compared against the memory
+};
+
+double mib(double bytes) { return bytes / (1 << 20); }
+
+// The bench's L layers on one rank: one MoeStack (one workspace for all) or, with --separate,
+// L MoeLayers each with its own workspace. Layer l is initialised from seed + l either way, so
+// both hold the same weights and compute the same results. Built without optimizer state (the
+// bench does not update weights).
+class BenchLayers {
+ public:
+  BenchLayers(Backend& backend, Communicator& comm, const ResolvedLayer& L, int layers,
+              bool separate, int rank, uint64_t seed) {
+    const ParallelConfig par{L.ep, rank};
+    if (!separate) {
+      stack_ =
+          std::make_unique<MoeStack>(backend, comm, std::vector<MoeConfig>(size_t(layers), L.moe),
+                                     par, L.echo, seed, /*optimizer_state=*/false);
+      return;
+    }
+    for (int l = 0; l < layers; ++l)
+      separate_.push_back(std::make_unique<MoeLayer>(backend, comm, L.moe, par, L.echo,
+                                                     seed + uint64_t(l),
+                                                     /*optimizer_state=*/false));
+  }
+  int size() const { return stack_ ? stack_->size() : int(separate_.size()); }
+  MoeLayer& layer(int l) { return stack_ ? stack_->layer(l) : *separate_[size_t(l)]; }
+
+  BenchMemory memory() const {
+    BenchMemory m;
+    if (stack_) {
+      m.workspace = stack_->workspace().bytes();
+      for (int l = 0; l < stack_->size(); ++l) m.layers += stack_->layer(l).layer_bytes();
+      m.total = stack_->bytes();
+    } else {
+      for (const auto& l : separate_) {
+        m.layers += l->layer_bytes();
+        m.total += l->workspace_bytes();
+      }
+      m.workspace = m.total - m.layers;
+    }
+    return m;
+  }
+
+  void set_phase_observer(PhaseObserver* observer) {
+    for (int l = 0; l < size(); ++l) layer(l).set_phase_observer(observer);
+  }
+  void zero_grad(Stream s = nullptr) {
+    for (int l = 0; l < size(); ++l) layer(l).zero_grad(s);
+  }
+  // acts[0] is the input, acts[l + 1] layer l's output and layer l + 1's input.
+  void forward(const std::vector<Tensor>& acts, Stream s = nullptr) {
+    for (int l = 0; l < size(); ++l) layer(l).forward(acts[size_t(l)], acts[size_t(l + 1)], s);
+  }
+  // grads[L] is the output's gradient, grads[l] layer l's input gradient; in reverse order.
+  void backward(const std::vector<Tensor>& grads, Stream s = nullptr) {
+    for (int l = size() - 1; l >= 0; --l)
+      layer(l).backward(grads[size_t(l + 1)], grads[size_t(l)], s);
+  }
+  std::vector<StepStats> stats() {
+    std::vector<StepStats> st;
+    for (int l = 0; l < size(); ++l) st.push_back(layer(l).stats());
+    return st;
+  }
+
+ private:
+  std::unique_ptr<MoeStack> stack_;
+  std::vector<std::unique_ptr<MoeLayer>> separate_;
 };
 
 // What both paths (CPU ranks as threads; one GPU per process) report, printed by rank 0.
@@ -74,7 +170,7 @@ struct Report {
   const ResolvedLayer& L;
   const char* backend;
   int warmup = 0;
-  size_t workspace = 0;
+  BenchMemory memory;
   std::string dispatcher, capture;  // GPU path only
   std::string device;
   std::vector<StepRow> rows;
@@ -109,44 +205,86 @@ struct Report {
           "note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
           "change)\n",
           L.preset.c_str(), moe.max_tokens);
-    std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "step", "fwd_ms", "bwd_ms", "tokens/s",
-                "max/mean", "max/mean", "clones", "overflow", "spill");
-    std::printf("%5s %9s %9s %11s %12s %12s %6s %9s %6s\n", "", "", "", "", "(no ECHO)",
-                L.echo.enabled ? "(ECHO)" : "(ECHO off)", "", "rows", "rounds");
+    std::printf("layers: %d, %s, recompute %s\n", o.layers,
+                o.separate ? "separate (each MoeLayer with its own workspace)"
+                           : "one MoeStack (one workspace for all)",
+                to_string(moe.recompute));
   }
 
-  // Fills the row's statistics from rank 0's layer and prints it. A statistic or time that is
-  // NaN or infinite ends the run (moe_echo::Error naming the step and the quantity).
-  void add(StepRow row, const StepStats& st) {
-    const std::pair<const char*, double> checked[] = {
-        {"fwd_ms", row.fwd_ms},
-        {"bwd_ms", row.bwd_ms},
-        {"aux_loss", st.aux_loss},
-        {"z_loss", st.z_loss},
-        {"load max/mean without ECHO", st.max_over_mean_before},
-        {"load max/mean with ECHO", st.max_over_mean_after}};
-    for (const auto& [name, v] : checked)
-      if (!std::isfinite(v))
-        throw Error("bench: step " + std::to_string(row.step) + ": " + name + " is " +
-                    std::to_string(v) + " (not finite); the run is stopped");
-    const int R = L.ep, T = L.moe.max_tokens;
-    row.tokens_per_s = double(R) * T / ((row.fwd_ms + row.bwd_ms) * 1e-3);
-    row.mm_no_echo = st.max_over_mean_before;
-    row.mm_echo = st.max_over_mean_after;
-    row.clones = st.clones;
-    row.clone_bytes = st.clone_bytes;
-    row.overflow_rows = st.overflow_rows_all;
-    row.spill_rounds = st.spill_rounds;
-    row.aux_loss = st.aux_loss;
-    row.z_loss = st.z_loss;
-    row.seq_aux_loss = st.seq_aux_loss;
-    row.ranks_per_token = st.ranks_per_token_mean;
-    row.max_ranks_per_token = st.ranks_per_token_max;
-    row.load_before = st.load_before;
-    row.load_after = st.load_after;
-    std::printf("%5d %9.3f %9.3f %11.0f %12.3f %12.3f %6d %9lld %6d\n", row.step, row.fwd_ms,
-                row.bwd_ms, row.tokens_per_s, row.mm_no_echo, row.mm_echo, row.clones,
-                (long long)row.overflow_rows, row.spill_rounds);
+  // After the layers are built: what they allocated, and the table's head.
+  void table_header() const {
+    print_memory();
+    std::printf("%5s %9s %9s %9s %9s %11s %12s %12s %6s %9s %6s\n", "step", "fwd_ms", "bwd_ms",
+                "step_ms", "ms/layer", "tokens/s", "max/mean", "max/mean", "clones", "overflow",
+                "spill");
+    std::printf("%5s %9s %9s %9s %9s %11s %12s %12s %6s %9s %6s\n", "", "", "", "", "", "",
+                "(no ECHO)", L.echo.enabled ? "(ECHO)" : "(ECHO off)", "", "rows", "rounds");
+    std::fflush(stdout);
+  }
+
+  void print_memory() const {
+    std::printf(
+        "MoE memory per rank: %.2f MiB allocated = %s %.2f MiB + layers' own %.2f MiB "
+        "(%.2f MiB per layer; estimated before building %.2f MiB)\n",
+        mib(double(memory.total)), o.separate ? "workspaces" : "shared workspace",
+        mib(double(memory.workspace)), mib(double(memory.layers)),
+        mib(double(memory.total)) / o.layers, mib(memory.estimate));
+  }
+
+  // Fills the row's statistics from rank 0's layers (one StepStats per layer) and prints it. A
+  // statistic or time that is NaN or infinite ends the run (moe_echo::Error naming the step, the
+  // layer and the quantity).
+  void add(StepRow row, const std::vector<StepStats>& layers) {
+    const auto finite = [&](const char* name, double v, int layer) {
+      if (std::isfinite(v)) return;
+      throw Error("bench: step " + std::to_string(row.step) +
+                  (layer < 0 ? std::string() : ", layer " + std::to_string(layer)) + ": " + name +
+                  " is " + std::to_string(v) + " (not finite); the run is stopped");
+    };
+    finite("fwd_ms", row.fwd_ms, -1);
+    finite("bwd_ms", row.bwd_ms, -1);
+    const int R = L.ep, T = L.moe.max_tokens, n = int(layers.size());
+    row.step_ms = row.fwd_ms + row.bwd_ms;
+    row.ms_per_layer = row.step_ms / n;
+    row.tokens_per_s = double(R) * T / (row.step_ms * 1e-3);
+    row.load_before.assign(size_t(R), 0);
+    row.load_after.assign(size_t(R), 0);
+    for (int l = 0; l < n; ++l) {
+      const StepStats& st = layers[size_t(l)];
+      finite("aux_loss", st.aux_loss, n > 1 ? l : -1);
+      finite("z_loss", st.z_loss, n > 1 ? l : -1);
+      finite("load max/mean without ECHO", st.max_over_mean_before, n > 1 ? l : -1);
+      finite("load max/mean with ECHO", st.max_over_mean_after, n > 1 ? l : -1);
+      LayerRow lr;
+      lr.mm_no_echo = st.max_over_mean_before;
+      lr.mm_echo = st.max_over_mean_after;
+      lr.clones = st.clones;
+      lr.clone_bytes = st.clone_bytes;
+      lr.overflow_rows = st.overflow_rows_all;
+      lr.spill_rounds = st.spill_rounds;
+      lr.aux_loss = st.aux_loss;
+      lr.z_loss = st.z_loss;
+      row.layers.push_back(lr);
+      row.mm_no_echo += lr.mm_no_echo / n;
+      row.mm_echo += lr.mm_echo / n;
+      row.clones += lr.clones;
+      row.clone_bytes += lr.clone_bytes;
+      row.overflow_rows += lr.overflow_rows;
+      row.spill_rounds += lr.spill_rounds;
+      row.aux_loss += st.aux_loss;
+      row.z_loss += st.z_loss;
+      row.seq_aux_loss += st.seq_aux_loss;
+      row.ranks_per_token += st.ranks_per_token_mean / n;
+      row.max_ranks_per_token = std::max(row.max_ranks_per_token, st.ranks_per_token_max);
+      for (size_t r = 0; r < size_t(R) && r < st.load_before.size(); ++r) {
+        row.load_before[r] += st.load_before[r];
+        row.load_after[r] += st.load_after[r];
+      }
+    }
+    std::printf("%5d %9.3f %9.3f %9.3f %9.3f %11.0f %12.3f %12.3f %6d %9lld %6d\n", row.step,
+                row.fwd_ms, row.bwd_ms, row.step_ms, row.ms_per_layer, row.tokens_per_s,
+                row.mm_no_echo, row.mm_echo, row.clones, (long long)row.overflow_rows,
+                row.spill_rounds);
     std::fflush(stdout);
     rows.push_back(row);
   }
@@ -182,6 +320,10 @@ void Report::summary() const {
               o.steps - 1);
   std::printf("  forward %.3f ms, backward %.3f ms, %.0f tokens/s (all %d ranks)\n", fwd_ms, bwd_ms,
               tokens_per_s, R);
+  std::printf("  step %.3f ms for %d layer(s): %.3f ms per layer\n", fwd_ms + bwd_ms, o.layers,
+              (fwd_ms + bwd_ms) / o.layers);
+  std::printf("  ");
+  print_memory();
   std::printf("  rank load max/mean without ECHO: mean %.3f, p99 %.3f\n", mean(before),
               percentile(before, 0.99));
   if (L.echo.enabled)
@@ -196,8 +338,8 @@ void Report::summary() const {
   if (!phase_names.empty()) {
     std::printf(
         "\n  phases (ms, median over timed steps; a phase ends where the next starts; comm\n"
-        "  phases include the wait for the slowest peer)\n  %-22s %9s %9s\n",
-        "phase", "max rank", "mean");
+        "  phases include the wait for the slowest peer%s)\n  %-22s %9s %9s\n",
+        o.layers > 1 ? "; each phase summed over the layers" : "", "phase", "max rank", "mean");
     for (size_t i = 0; i < phase_names.size(); ++i)
       std::printf("  %-22s %9.3f %9.3f\n", phase_names[i].c_str(), median(phase_max[i]),
                   median(phase_mean[i]));
@@ -235,7 +377,15 @@ void Report::summary() const {
                  {"steps", o.steps},
                  {"warmup", warmup},
                  {"seed", o.layer.seed},
-                 {"workspace_bytes_per_rank", workspace}};
+                 {"layers", o.layers},
+                 {"recompute", to_string(moe.recompute)},
+                 {"separate", o.separate},
+                 {"workspace_bytes_per_rank", memory.total}};
+  j["memory"] = {{"moe_bytes_per_rank", memory.total},
+                 {"workspace_bytes", memory.workspace},
+                 {"layers_bytes", memory.layers},
+                 {"bytes_per_layer", double(memory.total) / o.layers},
+                 {"estimate_bytes", memory.estimate}};
   if (!dispatcher.empty()) {
     j["config"]["dispatcher"] = dispatcher;
     j["config"]["capture"] = capture;
@@ -243,10 +393,22 @@ void Report::summary() const {
     j["config"]["processes"] = R;
   }
   j["steps"] = json::array();
-  for (const StepRow& r : rows)
+  for (const StepRow& r : rows) {
+    json layers = json::array();
+    for (const LayerRow& lr : r.layers)
+      layers.push_back({{"load_max_over_mean_no_echo", lr.mm_no_echo},
+                        {"load_max_over_mean_echo", lr.mm_echo},
+                        {"clones", lr.clones},
+                        {"clone_bytes", lr.clone_bytes},
+                        {"overflow_rows", lr.overflow_rows},
+                        {"spill_rounds", lr.spill_rounds},
+                        {"aux_loss", lr.aux_loss},
+                        {"z_loss", lr.z_loss}});
     j["steps"].push_back({{"step", r.step},
                           {"fwd_ms", r.fwd_ms},
                           {"bwd_ms", r.bwd_ms},
+                          {"step_ms", r.step_ms},
+                          {"step_ms_per_layer", r.ms_per_layer},
                           {"tokens_per_s", r.tokens_per_s},
                           {"load_max_over_mean_no_echo", r.mm_no_echo},
                           {"load_max_over_mean_echo", r.mm_echo},
@@ -260,9 +422,14 @@ void Report::summary() const {
                           {"z_loss", r.z_loss},
                           {"seq_aux_loss", r.seq_aux_loss},
                           {"ranks_per_token", r.ranks_per_token},
-                          {"max_ranks_per_token", r.max_ranks_per_token}});
+                          {"max_ranks_per_token", r.max_ranks_per_token},
+                          {"layers", layers}});
+  }
   json s = {{"fwd_ms", fwd_ms},
             {"bwd_ms", bwd_ms},
+            {"step_ms", fwd_ms + bwd_ms},
+            {"step_ms_per_layer", (fwd_ms + bwd_ms) / o.layers},
+            {"moe_bytes_per_rank", memory.total},
             {"tokens_per_s", tokens_per_s},
             {"load_max_over_mean_no_echo", mean(before)},
             {"load_max_over_mean_no_echo_p99", percentile(before, 0.99)},
@@ -308,6 +475,8 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env);
 
 int run_bench(const BenchOptions& opts) {
   const DistEnv env = DistEnv::from_env();
+  if (opts.layers < 1 || opts.layers > kMaxLayers)
+    reject("layers", opts.layers, "1 <= layers <= " + std::to_string(kMaxLayers));
   if (opts.capture != "on" && opts.capture != "off")
     reject("capture", "'" + opts.capture + "'", "on or off");
   if (opts.phases != "on" && opts.phases != "off")
@@ -355,11 +524,14 @@ int run_bench(const BenchOptions& opts) {
                                      "hidden (" +
                                      std::to_string(moe.hidden) + ")");
   // Ranks of the CPU backend share this process: refuse what cannot fit rather than swap or die.
-  check_memory(L, *probe, 1, /*optimizer_state=*/false, 4.0 * T * H * 8);
+  // Per rank: the layers, and the inputs and gradients of every layer boundary (L + 1 of each).
+  const int NL = o.layers;
+  check_memory(L, *probe, NL, !o.separate, /*optimizer_state=*/false, 2.0 * (NL + 1) * T * H * 8);
   SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
 
   Report report(o, L, probe->name());
   report.warmup = warmup;
+  report.memory.estimate = moe_bytes_per_rank(L, *probe, NL, !o.separate, false);
   report.header();
 
   std::vector<std::vector<double>> fwd(size_t(R), std::vector<double>(size_t(o.steps))), bwd = fwd;
@@ -369,32 +541,38 @@ int run_bench(const BenchOptions& opts) {
     auto backend = make_backend(o.layer.backend);
     std::unique_ptr<Communicator> comm_holder;
     Communicator& comm = rank_communicator(*backend, world, rank, comm_holder);
-    MoeLayer layer(*backend, comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
-                   /*optimizer_state=*/false);
-    if (rank == 0) report.workspace = layer.workspace_bytes();
-    write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
+    BenchLayers layers(*backend, comm, L, NL, o.separate, rank, o.layer.seed);
+    for (int l = 0; l < NL; ++l)
+      write_tensor(*backend, layers.layer(l).param(Param::router_weight), synth.router_weight());
+    if (rank == 0) {
+      const double estimate = report.memory.estimate;
+      report.memory = layers.memory();
+      report.memory.estimate = estimate;
+      report.table_header();
+    }
     RankTensors alloc(*backend);
-    Tensor x = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}), dx = alloc({T, H});
+    std::vector<Tensor> acts, grads;  // acts[0] = x, acts[L] = y; grads[L] = dy, grads[0] = dx
+    for (int l = 0; l <= NL; ++l) acts.push_back(alloc({T, H})), grads.push_back(alloc({T, H}));
     std::vector<double> dy_host(size_t(T) * size_t(H));
     for (int step = 0; step < o.steps; ++step) {
-      write_tensor(*backend, x, synth.tokens(step, rank, T));
+      write_tensor(*backend, acts[0], synth.tokens(step, rank, T));
       Rng rng(o.layer.seed ^ 0xd1ull, uint64_t(step), uint64_t(rank));
       for (auto& v : dy_host) v = rng.normal() / double(T);
-      write_tensor(*backend, dy, dy_host);
-      layer.zero_grad();
+      write_tensor(*backend, grads[size_t(NL)], dy_host);
+      layers.zero_grad();
       comm.barrier();
       const auto t0 = std::chrono::steady_clock::now();
-      layer.forward(x, y);
+      layers.forward(acts);
       backend->synchronize();
       const auto t1 = std::chrono::steady_clock::now();
-      layer.backward(dy, dx);
+      layers.backward(grads);
       backend->synchronize();
       const auto t2 = std::chrono::steady_clock::now();
       fwd[size_t(rank)][size_t(step)] = std::chrono::duration<double, std::milli>(t1 - t0).count();
       bwd[size_t(rank)][size_t(step)] = std::chrono::duration<double, std::milli>(t2 - t1).count();
       comm.barrier();
       if (rank != 0) continue;
-      const StepStats st = layer.stats();
+      const std::vector<StepStats> st = layers.stats();
       StepRow row;
       row.step = step;
       for (int r = 0; r < R; ++r) {
@@ -458,11 +636,31 @@ class PhaseEvents final : public PhaseObserver {
   unsigned flags_ = cudaEventRecordDefault;
 };
 
+// The marks of a step summed by phase name, in the order of each name's first mark: every layer
+// marks the same phases, so with L layers each phase is the sum of its L occurrences (the phases
+// still add up to the step). `names` gets the names.
+std::vector<double> sum_by_phase(const std::vector<std::string>& marks,
+                                 const std::vector<double>& ms, std::vector<std::string>& names) {
+  names.clear();
+  std::vector<double> sums;
+  for (size_t i = 0; i < marks.size(); ++i) {
+    const auto at = std::find(names.begin(), names.end(), marks[i]);
+    if (at == names.end()) {
+      names.push_back(marks[i]);
+      sums.push_back(ms[i]);
+    } else {
+      sums[size_t(at - names.begin())] += ms[i];
+    }
+  }
+  return sums;
+}
+
 // One rank per process on its GPU (LOCAL_RANK), the NCCL communicator between processes (the
 // single-GPU communicator when the job has one rank). Token batches are generated before the
 // timed steps and copied in on the device between steps; each step's forward and backward are
 // timed with CUDA events on the step's stream (in the graph with --capture on), the reported
-// time of a step is the slowest rank's. Statistics come from rank 0's layer after the step.
+// time of a step is the slowest rank's. Statistics come from rank 0's layers after the step.
+// With --capture on, the whole step (every layer's forward and backward) is one CUDA graph.
 int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   BenchOptions o = opts;
   const bool capture = o.capture == "on";
@@ -494,6 +692,12 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
                                      " is invalid for bench: synthetic routing needs experts <= "
                                      "hidden (" +
                                      std::to_string(moe.hidden) + ")");
+  // Per rank (one GPU): the layers, the inputs and gradients of every layer boundary (L + 1 of
+  // each) and two batches of tokens and output gradients.
+  const int NL = o.layers;
+  const double act_bytes = double(dtype_size(backend->activation_dtype()));
+  check_memory(L, *backend, NL, !o.separate, /*optimizer_state=*/false,
+               (2.0 * (NL + 1) + 4.0) * T * H * act_bytes);
   std::unique_ptr<Rendezvous> rv;
   std::unique_ptr<Communicator> comm;
 #ifdef MOE_ECHO_WITH_NCCL
@@ -537,11 +741,11 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   MOE_ECHO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
 
   SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
-  MoeLayer layer(*backend, *comm, moe, ParallelConfig{R, rank}, L.echo, o.layer.seed,
-                 /*optimizer_state=*/false);
-  write_tensor(*backend, layer.param(Param::router_weight), synth.router_weight());
+  BenchLayers layers(*backend, *comm, L, NL, o.separate, rank, o.layer.seed);
+  for (int l = 0; l < NL; ++l)
+    write_tensor(*backend, layers.layer(l).param(Param::router_weight), synth.router_weight());
   PhaseEvents phase_events;
-  if (o.phases == "on") layer.set_phase_observer(&phase_events);
+  if (o.phases == "on") layers.set_phase_observer(&phase_events);
   const DType act = backend->activation_dtype();
   std::vector<void*> owned;
   auto alloc = [&](std::initializer_list<int64_t> dims) {
@@ -550,7 +754,8 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     owned.push_back(t.data);
     return t;
   };
-  Tensor x = alloc({T, H}), y = alloc({T, H}), dy = alloc({T, H}), dx = alloc({T, H});
+  std::vector<Tensor> acts, grads;  // acts[0] = x, acts[L] = y; grads[L] = dy, grads[0] = dx
+  for (int l = 0; l <= NL; ++l) acts.push_back(alloc({T, H})), grads.push_back(alloc({T, H}));
   // Distinct batches (tokens and output gradients), generated in parallel, cycled over steps.
   const int batches = std::min(o.steps + 1, 2);
   std::vector<Tensor> xb, dyb;
@@ -578,18 +783,19 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   const Stream s = stream;
   auto load_batch = [&](int step) {
     const int b = step % batches;
-    backend->copy(x, xb[size_t(b)], s);
-    backend->copy(dy, dyb[size_t(b)], s);
+    backend->copy(acts[0], xb[size_t(b)], s);
+    backend->copy(grads[size_t(NL)], dyb[size_t(b)], s);
     MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(stream));
   };
-  // One step; inside a capture the event records become graph nodes.
+  // One step: every layer's forward, then their backwards in reverse; inside a capture (all of
+  // it in one graph) the event records become graph nodes.
   auto enqueue_step = [&](unsigned flags) {
     phase_events.start_step(flags);
-    layer.zero_grad(s);
+    layers.zero_grad(s);
     MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[0], stream, flags));
-    layer.forward(x, y, s);
+    layers.forward(acts, s);
     MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[1], stream, flags));
-    layer.backward(dy, dx, s);
+    layers.backward(grads, s);
     MOE_ECHO_CUDA_CHECK(cudaEventRecordWithFlags(ev[2], stream, flags));
   };
   // Warm-up outside the table: module loading, lazy NCCL connections, GEMM setup.
@@ -606,14 +812,18 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
 
   Report report(o, L, backend->name());
   report.warmup = warmup;
-  report.workspace = layer.workspace_bytes();
+  report.memory = layers.memory();
+  report.memory.estimate = moe_bytes_per_rank(L, *backend, NL, !o.separate, false);
   report.dispatcher = R > 1 ? o.dispatcher : "local (one GPU)";
 #ifdef MOE_ECHO_WITH_NCCL
   if (R > 1 && nccl_uses_host_api(*comm)) report.dispatcher += " (every op on NCCL's host API)";
 #endif
   report.capture = capture ? "on (one graph per step)" : "off";
   report.device = prop.name;
-  if (rank == 0) report.header();
+  if (rank == 0) {
+    report.header();
+    report.table_header();
+  }
   Watchdog watchdog(default_timeout(), "bench step", rank);
   for (int step = 0; step < o.steps; ++step) {
     load_batch(step);
@@ -632,9 +842,11 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     row.fwd_ms = max_over_ranks(f);
     row.bwd_ms = max_over_ranks(b);
     if (o.phases == "on" && step >= warmup) {
-      const OverRanks ph = over_ranks(phase_events.elapsed(ev[2]));
+      std::vector<std::string> names;
+      const OverRanks ph =
+          over_ranks(sum_by_phase(phase_events.names(), phase_events.elapsed(ev[2]), names));
       const size_t n = ph.max.size();
-      report.phase_names = phase_events.names();
+      report.phase_names = names;
       report.phase_max.resize(n);
       report.phase_mean.resize(n);
       for (size_t i = 0; i < n; ++i) {
@@ -642,7 +854,7 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
         report.phase_mean[i].push_back(ph.sum[i] / R);
       }
     }
-    const StepStats st = layer.stats();
+    const std::vector<StepStats> st = layers.stats();
     if (rank == 0) report.add(row, st);
   }
   if (rank == 0) report.summary();
@@ -660,9 +872,17 @@ void add_bench(CLI::App& app, Runner& run) {
   auto opts = std::make_shared<BenchOptions>();
   CLI::App* cmd = app.add_subcommand(
       "bench",
-      "Time training steps (forward + backward) of one MoE layer on synthetic tokens with skewed "
-      "expert popularity; report rank load balance with and without ECHO, clones and overflow.");
+      "Time training steps (forward + backward) of MoE layers on synthetic tokens with skewed "
+      "expert popularity; report rank load balance with and without ECHO, clones, overflow and "
+      "the memory the layers allocate.");
   add_layer_options(cmd, opts->layer);
+  add_option(cmd, "--layers", opts->layers,
+             "MoE layers per step, each layer's output the next one's input, backwards in "
+             "reverse (default 1, at most " +
+                 std::to_string(kMaxLayers) + ")");
+  cmd->add_flag("--separate", opts->separate,
+                "Build the layers as separate MoeLayers, each with its own workspace, instead of "
+                "one MoeStack sharing one workspace (to compare their memory and time)");
   add_option(cmd, "--steps", opts->steps, "Steps to run (default 20)");
   add_option(cmd, "--warmup", opts->warmup,
              "Leading steps left out of the timing summary (default 1)");
@@ -675,14 +895,15 @@ void add_bench(CLI::App& app, Runner& run) {
              "NCCL device API, no host sync) or baseline (counts to the host, exact-size "
              "ncclSend/ncclRecv)");
   add_option(cmd, "--capture", opts->capture,
-             "GPU: on = each step (forward + backward) captured once into one CUDA graph and "
-             "replayed; off (default) = launched eagerly. Times come from CUDA events");
+             "GPU: on = each step (every layer's forward + backward) captured once into one CUDA "
+             "graph and replayed; off (default) = launched eagerly. Times come from CUDA events");
   add_option(cmd, "--comm-ctas", opts->comm_ctas,
              "GPU ranks: CTAs of the NCCL communicator's dispatch/combine kernels, 1 to 128 "
              "(default: the communicator's, 128)");
   add_option(cmd, "--phases", opts->phases,
              "GPU: on = also time each phase of the step (router, plan, dispatch, GEMMs, ...) "
-             "with CUDA events and print them after the summary; off (default)");
+             "with CUDA events and print them after the summary, each phase summed over the "
+             "layers; off (default)");
   cmd->callback([opts, &run] { run = [opts] { return run_bench(*opts); }; });
 }
 

@@ -14,6 +14,8 @@
 #include "offline/cost_model.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
+#include <cuda_runtime.h>
+
 #include "cuda/cuda_backend.hpp"
 #endif
 
@@ -78,6 +80,9 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
              "(default: on the GPU, the H200 cost model's clone traffic time over one row's "
              "expert time, ~2200 rows; 0 on the CPU backend)");
   add_option(cmd, "--seed", o.seed, "Seed of weights and synthetic data (default 1)");
+  add_option(cmd, "--recompute", o.recompute,
+             "What each layer keeps for its backward: none (default), moe_act (redo SwiGLU), "
+             "experts (redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)");
 }
 
 bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
@@ -113,6 +118,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.moe.aux_loss_coeff = o.aux_loss_coeff;
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;
+  r.moe.recompute = parse_recompute(o.recompute, "recompute");
   r.ep = o.ep.value_or(cpu_backend ? p.ep : world_size);
   if (!cpu_backend && r.ep != world_size)
     reject("ep", r.ep,
@@ -151,21 +157,55 @@ double physical_memory_bytes() {
   return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
 }
 
-void check_memory(const ResolvedLayer& L, const Backend& backend, int layers_per_rank,
+double moe_bytes_per_rank(const ResolvedLayer& L, const Backend& backend, int layers,
+                          bool shared_workspace, bool optimizer_state) {
+  const ParallelConfig par{L.ep, 0};
+  const DType act = backend.activation_dtype(), fl = backend.float_dtype();
+  if (!shared_workspace)
+    return double(layers) *
+           double(MoeLayer::memory_bytes(L.moe, par, L.echo, act, fl, optimizer_state));
+  // MoeStack::memory_bytes of `layers` copies of L.moe, without building the list: a workspace
+  // sized for one of them serves all.
+  return double(MoeWorkspace::memory_bytes({L.moe}, par, L.echo, act, fl)) +
+         double(layers) *
+             double(MoeLayer::layer_memory_bytes(L.moe, par, L.echo, act, fl, optimizer_state));
+}
+
+void check_memory(const ResolvedLayer& L, const Backend& backend, int layers, bool shared_workspace,
                   bool optimizer_state, double extra_bytes_per_rank) {
-  if (L.gpu) return;  // one rank per process, on its GPU: the device allocator reports a shortfall
-  const size_t layer =
-      MoeLayer::memory_bytes(L.moe, ParallelConfig{L.ep, 0}, L.echo, backend.activation_dtype(),
-                             backend.float_dtype(), optimizer_state);
-  const double per_rank = double(layer) * layers_per_rank + extra_bytes_per_rank;
+  const double per_rank =
+      moe_bytes_per_rank(L, backend, layers, shared_workspace, optimizer_state) +
+      extra_bytes_per_rank;
+  char what[96];
+  std::snprintf(what, sizeof what, "%d %s layer(s)", layers,
+                layers == 1        ? "MoE"
+                : shared_workspace ? "stacked MoE"
+                                   : "separate MoE");
+  const char* lower = layers > 1 ? "lower --layers, --experts, --hidden, --ffn, --tokens or --ep"
+                                 : "lower --experts, --hidden, --ffn, --tokens or --ep";
+  char msg[512];
+  if (L.gpu) {  // one rank per process, on its GPU
+#ifdef MOE_ECHO_WITH_CUDA
+    size_t free = 0, total = 0;
+    if (cudaMemGetInfo(&free, &total) != cudaSuccess) return;
+    if (per_rank > double(free)) {
+      std::snprintf(msg, sizeof msg,
+                    "memory = %.1f GiB is invalid: %s need that on each GPU and allowed is at "
+                    "most the %.1f GiB free on this one (of %.1f GiB); %s",
+                    per_rank / (1 << 30), what, double(free) / (1 << 30), double(total) / (1 << 30),
+                    lower);
+      throw ConfigError("memory", msg);
+    }
+#endif
+    return;
+  }
   const double need = per_rank * L.ep, have = physical_memory_bytes();
   if (have > 0 && need > 0.8 * have) {
-    char msg[512];
     std::snprintf(msg, sizeof msg,
-                  "memory = %.1f GiB is invalid: the CPU backend holds all %d ranks in this "
-                  "process (%.1f GiB each) and allowed is at most 80%% of this machine's "
-                  "%.1f GiB; lower --experts, --hidden, --ffn, --tokens or --ep, or run on a GPU",
-                  need / (1 << 30), L.ep, per_rank / (1 << 30), have / (1 << 30));
+                  "memory = %.1f GiB is invalid: the CPU backend holds all %d ranks of %s in "
+                  "this process (%.1f GiB each) and allowed is at most 80%% of this machine's "
+                  "%.1f GiB; %s, or run on a GPU",
+                  need / (1 << 30), L.ep, what, per_rank / (1 << 30), have / (1 << 30), lower);
     throw ConfigError("memory", msg);
   }
 }

@@ -29,6 +29,7 @@ struct LayerOptions {
   bool bias_update = false, shared_side_stream = false;
   std::optional<int64_t> clone_cost_rows;
   uint64_t seed = 1;
+  std::string recompute = "none";
 };
 
 struct ResolvedLayer {
@@ -46,11 +47,18 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o);
 // number of processes of the job, `world_size` (WORLD_SIZE under moe-echo launch or torchrun).
 ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_size = 1);
 
-// Refuses, before anything is allocated, a run whose layers cannot fit: on the CPU backend every
-// rank lives in this process, so `layers_per_rank` layers of L (with or without AdamW state) on
-// each of the L.ep ranks, plus `extra_bytes_per_rank`, must fit in 80% of this machine's memory.
-// Throws ConfigError naming the memory needed and the flags that set it.
-void check_memory(const ResolvedLayer& L, const Backend& backend, int layers_per_rank,
+// What `layers` layers of L allocate on one rank (with or without AdamW state): one MoeStack
+// (`shared_workspace`: one workspace for all, MoeStack::memory_bytes) or as many MoeLayers each
+// with its own workspace (MoeLayer::memory_bytes each).
+double moe_bytes_per_rank(const ResolvedLayer& L, const Backend& backend, int layers,
+                          bool shared_workspace, bool optimizer_state);
+
+// Refuses, before anything is allocated, a run whose layers cannot fit: moe_bytes_per_rank plus
+// `extra_bytes_per_rank` on each rank. On the CPU backend every rank lives in this process, so
+// that times the L.ep ranks must fit in 80% of this machine's memory; on the CUDA backend (one
+// rank per process) it must fit in the GPU's free memory. Throws ConfigError naming the memory
+// needed and the flags that set it.
+void check_memory(const ResolvedLayer& L, const Backend& backend, int layers, bool shared_workspace,
                   bool optimizer_state, double extra_bytes_per_rank);
 
 // Physical memory of this machine in bytes (0 when unknown).

@@ -152,22 +152,26 @@ int run_plan(const PlanOptions& o) {
     std::snprintf(line, sizeof line, "  %-50s %9.2f\n", what, gb);
     out << line;
   };
-  out << "memory per GPU, GB (first pipeline stage: " << rep.layers_per_stage << " MoE layers, "
-      << fmt(mem.microbatches_in_flight, 2) << " micro-batches in flight)\n";
-  row("expert weights", mem.weights_gb);
-  row("expert gradients", mem.grads_gb);
-  row(in.train.distributed_optimizer ? "optimizer state (sharded over dp)" : "optimizer state",
+  out << "memory per GPU, GB (first pipeline stage: " << rep.layers_per_stage
+      << " MoE layers as one MoeStack, " << fmt(mem.microbatches_in_flight, 2)
+      << " micro-batches in flight)\n";
+  row("weights (home experts, router, shared experts)", mem.weights_gb);
+  row("gradients (fp32)", mem.grads_gb);
+  row(in.train.distributed_optimizer ? "optimizer state (AdamW m, v; sharded over dp)"
+                                     : "optimizer state (AdamW m, v)",
       mem.optimizer_gb);
-  row("spare-slot weights (clones)", mem.spare_weights_gb);
-  row("spare-slot gradients", mem.spare_grads_gb);
-  row(("activations saved for backward (recompute " + in.train.recompute + ")").c_str(),
+  row("echo-slot weights (clones, one pool per GPU)", mem.spare_weights_gb);
+  row("echo-slot gradients (fp32)", mem.spare_grads_gb);
+  row(("kept for backward, routing (recompute " + in.train.recompute + ")").c_str(),
       mem.activations_gb);
-  row("MoE buffers (receive/combine windows)", mem.buffers_gb);
+  row("MoE workspace and layer temporaries", mem.buffers_gb);
+  row("MoE layers", mem.moe_gb);
   row("reserve (attention, dense layers, framework)", mem.reserve_gb);
   row("total", mem.total_gb);
   out << "  " << (mem.fits() ? "fits in " : "does NOT fit in ") << fmt(mem.capacity_gb, 0)
-      << " GB; recompute swiglu would save " << fmt(mem.recompute_swiglu_saves_gb, 2)
-      << " GB, recompute experts " << fmt(mem.recompute_experts_saves_gb, 2) << " GB\n\n";
+      << " GB; against recompute none, moe_act saves " << fmt(mem.recompute_moe_act_saves_gb, 2)
+      << " GB, experts " << fmt(mem.recompute_experts_saves_gb, 2) << " GB, dispatch "
+      << fmt(mem.recompute_dispatch_saves_gb, 2) << " GB\n\n";
   out << "per MoE layer and micro-batch, forward + backward, busiest rank:\n"
       << "  tokens per GPU " << lt.tokens << "; receive window " << lt.capacity_rows
       << " rows (capacity factor " << fmt(in.train.capacity_factor, 2) << ")\n"
@@ -249,13 +253,26 @@ int run_plan(const PlanOptions& o) {
                       {"spare_grads", mem.spare_grads_gb},
                       {"activations", mem.activations_gb},
                       {"buffers", mem.buffers_gb},
+                      {"moe", mem.moe_gb},
                       {"reserve", mem.reserve_gb},
                       {"total", mem.total_gb},
                       {"capacity", mem.capacity_gb},
                       {"fits", mem.fits()},
                       {"microbatches_in_flight", mem.microbatches_in_flight},
-                      {"recompute_swiglu_saves", mem.recompute_swiglu_saves_gb},
-                      {"recompute_experts_saves", mem.recompute_experts_saves_gb}};
+                      {"recompute_moe_act_saves", mem.recompute_moe_act_saves_gb},
+                      {"recompute_experts_saves", mem.recompute_experts_saves_gb},
+                      {"recompute_dispatch_saves", mem.recompute_dispatch_saves_gb}};
+    const MoeMemory& lib = mem.library;
+    j["stage_memory_bytes"] = {{"params", lib.params},
+                               {"grads", lib.grads},
+                               {"optimizer", lib.optimizer},
+                               {"routing", lib.routing},
+                               {"activations", lib.activations},
+                               {"temporaries", lib.temporaries},
+                               {"workspace", lib.workspace},
+                               {"echo_slot_weights", lib.echo_slot_weights},
+                               {"echo_slot_grads", lib.echo_slot_grads},
+                               {"total", lib.total()}};
     j["layer"] = {{"tokens", lt.tokens},
                   {"capacity_rows", lt.capacity_rows},
                   {"shared_ms", lt.shared_ms},
@@ -352,9 +369,12 @@ void add_plan(CLI::App& app, Runner& run) {
   add_option(cmd, "--distributed-optimizer", o->train.distributed_optimizer,
              "shard optimizer state over dp (on/off)")
       ->capture_default_str();
-  add_option(cmd, "--recompute", o->train.recompute, "none, swiglu or experts")
+  add_option(cmd, "--recompute", o->train.recompute,
+             "what each MoE layer keeps for its backward: none, moe_act (redo SwiGLU), experts "
+             "(redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)")
       ->capture_default_str();
-  add_option(cmd, "--grad-dtype", o->train.grad_dtype, "main gradients: fp32 or bf16")
+  add_option(cmd, "--grad-dtype", o->train.grad_dtype,
+             "gradients: fp32 (the MoE layers accumulate in fp32)")
       ->capture_default_str();
   add_option(cmd, "--cuda-graphs", o->train.cuda_graphs,
              "the step replays as a CUDA graph (on/off)")

@@ -125,7 +125,7 @@ int run_train(const TrainOptions& o) {
   const ResolvedLayer L = resolve(lo, *probe);
   // Per rank: teacher and student with AdamW state, and x, target, y, dy, dx and their host copies.
   const double T = L.moe.max_tokens, H = L.moe.hidden;
-  check_memory(L, *probe, 2, /*optimizer_state=*/true, 9.0 * T * H * 8);
+  check_memory(L, *probe, 2, /*shared_workspace=*/false, /*optimizer_state=*/true, 9.0 * T * H * 8);
   std::printf(
       "moe-echo train: teacher-student regression, preset %s, backend %s, H %d, F %d, "
       "E %d, top-%d, %d tokens/rank, EP %d, AdamW lr %g\n",

@@ -71,6 +71,32 @@ class PhaseObserver {
 
 class MoeLayer;
 
+// What MoE layers allocate on one rank, by part, in bytes. Each memory_breakdown below fills the
+// parts its memory_bytes counts (a layer's own part leaves workspace and echo slots at 0, a
+// workspace only those), and total() is that memory_bytes.
+struct MoeMemory {
+  size_t params = 0;       // router weight and bias (float dtype), home experts' w1 and w2 and the
+                           // shared experts (activation dtype)
+  size_t grads = 0;        // their gradients (float dtype; the router bias has none)
+  size_t optimizer = 0;    // AdamW m and v (float dtype) and the step count, with optimizer_state
+  size_t routing = 0;      // per token and per step: router logits and scores, top-k indices and
+                           // weights, routing map, plan, destinations, group offsets, round flags
+  size_t activations = 0;  // kept for the backward: round 0's expert activations the layer keeps
+                           // (Recompute), the shared experts' fc1 and SwiGLU outputs
+  size_t temporaries = 0;  // the layer's own backward temporaries: combine-weight gradients, the
+                           // shared experts' activation gradients
+  size_t workspace = 0;    // the workspace's buffers but the echo slots: receive windows, fan
+                           // table, backward temporaries, the activations no layer keeps
+  size_t echo_slot_weights = 0;  // the echo slots: clones' w1 and w2 (activation dtype)
+  size_t echo_slot_grads = 0;    // their gradients (float dtype)
+
+  size_t total() const {
+    return params + grads + optimizer + routing + activations + temporaries + workspace +
+           echo_slot_weights + echo_slot_grads;
+  }
+  MoeMemory& operator+=(const MoeMemory& o);
+};
+
 // What the MoE layers of a model on one rank share, used by one layer at a time: the receive
 // windows and the fan table, the expert activations of round 0 that a layer does not keep for its
 // backward (see Recompute), the backward's temporaries, and the pool of echo slots (the spare
@@ -91,6 +117,9 @@ class MoeWorkspace {
   // The same, before building.
   static size_t memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                              const EchoConfig& echo, DType activation, DType float_dtype);
+  // The same by part (workspace and echo slots).
+  static MoeMemory memory_breakdown(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                                    const EchoConfig& echo, DType activation, DType float_dtype);
   Backend& backend() const { return backend_; }
   Communicator& communicator() const { return comm_; }
 
@@ -208,6 +237,13 @@ class MoeLayer {
   static size_t layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                                    const EchoConfig& echo, DType activation, DType float_dtype,
                                    bool optimizer_state = true);
+  // The same two by part.
+  static MoeMemory memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
+                                    const EchoConfig& echo, DType activation, DType float_dtype,
+                                    bool optimizer_state = true);
+  static MoeMemory layer_memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
+                                          const EchoConfig& echo, DType activation,
+                                          DType float_dtype, bool optimizer_state = true);
 
   struct Buffers;
 
@@ -286,6 +322,10 @@ class MoeStack {
   static size_t memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                              const EchoConfig& echo, DType activation, DType float_dtype,
                              bool optimizer_state = true);
+  // The same by part: the workspace's and every layer's own parts added up.
+  static MoeMemory memory_breakdown(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
+                                    const EchoConfig& echo, DType activation, DType float_dtype,
+                                    bool optimizer_state = true);
 
  private:
   std::unique_ptr<MoeWorkspace> workspace_;

@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <memory>
 
 #include "core/random.hpp"
 #include "moe_echo/error.hpp"
@@ -116,9 +117,11 @@ struct ActShapes {
 };
 
 // A device tensor `dev`, a symmetric one `sym` (or both only count bytes, for memory_bytes).
+// `part` names the part of MoeMemory the buffers declared next belong to (only counted).
 struct Allocator {
   std::function<Tensor(DType, std::initializer_list<int64_t>)> dev;
   std::function<Tensor(SymmetricBuffer&, DType, std::initializer_list<int64_t>)> sym;
+  std::function<void(size_t MoeMemory::*)> part = [](size_t MoeMemory::*) {};
 };
 
 }  // namespace
@@ -163,6 +166,15 @@ struct MoeWorkspace::Buffers {
       grow(dw1_spare, s.S * s.H * 2 * s.F, fs);
       grow(dw2_spare, s.S * s.F * s.H, fs);
     }
+  }
+  // The bytes by part: the echo slots apart from the rest.
+  MoeMemory memory() {
+    MoeMemory m;
+    each([&](Bytes& x, bool) { m.workspace += x.bytes; });
+    m.echo_slot_weights = w1_spare.bytes + w2_spare.bytes;
+    m.echo_slot_grads = dw1_spare.bytes + dw2_spare.bytes;
+    m.workspace -= m.echo_slot_weights + m.echo_slot_grads;
+    return m;
   }
   template <class F>
   void each(F&& f) {
@@ -214,12 +226,29 @@ size_t MoeWorkspace::bytes() const { return buf_->bytes; }
 
 size_t MoeWorkspace::memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                                   const EchoConfig& echo, DType activation, DType float_dtype) {
+  return memory_breakdown(layers, par, echo, activation, float_dtype).total();
+}
+
+MoeMemory MoeWorkspace::memory_breakdown(const std::vector<MoeConfig>& layers,
+                                         const ParallelConfig& par, const EchoConfig& echo,
+                                         DType activation, DType float_dtype) {
   for (const MoeConfig& m : layers) validate(m, par, echo);
   Buffers b;
   b.size_for(layers, par, echo, activation, float_dtype);
-  size_t total = 0;
-  b.each([&](Buffers::Bytes& x, bool) { total += x.bytes; });
-  return total;
+  return b.memory();
+}
+
+MoeMemory& MoeMemory::operator+=(const MoeMemory& o) {
+  params += o.params;
+  grads += o.grads;
+  optimizer += o.optimizer;
+  routing += o.routing;
+  activations += o.activations;
+  temporaries += o.temporaries;
+  workspace += o.workspace;
+  echo_slot_weights += o.echo_slot_weights;
+  echo_slot_grads += o.echo_slot_grads;
+  return *this;
 }
 
 // Every buffer a layer owns, in one place (the workspace's are views, bound in the constructor).
@@ -244,14 +273,19 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
   const bool optimizer_state = s.optimizer_state;
   const PlannerConfig& planner_ = s.planner;
   const int rounds_ = s.rounds;
+  alloc.part(&MoeMemory::params);
   b.router_weight = dev(fl, {E, H});
   b.router_bias = dev(fl, {E});
+  alloc.part(&MoeMemory::grads);
   b.d_router_weight = dev(fl, {E, H});
+  alloc.part(&MoeMemory::params);
   b.w1 = sym(b.w1_sym, act, {EPR, H, 2 * F});
   b.w2 = sym(b.w2_sym, act, {EPR, F, H});
+  alloc.part(&MoeMemory::grads);
   b.dw1 = dev(fl, {EPR, H, 2 * F});  // gradients accumulate in the float dtype
   b.dw2 = dev(fl, {EPR, F, H});
   (void)G;
+  alloc.part(&MoeMemory::optimizer);
   if (optimizer_state) {
     b.m_router = dev(fl, {E, H});
     b.v_router = dev(fl, {E, H});
@@ -266,6 +300,7 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
     }
   }
 
+  alloc.part(&MoeMemory::routing);
   b.logits = dev(fl, {T, E});
   b.scores = dev(fl, {T, E});
   b.topk_idx = dev(DType::i32, {T, K});
@@ -283,18 +318,23 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
 
   // Round 0's activations that this layer keeps for its backward.
   const Recompute r = s.moe.recompute;
+  alloc.part(&MoeMemory::activations);
   if (keeps(r, Act::recv_x)) b.recv_x = sym(b.recv_x_sym, act, {cap, H});
   if (keeps(r, Act::h)) b.h = dev(act, {cap, 2 * F});
   if (keeps(r, Act::a)) b.a = dev(act, {cap, F});
   if (keeps(r, Act::recv_out)) b.recv_out = dev(act, {cap, H});
+  alloc.part(&MoeMemory::temporaries);
   b.d_topk_weight = dev(fl, {T, K});
 
   const int64_t S = shared_width(s.moe);
   if (S > 0) {
+    alloc.part(&MoeMemory::params);
     b.shared_w1 = dev(act, {1, H, 2 * S});
     b.shared_w2 = dev(act, {1, S, H});
+    alloc.part(&MoeMemory::grads);
     b.d_shared_w1 = dev(fl, {1, H, 2 * S});
     b.d_shared_w2 = dev(fl, {1, S, H});
+    alloc.part(&MoeMemory::optimizer);
     if (optimizer_state) {
       b.m_sw1 = dev(fl, {1, H, 2 * S});
       b.v_sw1 = dev(fl, {1, H, 2 * S});
@@ -305,9 +345,12 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
         b.master_sw2 = dev(fl, {1, S, H});
       }
     }
+    alloc.part(&MoeMemory::routing);
     b.shared_offsets = dev(DType::i32, {2});
+    alloc.part(&MoeMemory::activations);
     b.shared_h = dev(act, {T, 2 * S});
     b.shared_a = dev(act, {T, S});
+    alloc.part(&MoeMemory::temporaries);
     b.shared_da = dev(act, {T, S});
     b.shared_dh = dev(act, {T, 2 * S});
     b.one = dev(DType::i32, {1});
@@ -359,15 +402,18 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
   }
 }
 
-Allocator counting_allocator(size_t& total) {
-  auto dev = [&total](DType t, std::initializer_list<int64_t> dims) {
+Allocator counting_allocator(MoeMemory& memory) {
+  auto into = std::make_shared<size_t MoeMemory::*>(&MoeMemory::params);
+  auto dev = [&memory, into](DType t, std::initializer_list<int64_t> dims) {
     Tensor view(nullptr, t, dims);
-    total += view.bytes();
+    memory.*(*into) += view.bytes();
     return view;
   };
-  return Allocator{dev, [dev](SymmetricBuffer&, DType t, std::initializer_list<int64_t> dims) {
+  return Allocator{dev,
+                   [dev](SymmetricBuffer&, DType t, std::initializer_list<int64_t> dims) {
                      return dev(t, dims);
-                   }};
+                   },
+                   [into](size_t MoeMemory::*part) { *into = part; }};
 }
 
 }  // namespace
@@ -611,25 +657,39 @@ size_t MoeLayer::workspace_bytes() const {
 
 size_t MoeLayer::layer_bytes() const { return buf_->bytes; }
 
-size_t MoeLayer::layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
-                                    const EchoConfig& echo, DType activation, DType float_dtype,
-                                    bool optimizer_state) {
+MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
+                                           const EchoConfig& echo, DType activation,
+                                           DType float_dtype, bool optimizer_state) {
   validate(moe, par, echo);
   const PlannerConfig planner = moe_echo::planner_config(moe, par, echo);
   Buffers b;
-  size_t total = 0;
+  MoeMemory memory;
   declare_buffers(b,
                   {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
                    max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
-                  counting_allocator(total));
-  return total;
+                  counting_allocator(memory));
+  return memory;
+}
+
+MoeMemory MoeLayer::memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
+                                     const EchoConfig& echo, DType activation, DType float_dtype,
+                                     bool optimizer_state) {
+  MoeMemory memory =
+      layer_memory_breakdown(moe, par, echo, activation, float_dtype, optimizer_state);
+  memory += MoeWorkspace::memory_breakdown({moe}, par, echo, activation, float_dtype);
+  return memory;
+}
+
+size_t MoeLayer::layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
+                                    const EchoConfig& echo, DType activation, DType float_dtype,
+                                    bool optimizer_state) {
+  return layer_memory_breakdown(moe, par, echo, activation, float_dtype, optimizer_state).total();
 }
 
 size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                               const EchoConfig& echo, DType activation, DType float_dtype,
                               bool optimizer_state) {
-  return layer_memory_bytes(moe, par, echo, activation, float_dtype, optimizer_state) +
-         MoeWorkspace::memory_bytes({moe}, par, echo, activation, float_dtype);
+  return memory_breakdown(moe, par, echo, activation, float_dtype, optimizer_state).total();
 }
 
 MoeStack::MoeStack(Backend& backend, Communicator& comm, const std::vector<MoeConfig>& layers,
@@ -663,10 +723,17 @@ size_t MoeStack::bytes() const {
 size_t MoeStack::memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                               const EchoConfig& echo, DType activation, DType float_dtype,
                               bool optimizer_state) {
-  size_t total = MoeWorkspace::memory_bytes(layers, par, echo, activation, float_dtype);
+  return memory_breakdown(layers, par, echo, activation, float_dtype, optimizer_state).total();
+}
+
+MoeMemory MoeStack::memory_breakdown(const std::vector<MoeConfig>& layers,
+                                     const ParallelConfig& par, const EchoConfig& echo,
+                                     DType activation, DType float_dtype, bool optimizer_state) {
+  MoeMemory memory = MoeWorkspace::memory_breakdown(layers, par, echo, activation, float_dtype);
   for (const MoeConfig& m : layers)
-    total += MoeLayer::layer_memory_bytes(m, par, echo, activation, float_dtype, optimizer_state);
-  return total;
+    memory +=
+        MoeLayer::layer_memory_breakdown(m, par, echo, activation, float_dtype, optimizer_state);
+  return memory;
 }
 
 namespace {

@@ -47,20 +47,64 @@ double microbatches_in_flight(const LayoutSpec& l) {
   return l.pp * (l.vpp > 1 ? 1.0 + double(l.pp - 1) / double(l.pp * l.vpp) : 1.0);
 }
 
-// Spare-slot memory per GPU: a clone's weights live from its layer's forward to its backward, so
-// one set per layer and micro-batch in flight; its gradient goes home right after the backward,
-// so one set per GPU.
-double spare_weights_gb(const WallsInput& in, int spare_slots) {
-  const double P = 3.0 * double(in.model.hidden) * double(in.model.ffn) / in.layout.etp;
-  return double(in.model.layers / in.layout.pp) * microbatches_in_flight(in.layout) * spare_slots *
-         P * dtype_bytes(in.model.dtype) / kGB;
+// Echo-slot memory per GPU with `spare_slots` slots, the library's: one pool in the workspace
+// that every layer's clones pass through (weights and their fp32 gradients).
+double echo_slots_gb(const WallsInput& in, int spare_slots) {
+  WallsInput w = in;
+  w.train.spare_slots = spare_slots;
+  const StageLayers s = stage_layers(w);
+  const MoeMemory m = MoeWorkspace::memory_breakdown({s.layers.front()}, s.par, s.echo,
+                                                     s.activation, s.float_dtype);
+  return double(m.echo_slot_weights + m.echo_slot_grads) / kGB;
 }
-double spare_grads_gb(const WallsInput& in, int spare_slots) {
-  const double P = 3.0 * double(in.model.hidden) * double(in.model.ffn) / in.layout.etp;
-  return spare_slots * P * dtype_bytes(in.model.dtype) / kGB;
+
+// The MoE lines of the plan from the library's count of a stage: kept activations and routing
+// once per micro-batch in flight, optimizer state sharded over `optimizer_shards`.
+double moe_gb(const MoeMemory& m, double inflight, double optimizer_shards) {
+  return (double(m.params + m.grads + m.echo_slot_weights + m.echo_slot_grads + m.workspace +
+                 m.temporaries) +
+          double(m.optimizer) / optimizer_shards + inflight * double(m.activations + m.routing)) /
+         kGB;
 }
 
 }  // namespace
+
+StageLayers stage_layers(const WallsInput& in) {
+  return stage_layers(in, parse_recompute(in.train.recompute, "recompute"));
+}
+
+StageLayers stage_layers(const WallsInput& in, Recompute recompute) {
+  const ModelSpec& m = in.model;
+  const LayoutSpec& l = in.layout;
+  MoeConfig c;
+  c.hidden = m.hidden;
+  c.ffn = m.ffn / l.etp;
+  c.experts = m.experts;
+  c.top_k = m.top_k;
+  c.max_tokens = int(int64_t(m.seq_len) * m.micro_batch);
+  c.expert_groups = m.expert_groups;
+  c.topk_groups = m.topk_groups;
+  // The group score does not change what a layer allocates; max where groups of one expert
+  // leave top2_sum undefined.
+  c.group_score = m.expert_groups > 1 && m.experts / m.expert_groups < 2 ? GroupScore::max
+                                                                         : GroupScore::top2_sum;
+  c.shared_experts = m.shared_experts;
+  c.recompute = recompute;
+  StageLayers s;
+  s.layers.assign(size_t(m.layers / l.pp), c);
+  s.par = ParallelConfig{l.ep, 0};
+  s.echo.spare_slots_per_rank = in.train.spare_slots;
+  s.echo.max_clones_per_expert = in.train.max_clones;
+  s.echo.capacity_factor = in.train.capacity_factor * l.etp;
+  s.activation = m.dtype == "fp32" ? DType::f32 : DType::bf16;
+  s.float_dtype = DType::f32;
+  return s;
+}
+
+MoeMemory StageLayers::memory() const {
+  return MoeStack::memory_breakdown(layers, par, echo, activation, float_dtype,
+                                    /*optimizer_state=*/true);
+}
 
 ModelSpec model_preset(const std::string& name) {
   const ModelPreset* p = find_model_preset(lower(name));
@@ -122,10 +166,14 @@ std::vector<Finding> check(const WallsInput& in) {
                            "chosen groups)"));
   if (dtype_bytes(m.dtype) == 0)
     error("dtype", invalid("dtype", "'" + m.dtype + "'", "bf16, fp16 or fp32"));
-  if (t.grad_dtype != "fp32" && t.grad_dtype != "bf16")
-    error("grad_dtype", invalid("grad_dtype", "'" + t.grad_dtype + "'", "fp32 or bf16"));
-  if (t.recompute != "none" && t.recompute != "swiglu" && t.recompute != "experts")
-    error("recompute", invalid("recompute", "'" + t.recompute + "'", "none, swiglu or experts"));
+  if (t.grad_dtype != "fp32")
+    error("grad_dtype", invalid("grad_dtype", "'" + t.grad_dtype + "'",
+                                "fp32 (the MoE layers accumulate gradients in fp32, the "
+                                "backend's float dtype)"));
+  if (t.recompute != "none" && t.recompute != "moe_act" && t.recompute != "experts" &&
+      t.recompute != "dispatch")
+    error("recompute",
+          invalid("recompute", "'" + t.recompute + "'", "none, moe_act, experts or dispatch"));
   if (!std::isfinite(t.capacity_factor) || t.capacity_factor <= 0)
     error("capacity_factor", invalid("capacity_factor", t.capacity_factor, "a finite value > 0"));
   if (t.spare_slots < 0)
@@ -206,6 +254,16 @@ std::vector<Finding> check(const WallsInput& in) {
     error(e.field(), e.what());
   }
   if (!f.empty()) return f;
+  // The library's own rules for the layer one GPU builds (stage_layers), such as top_k <= 32.
+  try {
+    const StageLayers s = stage_layers(in);
+    validate(s.layers.front(), s.par, s.echo);
+  } catch (const ConfigError& e) {
+    error(e.field(), std::string(e.what()) +
+                         " (the MoE layer of one GPU: max_tokens = seq_len * micro_batch, ffn / "
+                         "etp, ep_size = ep, capacity_factor * etp)");
+  }
+  if (!f.empty()) return f;
 
   // Advice: valid, but probably not what was meant.
   if (t.spare_slots > 0 && l.ep == 1)
@@ -277,47 +335,45 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   r.world_size = l.etp * l.ep * l.dp * l.pp;
   r.layers_per_stage = m.layers / l.pp;
   const double Lp = r.layers_per_stage;
-  const double a = dtype_bytes(m.dtype);                // weight and activation bytes
-  const double g = t.grad_dtype == "fp32" ? 4.0 : 2.0;  // main gradient bytes
-  const double opt = a == 4 ? 8.0 : 12.0;  // Adam m, v (+ fp32 master copy of 16-bit weights)
-  const double H = m.hidden, F = m.ffn, K = m.top_k, E = m.experts;
+  const double a = dtype_bytes(m.dtype);  // weight and activation bytes
+  const double H = m.hidden, F = m.ffn, K = m.top_k;
   const double P = 3.0 * H * F / l.etp;  // parameters of one expert shard
-  const double local = E / l.ep;
-
   const double inflight = microbatches_in_flight(l);
+  const double optimizer_shards = t.distributed_optimizer ? l.dp : 1;
+  const Recompute recompute = parse_recompute(t.recompute, "recompute");
 
+  // Memory: the library's count of the stage's layers (what a MoeStack of them allocates), the
+  // kept activations and routing once per micro-batch in flight.
+  const StageLayers stage = stage_layers(in);
+  const MoeMemory lib = stage.memory();
   MemoryBreakdown& mem = r.memory;
+  mem.library = lib;
   mem.microbatches_in_flight = inflight;
-  mem.weights_gb = Lp * local * P * a / kGB;
-  mem.grads_gb = Lp * local * P * g / kGB;
-  mem.optimizer_gb = Lp * local * P * opt / (t.distributed_optimizer ? l.dp : 1) / kGB;
-  mem.spare_weights_gb = spare_weights_gb(in, t.spare_slots);
-  mem.spare_grads_gb = spare_grads_gb(in, t.spare_slots);
+  mem.weights_gb = double(lib.params) / kGB;
+  mem.grads_gb = double(lib.grads) / kGB;
+  mem.optimizer_gb = double(lib.optimizer) / optimizer_shards / kGB;
+  mem.spare_weights_gb = double(lib.echo_slot_weights) / kGB;
+  mem.spare_grads_gb = double(lib.echo_slot_grads) / kGB;
+  mem.activations_gb = inflight * double(lib.activations + lib.routing) / kGB;
+  mem.buffers_gb = double(lib.workspace + lib.temporaries) / kGB;
+  mem.moe_gb = moe_gb(lib, inflight, optimizer_shards);
+  // Each option against none: the layers keep less, the workspace holds one copy of the rest.
+  double saves[4] = {};
+  const double none_gb =
+      moe_gb(stage_layers(in, Recompute::none).memory(), inflight, optimizer_shards);
+  for (Recompute o : {Recompute::moe_act, Recompute::experts, Recompute::dispatch})
+    saves[int(o)] = none_gb - moe_gb(stage_layers(in, o).memory(), inflight, optimizer_shards);
+  mem.recompute_moe_act_saves_gb = saves[int(Recompute::moe_act)];
+  mem.recompute_experts_saves_gb = saves[int(Recompute::experts)];
+  mem.recompute_dispatch_saves_gb = saves[int(Recompute::dispatch)];
+  mem.reserve_gb = t.reserve_gb;
+  mem.total_gb = mem.moe_gb + mem.reserve_gb;
+  mem.capacity_gb = in.gpu.memory_gb;
 
   LayerTimes& lt = r.layer;
   lt.tokens = int64_t(m.seq_len) * m.micro_batch;
   const double T = double(lt.tokens);
-  lt.capacity_rows = int64_t(std::ceil(t.capacity_factor * T * K)) * l.etp;
-  const double rows_cap = double(lt.capacity_rows);
-  const double saved_input = rows_cap * H * a;                  // fc1 input (the receive window)
-  const double saved_fc1 = rows_cap * 2.0 * F / l.etp * a;      // SwiGLU input
-  const double saved_swiglu = rows_cap * F / l.etp * a;         // fc2 input
-  const double saved_router = T * K * 8.0 + T * E * 4.0 * 2.0;  // idx, prob; logits, scores
-  double saved = saved_input + saved_fc1 + saved_swiglu + saved_router;
-  const double layer_mb = Lp * inflight;  // layer-micro-batches held
-  mem.recompute_swiglu_saves_gb = layer_mb * saved_swiglu / kGB;
-  mem.recompute_experts_saves_gb = layer_mb * (saved_fc1 + saved_swiglu) / kGB;
-  if (t.recompute == "swiglu") saved -= saved_swiglu;
-  if (t.recompute == "experts") saved -= saved_fc1 + saved_swiglu;
-  mem.activations_gb = layer_mb * saved / kGB;
-  // Workspace of the layer running now, all of capacity rows: the rows read back by the source
-  // and the expert outputs and their gradients (2 H), the backward's SwiGLU gradients (3 F), and
-  // the fan table (K i32 members and fp32 weights per row, one fp32 value).
-  mem.buffers_gb = (rows_cap * (2.0 * H + 3.0 * F / l.etp) * a + rows_cap * (8.0 * K + 4.0)) / kGB;
-  mem.reserve_gb = t.reserve_gb;
-  mem.total_gb = mem.weights_gb + mem.spare_weights_gb + mem.grads_gb + mem.spare_grads_gb +
-                 mem.optimizer_gb + mem.activations_gb + mem.buffers_gb + mem.reserve_gb;
-  mem.capacity_gb = in.gpu.memory_gb;
+  lt.capacity_rows = capacity_rows(stage.layers.front(), stage.echo);
 
   // Communication of the busiest rank: it receives imbalance x the mean rows. A token's row
   // crosses once to each rank it picks (the receiver fans it out to the experts there and sums
@@ -333,13 +389,21 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   const double busiest = imb.mean;  // the average step's busiest rank
   const double a2a = cost.all_to_all_ms(lt.dispatch_bytes * busiest, l.ep, l.etp);
   const double etp_ms = l.etp > 1 ? cost.nvlink_ms(lt.etp_bytes * busiest) : 0.0;
-  // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward the same again
+  // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward the same again,
+  // and with recompute dispatch the forward's dispatch once more
   lt.comm_ms = 2.0 * (2.0 * a2a + 2.0 * etp_ms);
-  lt.clone_bytes = l.ep > 1 ? t.spare_slots * P * (a + 2.0) : 0.0;  // weights in, bf16 grad out
+  if (recompute == Recompute::dispatch) lt.comm_ms += a2a + etp_ms;
+  // Clones: weights in for the forward, and again for the backward when other layers used the
+  // echo slots in between (every layer but the stage's last with one micro-batch in flight, all
+  // with more); fp32 gradients home.
+  const double pulls = inflight > 1 ? 2.0 : (2.0 * Lp - 1.0) / Lp;
+  lt.clone_bytes = l.ep > 1 ? t.spare_slots * P * (pulls * a + 4.0) : 0.0;
   lt.clone_ms = cost.all_to_all_ms(lt.clone_bytes, l.ep, l.etp);
   const double busiest_rows = T * K * l.etp * busiest;
   double flops = CostModel::train_flops(busiest_rows, m.hidden, m.ffn) / l.etp;
-  if (t.recompute == "experts") flops += 4.0 * busiest_rows * H * F / l.etp;  // fc1 again
+  // fc1 (4 H F per row) and fc2 (2 H F) forward again; SwiGLU alone (moe_act) is elementwise
+  if (recompute == Recompute::experts || recompute == Recompute::dispatch)
+    flops += 6.0 * busiest_rows * H * F / l.etp;
   lt.gemm_ms = cost.gemm_ms(flops);
   lt.shared_ms =
       cost.gemm_ms(CostModel::train_flops(T, m.hidden, m.shared_experts * m.ffn) / l.etp);
@@ -361,22 +425,36 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   if (!mem.fits()) {
     r.binding_wall = "memory";
     r.reason = "needs " + fmt(mem.total_gb, 1) + " GB of " + fmt(mem.capacity_gb, 0) + " GB";
-    const double more = t.recompute == "experts"
-                            ? 0.0
-                            : mem.recompute_experts_saves_gb -
-                                  (t.recompute == "swiglu" ? mem.recompute_swiglu_saves_gb : 0.0);
-    if (more > 0)
-      r.advice.push_back("--recompute experts saves " + fmt(more, 1) + " GB" +
-                         (mem.total_gb - more <= mem.capacity_gb ? " and would fit" : ""));
+    // Each option that keeps less than the chosen one, with what it saves against it and what
+    // its backward does again.
+    const char* redo[] = {"", "SwiGLU", "fc1, SwiGLU and fc2", "the dispatch and the experts"};
+    std::string options;
+    for (Recompute o : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+      const double more = saves[int(o)] - saves[int(recompute)];
+      if (int(o) <= int(recompute) || more < 0.05) continue;
+      options += std::string(options.empty() ? "" : "; ") + "--recompute " + to_string(o) +
+                 " saves " + fmt(more, 1) + " GB" +
+                 (mem.total_gb - more <= mem.capacity_gb ? " and would fit" : "") +
+                 " (the backward redoes " + redo[int(o)] + ")";
+    }
+    if (!options.empty()) r.advice.push_back(options);
     if (!t.distributed_optimizer && l.dp > 1)
       r.advice.push_back("a distributed optimizer shards " + fmt(mem.optimizer_gb, 1) +
                          " GB of optimizer state over dp = " + std::to_string(l.dp));
-    if (m.experts % (l.ep * 2) == 0)
-      r.advice.push_back("ep = " + std::to_string(l.ep * 2) +
-                         " halves expert weights, gradients "
-                         "and optimizer state per GPU (" +
-                         fmt((mem.weights_gb + mem.grads_gb + mem.optimizer_gb) / 2, 1) +
-                         " GB saved)");
+    if (m.experts % (l.ep * 2) == 0) {
+      WallsInput wider = in;
+      wider.layout.ep *= 2;
+      try {
+        const double saved =
+            mem.moe_gb - moe_gb(stage_layers(wider).memory(), inflight, optimizer_shards);
+        r.advice.push_back("ep = " + std::to_string(l.ep * 2) +
+                           " halves the home experts per GPU, their weights, gradients and "
+                           "optimizer state (" +
+                           fmt(saved, 1) + " GB saved)");
+      } catch (const ConfigError&) {
+        // the library refuses the wider layout (its rank-by-expert tables): no advice
+      }
+    }
     if (l.pp > 1 || m.layers % 2 == 0)
       r.advice.push_back("more pipeline stages hold fewer layers per GPU");
   } else if (lt.host_ms >= gpu_ms) {
@@ -462,7 +540,7 @@ Suggestion suggest(const WallsInput& in, const SweepOptions& opt, const TraceSou
     o.mean = p.max_over_mean_mean;
     o.p99 = p.max_over_mean_p99;
     o.clones_per_step = p.clones_per_step;
-    o.memory_gb = spare_weights_gb(in, S) + spare_grads_gb(in, S);
+    o.memory_gb = echo_slots_gb(in, S);
     s.sweep.push_back(o);
     if (results) results->push_back(std::move(res));
   }

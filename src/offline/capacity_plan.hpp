@@ -4,8 +4,10 @@
 // apply to the combination, and a capacity factor and spare-slot count suggested by the simulator.
 //
 // Scope and assumptions (docs/plan.md says them in full):
-// - Only the MoE layers are modelled (routed experts, router, dispatch/combine buffers); the
-//   attention, dense layers and framework take `reserve_gb` of memory.
+// - Only the MoE layers are modelled (routed and shared experts, router, dispatch/combine
+//   buffers, echo slots); the attention, dense layers and framework take `reserve_gb` of memory.
+//   Their memory is the library's: the stage's layers as MoeConfigs (stage_layers) and
+//   MoeStack::memory_breakdown, so it is what a MoeStack of them allocates on one GPU.
 // - Megatron-style layout: world = etp * ep * dp * pp with expert tensor parallelism innermost;
 //   `dp` is the expert data-parallel size (copies of each expert shard). Each GPU feeds
 //   T = seq_len * micro_batch tokens per micro-batch to each MoE layer.
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "moe_echo/config.hpp"
+#include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/simulator.hpp"
@@ -60,8 +63,8 @@ struct TrainingSpec {
   // which claims the same stream beside the expert GEMMs.
   bool shared_expert_overlap = false;
   bool distributed_optimizer = true;  // optimizer state sharded over dp
-  std::string recompute = "none";     // none, swiglu, experts
-  std::string grad_dtype = "fp32";    // main gradients: fp32 or bf16
+  std::string recompute = "none";     // what a layer keeps: none, moe_act, experts, dispatch
+  std::string grad_dtype = "fp32";    // gradients: fp32 (the layers' float dtype)
   bool cuda_graphs = true;            // the step replays as a CUDA graph
   int kernels_per_layer = 30;         // kernel launches of one MoE layer, forward + backward
   double reserve_gb = 6.0;            // memory for everything that is not an MoE layer
@@ -95,14 +98,44 @@ struct Imbalance {
 // The capacity-factor rule: a warning when capacity_factor < the p99 imbalance (or the mean).
 std::vector<Finding> check_capacity(const WallsInput& in, const Imbalance& imb);
 
+// The MoE layers of one pipeline stage on one GPU as the library builds them: layers / pp
+// MoeConfigs of H, F / etp (one ETP shard, the shared experts' too), E, K, the model's expert
+// groups, T = seq_len * micro_batch tokens and the chosen recompute; ECHO with the spare slots
+// and clones of the training spec and capacity factor * etp (an EP rank's etp GPUs gather each
+// other's rows, so a GPU's receive window holds about etp times the rows); the activation dtype
+// of --dtype (fp16 counted as bf16, the same size) and fp32 as the float dtype (the CUDA
+// backend's: router, gradients, optimizer state, fan weights). Valid inputs only (validate()).
+struct StageLayers {
+  std::vector<MoeConfig> layers;
+  ParallelConfig par;
+  EchoConfig echo;
+  DType activation = DType::bf16, float_dtype = DType::f32;
+  // MoeStack::memory_breakdown of the layers, with optimizer state.
+  MoeMemory memory() const;
+};
+StageLayers stage_layers(const WallsInput& in);
+StageLayers stage_layers(const WallsInput& in, Recompute recompute);
+
 struct MemoryBreakdown {
-  double weights_gb = 0, spare_weights_gb = 0, grads_gb = 0, spare_grads_gb = 0, optimizer_gb = 0;
-  double activations_gb = 0;  // saved for backward (after the chosen recompute)
-  double buffers_gb = 0;      // transient workspace (receive windows, gradients, fan table)
+  // Parameters (home experts, router, shared experts), their gradients (fp32), AdamW state (fp32
+  // m and v; divided by dp with the distributed optimizer).
+  double weights_gb = 0, grads_gb = 0, optimizer_gb = 0;
+  // The echo slots: one pool per GPU that every layer's clones pass through.
+  double spare_weights_gb = 0, spare_grads_gb = 0;
+  // Kept for the backward (after the chosen recompute) and the routing, per micro-batch in flight.
+  double activations_gb = 0;
+  double buffers_gb = 0;  // the workspace (receive windows, fan table, backward temporaries, the
+                          // activations no layer keeps) and the layers' backward temporaries
+  double moe_gb = 0;      // the MoE layers: every line above
   double reserve_gb = 0;
   double total_gb = 0, capacity_gb = 0;
   double microbatches_in_flight = 1;  // on the first pipeline stage (layer-micro-batches / Lp)
-  double recompute_swiglu_saves_gb = 0, recompute_experts_saves_gb = 0;
+  // MoE memory each recompute option saves against none.
+  double recompute_moe_act_saves_gb = 0, recompute_experts_saves_gb = 0,
+         recompute_dispatch_saves_gb = 0;
+  // The library's count for the stage (one micro-batch in flight, optimizer state unsharded):
+  // what a MoeStack of stage_layers(in) allocates on one GPU, in bytes.
+  MoeMemory library;
   bool fits() const { return total_gb <= capacity_gb; }
 };
 
@@ -117,10 +150,12 @@ struct LayerTimes {
                               // per token and rank it picks
   double combine_bytes = 0;
   double etp_bytes = 0;    // forward, ETP all-gather of received rows (0 when etp = 1)
-  double clone_bytes = 0;  // clone weights in + gradients out
+  double clone_bytes = 0;  // clone weights in (forward, and again for the backward when other
+                           // layers used the echo slots in between) + fp32 gradients out
   double comm_ms = 0;      // dispatch + combine + ETP, forward + backward, busiest rank
   double clone_ms = 0;
-  double gemm_ms = 0;    // expert GEMMs forward + backward (+ recompute), busiest rank
+  double gemm_ms = 0;  // expert GEMMs forward + backward (+ recompute), busiest rank
+  // (comm_ms includes the dispatch again with recompute dispatch)
   double shared_ms = 0;  // shared experts' GEMMs forward + backward (all T tokens)
   double host_ms = 0;    // kernel launch overhead
   double layer_ms = 0;   // max(gpu time, host time); gpu = overlap ? max : sum
@@ -132,7 +167,7 @@ struct SpareSlotOption {
   int max_clones = 0;
   double mean = 0, p99 = 0;  // ECHO busiest rank / mean
   double clones_per_step = 0;
-  double memory_gb = 0;  // spare-slot weights and gradients per GPU
+  double memory_gb = 0;  // echo-slot weights and gradients per GPU
 };
 
 struct Suggestion {

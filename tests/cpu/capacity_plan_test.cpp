@@ -1,6 +1,7 @@
 // `moe-echo plan`: every validation rule (errors name the parameter, its value and what is
 // allowed; warnings name the parameter), the memory and time formulas against hand computation,
-// which wall binds, and the simulator's suggestion of spare slots and capacity factor.
+// the memory against what a built MoeStack allocates, which wall binds, and the simulator's
+// suggestion of spare slots and capacity factor.
 #include "offline/capacity_plan.hpp"
 
 #include <gtest/gtest.h>
@@ -10,7 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "moe_echo/backends.hpp"
+#include "moe_echo/comm.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/layer.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo::offline {
@@ -67,9 +71,17 @@ TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
       {"dtype", [](WallsInput& i) { i.model.dtype = "fp8"; }, "dtype",
        "dtype = 'fp8' is invalid: allowed bf16, fp16 or fp32"},
       {"grad_dtype", [](WallsInput& i) { i.train.grad_dtype = "fp16"; }, "grad_dtype",
-       "grad_dtype = 'fp16' is invalid: allowed fp32 or bf16"},
+       "grad_dtype = 'fp16' is invalid: allowed fp32 (the MoE layers accumulate gradients in "
+       "fp32"},
+      {"grad_dtype bf16", [](WallsInput& i) { i.train.grad_dtype = "bf16"; }, "grad_dtype",
+       "grad_dtype = 'bf16' is invalid: allowed fp32"},
       {"recompute", [](WallsInput& i) { i.train.recompute = "all"; }, "recompute",
-       "recompute = 'all' is invalid: allowed none, swiglu or experts"},
+       "recompute = 'all' is invalid: allowed none, moe_act, experts or dispatch"},
+      {"recompute's old name", [](WallsInput& i) { i.train.recompute = "swiglu"; }, "recompute",
+       "recompute = 'swiglu' is invalid: allowed none, moe_act, experts or dispatch"},
+      {"the library's layer", [](WallsInput& i) { i.model.top_k = 33; }, "top_k",
+       "top_k = 33 is invalid: allowed top_k <= 32 (a token's entries are handled by one warp) "
+       "(the MoE layer of one GPU"},
       {"capacity_factor", [](WallsInput& i) { i.train.capacity_factor = 0; }, "capacity_factor",
        "capacity_factor = 0 is invalid: allowed a finite value > 0"},
       {"spare_slots", [](WallsInput& i) { i.train.spare_slots = -1; }, "spare_slots",
@@ -227,43 +239,120 @@ TEST(WallsModel, Presets) {
 }
 
 TEST(WallsModel, MemoryMatchesHandComputation) {
-  WallsInput in = base();  // H 2048, F 768, E 128, K 8, 48 layers, EP 8
+  WallsInput in = base();  // H 2048, F 768, E 128, K 8, 48 layers, EP 8, no shared experts
   in.layout.dp = 4;
   in.layout.pp = 4;
   in.layout.vpp = 2;
   in.train.spare_slots = 2;
   Imbalance imb;
   const WallsReport r = estimate_walls(in, imb);
-  const double P = 3.0 * 2048 * 768, local = 16, Lp = 12;
+  const double H = 2048, F = 768, E = 128, K = 8, T = 4096;
+  const double P = 3.0 * H * F, local = 16, Lp = 12;
   const double inflight = 4 * (1 + 3.0 / 8);  // interleaved 1F1B on the first stage
+  const MemoryBreakdown& m = r.memory;
   EXPECT_EQ(r.layers_per_stage, 12);
   EXPECT_EQ(r.world_size, 8 * 4 * 4);
-  EXPECT_DOUBLE_EQ(r.memory.microbatches_in_flight, inflight);
-  EXPECT_NEAR(r.memory.weights_gb, Lp * local * P * 2 / 1e9, 1e-12);
-  EXPECT_NEAR(r.memory.grads_gb, Lp * local * P * 4 / 1e9, 1e-12);           // fp32 main grads
-  EXPECT_NEAR(r.memory.optimizer_gb, Lp * local * P * 12 / 4 / 1e9, 1e-12);  // sharded over dp
-  EXPECT_NEAR(r.memory.spare_weights_gb, Lp * inflight * 2 * P * 2 / 1e9, 1e-12);
-  EXPECT_NEAR(r.memory.spare_grads_gb, 2 * P * 2 / 1e9, 1e-12);
-  const double T = 4096, K = 8, cap = std::ceil(1.25 * T * K), H = 2048, F = 768;
+  EXPECT_DOUBLE_EQ(m.microbatches_in_flight, inflight);
+  // Parameters: home experts (bf16), router weight and bias (fp32); fp32 gradients; AdamW m and
+  // v in fp32 and the step count, sharded over dp.
+  EXPECT_NEAR(m.weights_gb, Lp * (local * P * 2 + E * H * 4 + E * 4) / 1e9, 1e-12);
+  EXPECT_NEAR(m.grads_gb, Lp * (local * P + E * H) * 4 / 1e9, 1e-12);
+  EXPECT_NEAR(m.optimizer_gb, Lp * ((local * P + E * H) * 8 + 4) / 4 / 1e9, 1e-12);
+  // One pool of echo slots per GPU, whatever the layers and micro-batches.
+  EXPECT_NEAR(m.spare_weights_gb, 2 * P * 2 / 1e9, 1e-12);
+  EXPECT_NEAR(m.spare_grads_gb, 2 * P * 4 / 1e9, 1e-12);
+  const double cap = std::ceil(1.25 * T * K);
   EXPECT_EQ(r.layer.capacity_rows, int64_t(cap));
-  const double saved = cap * H * 2 + cap * 2 * F * 2 + cap * F * 2 + T * K * 8 + T * 128 * 8;
-  EXPECT_NEAR(r.memory.activations_gb, Lp * inflight * saved / 1e9, 1e-9);
-  // The running layer's windows: rows read back, expert outputs (2 H), SwiGLU gradients (3 F),
-  // and the fan table (K members i32 + K weights fp32, one fp32 value per row).
-  EXPECT_NEAR(r.memory.buffers_gb, (cap * (2 * H + 3 * F) * 2 + cap * (8 * K + 4)) / 1e9, 1e-12);
-  EXPECT_NEAR(r.memory.recompute_swiglu_saves_gb, Lp * inflight * cap * F * 2 / 1e9, 1e-9);
-  EXPECT_NEAR(r.memory.recompute_experts_saves_gb, Lp * inflight * cap * 3 * F * 2 / 1e9, 1e-9);
-  const double sum = r.memory.weights_gb + r.memory.grads_gb + r.memory.optimizer_gb +
-                     r.memory.spare_weights_gb + r.memory.spare_grads_gb + r.memory.activations_gb +
-                     r.memory.buffers_gb + r.memory.reserve_gb;
-  EXPECT_NEAR(r.memory.total_gb, sum, 1e-9);
+  // Kept with recompute none: received rows, fc1 and SwiGLU outputs, expert outputs; per layer
+  // and micro-batch in flight, with the routing.
+  const MoeMemory& lib = m.library;
+  EXPECT_NEAR(double(lib.activations), Lp * cap * (2 * H + 3 * F) * 2, 1e-3);
+  EXPECT_NEAR(m.activations_gb, inflight * double(lib.activations + lib.routing) / 1e9, 1e-9);
+  EXPECT_GE(double(lib.routing), Lp * (T * E * 4 * 2 + T * K * 4 * 2));  // logits, scores, top-k
+  // The workspace: rows read back (H), SwiGLU gradients (3 F), the fan table (K i32 members, K
+  // fp32 weights, one fp32 value per row); each layer's combine-weight gradients [T, K] fp32.
+  EXPECT_NEAR(double(lib.workspace), cap * (H + 3 * F) * 2 + cap * (8 * K + 4), 1e-3);
+  EXPECT_NEAR(double(lib.temporaries), Lp * T * K * 4, 1e-3);
+  EXPECT_NEAR(m.buffers_gb, double(lib.workspace + lib.temporaries) / 1e9, 1e-12);
+  const double sum = m.weights_gb + m.grads_gb + m.optimizer_gb + m.spare_weights_gb +
+                     m.spare_grads_gb + m.activations_gb + m.buffers_gb;
+  EXPECT_NEAR(m.moe_gb, sum, 1e-9);
+  EXPECT_NEAR(m.total_gb, m.moe_gb + m.reserve_gb, 1e-9);
+  // A recompute option drops buffers from every layer and micro-batch in flight and holds one
+  // copy in the workspace: moe_act SwiGLU's output (F), experts also fc1's output and the expert
+  // outputs (3 F + H), dispatch also the received rows (3 F + 2 H).
+  const double copies = Lp * inflight - 1;
+  EXPECT_NEAR(m.recompute_moe_act_saves_gb, copies * cap * F * 2 / 1e9, 1e-9);
+  EXPECT_NEAR(m.recompute_experts_saves_gb, copies * cap * (3 * F + H) * 2 / 1e9, 1e-9);
+  EXPECT_NEAR(m.recompute_dispatch_saves_gb, copies * cap * (3 * F + 2 * H) * 2 / 1e9, 1e-9);
   // recompute applies its saving; no distributed optimizer keeps the whole state
   in.train.recompute = "experts";
   in.train.distributed_optimizer = false;
   const WallsReport r2 = estimate_walls(in, imb);
   EXPECT_NEAR(r2.memory.activations_gb,
-              r.memory.activations_gb - r.memory.recompute_experts_saves_gb, 1e-9);
-  EXPECT_NEAR(r2.memory.optimizer_gb, 4 * r.memory.optimizer_gb, 1e-9);
+              m.activations_gb - Lp * inflight * cap * (3 * F + H) * 2 / 1e9, 1e-9);
+  EXPECT_NEAR(r2.memory.moe_gb - r2.memory.optimizer_gb,
+              m.moe_gb - m.optimizer_gb - m.recompute_experts_saves_gb, 1e-9);
+  EXPECT_NEAR(r2.memory.optimizer_gb, 4 * m.optimizer_gb, 1e-9);
+}
+
+// The plan's MoE memory is the library's: for one GPU of a layout without pipelining or data
+// parallelism (one micro-batch in flight, optimizer state whole), what a MoeStack of the stage's
+// layers allocates. Built on the CPU backend (f32: --dtype fp32), counted for bf16.
+TEST(WallsModel, MoeMemoryIsWhatABuiltStackAllocates) {
+  WallsInput in;
+  in.model.name = "small";
+  in.model.hidden = 64;
+  in.model.ffn = 48;
+  in.model.experts = 8;
+  in.model.top_k = 2;
+  in.model.layers = 3;
+  in.model.expert_groups = in.model.topk_groups = 1;
+  in.model.shared_experts = 1;
+  in.model.seq_len = 40;
+  in.model.dtype = "fp32";
+  in.layout.ep = 2;
+  in.train.spare_slots = 2;
+  in.gpu = gpu_preset("h200");
+  for (const char* recompute : {"none", "moe_act", "experts", "dispatch"}) {
+    SCOPED_TRACE(recompute);
+    in.train.recompute = recompute;
+    in.model.dtype = "fp32";
+    const WallsReport r = estimate_walls(in, Imbalance{});
+    const StageLayers stage = stage_layers(in);
+    ASSERT_EQ(stage.layers.size(), 3u);
+    EXPECT_EQ(stage.layers[0].ffn, 48);
+    EXPECT_EQ(stage.layers[0].max_tokens, 40);
+    EXPECT_EQ(to_string(stage.layers[0].recompute), std::string(recompute));
+    EXPECT_EQ(stage.activation, DType::f32);
+    InProcessWorld world(2);
+    std::vector<size_t> built(2);
+    world.run([&](int rank) {
+      auto be = make_cpu_backend(DType::f32);
+      const ParallelConfig par{2, rank};
+      MoeStack stack(*be, world.communicator(rank), stage.layers, par, stage.echo);
+      built[size_t(rank)] = stack.bytes();
+    });
+    EXPECT_EQ(built[0], built[1]);
+    EXPECT_EQ(r.memory.library.total(), built[0]);
+    EXPECT_NEAR(r.memory.moe_gb * 1e9, double(built[0]), 0.02 * double(built[0]));
+    EXPECT_NEAR(r.memory.moe_gb * 1e9, double(built[0]), 1e-3) << "the same count";
+    // bf16 weights and activations, fp32 gradients and optimizer state: the CUDA backend's.
+    in.model.dtype = "bf16";
+    const WallsReport b = estimate_walls(in, Imbalance{});
+    const StageLayers s16 = stage_layers(in);
+    EXPECT_EQ(s16.activation, DType::bf16);
+    const size_t want =
+        MoeStack::memory_bytes(s16.layers, s16.par, s16.echo, DType::bf16, DType::f32);
+    EXPECT_NEAR(b.memory.moe_gb * 1e9, double(want), 0.02 * double(want));
+    EXPECT_NEAR(b.memory.moe_gb * 1e9, double(want), 1e-3);
+    EXPECT_LT(want, built[0]);
+  }
+  // ETP shards F and gathers etp GPUs' rows into a window: ffn / etp, capacity factor * etp.
+  in.layout.etp = 2;
+  const StageLayers sharded = stage_layers(in);
+  EXPECT_EQ(sharded.layers[0].ffn, 24);
+  EXPECT_DOUBLE_EQ(sharded.echo.capacity_factor, 2 * in.train.capacity_factor);
 }
 
 TEST(WallsModel, TimesMatchTheCostModel) {
@@ -285,10 +374,25 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   EXPECT_DOUBLE_EQ(r.layer.combine_bytes, r.layer.dispatch_bytes);
   EXPECT_NEAR(r.layer.gemm_ms, cost.gemm_ms(18 * T * K * 1.2 * H * F), 1e-12);
   EXPECT_NEAR(r.layer.comm_ms, 4 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8), 1e-12);
-  EXPECT_NEAR(r.layer.clone_bytes, 3 * H * F * 4, 1e-6);
+  // One spare slot: weights in for the forward and again for the backward of every layer but the
+  // last (48 layers), fp32 gradients out.
+  EXPECT_NEAR(r.layer.clone_bytes, 3 * H * F * ((2.0 * 48 - 1) / 48 * 2 + 4), 1e-6);
   EXPECT_NEAR(r.layer.host_ms, 30 * 0.5e-3, 1e-12);
   EXPECT_NEAR(r.layer.layer_ms, r.layer.gemm_ms + r.layer.comm_ms + r.layer.clone_ms, 1e-12);
   EXPECT_NEAR(r.stage_ms, 48 * r.layer.layer_ms, 1e-9);
+  // Recompute: moe_act adds no GEMM; experts and dispatch run fc1 and fc2 forward again (6 H F
+  // per row), dispatch also the forward's dispatch.
+  WallsInput rc = in;
+  rc.train.recompute = "moe_act";
+  EXPECT_NEAR(estimate_walls(rc, imb).layer.gemm_ms, r.layer.gemm_ms, 1e-12);
+  rc.train.recompute = "experts";
+  const WallsReport e = estimate_walls(rc, imb);
+  EXPECT_NEAR(e.layer.gemm_ms, cost.gemm_ms((18 + 6) * T * K * 1.2 * H * F), 1e-12);
+  EXPECT_NEAR(e.layer.comm_ms, r.layer.comm_ms, 1e-12);
+  rc.train.recompute = "dispatch";
+  const WallsReport d = estimate_walls(rc, imb);
+  EXPECT_NEAR(d.layer.gemm_ms, e.layer.gemm_ms, 1e-12);
+  EXPECT_NEAR(d.layer.comm_ms, 5 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8), 1e-12);
   in.train.overlap = true;
   const WallsReport o = estimate_walls(in, imb);
   EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms),
@@ -362,7 +466,15 @@ TEST(WallsModel, EachWallBindsWhereItShould) {
     const WallsReport r = estimate_walls(in, imb);
     EXPECT_EQ(r.binding_wall, "memory");
     EXPECT_FALSE(r.memory.fits());
-    EXPECT_FALSE(r.advice.empty());
+    ASSERT_FALSE(r.advice.empty());
+    // Every option that keeps less, by the library's names, dispatch among them.
+    for (const char* o : {"--recompute moe_act", "--recompute experts", "--recompute dispatch"})
+      EXPECT_NE(r.advice[0].find(o), std::string::npos) << r.advice[0];
+    in.train.recompute = "experts";
+    const WallsReport e = estimate_walls(in, imb);
+    ASSERT_FALSE(e.advice.empty());
+    EXPECT_EQ(e.advice[0].find("--recompute experts"), std::string::npos) << e.advice[0];
+    EXPECT_NE(e.advice[0].find("--recompute dispatch"), std::string::npos) << e.advice[0];
   }
   {  // communication: EP across nodes over a slow network
     WallsInput in = base();

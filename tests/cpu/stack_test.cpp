@@ -322,6 +322,89 @@ TEST(Stack, MasterWeightsGiveTheSameStepsOnTheCpu) {
     }
     for (void* p : owned) be->deallocate(p);
   });
+
+// MoeMemory: the parts add up to memory_bytes and to what a built stack allocates, each part is
+// the buffers it names, and a recompute option moves activations from the layers to the workspace.
+TEST(Stack, MemoryBreakdownAddsUpToTheBytesAllocated) {
+  const EchoConfig echo = echo_config();
+  for (Recompute r :
+       {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+    SCOPED_TRACE(to_string(r));
+    std::vector<MoeConfig> layers = four_layers(r);
+    layers[2].shared_experts = 1;  // shared experts' parameters, activations and temporaries
+    for (bool optimizer : {false, true}) {
+      InProcessWorld world(2);
+      world.run([&](int rank) {
+        auto be = make_cpu_backend(DType::f64);
+        const ParallelConfig par{2, rank};
+        MoeStack stack(*be, world.communicator(rank), layers, par, echo, 1, optimizer);
+        const MoeMemory m =
+            MoeStack::memory_breakdown(layers, par, echo, DType::f64, DType::f64, optimizer);
+        EXPECT_EQ(m.total(), stack.bytes());
+        EXPECT_EQ(m.total(),
+                  MoeStack::memory_bytes(layers, par, echo, DType::f64, DType::f64, optimizer));
+        EXPECT_EQ(m.workspace + m.echo_slot_weights + m.echo_slot_grads, stack.workspace().bytes());
+        const MoeMemory w =
+            MoeWorkspace::memory_breakdown(layers, par, echo, DType::f64, DType::f64);
+        EXPECT_EQ(w.total(), stack.workspace().bytes());
+        EXPECT_EQ(w.params + w.grads + w.optimizer + w.routing + w.activations + w.temporaries, 0u);
+        for (int l = 0; l < stack.size(); ++l) {
+          const MoeConfig& c = layers[size_t(l)];
+          const MoeMemory own =
+              MoeLayer::layer_memory_breakdown(c, par, echo, DType::f64, DType::f64, optimizer);
+          EXPECT_EQ(own.total(), stack.layer(l).layer_bytes());
+          EXPECT_EQ(own.workspace + own.echo_slot_weights + own.echo_slot_grads, 0u);
+          // Parameters: router weight and bias, home experts, shared experts (all f64 here).
+          const size_t E = size_t(c.experts), F = size_t(c.ffn), S = size_t(shared_width(c));
+          const size_t home = 3 * H * F * (E / 2), shared = 3 * H * S;
+          EXPECT_EQ(own.params, 8 * (E * H + E + home + shared));
+          EXPECT_EQ(own.grads, 8 * (E * H + home + shared));
+          EXPECT_EQ(own.optimizer, optimizer ? 16 * (E * H + home + shared) + 4 : 0u);
+          // A layer alone: its own part plus a workspace of its own.
+          MoeMemory alone = own;
+          alone += MoeWorkspace::memory_breakdown({c}, par, echo, DType::f64, DType::f64);
+          const MoeMemory apart =
+              MoeLayer::memory_breakdown(c, par, echo, DType::f64, DType::f64, optimizer);
+          EXPECT_EQ(apart.total(), alone.total());
+          EXPECT_EQ(apart.total(),
+                    MoeLayer::memory_bytes(c, par, echo, DType::f64, DType::f64, optimizer));
+          EXPECT_EQ(apart.echo_slot_weights, alone.echo_slot_weights);
+        }
+        // The echo slots: 2 spare slots of the largest layer (F = 32), weights and gradients.
+        EXPECT_EQ(m.echo_slot_weights, size_t(8 * 2 * 3 * H * 32));
+        EXPECT_EQ(m.echo_slot_grads, size_t(8 * 2 * 3 * H * 32));
+      });
+    }
+  }
+  // What a layer keeps for its backward shrinks with each option; what it leaves to the workspace
+  // lands there once for all layers.
+  const ParallelConfig par{2, 0};
+  const MoeConfig m = layer_config(24, 8, 2);
+  const EchoConfig off = [] {
+    EchoConfig e = echo_config();
+    e.enabled = false;
+    return e;
+  }();
+  const int64_t cap = capacity_rows(m, echo);
+  const size_t row = 8 * size_t(cap);
+  const size_t kept[] = {row * (H + 2 * 24 + 24 + H), row * (H + 2 * 24 + H), row * H, 0};
+  const Recompute options[] = {Recompute::none, Recompute::moe_act, Recompute::experts,
+                               Recompute::dispatch};
+  size_t workspace_none = 0;
+  for (int i = 0; i < 4; ++i) {
+    MoeConfig c = m;
+    c.recompute = options[i];
+    SCOPED_TRACE(to_string(c.recompute));
+    const MoeMemory own = MoeLayer::layer_memory_breakdown(c, par, echo, DType::f64, DType::f64);
+    EXPECT_EQ(own.activations, kept[i]);
+    const MoeMemory w = MoeWorkspace::memory_breakdown(std::vector<MoeConfig>(4, c), par, echo,
+                                                       DType::f64, DType::f64);
+    if (i == 0) workspace_none = w.workspace;
+    EXPECT_EQ(w.workspace - workspace_none, kept[0] - kept[i]) << "one copy for four layers";
+    // Without ECHO, no echo slots.
+    const MoeMemory no_echo = MoeStack::memory_breakdown({c}, par, off, DType::f64, DType::f64);
+    EXPECT_EQ(no_echo.echo_slot_weights + no_echo.echo_slot_grads, 0u);
+  }
 }
 
 TEST(Stack, RejectsAWorkspaceTooSmallForTheLayer) {
