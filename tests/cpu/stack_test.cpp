@@ -322,6 +322,7 @@ TEST(Stack, MasterWeightsGiveTheSameStepsOnTheCpu) {
     }
     for (void* p : owned) be->deallocate(p);
   });
+}
 
 // MoeMemory: the parts add up to memory_bytes and to what a built stack allocates, each part is
 // the buffers it names, and a recompute option moves activations from the layers to the workspace.
