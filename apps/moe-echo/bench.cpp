@@ -93,6 +93,7 @@ struct BenchMemory {
   size_t workspace = 0;  // the stack's one workspace, or the sum of every layer's own
   size_t layers = 0;     // the layers' own parts (parameters, gradients, routing, kept activations)
   double estimate = 0;   // moe_bytes_per_rank, which check_memory compared against the memory
+  MoeMemory parts;       // the estimate by part
 };
 
 double mib(double bytes) { return bytes / (1 << 20); }
@@ -386,6 +387,21 @@ void Report::summary() const {
                  {"layers_bytes", memory.layers},
                  {"bytes_per_layer", double(memory.total) / o.layers},
                  {"estimate_bytes", memory.estimate}};
+  // By part, as estimated (MoeMemory); step_state_bytes: what a step holds beside the parameters,
+  // their gradients and optimizer state (routing, kept activations, temporaries, workspace, echo
+  // slots).
+  const MoeMemory& p = memory.parts;
+  j["memory"]["parts"] = {{"params", p.params},
+                          {"grads", p.grads},
+                          {"optimizer", p.optimizer},
+                          {"routing", p.routing},
+                          {"activations", p.activations},
+                          {"temporaries", p.temporaries},
+                          {"workspace", p.workspace},
+                          {"echo_slot_weights", p.echo_slot_weights},
+                          {"echo_slot_grads", p.echo_slot_grads}};
+  j["memory"]["step_state_bytes"] = p.routing + p.activations + p.temporaries + p.workspace +
+                                    p.echo_slot_weights + p.echo_slot_grads;
   if (!dispatcher.empty()) {
     j["config"]["dispatcher"] = dispatcher;
     j["config"]["capture"] = capture;
@@ -532,6 +548,7 @@ int run_bench(const BenchOptions& opts) {
   Report report(o, L, probe->name());
   report.warmup = warmup;
   report.memory.estimate = moe_bytes_per_rank(L, *probe, NL, !o.separate, false);
+  report.memory.parts = moe_memory_per_rank(L, *probe, NL, !o.separate, false);
   report.header();
 
   std::vector<std::vector<double>> fwd(size_t(R), std::vector<double>(size_t(o.steps))), bwd = fwd;
@@ -546,8 +563,10 @@ int run_bench(const BenchOptions& opts) {
       write_tensor(*backend, layers.layer(l).param(Param::router_weight), synth.router_weight());
     if (rank == 0) {
       const double estimate = report.memory.estimate;
+      const MoeMemory parts = report.memory.parts;
       report.memory = layers.memory();
       report.memory.estimate = estimate;
+      report.memory.parts = parts;
       report.table_header();
     }
     RankTensors alloc(*backend);
@@ -814,6 +833,7 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   report.warmup = warmup;
   report.memory = layers.memory();
   report.memory.estimate = moe_bytes_per_rank(L, *backend, NL, !o.separate, false);
+  report.memory.parts = moe_memory_per_rank(L, *backend, NL, !o.separate, false);
   report.dispatcher = R > 1 ? o.dispatcher : "local (one GPU)";
 #ifdef MOE_ECHO_WITH_NCCL
   if (R > 1 && nccl_uses_host_api(*comm)) report.dispatcher += " (every op on NCCL's host API)";

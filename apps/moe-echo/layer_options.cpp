@@ -171,6 +171,20 @@ double moe_bytes_per_rank(const ResolvedLayer& L, const Backend& backend, int la
              double(MoeLayer::layer_memory_bytes(L.moe, par, L.echo, act, fl, optimizer_state));
 }
 
+MoeMemory moe_memory_per_rank(const ResolvedLayer& L, const Backend& backend, int layers,
+                              bool shared_workspace, bool optimizer_state) {
+  const ParallelConfig par{L.ep, 0};
+  const DType act = backend.activation_dtype(), fl = backend.float_dtype();
+  MoeMemory total;
+  if (shared_workspace) total += MoeWorkspace::memory_breakdown({L.moe}, par, L.echo, act, fl);
+  const MoeMemory one =
+      shared_workspace
+          ? MoeLayer::layer_memory_breakdown(L.moe, par, L.echo, act, fl, optimizer_state)
+          : MoeLayer::memory_breakdown(L.moe, par, L.echo, act, fl, optimizer_state);
+  for (int l = 0; l < layers; ++l) total += one;
+  return total;
+}
+
 void check_memory(const ResolvedLayer& L, const Backend& backend, int layers, bool shared_workspace,
                   bool optimizer_state, double extra_bytes_per_rank) {
   const double per_rank =

@@ -10,6 +10,7 @@
 #include "moe_echo/backend.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
+#include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
 
 namespace moe_echo::cli {
@@ -50,6 +51,10 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
 // What `layers` layers of L allocate on one rank (with or without AdamW state): one MoeStack
 // (`shared_workspace`: one workspace for all, MoeStack::memory_bytes) or as many MoeLayers each
 // with its own workspace (MoeLayer::memory_bytes each).
+// The same by part (MoeMemory: parameters, gradients, routing, kept activations, workspace, echo
+// slots), for reports.
+MoeMemory moe_memory_per_rank(const ResolvedLayer& L, const Backend& backend, int layers,
+                              bool shared_workspace, bool optimizer_state);
 double moe_bytes_per_rank(const ResolvedLayer& L, const Backend& backend, int layers,
                           bool shared_workspace, bool optimizer_state);
 
