@@ -6,12 +6,14 @@
 // allocated collectively, the same size on every rank, at layer build time.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 
 #include "moe_echo/backend.hpp"
+#include "moe_echo/dist.hpp"
 #include "moe_echo/planner.hpp"
 #include "moe_echo/tensor.hpp"
 
@@ -112,18 +114,22 @@ class Communicator {
 };
 
 // R ranks as threads of one process. Each thread drives one rank through communicator(r); ops
-// meet at barriers as device collectives would.
+// meet at barriers as device collectives would. A rank that waits `timeout` at a barrier (default:
+// MOE_ECHO_TIMEOUT_S, 300 s) aborts the world with an error naming the ranks that never arrived.
 class InProcessWorld {
  public:
-  explicit InProcessWorld(int ranks);
+  explicit InProcessWorld(int ranks, std::chrono::milliseconds timeout = default_timeout());
   ~InProcessWorld();
   InProcessWorld(const InProcessWorld&) = delete;
   InProcessWorld& operator=(const InProcessWorld&) = delete;
 
   int size() const;
   Communicator& communicator(int rank);
-  // Runs fn(rank) on one thread per rank and joins them. If a rank throws, the world is aborted
-  // (every rank waiting at a barrier throws too) and the first exception is rethrown here.
+  // Runs fn(rank) on one thread per rank and joins them. If a rank throws (or times out at a
+  // barrier), the world is aborted (every rank waiting at a barrier throws too) and the first
+  // exception is rethrown here. A rank still running `timeout` after the abort (hung outside the
+  // barriers, where it cannot be interrupted) ends the process: a message naming it on stderr and
+  // _exit(Watchdog::kExitCode), 124.
   void run(const std::function<void(int rank)>& fn);
 
   struct State;

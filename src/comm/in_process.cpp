@@ -3,35 +3,54 @@
 // same shape as the LSA kernels of the device communicator:
 //   entry barrier: peers are done with the buffers about to be written (write-after-read),
 //   exit barrier:  every write is visible before anyone consumes it (read-after-write).
+#include <unistd.h>
+
+#include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "comm/host_comm_ops.hpp"
 #include "moe_echo/comm.hpp"
+#include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
 
 struct InProcessWorld::State {
-  explicit State(int r) : ranks(r) {}
+  State(int r, std::chrono::milliseconds t) : ranks(r), timeout(t), here(size_t(r), 0) {}
 
   // A reusable barrier that can be aborted, so that a failing rank never leaves the others
-  // waiting forever.
-  void barrier() {
+  // waiting forever; a rank that waits `timeout` for the others aborts the world, naming the
+  // ranks that never arrived.
+  void barrier(int rank) {
     std::unique_lock<std::mutex> lock(mu);
     if (aborted) throw Error("in-process world aborted: another rank failed");
     const uint64_t gen = generation;
+    here[size_t(rank)] = gen + 1;
     if (++arrived == ranks) {
       arrived = 0;
       ++generation;
       cv.notify_all();
       return;
     }
-    cv.wait(lock, [&] { return generation != gen || aborted; });
+    if (!cv.wait_for(lock, timeout, [&] { return generation != gen || aborted; })) {
+      std::ostringstream missing;
+      for (int r = 0; r < ranks; ++r)
+        if (here[size_t(r)] != gen + 1) missing << (missing.tellp() > 0 ? ", " : "") << r;
+      aborted = true;
+      cv.notify_all();
+      throw Error("in-process world: rank " + std::to_string(rank) + " waited " +
+                  std::to_string(timeout.count()) + " ms at a barrier for rank(s) " +
+                  missing.str() +
+                  ", which never arrived (timeout; set MOE_ECHO_TIMEOUT_S to change it)");
+    }
     if (aborted && generation == gen) throw Error("in-process world aborted: another rank failed");
   }
   void abort() {
@@ -41,6 +60,8 @@ struct InProcessWorld::State {
   }
 
   const int ranks;
+  const std::chrono::milliseconds timeout;
+  std::vector<uint64_t> here;  // per rank: 1 + the barrier generation it last arrived at
   std::mutex mu;
   std::condition_variable cv;
   int arrived = 0;
@@ -82,40 +103,40 @@ class InProcessCommunicator final : public Communicator {
       w_.table[size_t(buf.id)][size_t(rank_)] = buf.local;
       w_.table_bytes[size_t(buf.id)][size_t(rank_)] = bytes;
     }
-    w_.barrier();
+    w_.barrier(rank_);
     for (int r = 0; r < w_.ranks; ++r)
       MOE_ECHO_CHECK(w_.table_bytes[size_t(buf.id)][size_t(r)] == bytes,
                      "symmetric buffer " << buf.id << ": rank " << r << " allocated "
                                          << w_.table_bytes[size_t(buf.id)][size_t(r)]
                                          << " bytes, rank " << rank_ << " " << bytes);
-    w_.barrier();
+    w_.barrier(rank_);
     return buf;
   }
 
   void free_symmetric(Backend& backend, SymmetricBuffer& buf) override {
     if (!buf.local) return;
-    w_.barrier();
+    w_.barrier(rank_);
     backend.deallocate(buf.local);
     buf.local = nullptr;
   }
 
-  void barrier() override { w_.barrier(); }
+  void barrier() override { w_.barrier(rank_); }
 
   void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, Stream) override {
     w_.staging[size_t(rank_)] = local;
-    w_.barrier();
+    w_.barrier(rank_);
     for (int r = 0; r < w_.ranks; ++r)
       std::memcpy(all + int64_t(r) * n, w_.staging[size_t(r)], size_t(n) * sizeof(int32_t));
-    w_.barrier();
+    w_.barrier(rank_);
   }
 
   void all_reduce_sum(const Tensor& t, Stream) override {
     MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
                    "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
     w_.staging[size_t(rank_)] = t.data;
-    w_.barrier();
+    w_.barrier(rank_);
     const std::vector<double> sum = host_comm::rank_order_sum(w_.staging, t.dtype, t.numel());
-    w_.barrier();
+    w_.barrier(rank_);
     host_comm::store_sum(sum, t.dtype, t.data);
   }
 
@@ -124,7 +145,7 @@ class InProcessCommunicator final : public Communicator {
     const int K = route.top_k;
     const size_t fl = float_size(fan.float_dtype);
     check_window(win, recv, row_bytes, fan);
-    w_.barrier();
+    w_.barrier(rank_);
     for (int64_t t = 0; t < route.n / K; ++t) {
       const int64_t first = t * K;
       for (int k = 0; k < K; ++k) {
@@ -143,7 +164,7 @@ class InProcessCommunicator final : public Communicator {
                                 row_ptr(peer(fan.weights, d), row, size_t(K) * fl));
       }
     }
-    w_.barrier();
+    w_.barrier(rank_);
   }
 
   void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red, const Tensor& y,
@@ -154,19 +175,19 @@ class InProcessCommunicator final : public Communicator {
         y.ndim == 2 && y.size(0) * route.top_k == route.n,
         "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
     check_window(win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
-    w_.barrier();
+    w_.barrier(rank_);
     const bool add = accumulate && *accumulate != 0;
     if (y.dtype == DType::f32)
       combine_rows<float>(route, win, red, y, add, fan, values_out);
     else
       combine_rows<double>(route, win, red, y, add, fan, values_out);
-    w_.barrier();
+    w_.barrier(rank_);
   }
 
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& home, void* spare, size_t slot_bytes,
                           Stream) override {
-    w_.barrier();
+    w_.barrier(rank_);
     for (int s = 0; s < cfg.spare_slots; ++s) {
       const int e = plan.spare_expert[rank_ * cfg.spare_slots + s];
       if (e < 0) continue;
@@ -174,13 +195,13 @@ class InProcessCommunicator final : public Communicator {
       std::memcpy(row_ptr(spare, s, slot_bytes),
                   row_ptr(const_cast<void*>(from), cfg.home_slot(e), slot_bytes), slot_bytes);
     }
-    w_.barrier();
+    w_.barrier(rank_);
   }
 
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
-    w_.barrier();
+    w_.barrier(rank_);
     const int EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
     const size_t slot_bytes = size_t(slot_elems) * dtype_size(dtype);
     for (int j = 0; j < EPR; ++j) {
@@ -201,7 +222,7 @@ class InProcessCommunicator final : public Communicator {
                                     << to_string(dtype));
       }
     }
-    w_.barrier();
+    w_.barrier(rank_);
   }
 
  private:
@@ -234,7 +255,8 @@ class InProcessCommunicator final : public Communicator {
 
 }  // namespace
 
-InProcessWorld::InProcessWorld(int ranks) : state_(std::make_unique<State>(ranks)) {
+InProcessWorld::InProcessWorld(int ranks, std::chrono::milliseconds timeout)
+    : state_(std::make_unique<State>(ranks, timeout)) {
   MOE_ECHO_CHECK(ranks >= 1, "ranks = " << ranks << ", need >= 1");
   state_->staging.resize(size_t(ranks), nullptr);
   for (int r = 0; r < ranks; ++r)
@@ -253,6 +275,9 @@ Communicator& InProcessWorld::communicator(int rank) {
 void InProcessWorld::run(const std::function<void(int)>& fn) {
   std::vector<std::exception_ptr> errors(size_t(state_->ranks));
   std::vector<std::thread> threads;
+  std::mutex done_mu;
+  std::condition_variable done_cv;
+  std::vector<bool> done(size_t(state_->ranks), false);
   for (int r = 0; r < state_->ranks; ++r)
     threads.emplace_back([&, r] {
       try {
@@ -261,7 +286,52 @@ void InProcessWorld::run(const std::function<void(int)>& fn) {
         errors[size_t(r)] = std::current_exception();
         state_->abort();
       }
+      std::lock_guard<std::mutex> lock(done_mu);
+      done[size_t(r)] = true;
+      done_cv.notify_all();
     });
+  // A rank that hangs outside the barriers cannot be interrupted: once the world is aborted, the
+  // other ranks get one more timeout to return, then the process ends with a message, as the
+  // watchdog ends a hung rank of a multi-process run (Watchdog::kExitCode).
+  {
+    std::unique_lock<std::mutex> lock(done_mu);
+    auto all_done = [&] {
+      for (bool d : done)
+        if (!d) return false;
+      return true;
+    };
+    for (;;) {
+      if (done_cv.wait_for(lock, std::chrono::milliseconds(100), all_done)) break;
+      bool aborted;
+      {
+        std::lock_guard<std::mutex> world_lock(state_->mu);
+        aborted = state_->aborted;
+      }
+      if (!aborted) continue;
+      if (done_cv.wait_for(lock, state_->timeout, all_done)) break;
+      std::ostringstream hung;
+      for (int r = 0; r < state_->ranks; ++r)
+        if (!done[size_t(r)]) hung << (hung.tellp() > 0 ? ", " : "") << r;
+      std::string why = "another rank failed";
+      for (auto& e : errors) {
+        if (!e) continue;
+        try {
+          std::rethrow_exception(e);
+        } catch (const std::exception& err) {
+          why = err.what();
+        } catch (...) {
+        }
+        if (why.find("world aborted") == std::string::npos) break;
+      }
+      std::fprintf(stderr,
+                   "moe-echo: in-process world: rank(s) %s still running %lld ms after the "
+                   "world aborted (%s); aborting\n",
+                   hung.str().c_str(), static_cast<long long>(state_->timeout.count()),
+                   why.c_str());
+      std::fflush(stderr);
+      _exit(Watchdog::kExitCode);
+    }
+  }
   for (auto& t : threads) t.join();
   // Report the first failure that is not just another rank noticing the abort.
   std::exception_ptr first;

@@ -10,16 +10,19 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
+#include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
@@ -378,3 +381,58 @@ TEST(InProcessComm, DispatchWritesLeadsAndFanTableCombineSumsLeads) {
 
 }  // namespace
 }  // namespace moe_echo
+
+namespace moe_echo::test {
+namespace {
+
+// ---- ranks that die or hang ----------------------------------------------------------------
+
+TEST(InProcessWorld, RankThatThrowsEndsEveryRank) {
+  InProcessWorld world(3, std::chrono::milliseconds(60000));
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    world.run([&](int r) {
+      if (r == 1) throw Error("rank 1 failed on purpose");
+      world.communicator(r).barrier();  // the others wait here until the abort
+    });
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rank 1 failed on purpose");
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5)) << "at once";
+}
+
+TEST(InProcessWorld, RankThatNeverArrivesIsNamedAfterTheTimeout) {
+  InProcessWorld world(3, std::chrono::milliseconds(300));
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    world.run([&](int r) {
+      if (r != 2) world.communicator(r).barrier();  // rank 2 returns without the barrier
+    });
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("waited 300 ms at a barrier for rank(s) 2, which never "
+                                         "arrived (timeout; set MOE_ECHO_TIMEOUT_S"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+}
+
+TEST(InProcessWorldDeathTest, HungRankEndsTheProcessWithAMessage) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        InProcessWorld world(2, std::chrono::milliseconds(300));
+        world.run([&](int r) {
+          if (r == 1) std::this_thread::sleep_for(std::chrono::seconds(60));  // hangs
+          world.communicator(r).barrier();
+        });
+      },
+      testing::ExitedWithCode(124),
+      "rank\\(s\\) 1 still running 300 ms after the world aborted \\(in-process world: rank 0 "
+      "waited 300 ms at a barrier for rank\\(s\\) 1");
+}
+
+}  // namespace
+}  // namespace moe_echo::test
