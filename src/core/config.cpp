@@ -57,6 +57,8 @@ Recompute parse_recompute(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "none, moe_act, experts or dispatch");
 }
 
+constexpr double kMaxCoeff = 1e6;
+
 void validate(const MoeConfig& m) {
   if (m.hidden < 1) reject("hidden", m.hidden, "hidden >= 1");
   if (m.ffn < 1) reject("ffn", m.ffn, "ffn >= 1");
@@ -70,12 +72,15 @@ void validate(const MoeConfig& m) {
   if (int64_t(m.max_tokens) * m.top_k > kMaxRows)
     reject("max_tokens", m.max_tokens,
            "max_tokens * top_k <= 2^31-1 (top_k = " + std::to_string(m.top_k) + ")");
-  if (!std::isfinite(m.aux_loss_coeff) || m.aux_loss_coeff < 0)
-    reject("aux_loss_coeff", m.aux_loss_coeff, "a finite value >= 0");
-  if (!std::isfinite(m.z_loss_coeff) || m.z_loss_coeff < 0)
-    reject("z_loss_coeff", m.z_loss_coeff, "a finite value >= 0");
-  if (!std::isfinite(m.bias_update_rate) || m.bias_update_rate < 0)
-    reject("bias_update_rate", m.bias_update_rate, "a finite value >= 0");
+  // Coefficients and rates beyond kMaxCoeff would overflow the float losses and gradients (no
+  // training uses more than a few units).
+  if (!std::isfinite(m.aux_loss_coeff) || m.aux_loss_coeff < 0 || m.aux_loss_coeff > kMaxCoeff)
+    reject("aux_loss_coeff", m.aux_loss_coeff, "a finite value in [0, 1e6]");
+  if (!std::isfinite(m.z_loss_coeff) || m.z_loss_coeff < 0 || m.z_loss_coeff > kMaxCoeff)
+    reject("z_loss_coeff", m.z_loss_coeff, "a finite value in [0, 1e6]");
+  if (!std::isfinite(m.bias_update_rate) || m.bias_update_rate < 0 ||
+      m.bias_update_rate > kMaxCoeff)
+    reject("bias_update_rate", m.bias_update_rate, "a finite value in [0, 1e6]");
   if (m.expert_groups < 1 || m.expert_groups > kMaxExpertGroups || m.experts % m.expert_groups != 0)
     reject("expert_groups", m.expert_groups,
            range("1", "expert_groups", std::to_string(kMaxExpertGroups)) + ", dividing experts (" +
@@ -92,8 +97,9 @@ void validate(const MoeConfig& m) {
       m.experts / m.expert_groups < 2)
     reject("group_score", to_string(m.group_score),
            "max when a group holds one expert (experts / expert_groups = 1)");
-  if (!std::isfinite(m.routed_scaling_factor) || m.routed_scaling_factor <= 0)
-    reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value > 0");
+  if (!std::isfinite(m.routed_scaling_factor) || m.routed_scaling_factor <= 0 ||
+      m.routed_scaling_factor > kMaxCoeff)
+    reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value in (0, 1e6]");
   if (m.shared_experts < 0) reject("shared_experts", m.shared_experts, "shared_experts >= 0");
   if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
   if (int(m.recompute) < 0 || int(m.recompute) > int(Recompute::dispatch))
@@ -102,8 +108,9 @@ void validate(const MoeConfig& m) {
     reject("shared_side_stream", "true", "false without shared experts (shared_experts = 0)");
   if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)
     reject("shared_experts", m.shared_experts, "shared_experts * shared_ffn <= 2^31-1");
-  if (!std::isfinite(m.seq_aux_loss_coeff) || m.seq_aux_loss_coeff < 0)
-    reject("seq_aux_loss_coeff", m.seq_aux_loss_coeff, "a finite value >= 0");
+  if (!std::isfinite(m.seq_aux_loss_coeff) || m.seq_aux_loss_coeff < 0 ||
+      m.seq_aux_loss_coeff > kMaxCoeff)
+    reject("seq_aux_loss_coeff", m.seq_aux_loss_coeff, "a finite value in [0, 1e6]");
   if (m.seq_len < 0 || (m.seq_aux_loss_coeff > 0 && m.seq_len < 1))
     reject("seq_len", m.seq_len,
            m.seq_aux_loss_coeff > 0 ? "seq_len >= 1 with seq_aux_loss_coeff > 0" : "seq_len >= 0");
