@@ -224,7 +224,9 @@ Param parse_param(const std::string& name) {
   if (name == "router_bias") return Param::router_bias;
   if (name == "w1") return Param::w1;
   if (name == "w2") return Param::w2;
-  reject("name", "'" + name + "'", "router_weight, router_bias, w1 or w2");
+  if (name == "shared_w1") return Param::shared_w1;
+  if (name == "shared_w2") return Param::shared_w2;
+  reject("name", "'" + name + "'", "router_weight, router_bias, w1, w2, shared_w1 or shared_w2");
 }
 
 }  // namespace
@@ -277,7 +279,8 @@ NB_MODULE(_ext, m) {
              int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives,
              const std::string& transport, int expert_groups, int topk_groups,
              const std::string& group_score, double routed_scaling_factor,
-             double seq_aux_loss_coeff, int seq_len, const std::string& recompute) {
+             double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
+             int shared_experts, int shared_ffn) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -297,6 +300,8 @@ NB_MODULE(_ext, m) {
             moe.seq_aux_loss_coeff = seq_aux_loss_coeff;
             moe.seq_len = seq_len;
             moe.recompute = parse_recompute(recompute);
+            moe.shared_experts = shared_experts;
+            moe.shared_ffn = shared_ffn;
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -311,7 +316,8 @@ NB_MODULE(_ext, m) {
           "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none(),
           "transport"_a = "host", "expert_groups"_a = 1, "topk_groups"_a = 1,
           "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
-          "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none")
+          "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
+          "shared_experts"_a = 0, "shared_ffn"_a = 0)
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,

@@ -45,8 +45,11 @@ def reference_moe(
     routed_scaling_factor=1.0,
     seq_aux_loss_coeff=0.0,
     seq_len=0,
+    shared_w1=None,
+    shared_w2=None,
 ):
-    """(y, aux, z, topk_idx, seq_aux) for x [T, H]; differentiable in x and every weight."""
+    """(y, aux, z, topk_idx, seq_aux) for x [T, H]; differentiable in x and every weight.
+    shared_w1 [H, 2S], shared_w2 [S, H]: shared experts, a dense SwiGLU added to y."""
     T, H = x.shape
     E = router_weight.shape[0]
     F = w2.shape[1]
@@ -76,6 +79,10 @@ def reference_moe(
         h = x[tok] @ w1[e]
         a = Fn.silu(h[:, :F]) * h[:, F:]
         y = y.index_add(0, tok, (a @ w2[e]) * w[tok, k].unsqueeze(1))
+    if shared_w1 is not None:
+        S = shared_w2.shape[0]
+        hs = x @ shared_w1
+        y = y + (Fn.silu(hs[:, :S]) * hs[:, S:]) @ shared_w2
     zero = x.new_zeros(())
     if T == 0:
         return y, zero, zero, idx, zero

@@ -38,6 +38,10 @@ def check_against_reference(m, x, skew=0.0, tol=TOL):
     rw = m.router_weight.detach().clone().requires_grad_(True)
     w1 = m.w1.detach().clone().requires_grad_(True)
     w2 = m.w2.detach().clone().requires_grad_(True)
+    shared = {}
+    if m.shared_width > 0:
+        shared = dict(shared_w1=m.shared_w1.detach().clone().requires_grad_(True),
+                      shared_w2=m.shared_w2.detach().clone().requires_grad_(True))
     c = m._config
     yr, aux, z, _, seq_aux = reference_moe(
         xr.reshape(-1, m.hidden), rw, w1, w2, top_k=m.top_k,
@@ -46,7 +50,7 @@ def check_against_reference(m, x, skew=0.0, tol=TOL):
         z_loss_coeff=c["z_loss_coeff"], expert_groups=c["expert_groups"],
         topk_groups=c["topk_groups"], group_score=c["group_score"],
         routed_scaling_factor=c["routed_scaling_factor"],
-        seq_aux_loss_coeff=c["seq_aux_loss_coeff"], seq_len=c["seq_len"])
+        seq_aux_loss_coeff=c["seq_aux_loss_coeff"], seq_len=c["seq_len"], **shared)
     ((yr.reshape(x.shape) * g).sum() + aux + z + seq_aux).backward()
 
     assert rel(y, yr.reshape(x.shape)) < tol
@@ -54,6 +58,8 @@ def check_against_reference(m, x, skew=0.0, tol=TOL):
     assert rel(m.router_weight.grad, rw.grad) < tol
     assert rel(m.w1.grad, w1.grad) < tol
     assert rel(m.w2.grad, w2.grad) < tol
+    for name, ref in shared.items():
+        assert rel(getattr(m, name).grad, ref.grad) < tol, name
     assert abs(m.aux_loss.item() - aux.item()) <= tol * max(1.0, abs(aux.item()))
     assert abs(m.z_loss.item() - z.item()) <= tol * max(1.0, abs(z.item()))
     assert abs(m.seq_aux_loss.item() - seq_aux.item()) <= tol * max(1.0, abs(seq_aux.item()))
@@ -139,6 +145,30 @@ def test_echo_on_equals_off():
         outs.append((y.detach(), xx.grad, m.w1.grad, m.w2.grad, m.router_weight.grad))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shared_ffn", [0, 8])
+def test_shared_experts_match_reference(shared_ffn):
+    # DeepSeek-V3-style routing with shared experts, spill rounds (capacity 0.5), two steps whose
+    # shared-expert gradients accumulate in .grad like any parameter's.
+    m = make(shared_experts=2, shared_ffn=shared_ffn, capacity_factor=0.5, aux_loss_coeff=0.01,
+             score_function="sigmoid", expert_groups=4, topk_groups=2, routed_scaling_factor=2.5)
+    assert m.shared_w1.shape == (16, 2 * m.shared_width) and m.shared_w2.shape == (m.shared_width, 16)
+    assert "shared_w1" in m.bound_parameters()
+    check_against_reference(m, torch.randn(40, 16, dtype=torch.float64), skew=2.0)
+    g1 = m.shared_w1.grad.clone()
+    x = torch.randn(40, 16, dtype=torch.float64)
+    m(x).sum().backward()
+    step2 = make(shared_experts=2, shared_ffn=shared_ffn, capacity_factor=0.5, aux_loss_coeff=0.01,
+                 score_function="sigmoid", expert_groups=4, topk_groups=2,
+                 routed_scaling_factor=2.5)
+    step2.load_state_dict(m.state_dict())
+    step2(x).sum().backward()
+    assert rel(m.shared_w1.grad, g1 + step2.shared_w1.grad) < 1e-12
+    sd = m.state_dict()
+    assert "shared_w1" in sd and "shared_w2" in sd
+    with pytest.raises(TypeError, match="shared_experts"):
+        make(shared_experts=1.5)
 
 
 @pytest.mark.parametrize("recompute", ["moe_act", "experts", "dispatch"])
@@ -313,14 +343,15 @@ def test_inference_forward_needs_no_backward():
     assert m.w1.grad is not None
 
 
-def test_meta_device_then_to():
-    m = make(device="meta")
+@pytest.mark.parametrize("shared_experts", [0, 1])
+def test_meta_device_then_to(shared_experts):
+    m = make(device="meta", shared_experts=shared_experts)
     with pytest.raises(RuntimeError, match="meta"):
         m(torch.randn(2, 16, dtype=torch.float64))
     m = m.to_empty(device="cpu")
-    torch.nn.init.normal_(m.w1, std=0.1)
-    torch.nn.init.normal_(m.w2, std=0.1)
-    torch.nn.init.normal_(m.router_weight, std=0.1)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    assert len(m.bound_parameters()) == 3 + 2 * shared_experts
     check_against_reference(m, torch.randn(8, 16, dtype=torch.float64))
 
 
@@ -335,7 +366,7 @@ def test_dtype_change_rebuilds_the_layer():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(backend):
     torch.manual_seed(4)
-    m = make(aux_loss_coeff=0.01)
+    m = make(aux_loss_coeff=0.01, shared_experts=1, dtype=torch.float64)
     x = torch.randn(3, 8, 16, dtype=torch.float64)
     g = torch.randn(3, 8, 16, dtype=torch.float64)
 
@@ -344,7 +375,8 @@ def test_torch_compile_fullgraph(backend):
         xx = x.clone().requires_grad_(True)
         y = fn(xx)
         (y * g).sum().backward()
-        return y.detach(), xx.grad, m.w1.grad.clone(), m.router_weight.grad.clone()
+        return (y.detach(), xx.grad, m.w1.grad.clone(), m.router_weight.grad.clone(),
+                m.shared_w2.grad.clone())
 
     eager = run(m)
     torch._dynamo.reset()

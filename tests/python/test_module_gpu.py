@@ -39,8 +39,9 @@ def pair(**kw):
     gpu = MoE(H, F, E, K, device="cuda", **args)
     cpu = MoE(H, F, E, K, device="cpu", **args)
     with torch.no_grad():
-        for p in (gpu.w1, gpu.w2):
-            p.copy_(p.bfloat16().float())
+        for name, p in gpu.named_parameters():
+            if name != "router_weight":  # expert weights (routed and shared) compute in bf16
+                p.copy_(p.bfloat16().float())
         for pc, pg in zip(cpu.parameters(), gpu.parameters()):
             pc.copy_(pg)
     return gpu, cpu
@@ -71,10 +72,10 @@ def step_behind_held_gpu(m, x, g):
     return out
 
 
-@pytest.mark.parametrize("capacity_factor", [1.25, 0.3])
-def test_cuda_matches_cpu(capacity_factor):
+@pytest.mark.parametrize("capacity_factor,shared_experts", [(1.25, 0), (0.3, 0), (0.3, 1)])
+def test_cuda_matches_cpu(capacity_factor, shared_experts):
     torch.manual_seed(0)
-    gpu, cpu = pair(capacity_factor=capacity_factor)
+    gpu, cpu = pair(capacity_factor=capacity_factor, shared_experts=shared_experts)
     x = torch.randn(384, 256).bfloat16().float()
     g = torch.randn(384, 256)
     y_c, dx_c = step(cpu, x, g)

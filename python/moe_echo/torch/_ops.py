@@ -42,7 +42,7 @@ _next_id = itertools.count(1)
 class LayerHandle:
     """A C++ layer, views of its buffers, and the host state of its forward/backward pairing."""
 
-    def __init__(self, layer, device: torch.device):
+    def __init__(self, layer, device: torch.device, shared: bool = False):
         self.layer = layer
         self.device = device
         self.router_weight = layer.param("router_weight")
@@ -52,6 +52,13 @@ class LayerHandle:
         self.d_router_weight = layer.grad("router_weight")
         self.dw1 = layer.grad("w1")
         self.dw2 = layer.grad("w2")
+        # Shared experts [H, 2S] and [S, H] (the layer's one group; None without).
+        self.shared_w1 = self.shared_w2 = self.d_shared_w1 = self.d_shared_w2 = None
+        if shared:
+            self.shared_w1 = layer.param("shared_w1")[0]
+            self.shared_w2 = layer.param("shared_w2")[0]
+            self.d_shared_w1 = layer.grad("shared_w1")[0]
+            self.d_shared_w2 = layer.grad("shared_w2")[0]
         self.losses = layer.losses()
         self.plan = layer.plan_buffer()
         self.plan_layout = layer.plan_layout
@@ -86,12 +93,21 @@ def _stream(device: torch.device) -> int:
 
 @torch.library.custom_op("moe_echo::moe_forward", mutates_args=())
 def moe_forward(
-    x: Tensor, router_weight: Tensor, w1: Tensor, w2: Tensor, layer_id: int
+    x: Tensor,
+    router_weight: Tensor,
+    w1: Tensor,
+    w2: Tensor,
+    shared_w1: Tensor,
+    shared_w2: Tensor,
+    layer_id: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """y, losses [aux, z, sequence aux], token of the layer on x [T, H] (the layer's activation
-    dtype)."""
+    dtype). shared_w1, shared_w2: the shared experts' weights, or empty tensors without."""
     h = handle(layer_id)
-    for src, dst in ((router_weight, h.router_weight), (w1, h.w1), (w2, h.w2)):
+    pairs = [(router_weight, h.router_weight), (w1, h.w1), (w2, h.w2)]
+    if h.shared_w1 is not None:
+        pairs += [(shared_w1, h.shared_w1), (shared_w2, h.shared_w2)]
+    for src, dst in pairs:
         if src.data_ptr() != dst.data_ptr():  # not bound to the layer's buffer: copy it in
             dst.copy_(src)
     y = torch.empty_like(x)
@@ -102,7 +118,7 @@ def moe_forward(
 
 
 @moe_forward.register_fake
-def _(x, router_weight, w1, w2, layer_id):
+def _(x, router_weight, w1, w2, shared_w1, shared_w2, layer_id):
     h = handle(layer_id)
     return (
         torch.empty_like(x),
@@ -120,9 +136,10 @@ def moe_backward(
     router_dtype: torch.dtype,
     w1_dtype: torch.dtype,
     w2_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """dx, d router_weight, d w1, d w2 (in the given dtypes) of the forward that returned
-    `token`."""
+    shared_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """dx, d router_weight, d w1, d w2, d shared_w1, d shared_w2 (in the given dtypes; the last
+    two empty without shared experts) of the forward that returned `token`."""
     h = handle(layer_id)
     serial = int(token[0])  # a CPU tensor: no device sync
     if h.pending != serial:
@@ -146,33 +163,49 @@ def moe_backward(
     else:
         h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream)
         dw1, dw2 = h.dw1.to(w1_dtype, copy=True), h.dw2.to(w2_dtype, copy=True)
-    return dx, h.d_router_weight.to(router_dtype, copy=True), dw1, dw2
+    if h.d_shared_w1 is not None:  # written by this backward (after discard_grad)
+        dsw1 = h.d_shared_w1.to(shared_dtype, copy=True)
+        dsw2 = h.d_shared_w2.to(shared_dtype, copy=True)
+    else:
+        dsw1, dsw2 = (dy.new_empty((0,), dtype=shared_dtype) for _ in range(2))
+    return dx, h.d_router_weight.to(router_dtype, copy=True), dw1, dw2, dsw1, dsw2
 
 
 @moe_backward.register_fake
-def _(dy, x, token, layer_id, router_dtype, w1_dtype, w2_dtype):
+def _(dy, x, token, layer_id, router_dtype, w1_dtype, w2_dtype, shared_dtype):
     h = handle(layer_id)
+
+    def shared(t):
+        return dy.new_empty(tuple(t.shape) if t is not None else (0,), dtype=shared_dtype)
+
     return (
         torch.empty_like(dy),
         dy.new_empty(tuple(h.d_router_weight.shape), dtype=router_dtype),
         dy.new_empty(tuple(h.dw1.shape), dtype=w1_dtype),
         dy.new_empty(tuple(h.dw2.shape), dtype=w2_dtype),
+        shared(h.d_shared_w1),
+        shared(h.d_shared_w2),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    x, router_weight, w1, w2, layer_id = inputs
+    x, router_weight, w1, w2, shared_w1, shared_w2, layer_id = inputs
     _, losses, token = output
     ctx.save_for_backward(x, token)
     ctx.layer_id = layer_id
-    ctx.dtypes = (router_weight.dtype, w1.dtype, w2.dtype)
+    ctx.shared = shared_w1.numel() > 0
+    ctx.dtypes = (router_weight.dtype, w1.dtype, w2.dtype, shared_w1.dtype)
     ctx.mark_non_differentiable(losses, token)
 
 
 def _backward(ctx, dy, dlosses, dtoken):
     x, token = ctx.saved_tensors
-    dx, d_router, dw1, dw2 = moe_backward(dy.contiguous(), x, token, ctx.layer_id, *ctx.dtypes)
-    return dx, d_router, dw1, dw2, None
+    dx, d_router, dw1, dw2, dsw1, dsw2 = moe_backward(
+        dy.contiguous(), x, token, ctx.layer_id, *ctx.dtypes
+    )
+    if not ctx.shared:
+        dsw1 = dsw2 = None
+    return dx, d_router, dw1, dw2, dsw1, dsw2, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)

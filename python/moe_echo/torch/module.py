@@ -31,7 +31,10 @@ def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str
 
 def _param_views(h: _ops.LayerHandle) -> tuple[tuple[str, Tensor], ...]:
     """(parameter name, the layer's buffer for it) of every parameter."""
-    return (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2))
+    views = (("router_weight", h.router_weight), ("w1", h.w1), ("w2", h.w2))
+    if h.shared_w1 is not None:
+        views += (("shared_w1", h.shared_w1), ("shared_w2", h.shared_w2))
+    return views
 
 
 class MoE(nn.Module):
@@ -55,6 +58,10 @@ class MoE(nn.Module):
         echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
         capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
             rows beyond it run in extra (spill) rounds, never dropped.
+        shared_experts, shared_ffn: dense SwiGLU experts every token goes through, added to the
+            routed output (DeepSeek-V3, Qwen2-MoE): together one SwiGLU of width
+            shared_experts * shared_ffn (0: ffn), parameters ``shared_w1`` [H, 2S] (gate | up) and
+            ``shared_w2`` [S, H], replicated on every EP rank like the router.
         recompute: what the forward keeps for the backward: "none" (received rows, fc1 and SwiGLU
             outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
             redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
@@ -95,6 +102,8 @@ class MoE(nn.Module):
         capacity_factor: float = 1.25,
         max_clones_per_expert: int = 2,
         clone_cost_rows: int = 0,
+        shared_experts: int = 0,
+        shared_ffn: int = 0,
         recompute: str = "none",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -116,6 +125,8 @@ class MoE(nn.Module):
             ("expert_groups", expert_groups),
             ("topk_groups", topk_groups),
             ("seq_len", seq_len),
+            ("shared_experts", shared_experts),
+            ("shared_ffn", shared_ffn),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
@@ -152,7 +163,10 @@ class MoE(nn.Module):
             clone_cost_rows=clone_cost_rows,
             seed=seed,
             recompute=recompute,
+            shared_experts=shared_experts,
+            shared_ffn=shared_ffn,
         )
+        self.shared_width = shared_experts * (shared_ffn if shared_ffn > 0 else ffn)
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
         if ep_transport not in ("auto", "nccl", "host"):
@@ -218,7 +232,7 @@ class MoE(nn.Module):
         else:
             layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
         old = self._layer_id
-        self._handle = _ops.LayerHandle(layer, device)
+        self._handle = _ops.LayerHandle(layer, device, shared=self.shared_width > 0)
         self._layer_id = _ops.register(self._handle)
         self._layer_key = (device, compute)
         if old is not None:
@@ -231,6 +245,10 @@ class MoE(nn.Module):
         self.router_weight = nn.Parameter(torch.empty(self.experts, H, **meta))
         self.w1 = nn.Parameter(torch.empty(E, H, 2 * F, **meta))
         self.w2 = nn.Parameter(torch.empty(E, F, H, **meta))
+        if self.shared_width > 0:
+            S = self.shared_width
+            self.shared_w1 = nn.Parameter(torch.empty(H, 2 * S, **meta))
+            self.shared_w2 = nn.Parameter(torch.empty(S, H, **meta))
         self.register_buffer(
             "router_bias", torch.zeros(self.experts, device="meta", dtype=torch.float32)
         )
@@ -245,7 +263,7 @@ class MoE(nn.Module):
         device, dtype = self.w1.device, self.w1.dtype
         if device.type == "meta":
             return self
-        if any(p.device != device for p in (self.router_weight, self.w2)):
+        if any(p.device != device for p in self.parameters()):
             raise ValueError("MoE parameters on different devices: allowed one device for all")
         key = (device, _compute_dtypes(device, dtype)[1])
         if key != self._layer_key:
@@ -298,7 +316,13 @@ class MoE(nn.Module):
                 f"max_tokens = {self.max_tokens}"
             )
         xc = x.reshape(tokens, self.hidden).to(h.activation_dtype).contiguous()
-        y, losses, _ = _ops.moe_forward(xc, self.router_weight, self.w1, self.w2, self._layer_id)
+        if self.shared_width > 0:
+            shared = (self.shared_w1, self.shared_w2)
+        else:
+            shared = (x.new_empty((0,), dtype=h.activation_dtype),) * 2
+        y, losses, _ = _ops.moe_forward(
+            xc, self.router_weight, self.w1, self.w2, *shared, self._layer_id
+        )
         self.last_losses = losses
         return y.to(x.dtype).reshape(x.shape)
 
