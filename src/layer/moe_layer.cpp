@@ -441,6 +441,17 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
                 planner_.spare_slots,
         "workspace built for another expert-parallel layout or number of echo slots than the "
         "layer's");
+    // Every buffer of the workspace must hold this layer's need, checked before allocating.
+    MoeWorkspace::Buffers need;
+    need.size_for({moe}, par, echo, backend.activation_dtype(), backend.float_dtype());
+    std::vector<size_t> needed, held;
+    need.each([&](MoeWorkspace::Buffers::Bytes& x, bool) { needed.push_back(x.bytes); });
+    workspace->buf_->each([&](MoeWorkspace::Buffers::Bytes& x, bool) { held.push_back(x.bytes); });
+    for (size_t i = 0; i < needed.size(); ++i)
+      MOE_ECHO_CHECK(needed[i] <= held[i], "workspace buffer of "
+                                               << held[i] << " bytes where this layer needs "
+                                               << needed[i]
+                                               << ": build the workspace for this layer's config");
     ws_ = workspace;
   } else {
     own_workspace_ =
