@@ -210,16 +210,24 @@ MoeWorkspace::MoeWorkspace(Backend& backend, Communicator& comm,
   comm.barrier();
 }
 
-MoeWorkspace::~MoeWorkspace() {
-  if (!buf_) return;
+namespace {
+// Frees what a layer or workspace allocated: the symmetric buffers collectively (locally when a
+// peer that failed cannot take part in the collective free), then the owned ones.
+void release(Backend& backend, Communicator& comm, const std::vector<SymmetricBuffer*>& symmetric,
+             const std::vector<void*>& owned) {
   try {
-    backend_.synchronize();
-    for (SymmetricBuffer* s : buf_->symmetric) comm_.free_symmetric(backend_, *s);
+    backend.synchronize();
+    for (SymmetricBuffer* s : symmetric) comm.free_symmetric(backend, *s);
   } catch (...) {
-    for (SymmetricBuffer* s : buf_->symmetric)
-      if (s->local) backend_.deallocate(s->local);
+    for (SymmetricBuffer* s : symmetric)
+      if (s->local) backend.deallocate(s->local);
   }
-  for (void* p : buf_->owned) backend_.deallocate(p);
+  for (void* p : owned) backend.deallocate(p);
+}
+}  // namespace
+
+MoeWorkspace::~MoeWorkspace() {
+  if (buf_) release(backend_, comm_, buf_->symmetric, buf_->owned);
 }
 
 size_t MoeWorkspace::bytes() const { return buf_->bytes; }
@@ -547,15 +555,7 @@ void MoeLayer::refresh_master_weights() {
 MoeLayer::~MoeLayer() {
   if (!buf_) return;
   if (ws_ && ws_->pool_owner_ == this) ws_->pool_owner_ = nullptr;
-  try {
-    backend_.synchronize();
-    for (SymmetricBuffer* s : buf_->symmetric) comm_.free_symmetric(backend_, *s);
-  } catch (...) {
-    // A peer that failed cannot take part in the collective free; release locally.
-    for (SymmetricBuffer* s : buf_->symmetric)
-      if (s->local) backend_.deallocate(s->local);
-  }
-  for (void* p : buf_->owned) backend_.deallocate(p);
+  release(backend_, comm_, buf_->symmetric, buf_->owned);
 }
 
 void MoeLayer::init_parameters(uint64_t seed) {
