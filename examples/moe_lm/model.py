@@ -35,19 +35,27 @@ def decode(ids) -> str:
 
 
 class Batches:
-    """Random windows of the corpus, from a seeded generator (the same batches for the same seed)."""
+    """Random windows of the corpus, from a seeded generator (the same batches for the same seed).
+    With parts > 1 every part draws the same global batch of batch * parts windows and keeps its
+    own rows [part * batch, (part + 1) * batch): N ranks of --batch B see exactly the windows of one
+    process with --batch N * B."""
 
-    def __init__(self, tokens: torch.Tensor, batch: int, seq_len: int, seed: int):
+    def __init__(self, tokens: torch.Tensor, batch: int, seq_len: int, seed: int, part: int = 0,
+                 parts: int = 1):
         if tokens.numel() <= seq_len + 1:
             raise ValueError(
                 f"seq_len = {seq_len} is invalid: allowed < corpus tokens - 1 ({tokens.numel() - 1})"
             )
+        if not 0 <= part < parts:
+            raise ValueError(f"part = {part} is invalid: allowed 0 <= part < parts ({parts})")
         self.tokens, self.batch, self.seq_len = tokens, batch, seq_len
+        self.part, self.parts = part, parts
         self.gen = torch.Generator().manual_seed(seed)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.batch,),
-                              generator=self.gen)
+        start = torch.randint(0, self.tokens.numel() - self.seq_len - 1,
+                              (self.batch * self.parts,), generator=self.gen)
+        start = start[self.part * self.batch : (self.part + 1) * self.batch]
         idx = start[:, None] + torch.arange(self.seq_len + 1)[None, :]
         w = self.tokens[idx]
         return w[:, :-1], w[:, 1:]

@@ -8,7 +8,14 @@ plain PyTorch MoE block, or both, to compare their loss curves on the same seed 
 
 Prints a progress line (loss, tokens/s), writes a JSON record (--json) and a loss-curve PNG (--plot).
 With --compare the run fails (exit 1) unless the curves agree: the largest |difference| of their
---smooth-step running means <= --tolerance (nats). In float32 two runs drift apart slowly step by
+--smooth-step running means <= --tolerance (nats). --reference REC.json compares this run's curve
+with a recorded one the same way, e.g. experts over 2 GPUs against one GPU on the same data:
+
+    python examples/moe_lm/train.py --batch 16 --json one.json
+    torchrun --nproc-per-node 2 examples/moe_lm/train.py --ep 2 --batch 8 --reference one.json
+
+(the ranks split one global batch, so --ep N --batch B trains on the data of --batch N*B; the
+aux and z losses are per-rank terms, so set them to 0 for the closest match). In float32 two runs drift apart slowly step by
 step (different summation orders, amplified by training), so single steps are compared only with
 --smooth 1.
 """
@@ -58,6 +65,9 @@ def parse_args(argv=None):
                     help="also train this model on the same seed and data and compare curves")
     ap.add_argument("--tolerance", type=float, default=0.02,
                     help="largest |difference| of the two curves' --smooth-step means (nats)")
+    ap.add_argument("--reference", default=None,
+                    help="a JSON record of another run: compare this run's loss curve with its "
+                         "first curve (--tolerance, --smooth); exit 1 when they differ")
     ap.add_argument("--smooth", type=int, default=10,
                     help="steps per mean when comparing curves (1: step by step)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -102,6 +112,19 @@ def parse_args(argv=None):
         ap.error("--compare with --ep > 1 is invalid: allowed with --ep 1")
     if args.cuda_graph and not args.device.startswith("cuda"):
         ap.error(f"--cuda-graph with --device = {args.device} is invalid: allowed with cuda only")
+    if args.reference and args.compare != "none":
+        ap.error("--reference with --compare is invalid: allowed one comparison at a time")
+    if args.reference:
+        try:
+            ref = json.loads(Path(args.reference).read_text())
+            args.reference_losses = [float(v) for v in ref["runs"][0]["losses"]]
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            ap.error(f"--reference = {args.reference} is invalid: allowed a JSON record this "
+                     f"script wrote ({e})")
+        if len(args.reference_losses) != args.steps:
+            ap.error(f"--reference = {args.reference} is invalid: it holds "
+                     f"{len(args.reference_losses)} steps, allowed a record of --steps "
+                     f"({args.steps})")
     for path in (args.json, args.plot):
         if path and not Path(path).resolve().parent.is_dir():
             ap.error(f"output {path} is invalid: its folder does not exist")
@@ -141,7 +164,8 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
                             capturable=capturable, fused=device.type == "cuda")
     fwd = torch.compile(model, fullgraph=True) if args.compile else model
     rank = dist.get_rank() if args.ep > 1 else 0
-    batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed + rank)
+    # The ranks split one global batch: --ep N --batch B trains on the data of --batch N*B.
+    batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed, rank, args.ep)
     tokens_per_step = args.batch * args.seq_len * args.ep
     experts = {id(b.moe.w1) for b in model.blocks} | {id(b.moe.w2) for b in model.blocks}
 
@@ -280,6 +304,22 @@ def main(argv=None) -> int:
             dist.destroy_process_group()
 
 
+def compare(out: dict, args, a: list, b: list, what: str) -> int:
+    """Compares two loss curves into `out`; returns 0 when they agree, else 1."""
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    w = min(args.smooth, len(a))
+    mean = lambda v, i: sum(v[i : i + w]) / w  # noqa: E731
+    smooth_diff = max(abs(mean(a, i) - mean(b, i)) for i in range(len(a) - w + 1))
+    out["max_abs_loss_diff"] = diff
+    out["max_abs_smoothed_loss_diff"] = smooth_diff
+    out["smooth_window"] = w
+    out["curves_agree"] = bool(smooth_diff <= args.tolerance) and all(
+        math.isfinite(v) for v in a + b)
+    print(f"curves: {what}: max |diff| {diff:.4g} per step, {smooth_diff:.4g} over {w}-step means "
+          f"(tolerance {args.tolerance}): {'agree' if out['curves_agree'] else 'DIFFER'}")
+    return 0 if out["curves_agree"] else 1
+
+
 def run(args, leader: bool) -> int:
     first = "plain PyTorch MoE" if args.moe == "torch" else f"moe_echo (ECHO {args.echo})"
     runs = [(args.moe, args.echo == "on", first)]
@@ -292,25 +332,17 @@ def run(args, leader: bool) -> int:
         r = train(args, moe, echo, label)
         r["corpus"] = args.corpus
         records.append(r)
-    out = dict(config=vars(args), device=(torch.cuda.get_device_name(args.device)
+    config = {k: v for k, v in vars(args).items() if k != "reference_losses"}
+    out = dict(config=config, device=(torch.cuda.get_device_name(args.device)
                                           if args.device.startswith("cuda") else "cpu"),
                torch=torch.__version__, runs=records)
     rc = 0
     if len(records) == 2:
-        a, b = records[0]["losses"], records[1]["losses"]
-        diff = max(abs(x - y) for x, y in zip(a, b))
-        w = min(args.smooth, len(a))
-        mean = lambda v, i: sum(v[i : i + w]) / w  # noqa: E731
-        smooth_diff = max(abs(mean(a, i) - mean(b, i)) for i in range(len(a) - w + 1))
-        out["max_abs_loss_diff"] = diff
-        out["max_abs_smoothed_loss_diff"] = smooth_diff
-        out["smooth_window"] = w
-        out["curves_agree"] = bool(smooth_diff <= args.tolerance) and all(
-            math.isfinite(v) for v in a + b)
-        print(f"curves: {records[0]['label']} vs {records[1]['label']}: max |diff| {diff:.4g} per "
-              f"step, {smooth_diff:.4g} over {w}-step means (tolerance {args.tolerance}): "
-              f"{'agree' if out['curves_agree'] else 'DIFFER'}")
-        rc = 0 if out["curves_agree"] else 1
+        rc = compare(out, args, records[0]["losses"], records[1]["losses"],
+                     f"{records[0]['label']} vs {records[1]['label']}")
+    elif args.reference:
+        rc = compare(out, args, records[0]["losses"], args.reference_losses,
+                     f"{records[0]['label']} vs {args.reference}")
     first, last = records[0]["losses"][0], records[0]["losses"][-1]
     if leader:
         print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps")

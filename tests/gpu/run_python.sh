@@ -2,8 +2,11 @@
 # The Python package on a GPU machine, in one call: configure (CUDA and the Python package on),
 # build the extension and the CUDA layer test with all cores, run the CUDA layer test (the eager
 # no-host-sync test included) and the whole pytest suite (CPU and GPU tests) against the build
-# tree's package (PYTHONPATH=$BUILD_DIR/python). Logs go to $OUT (or out/python); a summary last.
-# Needs third_party/ (scripts/gpu_deps.sh) carried along.
+# tree's package (PYTHONPATH=$BUILD_DIR/python; PYTEST_FILES picks files, default tests/python).
+# With 2 GPUs or more, test_ep_nccl.py's EP runs take part, and the example model trains with its
+# experts over 2 GPUs (--ep 2, NCCL, the whole step in one CUDA graph) on the global batch of a
+# one-GPU run, whose loss curve it must equal (10-step means within 0.02 nats, bf16 autocast).
+# Logs go to $OUT (or out/python); a summary last. Needs third_party/ (scripts/gpu_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/python}
@@ -23,13 +26,28 @@ t1=$SECONDS
 "$build"/tests/gpu/cuda_layer_test >"$out/cuda_layer_test.log" 2>&1
 layer_rc=$?
 grep -E "^\[  (FAILED|PASSED) |Failure|timing" "$out/cuda_layer_test.log" | head -20
-PYTHONPATH="$PWD/$build/python" timeout 600 python3 -m pytest -q -rs tests/python \
+PYTHONPATH="$PWD/$build/python" timeout 600 python3 -m pytest -q -rs ${PYTEST_FILES:-tests/python} \
   >"$out/pytest.log" 2>&1
 py_rc=$?
 tail -25 "$out/pytest.log"
+gpus=$(nvidia-smi -L | grep -c "^GPU")
+ex_rc=skipped
+if [ "$gpus" -ge 2 ]; then
+  ex=(examples/moe_lm/train.py --steps 60 --warmup 5 --cuda-graph --amp --aux-loss-coeff 0
+      --tolerance 0.02 --smooth 10)
+  PYTHONPATH="$PWD/$build/python" timeout 300 python3 "${ex[@]}" --batch 16 \
+    --json "$out/moe_lm_one_gpu.json" >"$out/moe_lm_one_gpu.log" 2>&1 &&
+    PYTHONPATH="$PWD/$build/python" timeout 300 torchrun --standalone --nproc-per-node 2 \
+      "${ex[@]}" --ep 2 --batch 8 --reference "$out/moe_lm_one_gpu.json" \
+      --json "$out/moe_lm_ep2.json" >"$out/moe_lm_ep2.log" 2>&1
+  ex_rc=$?
+  tail -3 "$out/moe_lm_one_gpu.log" "$out/moe_lm_ep2.log"
+fi
 echo
 echo "== summary"
 printf "%-22s %s\n" "build" "rc $build_rc (${build_s} s)"
 printf "%-22s %s\n" "cuda_layer_test" "rc $layer_rc: $(grep -E '^\[  PASSED|^\[  FAILED' "$out/cuda_layer_test.log" | tr '\n' ' ')"
-printf "%-22s %s\n" "pytest tests/python" "rc $py_rc: $(tail -1 "$out/pytest.log")"
+printf "%-22s %s\n" "pytest" "rc $py_rc: $(tail -1 "$out/pytest.log")"
+printf "%-22s %s\n" "GPUs" "$gpus"
+printf "%-22s %s\n" "example --ep 2 = 1 GPU" "rc $ex_rc"
 printf "%-22s %s\n" "time" "$((SECONDS - t1)) s of tests"

@@ -48,28 +48,48 @@ def test_bad_flags_exit_2(capsys):
     assert "--experts = 0 is invalid" in capsys.readouterr().err
 
 
-def ep_worker(rank, port, out):
+# The ranks' global batch is --batch 8: one process of --batch 8 trains on the same data. The aux
+# loss is a per-rank term, so it is off for the comparison.
+EP_RUN = ["--steps", "30", "--aux-loss-coeff", "0", "--tolerance", "0.02", "--smooth", "5"]
+
+
+def ep_worker(rank, port, out, reference):
     import os
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rc = train.main(SMALL + ["--ep", "2", "--steps", "30", "--json", out])
+    rc = train.main(SMALL + EP_RUN + ["--ep", "2", "--json", out, "--reference", reference])
     assert rc == 0
 
 
-def test_expert_parallel_training_over_gloo(tmp_path):
-    # Two processes (as torchrun starts them) train with the experts split over them.
+def test_expert_parallel_training_over_gloo_equals_one_process(tmp_path):
+    # Two processes (as torchrun starts them) train with the experts split over them and their
+    # loss curve equals one process's on the same global batch.
     import socket
 
     import torch.multiprocessing as mp
 
+    one = tmp_path / "one.json"
+    assert train.main(SMALL + EP_RUN + ["--batch", "8", "--json", str(one)]) == 0
     with socket.socket() as s:  # a free loopback port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ep.json"
-    mp.spawn(ep_worker, args=(port, str(out)), nprocs=2, join=True)
+    mp.spawn(ep_worker, args=(port, str(out), str(one)), nprocs=2, join=True)
     rec = json.loads(out.read_text())
     losses = rec["runs"][0]["losses"]
     assert rec["config"]["ep"] == 2 and len(losses) == 30
+    assert rec["curves_agree"] and rec["max_abs_smoothed_loss_diff"] <= 0.02
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5
     assert len(rec["runs"][0]["layer0_stats"]["load_after"]) == 2
+
+
+def test_reference_must_match_the_run(tmp_path, capsys):
+    import pytest
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"runs": [{"losses": [1.0, 2.0]}]}))
+    with pytest.raises(SystemExit) as e:
+        train.main(SMALL + ["--steps", "5", "--reference", str(bad)])
+    assert e.value.code == 2
+    assert "holds 2 steps, allowed a record of --steps (5)" in capsys.readouterr().err
