@@ -41,7 +41,7 @@ if [ "$gpus" -ge 2 ]; then
       "${ex[@]}" --ep 2 --batch 8 --reference "$out/moe_lm_one_gpu.json" \
       --json "$out/moe_lm_ep2.json" >"$out/moe_lm_ep2.log" 2>&1
   ex_rc=$?
-  tail -3 "$out/moe_lm_one_gpu.log" "$out/moe_lm_ep2.log"
+  tail -n 3 "$out/moe_lm_one_gpu.log" "$out/moe_lm_ep2.log"
 fi
 echo
 echo "== summary"
