@@ -10,7 +10,9 @@
 // FLOPs = 2 * rows * K * N for every op. Inputs: uniform [-1, 1) bf16 with full mantissas
 // (bench/torch_grouped_mm.py draws the same distribution: power, hence clocks, depend on it).
 // Output: one JSON file (--out) and a table on stdout; bench/torch_grouped_mm.py adds
-// torch._grouped_mm measured on the same GPU and the ratios.
+// torch._grouped_mm measured on the same GPU and the ratios. With --fp8, per (shape, op): the bf16
+// production kernel, the FP8 blockwise kernel alone and with the quantization of its activation
+// operands (bench/torch_grouped_mm.py --fp8 adds torch._scaled_grouped_mm rowwise).
 //
 // This one source file is also compiled once per variant kernel (MOE_ECHO_GG_VARIANT = index,
 // CMake option MOE_ECHO_GEMM_VARIANTS): each such object instantiates one alternative CUTLASS
@@ -104,6 +106,8 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 #include <string>
 
 #include "cuda/grouped_gemm.hpp"
+#include "cuda/grouped_gemm_fp8.hpp"
+#include "cuda/ops.hpp"
 #include "moe_echo/backend.hpp"
 #include "moe_echo/presets.hpp"
 
@@ -122,6 +126,7 @@ namespace {
 
 namespace gd = moe_echo::cuda::gemm_detail;
 using moe_echo::DType;
+using moe_echo::Fp8GemmArgs;
 using moe_echo::GemmArgs;
 using moe_echo::Tensor;
 
@@ -224,8 +229,11 @@ struct Candidate {
 // medians; the spread of the round medians is reported too.
 class Bench {
  public:
-  Bench(double preheat_ms, double block_ms, int rounds)
-      : preheat_ms_(preheat_ms), block_ms_(block_ms), rounds_(rounds) {
+  // fp8: per op, the bf16 production kernel against the FP8 blockwise kernel (GEMM alone, and
+  // with the quantization of the operands a step produces: x or dy rows, or both transposed),
+  // instead of the tile-order, swizzle and SM-count variants.
+  Bench(double preheat_ms, double block_ms, int rounds, bool fp8)
+      : preheat_ms_(preheat_ms), block_ms_(block_ms), rounds_(rounds), fp8_(fp8) {
     CK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
     int dev = 0;
     CK(cudaGetDevice(&dev));
@@ -285,6 +293,11 @@ class Bench {
 
     moe_echo::cuda::GroupedGemm gg(E);
     const double flop = 2.0 * double(R) * double(K) * double(N);
+    if (fp8_) {
+      run_fp8_shape(sh, win, fa, da, wa, gg, flop);
+      for (void* p : {x, w, y, dy, dx, dw, static_cast<void*>(d_offs)}) CK(cudaFree(p));
+      return;
+    }
     const struct {
       GemmOp op;
       const GemmArgs* args;
@@ -354,6 +367,75 @@ class Bench {
 
  private:
   static constexpr int kSamples = 192;
+
+  void run_fp8_shape(const Shape& sh, const moe_echo::GroupWindow& win, const GemmArgs& fa,
+                     const GemmArgs& da, const GemmArgs& wa, moe_echo::cuda::GroupedGemm& gg,
+                     double flop) {
+    namespace mc = moe_echo::cuda;
+    const int E = sh.experts;
+    const int64_t R = sh.rows, K = sh.K, N = sh.N, KT = (K + 127) / 128, NT = (N + 127) / 128;
+    const int64_t P = moe_echo::fp8_padded_rows(R, E);
+    std::vector<void*> owned;
+    auto alloc = [&](size_t bytes) {
+      void* p = nullptr;
+      CK(cudaMalloc(&p, bytes));
+      owned.push_back(p);
+      return p;
+    };
+    const Tensor xq(alloc(size_t(R * K)), DType::e4m3, {R, K}),
+        xs(alloc(size_t(R * KT) * 4), DType::f32, {R, KT}),
+        dyq(alloc(size_t(R * N)), DType::e4m3, {R, N}),
+        dys(alloc(size_t(R * NT) * 4), DType::f32, {R, NT}),
+        q(alloc(size_t(E) * size_t(K * N)), DType::e4m3, {E, K, N}),
+        q_t(alloc(size_t(E) * size_t(K * N)), DType::e4m3, {E, N, K}),
+        s(alloc(size_t(E * KT * NT) * 4), DType::f32, {E, KT, NT}),
+        s_t(alloc(size_t(E * KT * NT) * 4), DType::f32, {E, NT, KT}),
+        xt(alloc(size_t(K * P)), DType::e4m3, {K, P}),
+        xts(alloc(size_t(K * P / 128) * 4), DType::f32, {K * P / 128}),
+        dyt(alloc(size_t(N * P)), DType::e4m3, {N, P}),
+        dyts(alloc(size_t(N * P / 128) * 4), DType::f32, {N * P / 128}),
+        po(alloc(size_t(E + 1) * 4), DType::i32, {E + 1}),
+        po2(alloc(size_t(E + 1) * 4), DType::i32, {E + 1});
+    mc::quantize_fp8_rows({fa.a, xq, xs}, s_);
+    mc::quantize_fp8_rows({da.a, dyq, dys}, s_);
+    mc::quantize_fp8_blocks({fa.b, q, q_t, s, s_t}, s_);
+    mc::quantize_fp8_cols({win, fa.a, xt, xts, po}, s_);
+    mc::quantize_fp8_cols({win, da.a, dyt, dyts, po2}, s_);
+    CK(cudaStreamSynchronize(s_));
+    mc::GroupedGemmFp8 g8(E);
+    Fp8GemmArgs f, d, w;
+    f.window = d.window = w.window = win;
+    f.a = xq, f.a_scale = xs, f.b = q_t, f.b_scale = s_t, f.c = fa.c;
+    d.a = dyq, d.a_scale = dys, d.b = q, d.b_scale = s, d.c = da.c;
+    w.a = xt, w.a_scale = xts, w.b = dyt, w.b_scale = dyts, w.padded_offsets = po, w.c = wa.c;
+    const std::vector<Candidate> fprop = {
+        {"GroupedGemm bf16 (production)", [&] { gg.fprop(fa, s_); }},
+        {"FP8 blockwise GEMM", [&] { g8.fprop(f, s_); }},
+        {"FP8 blockwise GEMM + quantize x rows", [&] {
+           mc::quantize_fp8_rows({fa.a, xq, xs}, s_);
+           g8.fprop(f, s_);
+         }}};
+    const std::vector<Candidate> dgrad = {
+        {"GroupedGemm bf16 (production)", [&] { gg.dgrad(da, s_); }},
+        {"FP8 blockwise GEMM", [&] { g8.dgrad(d, s_); }},
+        {"FP8 blockwise GEMM + quantize dy rows", [&] {
+           mc::quantize_fp8_rows({da.a, dyq, dys}, s_);
+           g8.dgrad(d, s_);
+         }}};
+    const std::vector<Candidate> wgrad = {
+        {"GroupedGemm bf16 (production)", [&] { gg.wgrad(wa, s_); }},
+        {"FP8 blockwise GEMM", [&] { g8.wgrad(w, s_); }},
+        {"FP8 blockwise GEMM + quantize x and dy columns", [&] {
+           mc::quantize_fp8_cols({win, fa.a, xt, xts, po}, s_);
+           mc::quantize_fp8_cols({win, da.a, dyt, dyts, po2}, s_);
+           g8.wgrad(w, s_);
+         }}};
+    run_op(sh, GemmOp::fprop, fa, fprop, flop);
+    run_op(sh, GemmOp::dgrad, da, dgrad, flop);
+    run_op(sh, GemmOp::wgrad, wa, wgrad, flop);
+    CK(cudaStreamSynchronize(s_));
+    for (void* p : owned) CK(cudaFree(p));
+  }
 
   // Sampled fp64 check of one call (outputs poisoned first; wgrad's accumulator zeroed).
   double check(const Shape& sh, GemmOp op, const GemmArgs& a, const Candidate& c) {
@@ -452,14 +534,22 @@ class Bench {
                   res.shape.c_str(), res.op.c_str(), res.ms_median, res.tflops,
                   100.0 * (res.ms_max_round - res.ms_min_round) / res.ms_median, res.rel_err,
                   res.kernel.c_str(),
-                  res.rel_err < (op == GemmOp::wgrad ? 1e-3 : 1e-2) ? "" : "  <-- WRONG");
+                  res.rel_err < wrong_above(op, res.kernel) ? "" : "  <-- WRONG");
       std::fflush(stdout);
       results_.push_back(res);
     }
   }
 
+  // The sampled error against the bf16 inputs in fp64 above which a kernel is wrong: bf16 output
+  // rounding for bf16 kernels; e4m3's 3 mantissa bits on both operands for FP8 (a few percent).
+  static double wrong_above(GemmOp op, const std::string& kernel) {
+    if (kernel.find("FP8") != std::string::npos) return 6e-2;
+    return op == GemmOp::wgrad ? 1e-3 : 1e-2;
+  }
+
   double preheat_ms_, block_ms_;
   int rounds_;
+  bool fp8_ = false;
   cudaStream_t s_ = nullptr;
   int sm_count_ = 0;
   int64_t* d_idx_ = nullptr;
@@ -485,6 +575,7 @@ int main(int argc, char** argv) {
   std::string out = "grouped_gemm_bench.json", commit = "unknown", only;
   double preheat_ms = 300, block_ms = 100;
   int rounds = 3;
+  bool fp8 = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&]() -> std::string {
@@ -503,10 +594,12 @@ int main(int argc, char** argv) {
       rounds = std::stoi(next());
     else if (a == "--shape")
       only = next();
+    else if (a == "--fp8")
+      fp8 = true;
     else {
       std::fprintf(stderr,
                    "usage: grouped_gemm_bench [--out F.json] [--commit SHA] [--preheat-ms T] "
-                   "[--block-ms T] [--rounds N] [--shape NAME]\n");
+                   "[--block-ms T] [--rounds N] [--shape NAME] [--fp8]\n");
       return 2;
     }
   }
@@ -529,7 +622,7 @@ int main(int argc, char** argv) {
     std::printf(
         "device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
         prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
-    Bench bench(preheat_ms, block_ms, rounds);
+    Bench bench(preheat_ms, block_ms, rounds, fp8);
     for (const Shape& sh : shapes)
       if (only.empty() || only == sh.name) bench.run_shape(sh);
 

@@ -174,8 +174,54 @@ struct Fp8BlockArgs {  // 128 x 128 blocks of each [K, N] slab (expert weights, 
   Tensor q;            // [G, K, N] e4m3, or empty
   Tensor q_t;          // [G, N, K] e4m3: the same values transposed (for the other GEMM), or empty
   Tensor scale;        // [G, ceil(K / 128), ceil(N / 128)] f32 (the same blocks for q and q_t)
+  Tensor scale_t;      // [G, ceil(N / 128), ceil(K / 128)] f32: the scales transposed, or empty
 };
 inline constexpr int64_t kFp8Tile = 128;
+// 1 x 128 tiles along the rows of each group, transposed (the operands of the FP8 weight
+// gradient, whose reduction runs over a group's rows): group g's window rows [lo_g, hi_g) become
+// columns [p_g, p_g + m_g) of q_t, m_g = hi_g - lo_g, where p_g = sum over h < g of
+// round_up(m_h, 128) (padded_offsets[g]; padded_offsets[groups] the total). The columns
+// [p_g + m_g, p_g + round_up(m_g, 128)) are zero, so every tile lies in one group. Group g's
+// scales are a [K][round_up(m_g, 128) / 128] block at scale + K * p_g / 128 (tiles of a row of
+// q_t contiguous). Columns at or beyond the total are not written.
+struct Fp8ColArgs {
+  GroupWindow window;
+  Tensor x;               // [>= window.rows, K] activation dtype: window row i is x[i]
+  Tensor q_t;             // [K, P] e4m3, P >= fp8_padded_rows(window.rows, window.groups)
+  Tensor scale;           // [K * P / 128] f32
+  Tensor padded_offsets;  // out [window.groups + 1] i32
+};
+// Columns q_t needs for a window of `rows` rows in `groups` groups (every group padded to 128).
+inline int64_t fp8_padded_rows(int64_t rows, int64_t groups) {
+  return (rows + groups * (kFp8Tile - 1) + kFp8Tile - 1) / kFp8Tile * kFp8Tile;
+}
+
+// Grouped GEMMs on FP8 operands with blockwise scales (DeepSeek-V3's recipe). Each operand is
+// e4m3 with one fp32 scale per 128 elements along the reduction (1 x 128 tiles of rows, or
+// 128 x 128 blocks of weights), and each output element is
+//   out = sum over reduction blocks kb of (s_a[kb] s_b[kb]) (sum over k in kb of q_a[k] q_b[k])
+// (the block sum in fp32 or better, promoted and scaled every 128 of the reduction), rounded
+// once to c's dtype (fprop, dgrad) or added to fp32 (wgrad). Both operands are reduction-major
+// (the layout FP8 tensor cores need), so each op takes the copy made for it:
+//   fprop: c[i] = a[i] @ w[g]     a = x rows (Fp8RowArgs of x: [rows, K], scale [rows, K/128]),
+//                                 b = q_t [G, N, K] with scale_t [G, N/128, K/128]
+//   dgrad: c[i] = a[i] @ w[g]^T   a = dy rows (Fp8RowArgs of dy: [rows, N], scale [rows, N/128]),
+//                                 b = q [G, K, N] with scale [G, K/128, N/128]
+//   wgrad: c[g] (+)= x_g^T dy_g   a = x's Fp8ColArgs (q_t [K, P], its scale), b = dy's
+//                                 (q_t [N, P], its scale), padded_offsets from either
+// Rows, groups, window, accumulate, zero_empty_below and the home split (b_home with
+// b_home_scale; c_home) mean what they mean in GemmArgs. K and N must be multiples of 16.
+struct Fp8GemmArgs {
+  GroupWindow window;
+  Tensor a, a_scale;
+  Tensor b, b_scale;
+  Tensor c;                  // fprop/dgrad: [rows, N or K] activation dtype; wgrad f32
+  Tensor padded_offsets;     // wgrad only: [groups + 1] i32 (Fp8ColArgs)
+  bool accumulate = true;    // wgrad only
+  int zero_empty_below = 0;  // wgrad only
+  Tensor b_home = {}, b_home_scale = {};
+  Tensor c_home = {};
+};
 
 struct AdamWArgs {
   Tensor param, grad, m, v;  // same shape; param in its dtype, grad, m and v float
@@ -246,6 +292,10 @@ class Backend {
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
   virtual void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) = 0;
   virtual void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) = 0;
+  virtual void quantize_fp8_cols(const Fp8ColArgs& a, Stream s) = 0;
+  virtual void gemm_fp8_fprop(const Fp8GemmArgs& a, Stream s) = 0;
+  virtual void gemm_fp8_dgrad(const Fp8GemmArgs& a, Stream s) = 0;
+  virtual void gemm_fp8_wgrad(const Fp8GemmArgs& a, Stream s) = 0;
   // t[i] += value for every element of an i32 tensor (step counters).
   virtual void add_i32(const Tensor& t, int32_t value, Stream s) = 0;
   // Runs `body` (which enqueues ops on the stream it is given) only when the device flag is

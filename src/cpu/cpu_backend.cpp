@@ -92,6 +92,18 @@ class CpuBackend final : public Backend {
   void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::quantize_fp8_blocks<T>(a); });
   }
+  void quantize_fp8_cols(const Fp8ColArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::quantize_fp8_cols<T>(a); });
+  }
+  void gemm_fp8_fprop(const Fp8GemmArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::gemm_fp8_fprop<T>(a); });
+  }
+  void gemm_fp8_dgrad(const Fp8GemmArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::gemm_fp8_dgrad<T>(a); });
+  }
+  void gemm_fp8_wgrad(const Fp8GemmArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::gemm_fp8_wgrad<T>(a); });
+  }
   void add_i32(const Tensor& t, int32_t value, Stream) override {
     MOE_ECHO_CHECK(t.dtype == DType::i32, "add_i32 on " << t.describe());
     for (int64_t i = 0; i < t.numel(); ++i) t.as<int32_t>()[i] += value;

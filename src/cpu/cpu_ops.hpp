@@ -36,6 +36,16 @@ template <class T>
 void quantize_fp8_rows(const Fp8RowArgs& a);
 template <class T>
 void quantize_fp8_blocks(const Fp8BlockArgs& a);
+template <class T>
+void quantize_fp8_cols(const Fp8ColArgs& a);
+// FP8 grouped GEMMs (backend.hpp, Fp8GemmArgs): e4m3 operands decoded exactly, each 128-block of
+// the reduction summed in double and scaled by its two scales; out in T (wgrad: T's float).
+template <class T>
+void gemm_fp8_fprop(const Fp8GemmArgs& a);
+template <class T>
+void gemm_fp8_dgrad(const Fp8GemmArgs& a);
+template <class T>
+void gemm_fp8_wgrad(const Fp8GemmArgs& a);
 
 // Rows [begin, end) of the window that group g owns (window-relative), and the valid rows of the
 // window (groups are contiguous from receive row 0, so valid rows are a prefix).

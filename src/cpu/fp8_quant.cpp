@@ -43,6 +43,8 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
   check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
   if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
   if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
+  if (a.scale_t.data)
+    check_tensor(a.scale_t, "quantize_fp8_blocks scale_t", DType::f32, {G, NT, KT});
   const T* w = a.w.as<T>();
   for (int64_t g = 0; g < G; ++g)
     for (int64_t kt = 0; kt < KT; ++kt)
@@ -55,6 +57,7 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
           for (int64_t n = n0; n < n1; ++n) amax = std::max(amax, std::fabs(at(k, n)));
         const float s = tile_scale(amax);
         a.scale.as<float>()[(g * KT + kt) * NT + nt] = s;
+        if (a.scale_t.data) a.scale_t.as<float>()[(g * NT + nt) * KT + kt] = s;
         for (int64_t k = k0; k < k1; ++k)
           for (int64_t n = n0; n < n1; ++n) {
             const uint8_t v = to_e4m3(at(k, n) / s);
@@ -64,9 +67,52 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
       }
 }
 
+template <class T>
+void quantize_fp8_cols(const Fp8ColArgs& a) {
+  const GroupWindow& w = a.window;
+  check_tensor(a.x, "quantize_fp8_cols x", a.x.dtype, {-1, -1});
+  const int64_t K = a.x.size(1);
+  MOE_ECHO_CHECK(a.x.size(0) >= w.rows,
+                 "quantize_fp8_cols: x " << a.x.describe() << " for " << w.rows << " window rows");
+  check_tensor(a.q_t, "quantize_fp8_cols q_t", DType::e4m3, {K, -1});
+  const int64_t P = a.q_t.size(1);
+  MOE_ECHO_CHECK(P % kFp8Tile == 0 && P >= fp8_padded_rows(w.rows, w.groups),
+                 "quantize_fp8_cols: q_t " << a.q_t.describe() << " needs a multiple of 128 "
+                                           << "columns, at least "
+                                           << fp8_padded_rows(w.rows, w.groups));
+  check_tensor(a.scale, "quantize_fp8_cols scale", DType::f32, {K * P / kFp8Tile});
+  check_tensor(a.padded_offsets, "quantize_fp8_cols padded_offsets", DType::i32,
+               {int64_t(w.groups) + 1});
+  const T* x = a.x.as<T>();
+  uint8_t* q = a.q_t.as<uint8_t>();
+  float* scale = a.scale.as<float>();
+  int32_t* po = a.padded_offsets.as<int32_t>();
+  int64_t p = 0;
+  for (int g = 0; g < w.groups; ++g) {
+    po[g] = int32_t(p);
+    const RowRange rr = group_rows(w, g);
+    const int64_t m = std::max<int64_t>(rr.end - rr.begin, 0), tiles_g = tiles(m);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t t = 0; t < tiles_g; ++t) {
+        const int64_t lo = t * kFp8Tile, hi = std::min(m, lo + kFp8Tile);
+        float amax = 0.f;
+        for (int64_t i = lo; i < hi; ++i)
+          amax = std::max(amax, std::fabs(float(x[(rr.begin + i) * K + k])));
+        const float s = tile_scale(amax);
+        scale[K * p / kFp8Tile + k * tiles_g + t] = s;
+        for (int64_t i = lo; i < lo + kFp8Tile; ++i)
+          q[k * P + p + i] = i < hi ? to_e4m3(float(x[(rr.begin + i) * K + k]) / s) : 0;
+      }
+    p += tiles_g * kFp8Tile;
+  }
+  po[w.groups] = int32_t(p);
+}
+
 template void quantize_fp8_rows<float>(const Fp8RowArgs&);
 template void quantize_fp8_rows<double>(const Fp8RowArgs&);
 template void quantize_fp8_blocks<float>(const Fp8BlockArgs&);
 template void quantize_fp8_blocks<double>(const Fp8BlockArgs&);
+template void quantize_fp8_cols<float>(const Fp8ColArgs&);
+template void quantize_fp8_cols<double>(const Fp8ColArgs&);
 
 }  // namespace moe_echo::cpu

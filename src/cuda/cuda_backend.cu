@@ -9,6 +9,7 @@
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/grouped_gemm.hpp"
+#include "cuda/grouped_gemm_fp8.hpp"
 #include "cuda/ops.hpp"
 #include "moe_echo/error.hpp"
 
@@ -49,6 +50,8 @@ class CudaBackend final : public Backend {
     (void)cudaDeviceSynchronize();
     gemm_.reset();
     retired_gemms_.clear();
+    fp8_gemm_.reset();
+    retired_fp8_gemms_.clear();
     for (void* p : arenas_) (void)cudaFree(p);
     side_gemm_.reset();
     if (side_stream_) (void)cudaStreamDestroy(side_stream_);
@@ -183,6 +186,18 @@ class CudaBackend final : public Backend {
   void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) override {
     cuda::quantize_fp8_blocks(a, as_cuda(s));
   }
+  void quantize_fp8_cols(const Fp8ColArgs& a, Stream s) override {
+    cuda::quantize_fp8_cols(a, as_cuda(s));
+  }
+  void gemm_fp8_fprop(const Fp8GemmArgs& a, Stream s) override {
+    fp8_gemm(a.window.groups, s).fprop(a, as_cuda(s));
+  }
+  void gemm_fp8_dgrad(const Fp8GemmArgs& a, Stream s) override {
+    fp8_gemm(a.window.groups, s).dgrad(a, as_cuda(s));
+  }
+  void gemm_fp8_wgrad(const Fp8GemmArgs& a, Stream s) override {
+    fp8_gemm(a.window.groups, s).wgrad(a, as_cuda(s));
+  }
   void add_i32(const Tensor& t, int32_t value, Stream s) override {
     cuda::add_i32(t, value, as_cuda(s));
   }
@@ -316,6 +331,21 @@ class CudaBackend final : public Backend {
     return *gemm_;
   }
 
+  // The FP8 grouped GEMMs, built on first use with at least the reserved groups (their kernels
+  // are built outside a capture, as the bf16 ones).
+  GroupedGemmFp8& fp8_gemm(int groups, Stream s) {
+    const int want = std::max(groups, gemm_ ? gemm_->max_groups() : 1);
+    if (!fp8_gemm_ || fp8_gemm_->max_groups() < groups) {
+      MOE_ECHO_CHECK(!is_capturing(as_cuda(s)),
+                     "FP8 grouped GEMM for " << groups
+                                             << " groups built during a capture: call it once "
+                                                "before capturing");
+      if (fp8_gemm_) retired_fp8_gemms_.push_back(std::move(fp8_gemm_));
+      fp8_gemm_ = std::make_unique<GroupedGemmFp8>(want);
+    }
+    return *fp8_gemm_;
+  }
+
   // Scratch of `bytes` for the op about to be enqueued on `s`. The arena only grows, outside a
   // capture; old arenas stay allocated until the backend dies (captured graphs may use them).
   void* scratch(size_t bytes, cudaStream_t s) {
@@ -352,6 +382,8 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;  // fork_side's, with its events and its own GEMM
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   std::unique_ptr<GroupedGemm> side_gemm_;
+  std::unique_ptr<GroupedGemmFp8> fp8_gemm_;
+  std::vector<std::unique_ptr<GroupedGemmFp8>> retired_fp8_gemms_;
   void* arena_ = nullptr;
   size_t arena_bytes_ = 0;
   std::vector<void*> arenas_;

@@ -1,7 +1,8 @@
-// FP8 blockwise quantization on the GPU (backend.hpp, Fp8RowArgs / Fp8BlockArgs). Semantics and
-// bits: src/cpu/fp8_quant.cpp (amax, scale = amax / 448 or 1, e4m3(x / scale) rounded to nearest
-// even and saturated: cvt.rn.satfinite.e4m3x2.f32 through __nv_cvt_float_to_fp8). Memory-bound:
-// each element is read once per pass (twice for the weight blocks, whose second read hits L2).
+// FP8 blockwise quantization on the GPU (backend.hpp, Fp8RowArgs / Fp8BlockArgs / Fp8ColArgs).
+// Semantics and bits: src/cpu/fp8_quant.cpp (amax, scale = amax / 448 or 1, e4m3(x / scale) rounded
+// to nearest even and saturated: cvt.rn.satfinite.e4m3x2.f32 through __nv_cvt_float_to_fp8).
+// Memory-bound: each element is read once per pass (twice for the weight blocks, whose second read
+// hits L2).
 #include <cuda_fp8.h>
 
 #include "cuda/common.cuh"
@@ -52,8 +53,9 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __rest
 // quantized into q (rows of N) and, through shared memory, into q_t (rows of K).
 __global__ void __launch_bounds__(256)
     quantize_blocks_kernel(const bf16* __restrict__ w, uint8_t* __restrict__ q,
-                           uint8_t* __restrict__ q_t, float* __restrict__ scale, int64_t K,
-                           int64_t N, int64_t k_tiles, int64_t n_tiles) {
+                           uint8_t* __restrict__ q_t, float* __restrict__ scale,
+                           float* __restrict__ scale_t, int64_t K, int64_t N, int64_t k_tiles,
+                           int64_t n_tiles) {
   __shared__ float warp_amax[8];
   __shared__ uint8_t tile[kTile][kTile + 4];
   const int64_t b = blockIdx.x;
@@ -73,6 +75,7 @@ __global__ void __launch_bounds__(256)
   for (int i = 0; i < int(blockDim.x / 32); ++i) amax = fmaxf(amax, warp_amax[i]);
   const float s = tile_scale(amax);
   if (threadIdx.x == 0) scale[(g * k_tiles + kt) * n_tiles + nt] = s;
+  if (threadIdx.x == 0 && scale_t) scale_t[(g * n_tiles + nt) * k_tiles + kt] = s;
   for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
     const int r = i / kTile, c = i % kTile;
     if (r < kn && c < nn) {
@@ -91,6 +94,68 @@ __global__ void __launch_bounds__(256)
 
 int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
 
+// Fp8ColArgs, step 1 (one thread): every group's padded column offset.
+__global__ void padded_offsets_kernel(const int32_t* __restrict__ offsets, int groups,
+                                      int64_t row_lo, int64_t rows, int32_t* __restrict__ padded) {
+  int64_t p = 0;
+  for (int g = 0; g < groups; ++g) {
+    padded[g] = int32_t(p);
+    const int64_t begin = offsets[g], end = offsets[g + 1];
+    const int64_t lo = begin > row_lo ? begin : row_lo;
+    const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
+    if (hi > lo) p += (hi - lo + kTile - 1) / kTile * kTile;
+  }
+  padded[groups] = int32_t(p);
+}
+
+// Fp8ColArgs, step 2: block (t, kb) takes column tile t of q_t (128 columns, inside one group)
+// and rows [kb * 128, kb * 128 + 128) of q_t (columns of x): the 128 x 128 bf16 block of x
+// through shared memory (read along x's rows, written along q_t's), one scale per q_t row.
+__global__ void __launch_bounds__(256)
+    quantize_cols_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ offsets,
+                         const int32_t* __restrict__ padded, int groups, int64_t row_lo,
+                         int64_t rows, int64_t K, int64_t P, uint8_t* __restrict__ q_t,
+                         float* __restrict__ scale) {
+  __shared__ bf16 block[kTile][kTile + 2];
+  __shared__ float col_scale[kTile];
+  const int64_t c0 = int64_t(blockIdx.x) * kTile, k0 = int64_t(blockIdx.y) * kTile;
+  if (c0 >= padded[groups]) return;
+  int lo_g = 0, hi_g = groups - 1;  // the group whose padded columns hold c0
+  while (lo_g < hi_g) {
+    const int mid = (lo_g + hi_g + 1) / 2;
+    if (padded[mid] <= c0)
+      lo_g = mid;
+    else
+      hi_g = mid - 1;
+  }
+  const int g = lo_g;
+  const int64_t begin = offsets[g] > row_lo ? offsets[g] : row_lo;
+  const int64_t end = offsets[g + 1] < row_lo + rows ? offsets[g + 1] : row_lo + rows;
+  const int64_t m = end - begin, t = (c0 - padded[g]) / kTile, tiles_g = (m + kTile - 1) / kTile;
+  const int64_t first = begin - row_lo + t * kTile;  // window row of the tile's column 0
+  const int n = int(m - t * kTile < kTile ? m - t * kTile : kTile);
+  const int kn = int(K - k0 < kTile ? K - k0 : kTile);
+  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
+    const int r = i / kTile, c = i % kTile;  // row r of the tile (a window row), column c of x
+    block[r][c] = r < n && c < kn ? x[(first + r) * K + k0 + c] : __float2bfloat16(0.f);
+  }
+  __syncthreads();
+  if (threadIdx.x < kTile) {
+    const int c = int(threadIdx.x);
+    float amax = 0.f;
+    for (int r = 0; r < n; ++r) amax = fmaxf(amax, fabsf(__bfloat162float(block[r][c])));
+    const float s = tile_scale(amax);
+    col_scale[c] = s;
+    if (c < kn) scale[K * (padded[g] / kTile) + (k0 + c) * tiles_g + t] = s;
+  }
+  __syncthreads();
+  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
+    const int c = i / kTile, r = i % kTile;  // q_t row k0 + c, column c0 + r
+    if (c < kn)
+      q_t[(k0 + c) * P + c0 + r] = r < n ? e4m3(__bfloat162float(block[r][c]) / col_scale[c]) : 0;
+  }
+}
+
 }  // namespace
 
 void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
@@ -108,9 +173,40 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
   check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
   if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
   if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
+  if (a.scale_t.data)
+    check_tensor(a.scale_t, "quantize_fp8_blocks scale_t", DType::f32, {G, NT, KT});
   MOE_ECHO_CHECK(G * KT * NT <= INT32_MAX, "quantize_fp8_blocks: " << G * KT * NT << " blocks");
   MOE_ECHO_LAUNCH(quantize_blocks_kernel, unsigned(G * KT * NT), 256, 0, s, a.w.as<bf16>(),
-                  a.q.as<uint8_t>(), a.q_t.as<uint8_t>(), a.scale.as<float>(), K, N, KT, NT);
+                  a.q.as<uint8_t>(), a.q_t.as<uint8_t>(), a.scale.as<float>(),
+                  a.scale_t.as<float>(), K, N, KT, NT);
+}
+
+void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
+  const GroupWindow& w = a.window;
+  check_tensor(a.x, "quantize_fp8_cols x", DType::bf16, {-1, -1});
+  const int64_t K = a.x.size(1);
+  MOE_ECHO_CHECK(a.x.size(0) >= w.rows,
+                 "quantize_fp8_cols: x " << a.x.describe() << " for " << w.rows << " window rows");
+  check_tensor(a.q_t, "quantize_fp8_cols q_t", DType::e4m3, {K, -1});
+  const int64_t P = a.q_t.size(1);
+  MOE_ECHO_CHECK(P % kFp8Tile == 0 && P >= fp8_padded_rows(w.rows, w.groups),
+                 "quantize_fp8_cols: q_t " << a.q_t.describe() << " needs a multiple of 128 "
+                                           << "columns, at least "
+                                           << fp8_padded_rows(w.rows, w.groups));
+  check_tensor(a.scale, "quantize_fp8_cols scale", DType::f32, {K * P / kFp8Tile});
+  check_tensor(a.padded_offsets, "quantize_fp8_cols padded_offsets", DType::i32,
+               {int64_t(w.groups) + 1});
+  MOE_ECHO_CHECK(
+      w.groups >= 0 && (w.groups == 0 || w.group_offsets),
+      "quantize_fp8_cols: window of " << w.groups << " groups, offsets " << w.group_offsets);
+  MOE_ECHO_LAUNCH(padded_offsets_kernel, 1, 1, 0, s, w.group_offsets, w.groups, w.row_lo, w.rows,
+                  a.padded_offsets.as<int32_t>());
+  MOE_ECHO_CHECK(P / kFp8Tile <= INT32_MAX && tiles(K) <= 65535,
+                 "quantize_fp8_cols: " << P << " columns, K " << K);
+  if (P == 0) return;
+  MOE_ECHO_LAUNCH(quantize_cols_kernel, dim3(unsigned(P / kFp8Tile), unsigned(tiles(K))), 256, 0, s,
+                  a.x.as<bf16>(), w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups,
+                  w.row_lo, w.rows, K, P, a.q_t.as<uint8_t>(), a.scale.as<float>());
 }
 
 }  // namespace moe_echo::cuda

@@ -99,7 +99,7 @@ ProblemBuffers::ProblemBuffers(int max_groups) {
   const size_t G = size_t(max_groups);
   const size_t ptrs = align16(G * sizeof(void*)), lds = align16(G * sizeof(int64_t)),
                shapes = align16(G * 3 * sizeof(int32_t));
-  MOE_ECHO_CUDA_CHECK(cudaMalloc(&base_, 3 * ptrs + 3 * lds + shapes));
+  MOE_ECHO_CUDA_CHECK(cudaMalloc(&base_, 5 * ptrs + 3 * lds + shapes));
   char* at = static_cast<char*>(base_);
   auto take = [&at](size_t bytes) {
     char* here = at;
@@ -109,12 +109,14 @@ ProblemBuffers::ProblemBuffers(int max_groups) {
   arrays_.ptr_a = reinterpret_cast<const void**>(take(ptrs));
   arrays_.ptr_b = reinterpret_cast<const void**>(take(ptrs));
   arrays_.ptr_c = reinterpret_cast<void**>(take(ptrs));
+  arrays_.ptr_sfa = reinterpret_cast<const float**>(take(ptrs));
+  arrays_.ptr_sfb = reinterpret_cast<const float**>(take(ptrs));
   arrays_.ld_a = reinterpret_cast<int64_t*>(take(lds));
   arrays_.ld_b = reinterpret_cast<int64_t*>(take(lds));
   arrays_.ld_c = reinterpret_cast<int64_t*>(take(lds));
   arrays_.shapes = reinterpret_cast<int32_t*>(take(shapes));
   // Every group empty until the first call writes its own problems.
-  MOE_ECHO_CUDA_CHECK(cudaMemset(base_, 0, 3 * ptrs + 3 * lds + shapes));
+  MOE_ECHO_CUDA_CHECK(cudaMemset(base_, 0, 5 * ptrs + 3 * lds + shapes));
 }
 
 ProblemBuffers::~ProblemBuffers() {

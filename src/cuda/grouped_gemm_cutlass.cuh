@@ -19,6 +19,7 @@
 #include "cuda/grouped_gemm_detail.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -31,10 +32,58 @@
 
 namespace moe_echo::cuda::gemm_detail {
 
+// The launch parameters every runner fixes at construction (hardware info, grid, tile order,
+// swizzle), the implementability check, the workspace and CUTLASS's initialize. Returns the
+// workspace (cudaMalloc'd, or null), which the runner frees.
+template <class GemmKernel, class Gemm, class Arguments>
+void* initialize_gemm(Gemm& gemm, Arguments& args, const RunnerOptions& o, const char* name) {
+  using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  int device = 0;
+  MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
+  args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(device);
+  if (o.sm_count > 0 && o.sm_count < args.hw_info.sm_count) args.hw_info.sm_count = o.sm_count;
+  if (!o.occupancy_grid) args.hw_info.max_active_clusters = 0;
+  args.scheduler.raster_order =
+      o.raster_along_n ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
+  args.scheduler.max_swizzle_size = o.max_swizzle;
+  MOE_ECHO_CHECK(gemm.can_implement(args) == cutlass::Status::kSuccess,
+                 name << ": CUTLASS cannot implement this grouped GEMM");
+  void* workspace = nullptr;
+  const size_t ws = Gemm::get_workspace_size(args);
+  if (ws > 0) MOE_ECHO_CUDA_CHECK(cudaMalloc(&workspace, ws));
+  const cutlass::Status st = gemm.initialize(args, workspace);
+  if (st != cutlass::Status::kSuccess && workspace) cudaFree(workspace);
+  MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
+                 name << ": CUTLASS initialize failed: " << cutlass::cutlassGetStatusString(st));
+  return workspace;
+}
+
+template <class GemmKernel, class Gemm>
+std::string describe_gemm(const Gemm& gemm) {
+  const dim3 grid = Gemm::get_grid_shape(gemm.params());
+  std::ostringstream o;
+  o << "grid " << grid.x << "x" << grid.y << "x" << grid.z << ", block "
+    << GemmKernel::MaxThreadsPerBlock << ", smem " << GemmKernel::SharedStorageSize
+    << " B, max active clusters " << gemm.params().hw_info.max_active_clusters;
+  return o.str();
+}
+
+template <class Gemm>
+void run_gemm(Gemm& gemm, cudaStream_t s, const char* name) {
+  const cutlass::Status st = gemm.run(s);
+  MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
+                 name << ": CUTLASS launch failed: " << cutlass::cutlassGetStatusString(st) << " ("
+                      << cudaGetErrorString(cudaGetLastError()) << ")");
+}
+
 // One kernel configuration. LayoutA/LayoutB are CUTLASS's (M x K) and (K x N) layout tags:
 // RowMajor A and ColumnMajor B are K-major; ColumnMajor A and RowMajor B are M/N-major.
+// Fp8ScaleN 0: bf16 operands. Otherwise e4m3 operands with blockwise fp32 scales (CUTLASS's
+// FP8BlockScaledAccum mainloop: the scaled block sums promoted into fp32 every 128 of K), one
+// scale per row of A and per Fp8ScaleN columns of B for each 128 of K, both scale arrays K-major
+// ([rows][K / 128] per group), which needs both operands K-major (FP8 wgmma).
 template <class ElementD_, class LayoutA_, class LayoutB_, int TileM, int TileN, int TileK,
-          int ClusterM, int ClusterN, bool Pingpong_>
+          int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0>
 struct KernelConfig {
   using ElementD = ElementD_;
   using LayoutA = LayoutA_;
@@ -42,18 +91,36 @@ struct KernelConfig {
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   static constexpr bool Pingpong = Pingpong_;
+  static constexpr int Fp8ScaleN = Fp8ScaleN_;
 };
 
 template <class Config>
 class CutlassRunner final : public KernelRunner {
  public:
-  using ElementAB = cutlass::bfloat16_t;
+  static constexpr bool kFp8 = Config::Fp8ScaleN > 0;
+  using ElementAB = std::conditional_t<kFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
   using ElementAcc = float;
   using ElementD = typename Config::ElementD;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using KernelSchedule =
+  using ScaleConfig =
+      cutlass::detail::Sm90BlockwiseScaleConfig<1, (kFp8 ? Config::Fp8ScaleN : 1), 128,
+                                                cute::GMMA::Major::K, cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using MainloopLayoutA =
+      std::conditional_t<kFp8, cute::tuple<typename Config::LayoutA*, LayoutSFA*>,
+                         typename Config::LayoutA*>;
+  using MainloopLayoutB =
+      std::conditional_t<kFp8, cute::tuple<typename Config::LayoutB*, LayoutSFB*>,
+                         typename Config::LayoutB*>;
+  using KernelSchedule = std::conditional_t<
+      kFp8,
+      std::conditional_t<
+          Config::Pingpong,
+          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum,
+          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>,
       std::conditional_t<Config::Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
   using EpilogueSchedule =
       std::conditional_t<Config::Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
@@ -67,9 +134,9 @@ class CutlassRunner final : public KernelRunner {
       cutlass::layout::RowMajor*, kAlignD, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc>>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, typename Config::LayoutA*,
-      kAlignAB, ElementAB, typename Config::LayoutB*, kAlignAB, ElementAcc,
-      typename Config::TileShape, typename Config::ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainloopLayoutA, kAlignAB,
+      ElementAB, MainloopLayoutB, kAlignAB, ElementAcc, typename Config::TileShape,
+      typename Config::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
@@ -81,7 +148,6 @@ class CutlassRunner final : public KernelRunner {
   using StrideC = typename GemmKernel::InternalStrideC;
   using StrideD = typename GemmKernel::InternalStrideD;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-  using RasterOrderOptions = cutlass::gemm::kernel::detail::RasterOrderOptions;
 
   CutlassRunner(const ProblemArrays& p, int max_groups, const RunnerOptions& o, float beta,
                 const char* name)
@@ -99,6 +165,14 @@ class CutlassRunner final : public KernelRunner {
     args.mainloop.dA = reinterpret_cast<StrideA*>(p.ld_a);
     args.mainloop.ptr_B = reinterpret_cast<const ElementAB**>(p.ptr_b);
     args.mainloop.dB = reinterpret_cast<StrideB*>(p.ld_b);
+    if constexpr (kFp8) {
+      // Grouped mode derives each group's scale layout from its device-side shape; the layout
+      // arguments only carry the type.
+      args.mainloop.ptr_SFA = p.ptr_sfa;
+      args.mainloop.layout_SFA = nullptr;
+      args.mainloop.ptr_SFB = p.ptr_sfb;
+      args.mainloop.layout_SFB = nullptr;
+    }
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = beta;
     args.epilogue.thread.dAlpha = {cute::_0{}, cute::_0{}, 0};
@@ -107,48 +181,21 @@ class CutlassRunner final : public KernelRunner {
     args.epilogue.dC = reinterpret_cast<StrideC*>(p.ld_c);
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(p.ptr_c);
     args.epilogue.dD = reinterpret_cast<StrideD*>(p.ld_c);
-    int device = 0;
-    MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
-    args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<GemmKernel>(device);
-    if (o.sm_count > 0 && o.sm_count < args.hw_info.sm_count) args.hw_info.sm_count = o.sm_count;
-    if (!o.occupancy_grid) args.hw_info.max_active_clusters = 0;
-    args.scheduler.raster_order =
-        o.raster_along_n ? RasterOrderOptions::AlongN : RasterOrderOptions::AlongM;
-    args.scheduler.max_swizzle_size = o.max_swizzle;
-
-    MOE_ECHO_CHECK(gemm_.can_implement(args) == cutlass::Status::kSuccess,
-                   name_ << ": CUTLASS cannot implement this grouped GEMM");
-    const size_t ws = Gemm::get_workspace_size(args);
-    if (ws > 0) MOE_ECHO_CUDA_CHECK(cudaMalloc(&workspace_, ws));
-    const cutlass::Status st = gemm_.initialize(args, workspace_);
-    MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
-                   name_ << ": CUTLASS initialize failed: " << cutlass::cutlassGetStatusString(st));
+    workspace_ = initialize_gemm<GemmKernel>(gemm_, args, o, name_);
   }
 
   ~CutlassRunner() override {
     if (workspace_) cudaFree(workspace_);
   }
 
-  void run(cudaStream_t s) override {
-    const cutlass::Status st = gemm_.run(s);
-    MOE_ECHO_CHECK(st == cutlass::Status::kSuccess,
-                   name_ << ": CUTLASS launch failed: " << cutlass::cutlassGetStatusString(st)
-                         << " (" << cudaGetErrorString(cudaGetLastError()) << ")");
-  }
+  void run(cudaStream_t s) override { run_gemm(gemm_, s, name_); }
 
   const char* name() const override { return name_; }
 
   int tile_m() const override { return int(cute::size<0>(typename Config::TileShape{})); }
   int tile_n() const override { return int(cute::size<1>(typename Config::TileShape{})); }
 
-  std::string describe() const override {
-    const dim3 grid = Gemm::get_grid_shape(gemm_.params());
-    std::ostringstream o;
-    o << "grid " << grid.x << "x" << grid.y << "x" << grid.z << ", block "
-      << GemmKernel::MaxThreadsPerBlock << ", smem " << GemmKernel::SharedStorageSize
-      << " B, max active clusters " << gemm_.params().hw_info.max_active_clusters;
-    return o.str();
-  }
+  std::string describe() const override { return describe_gemm<GemmKernel>(gemm_); }
 
  private:
   // The prep kernel writes plain int32 triples and int64 leading dimensions; check once that

@@ -30,11 +30,13 @@ const char* to_string(GemmOp op);
 
 // Device arrays of one op's per-group CUTLASS arguments (see the invariants above).
 struct ProblemArrays {
-  int32_t* shapes = nullptr;     // [max_groups][3]: (M, N, K) of each group's CUTLASS problem
-  const void** ptr_a = nullptr;  // [max_groups]
-  const void** ptr_b = nullptr;  // [max_groups]
-  void** ptr_c = nullptr;        // [max_groups]: epilogue source C and destination D (the same)
-  int64_t* ld_a = nullptr;       // [max_groups]: leading dimensions, in elements
+  int32_t* shapes = nullptr;        // [max_groups][3]: (M, N, K) of each group's CUTLASS problem
+  const void** ptr_a = nullptr;     // [max_groups]
+  const void** ptr_b = nullptr;     // [max_groups]
+  void** ptr_c = nullptr;           // [max_groups]: epilogue source C and destination D (the same)
+  const float** ptr_sfa = nullptr;  // [max_groups]: FP8 kernels: the scales of A and B
+  const float** ptr_sfb = nullptr;
+  int64_t* ld_a = nullptr;  // [max_groups]: leading dimensions, in elements
   int64_t* ld_b = nullptr;
   int64_t* ld_c = nullptr;
 };
@@ -88,6 +90,14 @@ std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_
 // slabs of groups without rows are zeroed by launch_zero_empty_groups.
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {}, float beta = 1.0f);
+
+// The FP8 blockwise kernels (grouped_gemm_fp8_{fprop,wgrad}.cu): e4m3 operands, both K-major,
+// K-major fp32 scales per 128 of K. fprop and dgrad share one kernel (bf16 D; 1 x 128 scales on A,
+// 128 x 128 on B); wgrad has per-row scales on both operands and fp32 D (beta 1 adds, 0 writes).
+std::unique_ptr<KernelRunner> make_fp8_runner(const ProblemArrays& p, int max_groups,
+                                              const RunnerOptions& o = {});
+std::unique_ptr<KernelRunner> make_fp8_wgrad_runner(const ProblemArrays& p, int max_groups,
+                                                    const RunnerOptions& o = {}, float beta = 1.0f);
 
 // CUTLASS's rule for one GEMM (tile_scheduler_params.h): walk along M (M fastest) when the
 // problem has more tiles along N than along M, else along N. Measured on an H200 at the

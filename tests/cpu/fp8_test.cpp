@@ -134,10 +134,12 @@ TEST(Fp8, WeightBlocksFollowTheDefinitionInBothLayouts) {
   const int64_t G = 2, K = 200, N = 136, KT = 2, NT = 2;
   const std::vector<double> w = random_values(size_t(G * K * N), 77, -0.5, 0.5);
   OwnedTensor wt(*be, DType::f32, {G, K, N}), q(*be, DType::e4m3, {G, K, N}),
-      qt(*be, DType::e4m3, {G, N, K}), s(*be, DType::f32, {G, KT, NT});
+      qt(*be, DType::e4m3, {G, N, K}), s(*be, DType::f32, {G, KT, NT}),
+      st(*be, DType::f32, {G, NT, KT});
   wt.write(w);
-  be->quantize_fp8_blocks({*wt, *q, *qt, *s}, nullptr);
-  const std::vector<double> got_q = q.read(), got_qt = qt.read(), got_s = s.read();
+  be->quantize_fp8_blocks({*wt, *q, *qt, *s, *st}, nullptr);
+  const std::vector<double> got_q = q.read(), got_qt = qt.read(), got_s = s.read(),
+                            got_st = st.read();
   for (int64_t g = 0; g < G; ++g)
     for (int64_t kt = 0; kt < KT; ++kt)
       for (int64_t nt = 0; nt < NT; ++nt) {
@@ -147,6 +149,7 @@ TEST(Fp8, WeightBlocksFollowTheDefinitionInBothLayouts) {
             amax = std::max(amax, std::fabs(double(float(w[size_t((g * K + k) * N + n)]))));
         const float sc = definition_scale(amax);
         ASSERT_EQ(float(got_s[size_t((g * KT + kt) * NT + nt)]), sc);
+        ASSERT_EQ(float(got_st[size_t((g * NT + nt) * KT + kt)]), sc) << "scale_t";
         for (int64_t k = kt * 128; k < std::min(K, kt * 128 + 128); ++k)
           for (int64_t n = nt * 128; n < std::min(N, nt * 128 + 128); ++n) {
             const double want = from_e4m3(nearest_e4m3(float(w[size_t((g * K + k) * N + n)]) / sc));
@@ -154,6 +157,163 @@ TEST(Fp8, WeightBlocksFollowTheDefinitionInBothLayouts) {
             ASSERT_EQ(got_qt[size_t((g * N + n) * K + k)], want) << g << ", " << n << ", " << k;
           }
       }
+}
+
+// Groups of a window: sizes, and the window [row_lo, row_lo + rows) over their global rows.
+struct Window {
+  std::vector<int32_t> offsets;
+  int64_t row_lo = 0, rows = 0;
+  GroupWindow view() const {
+    GroupWindow w;
+    w.group_offsets = offsets.data();
+    w.groups = int(offsets.size()) - 1;
+    w.row_lo = row_lo;
+    w.rows = rows;
+    return w;
+  }
+};
+
+// Group g's window rows [lo, hi).
+std::pair<int64_t, int64_t> rows_of(const Window& w, int g) {
+  const int64_t lo = std::max<int64_t>(w.offsets[size_t(g)], w.row_lo),
+                hi = std::min<int64_t>(w.offsets[size_t(g) + 1], w.row_lo + w.rows);
+  return {lo - w.row_lo, std::max(lo, hi) - w.row_lo};
+}
+
+TEST(Fp8, ColumnsRestartAtEveryGroupAndPadTo128) {
+  auto be = make_cpu_backend(DType::f32);
+  // Groups of 0, 1, 130, 0 and 200 rows; the window cuts the last one.
+  const Window win{{0, 0, 1, 131, 131, 331}, 0, 300};
+  const int64_t K = 136, G = 5, P = fp8_padded_rows(win.rows, G);
+  const std::vector<double> x = random_values(size_t(win.rows * K), 81, -3, 3);
+  OwnedTensor xt(*be, DType::f32, {win.rows, K}), q(*be, DType::e4m3, {K, P}),
+      s(*be, DType::f32, {K * P / 128}), po(*be, DType::i32, {G + 1});
+  xt.write(x);
+  be->quantize_fp8_cols({win.view(), *xt, *q, *s, *po}, nullptr);
+  const std::vector<double> got_q = q.read(), got_s = s.read(), got_po = po.read();
+  // Padded offsets: 0, 0, 128, 384, 384, then 384 + 256 (169 rows of the last group).
+  EXPECT_EQ(got_po, (std::vector<double>{0, 0, 128, 384, 384, 640}));
+  for (int g = 0; g < G; ++g) {
+    const auto [lo, hi] = rows_of(win, g);
+    const int64_t p = int64_t(got_po[size_t(g)]), m = hi - lo, tg = (m + 127) / 128;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t t = 0; t < tg; ++t) {
+        double amax = 0;
+        for (int64_t i = t * 128; i < std::min(m, t * 128 + 128); ++i)
+          amax = std::max(amax, std::fabs(double(float(x[size_t((lo + i) * K + k)]))));
+        const float sc = definition_scale(amax);
+        ASSERT_EQ(float(got_s[size_t(K * p / 128 + k * tg + t)]), sc) << g << ", " << k;
+        for (int64_t i = t * 128; i < t * 128 + 128; ++i) {
+          const double want =
+              i < m ? from_e4m3(nearest_e4m3(float(x[size_t((lo + i) * K + k)]) / sc)) : 0.0;
+          ASSERT_EQ(got_q[size_t(k * P + p + i)], want) << g << ", " << k << ", " << i;
+        }
+      }
+  }
+}
+
+// The FP8 GEMMs of the CPU backend against the product of the dequantized operands (q * scale)
+// in fp64 by plain loops: the same value up to the order of the sums (1e-12 in f64).
+TEST(Fp8, GemmsEqualTheProductOfTheDequantizedOperands) {
+  auto be = make_cpu_backend(DType::f64);
+  const Window win{{0, 3, 3, 140, 150}, 2, 146};  // groups of 3, 0, 137, 10; the window cuts two
+  const int64_t G = 4, K = 160, N = 272, R = win.rows, P = fp8_padded_rows(R, G);
+  const int64_t KT = 2, NT = 3;
+  const std::vector<double> x = random_values(size_t(R * K), 91, -2, 2),
+                            dy = random_values(size_t(R * N), 92, -1, 1),
+                            w = random_values(size_t(G * K * N), 93, -0.1, 0.1),
+                            dw0 = random_values(size_t(G * K * N), 94, -1, 1);
+  OwnedTensor xt(*be, DType::f64, {R, K}), dyt(*be, DType::f64, {R, N}),
+      wt(*be, DType::f64, {G, K, N});
+  xt.write(x), dyt.write(dy), wt.write(w);
+  OwnedTensor xq(*be, DType::e4m3, {R, K}), xs(*be, DType::f32, {R, KT}),
+      dyq(*be, DType::e4m3, {R, N}), dys(*be, DType::f32, {R, NT}), q(*be, DType::e4m3, {G, K, N}),
+      qt(*be, DType::e4m3, {G, N, K}), s(*be, DType::f32, {G, KT, NT}),
+      st(*be, DType::f32, {G, NT, KT}), xc(*be, DType::e4m3, {K, P}),
+      xcs(*be, DType::f32, {K * P / 128}), dyc(*be, DType::e4m3, {N, P}),
+      dycs(*be, DType::f32, {N * P / 128}), po(*be, DType::i32, {G + 1}),
+      po2(*be, DType::i32, {G + 1}), y(*be, DType::f64, {R, N}), dx(*be, DType::f64, {R, K}),
+      dw(*be, DType::f64, {G, K, N});
+  be->quantize_fp8_rows({*xt, *xq, *xs}, nullptr);
+  be->quantize_fp8_rows({*dyt, *dyq, *dys}, nullptr);
+  be->quantize_fp8_blocks({*wt, *q, *qt, *s, *st}, nullptr);
+  be->quantize_fp8_cols({win.view(), *xt, *xc, *xcs, *po}, nullptr);
+  be->quantize_fp8_cols({win.view(), *dyt, *dyc, *dycs, *po2}, nullptr);
+  y.write(std::vector<double>(size_t(R * N), 7.0));
+  dx.write(std::vector<double>(size_t(R * K), 7.0));
+  dw.write(dw0);
+  Fp8GemmArgs f;
+  f.window = win.view(), f.a = *xq, f.a_scale = *xs, f.b = *qt, f.b_scale = *st, f.c = *y;
+  be->gemm_fp8_fprop(f, nullptr);
+  Fp8GemmArgs d;
+  d.window = win.view(), d.a = *dyq, d.a_scale = *dys, d.b = *q, d.b_scale = *s, d.c = *dx;
+  be->gemm_fp8_dgrad(d, nullptr);
+  Fp8GemmArgs g;
+  g.window = win.view(), g.a = *xc, g.a_scale = *xcs, g.b = *dyc, g.b_scale = *dycs;
+  g.padded_offsets = *po, g.c = *dw;
+  be->gemm_fp8_wgrad(g, nullptr);
+  // Dequantized operands, as plain [rows][cols] tables.
+  const std::vector<double> vxq = xq.read(), vxs = xs.read(), vdyq = dyq.read(), vdys = dys.read(),
+                            vq = q.read(), vs = s.read();
+  auto xv = [&](int64_t i, int64_t k) {
+    return vxq[size_t(i * K + k)] * vxs[size_t(i * KT + k / 128)];
+  };
+  auto dyv = [&](int64_t i, int64_t n) {
+    return vdyq[size_t(i * N + n)] * vdys[size_t(i * NT + n / 128)];
+  };
+  auto wv = [&](int64_t gg, int64_t k, int64_t n) {
+    return vq[size_t((gg * K + k) * N + n)] * vs[size_t((gg * KT + k / 128) * NT + n / 128)];
+  };
+  std::vector<double> want_y(size_t(R * N), 7.0), want_dx(size_t(R * K), 7.0), want_dw = dw0;
+  for (int gg = 0; gg < G; ++gg) {
+    const auto [lo, hi] = rows_of(win, gg);
+    for (int64_t i = lo; i < hi; ++i) {
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int64_t k = 0; k < K; ++k) acc += xv(i, k) * wv(gg, k, n);
+        want_y[size_t(i * N + n)] = acc;
+      }
+      for (int64_t k = 0; k < K; ++k) {
+        double acc = 0;
+        for (int64_t n = 0; n < N; ++n) acc += dyv(i, n) * wv(gg, k, n);
+        want_dx[size_t(i * K + k)] = acc;
+      }
+    }
+  }
+  // wgrad reads x and dy quantized along the rows of each group: dequantize the columns.
+  const std::vector<double> vxc = xc.read(), vxcs = xcs.read(), vdyc = dyc.read(),
+                            vdycs = dycs.read(), vpo = po.read();
+  for (int gg = 0; gg < G; ++gg) {
+    const auto [lo, hi] = rows_of(win, gg);
+    const int64_t p = int64_t(vpo[size_t(gg)]), tg = (hi - lo + 127) / 128;
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int64_t i = 0; i < hi - lo; ++i)
+          acc += vxc[size_t(k * P + p + i)] * vxcs[size_t(K * p / 128 + k * tg + i / 128)] *
+                 vdyc[size_t(n * P + p + i)] * vdycs[size_t(N * p / 128 + n * tg + i / 128)];
+        want_dw[size_t((gg * K + k) * N + n)] += acc;
+      }
+  }
+  EXPECT_LT(rel_error(y.read(), want_y), 1e-12) << "fprop";
+  EXPECT_LT(rel_error(dx.read(), want_dx), 1e-12) << "dgrad";
+  EXPECT_LT(rel_error(dw.read(), want_dw), 1e-12) << "wgrad";
+  // And the cost of e4m3 against the unquantized product: a few percent.
+  std::vector<double> exact(size_t(R * N), 7.0);
+  for (int gg = 0; gg < G; ++gg) {
+    const auto [lo, hi] = rows_of(win, gg);
+    for (int64_t i = lo; i < hi; ++i)
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int64_t k = 0; k < K; ++k)
+          acc +=
+              double(float(x[size_t(i * K + k)])) * double(float(w[size_t((gg * K + k) * N + n)]));
+        exact[size_t(i * N + n)] = acc;
+      }
+  }
+  const double e = rel_error(y.read(), exact);
+  EXPECT_GT(e, 1e-3) << "e4m3 cannot be this exact: the quantization did not happen";
+  EXPECT_LT(e, 6e-2) << "fprop against the unquantized product";
 }
 
 }  // namespace

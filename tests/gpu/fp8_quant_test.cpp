@@ -70,15 +70,15 @@ TEST(Fp8QuantGpu, WeightBlocksMatchCpuBitForBitInBothLayouts) {
     poison(qg);
     poison(qtg);
     poison(sg);
-    cpu->quantize_fp8_blocks({*wc, *qc, *qtc, *sc}, nullptr);
-    gpu->quantize_fp8_blocks({*wg, *qg, *qtg, *sg}, nullptr);
+    cpu->quantize_fp8_blocks({*wc, *qc, *qtc, *sc, Tensor()}, nullptr);
+    gpu->quantize_fp8_blocks({*wg, *qg, *qtg, *sg, Tensor()}, nullptr);
     EXPECT_EQ(sg.read(), sc.read()) << "scales";
     EXPECT_EQ(qg.read(), qc.read()) << "q [G, K, N]";
     EXPECT_EQ(qtg.read(), qtc.read()) << "q_t [G, N, K]";
     // Only the transposed layout asked for: q stays untouched.
     poison(qg);
     poison(qtg);
-    gpu->quantize_fp8_blocks({*wg, Tensor(), *qtg, *sg}, nullptr);
+    gpu->quantize_fp8_blocks({*wg, Tensor(), *qtg, *sg, Tensor()}, nullptr);
     EXPECT_EQ(qtg.read(), qtc.read()) << "q_t alone";
     for (double v : qg.read()) ASSERT_TRUE(std::isnan(v)) << "q written though not asked for";
   }
