@@ -182,8 +182,9 @@ inline constexpr int64_t kFp8Tile = 128;
 // columns [p_g, p_g + m_g) of q_t, m_g = hi_g - lo_g, where p_g = sum over h < g of
 // round_up(m_h, 128) (padded_offsets[g]; padded_offsets[groups] the total). The columns
 // [p_g + m_g, p_g + round_up(m_g, 128)) are zero, so every tile lies in one group. Group g's
-// scales are a [K][round_up(m_g, 128) / 128] block at scale + K * p_g / 128 (tiles of a row of
-// q_t contiguous). Columns at or beyond the total are not written.
+// scales are a [round_up(m_g, 128) / 128][K] block at scale + K * p_g / 128 (the scales of one
+// tile of every q_t row contiguous: what the wgrad kernel loads per 128 of its reduction).
+// Columns at or beyond the total are not written.
 struct Fp8ColArgs {
   GroupWindow window;
   Tensor x;               // [>= window.rows, K] activation dtype: window row i is x[i]

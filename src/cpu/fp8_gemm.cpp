@@ -149,7 +149,7 @@ void gemm_fp8_wgrad(const Fp8GemmArgs& a) {  // c[g] (+)= x_g^T dy_g over the pa
           double block = 0;
           for (int64_t c = p + t * kFp8Tile; c < p + (t + 1) * kFp8Tile; ++c)
             block += dec[qa[k * P + c]] * dec[qb[n * P + c]];
-          acc += double(sag[k * tg + t]) * double(sbg[n * tg + t]) * block;
+          acc += double(sag[t * Kd + k]) * double(sbg[t * N + n]) * block;
         }
         T& out = dw[k * N + n];
         out = T(a.accumulate ? double(out) + acc : acc);

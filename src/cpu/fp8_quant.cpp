@@ -99,7 +99,7 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
         for (int64_t i = lo; i < hi; ++i)
           amax = std::max(amax, std::fabs(float(x[(rr.begin + i) * K + k])));
         const float s = tile_scale(amax);
-        scale[K * p / kFp8Tile + k * tiles_g + t] = s;
+        scale[K * p / kFp8Tile + t * K + k] = s;
         for (int64_t i = lo; i < lo + kFp8Tile; ++i)
           q[k * P + p + i] = i < hi ? to_e4m3(float(x[(rr.begin + i) * K + k]) / s) : 0;
       }

@@ -20,10 +20,19 @@ __device__ __forceinline__ uint8_t e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// One warp per (row, tile): lane l holds elements l, l + 32, l + 64, l + 96 of the tile.
+// Four bf16 of x (8 bytes, aligned) as floats.
+__device__ __forceinline__ void load4(const bf16* p, float v[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  v[0] = __low2float(lo), v[1] = __high2float(lo), v[2] = __low2float(hi), v[3] = __high2float(hi);
+}
+
+// One warp per (row, tile): lane l holds elements 4l .. 4l + 3 of the tile (one 8-byte load and
+// one 4-byte store when `vec`: K a multiple of 4 and x, q aligned; element by element otherwise).
 __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __restrict__ q,
                                      float* __restrict__ scale, int64_t rows, int64_t K,
-                                     int64_t tiles) {
+                                     int64_t tiles, bool vec) {
   const int lane = int(threadIdx.x) % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; w < rows * tiles;
@@ -31,20 +40,27 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __rest
     const int64_t r = w / tiles, t = w % tiles, lo = t * kTile;
     const int64_t n = K - lo < kTile ? K - lo : kTile;
     const bf16* row = x + r * K + lo;
-    float v[4];
-    float amax = 0.f;
-    for (int j = 0; j < 4; ++j) {
-      const int c = lane + 32 * j;
-      v[j] = c < n ? __bfloat162float(row[c]) : 0.f;
-      amax = fmaxf(amax, fabsf(v[j]));
+    const int c = 4 * lane;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (vec && c < n) {
+      load4(row + c, v);
+    } else if (!vec) {
+      for (int j = 0; j < 4; ++j)
+        if (c + j < n) v[j] = __bfloat162float(row[c + j]);
     }
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     amax = warp_max(amax);
     const float s = tile_scale(amax);
     if (lane == 0) scale[r * tiles + t] = s;
     uint8_t* out = q + r * K + lo;
-    for (int j = 0; j < 4; ++j) {
-      const int c = lane + 32 * j;
-      if (c < n) out[c] = e4m3(v[j] / s);
+    if (vec) {
+      if (c < n)
+        *reinterpret_cast<uint32_t*>(out + c) =
+            uint32_t(e4m3(v[0] / s)) | uint32_t(e4m3(v[1] / s)) << 8 |
+            uint32_t(e4m3(v[2] / s)) << 16 | uint32_t(e4m3(v[3] / s)) << 24;
+    } else {
+      for (int j = 0; j < 4; ++j)
+        if (c + j < n) out[c + j] = e4m3(v[j] / s);
     }
   }
 }
@@ -109,15 +125,16 @@ __global__ void padded_offsets_kernel(const int32_t* __restrict__ offsets, int g
 }
 
 // Fp8ColArgs, step 2: block (t, kb) takes column tile t of q_t (128 columns, inside one group)
-// and rows [kb * 128, kb * 128 + 128) of q_t (columns of x): the 128 x 128 bf16 block of x
-// through shared memory (read along x's rows, written along q_t's), one scale per q_t row.
+// and rows [kb * 128, kb * 128 + 128) of q_t (columns of x): the 128 x 128 bf16 block of x into
+// shared memory (16-byte loads along x's rows when `vec`), then warp w takes q_t rows
+// w, w + 8, ...: lane l holds tile columns l, l + 32, l + 64, l + 96, so the amax is one warp
+// reduction and every store is 32 consecutive bytes.
 __global__ void __launch_bounds__(256)
     quantize_cols_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ offsets,
                          const int32_t* __restrict__ padded, int groups, int64_t row_lo,
                          int64_t rows, int64_t K, int64_t P, uint8_t* __restrict__ q_t,
-                         float* __restrict__ scale) {
-  __shared__ bf16 block[kTile][kTile + 2];
-  __shared__ float col_scale[kTile];
+                         float* __restrict__ scale, bool vec) {
+  __shared__ bf16 block[kTile][kTile + 2];  // odd word stride: column reads hit 32 banks
   const int64_t c0 = int64_t(blockIdx.x) * kTile, k0 = int64_t(blockIdx.y) * kTile;
   if (c0 >= padded[groups]) return;
   int lo_g = 0, hi_g = groups - 1;  // the group whose padded columns hold c0
@@ -131,28 +148,43 @@ __global__ void __launch_bounds__(256)
   const int g = lo_g;
   const int64_t begin = offsets[g] > row_lo ? offsets[g] : row_lo;
   const int64_t end = offsets[g + 1] < row_lo + rows ? offsets[g + 1] : row_lo + rows;
-  const int64_t m = end - begin, t = (c0 - padded[g]) / kTile, tiles_g = (m + kTile - 1) / kTile;
+  const int64_t m = end - begin, t = (c0 - padded[g]) / kTile;
   const int64_t first = begin - row_lo + t * kTile;  // window row of the tile's column 0
   const int n = int(m - t * kTile < kTile ? m - t * kTile : kTile);
   const int kn = int(K - k0 < kTile ? K - k0 : kTile);
-  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
-    const int r = i / kTile, c = i % kTile;  // row r of the tile (a window row), column c of x
-    block[r][c] = r < n && c < kn ? x[(first + r) * K + k0 + c] : __float2bfloat16(0.f);
+  if (vec) {  // 8 bf16 per load; kn is a multiple of 8
+    for (int i = int(threadIdx.x); i < kTile * kTile / 8; i += int(blockDim.x)) {
+      const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (r < n && c < kn) raw = *reinterpret_cast<const uint4*>(x + (first + r) * K + k0 + c);
+      const bf16* e = reinterpret_cast<const bf16*>(&raw);
+      for (int j = 0; j < 8; ++j) block[r][c + j] = e[j];
+    }
+  } else {
+    for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
+      const int r = i / kTile, c = i % kTile;
+      block[r][c] = r < n && c < kn ? x[(first + r) * K + k0 + c] : __float2bfloat16(0.f);
+    }
   }
   __syncthreads();
-  if (threadIdx.x < kTile) {
-    const int c = int(threadIdx.x);
+  const int lane = int(threadIdx.x) % 32;
+  float* tile_scales = scale + K * (padded[g] / kTile) + t * K + k0;
+  for (int c = int(threadIdx.x) / 32; c < kn; c += int(blockDim.x) / 32) {
+    float v[4];
     float amax = 0.f;
-    for (int r = 0; r < n; ++r) amax = fmaxf(amax, fabsf(__bfloat162float(block[r][c])));
+    for (int j = 0; j < 4; ++j) {
+      const int r = lane + 32 * j;
+      v[j] = r < n ? __bfloat162float(block[r][c]) : 0.f;
+      amax = fmaxf(amax, fabsf(v[j]));
+    }
+    amax = warp_max(amax);
     const float s = tile_scale(amax);
-    col_scale[c] = s;
-    if (c < kn) scale[K * (padded[g] / kTile) + (k0 + c) * tiles_g + t] = s;
-  }
-  __syncthreads();
-  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
-    const int c = i / kTile, r = i % kTile;  // q_t row k0 + c, column c0 + r
-    if (c < kn)
-      q_t[(k0 + c) * P + c0 + r] = r < n ? e4m3(__bfloat162float(block[r][c]) / col_scale[c]) : 0;
+    if (lane == 0) tile_scales[c] = s;
+    uint8_t* out = q_t + (k0 + c) * P + c0;
+    for (int j = 0; j < 4; ++j) {
+      const int r = lane + 32 * j;
+      out[r] = r < n ? e4m3(v[j] / s) : uint8_t(0);
+    }
   }
 }
 
@@ -163,8 +195,10 @@ void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
   const int64_t rows = a.x.size(0), K = a.x.size(1), KT = tiles(K);
   check_tensor(a.q, "quantize_fp8_rows q", DType::e4m3, {rows, K});
   check_tensor(a.scale, "quantize_fp8_rows scale", DType::f32, {rows, KT});
+  const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(a.q.data) % 4 == 0;
   MOE_ECHO_LAUNCH(quantize_rows_kernel, blocks_for(rows * KT, 8, grid_cap()), 256, 0, s,
-                  a.x.as<bf16>(), a.q.as<uint8_t>(), a.scale.as<float>(), rows, K, KT);
+                  a.x.as<bf16>(), a.q.as<uint8_t>(), a.scale.as<float>(), rows, K, KT, vec);
 }
 
 void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
@@ -206,7 +240,8 @@ void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
   if (P == 0) return;
   MOE_ECHO_LAUNCH(quantize_cols_kernel, dim3(unsigned(P / kFp8Tile), unsigned(tiles(K))), 256, 0, s,
                   a.x.as<bf16>(), w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups,
-                  w.row_lo, w.rows, K, P, a.q_t.as<uint8_t>(), a.scale.as<float>());
+                  w.row_lo, w.rows, K, P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
+                  K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0);
 }
 
 }  // namespace moe_echo::cuda

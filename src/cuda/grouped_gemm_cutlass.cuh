@@ -80,10 +80,11 @@ void run_gemm(Gemm& gemm, cudaStream_t s, const char* name) {
 // RowMajor A and ColumnMajor B are K-major; ColumnMajor A and RowMajor B are M/N-major.
 // Fp8ScaleN 0: bf16 operands. Otherwise e4m3 operands with blockwise fp32 scales (CUTLASS's
 // FP8BlockScaledAccum mainloop: the scaled block sums promoted into fp32 every 128 of K), one
-// scale per row of A and per Fp8ScaleN columns of B for each 128 of K, both scale arrays K-major
-// ([rows][K / 128] per group), which needs both operands K-major (FP8 wgmma).
+// scale per row of A and per Fp8ScaleN columns of B for each 128 of K, both operands K-major (FP8
+// wgmma needs it). The scale arrays of a group are K-major ([rows][K / 128]), or with
+// Fp8ScalesMN MN-major ([K / 128][rows]: the scales one K block needs are contiguous).
 template <class ElementD_, class LayoutA_, class LayoutB_, int TileM, int TileN, int TileK,
-          int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0>
+          int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0, bool Fp8ScalesMN_ = false>
 struct KernelConfig {
   using ElementD = ElementD_;
   using LayoutA = LayoutA_;
@@ -92,19 +93,21 @@ struct KernelConfig {
   using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
   static constexpr bool Pingpong = Pingpong_;
   static constexpr int Fp8ScaleN = Fp8ScaleN_;
+  static constexpr bool Fp8ScalesMN = Fp8ScalesMN_;
 };
 
 template <class Config>
 class CutlassRunner final : public KernelRunner {
  public:
   static constexpr bool kFp8 = Config::Fp8ScaleN > 0;
+  static constexpr cute::GMMA::Major kScaleMajor =
+      Config::Fp8ScalesMN ? cute::GMMA::Major::MN : cute::GMMA::Major::K;
   using ElementAB = std::conditional_t<kFp8, cutlass::float_e4m3_t, cutlass::bfloat16_t>;
   using ElementAcc = float;
   using ElementD = typename Config::ElementD;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
-  using ScaleConfig =
-      cutlass::detail::Sm90BlockwiseScaleConfig<1, (kFp8 ? Config::Fp8ScaleN : 1), 128,
-                                                cute::GMMA::Major::K, cute::GMMA::Major::K>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, (kFp8 ? Config::Fp8ScaleN : 1),
+                                                                128, kScaleMajor, kScaleMajor>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using MainloopLayoutA =

@@ -202,7 +202,7 @@ TEST(Fp8, ColumnsRestartAtEveryGroupAndPadTo128) {
         for (int64_t i = t * 128; i < std::min(m, t * 128 + 128); ++i)
           amax = std::max(amax, std::fabs(double(float(x[size_t((lo + i) * K + k)]))));
         const float sc = definition_scale(amax);
-        ASSERT_EQ(float(got_s[size_t(K * p / 128 + k * tg + t)]), sc) << g << ", " << k;
+        ASSERT_EQ(float(got_s[size_t(K * p / 128 + t * K + k)]), sc) << g << ", " << k;
         for (int64_t i = t * 128; i < t * 128 + 128; ++i) {
           const double want =
               i < m ? from_e4m3(nearest_e4m3(float(x[size_t((lo + i) * K + k)]) / sc)) : 0.0;
@@ -285,13 +285,13 @@ TEST(Fp8, GemmsEqualTheProductOfTheDequantizedOperands) {
                             vdycs = dycs.read(), vpo = po.read();
   for (int gg = 0; gg < G; ++gg) {
     const auto [lo, hi] = rows_of(win, gg);
-    const int64_t p = int64_t(vpo[size_t(gg)]), tg = (hi - lo + 127) / 128;
+    const int64_t p = int64_t(vpo[size_t(gg)]);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t n = 0; n < N; ++n) {
         double acc = 0;
         for (int64_t i = 0; i < hi - lo; ++i)
-          acc += vxc[size_t(k * P + p + i)] * vxcs[size_t(K * p / 128 + k * tg + i / 128)] *
-                 vdyc[size_t(n * P + p + i)] * vdycs[size_t(N * p / 128 + n * tg + i / 128)];
+          acc += vxc[size_t(k * P + p + i)] * vxcs[size_t(K * p / 128 + i / 128 * K + k)] *
+                 vdyc[size_t(n * P + p + i)] * vdycs[size_t(N * p / 128 + i / 128 * N + n)];
         want_dw[size_t((gg * K + k) * N + n)] += acc;
       }
   }
