@@ -34,27 +34,26 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "cuda/nccl_check.hpp"
 #include "cuda/warp_copy.cuh"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_collectives.hpp"
 #include "moe_echo/nccl.hpp"
 
-#define MOE_ECHO_NCCL_CHECK(call)                                                             \
-  do {                                                                                        \
-    const ncclResult_t moe_echo_nccl_status_ = (call);                                        \
-    if (moe_echo_nccl_status_ != ncclSuccess) {                                               \
-      std::ostringstream moe_echo_nccl_msg_;                                                  \
-      moe_echo_nccl_msg_ << #call << " failed: " << ncclGetErrorString(moe_echo_nccl_status_) \
-                         << " (" << int(moe_echo_nccl_status_) << ")";                        \
-      const char* moe_echo_nccl_last_ = ncclGetLastError(nullptr);                            \
-      if (moe_echo_nccl_last_ && *moe_echo_nccl_last_)                                        \
-        moe_echo_nccl_msg_ << ": " << moe_echo_nccl_last_;                                    \
-      ::moe_echo::detail::fail(__FILE__, __LINE__, moe_echo_nccl_msg_.str());                 \
-    }                                                                                         \
-  } while (0)
-
 namespace moe_echo {
+
+namespace nccl::detail {
+
+void throw_nccl_error(ncclResult_t code, const char* what, const char* file, int line) {
+  std::ostringstream s;
+  s << "NCCL error " << int(code) << " (" << ncclGetErrorString(code) << ") in " << what;
+  const char* last = ncclGetLastError(nullptr);
+  if (last && *last) s << ": " << last;
+  ::moe_echo::detail::fail(file, line, s.str());
+}
+
+}  // namespace nccl::detail
 
 const char* to_string(Dispatcher d) { return d == Dispatcher::baseline ? "baseline" : "syncfree"; }
 
