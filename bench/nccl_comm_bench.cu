@@ -37,6 +37,7 @@
 
 #include "cuda/cuda_backend.hpp"
 #include "cuda/cuda_check.hpp"
+#include "cuda/nccl_check.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/nccl.hpp"
@@ -351,8 +352,7 @@ int main(int argc, char** argv) {
           const double bytes = ro.rows_moved * double(row_bytes);
           const size_t per_peer = size_t(bytes / R / 2);  // bf16 elements
           auto a2a = [&] {
-            if (ncclAlltoAll(a2a_send, a2a_recv, per_peer, ncclBfloat16, nccl, s) != ncclSuccess)
-              throw Error("ncclAlltoAll failed");
+            MOE_ECHO_NCCL_CHECK(ncclAlltoAll(a2a_send, a2a_recv, per_peer, ncclBfloat16, nccl, s));
           };
           a2a();  // warm-up outside the capture (lazy connection)
           MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));

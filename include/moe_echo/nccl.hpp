@@ -32,6 +32,12 @@
 // The sync-free path needs every rank in one NVLink team: across nodes the device API needs a
 // GIN-capable network, which this communicator does not use; construction with the sync-free
 // dispatcher throws there, naming the baseline dispatcher as the way across nodes.
+//
+// Implementation (src/comm/nccl_base.hpp): two communicator types over one bootstrap and window
+// code, picked by make_nccl_communicator from the options and the NVLink team, so that no op
+// branches on a mode. The sync-free dispatcher is the device-API type (every op a kernel); the
+// baseline dispatcher is the host-API type (host-synced dispatch and combine), whose other ops
+// are the device API's kernels on one NVLink team and NCCL's host API in host-API mode.
 #pragma once
 
 #include <cstddef>
@@ -71,7 +77,8 @@ struct NcclOptions {
 int select_device(const DistEnv& env);
 
 // Builds the communicator of this process's rank: NCCL unique id from rank 0 through the
-// rendezvous, ncclCommInitRank on the current device, the device communicator (LSA barriers) and
+// rendezvous, ncclCommInitRank on the current device, the device communicator (LSA barriers;
+// not in host-API mode), the type the options and the NVLink team call for (above) and its
 // internal windows. Collective and blocking: every rank calls it at the same point. The
 // rendezvous must outlive the communicator (barrier() uses it).
 std::unique_ptr<Communicator> make_nccl_communicator(Rendezvous& rendezvous,

@@ -1,0 +1,267 @@
+// What the NCCL communicator types share (nccl_base.hpp): the bootstrap, window memory, the
+// symmetric buffers and every op's argument checks.
+#include "comm/nccl_base.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "cuda/common.cuh"
+#include "cuda/nccl_check.hpp"
+#include "moe_echo/config.hpp"
+#include "moe_echo/error.hpp"
+
+namespace moe_echo {
+
+namespace nccl::detail {
+
+void throw_nccl_error(ncclResult_t code, const char* what, const char* file, int line) {
+  std::ostringstream s;
+  s << "NCCL error " << int(code) << " (" << ncclGetErrorString(code) << ") in " << what;
+  const char* last = ncclGetLastError(nullptr);
+  if (last && *last) s << ": " << last;
+  ::moe_echo::detail::fail(file, line, s.str());
+}
+
+}  // namespace nccl::detail
+
+namespace nccl {
+namespace {
+
+size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
+
+}  // namespace
+
+// ---- Context ----------------------------------------------------------------------------------
+
+Context::Context(HostCollectives& boot, std::unique_ptr<HostCollectives> owned_boot,
+                 std::unique_ptr<Rendezvous> owned_rv)
+    : owned_rv_(std::move(owned_rv)), owned_boot_(std::move(owned_boot)), boot_(boot) {
+  rank_ = boot_.rank();
+  size_ = boot_.size();
+  MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_));
+  // The unique id of rank 0 reaches every rank through an all-gather of one id per rank (the
+  // other ranks' entries are zeros and unused).
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof id);
+  if (rank_ == 0) MOE_ECHO_NCCL_CHECK(ncclGetUniqueId(&id));
+  Bytes ids(size_t(size_) * sizeof id);
+  boot_.all_gather(&id, ids.data(), sizeof id);
+  std::memcpy(&id, ids.data(), sizeof id);
+  MOE_ECHO_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+}
+
+Context::~Context() { destroy(); }
+
+void Context::destroy() {
+  if (setup_stream_) (void)cudaStreamDestroy(setup_stream_);
+  setup_stream_ = nullptr;
+  if (have_dev_) (void)ncclDevCommDestroy(comm_, &dev_);
+  have_dev_ = false;
+  if (comm_) (void)ncclCommDestroy(comm_);
+  comm_ = nullptr;
+}
+
+void Context::create_device_comm() {
+  ncclDevCommRequirements reqs;
+  std::memset(&reqs, 0, sizeof reqs);  // NCCL 2.28.9 has no initializer macro
+  reqs.lsaBarrierCount = int(kBarrierRanges) * kMaxCtas;
+  MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev_));
+  have_dev_ = true;
+}
+
+void Context::check_same_size(size_t bytes, const std::string& what) {
+  const uint64_t want = bytes;
+  std::vector<uint64_t> all(static_cast<size_t>(size_));
+  boot_.all_gather(&want, all.data(), sizeof want);
+  for (int r = 0; r < size_; ++r) {
+    const uint64_t theirs = all[size_t(r)];
+    MOE_ECHO_CHECK(theirs == want, what << ": rank " << r << " allocates " << theirs
+                                        << " bytes, rank " << rank_ << " " << want);
+  }
+}
+
+Window Context::make_symmetric_window(size_t bytes, const std::string& what) {
+  check_same_size(bytes, what);
+  Window w;
+  w.bytes = round_up(std::max<size_t>(bytes, 1), 4096);
+  MOE_ECHO_NCCL_CHECK(ncclMemAlloc(&w.ptr, w.bytes));
+  MOE_ECHO_NCCL_CHECK(
+      ncclCommWindowRegister(comm_, w.ptr, w.bytes, &w.win, NCCL_WIN_COLL_SYMMETRIC));
+  return w;
+}
+
+Window Context::make_plain_window(size_t bytes, const std::string& what) {
+  check_same_size(bytes, what);
+  Window w;
+  w.bytes = round_up(std::max<size_t>(bytes, 1), 4096);
+  MOE_ECHO_CUDA_CHECK(cudaMalloc(&w.ptr, w.bytes));
+  w.plain = true;
+  return w;
+}
+
+void Context::release_window(Window& w) {
+  if (!w.ptr) return;
+  if (w.plain) {
+    (void)cudaFree(w.ptr);
+  } else {
+    if (w.win) (void)ncclCommWindowDeregister(comm_, w.win);
+    (void)ncclMemFree(w.ptr);
+  }
+  w = Window{};
+}
+
+void Context::connect(void* scratch) {
+  if (!setup_stream_)
+    MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&setup_stream_, cudaStreamNonBlocking));
+  MOE_ECHO_NCCL_CHECK(
+      ncclAllReduce(scratch, scratch, 1, ncclFloat32, ncclSum, comm_, setup_stream_));
+  MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(setup_stream_));
+}
+
+void Context::all_reduce_host_api(const Tensor& t, cudaStream_t s) {
+  MOE_ECHO_NCCL_CHECK(ncclAllReduce(t.data, t.data, size_t(t.numel()),
+                                    t.dtype == DType::f32 ? ncclFloat32 : ncclFloat64, ncclSum,
+                                    comm_, s));
+}
+
+// ---- NcclCommBase -----------------------------------------------------------------------------
+
+NcclCommBase::NcclCommBase(std::unique_ptr<Context> ctx, std::unique_ptr<CollectiveOps> ops,
+                           const NcclOptions& o)
+    : ctx_(std::move(ctx)), ops_(std::move(ops)), opts_(o) {}
+
+NcclCommBase::~NcclCommBase() {
+  quiesce();
+  for (Window& w : windows_) ctx_->release_window(w);
+  ops_.reset();  // its internal windows
+  ctx_.reset();
+}
+
+void NcclCommBase::quiesce() const noexcept {
+  (void)cudaSetDevice(ctx_->device());
+  (void)cudaDeviceSynchronize();
+}
+
+SymmetricBuffer NcclCommBase::alloc_symmetric(Backend&, size_t bytes) {
+  SymmetricBuffer buf;
+  const Window w = ops_->make_window(bytes, "symmetric buffer " + std::to_string(windows_.size()));
+  buf.local = w.ptr;
+  buf.bytes = bytes;
+  buf.id = int(windows_.size());
+  windows_.push_back(w);
+  return buf;
+}
+
+void NcclCommBase::free_symmetric(Backend&, SymmetricBuffer& buf) {
+  if (!buf.local) return;
+  MOE_ECHO_CHECK(
+      buf.id >= 0 && buf.id < int(windows_.size()) && windows_[size_t(buf.id)].ptr == buf.local,
+      "symmetric buffer " << buf.id << " is not one of this communicator's");
+  MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+  ctx_->release_window(windows_[size_t(buf.id)]);
+  buf.local = nullptr;
+}
+
+void NcclCommBase::barrier() { ctx_->boot().barrier(); }
+
+const Window& NcclCommBase::window_of(const SymmetricBuffer& buf, size_t need,
+                                      const char* op) const {
+  MOE_ECHO_CHECK(
+      buf.id >= 0 && buf.id < int(windows_.size()) && buf.local &&
+          windows_[size_t(buf.id)].ptr == buf.local,
+      op << ": symmetric buffer " << buf.id << " is not a live buffer of this communicator");
+  const Window& w = windows_[size_t(buf.id)];
+  MOE_ECHO_CHECK(need <= w.bytes,
+                 op << ": " << need << " bytes into a symmetric buffer of " << buf.bytes);
+  return w;
+}
+
+void NcclCommBase::all_gather_i32(const int32_t* local, int32_t* all, int64_t n, Stream s) {
+  MOE_ECHO_CHECK(n >= 0 && n <= opts_.max_gather_ints,
+                 "all_gather_i32 of " << n << " ints per rank; this communicator was built for "
+                                      << opts_.max_gather_ints
+                                      << " (NcclOptions::max_gather_ints)");
+  ops_->all_gather_i32(local, all, n, cuda::as_cuda(s));
+}
+
+void NcclCommBase::all_reduce_sum(const Tensor& t, Stream s) {
+  MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
+                 "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
+  if (t.numel() == 0) return;
+  ops_->all_reduce_sum(t, cuda::as_cuda(s));
+}
+
+namespace {
+
+void check_route(const RowRoute& route, const FanTable& fan) {
+  MOE_ECHO_CHECK(
+      route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 && route.n % route.top_k == 0,
+      "route of " << route.n << " entries, top_k " << route.top_k << " (1.." << kMaxTopK
+                  << ", dividing the entries)");
+  MOE_ECHO_CHECK(fan.top_k == route.top_k,
+                 "fan table of top_k " << fan.top_k << " for a route of top_k " << route.top_k);
+  MOE_ECHO_CHECK(fan.float_dtype == DType::f32 || fan.float_dtype == DType::f64,
+                 "fan table float dtype f32 or f64, not " << to_string(fan.float_dtype));
+}
+
+}  // namespace
+
+void NcclCommBase::dispatch(const RowRoute& route, RoundWindow window, const void* src,
+                            size_t row_bytes, const SymmetricBuffer& recv, const FanTable& fan,
+                            Stream s) {
+  check_route(route, fan);
+  const size_t rows = size_t(std::max<int64_t>(window.rows, 0)), K = size_t(route.top_k);
+  const Window& w = window_of(recv, rows * row_bytes, "dispatch");
+  const Window& m = window_of(fan.members, rows * K * sizeof(int32_t), "dispatch (fan members)");
+  const Window& wt =
+      window_of(fan.weights, rows * K * dtype_size(fan.float_dtype), "dispatch (fan weights)");
+  dispatch_rows(route, window, src, row_bytes, w, m, wt, fan.float_dtype, cuda::as_cuda(s));
+}
+
+void NcclCommBase::combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
+                           const Tensor& y, const int32_t* accumulate, const FanTable& fan,
+                           void* values_out, Stream s) {
+  check_route(route, fan);
+  MOE_ECHO_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32 || y.dtype == DType::f64,
+                 "combine: rows of bf16, f32 or f64, not " << to_string(y.dtype));
+  MOE_ECHO_CHECK(
+      y.ndim == 2 && y.size(0) * route.top_k == route.n,
+      "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
+  const size_t rows = size_t(std::max<int64_t>(window.rows, 0));
+  const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
+  const Window& r = window_of(red, rows * row_bytes, "combine");
+  const Window* v = values_out ? &window_of(fan.values, rows * dtype_size(fan.float_dtype),
+                                            "combine (fan values)")
+                               : nullptr;
+  combine_rows(route, window, r, y, accumulate, v, fan.float_dtype, values_out, cuda::as_cuda(s));
+}
+
+void NcclCommBase::pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
+                                      const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                                      Stream s) {
+  MOE_ECHO_CHECK(cfg.ranks == size(), "plan for " << cfg.ranks << " ranks on " << size());
+  if (cfg.spare_slots == 0 || slot_bytes == 0) return;  // the same on every rank
+  const Window& w =
+      window_of(home, size_t(cfg.experts_per_rank()) * slot_bytes, "pull_clone_weights");
+  MOE_ECHO_CHECK(spare != nullptr, "pull_clone_weights: spare slots at null");
+  ops_->pull_clone_weights(plan, cfg, w, spare, slot_bytes, cuda::as_cuda(s));
+}
+
+void NcclCommBase::reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
+                                      const SymmetricBuffer& spare, void* home, int64_t slot_elems,
+                                      DType dtype, Stream s) {
+  MOE_ECHO_CHECK(cfg.ranks == size(), "plan for " << cfg.ranks << " ranks on " << size());
+  MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
+                 "clone gradient reduction supports f32 and f64, not " << to_string(dtype));
+  const int M = cfg.max_replicas();
+  MOE_ECHO_CHECK(M <= kMaxReplicas, "max_replicas " << M << " > " << kMaxReplicas);
+  if (cfg.spare_slots == 0 || M == 1 || slot_elems == 0) return;  // no clones on any rank
+  const Window& w =
+      window_of(spare, size_t(cfg.spare_slots) * size_t(slot_elems) * dtype_size(dtype),
+                "reduce_clone_grads");
+  ops_->reduce_clone_grads(plan, cfg, w, home, slot_elems, dtype, cuda::as_cuda(s));
+}
+
+}  // namespace nccl
+}  // namespace moe_echo
