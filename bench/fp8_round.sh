@@ -2,8 +2,11 @@
 # The FP8 round on one GPU, in one call: build the FP8 tests and the grouped GEMM benchmark with
 # all cores, run the CPU FP8 test, the GPU quantizer and FP8 GEMM tests, then the benchmark with
 # --fp8 (our bf16 and FP8 kernels) and torch's bf16 and rowwise FP8 grouped GEMMs on the same
-# GPU, and print the comparison last. Logs and JSON go to $OUT (default out/fp8). SHAPE picks one
-# benchmark shape; SKIP_BENCH=1 runs the tests only. Needs third_party/ carried along.
+# GPU, then the whole layer (forward + backward in one CUDA graph, moe-echo bench) in bf16 and in
+# fp8 at the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral 8x7B slices of one GPU (8192 tokens), and print
+# the comparisons last. Logs and JSON go to $OUT (default out/fp8). SHAPE picks one GEMM shape;
+# SKIP_BENCH=1 runs the tests only, SKIP_GEMM=1 / SKIP_LAYER=1 skip a benchmark. Needs
+# third_party/ carried along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/fp8}
@@ -16,12 +19,14 @@ t0=$SECONDS
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
   >"$out/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target fp8_test fp8_quant_test fp8_gemm_test \
-    grouped_gemm_test grouped_gemm_bench ${EXTRA_TARGETS:-} >>"$out/build.log" 2>&1
+    grouped_gemm_test grouped_gemm_bench cuda_layer_test fp8_layer_test moe-echo \
+    ${EXTRA_TARGETS:-} >>"$out/build.log" 2>&1
 rc=$?
 echo "build: rc=$rc $((SECONDS - t0)) s"
 [ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 rows=()
-for t in tests/fp8_test tests/gpu/fp8_quant_test tests/gpu/fp8_gemm_test tests/gpu/grouped_gemm_test; do
+for t in tests/fp8_test tests/fp8_layer_test tests/gpu/fp8_quant_test tests/gpu/fp8_gemm_test \
+         tests/gpu/grouped_gemm_test tests/gpu/cuda_layer_test; do
   name=$(basename "$t")
   timeout 300 "$build/$t" >"$out/$name.log" 2>&1
   trc=$?
@@ -29,7 +34,34 @@ for t in tests/fp8_test tests/gpu/fp8_quant_test tests/gpu/fp8_gemm_test tests/g
   [ $trc -ne 0 ] && grep -E "Failure|Expected|Which is|error|FAILED|rel" "$out/$name.log" | head -40
 done
 grep "^\[ fp8 \]" "$out/fp8_gemm_test.log"
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
+grep "^\[ fp8 layer \]" "$out/fp8_layer_test.log"
+if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_LAYER:-0}" != 1 ]; then
+  # name:hidden:ffn:experts:top_k
+  for sl in qwen3:2048:768:16:8 deepseek-v3:7168:2048:32:8 mixtral:4096:14336:8:2; do
+    IFS=: read -r name H F E K <<<"$sl"
+    for p in bf16 fp8; do
+      timeout 240 "$build/moe-echo" bench --hidden "$H" --ffn "$F" --experts "$E" --top-k "$K" \
+        --tokens 8192 --capture on --steps 12 --warmup 3 --precision "$p" \
+        --json "$out/layer_${name}_$p.json" >"$out/layer_${name}_$p.log" 2>&1 ||
+        { echo "layer $name $p failed"; tail -5 "$out/layer_${name}_$p.log"; }
+    done
+  done
+  python3 - "$out" <<'PY' | tee "$out/layer_table.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+print(f"{'slice':12s} {'bf16 ms':>8s} {'fp8 ms':>8s} {'speedup':>8s} {'fp8 GiB':>8s}")
+for name in ("qwen3", "deepseek-v3", "mixtral"):
+    try:
+        b = json.loads((out / f"layer_{name}_bf16.json").read_text())
+        f = json.loads((out / f"layer_{name}_fp8.json").read_text())
+    except Exception as e:
+        print(f"{name:12s} missing: {e}")
+        continue
+    tb, tf = b["summary"]["step_ms"], f["summary"]["step_ms"]
+    print(f"{name:12s} {tb:8.3f} {tf:8.3f} {tb / tf:8.3f} {f['memory']['parts']['fp8'] / 2**30:8.2f}")
+PY
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_GEMM:-0}" != 1 ]; then
   shape_arg=(); [ -n "${SHAPE:-}" ] && shape_arg=(--shape "$SHAPE")
   timeout 400 "$build/grouped_gemm_bench" --fp8 --out "$out/ours_fp8.json" \
     --commit "${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" \

@@ -206,10 +206,10 @@ struct Report {
           "note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
           "change)\n",
           L.preset.c_str(), moe.max_tokens);
-    std::printf("layers: %d, %s, recompute %s\n", o.layers,
+    std::printf("layers: %d, %s, recompute %s, precision %s\n", o.layers,
                 o.separate ? "separate (each MoeLayer with its own workspace)"
                            : "one MoeStack (one workspace for all)",
-                to_string(moe.recompute));
+                to_string(moe.recompute), to_string(moe.precision));
   }
 
   // After the layers are built: what they allocated, and the table's head.
@@ -380,6 +380,7 @@ void Report::summary() const {
                  {"seed", o.layer.seed},
                  {"layers", o.layers},
                  {"recompute", to_string(moe.recompute)},
+                 {"precision", to_string(moe.precision)},
                  {"separate", o.separate},
                  {"workspace_bytes_per_rank", memory.total}};
   j["memory"] = {{"moe_bytes_per_rank", memory.total},
@@ -399,9 +400,10 @@ void Report::summary() const {
                           {"temporaries", p.temporaries},
                           {"workspace", p.workspace},
                           {"echo_slot_weights", p.echo_slot_weights},
-                          {"echo_slot_grads", p.echo_slot_grads}};
+                          {"echo_slot_grads", p.echo_slot_grads},
+                          {"fp8", p.fp8}};
   j["memory"]["step_state_bytes"] = p.routing + p.activations + p.temporaries + p.workspace +
-                                    p.echo_slot_weights + p.echo_slot_grads;
+                                    p.echo_slot_weights + p.echo_slot_grads + p.fp8;
   if (!dispatcher.empty()) {
     j["config"]["dispatcher"] = dispatcher;
     j["config"]["capture"] = capture;

@@ -83,6 +83,9 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   add_option(cmd, "--recompute", o.recompute,
              "What each layer keeps for its backward: none (default), moe_act (redo SwiGLU), "
              "experts (redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)");
+  add_option(cmd, "--precision", o.precision,
+             "The routed experts' GEMMs: bf16 (default) or fp8 (e4m3 with blockwise scales; "
+             "hidden and ffn multiples of 16)");
 }
 
 bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
@@ -119,6 +122,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;
   r.moe.recompute = parse_recompute(o.recompute, "recompute");
+  r.moe.precision = parse_precision(o.precision, "precision");
   r.ep = o.ep.value_or(cpu_backend ? p.ep : world_size);
   if (!cpu_backend && r.ep != world_size)
     reject("ep", r.ep,

@@ -31,6 +31,7 @@ struct LayerOptions {
   std::optional<int64_t> clone_cost_rows;
   uint64_t seed = 1;
   std::string recompute = "none";
+  std::string precision = "bf16";
 };
 
 struct ResolvedLayer {

@@ -230,6 +230,7 @@ int run_plan(const PlanOptions& o) {
                      {"shared_expert_overlap", t.shared_expert_overlap},
                      {"distributed_optimizer", t.distributed_optimizer},
                      {"recompute", t.recompute},
+                     {"precision", t.precision},
                      {"grad_dtype", t.grad_dtype},
                      {"cuda_graphs", t.cuda_graphs},
                      {"kernels_per_layer", t.kernels_per_layer},
@@ -272,6 +273,7 @@ int run_plan(const PlanOptions& o) {
                                {"workspace", lib.workspace},
                                {"echo_slot_weights", lib.echo_slot_weights},
                                {"echo_slot_grads", lib.echo_slot_grads},
+                              {"fp8", lib.fp8},
                                {"total", lib.total()}};
     j["layer"] = {{"tokens", lt.tokens},
                   {"capacity_rows", lt.capacity_rows},
@@ -372,6 +374,10 @@ void add_plan(CLI::App& app, Runner& run) {
   add_option(cmd, "--recompute", o->train.recompute,
              "what each MoE layer keeps for its backward: none, moe_act (redo SwiGLU), experts "
              "(redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)")
+      ->capture_default_str();
+  add_option(cmd, "--precision", o->train.precision,
+             "the routed experts' GEMMs: bf16 or fp8 (memory of the e4m3 copies, time at the "
+             "GPU's fp8_gemm_tflops)")
       ->capture_default_str();
   add_option(cmd, "--grad-dtype", o->train.grad_dtype,
              "gradients: fp32 (the MoE layers accumulate in fp32)")

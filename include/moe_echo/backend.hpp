@@ -242,6 +242,7 @@ struct Reservation {
   int64_t max_tokens = 0;  // tokens per rank
   int hidden = 0, ffn = 0, experts = 0, top_k = 0, ranks = 1;
   PlannerConfig planner;  // the plans this layer will ask for (spare slots, clone limit)
+  bool fp8 = false;       // the layer runs the FP8 grouped GEMMs (MoeConfig::precision)
 };
 
 // What Backend::enqueue_as_graph keeps between calls of one call site (an instantiated graph).

@@ -43,6 +43,19 @@ const char* to_string(Recompute r);
 // Parses "none", "moe_act", "experts" or "dispatch"; throws ConfigError naming `field` otherwise.
 Recompute parse_recompute(const std::string& s, const char* field = "recompute");
 
+// The number format of the routed experts' GEMMs (the router stays fp32, the shared experts and
+// every activation between the GEMMs stay in the activation dtype, gradients and master weights
+// in the float dtype).
+enum class Precision {
+  bf16,  // the activation dtype's GEMMs (bf16 on the CUDA backend)
+  fp8,   // e4m3 operands with blockwise fp32 scales (1 x 128 tiles of activations and gradients,
+         // 128 x 128 blocks of weights: backend.hpp, Fp8GemmArgs), quantized before each GEMM;
+         // needs hidden and ffn multiples of 16
+};
+const char* to_string(Precision p);
+// Parses "bf16" or "fp8"; throws ConfigError naming `field` otherwise.
+Precision parse_precision(const std::string& s, const char* field = "precision");
+
 // The largest top_k a layer takes: one warp handles a token's entries in dispatch and combine.
 inline constexpr int kMaxTopK = 32;
 // The most expert groups of group-limited routing: one warp holds a token's group scores.
@@ -87,6 +100,8 @@ struct MoeConfig {
   // updates the masters and writes the weights the GEMMs read (bf16 on CUDA) as their rounding,
   // so updates below a bf16 ulp are not lost. The router weight is float already.
   bool master_weights = false;
+  // The routed experts' GEMMs (see Precision).
+  Precision precision = Precision::bf16;
 };
 // The shared experts' total FFN width (0 without shared experts).
 inline int shared_width(const MoeConfig& m) {

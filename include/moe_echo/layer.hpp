@@ -89,10 +89,13 @@ struct MoeMemory {
                            // table, backward temporaries, the activations no layer keeps
   size_t echo_slot_weights = 0;  // the echo slots: clones' w1 and w2 (activation dtype)
   size_t echo_slot_grads = 0;    // their gradients (float dtype)
+  size_t fp8 = 0;  // precision fp8: the e4m3 copies of the home and spare experts' weights (both
+                   // layouts, with scales) and of the GEMM operands of one round (rows and the
+                   // transposed, group-padded columns of wgrad)
 
   size_t total() const {
     return params + grads + optimizer + routing + activations + temporaries + workspace +
-           echo_slot_weights + echo_slot_grads;
+           echo_slot_weights + echo_slot_grads + fp8;
   }
   MoeMemory& operator+=(const MoeMemory& o);
 };
@@ -266,6 +269,16 @@ class MoeLayer {
   void pull_clones(Stream s);
   GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,
                  const Tensor& home, bool overwrite) const;
+  // The expert GEMMs of fc1 (fc = 1) or fc2 (fc = 2) over a window, in the layer's precision
+  // (MoeConfig::precision): c = a @ w, c = a @ w^T, and the weight gradient of a^T b into the
+  // home slots (`home`) and the spare slots.
+  void expert_fprop(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, Stream s);
+  void expert_dgrad(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, Stream s);
+  void expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, int fc,
+                    const Tensor& home, bool overwrite, Stream s);
+  // Precision fp8: the e4m3 copies of the home and spare slots' weights, from the weights as
+  // they are now (after the clones were pulled).
+  void quantize_weights(Stream s);
   void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.

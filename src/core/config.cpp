@@ -57,6 +57,14 @@ Recompute parse_recompute(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "none, moe_act, experts or dispatch");
 }
 
+const char* to_string(Precision p) { return p == Precision::fp8 ? "fp8" : "bf16"; }
+
+Precision parse_precision(const std::string& s, const char* field) {
+  for (Precision p : {Precision::bf16, Precision::fp8})
+    if (s == to_string(p)) return p;
+  reject(field, "'" + s + "'", "bf16 or fp8");
+}
+
 constexpr double kMaxCoeff = 1e6;
 
 void validate(const MoeConfig& m) {
@@ -104,6 +112,11 @@ void validate(const MoeConfig& m) {
   if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
   if (int(m.recompute) < 0 || int(m.recompute) > int(Recompute::dispatch))
     reject("recompute", int(m.recompute), "none, moe_act, experts or dispatch");
+  if (int(m.precision) < 0 || int(m.precision) > int(Precision::fp8))
+    reject("precision", int(m.precision), "bf16 or fp8");
+  if (m.precision == Precision::fp8 && (m.hidden % 16 != 0 || m.ffn % 16 != 0))
+    reject(m.hidden % 16 != 0 ? "hidden" : "ffn", m.hidden % 16 != 0 ? m.hidden : m.ffn,
+           "a multiple of 16 with precision fp8 (16-byte e4m3 rows for the FP8 GEMMs)");
   if (m.shared_side_stream && m.shared_experts == 0)
     reject("shared_side_stream", "true", "false without shared experts (shared_experts = 0)");
   if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)

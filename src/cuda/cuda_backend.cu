@@ -95,6 +95,7 @@ class CudaBackend final : public Backend {
       if (gemm_) retired_gemms_.push_back(std::move(gemm_));  // captured graphs may use it
       gemm_ = std::make_unique<GroupedGemm>(r.max_groups);
     }
+    if (r.fp8) fp8_gemm(r.max_groups, nullptr);  // built now, before any capture
     const PlannerConfig& cfg = r.planner;
     const int64_t entries = r.max_tokens * r.top_k;
     size_t need = router_scratch_bytes(r.max_tokens, r.experts, r.hidden);

@@ -75,6 +75,15 @@ struct MoeLayer::Buffers {
   // device flag holding 1 (the routed rounds then add to y and dx).
   Tensor shared_w1, shared_w2, d_shared_w1, d_shared_w2, m_sw1, v_sw1, m_sw2, v_sw2;
   Tensor shared_offsets, shared_h, shared_a, shared_da, shared_dh, one;
+  // Precision fp8 (empty otherwise): each expert weight's e4m3 copies for fprop (q_t, scale_t)
+  // and dgrad (q, scale), home slots and spare slots apart; the rows of one GEMM's activation
+  // operand (row_q [cap, max(2F, H)], row_s), and wgrad's two transposed column operands
+  // (col_a, col_b [max(H, 2F), P], their scales and padded offsets).
+  struct Fp8Weight {
+    Tensor q, q_t, s, s_t;
+  };
+  Fp8Weight w1_q, w2_q, w1_spare_q, w2_spare_q;
+  Tensor row_q, row_s, col_a, col_as, col_b, col_bs, col_po, col_po2;
 
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
@@ -256,6 +265,7 @@ MoeMemory& MoeMemory::operator+=(const MoeMemory& o) {
   workspace += o.workspace;
   echo_slot_weights += o.echo_slot_weights;
   echo_slot_grads += o.echo_slot_grads;
+  fp8 += o.fp8;
   return *this;
 }
 
@@ -362,6 +372,34 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
     b.shared_da = dev(act, {T, S});
     b.shared_dh = dev(act, {T, 2 * S});
     b.one = dev(DType::i32, {1});
+  }
+
+  if (s.moe.precision == Precision::fp8) {
+    alloc.part(&MoeMemory::fp8);
+    auto tiles = [](int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; };
+    auto weight = [&](int64_t slabs, int64_t k, int64_t n) {
+      MoeLayer::Buffers::Fp8Weight w;
+      if (slabs == 0) return w;
+      w.q = dev(DType::e4m3, {slabs, k, n});
+      w.q_t = dev(DType::e4m3, {slabs, n, k});
+      w.s = dev(DType::f32, {slabs, tiles(k), tiles(n)});
+      w.s_t = dev(DType::f32, {slabs, tiles(n), tiles(k)});
+      return w;
+    };
+    const int64_t spare = planner_.spare_slots, W = std::max(H, 2 * F);
+    const int64_t P = fp8_padded_rows(cap, G);
+    b.w1_q = weight(EPR, H, 2 * F);
+    b.w2_q = weight(EPR, F, H);
+    b.w1_spare_q = weight(spare, H, 2 * F);
+    b.w2_spare_q = weight(spare, F, H);
+    b.row_q = dev(DType::e4m3, {cap, W});
+    b.row_s = dev(DType::f32, {cap, tiles(W)});
+    b.col_a = dev(DType::e4m3, {W, P});
+    b.col_as = dev(DType::f32, {W * P / kFp8Tile});
+    b.col_b = dev(DType::e4m3, {W, P});
+    b.col_bs = dev(DType::f32, {W * P / kFp8Tile});
+    b.col_po = dev(DType::i32, {G + 1});
+    b.col_po2 = dev(DType::i32, {G + 1});
   }
 }
 
@@ -479,6 +517,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   reservation.top_k = moe.top_k;
   reservation.ranks = par.ep_size;
   reservation.planner = planner_;
+  reservation.fp8 = moe.precision == Precision::fp8;
   backend.reserve(reservation);
 
   buf_ = std::make_unique<Buffers>();
@@ -789,6 +828,102 @@ GemmArgs MoeLayer::wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b
   return g;
 }
 
+void MoeLayer::quantize_weights(Stream s) {
+  const Buffers& b = *buf_;
+  backend_.quantize_fp8_blocks({b.w1, b.w1_q.q, b.w1_q.q_t, b.w1_q.s, b.w1_q.s_t}, s);
+  backend_.quantize_fp8_blocks({b.w2, b.w2_q.q, b.w2_q.q_t, b.w2_q.s, b.w2_q.s_t}, s);
+  if (b.w1_spare.data) {
+    backend_.quantize_fp8_blocks(
+        {b.w1_spare, b.w1_spare_q.q, b.w1_spare_q.q_t, b.w1_spare_q.s, b.w1_spare_q.s_t}, s);
+    backend_.quantize_fp8_blocks(
+        {b.w2_spare, b.w2_spare_q.q, b.w2_spare_q.q_t, b.w2_spare_q.s, b.w2_spare_q.s_t}, s);
+  }
+}
+
+namespace {
+// The first `rows` rows of an e4m3 [R, W] buffer (or its [R, tiles(W)] scales) viewed as
+// [rows, cols] (a contiguous prefix: the FP8 operands of one GEMM, packed).
+Tensor packed(const Tensor& buffer, int64_t rows, int64_t cols) {
+  Tensor t(buffer.data, buffer.dtype, {rows, cols});
+  MOE_ECHO_CHECK(t.bytes() <= buffer.bytes(),
+                 "fp8 buffer " << buffer.describe() << " for " << t.describe());
+  return t;
+}
+Tensor packed(const Tensor& buffer, int64_t n) {
+  Tensor t(buffer.data, buffer.dtype, {n});
+  MOE_ECHO_CHECK(t.bytes() <= buffer.bytes(),
+                 "fp8 buffer " << buffer.describe() << " for " << t.describe());
+  return t;
+}
+int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
+}  // namespace
+
+void MoeLayer::expert_fprop(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c,
+                            Stream s) {
+  const Buffers& b = *buf_;
+  const Tensor& home = fc == 1 ? b.w1 : b.w2;
+  const Tensor& spare = fc == 1 ? b.w1_spare : b.w2_spare;
+  if (moe_.precision != Precision::fp8) {
+    backend_.gemm_fprop(experts_gemm(gw, a, spare, home, c), s);
+    return;
+  }
+  const int64_t rows = a.size(0), k = a.size(1);
+  const Tensor q = packed(b.row_q, rows, k), sc = packed(b.row_s, rows, fp8_tiles(k));
+  backend_.quantize_fp8_rows({a, q, sc}, s);
+  const Buffers::Fp8Weight& wh = fc == 1 ? b.w1_q : b.w2_q;
+  const Buffers::Fp8Weight& ws = fc == 1 ? b.w1_spare_q : b.w2_spare_q;
+  Fp8GemmArgs g;
+  g.window = gw;
+  g.a = q, g.a_scale = sc;
+  g.b = ws.q_t, g.b_scale = ws.s_t, g.b_home = wh.q_t, g.b_home_scale = wh.s_t;
+  g.c = c;
+  backend_.gemm_fp8_fprop(g, s);
+}
+
+void MoeLayer::expert_dgrad(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c,
+                            Stream s) {
+  const Buffers& b = *buf_;
+  const Tensor& home = fc == 1 ? b.w1 : b.w2;
+  const Tensor& spare = fc == 1 ? b.w1_spare : b.w2_spare;
+  if (moe_.precision != Precision::fp8) {
+    backend_.gemm_dgrad(experts_gemm(gw, a, spare, home, c), s);
+    return;
+  }
+  const int64_t rows = a.size(0), n = a.size(1);
+  const Tensor q = packed(b.row_q, rows, n), sc = packed(b.row_s, rows, fp8_tiles(n));
+  backend_.quantize_fp8_rows({a, q, sc}, s);
+  const Buffers::Fp8Weight& wh = fc == 1 ? b.w1_q : b.w2_q;
+  const Buffers::Fp8Weight& ws = fc == 1 ? b.w1_spare_q : b.w2_spare_q;
+  Fp8GemmArgs g;
+  g.window = gw;
+  g.a = q, g.a_scale = sc;
+  g.b = ws.q, g.b_scale = ws.s, g.b_home = wh.q, g.b_home_scale = wh.s;
+  g.c = c;
+  backend_.gemm_fp8_dgrad(g, s);
+}
+
+void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& bt, int fc,
+                            const Tensor& home, bool overwrite, Stream s) {
+  const Buffers& b = *buf_;
+  const Tensor& spare = fc == 1 ? b.dw1_spare : b.dw2_spare;
+  if (moe_.precision != Precision::fp8) {
+    backend_.gemm_wgrad(wgrad(gw, a, bt, spare, home, overwrite), s);
+    return;
+  }
+  const int64_t ka = a.size(1), nb = bt.size(1), P = b.col_a.size(1);
+  const Tensor qa = packed(b.col_a, ka, P), qb = packed(b.col_b, nb, P);
+  const Tensor sa = packed(b.col_as, ka * P / kFp8Tile), sb = packed(b.col_bs, nb * P / kFp8Tile);
+  backend_.quantize_fp8_cols({gw, a, qa, sa, b.col_po}, s);
+  backend_.quantize_fp8_cols({gw, bt, qb, sb, b.col_po2}, s);
+  const GemmArgs w = wgrad(gw, a, bt, spare, home, overwrite);
+  Fp8GemmArgs g;
+  g.window = gw;
+  g.a = qa, g.a_scale = sa, g.b = qb, g.b_scale = sb, g.padded_offsets = b.col_po;
+  g.c = w.c, g.c_home = w.c_home, g.accumulate = w.accumulate;
+  g.zero_empty_below = w.zero_empty_below;
+  backend_.gemm_fp8_wgrad(g, s);
+}
+
 void MoeLayer::pull_clones(Stream s) {
   const Buffers& b = *buf_;
   const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
@@ -859,6 +994,10 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
   if (planner_.spare_slots > 0) {
     mark("clone_pull", s);
     pull_clones(s);
+  }
+  if (moe_.precision == Precision::fp8) {
+    mark("fp8_weights", s);
+    quantize_weights(s);
   }
 
   // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first
@@ -953,11 +1092,11 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
 
   dispatch_tokens(round, x, T, s);
   mark(round, "fc1", s);
-  backend_.gemm_fprop(experts_gemm(gw, b.recv_x, b.w1_spare, b.w1, b.h), s);
+  expert_fprop(gw, b.recv_x, 1, b.h, s);
   mark(round, "swiglu", s);
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   mark(round, "fc2", s);
-  backend_.gemm_fprop(experts_gemm(gw, b.a, b.w2_spare, b.w2, b.recv_out), s);
+  expert_fprop(gw, b.a, 2, b.recv_out, s);
   FanArgs sum = fan_args(round);
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
@@ -1042,6 +1181,8 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     mark("bwd_clone_pull", s);
     pull_clones(s);
   }
+  // Precision fp8: the e4m3 weight copies are the layer's own, made in its forward (a clone
+  // pulled again holds the same weights), so the backward reads them as they are.
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
     backend_.fill_zero(b.dw1_spare, s);
@@ -1104,11 +1245,10 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
   if (rc != Recompute::none) mark(round, "bwd_recompute", s);
   if (rc == Recompute::dispatch) dispatch_tokens(round, last_x_, T, s);
-  if (rc == Recompute::dispatch || rc == Recompute::experts)
-    backend_.gemm_fprop(experts_gemm(gw, b.recv_x, b.w1_spare, b.w1, b.h), s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts) expert_fprop(gw, b.recv_x, 1, b.h, s);
   if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   if (rc == Recompute::dispatch || rc == Recompute::experts)
-    backend_.gemm_fprop(experts_gemm(gw, b.a, b.w2_spare, b.w2, b.recv_out), s);
+    expert_fprop(gw, b.a, 2, b.recv_out, s);
   // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
   mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
@@ -1120,18 +1260,15 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
   mark(round, "bwd_dgrad_fc2", s);
-  backend_.gemm_dgrad(experts_gemm(gw, b.recv_out, b.w2_spare, b.w2, b.da), s);
+  expert_dgrad(gw, b.recv_out, 2, b.da, s);
   mark(round, "bwd_wgrad_fc2", s);
-  backend_.gemm_wgrad(
-      wgrad(gw, b.a, b.recv_out, b.dw2_spare, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads),
-      s);
+  expert_wgrad(gw, b.a, b.recv_out, 2, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads, s);
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  backend_.gemm_dgrad(experts_gemm(gw, b.dh, b.w1_spare, b.w1, b.recv_out), s);  // dx rows
+  expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
-  backend_.gemm_wgrad(
-      wgrad(gw, b.recv_x, b.dh, b.dw1_spare, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads), s);
+  expert_wgrad(gw, b.recv_x, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;

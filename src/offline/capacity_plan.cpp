@@ -62,7 +62,7 @@ double echo_slots_gb(const WallsInput& in, int spare_slots) {
 // once per micro-batch in flight, optimizer state sharded over `optimizer_shards`.
 double moe_gb(const MoeMemory& m, double inflight, double optimizer_shards) {
   return (double(m.params + m.grads + m.echo_slot_weights + m.echo_slot_grads + m.workspace +
-                 m.temporaries) +
+                 m.temporaries + m.fp8) +
           double(m.optimizer) / optimizer_shards + inflight * double(m.activations + m.routing)) /
          kGB;
 }
@@ -90,6 +90,7 @@ StageLayers stage_layers(const WallsInput& in, Recompute recompute) {
                                                                          : GroupScore::top2_sum;
   c.shared_experts = m.shared_experts;
   c.recompute = recompute;
+  c.precision = parse_precision(in.train.precision, "precision");
   StageLayers s;
   s.layers.assign(size_t(m.layers / l.pp), c);
   s.par = ParallelConfig{l.ep, 0};
@@ -170,6 +171,8 @@ std::vector<Finding> check(const WallsInput& in) {
     error("grad_dtype", invalid("grad_dtype", "'" + t.grad_dtype + "'",
                                 "fp32 (the MoE layers accumulate gradients in fp32, the "
                                 "backend's float dtype)"));
+  if (t.precision != "bf16" && t.precision != "fp8")
+    error("precision", invalid("precision", "'" + t.precision + "'", "bf16 or fp8"));
   if (t.recompute != "none" && t.recompute != "moe_act" && t.recompute != "experts" &&
       t.recompute != "dispatch")
     error("recompute",
@@ -404,7 +407,7 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // fc1 (4 H F per row) and fc2 (2 H F) forward again; SwiGLU alone (moe_act) is elementwise
   if (recompute == Recompute::experts || recompute == Recompute::dispatch)
     flops += 6.0 * busiest_rows * H * F / l.etp;
-  lt.gemm_ms = cost.gemm_ms(flops);
+  lt.gemm_ms = t.precision == "fp8" ? cost.fp8_gemm_ms(flops) : cost.gemm_ms(flops);
   lt.shared_ms =
       cost.gemm_ms(CostModel::train_flops(T, m.hidden, m.shared_experts * m.ffn) / l.etp);
   lt.host_ms = cost.launch_ms(t.kernels_per_layer, t.cuda_graphs);

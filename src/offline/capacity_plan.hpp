@@ -64,6 +64,7 @@ struct TrainingSpec {
   bool shared_expert_overlap = false;
   bool distributed_optimizer = true;  // optimizer state sharded over dp
   std::string recompute = "none";     // what a layer keeps: none, moe_act, experts, dispatch
+  std::string precision = "bf16";     // the routed experts' GEMMs: bf16 or fp8
   std::string grad_dtype = "fp32";    // gradients: fp32 (the layers' float dtype)
   bool cuda_graphs = true;            // the step replays as a CUDA graph
   int kernels_per_layer = 30;         // kernel launches of one MoE layer, forward + backward

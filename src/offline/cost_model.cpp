@@ -44,6 +44,7 @@ GpuSpec gpu_preset(const std::string& name) {
 void validate(const GpuSpec& g) {
   const std::pair<const char*, double> fields[] = {
       {"memory_gb", g.memory_gb}, {"peak_tflops", g.peak_tflops}, {"gemm_tflops", g.gemm_tflops},
+      {"fp8_gemm_tflops", g.fp8_gemm_tflops},
       {"hbm_tbps", g.hbm_tbps},   {"nvlink_gbps", g.nvlink_gbps}, {"network_gbps", g.network_gbps}};
   for (const auto& [field, v] : fields)
     if (!std::isfinite(v) || v <= 0) reject(field, v, "a finite value > 0");
@@ -78,6 +79,7 @@ void apply_measured_json(GpuSpec& g, const std::string& text, const std::string&
   };
   const Field fields[] = {{"memory_gb", &g.memory_gb},     {"peak_tflops", &g.peak_tflops},
                           {"gemm_tflops", &g.gemm_tflops}, {"hbm_tbps", &g.hbm_tbps},
+                          {"fp8_gemm_tflops", &g.fp8_gemm_tflops},
                           {"nvlink_gbps", &g.nvlink_gbps}, {"network_gbps", &g.network_gbps},
                           {"launch_us", &g.launch_us},     {"graph_node_us", &g.graph_node_us}};
   std::string allowed = "gpu, name, gpus_per_node";
@@ -123,6 +125,9 @@ double intra_node_fraction(int ep, int etp, int gpus_per_node) {
 }
 
 double CostModel::gemm_ms(double flops) const { return flops / (gpu.gemm_tflops * 1e12) * 1e3; }
+double CostModel::fp8_gemm_ms(double flops) const {
+  return flops / (gpu.fp8_gemm_tflops * 1e12) * 1e3;
+}
 
 double CostModel::all_to_all_ms(double bytes, int ep, int etp) const {
   if (ep <= 1 || bytes <= 0) return 0.0;

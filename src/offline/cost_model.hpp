@@ -26,6 +26,10 @@ struct GpuSpec {
   double memory_gb = 141.0;    // device memory (datasheet, 1e9 bytes)
   double peak_tflops = 989.0;  // dense bf16 datasheet peak (reference only)
   double gemm_tflops = 690.0;  // bf16 grouped GEMM reached (ANCHORS: 692-697 TFLOP/s)
+  // FP8 blockwise grouped GEMMs of a training step reached, their operands' quantization
+  // included: fprop, dgrad and wgrad (a third of the FLOPs each) at the DeepSeek-V3 and Mixtral
+  // shapes on an H200 (bench/results/grouped_gemm_fp8_h200_2026-11-24.json)
+  double fp8_gemm_tflops = 740.0;
   double hbm_tbps = 4.2;       // device-to-device copy reached (ANCHORS: 4.2 TB/s)
   double nvlink_gbps = 310.0;  // all-to-all bytes leaving one GPU per second, within a node
   double network_gbps = 40.0;  // bytes leaving one GPU per second across nodes (400 Gb/s NIC)
@@ -68,6 +72,8 @@ struct CostModel {
   }
   // Time of `flops` of expert GEMM work at gemm_tflops.
   double gemm_ms(double flops) const;
+  // The same at fp8_gemm_tflops.
+  double fp8_gemm_ms(double flops) const;
   // Time to move `bytes` out of (or into) one GPU in an all-to-all over `ep` ranks of `etp` GPUs:
   // the intra-node share at nvlink_gbps and the rest at network_gbps, both links busy at once.
   double all_to_all_ms(double bytes, int ep, int etp = 1) const;

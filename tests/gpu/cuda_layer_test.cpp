@@ -80,6 +80,7 @@ struct LayerParam {
   double scale = 1.0, seq_aux = 0.0;
   int seq_len = 0, shared_experts = 0;
   bool side_stream = false;  // the shared experts on the backend's side stream
+  bool fp8 = false;          // MoeConfig::precision fp8 (against the CPU layer in fp8)
 };
 
 class CudaLayerTest : public ::testing::TestWithParam<LayerParam> {};
@@ -105,6 +106,7 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   c.moe.seq_aux_loss_coeff = lp.seq_aux;
   c.moe.seq_len = lp.seq_len;
   c.moe.shared_experts = lp.shared_experts;
+  c.moe.precision = lp.fp8 ? Precision::fp8 : Precision::bf16;
   c.ranks = 1;
   LayerCase gpu_case = c;  // the CPU layer runs the shared experts in place either way
   gpu_case.moe.shared_side_stream = lp.side_stream;
@@ -128,12 +130,15 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   gl.layer.backward(*gt, *dxt);
   const StepStats st = gl.layer.stats();
   expect_stats_equal(st, cpu.stats[0]);
-  EXPECT_TRUE(close(yt.read(), cpu.y[0], kLayerTol, "y"));
-  EXPECT_TRUE(close(dxt.read(), cpu.dx[0], kLayerTol, "dx"));
-  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), cpu.d_router[0],
-                    kLayerTol, "d_router"));
-  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu.dw1, kLayerTol, "dw1"));
-  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu.dw2, kLayerTol, "dw2"));
+  // FP8: a bf16 intermediate one ulp apart (fp32 sums in another order) can quantize to the
+  // neighbouring e4m3 code, so the GPU and CPU layers differ by more than in bf16.
+  const double tol = lp.fp8 ? kFp8LayerTol : kLayerTol;
+  EXPECT_TRUE(close(yt.read(), cpu.y[0], tol, "y"));
+  EXPECT_TRUE(close(dxt.read(), cpu.dx[0], tol, "dx"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), cpu.d_router[0], tol,
+                    "d_router"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w1)), cpu.dw1, tol, "dw1"));
+  EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::w2)), cpu.dw2, tol, "dw2"));
   if (lp.shared_experts > 0 && lp.T > 0) {
     EXPECT_TRUE(close(read_tensor(*gl.be, gl.layer.grad(Param::shared_w1)), cpu.d_shared_w1[0],
                       kLayerTol, "d_shared_w1"));
@@ -220,7 +225,16 @@ INSTANTIATE_TEST_SUITE_P(
         LayerParam{"shared_side_stream", 128, 64, 64, 8, 256, 256, ScoreFunction::sigmoid, 1.25, -1,
                    true, 8, 4, 2.5, 0.01, 64, 1, true},
         LayerParam{"shared_side_stream_spill", 64, 32, 32, 4, 128, 100, ScoreFunction::sigmoid, 0.4,
-                   -1, true, 8, 2, 2.5, 0.0, 0, 2, true}),
+                   -1, true, 8, 2, 2.5, 0.0, 0, 2, true},
+        // Precision fp8: the FP8 GEMMs and quantizers against the CPU layer's FP8 references.
+        LayerParam{"fp8_small", 64, 32, 8, 2, 128, 100, ScoreFunction::softmax, 1.25, -1, true, 1,
+                   1, 1.0, 0.0, 0, 0, false, true},
+        LayerParam{"fp8_no_tokens", 64, 32, 8, 2, 16, 0, ScoreFunction::softmax, 1.25, -1, true, 1,
+                   1, 1.0, 0.0, 0, 0, false, true},
+        LayerParam{"fp8_spill_rounds", 64, 32, 8, 2, 64, 48, ScoreFunction::sigmoid, 0.3, -1, true,
+                   1, 1, 1.0, 0.0, 0, 0, false, true},
+        LayerParam{"fp8_wide_shared", 256, 128, 64, 8, 512, 512, ScoreFunction::softmax, 1.25, -1,
+                   true, 1, 1, 1.0, 0.0, 0, 1, false, true}),
     layer_name);
 
 // =================================================================================================

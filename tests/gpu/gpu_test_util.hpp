@@ -7,6 +7,8 @@
 //   kBf16Tol  one rounding to bf16 of an f32 result: 2^-9 per element at most (~2e-3), plus
 //             f32 accumulation differences
 //   kLayerTol the whole layer: bf16 intermediates (h, a, dy rows) rounded once more each
+//   kFp8LayerTol the layer in precision fp8 against the CPU's FP8 layer: an intermediate one
+//             bf16 ulp apart may quantize to the neighbouring e4m3 code (1/16 relative)
 // Integers (routes, counts, offsets, layouts, plans) must match exactly.
 #pragma once
 
@@ -28,6 +30,7 @@ namespace moe_echo::test {
 constexpr double kF32Tol = 2e-5;
 constexpr double kBf16Tol = 6e-3;
 constexpr double kLayerTol = 2e-2;
+constexpr double kFp8LayerTol = 3e-2;
 
 #define MOE_ECHO_SKIP_WITHOUT_GPU() \
   if (!::moe_echo::cuda_backend_available()) GTEST_SKIP() << "no CUDA device visible"

@@ -1,0 +1,159 @@
+// The layer with precision fp8 on the CPU backend (the FP8 references of backend.hpp: e4m3
+// operands decoded exactly, block sums in double) on in-process ranks:
+// - against the same layer in bf16 precision on the f64 backend (no rounding but e4m3's): y, dx
+//   and the expert gradients within kFp8LayerTol by relative norm, and not bit-identical (the
+//   quantization happened);
+// - ECHO on against off under skew, with spill rounds: y and dx bit for bit (rows are quantized
+//   per row, and a clone's weights quantize as its home expert's); the expert gradients both
+//   within kFp8LayerTol of the unquantized layer's (a clone's rows form tiles of their own in the
+//   transposed quantization of wgrad, so the two differ by about e4m3's error);
+// - every recompute option against none, bit for bit;
+// - what the layer allocates against MoeLayer::memory_bytes, with the fp8 part counted;
+// - hidden or ffn not a multiple of 16 refused by name.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "layer_harness.hpp"
+#include "moe_echo/error.hpp"
+#include "test_util.hpp"
+
+namespace moe_echo::test {
+namespace {
+
+// e4m3 keeps 3 mantissa bits: each GEMM's operands carry about 2-4% of relative error, and the
+// layer chains two GEMMs forward and two backward.
+constexpr double kFp8LayerTol = 8e-2;
+
+MoeConfig fp8_moe(int experts, int top_k, int tokens) {
+  MoeConfig m;
+  m.hidden = 32;
+  m.ffn = 48;
+  m.experts = experts;
+  m.top_k = top_k;
+  m.max_tokens = tokens;
+  m.aux_loss_coeff = 0.01;
+  m.precision = Precision::fp8;
+  return m;
+}
+
+std::vector<std::vector<double>> per_rank(int ranks, int64_t n, uint64_t seed) {
+  std::vector<std::vector<double>> v;
+  for (int r = 0; r < ranks; ++r) v.push_back(random_values(size_t(n), seed + uint64_t(r)));
+  return v;
+}
+
+std::vector<double> concat(const std::vector<std::vector<double>>& parts) {
+  std::vector<double> all;
+  for (const auto& p : parts) all.insert(all.end(), p.begin(), p.end());
+  return all;
+}
+
+TEST(Fp8Layer, CloseToTheUnquantizedLayer) {
+  for (int R : {1, 2}) {
+    LayerCase fp8;
+    fp8.moe = fp8_moe(8, 2, 40);
+    fp8.ranks = R;
+    fp8.echo.enabled = true;
+    fp8.echo.spare_slots_per_rank = 1;
+    fp8.echo.capacity_factor = 0.7;  // spill rounds
+    LayerCase exact = fp8;
+    exact.moe.precision = Precision::bf16;
+    const SkewedInput in = skewed(fp8, 40, 1.2, 21);
+    const auto g = per_rank(R, 40 * 32, 400);
+    const LayerRun a = run_layer(fp8, in.x, g, in.params);
+    const LayerRun b = run_layer(exact, in.x, g, in.params);
+    SCOPED_TRACE("R = " + std::to_string(R));
+    const double ey = rel_error(concat(a.y), concat(b.y)),
+                 edx = rel_error(concat(a.dx), concat(b.dx));
+    const double e1 = rel_error(a.dw1, b.dw1), e2 = rel_error(a.dw2, b.dw2);
+    EXPECT_LE(ey, kFp8LayerTol) << "y";
+    EXPECT_LE(edx, kFp8LayerTol) << "dx";
+    EXPECT_LE(e1, kFp8LayerTol) << "dw1";
+    EXPECT_LE(e2, kFp8LayerTol) << "dw2";
+    EXPECT_GT(ey, 1e-4) << "y equals the unquantized layer's: was anything quantized?";
+    std::printf("[ fp8 layer ] R %d: rel. error vs unquantized y %.3e dx %.3e dw1 %.3e dw2 %.3e\n",
+                R, ey, edx, e1, e2);
+    EXPECT_GT(a.stats[0].spill_rounds + (R > 1 ? a.stats[1].spill_rounds : 0), 0);
+    RecordProperty("rel_error_y_dx_dw1_dw2", std::to_string(ey) + " " + std::to_string(edx) + " " +
+                                                 std::to_string(e1) + " " + std::to_string(e2));
+  }
+}
+
+TEST(Fp8Layer, EchoOnEqualsOffAndRecomputeEqualsNone) {
+  LayerCase on;
+  on.moe = fp8_moe(16, 2, 48);
+  on.ranks = 4;
+  on.echo.enabled = true;
+  on.echo.spare_slots_per_rank = 2;
+  on.echo.max_clones_per_expert = 2;
+  on.echo.capacity_factor = 0.8;
+  LayerCase off = on;
+  off.echo.enabled = false;
+  const SkewedInput in = skewed(on, 48, 1.5, 31);
+  const auto g = per_rank(4, 48 * 32, 500);
+  const LayerRun a = run_layer(on, in.x, g, in.params);
+  const LayerRun b = run_layer(off, in.x, g, in.params);
+  EXPECT_GT(a.stats[0].clones, 0) << "skewed routing should make ECHO clone";
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_EQ(a.y[size_t(r)], b.y[size_t(r)]) << "y, rank " << r;
+    EXPECT_EQ(a.dx[size_t(r)], b.dx[size_t(r)]) << "dx, rank " << r;
+  }
+  // The weight gradients differ by about e4m3's own error (a group of a few rows is one partial
+  // tile, with a scale of its own): both within kFp8LayerTol of the unquantized layer's.
+  LayerCase exact = off;
+  exact.moe.precision = Precision::bf16;
+  const LayerRun e = run_layer(exact, in.x, g, in.params);
+  for (const LayerRun* run : {&a, &b}) {
+    EXPECT_LE(rel_error(run->dw1, e.dw1), kFp8LayerTol) << "dw1";
+    EXPECT_LE(rel_error(run->dw2, e.dw2), kFp8LayerTol) << "dw2";
+  }
+  for (Recompute rc : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+    LayerCase c = on;
+    c.moe.recompute = rc;
+    const LayerRun r = run_layer(c, in.x, g, in.params);
+    EXPECT_EQ(concat(r.y), concat(a.y)) << to_string(rc);
+    EXPECT_EQ(concat(r.dx), concat(a.dx)) << to_string(rc);
+    EXPECT_EQ(r.dw1, a.dw1) << to_string(rc);
+    EXPECT_EQ(r.dw2, a.dw2) << to_string(rc);
+  }
+}
+
+TEST(Fp8Layer, MemoryEstimateCountsTheFp8Copies) {
+  auto be = make_cpu_backend(DType::f32);
+  InProcessWorld world(1);
+  const MoeConfig m = fp8_moe(8, 2, 24);
+  EchoConfig e;
+  e.spare_slots_per_rank = 1;
+  MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 1);
+  EXPECT_EQ(layer.workspace_bytes(),
+            MoeLayer::memory_bytes(m, ParallelConfig{1, 0}, e, DType::f32, DType::f32));
+  const MoeMemory parts =
+      MoeLayer::memory_breakdown(m, ParallelConfig{1, 0}, e, DType::f32, DType::f32);
+  MoeConfig bf = m;
+  bf.precision = Precision::bf16;
+  const MoeMemory none =
+      MoeLayer::memory_breakdown(bf, ParallelConfig{1, 0}, e, DType::f32, DType::f32);
+  EXPECT_EQ(none.fp8, 0u);
+  EXPECT_GT(parts.fp8, 0u);
+  EXPECT_EQ(parts.total(), none.total() + parts.fp8);
+}
+
+TEST(Fp8Layer, HiddenAndFfnMustBeMultiplesOf16) {
+  MoeConfig m = fp8_moe(8, 2, 8);
+  m.ffn = 40;
+  try {
+    validate(m);
+    ADD_FAILURE() << "ffn 40 accepted with precision fp8";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("ffn"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("multiple of 16"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(parse_precision("fp8"), Precision::fp8);
+  EXPECT_THROW(parse_precision("fp16"), ConfigError);
+}
+
+}  // namespace
+}  // namespace moe_echo::test
