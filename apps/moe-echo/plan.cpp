@@ -273,7 +273,7 @@ int run_plan(const PlanOptions& o) {
                                {"workspace", lib.workspace},
                                {"echo_slot_weights", lib.echo_slot_weights},
                                {"echo_slot_grads", lib.echo_slot_grads},
-                              {"fp8", lib.fp8},
+                               {"fp8", lib.fp8},
                                {"total", lib.total()}};
     j["layer"] = {{"tokens", lt.tokens},
                   {"capacity_rows", lt.capacity_rows},

@@ -43,9 +43,10 @@ GpuSpec gpu_preset(const std::string& name) {
 
 void validate(const GpuSpec& g) {
   const std::pair<const char*, double> fields[] = {
-      {"memory_gb", g.memory_gb}, {"peak_tflops", g.peak_tflops}, {"gemm_tflops", g.gemm_tflops},
-      {"fp8_gemm_tflops", g.fp8_gemm_tflops},
-      {"hbm_tbps", g.hbm_tbps},   {"nvlink_gbps", g.nvlink_gbps}, {"network_gbps", g.network_gbps}};
+      {"memory_gb", g.memory_gb},      {"peak_tflops", g.peak_tflops},
+      {"gemm_tflops", g.gemm_tflops},  {"fp8_gemm_tflops", g.fp8_gemm_tflops},
+      {"hbm_tbps", g.hbm_tbps},        {"nvlink_gbps", g.nvlink_gbps},
+      {"network_gbps", g.network_gbps}};
   for (const auto& [field, v] : fields)
     if (!std::isfinite(v) || v <= 0) reject(field, v, "a finite value > 0");
   if (!std::isfinite(g.launch_us) || g.launch_us < 0)
@@ -77,11 +78,15 @@ void apply_measured_json(GpuSpec& g, const std::string& text, const std::string&
     const char* key;
     double* value;
   };
-  const Field fields[] = {{"memory_gb", &g.memory_gb},     {"peak_tflops", &g.peak_tflops},
-                          {"gemm_tflops", &g.gemm_tflops}, {"hbm_tbps", &g.hbm_tbps},
+  const Field fields[] = {{"memory_gb", &g.memory_gb},
+                          {"peak_tflops", &g.peak_tflops},
+                          {"gemm_tflops", &g.gemm_tflops},
+                          {"hbm_tbps", &g.hbm_tbps},
                           {"fp8_gemm_tflops", &g.fp8_gemm_tflops},
-                          {"nvlink_gbps", &g.nvlink_gbps}, {"network_gbps", &g.network_gbps},
-                          {"launch_us", &g.launch_us},     {"graph_node_us", &g.graph_node_us}};
+                          {"nvlink_gbps", &g.nvlink_gbps},
+                          {"network_gbps", &g.network_gbps},
+                          {"launch_us", &g.launch_us},
+                          {"graph_node_us", &g.graph_node_us}};
   std::string allowed = "gpu, name, gpus_per_node";
   for (const Field& f : fields) allowed += std::string(", ") + f.key;
   for (auto it = obj.begin(); it != obj.end(); ++it) {
