@@ -70,10 +70,13 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_GEMM:-0}" != 1 ]; then
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/torch_grouped_mm.py --fp8 --ours "$out/ours_fp8.json" \
     --out "$out/grouped_gemm_fp8.json" "${shape_arg[@]}" >"$out/torch.log" 2>&1
   rows+=("torch_grouped_mm.py --fp8 rc=$?")
-  cut -c1-160 "$out/bench.log" | grep -v "^device" | head -80
+  grep -E "quantize|production" "$out/bench.log" | cut -c1-110
   sed -n '/^TFLOP/,$p' "$out/torch.log"
   grep -E "rowwise" "$out/torch.log" | head -20
 fi
+# Everything but the build tree's logs in one archive (many files under $OUT do not all come back).
+(cd "$out" && tar czf fp8_round.tgz --exclude=fp8_round.tgz --exclude=build.log . 2>/dev/null &&
+  find . -maxdepth 1 -type f ! -name fp8_round.tgz ! -name bench.log ! -name layer_table.txt -delete)
 echo
 echo "== FP8 round: $(head -2 "$out/gpu.txt" | tail -1 | cut -d, -f1), $((SECONDS - t0)) s"
 for r in "${rows[@]}"; do echo "  $r"; done

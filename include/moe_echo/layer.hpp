@@ -188,8 +188,13 @@ class MoeLayer {
   Tensor plan_buffer() const;
   Tensor losses() const;
 
-  // Device views of a parameter and its gradient (router_bias has no gradient).
+  // Device views of a parameter and its gradient (router_bias has no gradient). With precision
+  // fp8, taking the view of w1 or w2 marks their e4m3 copies stale (the caller may write them):
+  // the next forward quantizes them again.
   Tensor param(Param p) const;
+  // Precision fp8: the expert weights were changed through a view taken earlier; the next
+  // forward quantizes them again (optimizer_step does it itself).
+  void weights_changed() { fp8_weights_stale_ = true; }
   Tensor grad(Param p) const;
   // Zeroes the gradients. The next backward then writes the expert gradients of its first round
   // instead of adding to zeros (no read of them); a CUDA graph captured from zero_grad through
@@ -206,7 +211,9 @@ class MoeLayer {
   // does this itself).
   void all_reduce_router_grad(Stream stream = nullptr);
   // AdamW on every parameter with a gradient (router weight, home w1, w2, shared experts); with
-  // MoeConfig::master_weights on the float masters, the weights written as their rounding.
+  // MoeConfig::master_weights on the float masters, the weights written as their rounding. With
+  // precision fp8, then the e4m3 copies of the home experts' weights (once per step: forwards
+  // quantize only the clones they pull).
   void optimizer_step(const AdamWConfig& cfg, Stream stream = nullptr);
   // With master weights: sets every master to its weight's current value (after the weights were
   // written from outside, e.g. loaded from a checkpoint). Waits for the device.
@@ -276,9 +283,9 @@ class MoeLayer {
   void expert_dgrad(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, Stream s);
   void expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, int fc,
                     const Tensor& home, bool overwrite, Stream s);
-  // Precision fp8: the e4m3 copies of the home and spare slots' weights, from the weights as
-  // they are now (after the clones were pulled).
-  void quantize_weights(Stream s);
+  // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'
+  // (`spare`, after the clones were pulled), from the weights as they are now.
+  void quantize_weights(bool home, bool spare, Stream s);
   void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.
@@ -305,9 +312,10 @@ class MoeLayer {
   int64_t capacity_ = 0;
   int rounds_ = 0;
   PhaseObserver* observer_ = nullptr;
-  bool grads_zeroed_ = false;        // zero_grad or discard_grad since the last backward
-  bool expert_grads_stale_ = false;  // the last backward wrote the expert gradients elsewhere
-  bool forward_pending_ = false;     // a forward whose backward has not run yet
+  bool grads_zeroed_ = false;              // zero_grad or discard_grad since the last backward
+  bool expert_grads_stale_ = false;        // the last backward wrote the expert gradients elsewhere
+  bool forward_pending_ = false;           // a forward whose backward has not run yet
+  mutable bool fp8_weights_stale_ = true;  // precision fp8: home weights changed since quantized
   std::unique_ptr<GraphCache> forward_graph_, backward_graph_;
   int64_t last_tokens_ = 0;
   Tensor last_x_;

@@ -629,6 +629,7 @@ void MoeLayer::init_parameters(uint64_t seed) {
 
 Tensor MoeLayer::param(Param p) const {
   const int64_t EPR = moe_.experts / par_.ep_size;
+  if (p == Param::w1 || p == Param::w2) fp8_weights_stale_ = true;  // the caller may write them
   switch (p) {
     case Param::router_weight: return buf_->router_weight;
     case Param::router_bias: return buf_->router_bias;
@@ -693,11 +694,15 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
     backend_.adamw(a, s);
   };
   step(b.router_weight, b.d_router_weight, b.m_router, b.v_router, Tensor());
-  step(param(Param::w1), grad(Param::w1), b.m_w1, b.v_w1, b.master_w1);
-  step(param(Param::w2), grad(Param::w2), b.m_w2, b.v_w2, b.master_w2);
+  step(b.w1, grad(Param::w1), b.m_w1, b.v_w1, b.master_w1);
+  step(b.w2, grad(Param::w2), b.m_w2, b.v_w2, b.master_w2);
   if (b.shared_w1.data) {
     step(b.shared_w1, b.d_shared_w1, b.m_sw1, b.v_sw1, b.master_sw1);
     step(b.shared_w2, b.d_shared_w2, b.m_sw2, b.v_sw2, b.master_sw2);
+  }
+  if (moe_.precision == Precision::fp8) {
+    quantize_weights(true, false, s);
+    fp8_weights_stale_ = false;
   }
 }
 
@@ -828,11 +833,13 @@ GemmArgs MoeLayer::wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b
   return g;
 }
 
-void MoeLayer::quantize_weights(Stream s) {
+void MoeLayer::quantize_weights(bool home, bool spare, Stream s) {
   const Buffers& b = *buf_;
-  backend_.quantize_fp8_blocks({b.w1, b.w1_q.q, b.w1_q.q_t, b.w1_q.s, b.w1_q.s_t}, s);
-  backend_.quantize_fp8_blocks({b.w2, b.w2_q.q, b.w2_q.q_t, b.w2_q.s, b.w2_q.s_t}, s);
-  if (b.w1_spare.data) {
+  if (home) {
+    backend_.quantize_fp8_blocks({b.w1, b.w1_q.q, b.w1_q.q_t, b.w1_q.s, b.w1_q.s_t}, s);
+    backend_.quantize_fp8_blocks({b.w2, b.w2_q.q, b.w2_q.q_t, b.w2_q.s, b.w2_q.s_t}, s);
+  }
+  if (spare && b.w1_spare.data) {
     backend_.quantize_fp8_blocks(
         {b.w1_spare, b.w1_spare_q.q, b.w1_spare_q.q_t, b.w1_spare_q.s, b.w1_spare_q.s_t}, s);
     backend_.quantize_fp8_blocks(
@@ -942,12 +949,14 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   last_tokens_ = T;
   last_x_ = x;  // the router backward and spill-round recompute read it again
   forward_pending_ = true;
+  const bool quantize_home = moe_.precision == Precision::fp8 && fp8_weights_stale_;
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        forward_graph_, {address(x.data), address(y.data), uint64_t(T)},
+        forward_graph_, {address(x.data), address(y.data), uint64_t(T), uint64_t(quantize_home)},
         [&](Stream g) { forward_ops(x, y, T, g); }, s);
   else
     forward_ops(x, y, T, s);
+  if (quantize_home) fp8_weights_stale_ = false;
   ws_->pool_owner_ = this;  // the forward pulled this layer's clones into the echo slots
 }
 
@@ -997,7 +1006,7 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
   }
   if (moe_.precision == Precision::fp8) {
     mark("fp8_weights", s);
-    quantize_weights(s);
+    quantize_weights(fp8_weights_stale_, planner_.spare_slots > 0, s);
   }
 
   // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first

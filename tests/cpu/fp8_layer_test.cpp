@@ -18,6 +18,7 @@
 
 #include "layer_harness.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo::test {
@@ -119,6 +120,38 @@ TEST(Fp8Layer, EchoOnEqualsOffAndRecomputeEqualsNone) {
     EXPECT_EQ(r.dw1, a.dw1) << to_string(rc);
     EXPECT_EQ(r.dw2, a.dw2) << to_string(rc);
   }
+}
+
+// The e4m3 weight copies follow the weights: optimizer_step quantizes the updated weights (A's
+// second forward), and weights written through param() are quantized by the next forward (B).
+TEST(Fp8Layer, WeightCopiesFollowTheOptimizerAndWrittenWeights) {
+  auto be = make_cpu_backend(DType::f64);
+  InProcessWorld world(1);
+  const MoeConfig m = fp8_moe(8, 2, 24);
+  const EchoConfig e;
+  MoeLayer a(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 3);
+  MoeLayer b(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 4);
+  auto tensor = [&](uint64_t seed) {
+    Tensor t(be->allocate(size_t(24 * 32 * 8)), DType::f64, {24, 32});
+    write_tensor(*be, t, random_values(24 * 32, seed));
+    return t;
+  };
+  const Tensor x1 = tensor(1), x2 = tensor(2), dy = tensor(3), ya = tensor(4), yb = tensor(5),
+               dx = tensor(6);
+  a.zero_grad();
+  a.forward(x1, ya);
+  a.backward(dy, dx);
+  AdamWConfig adam;
+  adam.lr = 1e-2;
+  a.optimizer_step(adam);
+  a.forward(x2, ya);
+  a.backward(dy, dx);
+  for (Param p : {Param::router_weight, Param::router_bias, Param::w1, Param::w2})
+    write_tensor(*be, b.param(p), read_tensor(*be, a.param(p)));
+  b.forward(x2, yb);
+  EXPECT_EQ(read_tensor(*be, yb), read_tensor(*be, ya));
+  b.backward(dy, dx);
+  for (const Tensor* t : {&x1, &x2, &dy, &ya, &yb, &dx}) be->deallocate(t->data);
 }
 
 TEST(Fp8Layer, MemoryEstimateCountsTheFp8Copies) {
