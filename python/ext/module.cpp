@@ -280,7 +280,7 @@ NB_MODULE(_ext, m) {
              const std::string& transport, int expert_groups, int topk_groups,
              const std::string& group_score, double routed_scaling_factor,
              double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
-             int shared_experts, int shared_ffn) {
+             int shared_experts, int shared_ffn, const std::string& precision) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -302,6 +302,7 @@ NB_MODULE(_ext, m) {
             moe.recompute = parse_recompute(recompute);
             moe.shared_experts = shared_experts;
             moe.shared_ffn = shared_ffn;
+            moe.precision = parse_precision(precision);
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -317,7 +318,7 @@ NB_MODULE(_ext, m) {
           "transport"_a = "host", "expert_groups"_a = 1, "topk_groups"_a = 1,
           "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
           "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
-          "shared_experts"_a = 0, "shared_ffn"_a = 0)
+          "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -326,6 +327,9 @@ NB_MODULE(_ext, m) {
            "tokens"_a, "stream"_a,
            "backward that writes the home experts' w1/w2 gradients into dw1, dw2 (float dtype)")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
+      .def(
+          "weights_changed", [](Layer& l) { l.layer().weights_changed(); },
+          "precision fp8: the expert weights changed; the next forward quantizes them again")
       .def("discard_grad", &Layer::discard_grad, "stream"_a,
            "the next backward writes the gradients without zeroing them first")
       .def(

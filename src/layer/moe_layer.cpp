@@ -125,6 +125,18 @@ struct ActShapes {
   }
 };
 
+// Shapes of precision fp8's quantized GEMM operands (one GEMM at a time, in the workspace): the
+// rows of an activation operand [cap, W] with scales [cap, WT], and wgrad's two transposed
+// operands [W, P] with their scales and padded offsets [G + 1].
+struct Fp8Shapes {
+  int64_t W, WT, P, G;
+  Fp8Shapes(const ActShapes& s, int slots)
+      : W(std::max(s.H, 2 * s.F)),
+        WT((W + kFp8Tile - 1) / kFp8Tile),
+        P(fp8_padded_rows(s.cap, slots)),
+        G(slots) {}
+};
+
 // A device tensor `dev`, a symmetric one `sym` (or both only count bytes, for memory_bytes).
 // `part` names the part of MoeMemory the buffers declared next belong to (only counted).
 struct Allocator {
@@ -146,6 +158,8 @@ struct MoeWorkspace::Buffers {
   Bytes recv_out, h, a, da, dh;
   Bytes w1_spare, w2_spare;    // echo slots' weights
   Bytes dw1_spare, dw2_spare;  // echo slots' gradients (symmetric)
+  // Precision fp8: the quantized operands of one GEMM (MoeLayer::Buffers has their shapes).
+  Bytes fp8_row_q, fp8_row_s, fp8_col_a, fp8_col_as, fp8_col_b, fp8_col_bs, fp8_po, fp8_po2;
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
   size_t bytes = 0;
@@ -174,6 +188,17 @@ struct MoeWorkspace::Buffers {
       grow(w2_spare, s.S * s.F * s.H, as);
       grow(dw1_spare, s.S * s.H * 2 * s.F, fs);
       grow(dw2_spare, s.S * s.F * s.H, fs);
+      if (m.precision == Precision::fp8) {
+        const Fp8Shapes f(s, slots_per_rank(m, par, echo));
+        grow(fp8_row_q, s.cap * f.W, 1);
+        grow(fp8_row_s, s.cap * f.WT, sizeof(float));
+        grow(fp8_col_a, f.W * f.P, 1);
+        grow(fp8_col_as, f.W * f.P / kFp8Tile, sizeof(float));
+        grow(fp8_col_b, f.W * f.P, 1);
+        grow(fp8_col_bs, f.W * f.P / kFp8Tile, sizeof(float));
+        grow(fp8_po, f.G + 1, sizeof(int32_t));
+        grow(fp8_po2, f.G + 1, sizeof(int32_t));
+      }
     }
   }
   // The bytes by part: the echo slots apart from the rest.
@@ -182,7 +207,9 @@ struct MoeWorkspace::Buffers {
     each([&](Bytes& x, bool) { m.workspace += x.bytes; });
     m.echo_slot_weights = w1_spare.bytes + w2_spare.bytes;
     m.echo_slot_grads = dw1_spare.bytes + dw2_spare.bytes;
-    m.workspace -= m.echo_slot_weights + m.echo_slot_grads;
+    m.fp8 = fp8_row_q.bytes + fp8_row_s.bytes + fp8_col_a.bytes + fp8_col_as.bytes +
+            fp8_col_b.bytes + fp8_col_bs.bytes + fp8_po.bytes + fp8_po2.bytes;
+    m.workspace -= m.echo_slot_weights + m.echo_slot_grads + m.fp8;
     return m;
   }
   template <class F>
@@ -190,7 +217,9 @@ struct MoeWorkspace::Buffers {
     f(recv_x, true), f(recv_red, true), f(fan_members, true), f(fan_weights, true);
     f(fan_values, true), f(recv_out, false), f(h, false), f(a, false), f(da, false);
     f(dh, false), f(w1_spare, false), f(w2_spare, false), f(dw1_spare, true);
-    f(dw2_spare, true);
+    f(dw2_spare, true), f(fp8_row_q, false), f(fp8_row_s, false), f(fp8_col_a, false);
+    f(fp8_col_as, false), f(fp8_col_b, false), f(fp8_col_bs, false), f(fp8_po, false);
+    f(fp8_po2, false);
   }
 };
 
@@ -386,20 +415,11 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
       w.s_t = dev(DType::f32, {slabs, tiles(n), tiles(k)});
       return w;
     };
-    const int64_t spare = planner_.spare_slots, W = std::max(H, 2 * F);
-    const int64_t P = fp8_padded_rows(cap, G);
+    const int64_t spare = planner_.spare_slots;
     b.w1_q = weight(EPR, H, 2 * F);
     b.w2_q = weight(EPR, F, H);
     b.w1_spare_q = weight(spare, H, 2 * F);
     b.w2_spare_q = weight(spare, F, H);
-    b.row_q = dev(DType::e4m3, {cap, W});
-    b.row_s = dev(DType::f32, {cap, tiles(W)});
-    b.col_a = dev(DType::e4m3, {W, P});
-    b.col_as = dev(DType::f32, {W * P / kFp8Tile});
-    b.col_b = dev(DType::e4m3, {W, P});
-    b.col_bs = dev(DType::f32, {W * P / kFp8Tile});
-    b.col_po = dev(DType::i32, {G + 1});
-    b.col_po2 = dev(DType::i32, {G + 1});
   }
 }
 
@@ -438,6 +458,17 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
   b.fan.float_dtype = fl;
   b.da = view(w.da, act, {s.cap, s.F});
   b.dh = view(w.dh, act, {s.cap, 2 * s.F});
+  if (moe.precision == Precision::fp8) {
+    const Fp8Shapes f(s, slots_per_rank(moe, par, echo));
+    b.row_q = view(w.fp8_row_q, DType::e4m3, {s.cap, f.W});
+    b.row_s = view(w.fp8_row_s, DType::f32, {s.cap, f.WT});
+    b.col_a = view(w.fp8_col_a, DType::e4m3, {f.W, f.P});
+    b.col_as = view(w.fp8_col_as, DType::f32, {f.W * f.P / kFp8Tile});
+    b.col_b = view(w.fp8_col_b, DType::e4m3, {f.W, f.P});
+    b.col_bs = view(w.fp8_col_bs, DType::f32, {f.W * f.P / kFp8Tile});
+    b.col_po = view(w.fp8_po, DType::i32, {f.G + 1});
+    b.col_po2 = view(w.fp8_po2, DType::i32, {f.G + 1});
+  }
   if (s.S > 0) {
     b.w1_spare = view(w.w1_spare, act, {s.S, s.H, 2 * s.F});
     b.w2_spare = view(w.w2_spare, act, {s.S, s.F, s.H});

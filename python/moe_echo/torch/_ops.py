@@ -42,8 +42,9 @@ _next_id = itertools.count(1)
 class LayerHandle:
     """A C++ layer, views of its buffers, and the host state of its forward/backward pairing."""
 
-    def __init__(self, layer, device: torch.device, shared: bool = False):
+    def __init__(self, layer, device: torch.device, shared: bool = False, fp8: bool = False):
         self.layer = layer
+        self.fp8 = fp8
         self.device = device
         self.router_weight = layer.param("router_weight")
         self.router_bias = layer.param("router_bias")
@@ -110,6 +111,8 @@ def moe_forward(
     for src, dst in pairs:
         if src.data_ptr() != dst.data_ptr():  # not bound to the layer's buffer: copy it in
             dst.copy_(src)
+    if h.fp8:  # the e4m3 copies follow the weights, which the optimizer changes in place
+        h.layer.weights_changed()
     y = torch.empty_like(x)
     h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device))
     h.serial += 1

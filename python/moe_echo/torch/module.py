@@ -66,6 +66,11 @@ class MoE(nn.Module):
             outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
             redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
             dispatch and the experts). Gradients are the same bits whichever is chosen.
+        precision: the routed experts' GEMMs: "bf16" or "fp8" (e4m3 operands with blockwise
+            scales: 1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights; the
+            router, the shared experts and the parameters keep their dtypes). With "fp8" every
+            forward quantizes the expert weights again (an optimizer may have changed them);
+            hidden and ffn must be multiples of 16.
         device, dtype: where the parameters live and their dtype.
         seed: the initial weights (per global expert, so any layout of the same seed agrees).
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
@@ -105,6 +110,7 @@ class MoE(nn.Module):
         shared_experts: int = 0,
         shared_ffn: int = 0,
         recompute: str = "none",
+        precision: str = "bf16",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -132,6 +138,8 @@ class MoE(nn.Module):
                 raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
         if seed < 0:
             raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"precision = {precision!r} is invalid: allowed 'bf16' or 'fp8'")
         device = torch.device(device) if device is not None else torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -163,6 +171,7 @@ class MoE(nn.Module):
             clone_cost_rows=clone_cost_rows,
             seed=seed,
             recompute=recompute,
+            precision=precision,
             shared_experts=shared_experts,
             shared_ffn=shared_ffn,
         )
@@ -232,7 +241,9 @@ class MoE(nn.Module):
         else:
             layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
         old = self._layer_id
-        self._handle = _ops.LayerHandle(layer, device, shared=self.shared_width > 0)
+        self._handle = _ops.LayerHandle(
+            layer, device, shared=self.shared_width > 0, fp8=self._config["precision"] == "fp8"
+        )
         self._layer_id = _ops.register(self._handle)
         self._layer_key = (device, compute)
         if old is not None:
