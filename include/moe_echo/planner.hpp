@@ -98,5 +98,9 @@ std::vector<int64_t> eplb_rank_loads(const EplbPlacement& placement, const int32
 // over every placement of clones into spare slots (respecting max_clones, at most one replica of
 // an expert per rank) and every integer split of rows over replicas. Exponential: tests only.
 int64_t brute_force_min_max_load(const int32_t* routing_map, const PlannerConfig& cfg);
+// The same search for the planner's cost with a clone cost: the smallest busiest-rank load plus
+// clone_cost_rows per clone link of the busiest-linked rank (a rank's clone links: the clones it
+// hosts plus the clones of its home experts). Exponential: tests only.
+int64_t brute_force_min_cost(const int32_t* routing_map, const PlannerConfig& cfg);
 
 }  // namespace moe_echo

@@ -515,6 +515,28 @@ TEST(Planner, BruteForceKnownAnswers) {
   const auto big = make_cfg(16, 64, 2, 2);
   RoutingMap C = uniform_map(16, 64, 10, 1);
   EXPECT_THROW(brute_force_min_max_load(C.data(), big), Error);
+  EXPECT_THROW(brute_force_min_cost(C.data(), big), Error);
+}
+
+TEST(Planner, BruteForceMinCostKnownAnswers) {
+  // One clone of expert 0 (100 rows) halves rank 0 and gives ranks 0 and 1 a link each.
+  const RoutingMap C = {100, 0, 0, 0};
+  EXPECT_EQ(brute_force_min_cost(C.data(), make_cfg(2, 2, 1, 1, 0)), 50);
+  EXPECT_EQ(brute_force_min_cost(C.data(), make_cfg(2, 2, 1, 1, 49)), 99);
+  EXPECT_EQ(brute_force_min_cost(C.data(), make_cfg(2, 2, 1, 1, 50)), 100);
+  // Two clones of expert 0 on 3 ranks: 34 rows and two links on rank 0 (34 + 2 * 10 = 54),
+  // cheaper than one clone (50 + 10 = 60) at a cost of 10, dearer at 20 (74 > 70).
+  const RoutingMap D = {100, 0, 0, 0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(brute_force_min_cost(D.data(), make_cfg(3, 3, 1, 2, 10)), 54);
+  EXPECT_EQ(brute_force_min_cost(D.data(), make_cfg(3, 3, 1, 2, 20)), 70);
+  // With a cost of 0 it is the min-max optimum.
+  std::mt19937_64 rng(41);
+  for (int it = 0; it < 40; ++it) {
+    const int R = 2 + int(rng() % 3), epr = 1 + int(rng() % 2);
+    const auto cfg = make_cfg(R, R * epr, 1 + int(rng() % 2), 1 + int(rng() % 2));
+    const auto M = uniform_map(R, R * epr, 50, rng());
+    EXPECT_EQ(brute_force_min_cost(M.data(), cfg), brute_force_min_max_load(M.data(), cfg));
+  }
 }
 
 TEST(Planner, EplbPlacementAndLoads) {
