@@ -55,9 +55,10 @@
 // its ranks' experts and at most 2M + 16 re-splits of O(M) each (M = 1 + max_clones); per stop
 // of run b O(R) and a kept plan's copy of O(R * S); a return O(R * S * M); the refinement
 // O(clones * M) per pass. Run b roughly doubles a call with a clone cost: at the simulator's
-// defaults (R = 32, E = 256, S = 1, max_clones 2, clone_cost_rows 1484) about 0.05 ms per call
-// on this project's 2-core build machine, against 0.03 ms for run a alone; at R = E = 256 with
-// max_clones 16, about 0.6 ms against 0.2 ms (bench/results/simulate_planner_cap_2026-11-24.json).
+// defaults (R = 32, E = 256, S = 1, max_clones 2, clone_cost_rows 1484) 0.063 ms per call on one
+// core of this project's 2-core build machine, against 0.038 ms for run a alone; at
+// R = E = 256 with max_clones 16, 0.72 ms against 0.21 ms
+// (bench/results/simulate_planner_cap_2026-11-24.json, planner_time_harness).
 // With clone_cost_rows = 0 the planner is run a alone, as measured on one idle x86 core at
 // R = E = 256, S = 1..4: at most 0.3 ms with max_clones = 2 (0.02 ms on strong skew), at most
 // 0.9 ms with max_clones = 8 (bench/results/planner_host_2026-11-21.json).
