@@ -76,9 +76,10 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
              "rounds, never dropped (" +
                  default_is(kEcho.capacity_factor) + ")");
   add_option(cmd, "--clone-cost-rows", o.clone_cost_rows,
-             "A clone must lower the busiest rank's load by more than this many rows "
-             "(default: on the GPU, the H200 cost model's clone traffic time over one row's "
-             "expert time, ~2200 rows; 0 on the CPU backend)");
+             "Cost of one clone link in rows: ECHO minimises the busiest rank's load plus this "
+             "per clone link of the busiest-linked rank (default: on the GPU, the H200 cost "
+             "model's clone traffic time over one row's expert time, ~2200 rows; 0 on the CPU "
+             "backend)");
   add_option(cmd, "--seed", o.seed, "Seed of weights and synthetic data (default 1)");
   add_option(cmd, "--recompute", o.recompute,
              "What each layer keeps for its backward: none (default), moe_act (redo SwiGLU), "

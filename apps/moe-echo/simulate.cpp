@@ -279,7 +279,7 @@ void add_simulate(CLI::App& app, Runner& run) {
   add_option(cmd, "--max-clones", o->max_clones, "ECHO: clones per expert per step")
       ->capture_default_str();
   add_option(cmd, "--clone-cost-rows", o->clone_cost_rows,
-             "ECHO: rows a clone must save (-1: from the cost model)")
+             "ECHO: cost of one clone link in rows (-1: from the cost model)")
       ->capture_default_str();
   add_option(cmd, "--eplb-period", o->eplb_period, "eplb_periodic: steps between re-placements")
       ->capture_default_str();

@@ -118,8 +118,9 @@ struct EchoConfig {
   int spare_slots_per_rank = 1;   // S: slots per rank that may hold a clone for one step
   double capacity_factor = 1.25;  // receive buffer rows = ceil(capacity_factor * T * K)
   int max_clones_per_expert = 2;  // clones of one expert in one step (replicas = 1 + clones)
-  // Cost of one clone (weights in, gradient out) in routed rows of expert work: a clone is made
-  // only when it lowers the busiest rank's load by more than this.
+  // Cost of one clone (weights in, gradient out) in routed rows of expert work, per clone link
+  // of the busiest-linked rank (a rank's links: clones it hosts + clones of its home experts):
+  // the planner minimises the busiest rank's load plus this per such link (planner.hpp).
   int64_t clone_cost_rows = 0;
 };
 

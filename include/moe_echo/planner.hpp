@@ -6,7 +6,9 @@
 // - Deterministic: the plan is a pure function of the routing map C and the PlannerConfig, in
 //   integer arithmetic with ties broken by the lowest index, so every rank (and the CPU and GPU
 //   implementations) computes the same plan bit for bit without a second exchange.
-// - A plan never raises the busiest rank's load above the no-clone load.
+// - A plan never raises the busiest rank's load above the no-clone load, and with a clone cost
+//   its cost (busiest load + clone_cost_rows per clone link of the busiest-linked rank) never
+//   exceeds the no-clone busiest load.
 // - The plan is a flat array of int32 (`plan_ints()` entries) so a device kernel can write it.
 #pragma once
 
@@ -21,7 +23,10 @@ struct PlannerConfig {
   int experts = 1;      // E (home expert e lives on rank e / (E/R), local slot e % (E/R))
   int spare_slots = 0;  // S per rank
   int max_clones = 0;   // clones per expert per step; replicas per expert M = 1 + max_clones
-  int64_t clone_cost_rows = 0;  // a clone must lower the max load by more than this many rows
+  // What one clone link costs, in rows of the busiest rank: a plan costs its busiest load plus
+  // this per clone link of its busiest-linked rank (clones it hosts + clones of its home experts
+  // elsewhere). 0: clones are free, and any clone that lowers the busiest load is made.
+  int64_t clone_cost_rows = 0;
 
   int experts_per_rank() const { return experts / ranks; }
   int max_replicas() const { return 1 + max_clones; }
@@ -98,5 +103,9 @@ std::vector<int64_t> eplb_rank_loads(const EplbPlacement& placement, const int32
 // over every placement of clones into spare slots (respecting max_clones, at most one replica of
 // an expert per rank) and every integer split of rows over replicas. Exponential: tests only.
 int64_t brute_force_min_max_load(const int32_t* routing_map, const PlannerConfig& cfg);
+// The same search for the planner's cost with a clone cost: the smallest busiest-rank load plus
+// clone_cost_rows per clone link of the busiest-linked rank (a rank's clone links: the clones it
+// hosts plus the clones of its home experts). Exponential: tests only.
+int64_t brute_force_min_cost(const int32_t* routing_map, const PlannerConfig& cfg);
 
 }  // namespace moe_echo

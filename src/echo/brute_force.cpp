@@ -1,10 +1,14 @@
-// The brute-force optimum of ECHO's min-max problem, for tests on tiny cases only.
+// The brute-force optima of ECHO's problems, for tests on tiny cases only: the smallest busiest
+// load (min-max), and the smallest busiest load plus clone_cost_rows per clone link of the
+// busiest-linked rank (a rank's links: the clones it hosts plus the clones of its home experts).
 //
 // Enumerates every placement of clones into spare slots (a set of at most S experts per rank,
 // none of them homed there, at most max_clones clones per expert); for each placement the best
 // integer split is found by binary search on the busiest load T with a max-flow feasibility check
 // (source -> expert e with capacity w[e] -> every rank holding a replica of e -> sink with
 // capacity T). Integer capacities give an integer flow, so the optimum found is an integer split.
+// A placement's links are fixed, so its cost is its best T plus the links' cost; a clone that
+// would get no rows is a placement without it, also enumerated.
 // Exponential in R and S: MOE_ECHO_CHECK rejects cases whose enumeration would be too large.
 #include <algorithm>
 #include <vector>
@@ -61,11 +65,13 @@ class MaxFlow {
 
 struct Search {
   int R, E, S, epr, clone_limit;
+  int64_t link_cost = 0;  // per link of the busiest-linked rank; 0: min-max
   std::vector<int64_t> w;
-  int64_t total = 0, lower = 0, best = 0;
-  std::vector<int32_t> clones;   // [E]: clones placed so far
-  std::vector<uint8_t> on_rank;  // [E * R]: replica of e on rank r
-  std::vector<int32_t> cand;     // experts worth cloning (rows > 0), hottest first
+  int64_t total = 0, lower = 0, best = 0;  // best: the lowest cost found
+  std::vector<int32_t> clones;             // [E]: clones placed so far
+  std::vector<int32_t> links;              // [R]: clone links so far
+  std::vector<uint8_t> on_rank;            // [E * R]: replica of e on rank r
+  std::vector<int32_t> cand;               // experts worth cloning (rows > 0), hottest first
   MaxFlow flow;
 
   Search(int r, int e, int s, int limit)
@@ -76,6 +82,7 @@ struct Search {
         clone_limit(limit),
         w(size_t(e), 0),
         clones(size_t(e), 0),
+        links(size_t(r), 0),
         on_rank(size_t(e) * r, 0),
         flow(e + r + 2) {}
 
@@ -93,15 +100,16 @@ struct Search {
   }
 
   void evaluate() {
-    if (best <= lower) return;
+    const int64_t extra = link_cost * *std::max_element(links.begin(), links.end());
+    if (best <= lower + extra) return;
     // Cheap necessary condition first: experts with a single replica pin their rows to its rank.
     std::vector<int64_t> pinned(size_t(R), 0);
     for (int e = 0; e < E; ++e)
       if (clones[e] == 0) pinned[e / epr] += w[e];
     for (int r = 0; r < R; ++r)
-      if (pinned[r] >= best) return;
-    if (!feasible(best - 1)) return;
-    int64_t lo = lower, hi = best - 1;  // hi is feasible
+      if (pinned[r] + extra >= best) return;
+    if (!feasible(best - extra - 1)) return;
+    int64_t lo = lower, hi = best - extra - 1;  // hi is feasible
     while (lo < hi) {
       const int64_t mid = lo + (hi - lo) / 2;
       if (feasible(mid))
@@ -109,7 +117,7 @@ struct Search {
       else
         lo = mid + 1;
     }
-    best = hi;
+    best = hi + extra;
   }
 
   // Chooses the clones of rank r: candidates cand[from..] in order, `left` slots still free.
@@ -126,7 +134,11 @@ struct Search {
       if (on_rank[size_t(e) * R + r] || clones[e] >= clone_limit) continue;
       on_rank[size_t(e) * R + r] = 1;
       ++clones[e];
+      ++links[r];
+      ++links[e / epr];
       place(r, i + 1, left - 1);
+      --links[e / epr];
+      --links[r];
       --clones[e];
       on_rank[size_t(e) * R + r] = 0;
     }
@@ -144,11 +156,14 @@ double combinations_up_to(int n, int k) {
 
 }  // namespace
 
-int64_t brute_force_min_max_load(const int32_t* routing_map, const PlannerConfig& cfg) {
+namespace {
+
+int64_t brute_force(const int32_t* routing_map, const PlannerConfig& cfg, int64_t link_cost) {
   validate(cfg);
   const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots;
   const int clone_limit = std::min(cfg.max_clones, R - 1);
   Search st(R, E, S, clone_limit);
+  st.link_cost = link_cost;
   for (int src = 0; src < R; ++src)
     for (int e = 0; e < E; ++e) st.w[e] += routing_map[int64_t(src) * E + e];
   std::vector<int64_t> load(size_t(R), 0);
@@ -180,6 +195,16 @@ int64_t brute_force_min_max_load(const int32_t* routing_map, const PlannerConfig
                                                    << ") is too large; allowed " << kMaxPlacements);
   st.place(0, 0, S);
   return st.best;
+}
+
+}  // namespace
+
+int64_t brute_force_min_max_load(const int32_t* routing_map, const PlannerConfig& cfg) {
+  return brute_force(routing_map, cfg, 0);
+}
+
+int64_t brute_force_min_cost(const int32_t* routing_map, const PlannerConfig& cfg) {
+  return brute_force(routing_map, cfg, cfg.clone_cost_rows);
 }
 
 }  // namespace moe_echo

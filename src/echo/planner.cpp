@@ -7,12 +7,31 @@
 //    (the busiest rank plus the ranks it is already levelled with through cloned experts); the
 //    hottest expert with rows in the group and clones left is cloned onto the least loaded rank
 //    outside the group with a free slot and no replica of it, its rows re-split by integer
-//    water-filling, and the re-split propagates to neighbouring cloned experts. Kept only when the
-//    group's busiest load drops by more than clone_cost_rows; else undone, next candidate; stop
-//    when no candidate helps. Trials that cannot pay for the clone are not run: an expert with
-//    no more than clone_cost_rows rows in the group is no candidate (a clone relieves the group
-//    of at most those rows), and a target within clone_cost_rows of the busiest load is skipped
-//    (it only gains rows, so the new busiest load is at least its load).
+//    water-filling, and the re-split propagates to neighbouring cloned experts. Undone when the
+//    group's busiest load does not drop enough; next candidate; a stop when none helps.
+//    What a clone costs: its weights come in and its gradient goes home over the links of its
+//    host and of its expert's home rank. A rank's clone links are the clones it hosts plus the
+//    clones of its home experts elsewhere, and the clone traffic lasts as long as the
+//    busiest-linked rank's, so a plan costs its busiest load plus clone_cost_rows per link of
+//    its busiest-linked rank; a clone that leaves that count alone is hidden behind it and free.
+//    Two runs from no clones, the cheaper plan stays:
+//    a. Per clone: kept when it lowers the group's busiest load by more than clone_cost_rows;
+//       the first stop ends the run. An expert with no more than clone_cost_rows rows in the
+//       group is no candidate (a clone relieves the group of at most those rows), and a target
+//       within clone_cost_rows of the busiest load is skipped (it only gains rows, so the new
+//       busiest load is at least its load). With clone_cost_rows = 0 this run alone is the plan.
+//    b. Under a link budget (clone_cost_rows > 0): a clone is kept when it lowers the group's
+//       busiest load at all and leaves no rank above `budget` links. The budget starts at one
+//       link. At a stop the plan is kept when it costs less than every plan kept before (run a's
+//       and no clones included), and the budget rises to the least that admits a trial not yet
+//       made (a trial made before a raise would fail again: the state has not changed), unless
+//       no plan beyond can cost less than the kept one: some rank then reaches the new budget,
+//       and no busiest load is below the floor (the mean load, and each expert's rows over its
+//       most replicas). The run also ends when the floor plus the links so far reach the kept
+//       cost (links are never removed), and returns to the kept plan when it ends dearer.
+//    Run b searches, budget by budget, for the lowest busiest load each number of links
+//    reaches; it finds plans run a misses (a clone that saves little but is hidden, a link that
+//    pays only over several clones) and drops clones that do not lower the busiest rank.
 // 3. Refinement: water-fill every cloned expert in expert order, pass after pass, until nothing
 //    moves (bounded): descends the sum of squared loads towards the min-max split.
 // 4. The plan: clones in ascending (rank, spare slot) order after the home replica; a clone left
@@ -25,18 +44,24 @@
 //   the device (src/cuda/planner.cu) with warp-parallel searches that give the same answers as
 //   these sequential loops, so CPU and GPU plans agree bit for bit.
 // - Every change (a clone, a re-split) is a water-fill, which keeps every rank it touches at or
-//   below the largest load among them before, so the busiest load never rises above the no-clone
-//   plan's.
+//   below the largest load among them before, and a return to a kept plan restores it exactly,
+//   so the busiest load never rises above the no-clone plan's. With clone_cost_rows > 0 the
+//   plan's cost (as in step 2) is at most the no-clone busiest load: no clones is a plan run b
+//   compares, refinement only lowers loads, and a dropped clone only removes links.
 // - At most one replica of an expert per rank, at most S clones per rank, at most
 //   min(max_clones, R - 1) clones per expert; an expert's replica rows sum to its rows.
 //
 // Cost: O(R*E) to read C; per greedy step O(R) (argmax, target) plus the group search over
-// its ranks' experts and at most 2M + 16 re-splits of O(M) each (M = 1 + max_clones); the
-// refinement O(clones * M) per pass. Measured on one idle x86 core at R = E = 256, S = 1..4: at
-// most 0.3 ms with max_clones = 2 (0.02 ms on strong skew), at most 0.9 ms with max_clones = 8
-// (clone_cost_rows 0). With the GPU cost model's clone cost (2226 rows) at R = 4, Zipf 1.2,
-// S = 2, a whole call: 0.007 ms for E = 128 and 0.010 ms for E = 256 (0.037 and 0.105 ms before
-// the two pruning rules, with the same balance; bench/results/planner_host_2026-11-21.json).
+// its ranks' experts and at most 2M + 16 re-splits of O(M) each (M = 1 + max_clones); per stop
+// of run b O(R) and a kept plan's copy of O(R * S); a return O(R * S * M); the refinement
+// O(clones * M) per pass. Run b roughly doubles a call with a clone cost: at the simulator's
+// defaults (R = 32, E = 256, S = 1, max_clones 2, clone_cost_rows 1484) 0.063 ms per call on one
+// core of this project's 2-core build machine, against 0.038 ms for run a alone; at
+// R = E = 256 with max_clones 16, 0.72 ms against 0.21 ms
+// (bench/results/simulate_planner_cap_2026-11-24.json, planner_time_harness).
+// With clone_cost_rows = 0 the planner is run a alone, as measured on one idle x86 core at
+// R = E = 256, S = 1..4: at most 0.3 ms with max_clones = 2 (0.02 ms on strong skew), at most
+// 0.9 ms with max_clones = 8 (bench/results/planner_host_2026-11-21.json).
 #include "moe_echo/planner.hpp"
 
 #include <algorithm>

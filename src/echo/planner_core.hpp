@@ -5,8 +5,9 @@
 // No allocation, no exceptions, no standard library containers: every array lives in a caller's
 // scratch buffer (PlannerCore::bytes(cfg) bytes, 8-byte aligned) bound by bind().
 //
-// The host runs init_experts, init_ranks, place_clones, refine and write on one thread: this file
-// is the sequential specification. The device makes the same state changes in the same order but
+// The host runs init_experts, init_ranks, place_clones (its greedy runs, with reset_experts and
+// init_ranks between them), refine and write on one thread: this file is the sequential
+// specification. The device makes the same state changes in the same order but
 // spreads the scans over threads: the initialisation and the plan over a whole block
 // (init_experts / init_ranks / write_part over disjoint indices, a barrier between them), and
 // placement and refinement on one warp with the warp-parallel twins of the searches in
@@ -146,6 +147,21 @@ struct PlannerCore {
   int R = 0, E = 0, S = 0, M = 0, epr = 0, clone_limit = 0, max_resplits = 0;
   int64_t *w = nullptr, *load = nullptr, *rep_rows = nullptr;
   int32_t *rep_rank = nullptr, *nrep = nullptr, *spare = nullptr, *spare_used = nullptr;
+  // Clone links per rank: the clones it hosts plus the clones of its home experts elsewhere (each
+  // moves one expert's weights and gradient over the rank's link); max_links is their maximum.
+  int32_t* links = nullptr;
+  int32_t max_links = 0;
+  // Placement's link budget: a clone may not give any rank more than `budget` links. After a stop
+  // the trials made under the budget before it (`tried_below`) are not made again.
+  int32_t budget = 0, tried_below = 0;
+  // The cheapest plan seen at a stop (best_cost: its busiest load plus clone_cost_rows per link
+  // of its busiest-linked rank), kept to return to: loads, links, slot use, and per spare slot
+  // its clone and that clone's rows. best_here: the state is that plan.
+  bool has_best = false, best_here = false;
+  int64_t best_cost = 0;
+  int32_t snap_max_links = 0;
+  int64_t *snap_load = nullptr, *snap_rows = nullptr;
+  int32_t *snap_links = nullptr, *snap_used = nullptr, *snap_spare = nullptr;
   // Per rank, a bit per home expert that has clones (nrep > 1): `words` words per rank. Lets the
   // hot loops visit a rank's cloned experts without scanning all of its home experts.
   int words = 0;
@@ -196,6 +212,12 @@ struct PlannerCore {
     take(nrep, E);
     take(spare, int64_t(R) * S);
     take(spare_used, R);
+    take(links, R);
+    take(snap_load, R);
+    take(snap_rows, int64_t(R) * S);
+    take(snap_links, R);
+    take(snap_used, R);
+    take(snap_spare, int64_t(R) * S);
     words = (epr + 31) / 32;
     take(multi, int64_t(R) * words);
     take(sc_base, M + 1);
@@ -233,17 +255,26 @@ struct PlannerCore {
       MOE_ECHO_UNROLL_BY(16)
       for (int src = 0; src < R; ++src) sum += routing_map[int64_t(src) * E + e];
       w[e] = sum;
-      const int64_t at = int64_t(e) * M;
-      for (int j = 0; j < M; ++j) {
-        rep_rank[at + j] = j == 0 ? e / epr : -1;
-        rep_rows[at + j] = j == 0 ? sum : 0;
-      }
-      nrep[e] = 1;
-      cand_stamp[e] = 0;
-      queued[e] = 0;
+      go_home(e);
     }
   }
-  // Rank loads and slots, for ranks first, first + step, ... (after every init_experts). With
+  // The no-clone state of experts first, first + step, ... again (w kept), for a second run.
+  MOE_ECHO_HD void reset_experts(int first, int step) {
+    for (int e = first; e < E; e += step) go_home(e);
+  }
+  // Expert e on its home rank alone, with all its rows.
+  MOE_ECHO_HD void go_home(int e) {
+    const int64_t at = int64_t(e) * M;
+    for (int j = 0; j < M; ++j) {
+      rep_rank[at + j] = j == 0 ? e / epr : -1;
+      rep_rows[at + j] = j == 0 ? w[e] : 0;
+    }
+    nrep[e] = 1;
+    cand_stamp[e] = 0;
+    queued[e] = 0;
+  }
+  // Rank loads and slots, for ranks first, first + step, ... (after every init_experts or
+  // reset_experts). With
   // load_before, also writes the plan's loads before cloning (the device's write_part does not).
   MOE_ECHO_HD void init_ranks(int first, int step, int32_t* load_before = nullptr) {
     for (int r = first; r < R; r += step) {
@@ -252,6 +283,7 @@ struct PlannerCore {
       load[r] = sum;
       if (load_before) load_before[r] = int32_t(sum);
       spare_used[r] = 0;
+      links[r] = 0;
       group_stamp[r] = 0;
       touched_stamp[r] = 0;
       replica_stamp[r] = 0;
@@ -506,11 +538,11 @@ struct PlannerCore {
   }
 
   // Trial: clones x onto `target`, re-splits, propagates, and measures the group's new busiest
-  // load. Keeps the clone (in target's next spare slot) and returns true when it lowers the
-  // group's busiest load `level` by more than clone_cost_rows; else undoes it. kFast: the
-  // re-splits by resplit_fast (the device's).
+  // load. Keeps the clone (in target's next spare slot, one more link on the target and on x's
+  // home) and returns true when it lowers the group's busiest load `level` by more than
+  // `threshold` rows; else undoes it. kFast: the re-splits by resplit_fast (the device's).
   template <bool kFast = false>
-  MOE_ECHO_HD bool try_clone(int x, int target, int64_t level, int64_t clone_cost_rows) {
+  MOE_ECHO_HD bool try_clone(int x, int target, int64_t level, int64_t threshold) {
     ++trial;
     journaling = true;
     j_count = 0;
@@ -533,9 +565,13 @@ struct PlannerCore {
     for (int gi = 0; gi < n_group; ++gi) new_max = max_of(new_max, load[group[gi]]);
     for (int ti = 0; ti < n_touched; ++ti) new_max = max_of(new_max, load[touched[ti]]);
     journaling = false;
-    if (level - new_max > clone_cost_rows) {
+    if (level - new_max > threshold) {
       spare[int64_t(target) * S + spare_used[target]] = x;
       ++spare_used[target];
+      const int home = x / epr;
+      ++links[target];
+      ++links[home];
+      max_links = max_of(max_links, max_of(links[target], links[home]));
       return true;
     }
     rollback();
@@ -543,21 +579,141 @@ struct PlannerCore {
     return false;
   }
 
-  // Step 2 of planner.cpp: greedy placement of clones into spare slots (see there).
-  MOE_ECHO_HD void place_clones(int64_t clone_cost_rows) {
-    if (S == 0 || clone_limit == 0) return;
-    int64_t free_slots = int64_t(R) * S;
-    while (free_slots > 0) {
+  // The most links a rank can reach: every clone of its home experts (at most one per spare slot
+  // in all) and a full set of spare slots. A budget of link_limit() admits every clone.
+  MOE_ECHO_HD int link_limit() const {
+    return int(min_of(int64_t(epr) * clone_limit, int64_t(R) * S)) + S;
+  }
+
+  // No plan's busiest load is below the mean load (rounded up), nor below an expert's rows over
+  // its most replicas (rounded up). Sums over experts first, first + step, ... into total and top.
+  MOE_ECHO_HD void floor_part(int first, int step, int64_t& total, int64_t& top) const {
+    for (int e = first; e < E; e += step) {
+      total += w[e];
+      top = max_of(top, (w[e] + clone_limit) / (clone_limit + 1));
+    }
+  }
+  MOE_ECHO_HD int64_t floor_of(int64_t total, int64_t top) const {
+    return max_of(top, (total + R - 1) / R);
+  }
+
+  // Keeps the state as the best plan when it costs less than the one kept (or none is kept): the
+  // scalars on every caller, the arrays for ranks first, first + step, ... (the caller syncs).
+  MOE_ECHO_HD void keep_if_best(int64_t level, int64_t clone_cost_rows, int first, int step) {
+    const int64_t cost = level + clone_cost_rows * max_links;
+    if (has_best && cost >= best_cost) return;
+    has_best = best_here = true;
+    best_cost = cost;
+    snap_max_links = max_links;
+    for (int r = first; r < R; r += step) {
+      snap_load[r] = load[r];
+      snap_links[r] = links[r];
+      snap_used[r] = spare_used[r];
+      for (int s = 0; s < spare_used[r]; ++s) {
+        const int64_t i = int64_t(r) * S + s;
+        snap_spare[i] = spare[i];
+        snap_rows[i] = rows_on(spare[i], r);
+      }
+    }
+  }
+
+  // Returns to the kept plan: every cloned expert goes home with all its rows, then the kept
+  // clones are put back (in rank order among the replicas) with their rows, the home replica
+  // keeping the rest; loads, links and slots as kept.
+  MOE_ECHO_HD void restore_best() {
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < spare_used[r]; ++s) {
+        const int x = spare[int64_t(r) * S + s];
+        if (nrep[x] == 1) continue;
+        const int64_t at = int64_t(x) * M;
+        for (int j = 0; j < M; ++j) {
+          rep_rank[at + j] = j == 0 ? x / epr : -1;
+          rep_rows[at + j] = j == 0 ? w[x] : 0;
+        }
+        nrep[x] = 1;
+        mark(x);
+      }
+    max_links = snap_max_links;
+    for (int r = 0; r < R; ++r) {
+      load[r] = snap_load[r];
+      links[r] = snap_links[r];
+      spare_used[r] = snap_used[r];
+      for (int s = 0; s < S; ++s) {
+        const int64_t i = int64_t(r) * S + s;
+        spare[i] = s < spare_used[r] ? snap_spare[i] : -1;
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int s = 0; s < spare_used[r]; ++s) {
+        const int64_t i = int64_t(r) * S + s;
+        const int x = spare[i];
+        const int64_t at = int64_t(x) * M;
+        int j = nrep[x];
+        for (; j > 0 && rep_rank[at + j - 1] > r; --j) {
+          rep_rank[at + j] = rep_rank[at + j - 1];
+          rep_rows[at + j] = rep_rows[at + j - 1];
+        }
+        rep_rank[at + j] = r;
+        rep_rows[at + j] = snap_rows[i];
+        ++nrep[x];
+        for (int k = 0; k < nrep[x]; ++k)
+          if (rep_rank[at + k] == x / epr) rep_rows[at + k] -= snap_rows[i];
+        mark(x);
+      }
+    best_here = true;
+  }
+
+  // At a stop (no trial under the budget lowered the busiest group): raises the budget to the
+  // least that admits a trial not yet made, given the fewest links+1 of a candidate's home
+  // (need_home) and of a free target (need_target). Every clone that this admits and the old
+  // budget did not gives some rank `next` links, so no plan beyond costs less than
+  // floor_rows + clone_cost_rows * next: false (stop) when that is no cheaper than the kept
+  // plan, or when no budget admits more.
+  MOE_ECHO_HD bool raise_budget(int need_home, int need_target, int64_t floor_rows,
+                                int64_t clone_cost_rows) {
+    const int next = max_of(budget + 1, max_of(need_home, need_target));
+    if (next > link_limit() || floor_rows + clone_cost_rows * next >= best_cost) return false;
+    tried_below = budget;
+    budget = next;
+    return true;
+  }
+
+  // Whether the clone of x onto `target` was tried under the budget before the last raise (on
+  // this state, as the state does not change at a stop): it would fail again.
+  MOE_ECHO_HD bool tried_before(int x, int target) const {
+    return links[x / epr] < tried_below && links[target] < tried_below;
+  }
+
+  // One greedy run of step 2 (planner.cpp) from the state as it is; returns the busiest load it
+  // ends with. Without `budgeted`: every clone must lower the busiest group by more than
+  // clone_cost_rows. With it: by any row, under the link budget, which starts at one link and
+  // rises at stops (raise_budget); the cheapest plan at a stop is kept (keep_if_best;
+  // floor_rows: the floor of the busiest load, floor_of).
+  MOE_ECHO_HD int64_t greedy(int64_t clone_cost_rows, bool budgeted, int64_t floor_rows) {
+    const int64_t threshold = budgeted ? 0 : clone_cost_rows;
+    max_links = 0;
+    budget = budgeted ? 1 : link_limit();
+    tried_below = 0;
+    int64_t free_slots = int64_t(R) * S, level = 0;
+    for (bool first = true;; first = false) {
       ++stamp;
       int top = 0;
+      level = load[0];
       for (int r = 1; r < R; ++r)
-        if (load[r] > load[top]) top = r;
-      const int64_t level = load[top];
-      if (level == 0) break;
+        if (load[r] > level) {
+          level = load[r];
+          top = r;
+        }
+      if (budgeted && first) keep_if_best(level, clone_cost_rows, 0, 1);  // no clones
+      if (free_slots == 0 || level == 0) break;
+      // Links are never removed: no later plan costs less than the floor and the links so far.
+      if (budgeted && floor_rows + clone_cost_rows * max_links >= best_cost) break;
       build_group(top, level);
-      // Candidates: experts with more than clone_cost_rows rows in the group and clones left,
-      // by rows in the group.
+      // Candidates: experts with more than `threshold` rows in the group, clones left and their
+      // home under the budget, by rows in the group. A clone relieves the group of at most x's
+      // rows there.
       n_cand = 0;
+      int need_home = link_limit() + 1;
       for (int gi = 0; gi < n_group; ++gi)
         for_experts_on(group[gi], [&](int x) {
           if (cand_stamp[x] == stamp || nrep[x] > clone_limit) return;
@@ -567,9 +723,9 @@ struct PlannerCore {
             const int r = rep_rank[int64_t(x) * M + j];
             if (group_stamp[r] == stamp) in_group += rep_rows[int64_t(x) * M + j];
           }
-          // A clone relieves the group of at most x's rows there: fewer than a clone costs, and
-          // x is no candidate.
-          if (in_group <= clone_cost_rows) return;
+          if (in_group <= threshold) return;
+          need_home = min_of(need_home, links[x / epr] + 1);
+          if (links[x / epr] >= budget) return;
           cand[n_cand] = x;
           cand_score[n_cand] = in_group;
           ++n_cand;
@@ -593,22 +749,63 @@ struct PlannerCore {
         const int x = cand[c];
         const int32_t rstamp = x + 1;  // replica_stamp[r] == x + 1: rank r holds a replica of x
         for (int j = 0; j < nrep[x]; ++j) replica_stamp[rep_rank[int64_t(x) * M + j]] = rstamp;
+        // The least loaded rank (ties to the lowest) with a free spare slot, under the budget,
+        // outside the group and without a replica of x.
         int target = -1;
+        int64_t least = 0;
         for (int r = 0; r < R; ++r)
-          if (spare_used[r] < S && group_stamp[r] != stamp && replica_stamp[r] != rstamp &&
-              (target < 0 || load[r] < load[target]))
+          if (spare_used[r] < S && links[r] < budget && group_stamp[r] != stamp &&
+              replica_stamp[r] != rstamp && (target < 0 || load[r] < least)) {
             target = r;
+            least = load[r];
+          }
         for (int j = 0; j < nrep[x]; ++j) replica_stamp[rep_rank[int64_t(x) * M + j]] = 0;
-        if (target < 0 || load[target] >= level - 1) continue;
         // The target only gains rows, so the new busiest load is at least its load now.
-        if (level - load[target] <= clone_cost_rows) continue;
-        if (try_clone(x, target, level, clone_cost_rows)) {
+        if (target < 0 || load[target] >= level - 1 || level - load[target] <= threshold ||
+            tried_before(x, target))
+          continue;
+        if (try_clone(x, target, level, threshold)) {
           --free_slots;
           placed = true;
         }
       }
-      if (!placed) break;
+      if (placed) {
+        tried_below = 0;
+        best_here = false;
+        continue;
+      }
+      if (!budgeted) break;
+      keep_if_best(level, clone_cost_rows, 0, 1);
+      int need_target = link_limit() + 1;
+      for (int r = 0; r < R; ++r)
+        if (spare_used[r] < S && group_stamp[r] != stamp)
+          need_target = min_of(need_target, links[r] + 1);
+      if (!raise_budget(need_home, need_target, floor_rows, clone_cost_rows)) break;
     }
+    return level;
+  }
+
+  // A plan's rows fit int32, so no clone pays for a cost above 2^31 rows: costs are capped there,
+  // which keeps a cost times links in int64 and changes no plan.
+  MOE_ECHO_HD static int64_t capped(int64_t clone_cost_rows) {
+    return min_of(clone_cost_rows, int64_t(1) << 31);
+  }
+
+  // Step 2 of planner.cpp: run a (per clone) and, with a clone cost, run b (under a link budget)
+  // from no clones again; the cheaper plan stays.
+  MOE_ECHO_HD void place_clones(int64_t clone_cost_rows) {
+    if (S == 0 || clone_limit == 0) return;
+    const int64_t cost = capped(clone_cost_rows);
+    has_best = best_here = false;
+    const int64_t level = greedy(cost, false, 0);
+    if (cost == 0) return;
+    keep_if_best(level, cost, 0, 1);
+    int64_t total = 0, top_rows = 0;
+    floor_part(0, 1, total, top_rows);
+    reset_experts(0, 1);
+    init_ranks(0, 1);
+    keep_if_best(greedy(cost, true, floor_of(total, top_rows)), cost, 0, 1);
+    if (!best_here) restore_best();
   }
 
   // Step 3: re-split every cloned expert by water-filling, in expert order, until nothing

@@ -1,6 +1,8 @@
 // The ECHO planner against its contract (include/moe_echo/planner.hpp): every plan is checked for
 // every invariant (slots, clone limits, conservation of rows, assignment sums, locality first),
-// and its busiest load is compared with no cloning, the brute-force optimum and DeepSeek EPLB.
+// and its busiest load is compared with no cloning, the brute-force optimum and DeepSeek EPLB;
+// with a clone cost, its cost (busiest load + links' cost) with no cloning and the brute-force
+// optimum of that cost.
 #include "moe_echo/planner.hpp"
 
 #include <gtest/gtest.h>
@@ -178,6 +180,21 @@ Plan run_echo(const RoutingMap& C, const PlannerConfig& cfg) {
   return p;
 }
 
+// A plan's cost with a clone cost: its busiest load plus clone_cost_rows per clone link of its
+// busiest-linked rank (the clones a rank hosts plus the clones of its home experts).
+int64_t plan_cost(const PlannerConfig& cfg, Plan& plan) {
+  const PlanView v = plan.view();
+  std::vector<int64_t> links(size_t(cfg.ranks), 0);
+  for (int i = 0; i < cfg.ranks * cfg.spare_slots; ++i) {
+    const int e = v.spare_expert[i];
+    if (e < 0) continue;
+    ++links[size_t(i / cfg.spare_slots)];
+    ++links[size_t(cfg.home_rank(e))];
+  }
+  return plan.max_load_after() +
+         cfg.clone_cost_rows * *std::max_element(links.begin(), links.end());
+}
+
 struct Shape {
   int R, E, S, max_clones;
 };
@@ -243,8 +260,8 @@ TEST(Planner, HugeCloneCostMakesNoClones) {
 }
 
 TEST(Planner, CloneCostIsRespected) {
-  // A clone is kept only when it lowers the busiest load by more than its cost: with a cost just
-  // above what the first clone could save, nothing is cloned.
+  // A plan with clones must cost less than the plan without: with a link cost just above what
+  // the only clone could save, nothing is cloned.
   const auto cfg0 = make_cfg(2, 2, 1, 1);
   const RoutingMap C = {100, 0, 0, 0};  // expert 0: 100 rows, expert 1: none
   Plan p0 = run_echo(C, cfg0);
@@ -254,6 +271,101 @@ TEST(Planner, CloneCostIsRespected) {
   Plan p50 = run_echo(C, make_cfg(2, 2, 1, 1, 50));
   EXPECT_EQ(p50.view().num_clones[0], 0);
   EXPECT_EQ(p50.max_load_after(), 100);
+}
+
+TEST(Planner, HiddenCloneIsMade) {
+  // Experts 2 and 3 (90 and 100 rows) each on their own rank; 4 ranks, one slot each, a link
+  // costs 40 rows. Cloning expert 3 onto rank 0 pays (100 -> 90). Expert 2's clone onto rank 1
+  // then lowers the busiest rank by 40 rows, no more than a link costs, but no rank ends with
+  // more than one link: its traffic runs beside the first clone's, so it is free. The plan that
+  // judged each clone alone against the cost stopped at one clone (busiest 90, cost 130).
+  const auto cfg = make_cfg(4, 4, 1, 2, 40);
+  RoutingMap C(16, 0);
+  C[1] = 10;
+  C[2] = 90;
+  C[3] = 100;
+  Plan p = run_echo(C, cfg);
+  check_plan(C, cfg, p);
+  EXPECT_EQ(p.view().num_clones[0], 2);
+  EXPECT_EQ(p.max_load_after(), 50);
+  EXPECT_EQ(plan_cost(cfg, p), 90);
+  EXPECT_EQ(brute_force_min_cost(C.data(), cfg), 90);
+}
+
+TEST(Planner, NoCloneThatLeavesTheBusiestLoad) {
+  // Two experts of 90 rows on ranks 0 and 1, rank 2 empty, one slot per rank, a link costs 40
+  // rows. Expert 0's clone on rank 2 halves rank 0, but rank 1 stays at 90 and no clone can
+  // relieve both: any clone costs a link and leaves the busiest load at 90, so none is made
+  // (judged by its own rank, expert 0's clone saved 45 > 40 and was made, for a cost of 130).
+  const auto cfg = make_cfg(3, 3, 1, 2, 40);
+  const RoutingMap C = {90, 90, 0, 0, 0, 0, 0, 0, 0};
+  Plan p = run_echo(C, cfg);
+  check_plan(C, cfg, p);
+  EXPECT_EQ(p.view().num_clones[0], 0);
+  EXPECT_EQ(p.max_load_after(), 90);
+  EXPECT_EQ(brute_force_min_cost(C.data(), cfg), 90);
+}
+
+TEST(Planner, PricedPlanNeverCostsMoreThanNoClones) {
+  // With a clone cost, the busiest load plus the links' cost never exceeds the busiest load
+  // without clones (the planner compares its plans with no clones), on random configs, maps
+  // and costs from 1 row to beyond the whole map.
+  std::mt19937_64 rng(1507);
+  int cloned = 0;
+  for (int it = 0; it < 300; ++it) {
+    const int R = 1 + int(rng() % 40), epr = 1 + int(rng() % 6);
+    const int S = 1 + int(rng() % 3), mc = 1 + int(rng() % 4);
+    const int E = R * epr;
+    const RoutingMap C = it % 3 == 0   ? uniform_map(R, E, 300, rng())
+                         : it % 3 == 1 ? zipf_map(R, E, 0.6 + double(rng() % 12) / 10, 4096, rng())
+                                       : zipf_map(R, E, 1.5, 300, rng());
+    int64_t total = 0;
+    for (int32_t c : C) total += c;
+    const int64_t mean = std::max<int64_t>(1, total / R);
+    const int64_t cost = it % 10 == 9 ? (int64_t(1) << 40) : 1 + mean * int64_t(rng() % 30) / 200;
+    const auto cfg = make_cfg(R, E, S, mc, cost);
+    SCOPED_TRACE("case " + std::to_string(it) + " R=" + std::to_string(R) + " E=" +
+                 std::to_string(E) + " S=" + std::to_string(S) + " cost=" + std::to_string(cost));
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_LE(plan_cost(cfg, p), p.max_load_before());
+    cloned += p.view().num_clones[0] > 0;
+  }
+  EXPECT_GT(cloned, 150) << "too few plans with clones for the test to mean much";
+}
+
+TEST(Planner, NearPricedBruteForceOptimum) {
+  // Tiny cases with a clone cost of 1% to 10% of the mean rank load: the plan's cost (busiest
+  // load + links' cost) against the brute-force optimum of that cost. Judging each clone alone
+  // against the cost reached the optimum in 185 of these 240 cases (worst ratio 1.072).
+  std::mt19937_64 rng(2025);
+  int cases = 0, exact = 0;
+  double worst = 1.0;
+  for (int it = 0; cases < 240; ++it) {
+    const int R = 2 + int(rng() % 3), epr = 1 + int(rng() % 3);
+    const int S = 1 + int(rng() % 2), mc = 1 + int(rng() % 2);
+    const int E = R * epr;
+    const uint64_t seed = rng();
+    const RoutingMap C = (it % 2 == 0) ? uniform_map(R, E, 200, seed)
+                                       : zipf_map(R, E, 1.0 + double(rng() % 10) / 10, 600, seed);
+    int64_t total = 0;
+    for (int32_t c : C) total += c;
+    const int64_t cost = std::max<int64_t>(1, total / R * int64_t(1 + rng() % 10) / 100);
+    const auto cfg = make_cfg(R, E, S, mc, cost);
+    const int64_t opt = brute_force_min_cost(C.data(), cfg);
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    const int64_t got = plan_cost(cfg, p);
+    EXPECT_GE(got, opt) << "plan cheaper than the optimum: brute force is wrong";
+    EXPECT_LE(double(got), 1.08 * double(opt))
+        << "case " << it << " R=" << R << " E=" << E << " S=" << S << " mc=" << mc;
+    worst = std::max(worst, double(got) / double(opt));
+    exact += got == opt;
+    ++cases;
+  }
+  std::printf("[ planner ] %d small priced cases: %d at the optimum, worst ratio %.4f\n", cases,
+              exact, worst);
+  EXPECT_GE(exact, 216) << "fewer than 90% of the cases at the optimum";
 }
 
 TEST(Planner, NoClonesWithoutSpareSlotsOrClones) {
@@ -515,6 +627,28 @@ TEST(Planner, BruteForceKnownAnswers) {
   const auto big = make_cfg(16, 64, 2, 2);
   RoutingMap C = uniform_map(16, 64, 10, 1);
   EXPECT_THROW(brute_force_min_max_load(C.data(), big), Error);
+  EXPECT_THROW(brute_force_min_cost(C.data(), big), Error);
+}
+
+TEST(Planner, BruteForceMinCostKnownAnswers) {
+  // One clone of expert 0 (100 rows) halves rank 0 and gives ranks 0 and 1 a link each.
+  const RoutingMap C = {100, 0, 0, 0};
+  EXPECT_EQ(brute_force_min_cost(C.data(), make_cfg(2, 2, 1, 1, 0)), 50);
+  EXPECT_EQ(brute_force_min_cost(C.data(), make_cfg(2, 2, 1, 1, 49)), 99);
+  EXPECT_EQ(brute_force_min_cost(C.data(), make_cfg(2, 2, 1, 1, 50)), 100);
+  // Two clones of expert 0 on 3 ranks: 34 rows and two links on rank 0 (34 + 2 * 10 = 54),
+  // cheaper than one clone (50 + 10 = 60) at a cost of 10, dearer at 20 (74 > 70).
+  const RoutingMap D = {100, 0, 0, 0, 0, 0, 0, 0, 0};
+  EXPECT_EQ(brute_force_min_cost(D.data(), make_cfg(3, 3, 1, 2, 10)), 54);
+  EXPECT_EQ(brute_force_min_cost(D.data(), make_cfg(3, 3, 1, 2, 20)), 70);
+  // With a cost of 0 it is the min-max optimum.
+  std::mt19937_64 rng(41);
+  for (int it = 0; it < 40; ++it) {
+    const int R = 2 + int(rng() % 3), epr = 1 + int(rng() % 2);
+    const auto cfg = make_cfg(R, R * epr, 1 + int(rng() % 2), 1 + int(rng() % 2));
+    const auto M = uniform_map(R, R * epr, 50, rng());
+    EXPECT_EQ(brute_force_min_cost(M.data(), cfg), brute_force_min_max_load(M.data(), cfg));
+  }
 }
 
 TEST(Planner, EplbPlacementAndLoads) {
