@@ -192,6 +192,9 @@ struct Fp8ColArgs {
   Tensor scale;           // [K * P / 128] f32
   Tensor padded_offsets;  // out [window.groups + 1] i32
 };
+// Checks `a` against the contract above, x of dtype `x_dtype` (Error naming the tensor
+// otherwise); returns q_t's columns P.
+int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype);
 // Columns q_t needs for a window of `rows` rows in `groups` groups (every group padded to 128).
 inline int64_t fp8_padded_rows(int64_t rows, int64_t groups) {
   return (rows + groups * (kFp8Tile - 1) + kFp8Tile - 1) / kFp8Tile * kFp8Tile;

@@ -277,10 +277,10 @@ class MoeLayer {
   GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,
                  const Tensor& home, bool overwrite) const;
   // The expert GEMMs of fc1 (fc = 1) or fc2 (fc = 2) over a window, in the layer's precision
-  // (MoeConfig::precision): c = a @ w, c = a @ w^T, and the weight gradient of a^T b into the
-  // home slots (`home`) and the spare slots.
-  void expert_fprop(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, Stream s);
-  void expert_dgrad(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, Stream s);
+  // (MoeConfig::precision): c = a @ w (or a @ w^T with dgrad), and the weight gradient of a^T b
+  // into the home slots (`home`) and the spare slots.
+  void expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, bool dgrad,
+                        Stream s);
   void expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, int fc,
                     const Tensor& home, bool overwrite, Stream s);
   // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'

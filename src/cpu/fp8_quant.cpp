@@ -70,19 +70,7 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
 template <class T>
 void quantize_fp8_cols(const Fp8ColArgs& a) {
   const GroupWindow& w = a.window;
-  check_tensor(a.x, "quantize_fp8_cols x", a.x.dtype, {-1, -1});
-  const int64_t K = a.x.size(1);
-  MOE_ECHO_CHECK(a.x.size(0) >= w.rows,
-                 "quantize_fp8_cols: x " << a.x.describe() << " for " << w.rows << " window rows");
-  check_tensor(a.q_t, "quantize_fp8_cols q_t", DType::e4m3, {K, -1});
-  const int64_t P = a.q_t.size(1);
-  MOE_ECHO_CHECK(P % kFp8Tile == 0 && P >= fp8_padded_rows(w.rows, w.groups),
-                 "quantize_fp8_cols: q_t " << a.q_t.describe() << " needs a multiple of 128 "
-                                           << "columns, at least "
-                                           << fp8_padded_rows(w.rows, w.groups));
-  check_tensor(a.scale, "quantize_fp8_cols scale", DType::f32, {K * P / kFp8Tile});
-  check_tensor(a.padded_offsets, "quantize_fp8_cols padded_offsets", DType::i32,
-               {int64_t(w.groups) + 1});
+  const int64_t P = check_fp8_col_args(a, a.x.dtype), K = a.x.size(1);
   const T* x = a.x.as<T>();
   uint8_t* q = a.q_t.as<uint8_t>();
   float* scale = a.scale.as<float>();

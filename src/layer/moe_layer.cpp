@@ -896,13 +896,19 @@ Tensor packed(const Tensor& buffer, int64_t n) {
 int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
 }  // namespace
 
-void MoeLayer::expert_fprop(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c,
-                            Stream s) {
+// fprop (c = a @ w) or dgrad (c = a @ w^T) of fc1 or fc2 over the window. In fp8, a's rows are
+// quantized first; fprop reads the weights' copies made for it (q_t, s_t), dgrad the others.
+void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c,
+                                bool dgrad, Stream s) {
   const Buffers& b = *buf_;
   const Tensor& home = fc == 1 ? b.w1 : b.w2;
   const Tensor& spare = fc == 1 ? b.w1_spare : b.w2_spare;
   if (moe_.precision != Precision::fp8) {
-    backend_.gemm_fprop(experts_gemm(gw, a, spare, home, c), s);
+    const GemmArgs g = experts_gemm(gw, a, spare, home, c);
+    if (dgrad)
+      backend_.gemm_dgrad(g, s);
+    else
+      backend_.gemm_fprop(g, s);
     return;
   }
   const int64_t rows = a.size(0), k = a.size(1);
@@ -913,31 +919,14 @@ void MoeLayer::expert_fprop(const GroupWindow& gw, const Tensor& a, int fc, cons
   Fp8GemmArgs g;
   g.window = gw;
   g.a = q, g.a_scale = sc;
-  g.b = ws.q_t, g.b_scale = ws.s_t, g.b_home = wh.q_t, g.b_home_scale = wh.s_t;
   g.c = c;
-  backend_.gemm_fp8_fprop(g, s);
-}
-
-void MoeLayer::expert_dgrad(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c,
-                            Stream s) {
-  const Buffers& b = *buf_;
-  const Tensor& home = fc == 1 ? b.w1 : b.w2;
-  const Tensor& spare = fc == 1 ? b.w1_spare : b.w2_spare;
-  if (moe_.precision != Precision::fp8) {
-    backend_.gemm_dgrad(experts_gemm(gw, a, spare, home, c), s);
-    return;
+  if (dgrad) {
+    g.b = ws.q, g.b_scale = ws.s, g.b_home = wh.q, g.b_home_scale = wh.s;
+    backend_.gemm_fp8_dgrad(g, s);
+  } else {
+    g.b = ws.q_t, g.b_scale = ws.s_t, g.b_home = wh.q_t, g.b_home_scale = wh.s_t;
+    backend_.gemm_fp8_fprop(g, s);
   }
-  const int64_t rows = a.size(0), n = a.size(1);
-  const Tensor q = packed(b.row_q, rows, n), sc = packed(b.row_s, rows, fp8_tiles(n));
-  backend_.quantize_fp8_rows({a, q, sc}, s);
-  const Buffers::Fp8Weight& wh = fc == 1 ? b.w1_q : b.w2_q;
-  const Buffers::Fp8Weight& ws = fc == 1 ? b.w1_spare_q : b.w2_spare_q;
-  Fp8GemmArgs g;
-  g.window = gw;
-  g.a = q, g.a_scale = sc;
-  g.b = ws.q, g.b_scale = ws.s, g.b_home = wh.q, g.b_home_scale = wh.s;
-  g.c = c;
-  backend_.gemm_fp8_dgrad(g, s);
 }
 
 void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& bt, int fc,
@@ -1132,11 +1121,11 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
 
   dispatch_tokens(round, x, T, s);
   mark(round, "fc1", s);
-  expert_fprop(gw, b.recv_x, 1, b.h, s);
+  expert_rows_gemm(gw, b.recv_x, 1, b.h, false, s);
   mark(round, "swiglu", s);
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   mark(round, "fc2", s);
-  expert_fprop(gw, b.a, 2, b.recv_out, s);
+  expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
   FanArgs sum = fan_args(round);
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
@@ -1285,10 +1274,11 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
   if (rc != Recompute::none) mark(round, "bwd_recompute", s);
   if (rc == Recompute::dispatch) dispatch_tokens(round, last_x_, T, s);
-  if (rc == Recompute::dispatch || rc == Recompute::experts) expert_fprop(gw, b.recv_x, 1, b.h, s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts)
+    expert_rows_gemm(gw, b.recv_x, 1, b.h, false, s);
   if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   if (rc == Recompute::dispatch || rc == Recompute::experts)
-    expert_fprop(gw, b.a, 2, b.recv_out, s);
+    expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
   // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
   mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
@@ -1300,13 +1290,13 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
   mark(round, "bwd_dgrad_fc2", s);
-  expert_dgrad(gw, b.recv_out, 2, b.da, s);
+  expert_rows_gemm(gw, b.recv_out, 2, b.da, true, s);
   mark(round, "bwd_wgrad_fc2", s);
   expert_wgrad(gw, b.a, b.recv_out, 2, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads, s);
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
+  expert_rows_gemm(gw, b.dh, 1, b.recv_out, true, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
   expert_wgrad(gw, b.recv_x, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s);
   FanArgs sum = fan_args(round);
