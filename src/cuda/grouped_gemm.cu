@@ -11,9 +11,7 @@
 //   stream-ordered.
 // - Each op holds its kernel twice, with the two tile orders (M or N fastest; same
 //   instantiation, two parameter sets), and each call picks one by CUTLASS's rule on host-known
-//   extents. wgrad's M and N are exact (K, N); for fprop and dgrad the rows of a group are known
-//   only on the device, so the rule uses window.rows / groups (the balanced size). The choice
-//   only orders tiles: results are the same either way.
+//   extents (gemm_detail::raster_index).
 #include <algorithm>
 
 #include "cuda/cuda_check.hpp"
@@ -84,6 +82,25 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
     p.shapes[3 * g + 2] = shape[2];
   }
 }
+
+}  // namespace
+
+int raster_index(GemmOp op, const GroupWindow& w, int64_t k, int64_t n, const KernelRunner& r) {
+  const int64_t groups = w.groups > 0 ? w.groups : 1;
+  const int64_t rows = (w.rows + groups - 1) / groups;
+  const int64_t m = op == GemmOp::wgrad ? k : rows;
+  const int64_t cols = op == GemmOp::dgrad ? k : n;
+  return raster_along_n(m, cols, r.tile_m(), r.tile_n()) ? 1 : 0;
+}
+
+int device_sm_count() {
+  int device = 0, sms = 0;
+  MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
+  MOE_ECHO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+namespace {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -280,12 +297,7 @@ struct GroupedGemm::Impl {
     // The kernel whose tile order suits this call's (estimated) CUTLASS problem.
     // `other`: the op's other beta (fprop adds, wgrad writes).
     gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d, bool other) {
-      const int64_t groups = a.window.groups > 0 ? a.window.groups : 1;
-      const int64_t rows = (a.window.rows + groups - 1) / groups;
-      const int64_t m = op == GemmOp::wgrad ? d.k : rows;
-      const int64_t n = op == GemmOp::dgrad ? d.k : d.n;
-      const gemm_detail::KernelRunner& r = *runner[0];
-      const int along_n = gemm_detail::raster_along_n(m, n, r.tile_m(), r.tile_n()) ? 1 : 0;
+      const int along_n = gemm_detail::raster_index(op, a.window, d.k, d.n, *runner[0]);
       return other ? *alt[along_n] : *runner[along_n];
     }
     GemmOp op;
@@ -296,17 +308,10 @@ struct GroupedGemm::Impl {
 
   explicit Impl(int groups)
       : max_groups(groups),
-        sm_count(device_sm_count()),
+        sm_count(gemm_detail::device_sm_count()),
         fprop(GemmOp::fprop, groups, sm_count),
         dgrad(GemmOp::dgrad, groups, sm_count),
         wgrad(GemmOp::wgrad, groups, sm_count) {}
-
-  static int device_sm_count() {
-    int device = 0, sms = 0;
-    MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
-    MOE_ECHO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-  }
 
   void call(Op& op, const GemmArgs& a, cudaStream_t s, bool other = false) {
     const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);

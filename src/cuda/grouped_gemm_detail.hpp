@@ -107,6 +107,14 @@ inline bool raster_along_n(int64_t m, int64_t n, int tile_m, int tile_n) {
   return (n + tile_n - 1) / tile_n <= (m + tile_m - 1) / tile_m;
 }
 
+// The runner (0: M fastest, 1: N fastest) whose tile order suits a call of `op` over `w` with the
+// weights' K and N, by the rule above: wgrad's M (= K) and N are exact; for fprop and dgrad the
+// rows of a group are known only on the device, so the balanced size rows / groups stands in.
+// The choice only orders tiles: results are the same either way.
+int raster_index(GemmOp op, const GroupWindow& w, int64_t k, int64_t n, const KernelRunner& r);
+// SMs of the current device.
+int device_sm_count();
+
 // Extents of one call, after checking the tensors against the op (dtypes, shapes, alignment).
 struct GemmDims {
   int64_t k = 0;  // the K of GemmArgs ([G, K, N] weights)

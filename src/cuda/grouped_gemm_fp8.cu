@@ -15,11 +15,11 @@ namespace {
 using gemm_detail::KernelRunner;
 using gemm_detail::ProblemArrays;
 
-enum class Fp8Op { fprop, dgrad, wgrad };
-const char* op_name(Fp8Op op) {
-  return op == Fp8Op::fprop   ? "grouped_gemm fp8 fprop"
-         : op == Fp8Op::dgrad ? "grouped_gemm fp8 dgrad"
-                              : "grouped_gemm fp8 wgrad";
+using gemm_detail::GemmOp;
+const char* op_name(GemmOp op) {
+  return op == GemmOp::fprop   ? "grouped_gemm fp8 fprop"
+         : op == GemmOp::dgrad ? "grouped_gemm fp8 dgrad"
+                               : "grouped_gemm fp8 wgrad";
 }
 
 constexpr int64_t kTile = kFp8Tile;
@@ -32,7 +32,7 @@ struct Dims {
 
 // One block; thread g handles groups g, g + blockDim.x, ... (see grouped_gemm_detail.hpp for the
 // invariants of the arrays: every entry written, empty groups (0, 0, 0) with valid pointers).
-__global__ void fp8_prep_kernel(Fp8Op op, const int32_t* __restrict__ offsets,
+__global__ void fp8_prep_kernel(GemmOp op, const int32_t* __restrict__ offsets,
                                 const int32_t* __restrict__ padded, int groups, int max_groups,
                                 int64_t row_lo, int64_t rows, const uint8_t* a, const float* sa,
                                 const uint8_t* b, const float* sb, const uint8_t* b_home,
@@ -53,7 +53,7 @@ __global__ void fp8_prep_kernel(Fp8Op op, const int32_t* __restrict__ offsets,
     const int64_t slab = home ? gw : gw - n_home;
     int32_t shape[3] = {0, 0, 0};
     switch (op) {
-      case Fp8Op::fprop:  // (m x K) . (K x N); the slab as [N][K] rows
+      case GemmOp::fprop:  // (m x K) . (K x N); the slab as [N][K] rows
         if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(N), shape[2] = int32_t(K);
         p.ptr_a[g] = a + r * K;
         p.ptr_sfa[g] = sa + r * KT;
@@ -62,7 +62,7 @@ __global__ void fp8_prep_kernel(Fp8Op op, const int32_t* __restrict__ offsets,
         p.ptr_c[g] = c + r * N * 2;
         p.ld_a[g] = K, p.ld_b[g] = K, p.ld_c[g] = N;
         break;
-      case Fp8Op::dgrad:  // (m x N) . (N x K); the slab as [K][N] rows
+      case GemmOp::dgrad:  // (m x N) . (N x K); the slab as [K][N] rows
         if (m > 0) shape[0] = int32_t(m), shape[1] = int32_t(K), shape[2] = int32_t(N);
         p.ptr_a[g] = a + r * N;
         p.ptr_sfa[g] = sa + r * NT;
@@ -71,7 +71,7 @@ __global__ void fp8_prep_kernel(Fp8Op op, const int32_t* __restrict__ offsets,
         p.ptr_c[g] = c + r * K * 2;
         p.ld_a[g] = N, p.ld_b[g] = N, p.ld_c[g] = K;
         break;
-      case Fp8Op::wgrad: {  // (K x P_g) . (P_g x N) over the group's padded columns
+      case GemmOp::wgrad: {  // (K x P_g) . (P_g x N) over the group's padded columns
         const int64_t pg = g < groups ? padded[g] : 0, mp = (m + kTile - 1) / kTile * kTile;
         if (m > 0) shape[0] = int32_t(K), shape[1] = int32_t(N), shape[2] = int32_t(mp);
         p.ptr_a[g] = a + pg;
@@ -107,7 +107,7 @@ void check_weights(const Fp8GemmArgs& a, const char* name, int64_t rows, int64_t
   }
 }
 
-Dims check_args(Fp8Op op, const Fp8GemmArgs& a, int max_groups) {
+Dims check_args(GemmOp op, const Fp8GemmArgs& a, int max_groups) {
   const char* name = op_name(op);
   const std::string n = name;
   const GroupWindow& w = a.window;
@@ -122,7 +122,7 @@ Dims check_args(Fp8Op op, const Fp8GemmArgs& a, int max_groups) {
   const int64_t slabs = gemm_home_groups(a.b_home) + (a.b.data ? a.b.size(0) : 0);
   Dims d;
   switch (op) {
-    case Fp8Op::fprop:  // a [rows, K], b = q_t [G, N, K], c [rows, N]
+    case GemmOp::fprop:  // a [rows, K], b = q_t [G, N, K], c [rows, N]
       check_tensor(a.a, (n + " a").c_str(), DType::e4m3, {-1, -1});
       d.k = a.a.size(1);
       d.n = (a.b_home.data ? a.b_home : a.b).size(1);
@@ -130,7 +130,7 @@ Dims check_args(Fp8Op op, const Fp8GemmArgs& a, int max_groups) {
       check_tensor(a.a_scale, (n + " a_scale").c_str(), DType::f32, {a.a.size(0), tiles(d.k)});
       check_tensor(a.c, (n + " c").c_str(), DType::bf16, {-1, d.n});
       break;
-    case Fp8Op::dgrad:  // a [rows, N], b = q [G, K, N], c [rows, K]
+    case GemmOp::dgrad:  // a [rows, N], b = q [G, K, N], c [rows, K]
       check_tensor(a.a, (n + " a").c_str(), DType::e4m3, {-1, -1});
       d.n = a.a.size(1);
       d.k = (a.b_home.data ? a.b_home : a.b).size(1);
@@ -138,7 +138,7 @@ Dims check_args(Fp8Op op, const Fp8GemmArgs& a, int max_groups) {
       check_tensor(a.a_scale, (n + " a_scale").c_str(), DType::f32, {a.a.size(0), tiles(d.n)});
       check_tensor(a.c, (n + " c").c_str(), DType::bf16, {-1, d.k});
       break;
-    case Fp8Op::wgrad: {  // a = x^T [K, P], b = dy^T [N, P], c f32 [G, K, N]
+    case GemmOp::wgrad: {  // a = x^T [K, P], b = dy^T [N, P], c f32 [G, K, N]
       check_tensor(a.a, (n + " a").c_str(), DType::e4m3, {-1, -1});
       d.k = a.a.size(0), d.p = a.a.size(1);
       check_tensor(a.b, (n + " b").c_str(), DType::e4m3, {-1, d.p});
@@ -165,7 +165,7 @@ Dims check_args(Fp8Op op, const Fp8GemmArgs& a, int max_groups) {
       break;
     }
   }
-  if (op != Fp8Op::wgrad) {
+  if (op != GemmOp::wgrad) {
     MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.c.size(0) >= w.rows && slabs >= w.groups,
                    name << ": a " << a.a.describe() << ", c " << a.c.describe() << " need "
                         << w.rows << " rows and the weights " << w.groups << " groups (have "
@@ -185,12 +185,12 @@ Dims check_args(Fp8Op op, const Fp8GemmArgs& a, int max_groups) {
 
 struct GroupedGemmFp8::Impl {
   struct Op {
-    Op(Fp8Op o, int max_groups, int sm_count) : op(o), buffers(max_groups) {
+    Op(GemmOp o, int max_groups, int sm_count) : op(o), buffers(max_groups) {
       for (int along_n = 0; along_n < 2; ++along_n) {
         gemm_detail::RunnerOptions opt;
         opt.sm_count = sm_count;
         opt.raster_along_n = along_n == 1;
-        if (o == Fp8Op::wgrad) {
+        if (o == GemmOp::wgrad) {
           runner[along_n] = gemm_detail::make_fp8_wgrad_runner(buffers.arrays(), max_groups, opt);
           alt[along_n] =
               gemm_detail::make_fp8_wgrad_runner(buffers.arrays(), max_groups, opt, 0.0f);
@@ -199,17 +199,12 @@ struct GroupedGemmFp8::Impl {
         }
       }
     }
-    // The tile order that suits this call's (estimated) CUTLASS problem (as GroupedGemm).
+    // The tile order that suits this call (gemm_detail::raster_index).
     KernelRunner& pick(const Fp8GemmArgs& a, const Dims& d, bool overwrite) {
-      const int64_t groups = a.window.groups > 0 ? a.window.groups : 1;
-      const int64_t rows = (a.window.rows + groups - 1) / groups;
-      const int64_t m = op == Fp8Op::wgrad ? d.k : rows;
-      const int64_t n = op == Fp8Op::dgrad ? d.k : d.n;
-      const int along_n =
-          gemm_detail::raster_along_n(m, n, runner[0]->tile_m(), runner[0]->tile_n()) ? 1 : 0;
+      const int along_n = gemm_detail::raster_index(op, a.window, d.k, d.n, *runner[0]);
       return overwrite ? *alt[along_n] : *runner[along_n];
     }
-    Fp8Op op;
+    GemmOp op;
     gemm_detail::ProblemBuffers buffers;
     std::unique_ptr<KernelRunner> runner[2];  // M fastest, N fastest
     std::unique_ptr<KernelRunner> alt[2];     // wgrad writing (beta 0)
@@ -217,21 +212,15 @@ struct GroupedGemmFp8::Impl {
 
   explicit Impl(int groups)
       : max_groups(groups),
-        fprop(Fp8Op::fprop, groups, sm_count()),
-        dgrad(Fp8Op::dgrad, groups, sm_count()),
-        wgrad(Fp8Op::wgrad, groups, sm_count()) {}
-
-  static int sm_count() {
-    int device = 0, sms = 0;
-    MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device));
-    MOE_ECHO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-  }
+        sm_count(gemm_detail::device_sm_count()),
+        fprop(GemmOp::fprop, groups, sm_count),
+        dgrad(GemmOp::dgrad, groups, sm_count),
+        wgrad(GemmOp::wgrad, groups, sm_count) {}
 
   void call(Op& op, const Fp8GemmArgs& a, cudaStream_t s) {
     const Dims d = check_args(op.op, a, max_groups);
     const int n_home =
-        int(op.op == Fp8Op::wgrad ? gemm_home_groups(a.c_home) : gemm_home_groups(a.b_home));
+        int(op.op == GemmOp::wgrad ? gemm_home_groups(a.c_home) : gemm_home_groups(a.b_home));
     const int threads = std::min(256, (max_groups + 31) / 32 * 32);
     fp8_prep_kernel<<<1, threads, 0, s>>>(
         op.op, a.window.group_offsets, a.padded_offsets.as<int32_t>(), a.window.groups, max_groups,
@@ -240,7 +229,7 @@ struct GroupedGemmFp8::Impl {
         static_cast<char*>(a.c.data), static_cast<char*>(a.c_home.data), n_home, d.k, d.n, d.p,
         op.buffers.arrays());
     MOE_ECHO_CUDA_CHECK(cudaGetLastError());
-    const bool overwrite = op.op == Fp8Op::wgrad && !a.accumulate;
+    const bool overwrite = op.op == GemmOp::wgrad && !a.accumulate;
     op.pick(a, d, overwrite).run(s);
     if (overwrite) {  // slabs of groups with no rows in the window: as the bf16 wgrad
       GemmArgs z;
@@ -253,6 +242,7 @@ struct GroupedGemmFp8::Impl {
   }
 
   int max_groups;
+  int sm_count;
   Op fprop, dgrad, wgrad;
 };
 
