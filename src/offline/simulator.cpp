@@ -92,7 +92,7 @@ double memory_bytes(const SimulatorConfig& c, int64_t steps, int64_t layers) {
   const double slots = R * (E / R + c.spare_slots);
   const double per_thread = R * E * 16 + slots * 64 + E * (1.0 + c.max_clones) * 32 + E * 64;
   const double threads = std::min<double>(c.threads, std::max<double>(double(layers), 1));
-  return samples * (P * 56 + 16) + threads * P * per_thread + double(layers) * E * 64;
+  return samples * (P * 56 + 16) + threads * P * per_thread + double(layers) * (E * 64 + P * 24);
 }
 
 double percentile_sorted(const std::vector<double>& sorted, double q) {
@@ -116,15 +116,18 @@ const PolicyStats* SimulationResult::find(Policy p) const {
 
 namespace {
 
-// Per (policy, step, layer) sample of one run.
+// Per (policy, step, layer) sample of one run, and per-layer totals. Every sum over layers is
+// taken in layer order after the threads join, so the result does not depend on which thread
+// finished first (floating-point addition is not associative); only the planner's wall time is
+// summed as the threads finish.
 struct Samples {
   std::vector<double> ratio, compute_ms, comm_ms, clone_ms;
   std::vector<int32_t> clones;
-  double migration_bytes = 0, migration_ms = 0;
-  int64_t replacements = 0;
+  std::vector<double> migration_bytes, migration_ms;  // [L]
+  std::vector<int64_t> replacements;                  // [L]
   double planner_s = 0;
   int64_t planner_calls = 0;
-  std::mutex mu;  // guards the scalars above (summed from the layer threads)
+  std::mutex mu;  // guards planner_s and planner_calls
 };
 
 // State of EPLB with periodic re-placement for one layer.
@@ -198,6 +201,9 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
     s.comm_ms.assign(samples, 0);
     s.clone_ms.assign(samples, 0);
     s.clones.assign(samples, 0);
+    s.migration_bytes.assign(size_t(L), 0);
+    s.migration_ms.assign(size_t(L), 0);
+    s.replacements.assign(size_t(L), 0);
   }
   std::vector<double> mean_rows(samples, 0);
 
@@ -311,14 +317,14 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
       }
     }
     for (size_t p = 0; p < P; ++p) {
+      if (cfg.policies[p] == Policy::eplb_periodic) {
+        out[p].migration_bytes[size_t(layer)] = migration_bytes;
+        out[p].migration_ms[size_t(layer)] = migration_ms;
+        out[p].replacements[size_t(layer)] = replacements;
+      }
       std::lock_guard<std::mutex> lock(out[p].mu);
       out[p].planner_s += planner_s[p];
       out[p].planner_calls += N;
-      if (cfg.policies[p] == Policy::eplb_periodic) {
-        out[p].migration_bytes += migration_bytes;
-        out[p].migration_ms += migration_ms;
-        out[p].replacements += replacements;
-      }
     }
   };
 
@@ -382,12 +388,17 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
     }
     st.clones_per_step = clones / double(N);
     st.clone_bytes_per_step = st.clones_per_step * bytes_per_clone;
-    st.migration_bytes_per_step = o.migration_bytes / double(N);
-    st.replacements = o.replacements / std::max(1, L);
+    const double migration_bytes =
+        std::accumulate(o.migration_bytes.begin(), o.migration_bytes.end(), 0.0);
+    const double migration_ms = std::accumulate(o.migration_ms.begin(), o.migration_ms.end(), 0.0);
+    const int64_t replacements =
+        std::accumulate(o.replacements.begin(), o.replacements.end(), int64_t(0));
+    st.migration_bytes_per_step = migration_bytes / double(N);
+    st.replacements = replacements / std::max(1, L);
     st.compute_ms = compute / double(N);
     st.comm_ms = comm / double(N);
     st.clone_ms = clone / double(N);
-    st.migration_ms = o.migration_ms / double(N);
+    st.migration_ms = migration_ms / double(N);
     st.est_step_ms = st.compute_ms + st.comm_ms + st.clone_ms + st.migration_ms;
     st.est_step_ms_overlap = overlap / double(N) + st.migration_ms;
     st.planner_ms_per_call = o.planner_calls ? o.planner_s * 1e3 / double(o.planner_calls) : 0;
