@@ -83,6 +83,7 @@ struct StepRow {
   double aux_loss = 0, z_loss = 0, seq_aux_loss = 0;
   double ranks_per_token = 0;  // rank 0's tokens: mean ranks their rows go to
   int max_ranks_per_token = 0;
+  int64_t dispatch_bytes = 0, dispatch_row_bytes = 0;  // rank 0's forward dispatch, all layers
   std::vector<int32_t> load_before, load_after;
   std::vector<LayerRow> layers;
 };
@@ -277,6 +278,8 @@ struct Report {
       row.seq_aux_loss += st.seq_aux_loss;
       row.ranks_per_token += st.ranks_per_token_mean / n;
       row.max_ranks_per_token = std::max(row.max_ranks_per_token, st.ranks_per_token_max);
+      row.dispatch_bytes += st.dispatch_bytes;
+      row.dispatch_row_bytes = st.dispatch_row_bytes;
       for (size_t r = 0; r < size_t(R) && r < st.load_before.size(); ++r) {
         row.load_before[r] += st.load_before[r];
         row.load_after[r] += st.load_after[r];
@@ -296,7 +299,7 @@ struct Report {
 void Report::summary() const {
   const MoeConfig& moe = L.moe;
   const int R = L.ep, T = moe.max_tokens, H = moe.hidden;
-  std::vector<double> f, b, tps, before, after, clones, clone_bytes, reach;
+  std::vector<double> f, b, tps, before, after, clones, clone_bytes, reach, dispatch_bytes;
   int reach_max = 0;
   int64_t overflow = 0;
   int spill_steps = 0;
@@ -310,6 +313,7 @@ void Report::summary() const {
     after.push_back(r.mm_echo);
     clones.push_back(r.clones);
     clone_bytes.push_back(double(r.clone_bytes));
+    dispatch_bytes.push_back(double(r.dispatch_bytes));
     reach.push_back(r.ranks_per_token);
     reach_max = std::max(reach_max, r.max_ranks_per_token);
     overflow += r.overflow_rows;
@@ -441,6 +445,7 @@ void Report::summary() const {
                           {"seq_aux_loss", r.seq_aux_loss},
                           {"ranks_per_token", r.ranks_per_token},
                           {"max_ranks_per_token", r.max_ranks_per_token},
+                          {"dispatch_bytes", r.dispatch_bytes},
                           {"layers", layers}});
   }
   json s = {{"fwd_ms", fwd_ms},
@@ -455,6 +460,8 @@ void Report::summary() const {
             {"ranks_per_token", mean(reach)},
             {"max_ranks_per_token", reach_max},
             {"clone_bytes_per_step", mean(clone_bytes)},
+            {"dispatch_row_bytes", rows.empty() ? 0 : rows.front().dispatch_row_bytes},
+            {"dispatch_bytes_per_step", mean(dispatch_bytes)},
             {"overflow_rows", overflow},
             {"steps_with_spill", spill_steps}};
   if (L.echo.enabled) {

@@ -166,8 +166,12 @@ struct FanArgs {
 // of the elements that exist.
 struct Fp8RowArgs {  // 1 x 128 tiles along each row (activations and gradients, GEMM operand A)
   Tensor x;          // [rows, K] activation dtype
-  Tensor q;          // [rows, K] e4m3
+  Tensor q;          // [rows, K] e4m3 (with scale), or empty when packed is given
   Tensor scale;      // [rows, ceil(K / 128)] f32
+  // Or one packed row per x row (what the FP8 dispatch sends): [rows, fp8_packed_row_bytes(K)]
+  // e4m3 bytes, the row's K e4m3 values, then its ceil(K / 128) f32 scales, then zero padding to
+  // a multiple of 16 bytes. The same bits as q and scale.
+  Tensor packed = {};
 };
 struct Fp8BlockArgs {  // 128 x 128 blocks of each [K, N] slab (expert weights, operand B)
   Tensor w;            // [G, K, N] activation dtype
@@ -177,6 +181,20 @@ struct Fp8BlockArgs {  // 128 x 128 blocks of each [K, N] slab (expert weights, 
   Tensor scale_t;      // [G, ceil(N / 128), ceil(K / 128)] f32: the scales transposed, or empty
 };
 inline constexpr int64_t kFp8Tile = 128;
+// Bytes of a packed FP8 row of K values (Fp8RowArgs::packed): K, then the scales, to 16 bytes.
+inline int64_t fp8_packed_row_bytes(int64_t K) {
+  return K + ((K + kFp8Tile - 1) / kFp8Tile * 4 + 15) / 16 * 16;
+}
+// The FP8 dispatch's receiving side: for every lead row p of the window's valid rows and every
+// member j of p (p included; FanArgs' members), q[j] and scale[j] = the values and scales of
+// packed row src[p]. Nothing else is written.
+struct Fp8FanArgs {
+  GroupWindow window;
+  Tensor members;  // [rows, K] i32 (FanArgs::members)
+  Tensor src;      // [rows, fp8_packed_row_bytes(H)] e4m3 bytes: packed rows (Fp8RowArgs)
+  Tensor q;        // out [rows, H] e4m3
+  Tensor scale;    // out [rows, ceil(H / 128)] f32
+};
 // 1 x 128 tiles along the rows of each group, transposed (the operands of the FP8 weight
 // gradient, whose reduction runs over a group's rows): group g's window rows [lo_g, hi_g) become
 // columns [p_g, p_g + m_g) of q_t, m_g = hi_g - lo_g, where p_g = sum over h < g of
@@ -187,14 +205,20 @@ inline constexpr int64_t kFp8Tile = 128;
 // Columns at or beyond the total are not written.
 struct Fp8ColArgs {
   GroupWindow window;
-  Tensor x;               // [>= window.rows, K] activation dtype: window row i is x[i]
+  Tensor x;               // [>= window.rows, K] activation dtype: window row i is x[i]; or e4m3
   Tensor q_t;             // [K, P] e4m3, P >= fp8_padded_rows(window.rows, window.groups)
   Tensor scale;           // [K * P / 128] f32
   Tensor padded_offsets;  // out [window.groups + 1] i32
+  // With an e4m3 x, its row scales [>= window.rows, ceil(K / 128)] f32: x's values are the f32
+  // products x[i][k] x_scale[i][k / 128]. Empty otherwise.
+  Tensor x_scale = {};
 };
 // Checks `a` against the contract above, x of dtype `x_dtype` (Error naming the tensor
 // otherwise); returns q_t's columns P.
 int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype);
+// The same for Fp8RowArgs (returns the tiles per row) and Fp8FanArgs (returns the scales per row).
+int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype);
+int64_t check_fp8_fan_args(const Fp8FanArgs& a);
 // Columns q_t needs for a window of `rows` rows in `groups` groups (every group padded to 128).
 inline int64_t fp8_padded_rows(int64_t rows, int64_t groups) {
   return (rows + groups * (kFp8Tile - 1) + kFp8Tile - 1) / kFp8Tile * kFp8Tile;
@@ -294,6 +318,7 @@ class Backend {
   // For every lead row p: dst[p] = sum over members j of p, in member order, of w_j * src[j],
   // accumulated in float and rounded once. dst and src are distinct buffers.
   virtual void fan_in(const FanArgs& a, Stream s) = 0;
+  virtual void fan_out_fp8(const Fp8FanArgs& a, Stream s) = 0;
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
   virtual void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) = 0;
   virtual void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) = 0;

@@ -53,6 +53,11 @@ struct StepStats {
   // to ranks bounds the max by topk_groups.
   double ranks_per_token_mean = 0;
   int ranks_per_token_max = 0;
+  // The forward dispatch of this rank's tokens: bytes per row (H activations; in fp8 the packed
+  // e4m3 row, fp8_packed_row_bytes(H)) and bytes sent (a row per token and rank it picks, this
+  // rank's own included); the backward sends dy rows of H activations the same way.
+  int64_t dispatch_row_bytes = 0;
+  int64_t dispatch_bytes = 0;
 };
 
 struct AdamWConfig {
@@ -278,11 +283,16 @@ class MoeLayer {
                  const Tensor& home, bool overwrite) const;
   // The expert GEMMs of fc1 (fc = 1) or fc2 (fc = 2) over a window, in the layer's precision
   // (MoeConfig::precision): c = a @ w (or a @ w^T with dgrad), and the weight gradient of a^T b
-  // into the home slots (`home`) and the spare slots.
+  // into the home slots (`home`) and the spare slots (fp8: `a` may be e4m3 with its row scales
+  // `a_scale`). quantized_rows_gemm: the fp8 GEMM of rows already quantized (q, sc); fc1_forward:
+  // h from the received rows.
   void expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, bool dgrad,
                         Stream s);
+  void quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const Tensor& sc, int fc,
+                           const Tensor& c, bool dgrad, Stream s);
+  void fc1_forward(const GroupWindow& gw, Stream s);
   void expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, int fc,
-                    const Tensor& home, bool overwrite, Stream s);
+                    const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale = Tensor());
   // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'
   // (`spare`, after the clones were pulled), from the weights as they are now.
   void quantize_weights(bool home, bool spare, Stream s);

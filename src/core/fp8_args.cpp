@@ -6,10 +6,19 @@ namespace moe_echo {
 
 int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
   const GroupWindow& w = a.window;
-  check_tensor(a.x, "quantize_fp8_cols x", x_dtype, {-1, -1});
+  const bool fp8_in = a.x.data != nullptr && a.x.dtype == DType::e4m3;
+  check_tensor(a.x, "quantize_fp8_cols x", fp8_in ? DType::e4m3 : x_dtype, {-1, -1});
   const int64_t K = a.x.size(1);
   MOE_ECHO_CHECK(a.x.size(0) >= w.rows,
                  "quantize_fp8_cols: x " << a.x.describe() << " for " << w.rows << " window rows");
+  if (fp8_in)
+    check_tensor(a.x_scale, "quantize_fp8_cols x_scale (of an e4m3 x)", DType::f32,
+                 {a.x.size(0), (K + kFp8Tile - 1) / kFp8Tile});
+  else
+    MOE_ECHO_CHECK(a.x_scale.data == nullptr, "quantize_fp8_cols: x_scale "
+                                                  << a.x_scale.describe() << " given for an x of "
+                                                  << to_string(a.x.dtype)
+                                                  << " (only e4m3 x has one)");
   MOE_ECHO_CHECK(
       w.groups >= 0 && (w.groups == 0 || w.group_offsets),
       "quantize_fp8_cols: window of " << w.groups << " groups, offsets " << w.group_offsets);
@@ -23,6 +32,43 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
   check_tensor(a.padded_offsets, "quantize_fp8_cols padded_offsets", DType::i32,
                {int64_t(w.groups) + 1});
   return P;
+}
+
+int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype) {
+  check_tensor(a.x, "quantize_fp8_rows x", x_dtype, {-1, -1});
+  const int64_t rows = a.x.size(0), K = a.x.size(1), KT = (K + kFp8Tile - 1) / kFp8Tile;
+  if (a.packed.data) {
+    MOE_ECHO_CHECK(a.q.data == nullptr && a.scale.data == nullptr,
+                   "quantize_fp8_rows: packed " << a.packed.describe()
+                                                << " given with q or scale (one or the other)");
+    check_tensor(a.packed, "quantize_fp8_rows packed", DType::e4m3,
+                 {rows, fp8_packed_row_bytes(K)});
+    MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(a.packed.data) % 16 == 0,
+                   "quantize_fp8_rows: packed at " << a.packed.data << " must be 16-byte aligned");
+  } else {
+    check_tensor(a.q, "quantize_fp8_rows q", DType::e4m3, {rows, K});
+    check_tensor(a.scale, "quantize_fp8_rows scale", DType::f32, {rows, KT});
+  }
+  return KT;
+}
+
+int64_t check_fp8_fan_args(const Fp8FanArgs& a) {
+  check_tensor(a.q, "fan_out_fp8 q", DType::e4m3, {-1, -1});
+  const int64_t rows = a.window.rows, H = a.q.size(1), HT = (H + kFp8Tile - 1) / kFp8Tile;
+  MOE_ECHO_CHECK(a.q.size(0) >= rows,
+                 "fan_out_fp8: q " << a.q.describe() << " for " << rows << " window rows");
+  check_tensor(a.scale, "fan_out_fp8 scale", DType::f32, {a.q.size(0), HT});
+  check_tensor(a.src, "fan_out_fp8 src", DType::e4m3, {-1, fp8_packed_row_bytes(H)});
+  MOE_ECHO_CHECK(a.src.size(0) >= rows,
+                 "fan_out_fp8: src " << a.src.describe() << " for " << rows << " window rows");
+  MOE_ECHO_CHECK(
+      a.members.dtype == DType::i32 && a.members.ndim == 2 && a.members.size(0) >= rows &&
+          a.members.size(1) >= 1,
+      "fan_out_fp8: members must be i32 [>= " << rows << ", K], got " << a.members.describe());
+  MOE_ECHO_CHECK(a.window.groups >= 0 && (a.window.groups == 0 || a.window.group_offsets),
+                 "fan_out_fp8: window of " << a.window.groups << " groups, offsets "
+                                           << a.window.group_offsets);
+  return HT;
 }
 
 }  // namespace moe_echo

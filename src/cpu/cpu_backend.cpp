@@ -86,6 +86,7 @@ class CpuBackend final : public Backend {
   void adamw(const AdamWArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::adamw<T>(a); });
   }
+  void fan_out_fp8(const Fp8FanArgs& a, Stream) override { cpu::fan_out_fp8(a); }
   void quantize_fp8_rows(const Fp8RowArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::quantize_fp8_rows<T>(a); });
   }

@@ -29,6 +29,7 @@ template <class T>
 void fan_out(const FanArgs& a);
 template <class T>
 void fan_in(const FanArgs& a);
+void fan_out_fp8(const Fp8FanArgs& a);
 template <class T>
 void adamw(const AdamWArgs& a);
 // FP8 quantization (backend.hpp): x and w of element type T, read as float.

@@ -3,6 +3,8 @@
 // combine-weight gradient when asked) to every member row, fan_in sums the members' rows back into
 // the lead row. Only valid rows of the window are read; only member rows (fan_out) or lead rows
 // (fan_in) are written.
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
@@ -73,6 +75,24 @@ void fan_in(const FanArgs& a) {
     }
     T* d = a.dst.as<T>() + p * H;
     for (int64_t h = 0; h < H; ++h) d[h] = T(acc[size_t(h)]);
+  }
+}
+
+void fan_out_fp8(const Fp8FanArgs& a) {
+  const int64_t HT = check_fp8_fan_args(a), H = a.q.size(1), pitch = fp8_packed_row_bytes(H);
+  const int64_t K = a.members.size(1), valid = valid_rows(a.window);
+  const int32_t* members = a.members.as<int32_t>();
+  for (int64_t p = 0; p < valid; ++p) {
+    if (members[p * K] != p) continue;
+    const uint8_t* row = a.src.as<uint8_t>() + p * pitch;
+    for (int64_t m = 0; m < K; ++m) {
+      const int64_t j = members[p * K + m];
+      if (j < 0) break;
+      MOE_ECHO_CHECK(j < valid, "fan table: member " << m << " of lead row " << p << " is row " << j
+                                                     << ", outside the " << valid << " valid rows");
+      std::copy(row, row + H, a.q.as<uint8_t>() + j * H);
+      std::memcpy(a.scale.as<float>() + j * HT, row + H, size_t(HT) * sizeof(float));
+    }
   }
 }
 

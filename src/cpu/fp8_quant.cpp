@@ -20,21 +20,23 @@ float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
 
 template <class T>
 void quantize_fp8_rows(const Fp8RowArgs& a) {
-  const int64_t rows = a.x.size(0), K = a.x.size(1), KT = tiles(K);
-  check_tensor(a.q, "quantize_fp8_rows q", DType::e4m3, {rows, K});
-  check_tensor(a.scale, "quantize_fp8_rows scale", DType::f32, {rows, KT});
+  const int64_t KT = check_fp8_row_args(a, a.x.dtype), rows = a.x.size(0), K = a.x.size(1);
   const T* x = a.x.as<T>();
-  uint8_t* q = a.q.as<uint8_t>();
-  float* scale = a.scale.as<float>();
-  for (int64_t r = 0; r < rows; ++r)
+  // Row r's values and scales: q and scale, or packed row r (values, then scales, then zeros).
+  const int64_t pitch = a.packed.data ? fp8_packed_row_bytes(K) : 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* q = a.packed.data ? a.packed.as<uint8_t>() + r * pitch : a.q.as<uint8_t>() + r * K;
+    float* scale = a.packed.data ? reinterpret_cast<float*>(q + K) : a.scale.as<float>() + r * KT;
+    if (a.packed.data) std::fill(q + K + KT * 4, q + pitch, uint8_t(0));
     for (int64_t t = 0; t < KT; ++t) {
       const int64_t lo = t * kFp8Tile, hi = std::min(K, lo + kFp8Tile);
       float amax = 0.f;
       for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(float(x[r * K + k])));
       const float s = tile_scale(amax);
-      scale[r * KT + t] = s;
-      for (int64_t k = lo; k < hi; ++k) q[r * K + k] = to_e4m3(float(x[r * K + k]) / s);
+      scale[t] = s;
+      for (int64_t k = lo; k < hi; ++k) q[k] = to_e4m3(float(x[r * K + k]) / s);
     }
+  }
 }
 
 template <class T>
@@ -70,8 +72,14 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
 template <class T>
 void quantize_fp8_cols(const Fp8ColArgs& a) {
   const GroupWindow& w = a.window;
-  const int64_t P = check_fp8_col_args(a, a.x.dtype), K = a.x.size(1);
-  const T* x = a.x.as<T>();
+  const int64_t P = check_fp8_col_args(a, a.x.dtype), K = a.x.size(1), KT = tiles(K);
+  // x[i][k] as a float: the activation, or an e4m3 value times its row tile's scale.
+  const bool fp8_in = a.x.dtype == DType::e4m3;
+  auto value = [&](int64_t i, int64_t k) {
+    if (fp8_in)
+      return from_e4m3(a.x.as<uint8_t>()[i * K + k]) * a.x_scale.as<float>()[i * KT + k / kFp8Tile];
+    return float(a.x.as<T>()[i * K + k]);
+  };
   uint8_t* q = a.q_t.as<uint8_t>();
   float* scale = a.scale.as<float>();
   int32_t* po = a.padded_offsets.as<int32_t>();
@@ -84,12 +92,11 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
       for (int64_t t = 0; t < tiles_g; ++t) {
         const int64_t lo = t * kFp8Tile, hi = std::min(m, lo + kFp8Tile);
         float amax = 0.f;
-        for (int64_t i = lo; i < hi; ++i)
-          amax = std::max(amax, std::fabs(float(x[(rr.begin + i) * K + k])));
+        for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(value(rr.begin + i, k)));
         const float s = tile_scale(amax);
         scale[K * p / kFp8Tile + t * K + k] = s;
         for (int64_t i = lo; i < lo + kFp8Tile; ++i)
-          q[k * P + p + i] = i < hi ? to_e4m3(float(x[(rr.begin + i) * K + k]) / s) : 0;
+          q[k * P + p + i] = i < hi ? to_e4m3(value(rr.begin + i, k) / s) : 0;
       }
     p += tiles_g * kFp8Tile;
   }

@@ -181,6 +181,10 @@ class CudaBackend final : public Backend {
     cuda::fan_in(a, scratch(fan_scratch_bytes(a.window.rows), cs), cs);
   }
   void adamw(const AdamWArgs& a, Stream s) override { cuda::adamw(a, as_cuda(s)); }
+  void fan_out_fp8(const Fp8FanArgs& a, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::fan_out_fp8(a, scratch(fan_scratch_bytes(a.window.rows), cs), cs);
+  }
   void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) override {
     cuda::quantize_fp8_rows(a, as_cuda(s));
   }

@@ -248,15 +248,18 @@ struct LeadList {
   int32_t* leads;
 };
 
-LeadList list_leads(const FanArgs& a, int K, void* scratch, cudaStream_t s) {
+LeadList list_leads(const GroupWindow& w, const Tensor& members, int K, void* scratch,
+                    cudaStream_t s) {
   ScratchCarver c(scratch);
-  LeadList l{c.take<int32_t>(1), c.take<int32_t>(a.window.rows)};
+  LeadList l{c.take<int32_t>(1), c.take<int32_t>(w.rows)};
   MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(l.count, 0, sizeof(int32_t), s));
-  const GroupWindow& w = a.window;
   MOE_ECHO_LAUNCH(find_leads_kernel, blocks_for(w.rows, kFanThreads, grid_cap()), kFanThreads, 0, s,
-                  w.group_offsets, w.groups, w.row_lo, w.rows, K, a.members.as<int32_t>(), l.count,
+                  w.group_offsets, w.groups, w.row_lo, w.rows, K, members.as<int32_t>(), l.count,
                   l.leads);
   return l;
+}
+LeadList list_leads(const FanArgs& a, int K, void* scratch, cudaStream_t s) {
+  return list_leads(a.window, a.members, K, scratch, s);
 }
 
 // Blocks for the fan kernels: what the GPU holds at once, and no more warps than rows.
@@ -264,6 +267,36 @@ unsigned fan_grid(int64_t rows, int blocks_per_sm) {
   return blocks_for(rows, kFanThreads / 32, int64_t(sm_count()) * blocks_per_sm);
 }
 
+// Fp8FanArgs: per lead row, the packed row's value words (16 bytes when aligned) and scales are
+// loaded once, a chunk at a time, and stored to every member's q and scale rows.
+template <class W>
+__global__ void __launch_bounds__(kFanThreads, kFanBlocksPerSm)
+    fan_out_fp8_kernel(const int32_t* __restrict__ count, const int32_t* __restrict__ leads, int K,
+                       const int32_t* __restrict__ members, const uint8_t* __restrict__ src,
+                       int64_t pitch, int64_t H, int64_t scales, uint8_t* __restrict__ q,
+                       float* __restrict__ scale) {
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t words = H / int64_t(sizeof(W));
+  for_each_lead(count, leads, [&](int64_t p) {
+    const Lead lead = load_lead(members, nullptr, p, K, lane);
+    const W* s_row = reinterpret_cast<const W*>(src + p * pitch);
+    for (int64_t c = lane; c < words; c += 32) {
+      const W v = s_row[c];
+      for (int m = 0; m < lead.count; ++m) {
+        const int64_t j = __shfl_sync(0xffffffffu, lead.row, m);
+        reinterpret_cast<W*>(q + j * H)[c] = v;
+      }
+    }
+    const float* s_scales = reinterpret_cast<const float*>(src + p * pitch + H);
+    for (int64_t c = lane; c < scales; c += 32) {
+      const float v = s_scales[c];
+      for (int m = 0; m < lead.count; ++m) {
+        const int64_t j = __shfl_sync(0xffffffffu, lead.row, m);
+        scale[j * scales + c] = v;
+      }
+    }
+  });
+}
 }  // namespace
 
 size_t fan_scratch_bytes(int64_t rows) {
@@ -327,6 +360,26 @@ void fan_in(const FanArgs& a, void* scratch, cudaStream_t s) {
     run(uint4{});
   else
     run(bf16{});
+}
+
+void fan_out_fp8(const Fp8FanArgs& a, void* scratch, cudaStream_t s) {
+  const int64_t scales = check_fp8_fan_args(a), rows = a.window.rows, H = a.q.size(1);
+  const int K = int(a.members.size(1));
+  MOE_ECHO_CHECK(K <= kMaxTopK,
+                 "fan_out_fp8: members " << a.members.describe() << ", K <= " << kMaxTopK);
+  if (rows == 0 || H == 0) return;
+  const LeadList l = list_leads(a.window, a.members, K, scratch, s);
+  const unsigned grid = fan_grid(rows, kFanBlocksPerSm);
+  const int64_t pitch = fp8_packed_row_bytes(H);
+  auto run = [&](auto word) {
+    MOE_ECHO_LAUNCH(fan_out_fp8_kernel<decltype(word)>, grid, kFanThreads, 0, s, l.count, l.leads,
+                    K, a.members.as<int32_t>(), a.src.as<uint8_t>(), pitch, H, scales,
+                    a.q.as<uint8_t>(), a.scale.as<float>());
+  };
+  if (H % 16 == 0 && aligned16(a.src.data) && aligned16(a.q.data))
+    run(uint4{});
+  else
+    run(uint8_t{});
 }
 
 }  // namespace moe_echo::cuda

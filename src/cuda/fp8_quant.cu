@@ -20,6 +20,11 @@ __device__ __forceinline__ uint8_t e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
+// e4m3 bits as a float (exact: every e4m3 value is a half).
+__device__ __forceinline__ float from_e4m3(uint8_t b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(b), __NV_E4M3)));
+}
+
 // Four bf16 of x (8 bytes, aligned) as floats.
 __device__ __forceinline__ void load4(const bf16* p, float v[4]) {
   const uint2 raw = *reinterpret_cast<const uint2*>(p);
@@ -30,9 +35,12 @@ __device__ __forceinline__ void load4(const bf16* p, float v[4]) {
 
 // One warp per (row, tile): lane l holds elements 4l .. 4l + 3 of the tile (one 8-byte load and
 // one 4-byte store when `vec`: K a multiple of 4 and x, q aligned; element by element otherwise).
+// Row r's values go to q + r q_pitch and its scales to scale + r s_pitch (dense q and scale, or
+// packed rows: values then scales in one row of q_pitch bytes, whose `pad` last bytes are zeroed).
 __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __restrict__ q,
                                      float* __restrict__ scale, int64_t rows, int64_t K,
-                                     int64_t tiles, bool vec) {
+                                     int64_t tiles, bool vec, int64_t q_pitch, int64_t s_pitch,
+                                     int pad) {
   const int lane = int(threadIdx.x) % 32;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; w < rows * tiles;
@@ -51,8 +59,9 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __rest
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     amax = warp_max(amax);
     const float s = tile_scale(amax);
-    if (lane == 0) scale[r * tiles + t] = s;
-    uint8_t* out = q + r * K + lo;
+    if (lane == 0) scale[r * s_pitch + t] = s;
+    if (t == 0 && lane < pad) q[(r + 1) * q_pitch - pad + lane] = 0;
+    uint8_t* out = q + r * q_pitch + lo;
     if (vec) {
       if (c < n)
         *reinterpret_cast<uint32_t*>(out + c) =
@@ -129,12 +138,21 @@ __global__ void padded_offsets_kernel(const int32_t* __restrict__ offsets, int g
 // shared memory (16-byte loads along x's rows when `vec`), then warp w takes q_t rows
 // w, w + 8, ...: lane l holds tile columns l, l + 32, l + 64, l + 96, so the amax is one warp
 // reduction and every store is 32 consecutive bytes.
+// With an e4m3 x (kFp8In), the block keeps x's bytes and each row's scale of this K tile, and a
+// value is their f32 product (the scale of x row i's tile kb is x_scale[i * tiles + kb]).
+template <bool kFp8In>
 __global__ void __launch_bounds__(256)
-    quantize_cols_kernel(const bf16* __restrict__ x, const int32_t* __restrict__ offsets,
-                         const int32_t* __restrict__ padded, int groups, int64_t row_lo,
-                         int64_t rows, int64_t K, int64_t P, uint8_t* __restrict__ q_t,
-                         float* __restrict__ scale, bool vec) {
-  __shared__ bf16 block[kTile][kTile + 2];  // odd word stride: column reads hit 32 banks
+    quantize_cols_kernel(const void* __restrict__ x_in, const float* __restrict__ x_scale,
+                         const int32_t* __restrict__ offsets, const int32_t* __restrict__ padded,
+                         int groups, int64_t row_lo, int64_t rows, int64_t K, int64_t P,
+                         uint8_t* __restrict__ q_t, float* __restrict__ scale, bool vec) {
+  // bf16: odd word stride (65 words), so column reads hit 32 banks; e4m3: 33 words.
+  __shared__ alignas(16) unsigned char smem[kFp8In ? kTile * (kTile + 4) : kTile * (kTile + 2) * 2];
+  __shared__ float row_scale[kFp8In ? kTile : 1];
+  [[maybe_unused]] auto block = reinterpret_cast<bf16(*)[kTile + 2]>(smem);
+  [[maybe_unused]] auto bytes = reinterpret_cast<uint8_t(*)[kTile + 4]>(smem);
+  [[maybe_unused]] const bf16* x = static_cast<const bf16*>(x_in);
+  [[maybe_unused]] const uint8_t* xq = static_cast<const uint8_t*>(x_in);
   const int64_t c0 = int64_t(blockIdx.x) * kTile, k0 = int64_t(blockIdx.y) * kTile;
   if (c0 >= padded[groups]) return;
   int lo_g = 0, hi_g = groups - 1;  // the group whose padded columns hold c0
@@ -152,7 +170,25 @@ __global__ void __launch_bounds__(256)
   const int64_t first = begin - row_lo + t * kTile;  // window row of the tile's column 0
   const int n = int(m - t * kTile < kTile ? m - t * kTile : kTile);
   const int kn = int(K - k0 < kTile ? K - k0 : kTile);
-  if (vec) {  // 8 bf16 per load; kn is a multiple of 8
+  if constexpr (kFp8In) {
+    const int64_t k_tiles = (K + kTile - 1) / kTile;
+    for (int r = int(threadIdx.x); r < kTile; r += int(blockDim.x))
+      row_scale[r] = r < n ? x_scale[(first + r) * k_tiles + blockIdx.y] : 0.f;
+    if (vec) {  // 4 e4m3 per load; kn is a multiple of 4
+      for (int i = int(threadIdx.x); i < kTile * kTile / 4; i += int(blockDim.x)) {
+        const int r = i / (kTile / 4), c = i % (kTile / 4) * 4;
+        uint32_t raw = 0;
+        if (r < n && c < kn)
+          raw = *reinterpret_cast<const uint32_t*>(xq + (first + r) * K + k0 + c);
+        *reinterpret_cast<uint32_t*>(&bytes[r][c]) = raw;
+      }
+    } else {
+      for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
+        const int r = i / kTile, c = i % kTile;
+        bytes[r][c] = r < n && c < kn ? xq[(first + r) * K + k0 + c] : uint8_t(0);
+      }
+    }
+  } else if (vec) {  // 8 bf16 per load; kn is a multiple of 8
     for (int i = int(threadIdx.x); i < kTile * kTile / 8; i += int(blockDim.x)) {
       const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
       uint4 raw = make_uint4(0, 0, 0, 0);
@@ -174,7 +210,10 @@ __global__ void __launch_bounds__(256)
     float amax = 0.f;
     for (int j = 0; j < 4; ++j) {
       const int r = lane + 32 * j;
-      v[j] = r < n ? __bfloat162float(block[r][c]) : 0.f;
+      if constexpr (kFp8In)
+        v[j] = r < n ? __fmul_rn(from_e4m3(bytes[r][c]), row_scale[r]) : 0.f;
+      else
+        v[j] = r < n ? __bfloat162float(block[r][c]) : 0.f;
       amax = fmaxf(amax, fabsf(v[j]));
     }
     amax = warp_max(amax);
@@ -191,14 +230,18 @@ __global__ void __launch_bounds__(256)
 }  // namespace
 
 void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
-  check_tensor(a.x, "quantize_fp8_rows x", DType::bf16, {-1, -1});
-  const int64_t rows = a.x.size(0), K = a.x.size(1), KT = tiles(K);
-  check_tensor(a.q, "quantize_fp8_rows q", DType::e4m3, {rows, K});
-  check_tensor(a.scale, "quantize_fp8_rows scale", DType::f32, {rows, KT});
+  const int64_t KT = check_fp8_row_args(a, DType::bf16), rows = a.x.size(0), K = a.x.size(1);
+  if (rows == 0 || K == 0) return;
+  const bool packed = a.packed.data != nullptr;
+  uint8_t* q = packed ? a.packed.as<uint8_t>() : a.q.as<uint8_t>();
+  float* scale = packed ? reinterpret_cast<float*>(q + K) : a.scale.as<float>();
+  const int64_t pitch = packed ? fp8_packed_row_bytes(K) : K;
   const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 8 == 0 &&
-                   reinterpret_cast<uintptr_t>(a.q.data) % 4 == 0;
+                   reinterpret_cast<uintptr_t>(q) % 4 == 0;
   MOE_ECHO_LAUNCH(quantize_rows_kernel, blocks_for(rows * KT, 8, grid_cap()), 256, 0, s,
-                  a.x.as<bf16>(), a.q.as<uint8_t>(), a.scale.as<float>(), rows, K, KT, vec);
+                  a.x.as<bf16>(), q, scale, rows, K, KT, vec, pitch,
+                  packed ? pitch / int64_t(sizeof(float)) : KT,
+                  packed ? int(pitch - K - KT * int64_t(sizeof(float))) : 0);
 }
 
 void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
@@ -223,10 +266,17 @@ void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
   MOE_ECHO_CHECK(P / kFp8Tile <= INT32_MAX && tiles(K) <= 65535,
                  "quantize_fp8_cols: " << P << " columns, K " << K);
   if (P == 0) return;
-  MOE_ECHO_LAUNCH(quantize_cols_kernel, dim3(unsigned(P / kFp8Tile), unsigned(tiles(K))), 256, 0, s,
-                  a.x.as<bf16>(), w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups,
-                  w.row_lo, w.rows, K, P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
-                  K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0);
+  const dim3 grid(unsigned(P / kFp8Tile), unsigned(tiles(K)));
+  if (a.x.dtype == DType::e4m3)
+    MOE_ECHO_LAUNCH(quantize_cols_kernel<true>, grid, 256, 0, s, a.x.data, a.x_scale.as<float>(),
+                    w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
+                    P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
+                    K % 4 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 4 == 0);
+  else
+    MOE_ECHO_LAUNCH(quantize_cols_kernel<false>, grid, 256, 0, s, a.x.data, nullptr,
+                    w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
+                    P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
+                    K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0);
 }
 
 }  // namespace moe_echo::cuda

@@ -47,6 +47,7 @@ void swiglu_backward(const SwigluArgs& a, cudaStream_t s);
 size_t fan_scratch_bytes(int64_t rows);
 void fan_out(const FanArgs& a, void* scratch, cudaStream_t s);
 void fan_in(const FanArgs& a, void* scratch, cudaStream_t s);
+void fan_out_fp8(const Fp8FanArgs& a, void* scratch, cudaStream_t s);
 
 // AdamW (adamw.cu): param f32 or bf16; grad, m, v f32.
 void adamw(const AdamWArgs& a, cudaStream_t s);

@@ -84,6 +84,10 @@ struct MoeLayer::Buffers {
   };
   Fp8Weight w1_q, w2_q, w1_spare_q, w2_spare_q;
   Tensor row_q, row_s, col_a, col_as, col_b, col_bs, col_po, col_po2;
+  // Precision fp8's dispatch: x's rows quantized and packed (x_send [T, fp8_packed_row_bytes(H)],
+  // the workspace's), landing in recv_red's bytes, fanned out into recv_x's bytes as e4m3 rows
+  // recv_xq [cap, H] and their scales recv_xs [cap, ceil(H / 128)].
+  Tensor x_send, recv_xq, recv_xs;
 
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
@@ -130,6 +134,8 @@ struct ActShapes {
 // operands [W, P] with their scales and padded offsets [G + 1].
 struct Fp8Shapes {
   int64_t W, WT, P, G;
+  // The bytes of one received row in fp8 (recv_xq's row and recv_xs's), and of a packed one.
+  static int64_t recv_row_bytes(int64_t H) { return H + (H + kFp8Tile - 1) / kFp8Tile * 4; }
   Fp8Shapes(const ActShapes& s, int slots)
       : W(std::max(s.H, 2 * s.F)),
         WT((W + kFp8Tile - 1) / kFp8Tile),
@@ -160,6 +166,7 @@ struct MoeWorkspace::Buffers {
   Bytes dw1_spare, dw2_spare;  // echo slots' gradients (symmetric)
   // Precision fp8: the quantized operands of one GEMM (MoeLayer::Buffers has their shapes).
   Bytes fp8_row_q, fp8_row_s, fp8_col_a, fp8_col_as, fp8_col_b, fp8_col_bs, fp8_po, fp8_po2;
+  Bytes fp8_x_send;  // x's packed rows (the FP8 dispatch's source)
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
   size_t bytes = 0;
@@ -174,7 +181,12 @@ struct MoeWorkspace::Buffers {
     for (const MoeConfig& m : layers) {
       const ActShapes s(m, par, echo);
       const Recompute r = m.recompute;
-      if (!keeps(r, Act::recv_x)) grow(recv_x, s.cap * s.H, as);
+      if (!keeps(r, Act::recv_x)) {
+        if (m.precision == Precision::fp8)
+          grow(recv_x, s.cap * Fp8Shapes::recv_row_bytes(s.H), 1);
+        else
+          grow(recv_x, s.cap * s.H, as);
+      }
       if (!keeps(r, Act::h)) grow(h, s.cap * 2 * s.F, as);
       if (!keeps(r, Act::a)) grow(a, s.cap * s.F, as);
       if (!keeps(r, Act::recv_out)) grow(recv_out, s.cap * s.H, as);
@@ -198,6 +210,7 @@ struct MoeWorkspace::Buffers {
         grow(fp8_col_bs, f.W * f.P / kFp8Tile, sizeof(float));
         grow(fp8_po, f.G + 1, sizeof(int32_t));
         grow(fp8_po2, f.G + 1, sizeof(int32_t));
+        grow(fp8_x_send, m.max_tokens * fp8_packed_row_bytes(s.H), 1);
       }
     }
   }
@@ -208,7 +221,7 @@ struct MoeWorkspace::Buffers {
     m.echo_slot_weights = w1_spare.bytes + w2_spare.bytes;
     m.echo_slot_grads = dw1_spare.bytes + dw2_spare.bytes;
     m.fp8 = fp8_row_q.bytes + fp8_row_s.bytes + fp8_col_a.bytes + fp8_col_as.bytes +
-            fp8_col_b.bytes + fp8_col_bs.bytes + fp8_po.bytes + fp8_po2.bytes;
+            fp8_col_b.bytes + fp8_col_bs.bytes + fp8_po.bytes + fp8_po2.bytes + fp8_x_send.bytes;
     m.workspace -= m.echo_slot_weights + m.echo_slot_grads + m.fp8;
     return m;
   }
@@ -219,7 +232,7 @@ struct MoeWorkspace::Buffers {
     f(dh, false), f(w1_spare, false), f(w2_spare, false), f(dw1_spare, true);
     f(dw2_spare, true), f(fp8_row_q, false), f(fp8_row_s, false), f(fp8_col_a, false);
     f(fp8_col_as, false), f(fp8_col_b, false), f(fp8_col_bs, false), f(fp8_po, false);
-    f(fp8_po2, false);
+    f(fp8_po2, false), f(fp8_x_send, false);
   }
 };
 
@@ -366,7 +379,12 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
   // Round 0's activations that this layer keeps for its backward.
   const Recompute r = s.moe.recompute;
   alloc.part(&MoeMemory::activations);
-  if (keeps(r, Act::recv_x)) b.recv_x = sym(b.recv_x_sym, act, {cap, H});
+  if (keeps(r, Act::recv_x)) {
+    if (s.moe.precision == Precision::fp8)  // e4m3 rows and scales (bind_workspace views them)
+      b.recv_x = dev(DType::e4m3, {cap, Fp8Shapes::recv_row_bytes(H)});
+    else
+      b.recv_x = sym(b.recv_x_sym, act, {cap, H});
+  }
   if (keeps(r, Act::h)) b.h = dev(act, {cap, 2 * F});
   if (keeps(r, Act::a)) b.a = dev(act, {cap, F});
   if (keeps(r, Act::recv_out)) b.recv_out = dev(act, {cap, H});
@@ -439,9 +457,19 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
                                                                    "config");
     return v;
   };
+  const bool fp8 = moe.precision == Precision::fp8;
   if (!b.recv_x.data) {
-    b.recv_x = view(w.recv_x, act, {s.cap, s.H});
+    b.recv_x = fp8 ? view(w.recv_x, DType::e4m3, {s.cap, Fp8Shapes::recv_row_bytes(s.H)})
+                   : view(w.recv_x, act, {s.cap, s.H});
     b.recv_x_sym = w.recv_x.sym;
+  }
+  if (fp8) {
+    b.recv_xq = Tensor(b.recv_x.data, DType::e4m3, {s.cap, s.H});
+    b.recv_xs = Tensor(static_cast<char*>(b.recv_x.data) + s.cap * s.H, DType::f32,
+                       {s.cap, (s.H + kFp8Tile - 1) / kFp8Tile});
+    b.x_send = view(w.fp8_x_send, DType::e4m3, {moe.max_tokens, fp8_packed_row_bytes(s.H)});
+    // The packed rows land in recv_red's bytes (free between the dispatch and the fan-in).
+    view(w.recv_red, DType::e4m3, {s.cap, fp8_packed_row_bytes(s.H)});
   }
   if (!b.h.data) b.h = view(w.h, act, {s.cap, 2 * s.F});
   if (!b.a.data) b.a = view(w.a, act, {s.cap, s.F});
@@ -914,6 +942,13 @@ void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, 
   const int64_t rows = a.size(0), k = a.size(1);
   const Tensor q = packed(b.row_q, rows, k), sc = packed(b.row_s, rows, fp8_tiles(k));
   backend_.quantize_fp8_rows({a, q, sc}, s);
+  quantized_rows_gemm(gw, q, sc, fc, c, dgrad, s);
+}
+
+// expert_rows_gemm on rows already in e4m3 with their 1 x 128 scales.
+void MoeLayer::quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const Tensor& sc, int fc,
+                                   const Tensor& c, bool dgrad, Stream s) {
+  const Buffers& b = *buf_;
   const Buffers::Fp8Weight& wh = fc == 1 ? b.w1_q : b.w2_q;
   const Buffers::Fp8Weight& ws = fc == 1 ? b.w1_spare_q : b.w2_spare_q;
   Fp8GemmArgs g;
@@ -930,7 +965,7 @@ void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, 
 }
 
 void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& bt, int fc,
-                            const Tensor& home, bool overwrite, Stream s) {
+                            const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale) {
   const Buffers& b = *buf_;
   const Tensor& spare = fc == 1 ? b.dw1_spare : b.dw2_spare;
   if (moe_.precision != Precision::fp8) {
@@ -940,7 +975,7 @@ void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor
   const int64_t ka = a.size(1), nb = bt.size(1), P = b.col_a.size(1);
   const Tensor qa = packed(b.col_a, ka, P), qb = packed(b.col_b, nb, P);
   const Tensor sa = packed(b.col_as, ka * P / kFp8Tile), sb = packed(b.col_bs, nb * P / kFp8Tile);
-  backend_.quantize_fp8_cols({gw, a, qa, sa, b.col_po}, s);
+  backend_.quantize_fp8_cols({gw, a, qa, sa, b.col_po, a_scale}, s);
   backend_.quantize_fp8_cols({gw, bt, qb, sb, b.col_po2}, s);
   const GemmArgs w = wgrad(gw, a, bt, spare, home, overwrite);
   Fp8GemmArgs g;
@@ -949,6 +984,15 @@ void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor
   g.c = w.c, g.c_home = w.c_home, g.accumulate = w.accumulate;
   g.zero_empty_below = w.zero_empty_below;
   backend_.gemm_fp8_wgrad(g, s);
+}
+
+// h = recv_x @ w1 over the window (fp8: from the dispatched e4m3 rows, no quantization).
+void MoeLayer::fc1_forward(const GroupWindow& gw, Stream s) {
+  const Buffers& b = *buf_;
+  if (moe_.precision == Precision::fp8)
+    quantized_rows_gemm(gw, b.recv_xq, b.recv_xs, 1, b.h, false, s);
+  else
+    expert_rows_gemm(gw, b.recv_x, 1, b.h, false, s);
 }
 
 void MoeLayer::pull_clones(Stream s) {
@@ -1098,9 +1142,28 @@ FanArgs MoeLayer::fan_args(int round) const {
   return f;
 }
 
-// Token rows to the experts of this round's window, expanded to every member row: recv_x.
+// Token rows to the experts of this round's window, expanded to every member row: recv_x. In fp8
+// the rows cross quantized (values and scales packed in one row, about half the bytes of bf16):
+// x is quantized once per token, the packed rows land in recv_red's bytes and fan out into
+// recv_xq and recv_xs, which fc1 reads as they are.
 void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
+  if (moe_.precision == Precision::fp8) {
+    const int64_t pitch = fp8_packed_row_bytes(moe_.hidden);
+    const Tensor send = packed(b.x_send, T, pitch);
+    mark(round, "fp8_quantize_x", s);
+    backend_.quantize_fp8_rows({x, Tensor(), Tensor(), send}, s);
+    mark(round, "dispatch", s);
+    comm_.dispatch(route(T), RoundWindow{round * capacity_, capacity_}, send.data, size_t(pitch),
+                   b.recv_red_sym, b.fan, s);
+    mark(round, "fan_out", s);
+    const FanArgs f = fan_args(round);
+    backend_.fan_out_fp8(
+        {f.window, f.members, Tensor(b.recv_red.data, DType::e4m3, {capacity_, pitch}), b.recv_xq,
+         b.recv_xs},
+        s);
+    return;
+  }
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   mark(round, "dispatch", s);
   comm_.dispatch(route(T), RoundWindow{round * capacity_, capacity_}, x.data, row_bytes,
@@ -1121,7 +1184,7 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
 
   dispatch_tokens(round, x, T, s);
   mark(round, "fc1", s);
-  expert_rows_gemm(gw, b.recv_x, 1, b.h, false, s);
+  fc1_forward(gw, s);
   mark(round, "swiglu", s);
   backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   mark(round, "fc2", s);
@@ -1274,8 +1337,7 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
   if (rc != Recompute::none) mark(round, "bwd_recompute", s);
   if (rc == Recompute::dispatch) dispatch_tokens(round, last_x_, T, s);
-  if (rc == Recompute::dispatch || rc == Recompute::experts)
-    expert_rows_gemm(gw, b.recv_x, 1, b.h, false, s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts) fc1_forward(gw, s);
   if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   if (rc == Recompute::dispatch || rc == Recompute::experts)
     expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
@@ -1298,7 +1360,11 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_dgrad_fc1", s);
   expert_rows_gemm(gw, b.dh, 1, b.recv_out, true, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
-  expert_wgrad(gw, b.recv_x, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s);
+  if (moe_.precision == Precision::fp8)
+    expert_wgrad(gw, b.recv_xq, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s,
+                 b.recv_xs);
+  else
+    expert_wgrad(gw, b.recv_x, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;
@@ -1366,6 +1432,11 @@ StepStats MoeLayer::stats() const {
     st.ranks_per_token_max = std::max(st.ranks_per_token_max, n);
   }
   st.ranks_per_token_mean = T > 0 ? double(ranks_sum) / double(T) : 0.0;
+  st.dispatch_row_bytes =
+      moe_.precision == Precision::fp8
+          ? fp8_packed_row_bytes(moe_.hidden)
+          : int64_t(moe_.hidden) * int64_t(dtype_size(backend_.activation_dtype()));
+  st.dispatch_bytes = ranks_sum * st.dispatch_row_bytes;
   return st;
 }
 

@@ -5,13 +5,16 @@
 // q * scale within e4m3's half-ulp of x.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <vector>
 
 #include "moe_echo/backends.hpp"
+#include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 #include "test_util.hpp"
 
@@ -314,6 +317,126 @@ TEST(Fp8, GemmsEqualTheProductOfTheDequantizedOperands) {
   const double e = rel_error(y.read(), exact);
   EXPECT_GT(e, 1e-3) << "e4m3 cannot be this exact: the quantization did not happen";
   EXPECT_LT(e, 6e-2) << "fprop against the unquantized product";
+}
+
+// The bytes of a backend tensor.
+std::vector<uint8_t> bytes_of(Backend& be, const Tensor& t) {
+  std::vector<uint8_t> out(t.bytes());
+  be.copy_to_host(out.data(), t.data, out.size());
+  return out;
+}
+
+// Packed rows (what the FP8 dispatch sends): each row's e4m3 values, then its scales' f32 bytes,
+// then zeros to a multiple of 16 bytes; the same bits as quantizing into q and scale.
+TEST(Fp8, PackedRowsHoldTheRowTilesBitForBit) {
+  auto be = make_cpu_backend(DType::f32);
+  for (const auto& [rows, K] :
+       std::vector<std::pair<int64_t, int64_t>>{{3, 256}, {2, 304}, {4, 16}, {0, 128}}) {
+    SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(K));
+    const int64_t KT = (K + 127) / 128, pitch = fp8_packed_row_bytes(K);
+    EXPECT_EQ(pitch % 16, 0);
+    EXPECT_GE(pitch, K + 4 * KT);
+    EXPECT_LT(pitch, K + 4 * KT + 16);
+    OwnedTensor xt(*be, DType::f32, {rows, K}), q(*be, DType::e4m3, {rows, K}),
+        sc(*be, DType::f32, {rows, KT}), packed(*be, DType::e4m3, {rows, pitch});
+    xt.write(random_values(size_t(rows * K), uint64_t(K + 5), -4, 4));
+    std::vector<uint8_t> poison(size_t(rows * pitch), 0xAB);
+    if (rows > 0) std::memcpy((*packed).data, poison.data(), poison.size());
+    be->quantize_fp8_rows({*xt, *q, *sc}, nullptr);
+    Fp8RowArgs a;
+    a.x = *xt, a.packed = *packed;
+    be->quantize_fp8_rows(a, nullptr);
+    const std::vector<uint8_t> p = bytes_of(*be, *packed), qb = bytes_of(*be, *q),
+                               sb = bytes_of(*be, *sc);
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = p.data() + r * pitch;
+      EXPECT_TRUE(std::equal(row, row + K, qb.begin() + r * K)) << "values of row " << r;
+      EXPECT_TRUE(std::equal(row + K, row + K + 4 * KT, sb.begin() + r * KT * 4))
+          << "scales of row " << r;
+      EXPECT_TRUE(std::all_of(row + K + 4 * KT, row + pitch, [](uint8_t b) { return b == 0; }))
+          << "padding of row " << r;
+    }
+  }
+  // One or the other: packed rows with q, or a packed tensor of the wrong width, are refused.
+  OwnedTensor xt(*be, DType::f32, {2, 128}), q(*be, DType::e4m3, {2, 128}),
+      sc(*be, DType::f32, {2, 1}), packed(*be, DType::e4m3, {2, 144}),
+      narrow(*be, DType::e4m3, {2, 132});
+  EXPECT_THROW(be->quantize_fp8_rows({*xt, *q, *sc, *packed}, nullptr), Error);
+  EXPECT_THROW(be->quantize_fp8_rows({*xt, Tensor(), Tensor(), *narrow}, nullptr), Error);
+}
+
+// fan_out_fp8: each lead row's packed values and scales reach all its members' rows (the lead's
+// own included) and nothing else; rows past the valid ones stay as they were.
+TEST(Fp8, FanOutCopiesEachLeadsPackedRowToItsMembers) {
+  auto be = make_cpu_backend(DType::f32);
+  const int64_t H = 272, HT = 3, pitch = fp8_packed_row_bytes(H), rows = 10, K = 3;
+  const Window win{{0, 4, 4, 7}, 0, rows};  // 7 valid rows of 10
+  // Leads 0 (members 0, 3, 5), 1, 2 (2, 6) and 4; rows 3, 5 and 6 are members.
+  const std::vector<double> members = {0, 3,  5,  1, -1, -1, 2,  6,  -1, 0,  -1, -1, 4,  -1, -1,
+                                       0, -1, -1, 2, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1};
+  const std::vector<int64_t> lead_of = {0, 1, 2, 0, 4, 0, 2};
+  OwnedTensor m(*be, DType::i32, {rows, K}), xt(*be, DType::f32, {rows, H}),
+      src(*be, DType::e4m3, {rows, pitch}), q(*be, DType::e4m3, {rows, H}),
+      sc(*be, DType::f32, {rows, HT});
+  m.write(members);
+  xt.write(random_values(size_t(rows * H), 61, -2, 2));
+  Fp8RowArgs pa;
+  pa.x = *xt, pa.packed = *src;
+  be->quantize_fp8_rows(pa, nullptr);
+  const std::vector<uint8_t> poison_q(size_t(rows * H), 0x5A),
+      poison_s(size_t(rows * HT * 4), 0xC3);
+  std::memcpy((*q).data, poison_q.data(), poison_q.size());
+  std::memcpy((*sc).data, poison_s.data(), poison_s.size());
+  be->fan_out_fp8({win.view(), *m, *src, *q, *sc}, nullptr);
+  const std::vector<uint8_t> p = bytes_of(*be, *src), qb = bytes_of(*be, *q),
+                             sb = bytes_of(*be, *sc);
+  for (int64_t j = 0; j < rows; ++j) {
+    if (j >= int64_t(lead_of.size())) {
+      EXPECT_TRUE(std::all_of(qb.begin() + j * H, qb.begin() + (j + 1) * H,
+                              [](uint8_t b) { return b == 0x5A; }))
+          << "row " << j << " is past the valid rows";
+      continue;
+    }
+    const uint8_t* row = p.data() + lead_of[size_t(j)] * pitch;
+    EXPECT_TRUE(std::equal(row, row + H, qb.begin() + j * H)) << "values of row " << j;
+    EXPECT_TRUE(std::equal(row + H, row + H + 4 * HT, sb.begin() + j * HT * 4))
+        << "scales of row " << j;
+  }
+  EXPECT_THROW(be->fan_out_fp8({win.view(), *m, *xt, *q, *sc}, nullptr), Error) << "src not packed";
+}
+
+// Columns of e4m3 rows (the dispatched x, for fc1's weight gradient) are the columns of their
+// values q * scale, bit for bit.
+TEST(Fp8, ColumnsOfE4m3RowsEqualColumnsOfTheirValues) {
+  auto be = make_cpu_backend(DType::f32);
+  const Window win{{0, 0, 1, 131, 131, 331}, 0, 300};
+  const int64_t K = 272, KT = 3, G = 5, P = fp8_padded_rows(win.rows, G), R = win.rows;
+  OwnedTensor xt(*be, DType::f32, {R, K}), q(*be, DType::e4m3, {R, K}),
+      sc(*be, DType::f32, {R, KT}), xd(*be, DType::f32, {R, K});
+  xt.write(random_values(size_t(R * K), 71, -5, 5));
+  be->quantize_fp8_rows({*xt, *q, *sc}, nullptr);
+  const std::vector<double> qv = q.read(), sv = sc.read();
+  std::vector<double> deq(size_t(R * K));
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t k = 0; k < K; ++k)
+      deq[size_t(i * K + k)] =
+          double(float(qv[size_t(i * K + k)]) * float(sv[size_t(i * KT + k / 128)]));
+  xd.write(deq);
+  OwnedTensor a(*be, DType::e4m3, {K, P}), as(*be, DType::f32, {K * P / 128}),
+      apo(*be, DType::i32, {G + 1}), b(*be, DType::e4m3, {K, P}),
+      bs(*be, DType::f32, {K * P / 128}), bpo(*be, DType::i32, {G + 1});
+  // Columns past the padded total are not written: the same fill in both.
+  for (const OwnedTensor* t : {&a, &as, &b, &bs})
+    t->write(std::vector<double>(size_t((**t).numel()), 0.0));
+  be->quantize_fp8_cols({win.view(), *xd, *a, *as, *apo}, nullptr);
+  be->quantize_fp8_cols({win.view(), *q, *b, *bs, *bpo, *sc}, nullptr);
+  EXPECT_EQ(bytes_of(*be, *b), bytes_of(*be, *a));
+  EXPECT_EQ(bytes_of(*be, *bs), bytes_of(*be, *as));
+  EXPECT_EQ(bpo.read(), apo.read());
+  EXPECT_THROW(be->quantize_fp8_cols({win.view(), *q, *b, *bs, *bpo}, nullptr), Error)
+      << "e4m3 x without its scales";
+  EXPECT_THROW(be->quantize_fp8_cols({win.view(), *xd, *b, *bs, *bpo, *sc}, nullptr), Error)
+      << "scales for an x that is not e4m3";
 }
 
 }  // namespace

@@ -8,11 +8,14 @@
 // group keep their poison. Shapes: empty groups, groups of 1, 7, 17, 129 and 333 rows, windows
 // that cut groups, a window with no rows, K not a multiple of 128, a Qwen3-sized slab; the home
 // split against the unsplit call bit for bit; a CUDA graph of quantization and GEMMs replayed with
-// group sizes changed on the device against eager calls. The error of FP8 against the bf16
-// product in fp64 is recorded (e4m3 keeps 3 mantissa bits: a few percent). Skipped without a GPU.
+// group sizes changed on the device against eager calls. The FP8 dispatch's ops (packed rows,
+// their fan-out to member rows, columns of e4m3 rows with their scales) bit for bit. The error
+// of FP8 against the bf16 product in fp64 is recorded (e4m3 keeps 3 mantissa bits: a few
+// percent). Skipped without a GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -61,7 +64,32 @@ Inputs draw(const Case& c, uint64_t seed) {
 // Everything one backend computes for a case, read back.
 struct Outputs {
   std::vector<double> xq, xs, q, q_t, s, s_t, xt, xts, dyt, dyts, po, y, dx, dw_add, dw_write;
+  // The FP8 dispatch's ops: x's packed rows, their fan-out to member rows (raw bytes, poison
+  // included), and the columns of the e4m3 rows with their scales.
+  std::vector<uint8_t> xp, fq, fs;
+  std::vector<double> ft, fts;
 };
+
+// The raw bytes of a tensor.
+std::vector<uint8_t> raw(Backend& be, const OwnedTensor& t) {
+  std::vector<uint8_t> out(t->bytes());
+  be.copy_to_host(out.data(), t->data, out.size());
+  return out;
+}
+
+// A fan table [rows, 3] over the case's valid rows: rows 3i, 3i + 1, 3i + 2 are the members of
+// lead 3i (as many as are valid); the rest of the table is -1.
+std::vector<double> fan_members(const Case& c) {
+  const int64_t valid = std::clamp<int64_t>(c.offsets.back() - c.row_lo, 0, c.rows);
+  std::vector<double> m(size_t(c.rows * 3), -1.0);
+  for (int64_t p = 0; p < valid; ++p) {
+    const int64_t lead = p - p % 3;
+    m[size_t(p * 3)] = double(lead);
+    if (p == lead)
+      for (int64_t j = 0; j < 3 && p + j < valid; ++j) m[size_t(p * 3 + j)] = double(p + j);
+  }
+  return m;
+}
 
 // Columns [0, cols) of each of the `rows` rows of a [rows, P] read-back.
 std::vector<double> columns(const std::vector<double>& v, int64_t rows, int64_t P, int64_t cols) {
@@ -121,8 +149,20 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   wg.accumulate = false;
   wg.zero_empty_below = int(G);  // every slab written: empty groups zero
   be.gemm_fp8_wgrad(wg, nullptr);
+  const int64_t pitch = fp8_packed_row_bytes(K);
+  OwnedTensor xp(be, DType::e4m3, {R, pitch}), fq(be, DType::e4m3, {R, K}),
+      fs(be, DType::f32, {R, tiles(K)}), members(be, DType::i32, {R, 3}),
+      ft(be, DType::e4m3, {K, P}), fts(be, DType::f32, {K * P / 128}), po3(be, DType::i32, {G + 1});
+  for (const OwnedTensor* t : {&xp, &fq, &fs, &ft, &fts, &po3}) poison(*t);
+  members.write(fan_members(c));
+  Fp8RowArgs pa;
+  pa.x = *x, pa.packed = *xp;
+  be.quantize_fp8_rows(pa, nullptr);
+  be.fan_out_fp8({win, *members, *xp, *fq, *fs}, nullptr);
+  be.quantize_fp8_cols({win, *xq, *ft, *fts, *po3, *xs}, nullptr);
   be.synchronize();
   Outputs o;
+  o.xp = raw(be, xp), o.fq = raw(be, fq), o.fs = raw(be, fs);
   o.xq = xq.read(), o.xs = xs.read(), o.q = q.read(), o.q_t = q_t.read(), o.s = s.read();
   o.s_t = s_t.read(), o.po = po.read();
   EXPECT_EQ(po2.read(), o.po) << "padded offsets of x and dy";
@@ -131,6 +171,10 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   o.dyt = columns(dyt.read(), N, P, used);
   o.xts = xts.read(), o.dyts = dyts.read();
   o.xts.resize(size_t(K * used / 128)), o.dyts.resize(size_t(N * used / 128));
+  EXPECT_EQ(po3.read(), o.po) << "padded offsets of the e4m3 x";
+  o.ft = columns(ft.read(), K, P, used);
+  o.fts = fts.read();
+  o.fts.resize(size_t(K * used / 128));
   o.y = y.read(), o.dx = dx.read(), o.dw_add = dw_add.read(), o.dw_write = dw_write.read();
   return o;
 }
@@ -219,6 +263,15 @@ TEST_P(Fp8Gemm, QuantizersBitForBitAndGemmsWithinTolerance) {
   EXPECT_EQ(go.xts, co.xts) << "x columns scales";
   EXPECT_EQ(go.dyt, co.dyt) << "dy columns e4m3";
   EXPECT_EQ(go.dyts, co.dyts) << "dy columns scales";
+  EXPECT_EQ(go.xp, co.xp) << "x packed rows";
+  EXPECT_EQ(go.fq, co.fq) << "fanned-out e4m3 rows";
+  EXPECT_EQ(go.fs, co.fs) << "fanned-out scales";
+  EXPECT_EQ(go.ft, co.ft) << "columns of the e4m3 x";
+  EXPECT_EQ(go.fts, co.fts) << "columns of the e4m3 x: scales";
+  if (c.offsets.back() > c.row_lo && c.rows > 0) {
+    EXPECT_LT(std::count(go.fq.begin(), go.fq.end(), uint8_t(0x7F)), int64_t(go.fq.size()))
+        << "fan_out_fp8 wrote nothing";
+  }
 
   std::vector<double> gy, cy, gdx, cdx;
   split_rows(c, c.N, go.y, co.y, gy, cy, "fprop");
