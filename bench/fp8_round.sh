@@ -5,7 +5,8 @@
 # GPU, then the whole layer (forward + backward in one CUDA graph, moe-echo bench) in bf16 and in
 # fp8 at the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral 8x7B slices of one GPU (8192 tokens), and print
 # the comparisons last. Logs and JSON go to $OUT (default out/fp8). SHAPE picks one GEMM shape;
-# SKIP_BENCH=1 runs the tests only, SKIP_GEMM=1 / SKIP_LAYER=1 skip a benchmark. Needs
+# SKIP_BENCH=1 runs the tests only, SKIP_TESTS=1 the benchmarks only, SKIP_GEMM=1 / SKIP_LAYER=1
+# skip a benchmark; LAYER_ARGS adds options to the layer benchmark (--phases on). Needs
 # third_party/ carried along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,23 +26,25 @@ rc=$?
 echo "build: rc=$rc $((SECONDS - t0)) s"
 [ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 rows=()
-for t in tests/fp8_test tests/fp8_layer_test tests/gpu/fp8_quant_test tests/gpu/fp8_gemm_test \
-         tests/gpu/grouped_gemm_test tests/gpu/cuda_layer_test; do
+tests=(tests/fp8_test tests/fp8_layer_test tests/gpu/fp8_quant_test tests/gpu/fp8_gemm_test
+       tests/gpu/grouped_gemm_test tests/gpu/cuda_layer_test)
+[ "${SKIP_TESTS:-0}" = 1 ] && tests=()
+for t in "${tests[@]}"; do
   name=$(basename "$t")
-  timeout 300 "$build/$t" >"$out/$name.log" 2>&1
+  timeout ${TEST_TIMEOUT:-300} "$build/$t" >"$out/$name.log" 2>&1
   trc=$?
   rows+=("$(printf '%-20s rc=%-3s %s' "$name" "$trc" "$(grep -E '^\[  (PASSED|FAILED)  \]' "$out/$name.log" | tr '\n' ' ')")")
   [ $trc -ne 0 ] && grep -E "Failure|Expected|Which is|error|FAILED|rel" "$out/$name.log" | head -40
 done
-grep "^\[ fp8 \]" "$out/fp8_gemm_test.log"
-grep "^\[ fp8 layer \]" "$out/fp8_layer_test.log"
+grep -s "^\[ fp8 \]" "$out/fp8_gemm_test.log"
+grep -s "^\[ fp8 layer \]" "$out/fp8_layer_test.log"
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_LAYER:-0}" != 1 ]; then
   # name:hidden:ffn:experts:top_k
   for sl in qwen3:2048:768:16:8 deepseek-v3:7168:2048:32:8 mixtral:4096:14336:8:2; do
     IFS=: read -r name H F E K <<<"$sl"
     for p in bf16 fp8; do
-      timeout 240 "$build/moe-echo" bench --hidden "$H" --ffn "$F" --experts "$E" --top-k "$K" \
-        --tokens 8192 --capture on --steps 12 --warmup 3 --precision "$p" \
+      timeout ${LAYER_TIMEOUT:-120} "$build/moe-echo" bench --hidden "$H" --ffn "$F" --experts "$E" --top-k "$K" \
+        --tokens 8192 --capture on --steps 12 --warmup 3 --precision "$p" ${LAYER_ARGS:-} \
         --json "$out/layer_${name}_$p.json" >"$out/layer_${name}_$p.log" 2>&1 ||
         { echo "layer $name $p failed"; tail -5 "$out/layer_${name}_$p.log"; }
     done
@@ -59,6 +62,10 @@ for name in ("qwen3", "deepseek-v3", "mixtral"):
         continue
     tb, tf = b["summary"]["step_ms"], f["summary"]["step_ms"]
     print(f"{name:12s} {tb:8.3f} {tf:8.3f} {tb / tf:8.3f} {f['memory']['parts']['fp8'] / 2**30:8.2f}")
+    if "phases" in f["summary"] and "phases" in b["summary"]:
+        pb = {x["phase"]: x["mean_ms"] for x in b["summary"]["phases"]}
+        print("  " + " ".join(f"{x['phase']}={pb.get(x['phase'], 0):.2f}/{x['mean_ms']:.2f}"
+                              for x in f["summary"]["phases"]))
 PY
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_GEMM:-0}" != 1 ]; then

@@ -267,8 +267,9 @@ unsigned fan_grid(int64_t rows, int blocks_per_sm) {
   return blocks_for(rows, kFanThreads / 32, int64_t(sm_count()) * blocks_per_sm);
 }
 
-// Fp8FanArgs: per lead row, the packed row's value words (16 bytes when aligned) and scales are
-// loaded once, a chunk at a time, and stored to every member's q and scale rows.
+// Fp8FanArgs: per lead row and member (in member order, warp-uniform), the packed row's value
+// words (16 bytes when aligned) and scales are copied to the member's q and scale rows; the
+// lead's row is read from L1/L2 after the first member.
 template <class W>
 __global__ void __launch_bounds__(kFanThreads, kFanBlocksPerSm)
     fan_out_fp8_kernel(const int32_t* __restrict__ count, const int32_t* __restrict__ leads, int K,
@@ -280,23 +281,16 @@ __global__ void __launch_bounds__(kFanThreads, kFanBlocksPerSm)
   for_each_lead(count, leads, [&](int64_t p) {
     const Lead lead = load_lead(members, nullptr, p, K, lane);
     const W* s_row = reinterpret_cast<const W*>(src + p * pitch);
-    for (int64_t c = lane; c < words; c += 32) {
-      const W v = s_row[c];
-      for (int m = 0; m < lead.count; ++m) {
-        const int64_t j = __shfl_sync(0xffffffffu, lead.row, m);
-        reinterpret_cast<W*>(q + j * H)[c] = v;
-      }
-    }
     const float* s_scales = reinterpret_cast<const float*>(src + p * pitch + H);
-    for (int64_t c = lane; c < scales; c += 32) {
-      const float v = s_scales[c];
-      for (int m = 0; m < lead.count; ++m) {
-        const int64_t j = __shfl_sync(0xffffffffu, lead.row, m);
-        scale[j * scales + c] = v;
-      }
+    for (int m = 0; m < lead.count; ++m) {
+      const int64_t j = __shfl_sync(0xffffffffu, lead.row, m);
+      W* d_row = reinterpret_cast<W*>(q + j * H);
+      for (int64_t c = lane; c < words; c += 32) d_row[c] = s_row[c];
+      for (int64_t c = lane; c < scales; c += 32) scale[j * scales + c] = s_scales[c];
     }
   });
 }
+
 }  // namespace
 
 size_t fan_scratch_bytes(int64_t rows) {
