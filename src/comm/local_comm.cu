@@ -140,26 +140,29 @@ __global__ void pull_clones_kernel(const int32_t* __restrict__ spare_expert, int
     to[w] = from[w];
 }
 
-// Every home expert adds, in replica order, the gradients of its clones (on this rank: the only
-// one).
+// Every home expert with clones adds, in replica order, the gradients of its clones (on this
+// rank: the only one); experts without clones are not read (at one rank the planner places none,
+// and a pass over every home gradient would cost as much as a GEMM).
 template <class T>
 __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
                                      const int32_t* __restrict__ replica_slot, int M,
                                      int experts_per_rank, const T* spare, T* home,
                                      int64_t slot_elems) {
-  const int64_t n = int64_t(experts_per_rank) * slot_elems;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t j = i / slot_elems, x = i - j * slot_elems;
-    T acc = home[i];
+  for (int j = 0; j < experts_per_rank; ++j) {  // expert j (rank 0's experts are 0 .. E/R - 1)
     bool any = false;
-    for (int rep = 1; rep < M; ++rep) {
-      const int64_t at = j * M + rep;  // expert j (rank 0's experts are 0 .. E/R - 1)
-      if (replica_rank[at] != 0) continue;
-      acc += spare[int64_t(replica_slot[at] - experts_per_rank) * slot_elems + x];
-      any = true;
+    for (int rep = 1; rep < M; ++rep) any |= replica_rank[j * M + rep] == 0;
+    if (!any) continue;
+    T* to = home + int64_t(j) * slot_elems;
+    for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < slot_elems;
+         x += int64_t(gridDim.x) * blockDim.x) {
+      T acc = to[x];
+      for (int rep = 1; rep < M; ++rep) {
+        const int64_t at = int64_t(j) * M + rep;
+        if (replica_rank[at] != 0) continue;
+        acc += spare[int64_t(replica_slot[at] - experts_per_rank) * slot_elems + x];
+      }
+      to[x] = acc;
     }
-    if (any) home[i] = acc;
   }
 }
 
@@ -279,8 +282,7 @@ class LocalCommunicator final : public Communicator {
                           Stream s) override {
     MOE_ECHO_CHECK(cfg.ranks == 1, "the local communicator has one rank, the plan " << cfg.ranks);
     if (cfg.spare_slots == 0 || cfg.max_replicas() == 1 || slot_elems == 0) return;
-    const int64_t n = int64_t(cfg.experts_per_rank()) * slot_elems;
-    const unsigned grid = blocks_for(n, 256, grid_cap());
+    const unsigned grid = blocks_for(slot_elems, 256, grid_cap());
     if (dtype == DType::f32)
       MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, grid, 256, 0, as_cuda(s), plan.replica_rank,
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
