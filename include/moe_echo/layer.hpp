@@ -94,9 +94,10 @@ struct MoeMemory {
                            // table, backward temporaries, the activations no layer keeps
   size_t echo_slot_weights = 0;  // the echo slots: clones' w1 and w2 (activation dtype)
   size_t echo_slot_grads = 0;    // their gradients (float dtype)
-  size_t fp8 = 0;  // precision fp8: the e4m3 copies of the home and spare experts' weights (both
-                   // layouts, with scales) and of the GEMM operands of one round (rows and the
-                   // transposed, group-padded columns of wgrad)
+  size_t fp8 = 0;  // precision fp8: the e4m3 copies of the home experts' weights (each layer's)
+                   // and of the echo slots' (the workspace's, shared like the slots), both
+                   // layouts with scales; the GEMM operands of one round (rows and the
+                   // transposed, group-padded columns of wgrad) and the packed rows to dispatch
 
   size_t total() const {
     return params + grads + optimizer + routing + activations + temporaries + workspace +

@@ -129,6 +129,8 @@ struct ActShapes {
   }
 };
 
+int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
+
 // Shapes of precision fp8's quantized GEMM operands (one GEMM at a time, in the workspace): the
 // rows of an activation operand [cap, W] with scales [cap, WT], and wgrad's two transposed
 // operands [W, P] with their scales and padded offsets [G + 1].
@@ -167,6 +169,9 @@ struct MoeWorkspace::Buffers {
   // Precision fp8: the quantized operands of one GEMM (MoeLayer::Buffers has their shapes).
   Bytes fp8_row_q, fp8_row_s, fp8_col_a, fp8_col_as, fp8_col_b, fp8_col_bs, fp8_po, fp8_po2;
   Bytes fp8_x_send;  // x's packed rows (the FP8 dispatch's source)
+  // The echo slots' e4m3 weight copies (q, q_t and their scales, of w1 and w2), shared like the
+  // slots: made after each pull.
+  Bytes fp8_w1s_q, fp8_w1s_qt, fp8_w1s_s, fp8_w1s_st, fp8_w2s_q, fp8_w2s_qt, fp8_w2s_s, fp8_w2s_st;
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
   size_t bytes = 0;
@@ -211,6 +216,15 @@ struct MoeWorkspace::Buffers {
         grow(fp8_po, f.G + 1, sizeof(int32_t));
         grow(fp8_po2, f.G + 1, sizeof(int32_t));
         grow(fp8_x_send, m.max_tokens * fp8_packed_row_bytes(s.H), 1);
+        const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
+        grow(fp8_w1s_q, s.S * s.H * 2 * s.F, 1);
+        grow(fp8_w1s_qt, s.S * s.H * 2 * s.F, 1);
+        grow(fp8_w1s_s, s.S * tH * t2F, sizeof(float));
+        grow(fp8_w1s_st, s.S * tH * t2F, sizeof(float));
+        grow(fp8_w2s_q, s.S * s.F * s.H, 1);
+        grow(fp8_w2s_qt, s.S * s.F * s.H, 1);
+        grow(fp8_w2s_s, s.S * tF * tH, sizeof(float));
+        grow(fp8_w2s_st, s.S * tF * tH, sizeof(float));
       }
     }
   }
@@ -221,7 +235,9 @@ struct MoeWorkspace::Buffers {
     m.echo_slot_weights = w1_spare.bytes + w2_spare.bytes;
     m.echo_slot_grads = dw1_spare.bytes + dw2_spare.bytes;
     m.fp8 = fp8_row_q.bytes + fp8_row_s.bytes + fp8_col_a.bytes + fp8_col_as.bytes +
-            fp8_col_b.bytes + fp8_col_bs.bytes + fp8_po.bytes + fp8_po2.bytes + fp8_x_send.bytes;
+            fp8_col_b.bytes + fp8_col_bs.bytes + fp8_po.bytes + fp8_po2.bytes + fp8_x_send.bytes +
+            fp8_w1s_q.bytes + fp8_w1s_qt.bytes + fp8_w1s_s.bytes + fp8_w1s_st.bytes +
+            fp8_w2s_q.bytes + fp8_w2s_qt.bytes + fp8_w2s_s.bytes + fp8_w2s_st.bytes;
     m.workspace -= m.echo_slot_weights + m.echo_slot_grads + m.fp8;
     return m;
   }
@@ -232,7 +248,9 @@ struct MoeWorkspace::Buffers {
     f(dh, false), f(w1_spare, false), f(w2_spare, false), f(dw1_spare, true);
     f(dw2_spare, true), f(fp8_row_q, false), f(fp8_row_s, false), f(fp8_col_a, false);
     f(fp8_col_as, false), f(fp8_col_b, false), f(fp8_col_bs, false), f(fp8_po, false);
-    f(fp8_po2, false), f(fp8_x_send, false);
+    f(fp8_po2, false), f(fp8_x_send, false), f(fp8_w1s_q, false), f(fp8_w1s_qt, false);
+    f(fp8_w1s_s, false), f(fp8_w1s_st, false), f(fp8_w2s_q, false), f(fp8_w2s_qt, false);
+    f(fp8_w2s_s, false), f(fp8_w2s_st, false);
   }
 };
 
@@ -433,11 +451,8 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
       w.s_t = dev(DType::f32, {slabs, tiles(n), tiles(k)});
       return w;
     };
-    const int64_t spare = planner_.spare_slots;
-    b.w1_q = weight(EPR, H, 2 * F);
+    b.w1_q = weight(EPR, H, 2 * F);  // the echo slots' copies are the workspace's
     b.w2_q = weight(EPR, F, H);
-    b.w1_spare_q = weight(spare, H, 2 * F);
-    b.w2_spare_q = weight(spare, F, H);
   }
 }
 
@@ -468,6 +483,17 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
     b.recv_xs = Tensor(static_cast<char*>(b.recv_x.data) + s.cap * s.H, DType::f32,
                        {s.cap, (s.H + kFp8Tile - 1) / kFp8Tile});
     b.x_send = view(w.fp8_x_send, DType::e4m3, {moe.max_tokens, fp8_packed_row_bytes(s.H)});
+    if (s.S > 0) {
+      const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
+      b.w1_spare_q = {view(w.fp8_w1s_q, DType::e4m3, {s.S, s.H, 2 * s.F}),
+                      view(w.fp8_w1s_qt, DType::e4m3, {s.S, 2 * s.F, s.H}),
+                      view(w.fp8_w1s_s, DType::f32, {s.S, tH, t2F}),
+                      view(w.fp8_w1s_st, DType::f32, {s.S, t2F, tH})};
+      b.w2_spare_q = {view(w.fp8_w2s_q, DType::e4m3, {s.S, s.F, s.H}),
+                      view(w.fp8_w2s_qt, DType::e4m3, {s.S, s.H, s.F}),
+                      view(w.fp8_w2s_s, DType::f32, {s.S, tF, tH}),
+                      view(w.fp8_w2s_st, DType::f32, {s.S, tH, tF})};
+    }
     // The packed rows land in recv_red's bytes (free between the dispatch and the fan-in).
     view(w.recv_red, DType::e4m3, {s.cap, fp8_packed_row_bytes(s.H)});
   }
@@ -921,7 +947,6 @@ Tensor packed(const Tensor& buffer, int64_t n) {
                  "fp8 buffer " << buffer.describe() << " for " << t.describe());
   return t;
 }
-int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
 }  // namespace
 
 // fprop (c = a @ w) or dgrad (c = a @ w^T) of fc1 or fc2 over the window. In fp8, a's rows are
@@ -1272,9 +1297,10 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   if (repull) {
     mark("bwd_clone_pull", s);
     pull_clones(s);
+    // Precision fp8: the echo slots' e4m3 copies are shared like the slots, so they are made
+    // again; the home experts' copies are the layer's own, made in its forward.
+    if (moe_.precision == Precision::fp8) quantize_weights(false, true, s);
   }
-  // Precision fp8: the e4m3 weight copies are the layer's own, made in its forward (a clone
-  // pulled again holds the same weights), so the backward reads them as they are.
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
     backend_.fill_zero(b.dw1_spare, s);

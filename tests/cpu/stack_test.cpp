@@ -200,6 +200,25 @@ TEST(Stack, EqualsLayersBuiltApartBitForBit) {
   }
 }
 
+// Precision fp8: the echo slots' e4m3 copies are shared like the slots (made after each pull,
+// again when a backward pulls its clones back): the stack still equals layers built apart.
+TEST(Stack, Fp8StackEqualsLayersBuiltApartBitForBit) {
+  StackCase c;
+  c.layers = four_layers();
+  for (MoeConfig& m : c.layers) {
+    m.precision = Precision::fp8;
+    m.ffn = (m.ffn + 15) / 16 * 16;  // fp8 needs multiples of 16
+  }
+  c.ranks = 2;
+  c.hot = {4.0, 0.0, 6.0, 3.0};
+  const StackRun stacked = run_stack(c);
+  c.stacked = false;
+  const StackRun apart = run_stack(c);
+  expect_clones_and_spills(stacked);
+  expect_same(stacked, apart);
+  EXPECT_LT(stacked.bytes[0], apart.bytes[0]);
+}
+
 TEST(Stack, OneRankEqualsLayersBuiltApart) {
   StackCase c;
   c.layers = four_layers();
