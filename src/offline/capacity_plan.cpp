@@ -12,6 +12,7 @@
 #include <limits>
 #include <sstream>
 
+#include "moe_echo/backend.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/presets.hpp"
 
@@ -386,16 +387,20 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   lt.max_ranks_per_token =
       max_ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
   const double token_rows = T * lt.ranks_per_token;
-  lt.dispatch_bytes = token_rows * remote * H * a;
-  lt.combine_bytes = lt.dispatch_bytes;
+  // With precision fp8 the forward's rows cross in e4m3 with their scales (packed rows); the
+  // combine and the backward's rows stay in the activation dtype.
+  const double forward_row = t.precision == "fp8" ? double(fp8_packed_row_bytes(m.hidden)) : H * a;
+  lt.dispatch_bytes = token_rows * remote * forward_row;
+  lt.combine_bytes = token_rows * remote * H * a;
   lt.etp_bytes = double(l.etp - 1) * token_rows * H * a;
   const double busiest = imb.mean;  // the average step's busiest rank
-  const double a2a = cost.all_to_all_ms(lt.dispatch_bytes * busiest, l.ep, l.etp);
+  const double a2a_dispatch = cost.all_to_all_ms(lt.dispatch_bytes * busiest, l.ep, l.etp);
+  const double a2a = cost.all_to_all_ms(lt.combine_bytes * busiest, l.ep, l.etp);
   const double etp_ms = l.etp > 1 ? cost.nvlink_ms(lt.etp_bytes * busiest) : 0.0;
-  // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward the same again,
-  // and with recompute dispatch the forward's dispatch once more
-  lt.comm_ms = 2.0 * (2.0 * a2a + 2.0 * etp_ms);
-  if (recompute == Recompute::dispatch) lt.comm_ms += a2a + etp_ms;
+  // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward: dy's dispatch and
+  // dx's combine; with recompute dispatch the forward's dispatch once more
+  lt.comm_ms = a2a_dispatch + 3.0 * a2a + 4.0 * etp_ms;
+  if (recompute == Recompute::dispatch) lt.comm_ms += a2a_dispatch + etp_ms;
   // Clones: weights in for the forward, and again for the backward when other layers used the
   // echo slots in between (every layer but the stage's last with one micro-batch in flight, all
   // with more); fp32 gradients home.

@@ -148,8 +148,8 @@ struct LayerTimes {
   double ranks_per_token = 0;
   int max_ranks_per_token = 0;
   double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced): one row
-                              // per token and rank it picks
-  double combine_bytes = 0;
+                              // per token and rank it picks (fp8: packed e4m3 rows)
+  double combine_bytes = 0;   // the same rows in the activation dtype (also dy and dx's)
   double etp_bytes = 0;    // forward, ETP all-gather of received rows (0 when etp = 1)
   double clone_bytes = 0;  // clone weights in (forward, and again for the backward when other
                            // layers used the echo slots in between) + fp32 gradients out

@@ -393,6 +393,18 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   const WallsReport d = estimate_walls(rc, imb);
   EXPECT_NEAR(d.layer.gemm_ms, e.layer.gemm_ms, 1e-12);
   EXPECT_NEAR(d.layer.comm_ms, 5 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8), 1e-12);
+  // Precision fp8: the forward's rows cross as packed e4m3 rows (H values and H / 128 scales,
+  // to 16 bytes: 2112 bytes at H 2048), the combine and the backward's in bf16.
+  WallsInput f8 = in;
+  f8.train.precision = "fp8";
+  const WallsReport q = estimate_walls(f8, imb);
+  EXPECT_NEAR(q.layer.dispatch_bytes, r.layer.dispatch_bytes * 2112.0 / (H * 2), 1e-6);
+  EXPECT_DOUBLE_EQ(q.layer.combine_bytes, r.layer.combine_bytes);
+  EXPECT_NEAR(q.layer.comm_ms,
+              cost.all_to_all_ms(q.layer.dispatch_bytes * 1.2, 8) +
+                  3 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8),
+              1e-12);
+  EXPECT_LT(q.layer.comm_ms, r.layer.comm_ms);
   in.train.overlap = true;
   const WallsReport o = estimate_walls(in, imb);
   EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms),
