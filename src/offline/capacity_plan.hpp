@@ -150,10 +150,10 @@ struct LayerTimes {
   double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced): one row
                               // per token and rank it picks (fp8: packed e4m3 rows)
   double combine_bytes = 0;   // the same rows in the activation dtype (also dy and dx's)
-  double etp_bytes = 0;    // forward, ETP all-gather of received rows (0 when etp = 1)
-  double clone_bytes = 0;  // clone weights in (forward, and again for the backward when other
-                           // layers used the echo slots in between) + fp32 gradients out
-  double comm_ms = 0;      // dispatch + combine + ETP, forward + backward, busiest rank
+  double etp_bytes = 0;       // forward, ETP all-gather of received rows (0 when etp = 1)
+  double clone_bytes = 0;     // clone weights in (forward, and again for the backward when other
+                              // layers used the echo slots in between) + fp32 gradients out
+  double comm_ms = 0;         // dispatch + combine + ETP, forward + backward, busiest rank
   double clone_ms = 0;
   double gemm_ms = 0;  // expert GEMMs forward + backward (+ recompute), busiest rank
   // (comm_ms includes the dispatch again with recompute dispatch)
