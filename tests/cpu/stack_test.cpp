@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe_echo/backends.hpp"
@@ -183,33 +184,12 @@ void expect_clones_and_spills(const StackRun& run) {
   EXPECT_GE(spilled, 1) << "layers with spill rounds";
 }
 
-TEST(Stack, EqualsLayersBuiltApartBitForBit) {
-  for (int R : {2, 4}) {
-    SCOPED_TRACE("R = " + std::to_string(R));
-    StackCase c;
-    c.layers = four_layers();
-    c.ranks = R;
-    c.hot = {4.0, 0.0, 6.0, 3.0};
-    const StackRun stacked = run_stack(c);
-    c.stacked = false;
-    const StackRun apart = run_stack(c);
-    expect_clones_and_spills(stacked);
-    expect_same(stacked, apart);
-    // One workspace instead of four: less memory.
-    EXPECT_LT(stacked.bytes[0], apart.bytes[0]);
-  }
-}
-
-// Precision fp8: the echo slots' e4m3 copies are shared like the slots (made after each pull,
-// again when a backward pulls its clones back): the stack still equals layers built apart.
-TEST(Stack, Fp8StackEqualsLayersBuiltApartBitForBit) {
+// The four layers skewed so that several clone and one spills, stacked against built apart: the
+// same bits, and one workspace instead of four takes less memory.
+void expect_stack_equals_layers_apart(std::vector<MoeConfig> layers, int ranks) {
   StackCase c;
-  c.layers = four_layers();
-  for (MoeConfig& m : c.layers) {
-    m.precision = Precision::fp8;
-    m.ffn = (m.ffn + 15) / 16 * 16;  // fp8 needs multiples of 16
-  }
-  c.ranks = 2;
+  c.layers = std::move(layers);
+  c.ranks = ranks;
   c.hot = {4.0, 0.0, 6.0, 3.0};
   const StackRun stacked = run_stack(c);
   c.stacked = false;
@@ -217,6 +197,24 @@ TEST(Stack, Fp8StackEqualsLayersBuiltApartBitForBit) {
   expect_clones_and_spills(stacked);
   expect_same(stacked, apart);
   EXPECT_LT(stacked.bytes[0], apart.bytes[0]);
+}
+
+TEST(Stack, EqualsLayersBuiltApartBitForBit) {
+  for (int R : {2, 4}) {
+    SCOPED_TRACE("R = " + std::to_string(R));
+    expect_stack_equals_layers_apart(four_layers(), R);
+  }
+}
+
+// Precision fp8: the echo slots' e4m3 copies are shared like the slots (made after each pull,
+// again when a backward pulls its clones back): the stack still equals layers built apart.
+TEST(Stack, Fp8StackEqualsLayersBuiltApartBitForBit) {
+  std::vector<MoeConfig> layers = four_layers();
+  for (MoeConfig& m : layers) {
+    m.precision = Precision::fp8;
+    m.ffn = (m.ffn + 15) / 16 * 16;  // fp8 needs multiples of 16
+  }
+  expect_stack_equals_layers_apart(layers, 2);
 }
 
 TEST(Stack, OneRankEqualsLayersBuiltApart) {
