@@ -6,8 +6,10 @@
 # fp8 at the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral 8x7B slices of one GPU (8192 tokens), and print
 # the comparisons last. Logs and JSON go to $OUT (default out/fp8). SHAPE picks one GEMM shape;
 # SKIP_BENCH=1 runs the tests only, SKIP_TESTS=1 the benchmarks only, SKIP_GEMM=1 / SKIP_LAYER=1
-# skip a benchmark; LAYER_ARGS adds options to the layer benchmark (--phases on). Needs
-# third_party/ carried along.
+# skip a benchmark; LAYER_ARGS adds options to the layer benchmark (--phases on); VARIANTS=1
+# compiles the alternative FP8 kernels into the GEMM benchmark (MOE_ECHO_GEMM_FP8_VARIANTS);
+# EXTRA_TESTS names more test binaries of the build (tests/gpu/local_comm_test ...), built and
+# run after the FP8 ones. Needs third_party/ carried along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/fp8}
@@ -17,17 +19,20 @@ export PATH=/usr/local/cuda/bin:$PATH
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
   --format=csv >"$out/gpu.txt" 2>&1
 t0=$SECONDS
+extra_targets=()
+for t in ${EXTRA_TESTS:-}; do extra_targets+=("$(basename "$t")"); done
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
+  -DMOE_ECHO_GEMM_FP8_VARIANTS="$([ "${VARIANTS:-0}" = 1 ] && echo ON || echo OFF)" \
   >"$out/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target fp8_test fp8_quant_test fp8_gemm_test \
     grouped_gemm_test grouped_gemm_bench cuda_layer_test fp8_layer_test moe-echo \
-    ${EXTRA_TARGETS:-} >>"$out/build.log" 2>&1
+    ${EXTRA_TARGETS:-} "${extra_targets[@]}" >>"$out/build.log" 2>&1
 rc=$?
 echo "build: rc=$rc $((SECONDS - t0)) s"
 [ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 rows=()
 tests=(tests/fp8_test tests/fp8_layer_test tests/gpu/fp8_quant_test tests/gpu/fp8_gemm_test
-       tests/gpu/grouped_gemm_test tests/gpu/cuda_layer_test)
+       tests/gpu/grouped_gemm_test tests/gpu/cuda_layer_test ${EXTRA_TESTS:-})
 [ "${SKIP_TESTS:-0}" = 1 ] && tests=()
 for t in "${tests[@]}"; do
   name=$(basename "$t")

@@ -1,14 +1,29 @@
 # The grouped GEMM benchmark (CUDA builds only): build/grouped_gemm_bench.
 # -DMOE_ECHO_GEMM_VARIANTS=ON also compiles alternative CUTLASS configurations into it (one
 # object per configuration, ~80 s each on two cores: off by default, meant for the GPU machine).
+# -DMOE_ECHO_GEMM_FP8_VARIANTS=ON the same for alternative FP8 blockwise kernels (indices 100 on).
 option(MOE_ECHO_GEMM_VARIANTS "Compile alternative grouped GEMM kernels into grouped_gemm_bench" OFF)
+option(MOE_ECHO_GEMM_FP8_VARIANTS "Compile alternative FP8 grouped GEMM kernels into grouped_gemm_bench" OFF)
 set(MOE_ECHO_GEMM_VARIANT_COUNT 7)
+set(MOE_ECHO_GEMM_FP8_VARIANT_COUNT 5)
 
 add_executable(grouped_gemm_bench ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm_bench.cu)
 set(moe_echo_gg_bench_targets grouped_gemm_bench)
+set(moe_echo_gg_variants)
 if(MOE_ECHO_GEMM_VARIANTS)
   math(EXPR last "${MOE_ECHO_GEMM_VARIANT_COUNT} - 1")
   foreach(v RANGE ${last})
+    list(APPEND moe_echo_gg_variants ${v})
+  endforeach()
+endif()
+if(MOE_ECHO_GEMM_FP8_VARIANTS)
+  math(EXPR last "100 + ${MOE_ECHO_GEMM_FP8_VARIANT_COUNT} - 1")
+  foreach(v RANGE 100 ${last})
+    list(APPEND moe_echo_gg_variants ${v})
+  endforeach()
+endif()
+if(moe_echo_gg_variants)
+  foreach(v ${moe_echo_gg_variants})
     add_library(grouped_gemm_bench_variant${v} OBJECT ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm_bench.cu)
     target_compile_definitions(grouped_gemm_bench_variant${v} PRIVATE MOE_ECHO_GG_VARIANT=${v})
     target_sources(grouped_gemm_bench PRIVATE $<TARGET_OBJECTS:grouped_gemm_bench_variant${v}>)

@@ -15,8 +15,9 @@
 // operands (bench/torch_grouped_mm.py --fp8 adds torch._scaled_grouped_mm rowwise).
 //
 // This one source file is also compiled once per variant kernel (MOE_ECHO_GG_VARIANT = index,
-// CMake option MOE_ECHO_GEMM_VARIANTS): each such object instantiates one alternative CUTLASS
-// configuration and registers it; the main program (no MOE_ECHO_GG_VARIANT) times them all.
+// CMake options MOE_ECHO_GEMM_VARIANTS for bf16, MOE_ECHO_GEMM_FP8_VARIANTS for FP8): each such
+// object instantiates one alternative CUTLASS configuration and registers it; the main program
+// (no MOE_ECHO_GG_VARIANT) times them all (the FP8 ones with --fp8).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -36,6 +37,7 @@ struct Variant {
   GemmOp op;
   const char* name;
   MakeRunner make;
+  bool fp8 = false;  // an FP8 blockwise kernel (timed by --fp8 on GroupedGemmFp8's prep)
 };
 bool add_variant(const Variant& v);
 }  // namespace gg_bench
@@ -79,6 +81,28 @@ constexpr const char* kName = "wgrad 128x128x64 c1x2 pingpong";
 constexpr GemmOp kOp = GemmOp::fprop;
 using Config = gd::KernelConfig<bf16, Row, Row, 128, 128, 64, 2, 1, true>;
 constexpr const char* kName = "fprop 128x128x64 c2x1 pingpong";
+// FP8 blockwise (CMake option MOE_ECHO_GEMM_FP8_VARIANTS, indices from 100): layouts and scale
+// granularity as in grouped_gemm_fp8_{fprop,wgrad}.cu; tile, cluster and schedule vary.
+#elif MOE_ECHO_GG_VARIANT == 100
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 1, 1, true, 1, true>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c1x1 pingpong";
+#elif MOE_ECHO_GG_VARIANT == 101
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Row, Col, 128, 256, 128, 1, 2, false, 1, true>;
+constexpr const char* kName = "fp8 wgrad 128x256x128 c1x2 coop";
+#elif MOE_ECHO_GG_VARIANT == 102
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Row, Col, 256, 128, 128, 2, 1, false, 1, true>;
+constexpr const char* kName = "fp8 wgrad 256x128x128 c2x1 coop";
+#elif MOE_ECHO_GG_VARIANT == 103
+constexpr GemmOp kOp = GemmOp::dgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 256, 128, 1, 2, false, 128>;
+constexpr const char* kName = "fp8 dgrad 128x256x128 c1x2 coop";
+#elif MOE_ECHO_GG_VARIANT == 104
+constexpr GemmOp kOp = GemmOp::dgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 1, 1, true, 128>;
+constexpr const char* kName = "fp8 dgrad 128x128x128 c1x1 pingpong";
 #else
 #error "unknown MOE_ECHO_GG_VARIANT"
 #endif
@@ -87,7 +111,8 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
   return std::make_unique<gd::CutlassRunner<Config>>(p, max_groups, o,
                                                      kOp == GemmOp::wgrad ? 1.0f : 0.0f, kName);
 }
-[[maybe_unused]] const bool registered = add_variant({kOp, kName, &make});
+[[maybe_unused]] const bool registered =
+    add_variant({kOp, kName, &make, gd::KernelConfig_is_fp8<Config>});
 }  // namespace
 }  // namespace gg_bench
 
@@ -357,7 +382,7 @@ class Bench {
           }
         }
       for (const Variant& v : variants())
-        if (v.op == o.op) add(v, RunnerOptions{}, " +raster M");
+        if (v.op == o.op && !v.fp8) add(v, RunnerOptions{}, " +raster M");
       run_op(sh, o.op, *o.args, cands, flop);
     }
     for (void* p : {x, w, y, dy, dx, dw, static_cast<void*>(d_offs)}) CK(cudaFree(p));
@@ -408,6 +433,23 @@ class Bench {
     f.a = xq, f.a_scale = xs, f.b = q_t, f.b_scale = s_t, f.c = fa.c;
     d.a = dyq, d.a_scale = dys, d.b = q, d.b_scale = s, d.c = da.c;
     w.a = xt, w.a_scale = xts, w.b = dyt, w.b_scale = dyts, w.padded_offsets = po, w.c = wa.c;
+    // FP8 variant kernels (MOE_ECHO_GEMM_FP8_VARIANTS) on a GroupedGemmFp8 of their own each.
+    std::vector<std::unique_ptr<mc::GroupedGemmFp8>> alt;
+    auto with_variants = [&](GemmOp op, std::vector<Candidate> c) {
+      for (const Variant& v : variants()) {
+        if (!v.fp8 || v.op != op) continue;
+        alt.push_back(std::make_unique<mc::GroupedGemmFp8>(E));
+        alt.back()->replace_kernel(op, v.make);
+        mc::GroupedGemmFp8* g = alt.back().get();
+        const Fp8GemmArgs* args = op == GemmOp::fprop ? &f : op == GemmOp::dgrad ? &d : &w;
+        c.push_back({std::string(v.name), [=, this] {
+                       if (op == GemmOp::fprop) g->fprop(*args, s_);
+                       if (op == GemmOp::dgrad) g->dgrad(*args, s_);
+                       if (op == GemmOp::wgrad) g->wgrad(*args, s_);
+                     }});
+      }
+      return c;
+    };
     const std::vector<Candidate> fprop = {
         {"GroupedGemm bf16 (production)", [&] { gg.fprop(fa, s_); }},
         {"FP8 blockwise GEMM", [&] { g8.fprop(f, s_); }},
@@ -430,9 +472,9 @@ class Bench {
            mc::quantize_fp8_cols({win, da.a, dyt, dyts, po2}, s_);
            g8.wgrad(w, s_);
          }}};
-    run_op(sh, GemmOp::fprop, fa, fprop, flop);
-    run_op(sh, GemmOp::dgrad, da, dgrad, flop);
-    run_op(sh, GemmOp::wgrad, wa, wgrad, flop);
+    run_op(sh, GemmOp::fprop, fa, with_variants(GemmOp::fprop, fprop), flop);
+    run_op(sh, GemmOp::dgrad, da, with_variants(GemmOp::dgrad, dgrad), flop);
+    run_op(sh, GemmOp::wgrad, wa, with_variants(GemmOp::wgrad, wgrad), flop);
     CK(cudaStreamSynchronize(s_));
     for (void* p : owned) CK(cudaFree(p));
   }

@@ -207,10 +207,13 @@ struct Report {
           "note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
           "change)\n",
           L.preset.c_str(), moe.max_tokens);
-    std::printf("layers: %d, %s, recompute %s, precision %s\n", o.layers,
+    std::printf("layers: %d, %s, recompute %s, precision %s%s\n", o.layers,
                 o.separate ? "separate (each MoeLayer with its own workspace)"
                            : "one MoeStack (one workspace for all)",
-                to_string(moe.recompute), to_string(moe.precision));
+                to_string(moe.recompute), to_string(moe.precision),
+                moe.precision == Precision::fp8
+                    ? (" (fp8 GEMMs: " + fp8_gemms_to_string(moe.fp8_gemms) + ")").c_str()
+                    : "");
   }
 
   // After the layers are built: what they allocated, and the table's head.
@@ -385,6 +388,7 @@ void Report::summary() const {
                  {"layers", o.layers},
                  {"recompute", to_string(moe.recompute)},
                  {"precision", to_string(moe.precision)},
+                 {"fp8_gemms", fp8_gemms_to_string(moe.fp8_gemms)},
                  {"separate", o.separate},
                  {"workspace_bytes_per_rank", memory.total}};
   j["memory"] = {{"moe_bytes_per_rank", memory.total},

@@ -87,6 +87,10 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   add_option(cmd, "--precision", o.precision,
              "The routed experts' GEMMs: bf16 (default) or fp8 (e4m3 with blockwise scales; "
              "hidden and ffn multiples of 16)");
+  add_option(cmd, "--fp8-gemms", o.fp8_gemms,
+             "With --precision fp8, which expert GEMMs run in FP8 (the rest in bf16): all "
+             "(default) or a comma-separated list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, "
+             "wgrad2, fprop, dgrad, wgrad (fprop1 also sends the tokens in e4m3)");
 }
 
 bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
@@ -124,6 +128,9 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.moe.bias_update = o.bias_update;
   r.moe.recompute = parse_recompute(o.recompute, "recompute");
   r.moe.precision = parse_precision(o.precision, "precision");
+  r.moe.fp8_gemms = parse_fp8_gemms(o.fp8_gemms, "fp8-gemms");
+  if (r.moe.precision != Precision::fp8 && o.fp8_gemms != "all")
+    reject("fp8-gemms", "'" + o.fp8_gemms + "'", "all (the default) unless --precision fp8");
   r.ep = o.ep.value_or(cpu_backend ? p.ep : world_size);
   if (!cpu_backend && r.ep != world_size)
     reject("ep", r.ep,

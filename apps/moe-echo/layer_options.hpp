@@ -32,6 +32,7 @@ struct LayerOptions {
   uint64_t seed = 1;
   std::string recompute = "none";
   std::string precision = "bf16";
+  std::string fp8_gemms = "all";
 };
 
 struct ResolvedLayer {

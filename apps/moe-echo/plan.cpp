@@ -231,6 +231,7 @@ int run_plan(const PlanOptions& o) {
                      {"distributed_optimizer", t.distributed_optimizer},
                      {"recompute", t.recompute},
                      {"precision", t.precision},
+                     {"fp8_gemms", t.fp8_gemms},
                      {"grad_dtype", t.grad_dtype},
                      {"cuda_graphs", t.cuda_graphs},
                      {"kernels_per_layer", t.kernels_per_layer},
@@ -378,6 +379,10 @@ void add_plan(CLI::App& app, Runner& run) {
   add_option(cmd, "--precision", o->train.precision,
              "the routed experts' GEMMs: bf16 or fp8 (memory of the e4m3 copies, time at the "
              "GPU's fp8_gemm_tflops)")
+      ->capture_default_str();
+  add_option(cmd, "--fp8-gemms", o->train.fp8_gemms,
+             "with --precision fp8, which expert GEMMs are priced and sized in FP8: all or a "
+             "list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, wgrad2, fprop, dgrad, wgrad")
       ->capture_default_str();
   add_option(cmd, "--grad-dtype", o->train.grad_dtype,
              "gradients: fp32 (the MoE layers accumulate in fp32)")

@@ -56,6 +56,24 @@ const char* to_string(Precision p);
 // Parses "bf16" or "fp8"; throws ConfigError naming `field` otherwise.
 Precision parse_precision(const std::string& s, const char* field = "precision");
 
+// Precision fp8: which of the six expert GEMMs run on e4m3 operands (MoeConfig::fp8_gemms, a set
+// of these bits); the others run in the activation dtype as with precision bf16. With fprop1 the
+// tokens cross in e4m3 (the FP8 dispatch); without it in the activation dtype.
+namespace fp8_gemm {
+inline constexpr uint32_t fprop1 = 1;   // h = x w1
+inline constexpr uint32_t fprop2 = 2;   // y = a w2
+inline constexpr uint32_t dgrad2 = 4;   // da = dy w2^T
+inline constexpr uint32_t wgrad2 = 8;   // dw2 = a^T dy
+inline constexpr uint32_t dgrad1 = 16;  // dx = dh w1^T
+inline constexpr uint32_t wgrad1 = 32;  // dw1 = x^T dh
+inline constexpr uint32_t all = 63;
+}  // namespace fp8_gemm
+// "all", or a comma-separated list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, wgrad2, and the
+// pairs fprop, dgrad, wgrad; to_string gives the list (or "all"). Throws ConfigError naming
+// `field` for anything else or an empty set.
+std::string fp8_gemms_to_string(uint32_t gemms);
+uint32_t parse_fp8_gemms(const std::string& s, const char* field = "fp8_gemms");
+
 // The largest top_k a layer takes: one warp handles a token's entries in dispatch and combine.
 inline constexpr int kMaxTopK = 32;
 // The most expert groups of group-limited routing: one warp holds a token's group scores.
@@ -100,9 +118,15 @@ struct MoeConfig {
   // updates the masters and writes the weights the GEMMs read (bf16 on CUDA) as their rounding,
   // so updates below a bf16 ulp are not lost. The router weight is float already.
   bool master_weights = false;
-  // The routed experts' GEMMs (see Precision).
+  // The routed experts' GEMMs (see Precision), and with fp8 which of them (fp8_gemm bits; the
+  // rest in the activation dtype).
   Precision precision = Precision::bf16;
+  uint32_t fp8_gemms = fp8_gemm::all;
 };
+// Whether GEMM `g` (an fp8_gemm bit) of a layer with this config runs in FP8.
+inline bool uses_fp8(const MoeConfig& m, uint32_t g) {
+  return m.precision == Precision::fp8 && (m.fp8_gemms & g) != 0;
+}
 // The shared experts' total FFN width (0 without shared experts).
 inline int shared_width(const MoeConfig& m) {
   return m.shared_experts * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn);

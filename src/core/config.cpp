@@ -65,6 +65,50 @@ Precision parse_precision(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "bf16 or fp8");
 }
 
+namespace {
+struct Fp8GemmName {
+  const char* name;
+  uint32_t bits;
+};
+constexpr Fp8GemmName kFp8GemmNames[] = {{"fprop1", fp8_gemm::fprop1},
+                                         {"fprop2", fp8_gemm::fprop2},
+                                         {"dgrad1", fp8_gemm::dgrad1},
+                                         {"dgrad2", fp8_gemm::dgrad2},
+                                         {"wgrad1", fp8_gemm::wgrad1},
+                                         {"wgrad2", fp8_gemm::wgrad2},
+                                         {"fprop", fp8_gemm::fprop1 | fp8_gemm::fprop2},
+                                         {"dgrad", fp8_gemm::dgrad1 | fp8_gemm::dgrad2},
+                                         {"wgrad", fp8_gemm::wgrad1 | fp8_gemm::wgrad2},
+                                         {"all", fp8_gemm::all}};
+constexpr const char* kFp8GemmsAllowed =
+    "all, or a comma-separated list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, wgrad2, fprop, "
+    "dgrad, wgrad";
+}  // namespace
+
+std::string fp8_gemms_to_string(uint32_t gemms) {
+  if (gemms == fp8_gemm::all) return "all";
+  std::string out;
+  for (int i = 0; i < 6; ++i)
+    if (gemms & kFp8GemmNames[i].bits)
+      out += std::string(out.empty() ? "" : ",") + kFp8GemmNames[i].name;
+  return out.empty() ? "none" : out;
+}
+
+uint32_t parse_fp8_gemms(const std::string& s, const char* field) {
+  uint32_t bits = 0;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = std::min(s.find(',', start), s.size());
+    const std::string item = s.substr(start, comma - start);
+    bool known = false;
+    for (const Fp8GemmName& n : kFp8GemmNames)
+      if (item == n.name) bits |= n.bits, known = true;
+    if (!known) reject(field, "'" + s + "'", kFp8GemmsAllowed);
+    start = comma + 1;
+  }
+  return bits;
+}
+
 constexpr double kMaxCoeff = 1e6;
 
 void validate(const MoeConfig& m) {
@@ -114,6 +158,9 @@ void validate(const MoeConfig& m) {
     reject("recompute", int(m.recompute), "none, moe_act, experts or dispatch");
   if (int(m.precision) < 0 || int(m.precision) > int(Precision::fp8))
     reject("precision", int(m.precision), "bf16 or fp8");
+  if (m.fp8_gemms == 0 || (m.fp8_gemms & ~fp8_gemm::all) != 0)
+    reject("fp8_gemms", m.fp8_gemms,
+           "a non-empty set of the six fp8_gemm bits (1 to 63; 'all' or a list in text)");
   if (m.precision == Precision::fp8 && (m.hidden % 16 != 0 || m.ffn % 16 != 0))
     reject(m.hidden % 16 != 0 ? "hidden" : "ffn", m.hidden % 16 != 0 ? m.hidden : m.ffn,
            "a multiple of 16 with precision fp8 (16-byte e4m3 rows for the FP8 GEMMs)");

@@ -90,6 +90,9 @@ class CpuBackend final : public Backend {
   void quantize_fp8_rows(const Fp8RowArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::quantize_fp8_rows<T>(a); });
   }
+  void dequantize_fp8_rows(const Fp8RowArgs& a, Stream) override {
+    dispatch([&]<class T>() { cpu::dequantize_fp8_rows<T>(a); });
+  }
   void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::quantize_fp8_blocks<T>(a); });
   }

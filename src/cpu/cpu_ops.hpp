@@ -36,6 +36,8 @@ void adamw(const AdamWArgs& a);
 template <class T>
 void quantize_fp8_rows(const Fp8RowArgs& a);
 template <class T>
+void dequantize_fp8_rows(const Fp8RowArgs& a);
+template <class T>
 void quantize_fp8_blocks(const Fp8BlockArgs& a);
 template <class T>
 void quantize_fp8_cols(const Fp8ColArgs& a);

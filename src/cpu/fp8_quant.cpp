@@ -40,6 +40,17 @@ void quantize_fp8_rows(const Fp8RowArgs& a) {
 }
 
 template <class T>
+void dequantize_fp8_rows(const Fp8RowArgs& a) {
+  MOE_ECHO_CHECK(a.packed.data == nullptr,
+                 "dequantize_fp8_rows reads q and scale, not packed rows");
+  const int64_t KT = check_fp8_row_args(a, a.x.dtype), rows = a.x.size(0), K = a.x.size(1);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k)
+      a.x.as<T>()[r * K + k] =
+          T(from_e4m3(a.q.as<uint8_t>()[r * K + k]) * a.scale.as<float>()[r * KT + k / kFp8Tile]);
+}
+
+template <class T>
 void quantize_fp8_blocks(const Fp8BlockArgs& a) {
   const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = tiles(K), NT = tiles(N);
   check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
@@ -105,6 +116,8 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
 
 template void quantize_fp8_rows<float>(const Fp8RowArgs&);
 template void quantize_fp8_rows<double>(const Fp8RowArgs&);
+template void dequantize_fp8_rows<float>(const Fp8RowArgs&);
+template void dequantize_fp8_rows<double>(const Fp8RowArgs&);
 template void quantize_fp8_blocks<float>(const Fp8BlockArgs&);
 template void quantize_fp8_blocks<double>(const Fp8BlockArgs&);
 template void quantize_fp8_cols<float>(const Fp8ColArgs&);

@@ -188,6 +188,9 @@ class CudaBackend final : public Backend {
   void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) override {
     cuda::quantize_fp8_rows(a, as_cuda(s));
   }
+  void dequantize_fp8_rows(const Fp8RowArgs& a, Stream s) override {
+    cuda::dequantize_fp8_rows(a, as_cuda(s));
+  }
   void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) override {
     cuda::quantize_fp8_blocks(a, as_cuda(s));
   }

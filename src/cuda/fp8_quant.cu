@@ -74,6 +74,20 @@ __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __rest
   }
 }
 
+// x = q * scale rounded to bf16, one thread per 4 elements of a row (K % 4 == 0), else per one.
+__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q,
+                                       const float* __restrict__ scale, bf16* __restrict__ x,
+                                       int64_t rows, int64_t K, int64_t tiles, int per) {
+  const int64_t n = rows * (K / per);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / (K / per), k = i % (K / per) * per;
+    const float s = scale[r * tiles + k / kTile];
+    for (int j = 0; j < per; ++j)
+      x[r * K + k + j] = __float2bfloat16_rn(__fmul_rn(from_e4m3(q[r * K + k + j]), s));
+  }
+}
+
 // One block of 256 threads per (group, K tile, N tile): the block's amax, then every element
 // quantized into q (rows of N) and, through shared memory, into q_t (rows of K).
 __global__ void __launch_bounds__(256)
@@ -242,6 +256,16 @@ void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
                   a.x.as<bf16>(), q, scale, rows, K, KT, vec, pitch,
                   packed ? pitch / int64_t(sizeof(float)) : KT,
                   packed ? int(pitch - K - KT * int64_t(sizeof(float))) : 0);
+}
+
+void dequantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
+  MOE_ECHO_CHECK(a.packed.data == nullptr,
+                 "dequantize_fp8_rows reads q and scale, not packed rows");
+  const int64_t KT = check_fp8_row_args(a, DType::bf16), rows = a.x.size(0), K = a.x.size(1);
+  if (rows == 0 || K == 0) return;
+  const int per = K % 4 == 0 ? 4 : 1;
+  MOE_ECHO_LAUNCH(dequantize_rows_kernel, blocks_for(rows * (K / per), 256, grid_cap()), 256, 0, s,
+                  a.q.as<uint8_t>(), a.scale.as<float>(), a.x.as<bf16>(), rows, K, KT, per);
 }
 
 void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {

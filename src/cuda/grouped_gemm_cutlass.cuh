@@ -97,6 +97,9 @@ struct KernelConfig {
 };
 
 template <class Config>
+inline constexpr bool KernelConfig_is_fp8 = Config::Fp8ScaleN > 0;
+
+template <class Config>
 class CutlassRunner final : public KernelRunner {
  public:
   static constexpr bool kFp8 = Config::Fp8ScaleN > 0;

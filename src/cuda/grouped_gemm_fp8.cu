@@ -199,6 +199,14 @@ struct GroupedGemmFp8::Impl {
         }
       }
     }
+    void replace(int max_groups, int sm_count, RunnerFactory make) {
+      for (int along_n = 0; along_n < 2; ++along_n) {
+        gemm_detail::RunnerOptions opt;
+        opt.sm_count = sm_count;
+        opt.raster_along_n = along_n == 1;
+        runner[along_n] = make(buffers.arrays(), max_groups, opt);
+      }
+    }
     // The tile order that suits this call (gemm_detail::raster_index).
     KernelRunner& pick(const Fp8GemmArgs& a, const Dims& d, bool overwrite) {
       const int along_n = gemm_detail::raster_index(op, a.window, d.k, d.n, *runner[0]);
@@ -262,6 +270,12 @@ void GroupedGemmFp8::dgrad(const Fp8GemmArgs& a, cudaStream_t s) {
 }
 void GroupedGemmFp8::wgrad(const Fp8GemmArgs& a, cudaStream_t s) {
   impl_->call(impl_->wgrad, a, s);
+}
+void GroupedGemmFp8::replace_kernel(GemmOp op, RunnerFactory make) {
+  Impl::Op& o = op == GemmOp::fprop   ? impl_->fprop
+                : op == GemmOp::dgrad ? impl_->dgrad
+                                      : impl_->wgrad;
+  o.replace(impl_->max_groups, impl_->sm_count, make);
 }
 
 }  // namespace moe_echo::cuda

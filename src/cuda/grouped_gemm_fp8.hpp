@@ -16,6 +16,7 @@
 
 #include <memory>
 
+#include "cuda/grouped_gemm_detail.hpp"
 #include "moe_echo/backend.hpp"
 
 namespace moe_echo::cuda {
@@ -31,6 +32,12 @@ class GroupedGemmFp8 {
   void fprop(const Fp8GemmArgs& a, cudaStream_t s);
   void dgrad(const Fp8GemmArgs& a, cudaStream_t s);
   void wgrad(const Fp8GemmArgs& a, cudaStream_t s);
+
+  // For benchmarks of alternative kernel configurations: op's kernels (both tile orders; for
+  // wgrad the adding one, the writing one stays) made by `make` instead, on the same prep.
+  using RunnerFactory = std::unique_ptr<gemm_detail::KernelRunner> (*)(
+      const gemm_detail::ProblemArrays&, int, const gemm_detail::RunnerOptions&);
+  void replace_kernel(gemm_detail::GemmOp op, RunnerFactory make);
 
  private:
   struct Impl;

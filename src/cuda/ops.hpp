@@ -55,6 +55,7 @@ void add_i32(const Tensor& t, int32_t value, cudaStream_t s);
 
 // FP8 blockwise quantization (fp8_quant.cu): bf16 in, e4m3 and f32 scales out.
 void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s);
+void dequantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s);
 void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s);
 void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s);
 

@@ -131,6 +131,17 @@ struct ActShapes {
 
 int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
 
+// Which FP8 parts a layer needs (MoeConfig::fp8_gemms): the FP8 dispatch (fc1's forward in
+// FP8), row operands quantized before a GEMM (fc2's forward, the dgrads), wgrad's transposed
+// column operands, and e4m3 copies of w1 (fc1's forward or dgrad) and of w2.
+bool fp8_dispatch(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::fprop1); }
+bool fp8_rows(const MoeConfig& m) {
+  return uses_fp8(m, fp8_gemm::fprop2 | fp8_gemm::dgrad1 | fp8_gemm::dgrad2);
+}
+bool fp8_cols(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::wgrad1 | fp8_gemm::wgrad2); }
+bool fp8_w1(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::fprop1 | fp8_gemm::dgrad1); }
+bool fp8_w2(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::fprop2 | fp8_gemm::dgrad2); }
+
 // Shapes of precision fp8's quantized GEMM operands (one GEMM at a time, in the workspace): the
 // rows of an activation operand [cap, W] with scales [cap, WT], and wgrad's two transposed
 // operands [W, P] with their scales and padded offsets [G + 1].
@@ -187,7 +198,7 @@ struct MoeWorkspace::Buffers {
       const ActShapes s(m, par, echo);
       const Recompute r = m.recompute;
       if (!keeps(r, Act::recv_x)) {
-        if (m.precision == Precision::fp8)
+        if (fp8_dispatch(m))
           grow(recv_x, s.cap * Fp8Shapes::recv_row_bytes(s.H), 1);
         else
           grow(recv_x, s.cap * s.H, as);
@@ -207,24 +218,32 @@ struct MoeWorkspace::Buffers {
       grow(dw2_spare, s.S * s.F * s.H, fs);
       if (m.precision == Precision::fp8) {
         const Fp8Shapes f(s, slots_per_rank(m, par, echo));
-        grow(fp8_row_q, s.cap * f.W, 1);
-        grow(fp8_row_s, s.cap * f.WT, sizeof(float));
-        grow(fp8_col_a, f.W * f.P, 1);
-        grow(fp8_col_as, f.W * f.P / kFp8Tile, sizeof(float));
-        grow(fp8_col_b, f.W * f.P, 1);
-        grow(fp8_col_bs, f.W * f.P / kFp8Tile, sizeof(float));
-        grow(fp8_po, f.G + 1, sizeof(int32_t));
-        grow(fp8_po2, f.G + 1, sizeof(int32_t));
-        grow(fp8_x_send, m.max_tokens * fp8_packed_row_bytes(s.H), 1);
+        if (fp8_rows(m)) {
+          grow(fp8_row_q, s.cap * f.W, 1);
+          grow(fp8_row_s, s.cap * f.WT, sizeof(float));
+        }
+        if (fp8_cols(m)) {
+          grow(fp8_col_a, f.W * f.P, 1);
+          grow(fp8_col_as, f.W * f.P / kFp8Tile, sizeof(float));
+          grow(fp8_col_b, f.W * f.P, 1);
+          grow(fp8_col_bs, f.W * f.P / kFp8Tile, sizeof(float));
+          grow(fp8_po, f.G + 1, sizeof(int32_t));
+          grow(fp8_po2, f.G + 1, sizeof(int32_t));
+        }
+        if (fp8_dispatch(m)) grow(fp8_x_send, m.max_tokens * fp8_packed_row_bytes(s.H), 1);
         const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
-        grow(fp8_w1s_q, s.S * s.H * 2 * s.F, 1);
-        grow(fp8_w1s_qt, s.S * s.H * 2 * s.F, 1);
-        grow(fp8_w1s_s, s.S * tH * t2F, sizeof(float));
-        grow(fp8_w1s_st, s.S * tH * t2F, sizeof(float));
-        grow(fp8_w2s_q, s.S * s.F * s.H, 1);
-        grow(fp8_w2s_qt, s.S * s.F * s.H, 1);
-        grow(fp8_w2s_s, s.S * tF * tH, sizeof(float));
-        grow(fp8_w2s_st, s.S * tF * tH, sizeof(float));
+        if (fp8_w1(m)) {
+          grow(fp8_w1s_q, s.S * s.H * 2 * s.F, 1);
+          grow(fp8_w1s_qt, s.S * s.H * 2 * s.F, 1);
+          grow(fp8_w1s_s, s.S * tH * t2F, sizeof(float));
+          grow(fp8_w1s_st, s.S * tH * t2F, sizeof(float));
+        }
+        if (fp8_w2(m)) {
+          grow(fp8_w2s_q, s.S * s.F * s.H, 1);
+          grow(fp8_w2s_qt, s.S * s.F * s.H, 1);
+          grow(fp8_w2s_s, s.S * tF * tH, sizeof(float));
+          grow(fp8_w2s_st, s.S * tF * tH, sizeof(float));
+        }
       }
     }
   }
@@ -398,7 +417,7 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
   const Recompute r = s.moe.recompute;
   alloc.part(&MoeMemory::activations);
   if (keeps(r, Act::recv_x)) {
-    if (s.moe.precision == Precision::fp8)  // e4m3 rows and scales (bind_workspace views them)
+    if (fp8_dispatch(s.moe))  // e4m3 rows and scales (bind_workspace views them)
       b.recv_x = dev(DType::e4m3, {cap, Fp8Shapes::recv_row_bytes(H)});
     else
       b.recv_x = sym(b.recv_x_sym, act, {cap, H});
@@ -451,8 +470,9 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
       w.s_t = dev(DType::f32, {slabs, tiles(n), tiles(k)});
       return w;
     };
-    b.w1_q = weight(EPR, H, 2 * F);  // the echo slots' copies are the workspace's
-    b.w2_q = weight(EPR, F, H);
+    // The echo slots' copies are the workspace's.
+    if (fp8_w1(s.moe)) b.w1_q = weight(EPR, H, 2 * F);
+    if (fp8_w2(s.moe)) b.w2_q = weight(EPR, F, H);
   }
 }
 
@@ -472,7 +492,7 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
                                                                    "config");
     return v;
   };
-  const bool fp8 = moe.precision == Precision::fp8;
+  const bool fp8 = fp8_dispatch(moe);
   if (!b.recv_x.data) {
     b.recv_x = fp8 ? view(w.recv_x, DType::e4m3, {s.cap, Fp8Shapes::recv_row_bytes(s.H)})
                    : view(w.recv_x, act, {s.cap, s.H});
@@ -483,19 +503,21 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
     b.recv_xs = Tensor(static_cast<char*>(b.recv_x.data) + s.cap * s.H, DType::f32,
                        {s.cap, (s.H + kFp8Tile - 1) / kFp8Tile});
     b.x_send = view(w.fp8_x_send, DType::e4m3, {moe.max_tokens, fp8_packed_row_bytes(s.H)});
-    if (s.S > 0) {
-      const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
+    // The packed rows land in recv_red's bytes (free between the dispatch and the fan-in).
+    view(w.recv_red, DType::e4m3, {s.cap, fp8_packed_row_bytes(s.H)});
+  }
+  if (s.S > 0) {
+    const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
+    if (fp8_w1(moe))
       b.w1_spare_q = {view(w.fp8_w1s_q, DType::e4m3, {s.S, s.H, 2 * s.F}),
                       view(w.fp8_w1s_qt, DType::e4m3, {s.S, 2 * s.F, s.H}),
                       view(w.fp8_w1s_s, DType::f32, {s.S, tH, t2F}),
                       view(w.fp8_w1s_st, DType::f32, {s.S, t2F, tH})};
+    if (fp8_w2(moe))
       b.w2_spare_q = {view(w.fp8_w2s_q, DType::e4m3, {s.S, s.F, s.H}),
                       view(w.fp8_w2s_qt, DType::e4m3, {s.S, s.H, s.F}),
                       view(w.fp8_w2s_s, DType::f32, {s.S, tF, tH}),
                       view(w.fp8_w2s_st, DType::f32, {s.S, tH, tF})};
-    }
-    // The packed rows land in recv_red's bytes (free between the dispatch and the fan-in).
-    view(w.recv_red, DType::e4m3, {s.cap, fp8_packed_row_bytes(s.H)});
   }
   if (!b.h.data) b.h = view(w.h, act, {s.cap, 2 * s.F});
   if (!b.a.data) b.a = view(w.a, act, {s.cap, s.F});
@@ -512,10 +534,12 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
   b.fan.float_dtype = fl;
   b.da = view(w.da, act, {s.cap, s.F});
   b.dh = view(w.dh, act, {s.cap, 2 * s.F});
-  if (moe.precision == Precision::fp8) {
-    const Fp8Shapes f(s, slots_per_rank(moe, par, echo));
+  const Fp8Shapes f(s, slots_per_rank(moe, par, echo));
+  if (fp8_rows(moe)) {
     b.row_q = view(w.fp8_row_q, DType::e4m3, {s.cap, f.W});
     b.row_s = view(w.fp8_row_s, DType::f32, {s.cap, f.WT});
+  }
+  if (fp8_cols(moe)) {
     b.col_a = view(w.fp8_col_a, DType::e4m3, {f.W, f.P});
     b.col_as = view(w.fp8_col_as, DType::f32, {f.W * f.P / kFp8Tile});
     b.col_b = view(w.fp8_col_b, DType::e4m3, {f.W, f.P});
@@ -785,7 +809,7 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
     step(b.shared_w1, b.d_shared_w1, b.m_sw1, b.v_sw1, b.master_sw1);
     step(b.shared_w2, b.d_shared_w2, b.m_sw2, b.v_sw2, b.master_sw2);
   }
-  if (moe_.precision == Precision::fp8) {
+  if (fp8_w1(moe_) || fp8_w2(moe_)) {
     quantize_weights(true, false, s);
     fp8_weights_stale_ = false;
   }
@@ -920,16 +944,17 @@ GemmArgs MoeLayer::wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b
 
 void MoeLayer::quantize_weights(bool home, bool spare, Stream s) {
   const Buffers& b = *buf_;
-  if (home) {
+  const bool w1 = fp8_w1(moe_), w2 = fp8_w2(moe_);  // the weights some FP8 GEMM reads
+  if (home && w1)
     backend_.quantize_fp8_blocks({b.w1, b.w1_q.q, b.w1_q.q_t, b.w1_q.s, b.w1_q.s_t}, s);
+  if (home && w2)
     backend_.quantize_fp8_blocks({b.w2, b.w2_q.q, b.w2_q.q_t, b.w2_q.s, b.w2_q.s_t}, s);
-  }
-  if (spare && b.w1_spare.data) {
+  if (spare && b.w1_spare.data && w1)
     backend_.quantize_fp8_blocks(
         {b.w1_spare, b.w1_spare_q.q, b.w1_spare_q.q_t, b.w1_spare_q.s, b.w1_spare_q.s_t}, s);
+  if (spare && b.w2_spare.data && w2)
     backend_.quantize_fp8_blocks(
         {b.w2_spare, b.w2_spare_q.q, b.w2_spare_q.q_t, b.w2_spare_q.s, b.w2_spare_q.s_t}, s);
-  }
 }
 
 namespace {
@@ -956,7 +981,9 @@ void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, 
   const Buffers& b = *buf_;
   const Tensor& home = fc == 1 ? b.w1 : b.w2;
   const Tensor& spare = fc == 1 ? b.w1_spare : b.w2_spare;
-  if (moe_.precision != Precision::fp8) {
+  const uint32_t gemm = fc == 1 ? (dgrad ? fp8_gemm::dgrad1 : fp8_gemm::fprop1)
+                                : (dgrad ? fp8_gemm::dgrad2 : fp8_gemm::fprop2);
+  if (!uses_fp8(moe_, gemm)) {
     const GemmArgs g = experts_gemm(gw, a, spare, home, c);
     if (dgrad)
       backend_.gemm_dgrad(g, s);
@@ -993,7 +1020,8 @@ void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor
                             const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale) {
   const Buffers& b = *buf_;
   const Tensor& spare = fc == 1 ? b.dw1_spare : b.dw2_spare;
-  if (moe_.precision != Precision::fp8) {
+  if (!uses_fp8(moe_, fc == 1 ? fp8_gemm::wgrad1 : fp8_gemm::wgrad2)) {
+    MOE_ECHO_CHECK(a_scale.data == nullptr, "expert_wgrad: e4m3 rows for a bf16 weight gradient");
     backend_.gemm_wgrad(wgrad(gw, a, bt, spare, home, overwrite), s);
     return;
   }
@@ -1014,7 +1042,7 @@ void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor
 // h = recv_x @ w1 over the window (fp8: from the dispatched e4m3 rows, no quantization).
 void MoeLayer::fc1_forward(const GroupWindow& gw, Stream s) {
   const Buffers& b = *buf_;
-  if (moe_.precision == Precision::fp8)
+  if (fp8_dispatch(moe_))
     quantized_rows_gemm(gw, b.recv_xq, b.recv_xs, 1, b.h, false, s);
   else
     expert_rows_gemm(gw, b.recv_x, 1, b.h, false, s);
@@ -1038,7 +1066,7 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   last_tokens_ = T;
   last_x_ = x;  // the router backward and spill-round recompute read it again
   forward_pending_ = true;
-  const bool quantize_home = moe_.precision == Precision::fp8 && fp8_weights_stale_;
+  const bool quantize_home = (fp8_w1(moe_) || fp8_w2(moe_)) && fp8_weights_stale_;
   if (eager_graphs())
     backend_.enqueue_as_graph(
         forward_graph_, {address(x.data), address(y.data), uint64_t(T), uint64_t(quantize_home)},
@@ -1173,7 +1201,7 @@ FanArgs MoeLayer::fan_args(int round) const {
 // recv_xq and recv_xs, which fc1 reads as they are.
 void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) {
   Buffers& b = *buf_;
-  if (moe_.precision == Precision::fp8) {
+  if (fp8_dispatch(moe_)) {
     const int64_t pitch = fp8_packed_row_bytes(moe_.hidden);
     const Tensor send = packed(b.x_send, T, pitch);
     mark(round, "fp8_quantize_x", s);
@@ -1299,7 +1327,7 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     pull_clones(s);
     // Precision fp8: the echo slots' e4m3 copies are shared like the slots, so they are made
     // again; the home experts' copies are the layer's own, made in its forward.
-    if (moe_.precision == Precision::fp8) quantize_weights(false, true, s);
+    if (fp8_w1(moe_) || fp8_w2(moe_)) quantize_weights(false, true, s);
   }
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
@@ -1386,11 +1414,17 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_dgrad_fc1", s);
   expert_rows_gemm(gw, b.dh, 1, b.recv_out, true, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
-  if (moe_.precision == Precision::fp8)
-    expert_wgrad(gw, b.recv_xq, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s,
-                 b.recv_xs);
-  else
-    expert_wgrad(gw, b.recv_x, b.dh, 1, into.dw1.data ? into.dw1 : b.dw1, overwrite_grads, s);
+  const Tensor& dw1 = into.dw1.data ? into.dw1 : b.dw1;
+  if (fp8_dispatch(moe_) && uses_fp8(moe_, fp8_gemm::wgrad1)) {
+    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs);
+  } else if (fp8_dispatch(moe_)) {
+    // A weight gradient in the activation dtype from rows received in e4m3: their values into
+    // recv_red (free between the scatter of dy and the fan-in).
+    backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs}, s);
+    expert_wgrad(gw, b.recv_red, b.dh, 1, dw1, overwrite_grads, s);
+  } else {
+    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s);
+  }
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;
@@ -1459,9 +1493,8 @@ StepStats MoeLayer::stats() const {
   }
   st.ranks_per_token_mean = T > 0 ? double(ranks_sum) / double(T) : 0.0;
   st.dispatch_row_bytes =
-      moe_.precision == Precision::fp8
-          ? fp8_packed_row_bytes(moe_.hidden)
-          : int64_t(moe_.hidden) * int64_t(dtype_size(backend_.activation_dtype()));
+      fp8_dispatch(moe_) ? fp8_packed_row_bytes(moe_.hidden)
+                         : int64_t(moe_.hidden) * int64_t(dtype_size(backend_.activation_dtype()));
   st.dispatch_bytes = ranks_sum * st.dispatch_row_bytes;
   return st;
 }

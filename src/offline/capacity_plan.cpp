@@ -92,6 +92,7 @@ StageLayers stage_layers(const WallsInput& in, Recompute recompute) {
   c.shared_experts = m.shared_experts;
   c.recompute = recompute;
   c.precision = parse_precision(in.train.precision, "precision");
+  c.fp8_gemms = parse_fp8_gemms(in.train.fp8_gemms, "fp8_gemms");
   StageLayers s;
   s.layers.assign(size_t(m.layers / l.pp), c);
   s.par = ParallelConfig{l.ep, 0};
@@ -174,6 +175,14 @@ std::vector<Finding> check(const WallsInput& in) {
                                 "backend's float dtype)"));
   if (t.precision != "bf16" && t.precision != "fp8")
     error("precision", invalid("precision", "'" + t.precision + "'", "bf16 or fp8"));
+  try {
+    parse_fp8_gemms(t.fp8_gemms, "fp8_gemms");
+    if (t.precision != "fp8" && t.fp8_gemms != "all")
+      error("fp8_gemms", invalid("fp8_gemms", "'" + t.fp8_gemms + "'",
+                                 "all (the default) unless precision is fp8"));
+  } catch (const ConfigError& e) {
+    error(e.field(), e.what());
+  }
   if (t.recompute != "none" && t.recompute != "moe_act" && t.recompute != "experts" &&
       t.recompute != "dispatch")
     error("recompute",
@@ -389,7 +398,9 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   const double token_rows = T * lt.ranks_per_token;
   // With precision fp8 the forward's rows cross in e4m3 with their scales (packed rows); the
   // combine and the backward's rows stay in the activation dtype.
-  const double forward_row = t.precision == "fp8" ? double(fp8_packed_row_bytes(m.hidden)) : H * a;
+  const MoeConfig& lc = stage.layers.front();
+  const double forward_row =
+      uses_fp8(lc, fp8_gemm::fprop1) ? double(fp8_packed_row_bytes(m.hidden)) : H * a;
   lt.dispatch_bytes = token_rows * remote * forward_row;
   lt.combine_bytes = token_rows * remote * H * a;
   lt.etp_bytes = double(l.etp - 1) * token_rows * H * a;
@@ -408,11 +419,24 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   lt.clone_bytes = l.ep > 1 ? t.spare_slots * P * (pulls * a + 4.0) : 0.0;
   lt.clone_ms = cost.all_to_all_ms(lt.clone_bytes, l.ep, l.etp);
   const double busiest_rows = T * K * l.etp * busiest;
-  double flops = CostModel::train_flops(busiest_rows, m.hidden, m.ffn) / l.etp;
-  // fc1 (4 H F per row) and fc2 (2 H F) forward again; SwiGLU alone (moe_act) is elementwise
-  if (recompute == Recompute::experts || recompute == Recompute::dispatch)
-    flops += 6.0 * busiest_rows * H * F / l.etp;
-  lt.gemm_ms = t.precision == "fp8" ? cost.fp8_gemm_ms(flops) : cost.gemm_ms(flops);
+  // Per row: fc1 forward and its dgrad and wgrad 4 H F each, fc2's 2 H F each (train_flops'
+  // 18 H F); with recompute experts or dispatch fc1 and fc2 forward again (SwiGLU alone, moe_act,
+  // is elementwise). Each GEMM at the FP8 or the bf16 rate as MoeConfig::fp8_gemms says.
+  const bool forward_again = recompute == Recompute::experts || recompute == Recompute::dispatch;
+  const struct {
+    uint32_t gemm;
+    double hf;  // H F per row
+  } gemms[] = {{fp8_gemm::fprop1, forward_again ? 8.0 : 4.0},
+               {fp8_gemm::fprop2, forward_again ? 4.0 : 2.0},
+               {fp8_gemm::dgrad1, 4.0},
+               {fp8_gemm::dgrad2, 2.0},
+               {fp8_gemm::wgrad1, 4.0},
+               {fp8_gemm::wgrad2, 2.0}};
+  lt.gemm_ms = 0;
+  for (const auto& g : gemms) {
+    const double flops = g.hf * busiest_rows * H * F / l.etp;
+    lt.gemm_ms += uses_fp8(lc, g.gemm) ? cost.fp8_gemm_ms(flops) : cost.gemm_ms(flops);
+  }
   lt.shared_ms =
       cost.gemm_ms(CostModel::train_flops(T, m.hidden, m.shared_experts * m.ffn) / l.etp);
   lt.host_ms = cost.launch_ms(t.kernels_per_layer, t.cuda_graphs);

@@ -65,6 +65,7 @@ struct TrainingSpec {
   bool distributed_optimizer = true;  // optimizer state sharded over dp
   std::string recompute = "none";     // what a layer keeps: none, moe_act, experts, dispatch
   std::string precision = "bf16";     // the routed experts' GEMMs: bf16 or fp8
+  std::string fp8_gemms = "all";      // with fp8: which of them (MoeConfig::fp8_gemms)
   std::string grad_dtype = "fp32";    // gradients: fp32 (the layers' float dtype)
   bool cuda_graphs = true;            // the step replays as a CUDA graph
   int kernels_per_layer = 30;         // kernel launches of one MoE layer, forward + backward

@@ -178,6 +178,98 @@ TEST(Fp8Layer, MemoryEstimateCountsTheFp8Copies) {
   EXPECT_EQ(parts.total() + saved, none.total() + parts.fp8);
 }
 
+// MoeConfig::fp8_gemms: each set of GEMMs in FP8 and the rest unquantized. The forward GEMMs
+// decide y: without fprop1 and fprop2 in the set y is the unquantized layer's bit for bit (the
+// tokens then cross unquantized too), with both it is the all-FP8 layer's; every set stays within
+// kFp8LayerTol of the unquantized layer, ECHO on equals off and recompute dispatch equals none.
+TEST(Fp8Layer, EachSetOfFp8GemmsIsCloseAndForwardBitsFollowTheForwardGemms) {
+  LayerCase all;
+  all.moe = fp8_moe(16, 2, 48);
+  all.ranks = 2;
+  all.echo.enabled = true;
+  all.echo.spare_slots_per_rank = 2;
+  all.echo.capacity_factor = 0.8;
+  LayerCase exact = all;
+  exact.moe.precision = Precision::bf16;
+  const SkewedInput in = skewed(all, 48, 1.5, 41);
+  const auto g = per_rank(2, 48 * 32, 600);
+  const LayerRun a = run_layer(all, in.x, g, in.params);
+  const LayerRun e = run_layer(exact, in.x, g, in.params);
+  for (const char* set : {"fprop1", "fprop", "dgrad", "wgrad", "fprop1,wgrad2", "dgrad2,wgrad1"}) {
+    SCOPED_TRACE(set);
+    LayerCase c = all;
+    c.moe.fp8_gemms = parse_fp8_gemms(set);
+    const LayerRun r = run_layer(c, in.x, g, in.params);
+    const bool fprop = (c.moe.fp8_gemms & (fp8_gemm::fprop1 | fp8_gemm::fprop2)) != 0;
+    if (!fprop) {
+      EXPECT_EQ(concat(r.y), concat(e.y)) << "y of a layer with no FP8 forward GEMM";
+    } else {
+      EXPECT_NE(concat(r.y), concat(e.y)) << "y: was anything quantized?";
+    }
+    if (c.moe.fp8_gemms == (fp8_gemm::fprop1 | fp8_gemm::fprop2)) {
+      EXPECT_EQ(concat(r.y), concat(a.y)) << "y with both forward GEMMs in FP8";
+    }
+    EXPECT_LE(rel_error(concat(r.y), concat(e.y)), kFp8LayerTol) << "y";
+    EXPECT_LE(rel_error(concat(r.dx), concat(e.dx)), kFp8LayerTol) << "dx";
+    EXPECT_LE(rel_error(r.dw1, e.dw1), kFp8LayerTol) << "dw1";
+    EXPECT_LE(rel_error(r.dw2, e.dw2), kFp8LayerTol) << "dw2";
+    EXPECT_NE(r.dx, a.dx) << "dx equals the all-FP8 layer's";
+    LayerCase off = c;
+    off.echo.enabled = false;
+    const LayerRun o = run_layer(off, in.x, g, in.params);
+    EXPECT_EQ(concat(o.y), concat(r.y)) << "ECHO off, y";
+    EXPECT_EQ(concat(o.dx), concat(r.dx)) << "ECHO off, dx";
+    LayerCase rc = c;
+    rc.moe.recompute = Recompute::dispatch;
+    const LayerRun d = run_layer(rc, in.x, g, in.params);
+    EXPECT_EQ(concat(d.y), concat(r.y)) << "recompute dispatch, y";
+    EXPECT_EQ(concat(d.dx), concat(r.dx)) << "recompute dispatch, dx";
+    EXPECT_EQ(d.dw1, r.dw1) << "recompute dispatch, dw1";
+    EXPECT_EQ(d.dw2, r.dw2) << "recompute dispatch, dw2";
+  }
+}
+
+// A layer allocates the FP8 parts its GEMMs need only: with fprop1 alone no wgrad columns, no
+// row operands and no copies of w2; without fprop1 the received rows stay unquantized.
+TEST(Fp8Layer, Fp8GemmsDecideWhatIsAllocated) {
+  const ParallelConfig par{1, 0};
+  EchoConfig e;
+  e.spare_slots_per_rank = 1;
+  MoeConfig m = fp8_moe(8, 2, 24);
+  const MoeMemory all = MoeLayer::memory_breakdown(m, par, e, DType::f32, DType::f32);
+  m.fp8_gemms = fp8_gemm::fprop1;
+  const MoeMemory fprop1 = MoeLayer::memory_breakdown(m, par, e, DType::f32, DType::f32);
+  m.fp8_gemms = fp8_gemm::dgrad1 | fp8_gemm::dgrad2;
+  const MoeMemory dgrad = MoeLayer::memory_breakdown(m, par, e, DType::f32, DType::f32);
+  MoeConfig bf = m;
+  bf.precision = Precision::bf16;
+  const MoeMemory none = MoeLayer::memory_breakdown(bf, par, e, DType::f32, DType::f32);
+  EXPECT_LT(fprop1.fp8, all.fp8);
+  EXPECT_LT(dgrad.fp8, all.fp8);
+  EXPECT_GT(fprop1.fp8, 0u);
+  EXPECT_EQ(fprop1.activations, all.activations) << "the received rows in e4m3 with fprop1";
+  EXPECT_EQ(dgrad.activations, none.activations) << "unquantized received rows without fprop1";
+  auto be = make_cpu_backend(DType::f32);
+  InProcessWorld world(1);
+  for (uint32_t set : {fp8_gemm::fprop1, fp8_gemm::dgrad1 | fp8_gemm::wgrad2}) {
+    m.fp8_gemms = set;
+    MoeLayer layer(*be, world.communicator(0), m, par, e, 1);
+    EXPECT_EQ(layer.workspace_bytes(), MoeLayer::memory_bytes(m, par, e, DType::f32, DType::f32))
+        << fp8_gemms_to_string(set);
+  }
+  m.fp8_gemms = 0;
+  EXPECT_THROW(validate(m), ConfigError);
+  m.fp8_gemms = 64;
+  EXPECT_THROW(validate(m), ConfigError);
+  EXPECT_EQ(parse_fp8_gemms("all"), fp8_gemm::all);
+  EXPECT_EQ(parse_fp8_gemms("wgrad,fprop1"),
+            fp8_gemm::wgrad1 | fp8_gemm::wgrad2 | fp8_gemm::fprop1);
+  EXPECT_EQ(fp8_gemms_to_string(fp8_gemm::fprop1 | fp8_gemm::dgrad2), "fprop1,dgrad2");
+  EXPECT_EQ(fp8_gemms_to_string(fp8_gemm::all), "all");
+  EXPECT_THROW(parse_fp8_gemms("fprop1,,dgrad1"), ConfigError);
+  EXPECT_THROW(parse_fp8_gemms(""), ConfigError);
+}
+
 TEST(Fp8Layer, HiddenAndFfnMustBeMultiplesOf16) {
   MoeConfig m = fp8_moe(8, 2, 8);
   m.ffn = 40;

@@ -405,6 +405,25 @@ TEST(Fp8, FanOutCopiesEachLeadsPackedRowToItsMembers) {
   EXPECT_THROW(be->fan_out_fp8({win.view(), *m, *xt, *q, *sc}, nullptr), Error) << "src not packed";
 }
 
+// dequantize_fp8_rows: each value the f32 product of its e4m3 code and its tile's scale.
+TEST(Fp8, DequantizedRowsAreCodeTimesScale) {
+  auto be = make_cpu_backend(DType::f32);
+  const int64_t rows = 3, K = 272, KT = 3;
+  OwnedTensor xt(*be, DType::f32, {rows, K}), q(*be, DType::e4m3, {rows, K}),
+      sc(*be, DType::f32, {rows, KT}), back(*be, DType::f32, {rows, K});
+  xt.write(random_values(size_t(rows * K), 77, -6, 6));
+  be->quantize_fp8_rows({*xt, *q, *sc}, nullptr);
+  back.write(std::vector<double>(size_t(rows * K), 1234.0));  // poison
+  be->dequantize_fp8_rows({*back, *q, *sc}, nullptr);
+  const std::vector<double> got = back.read(), qv = q.read(), sv = sc.read(), x = xt.read();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const float want = float(qv[size_t(r * K + k)]) * float(sv[size_t(r * KT + k / 128)]);
+      ASSERT_EQ(float(got[size_t(r * K + k)]), want) << r << ", " << k;
+    }
+  EXPECT_LT(rel_error(got, x), 1.0 / 16) << "back near the original values";
+}
+
 // Columns of e4m3 rows (the dispatched x, for fc1's weight gradient) are the columns of their
 // values q * scale, bit for bit.
 TEST(Fp8, ColumnsOfE4m3RowsEqualColumnsOfTheirValues) {

@@ -68,6 +68,7 @@ struct Outputs {
   // included), and the columns of the e4m3 rows with their scales.
   std::vector<uint8_t> xp, fq, fs;
   std::vector<double> ft, fts;
+  std::vector<double> x_back;  // dequantize_fp8_rows of x's rows
 };
 
 // The raw bytes of a tensor.
@@ -160,9 +161,13 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   be.quantize_fp8_rows(pa, nullptr);
   be.fan_out_fp8({win, *members, *xp, *fq, *fs}, nullptr);
   be.quantize_fp8_cols({win, *xq, *ft, *fts, *po3, *xs}, nullptr);
+  OwnedTensor x_back(be, act, {R, K});
+  poison(x_back);
+  be.dequantize_fp8_rows({*x_back, *xq, *xs}, nullptr);
   be.synchronize();
   Outputs o;
   o.xp = raw(be, xp), o.fq = raw(be, fq), o.fs = raw(be, fs);
+  o.x_back = x_back.read();
   o.xq = xq.read(), o.xs = xs.read(), o.q = q.read(), o.q_t = q_t.read(), o.s = s.read();
   o.s_t = s_t.read(), o.po = po.read();
   EXPECT_EQ(po2.read(), o.po) << "padded offsets of x and dy";
@@ -268,6 +273,7 @@ TEST_P(Fp8Gemm, QuantizersBitForBitAndGemmsWithinTolerance) {
   EXPECT_EQ(go.fs, co.fs) << "fanned-out scales";
   EXPECT_EQ(go.ft, co.ft) << "columns of the e4m3 x";
   EXPECT_EQ(go.fts, co.fts) << "columns of the e4m3 x: scales";
+  EXPECT_EQ(go.x_back, round_bf16(co.x_back)) << "dequantized rows: the CPU's f32 product in bf16";
   if (c.offsets.back() > c.row_lo && c.rows > 0) {
     EXPECT_LT(std::count(go.fq.begin(), go.fq.end(), uint8_t(0x7F)), int64_t(go.fq.size()))
         << "fan_out_fp8 wrote nothing";

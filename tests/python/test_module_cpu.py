@@ -467,3 +467,33 @@ def test_fp8_precision_is_close_to_bf16_and_follows_the_optimizer():
         make(precision="fp16")
     with pytest.raises(ValueError, match="ffn"):
         make(hidden=32, ffn=40, precision="fp8")(torch.randn(4, 32, dtype=torch.float64))
+
+
+def test_fp8_gemms_choose_which_gemms_are_quantized():
+    # fp8_gemms: the forward GEMMs decide y. Without them y is the unquantized module's bit for
+    # bit and only the gradients carry e4m3's error; with them y is the all-FP8 module's.
+    torch.manual_seed(4)
+    x = torch.randn(40, 32, dtype=torch.float64)
+
+    def run(**kw):
+        m = make(hidden=32, ffn=48, capacity_factor=0.7, **kw)
+        xx = x.clone().requires_grad_(True)
+        y = m(xx)
+        y.square().sum().backward()
+        return y.detach(), xx.grad, m.w1.grad, m.w2.grad
+
+    exact = run(precision="bf16")
+    full = run(precision="fp8")
+    backward_only = run(precision="fp8", fp8_gemms="dgrad,wgrad")
+    forward_only = run(precision="fp8", fp8_gemms="fprop")
+    assert torch.equal(backward_only[0], exact[0])
+    assert torch.equal(forward_only[0], full[0])
+    for got in (backward_only, forward_only):
+        for a, b in zip(got[1:], exact[1:]):
+            assert 1e-4 < rel(a, b) < 0.12
+    with pytest.raises(ValueError, match="fp8_gemms"):
+        make(precision="fp8", fp8_gemms="fprop3")(x)
+    with pytest.raises(ValueError, match="fp8_gemms"):
+        make(precision="bf16", fp8_gemms="wgrad")
+    with pytest.raises(TypeError, match="fp8_gemms"):
+        make(precision="fp8", fp8_gemms=3)

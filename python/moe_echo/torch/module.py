@@ -71,6 +71,10 @@ class MoE(nn.Module):
             router, the shared experts and the parameters keep their dtypes). With "fp8" every
             forward quantizes the expert weights again (an optimizer may have changed them);
             hidden and ffn must be multiples of 16.
+        fp8_gemms: with precision "fp8", which expert GEMMs run in FP8, the others unquantized:
+            "all" or a comma-separated list of "fprop1", "fprop2", "dgrad1", "dgrad2", "wgrad1",
+            "wgrad2" (or the pairs "fprop", "dgrad", "wgrad"); with "fprop1" the tokens also
+            cross in e4m3.
         device, dtype: where the parameters live and their dtype.
         seed: the initial weights (per global expert, so any layout of the same seed agrees).
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
@@ -111,6 +115,7 @@ class MoE(nn.Module):
         shared_ffn: int = 0,
         recompute: str = "none",
         precision: str = "bf16",
+        fp8_gemms: str = "all",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -140,6 +145,13 @@ class MoE(nn.Module):
             raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"precision = {precision!r} is invalid: allowed 'bf16' or 'fp8'")
+        if not isinstance(fp8_gemms, str):
+            raise TypeError(f"fp8_gemms = {fp8_gemms!r} is invalid: allowed a str")
+        if precision != "fp8" and fp8_gemms != "all":
+            raise ValueError(
+                f"fp8_gemms = {fp8_gemms!r} is invalid: allowed 'all' (the default) unless "
+                "precision is 'fp8'"
+            )
         device = torch.device(device) if device is not None else torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -172,6 +184,7 @@ class MoE(nn.Module):
             seed=seed,
             recompute=recompute,
             precision=precision,
+            fp8_gemms=fp8_gemms,
             shared_experts=shared_experts,
             shared_ffn=shared_ffn,
         )
