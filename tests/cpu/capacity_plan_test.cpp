@@ -405,6 +405,17 @@ TEST(WallsModel, TimesMatchTheCostModel) {
                   3 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8),
               1e-12);
   EXPECT_LT(q.layer.comm_ms, r.layer.comm_ms);
+  EXPECT_NEAR(q.layer.gemm_ms, cost.fp8_gemm_ms(18 * T * K * 1.2 * H * F), 1e-12);
+  // fp8_gemms: each GEMM at its own rate (fc1's forward 4 H F per row, the rest 14 H F in bf16);
+  // without fprop1 the dispatch stays bf16.
+  f8.train.fp8_gemms = "fprop1";
+  const WallsReport q1 = estimate_walls(f8, imb);
+  EXPECT_NEAR(q1.layer.gemm_ms,
+              cost.fp8_gemm_ms(4 * T * K * 1.2 * H * F) + cost.gemm_ms(14 * T * K * 1.2 * H * F),
+              1e-12);
+  EXPECT_DOUBLE_EQ(q1.layer.dispatch_bytes, q.layer.dispatch_bytes);
+  f8.train.fp8_gemms = "dgrad,wgrad";
+  EXPECT_DOUBLE_EQ(estimate_walls(f8, imb).layer.dispatch_bytes, r.layer.dispatch_bytes);
   in.train.overlap = true;
   const WallsReport o = estimate_walls(in, imb);
   EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms),
