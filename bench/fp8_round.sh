@@ -6,7 +6,8 @@
 # fp8 at the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral 8x7B slices of one GPU (8192 tokens), and print
 # the comparisons last. Logs and JSON go to $OUT (default out/fp8). SHAPE picks one GEMM shape;
 # SKIP_BENCH=1 runs the tests only, SKIP_TESTS=1 the benchmarks only, SKIP_GEMM=1 / SKIP_LAYER=1
-# skip a benchmark; LAYER_ARGS adds options to the layer benchmark (--phases on); VARIANTS=1
+# skip a benchmark; LAYER_ARGS adds options to the layer benchmark (--phases on); FP8_SETS lists
+# the sets of FP8 GEMMs to time the layer with (--fp8-gemms; default all); VARIANTS=1
 # compiles the alternative FP8 kernels into the GEMM benchmark (MOE_ECHO_GEMM_FP8_VARIANTS);
 # EXTRA_TESTS names more test binaries of the build (tests/gpu/local_comm_test ...), built and
 # run after the FP8 ones. Needs third_party/ carried along.
@@ -47,11 +48,16 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_LAYER:-0}" != 1 ]; then
   # name:hidden:ffn:experts:top_k
   for sl in qwen3:2048:768:16:8 deepseek-v3:7168:2048:32:8 mixtral:4096:14336:8:2; do
     IFS=: read -r name H F E K <<<"$sl"
-    for p in bf16 fp8; do
+    # bf16, then fp8 with each set of FP8 GEMMs of FP8_SETS (default all; the file of "all" is
+    # layer_<slice>_fp8.json, of another set layer_<slice>_fp8_<set>.json)
+    for p in bf16 ${FP8_SETS:-all}; do
+      prec=(--precision fp8 --fp8-gemms "$p") tag="fp8_$p"
+      [ "$p" = bf16 ] && prec=(--precision bf16) tag=bf16
+      [ "$p" = all ] && tag=fp8
       timeout ${LAYER_TIMEOUT:-120} "$build/moe-echo" bench --hidden "$H" --ffn "$F" --experts "$E" --top-k "$K" \
-        --tokens 8192 --capture on --steps 12 --warmup 3 --precision "$p" ${LAYER_ARGS:-} \
-        --json "$out/layer_${name}_$p.json" >"$out/layer_${name}_$p.log" 2>&1 ||
-        { echo "layer $name $p failed"; tail -5 "$out/layer_${name}_$p.log"; }
+        --tokens 8192 --capture on --steps 12 --warmup 3 "${prec[@]}" ${LAYER_ARGS:-} \
+        --json "$out/layer_${name}_$tag.json" >"$out/layer_${name}_$tag.log" 2>&1 ||
+        { echo "layer $name $p failed"; tail -5 "$out/layer_${name}_$tag.log"; }
     done
   done
   python3 - "$out" <<'PY' | tee "$out/layer_table.txt"
@@ -71,6 +77,10 @@ for name in ("qwen3", "deepseek-v3", "mixtral"):
         pb = {x["phase"]: x["mean_ms"] for x in b["summary"]["phases"]}
         print("  " + " ".join(f"{x['phase']}={pb.get(x['phase'], 0):.2f}/{x['mean_ms']:.2f}"
                               for x in f["summary"]["phases"]))
+    for other in sorted(out.glob(f"layer_{name}_fp8_*.json")):
+        o = json.loads(other.read_text())
+        to = o["summary"]["step_ms"]
+        print(f"  fp8 GEMMs {o['config'].get('fp8_gemms', '?'):24s} {to:8.3f} {tb / to:8.3f}")
 PY
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_GEMM:-0}" != 1 ]; then
