@@ -83,10 +83,10 @@ using Config = gd::KernelConfig<bf16, Row, Row, 128, 128, 64, 2, 1, true>;
 constexpr const char* kName = "fprop 128x128x64 c2x1 pingpong";
 // FP8 blockwise (CMake option MOE_ECHO_GEMM_FP8_VARIANTS, indices from 100): layouts and scale
 // granularity as in grouped_gemm_fp8_{fprop,wgrad}.cu; tile, cluster and schedule vary.
-#elif MOE_ECHO_GG_VARIANT == 100
+#elif MOE_ECHO_GG_VARIANT == 100  // (ping-pong with a scale per column of B does not compile)
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 1, 1, true, 1, true>;
-constexpr const char* kName = "fp8 wgrad 128x128x128 c1x1 pingpong";
+using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 1, 2, false, 1, true>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c1x2 coop";
 #elif MOE_ECHO_GG_VARIANT == 101
 constexpr GemmOp kOp = GemmOp::wgrad;
 using Config = gd::KernelConfig<float, Row, Col, 128, 256, 128, 1, 2, false, 1, true>;
@@ -95,10 +95,10 @@ constexpr const char* kName = "fp8 wgrad 128x256x128 c1x2 coop";
 constexpr GemmOp kOp = GemmOp::wgrad;
 using Config = gd::KernelConfig<float, Row, Col, 256, 128, 128, 2, 1, false, 1, true>;
 constexpr const char* kName = "fp8 wgrad 256x128x128 c2x1 coop";
-#elif MOE_ECHO_GG_VARIANT == 103
+#elif MOE_ECHO_GG_VARIANT == 103  // (a 256-wide tile with B scales per 128 does not compile)
 constexpr GemmOp kOp = GemmOp::dgrad;
-using Config = gd::KernelConfig<bf16, Row, Col, 128, 256, 128, 1, 2, false, 128>;
-constexpr const char* kName = "fp8 dgrad 128x256x128 c1x2 coop";
+using Config = gd::KernelConfig<bf16, Row, Col, 256, 128, 128, 2, 1, false, 128>;
+constexpr const char* kName = "fp8 dgrad 256x128x128 c2x1 coop";
 #elif MOE_ECHO_GG_VARIANT == 104
 constexpr GemmOp kOp = GemmOp::dgrad;
 using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 1, 1, true, 128>;
