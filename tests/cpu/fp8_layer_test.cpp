@@ -83,14 +83,21 @@ TEST(Fp8Layer, CloseToTheUnquantizedLayer) {
   }
 }
 
+// 16 experts of top-2 over `ranks` ranks, 48 tokens each, ECHO on with 2 spare slots and a
+// capacity that spills under skew.
+LayerCase echo_case(int ranks) {
+  LayerCase c;
+  c.moe = fp8_moe(16, 2, 48);
+  c.ranks = ranks;
+  c.echo.enabled = true;
+  c.echo.spare_slots_per_rank = 2;
+  c.echo.max_clones_per_expert = 2;
+  c.echo.capacity_factor = 0.8;
+  return c;
+}
+
 TEST(Fp8Layer, EchoOnEqualsOffAndRecomputeEqualsNone) {
-  LayerCase on;
-  on.moe = fp8_moe(16, 2, 48);
-  on.ranks = 4;
-  on.echo.enabled = true;
-  on.echo.spare_slots_per_rank = 2;
-  on.echo.max_clones_per_expert = 2;
-  on.echo.capacity_factor = 0.8;
+  LayerCase on = echo_case(4);
   LayerCase off = on;
   off.echo.enabled = false;
   const SkewedInput in = skewed(on, 48, 1.5, 31);
@@ -183,12 +190,7 @@ TEST(Fp8Layer, MemoryEstimateCountsTheFp8Copies) {
 // tokens then cross unquantized too), with both it is the all-FP8 layer's; every set stays within
 // kFp8LayerTol of the unquantized layer, ECHO on equals off and recompute dispatch equals none.
 TEST(Fp8Layer, EachSetOfFp8GemmsIsCloseAndForwardBitsFollowTheForwardGemms) {
-  LayerCase all;
-  all.moe = fp8_moe(16, 2, 48);
-  all.ranks = 2;
-  all.echo.enabled = true;
-  all.echo.spare_slots_per_rank = 2;
-  all.echo.capacity_factor = 0.8;
+  const LayerCase all = echo_case(2);
   LayerCase exact = all;
   exact.moe.precision = Precision::bf16;
   const SkewedInput in = skewed(all, 48, 1.5, 41);
