@@ -181,10 +181,10 @@ struct Fp8BlockArgs {  // 128 x 128 blocks of each [K, N] slab (expert weights, 
   Tensor scale_t;      // [G, ceil(N / 128), ceil(K / 128)] f32: the scales transposed, or empty
 };
 inline constexpr int64_t kFp8Tile = 128;
+// Tiles of 128 (one scale each) along n elements.
+inline int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
 // Bytes of a packed FP8 row of K values (Fp8RowArgs::packed): K, then the scales, to 16 bytes.
-inline int64_t fp8_packed_row_bytes(int64_t K) {
-  return K + ((K + kFp8Tile - 1) / kFp8Tile * 4 + 15) / 16 * 16;
-}
+inline int64_t fp8_packed_row_bytes(int64_t K) { return K + (fp8_tiles(K) * 4 + 15) / 16 * 16; }
 // The FP8 dispatch's receiving side: for every lead row p of the window's valid rows and every
 // member j of p (p included; FanArgs' members), q[j] and scale[j] = the values and scales of
 // packed row src[p]. Nothing else is written.

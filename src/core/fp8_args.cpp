@@ -13,7 +13,7 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
                  "quantize_fp8_cols: x " << a.x.describe() << " for " << w.rows << " window rows");
   if (fp8_in)
     check_tensor(a.x_scale, "quantize_fp8_cols x_scale (of an e4m3 x)", DType::f32,
-                 {a.x.size(0), (K + kFp8Tile - 1) / kFp8Tile});
+                 {a.x.size(0), fp8_tiles(K)});
   else
     MOE_ECHO_CHECK(a.x_scale.data == nullptr, "quantize_fp8_cols: x_scale "
                                                   << a.x_scale.describe() << " given for an x of "
@@ -36,7 +36,7 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
 
 int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype) {
   check_tensor(a.x, "quantize_fp8_rows x", x_dtype, {-1, -1});
-  const int64_t rows = a.x.size(0), K = a.x.size(1), KT = (K + kFp8Tile - 1) / kFp8Tile;
+  const int64_t rows = a.x.size(0), K = a.x.size(1), KT = fp8_tiles(K);
   if (a.packed.data) {
     MOE_ECHO_CHECK(a.q.data == nullptr && a.scale.data == nullptr,
                    "quantize_fp8_rows: packed " << a.packed.describe()
@@ -54,7 +54,7 @@ int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype) {
 
 int64_t check_fp8_fan_args(const Fp8FanArgs& a) {
   check_tensor(a.q, "fan_out_fp8 q", DType::e4m3, {-1, -1});
-  const int64_t rows = a.window.rows, H = a.q.size(1), HT = (H + kFp8Tile - 1) / kFp8Tile;
+  const int64_t rows = a.window.rows, H = a.q.size(1), HT = fp8_tiles(H);
   MOE_ECHO_CHECK(a.q.size(0) >= rows,
                  "fan_out_fp8: q " << a.q.describe() << " for " << rows << " window rows");
   check_tensor(a.scale, "fan_out_fp8 scale", DType::f32, {a.q.size(0), HT});

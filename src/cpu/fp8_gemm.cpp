@@ -17,8 +17,6 @@
 namespace moe_echo::cpu {
 namespace {
 
-int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
-
 // The 256 e4m3 codes decoded once.
 const std::vector<double>& e4m3_table() {
   static const std::vector<double> table = [] {
@@ -35,7 +33,7 @@ template <class T>
 void rows_times_slab(const Fp8GemmArgs& a, int64_t begin, int64_t end, const uint8_t* qb,
                      const float* sb, int64_t Kr, int64_t Nout) {
   const std::vector<double>& dec = e4m3_table();
-  const int64_t KT = tiles(Kr);
+  const int64_t KT = fp8_tiles(Kr);
   const uint8_t* qa = a.a.as<uint8_t>();
   const float* sa = a.a_scale.as<float>();
   for (int64_t i = begin; i < end; ++i) {
@@ -80,7 +78,7 @@ void fprop_or_dgrad(const Fp8GemmArgs& a, bool fprop) {
   // fprop: slab [N][K] (q_t); dgrad: slab [K][N] (q). The slab's second extent is the reduction.
   MOE_ECHO_CHECK(shape.size(2) == Kr,
                  name << ": weights " << shape.describe() << " do not take a reduction of " << Kr);
-  const int64_t Nout = shape.size(1), KT = tiles(Kr), NT = tiles(Nout);
+  const int64_t Nout = shape.size(1), KT = fp8_tiles(Kr), NT = fp8_tiles(Nout);
   check_tensor(a.a_scale, name, DType::f32, {a.a.size(0), KT});
   if (a.b.data) check_tensor(a.b_scale, name, DType::f32, {a.b.size(0), NT, KT});
   if (a.b_home.data) check_tensor(a.b_home_scale, name, DType::f32, {a.b_home.size(0), NT, KT});
@@ -136,7 +134,7 @@ void gemm_fp8_wgrad(const Fp8GemmArgs& a) {  // c[g] (+)= x_g^T dy_g over the pa
       if (!a.accumulate && (has_rows || g < a.zero_empty_below)) std::fill_n(dw, Kd * N, T(0));
       continue;
     }
-    const int64_t p = po[g], tg = tiles(rr.end - rr.begin);
+    const int64_t p = po[g], tg = fp8_tiles(rr.end - rr.begin);
     MOE_ECHO_CHECK(po[g + 1] - p == tg * kFp8Tile && p + tg * kFp8Tile <= P,
                    name << ": padded_offsets of group " << g << " (" << p << ", " << po[g + 1]
                         << ") do not hold its " << rr.end - rr.begin << " rows");

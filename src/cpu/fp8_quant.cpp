@@ -12,8 +12,6 @@
 namespace moe_echo::cpu {
 namespace {
 
-int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
-
 float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
 
 }  // namespace
@@ -52,7 +50,8 @@ void dequantize_fp8_rows(const Fp8RowArgs& a) {
 
 template <class T>
 void quantize_fp8_blocks(const Fp8BlockArgs& a) {
-  const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = tiles(K), NT = tiles(N);
+  const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = fp8_tiles(K),
+                NT = fp8_tiles(N);
   check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
   if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
   if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
@@ -83,7 +82,7 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
 template <class T>
 void quantize_fp8_cols(const Fp8ColArgs& a) {
   const GroupWindow& w = a.window;
-  const int64_t P = check_fp8_col_args(a, a.x.dtype), K = a.x.size(1), KT = tiles(K);
+  const int64_t P = check_fp8_col_args(a, a.x.dtype), K = a.x.size(1), KT = fp8_tiles(K);
   // x[i][k] as a float: the activation, or an e4m3 value times its row tile's scale.
   const bool fp8_in = a.x.dtype == DType::e4m3;
   auto value = [&](int64_t i, int64_t k) {
@@ -98,7 +97,7 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
   for (int g = 0; g < w.groups; ++g) {
     po[g] = int32_t(p);
     const RowRange rr = group_rows(w, g);
-    const int64_t m = std::max<int64_t>(rr.end - rr.begin, 0), tiles_g = tiles(m);
+    const int64_t m = std::max<int64_t>(rr.end - rr.begin, 0), tiles_g = fp8_tiles(m);
     for (int64_t k = 0; k < K; ++k)
       for (int64_t t = 0; t < tiles_g; ++t) {
         const int64_t lo = t * kFp8Tile, hi = std::min(m, lo + kFp8Tile);

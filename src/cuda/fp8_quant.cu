@@ -131,8 +131,6 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-int64_t tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
-
 // Fp8ColArgs, step 1 (one thread): every group's padded column offset.
 __global__ void padded_offsets_kernel(const int32_t* __restrict__ offsets, int groups,
                                       int64_t row_lo, int64_t rows, int32_t* __restrict__ padded) {
@@ -270,7 +268,8 @@ void dequantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
 
 void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
   check_tensor(a.w, "quantize_fp8_blocks w", DType::bf16, {-1, -1, -1});
-  const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = tiles(K), NT = tiles(N);
+  const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = fp8_tiles(K),
+                NT = fp8_tiles(N);
   check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
   if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
   if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
@@ -287,10 +286,10 @@ void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
   const int64_t P = check_fp8_col_args(a, DType::bf16), K = a.x.size(1);
   MOE_ECHO_LAUNCH(padded_offsets_kernel, 1, 1, 0, s, w.group_offsets, w.groups, w.row_lo, w.rows,
                   a.padded_offsets.as<int32_t>());
-  MOE_ECHO_CHECK(P / kFp8Tile <= INT32_MAX && tiles(K) <= 65535,
+  MOE_ECHO_CHECK(P / kFp8Tile <= INT32_MAX && fp8_tiles(K) <= 65535,
                  "quantize_fp8_cols: " << P << " columns, K " << K);
   if (P == 0) return;
-  const dim3 grid(unsigned(P / kFp8Tile), unsigned(tiles(K)));
+  const dim3 grid(unsigned(P / kFp8Tile), unsigned(fp8_tiles(K)));
   if (a.x.dtype == DType::e4m3)
     MOE_ECHO_LAUNCH(quantize_cols_kernel<true>, grid, 256, 0, s, a.x.data, a.x_scale.as<float>(),
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,

@@ -23,7 +23,6 @@ const char* op_name(GemmOp op) {
 }
 
 constexpr int64_t kTile = kFp8Tile;
-int64_t tiles(int64_t n) { return (n + kTile - 1) / kTile; }
 
 // The weights' K and N (GemmArgs' [G, K, N]), and wgrad's padded columns P.
 struct Dims {
@@ -92,18 +91,18 @@ __global__ void fp8_prep_kernel(GemmOp op, const int32_t* __restrict__ offsets,
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // fprop/dgrad weights: b and b_home (either may be absent when the other holds every group),
-// [G, rows, cols] e4m3 with scales [G, tiles(rows), tiles(cols)].
+// [G, rows, cols] e4m3 with scales [G, fp8_tiles(rows), fp8_tiles(cols)].
 void check_weights(const Fp8GemmArgs& a, const char* name, int64_t rows, int64_t cols) {
   MOE_ECHO_CHECK(a.b.data || a.b_home.data, name << ": b and b_home are both empty");
   if (a.b.data) {
     check_tensor(a.b, (std::string(name) + " b").c_str(), DType::e4m3, {-1, rows, cols});
     check_tensor(a.b_scale, (std::string(name) + " b_scale").c_str(), DType::f32,
-                 {a.b.size(0), tiles(rows), tiles(cols)});
+                 {a.b.size(0), fp8_tiles(rows), fp8_tiles(cols)});
   }
   if (a.b_home.data) {
     check_tensor(a.b_home, (std::string(name) + " b_home").c_str(), DType::e4m3, {-1, rows, cols});
     check_tensor(a.b_home_scale, (std::string(name) + " b_home_scale").c_str(), DType::f32,
-                 {a.b_home.size(0), tiles(rows), tiles(cols)});
+                 {a.b_home.size(0), fp8_tiles(rows), fp8_tiles(cols)});
   }
 }
 
@@ -127,7 +126,7 @@ Dims check_args(GemmOp op, const Fp8GemmArgs& a, int max_groups) {
       d.k = a.a.size(1);
       d.n = (a.b_home.data ? a.b_home : a.b).size(1);
       check_weights(a, name, d.n, d.k);
-      check_tensor(a.a_scale, (n + " a_scale").c_str(), DType::f32, {a.a.size(0), tiles(d.k)});
+      check_tensor(a.a_scale, (n + " a_scale").c_str(), DType::f32, {a.a.size(0), fp8_tiles(d.k)});
       check_tensor(a.c, (n + " c").c_str(), DType::bf16, {-1, d.n});
       break;
     case GemmOp::dgrad:  // a [rows, N], b = q [G, K, N], c [rows, K]
@@ -135,7 +134,7 @@ Dims check_args(GemmOp op, const Fp8GemmArgs& a, int max_groups) {
       d.n = a.a.size(1);
       d.k = (a.b_home.data ? a.b_home : a.b).size(1);
       check_weights(a, name, d.k, d.n);
-      check_tensor(a.a_scale, (n + " a_scale").c_str(), DType::f32, {a.a.size(0), tiles(d.n)});
+      check_tensor(a.a_scale, (n + " a_scale").c_str(), DType::f32, {a.a.size(0), fp8_tiles(d.n)});
       check_tensor(a.c, (n + " c").c_str(), DType::bf16, {-1, d.k});
       break;
     case GemmOp::wgrad: {  // a = x^T [K, P], b = dy^T [N, P], c f32 [G, K, N]

@@ -129,8 +129,6 @@ struct ActShapes {
   }
 };
 
-int64_t fp8_tiles(int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; }
-
 // Which FP8 parts a layer needs (MoeConfig::fp8_gemms): the FP8 dispatch (fc1's forward in
 // FP8), row operands quantized before a GEMM (fc2's forward, the dgrads), wgrad's transposed
 // column operands, and e4m3 copies of w1 (fc1's forward or dgrad) and of w2.
@@ -148,12 +146,9 @@ bool fp8_w2(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::fprop2 | fp8_gemm
 struct Fp8Shapes {
   int64_t W, WT, P, G;
   // The bytes of one received row in fp8 (recv_xq's row and recv_xs's), and of a packed one.
-  static int64_t recv_row_bytes(int64_t H) { return H + (H + kFp8Tile - 1) / kFp8Tile * 4; }
+  static int64_t recv_row_bytes(int64_t H) { return H + fp8_tiles(H) * 4; }
   Fp8Shapes(const ActShapes& s, int slots)
-      : W(std::max(s.H, 2 * s.F)),
-        WT((W + kFp8Tile - 1) / kFp8Tile),
-        P(fp8_padded_rows(s.cap, slots)),
-        G(slots) {}
+      : W(std::max(s.H, 2 * s.F)), WT(fp8_tiles(W)), P(fp8_padded_rows(s.cap, slots)), G(slots) {}
 };
 
 // A device tensor `dev`, a symmetric one `sym` (or both only count bytes, for memory_bytes).
@@ -460,14 +455,13 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
 
   if (s.moe.precision == Precision::fp8) {
     alloc.part(&MoeMemory::fp8);
-    auto tiles = [](int64_t n) { return (n + kFp8Tile - 1) / kFp8Tile; };
     auto weight = [&](int64_t slabs, int64_t k, int64_t n) {
       MoeLayer::Buffers::Fp8Weight w;
       if (slabs == 0) return w;
       w.q = dev(DType::e4m3, {slabs, k, n});
       w.q_t = dev(DType::e4m3, {slabs, n, k});
-      w.s = dev(DType::f32, {slabs, tiles(k), tiles(n)});
-      w.s_t = dev(DType::f32, {slabs, tiles(n), tiles(k)});
+      w.s = dev(DType::f32, {slabs, fp8_tiles(k), fp8_tiles(n)});
+      w.s_t = dev(DType::f32, {slabs, fp8_tiles(n), fp8_tiles(k)});
       return w;
     };
     // The echo slots' copies are the workspace's.
@@ -501,7 +495,7 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
   if (fp8) {
     b.recv_xq = Tensor(b.recv_x.data, DType::e4m3, {s.cap, s.H});
     b.recv_xs = Tensor(static_cast<char*>(b.recv_x.data) + s.cap * s.H, DType::f32,
-                       {s.cap, (s.H + kFp8Tile - 1) / kFp8Tile});
+                       {s.cap, fp8_tiles(s.H)});
     b.x_send = view(w.fp8_x_send, DType::e4m3, {moe.max_tokens, fp8_packed_row_bytes(s.H)});
     // The packed rows land in recv_red's bytes (free between the dispatch and the fan-in).
     view(w.recv_red, DType::e4m3, {s.cap, fp8_packed_row_bytes(s.H)});
