@@ -139,6 +139,7 @@ bool fp8_rows(const MoeConfig& m) {
 bool fp8_cols(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::wgrad1 | fp8_gemm::wgrad2); }
 bool fp8_w1(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::fprop1 | fp8_gemm::dgrad1); }
 bool fp8_w2(const MoeConfig& m) { return uses_fp8(m, fp8_gemm::fprop2 | fp8_gemm::dgrad2); }
+bool fp8_weights(const MoeConfig& m) { return fp8_w1(m) || fp8_w2(m); }
 
 // Shapes of precision fp8's quantized GEMM operands (one GEMM at a time, in the workspace): the
 // rows of an activation operand [cap, W] with scales [cap, WT], and wgrad's two transposed
@@ -175,9 +176,20 @@ struct MoeWorkspace::Buffers {
   // Precision fp8: the quantized operands of one GEMM (MoeLayer::Buffers has their shapes).
   Bytes fp8_row_q, fp8_row_s, fp8_col_a, fp8_col_as, fp8_col_b, fp8_col_bs, fp8_po, fp8_po2;
   Bytes fp8_x_send;  // x's packed rows (the FP8 dispatch's source)
-  // The echo slots' e4m3 weight copies (q, q_t and their scales, of w1 and w2), shared like the
-  // slots: made after each pull.
-  Bytes fp8_w1s_q, fp8_w1s_qt, fp8_w1s_s, fp8_w1s_st, fp8_w2s_q, fp8_w2s_qt, fp8_w2s_s, fp8_w2s_st;
+  // The echo slots' e4m3 copies of w1 and w2, shared like the slots (made after each pull): the
+  // bytes of a Fp8Weight of `slabs` [K, N] slabs.
+  struct Fp8WeightBytes {
+    Bytes q, q_t, s, s_t;
+    void grow(int64_t slabs, int64_t K, int64_t N) {
+      const auto at_least = [](Bytes& b, size_t n) { b.bytes = std::max(b.bytes, n); };
+      at_least(q, size_t(slabs * K * N));
+      at_least(q_t, size_t(slabs * K * N));
+      at_least(s, size_t(slabs * fp8_tiles(K) * fp8_tiles(N)) * sizeof(float));
+      at_least(s_t, size_t(slabs * fp8_tiles(K) * fp8_tiles(N)) * sizeof(float));
+    }
+    size_t bytes() const { return q.bytes + q_t.bytes + s.bytes + s_t.bytes; }
+  };
+  Fp8WeightBytes fp8_w1s, fp8_w2s;
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
   size_t bytes = 0;
@@ -226,19 +238,8 @@ struct MoeWorkspace::Buffers {
           grow(fp8_po2, f.G + 1, sizeof(int32_t));
         }
         if (fp8_dispatch(m)) grow(fp8_x_send, m.max_tokens * fp8_packed_row_bytes(s.H), 1);
-        const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
-        if (fp8_w1(m)) {
-          grow(fp8_w1s_q, s.S * s.H * 2 * s.F, 1);
-          grow(fp8_w1s_qt, s.S * s.H * 2 * s.F, 1);
-          grow(fp8_w1s_s, s.S * tH * t2F, sizeof(float));
-          grow(fp8_w1s_st, s.S * tH * t2F, sizeof(float));
-        }
-        if (fp8_w2(m)) {
-          grow(fp8_w2s_q, s.S * s.F * s.H, 1);
-          grow(fp8_w2s_qt, s.S * s.F * s.H, 1);
-          grow(fp8_w2s_s, s.S * tF * tH, sizeof(float));
-          grow(fp8_w2s_st, s.S * tF * tH, sizeof(float));
-        }
+        if (fp8_w1(m)) fp8_w1s.grow(s.S, s.H, 2 * s.F);
+        if (fp8_w2(m)) fp8_w2s.grow(s.S, s.F, s.H);
       }
     }
   }
@@ -250,8 +251,7 @@ struct MoeWorkspace::Buffers {
     m.echo_slot_grads = dw1_spare.bytes + dw2_spare.bytes;
     m.fp8 = fp8_row_q.bytes + fp8_row_s.bytes + fp8_col_a.bytes + fp8_col_as.bytes +
             fp8_col_b.bytes + fp8_col_bs.bytes + fp8_po.bytes + fp8_po2.bytes + fp8_x_send.bytes +
-            fp8_w1s_q.bytes + fp8_w1s_qt.bytes + fp8_w1s_s.bytes + fp8_w1s_st.bytes +
-            fp8_w2s_q.bytes + fp8_w2s_qt.bytes + fp8_w2s_s.bytes + fp8_w2s_st.bytes;
+            fp8_w1s.bytes() + fp8_w2s.bytes();
     m.workspace -= m.echo_slot_weights + m.echo_slot_grads + m.fp8;
     return m;
   }
@@ -262,9 +262,9 @@ struct MoeWorkspace::Buffers {
     f(dh, false), f(w1_spare, false), f(w2_spare, false), f(dw1_spare, true);
     f(dw2_spare, true), f(fp8_row_q, false), f(fp8_row_s, false), f(fp8_col_a, false);
     f(fp8_col_as, false), f(fp8_col_b, false), f(fp8_col_bs, false), f(fp8_po, false);
-    f(fp8_po2, false), f(fp8_x_send, false), f(fp8_w1s_q, false), f(fp8_w1s_qt, false);
-    f(fp8_w1s_s, false), f(fp8_w1s_st, false), f(fp8_w2s_q, false), f(fp8_w2s_qt, false);
-    f(fp8_w2s_s, false), f(fp8_w2s_st, false);
+    f(fp8_po2, false), f(fp8_x_send, false);
+    for (Fp8WeightBytes* w : {&fp8_w1s, &fp8_w2s})
+      f(w->q, false), f(w->q_t, false), f(w->s, false), f(w->s_t, false);
   }
 };
 
@@ -500,19 +500,15 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
     // The packed rows land in recv_red's bytes (free between the dispatch and the fan-in).
     view(w.recv_red, DType::e4m3, {s.cap, fp8_packed_row_bytes(s.H)});
   }
-  if (s.S > 0) {
-    const int64_t tH = fp8_tiles(s.H), tF = fp8_tiles(s.F), t2F = fp8_tiles(2 * s.F);
-    if (fp8_w1(moe))
-      b.w1_spare_q = {view(w.fp8_w1s_q, DType::e4m3, {s.S, s.H, 2 * s.F}),
-                      view(w.fp8_w1s_qt, DType::e4m3, {s.S, 2 * s.F, s.H}),
-                      view(w.fp8_w1s_s, DType::f32, {s.S, tH, t2F}),
-                      view(w.fp8_w1s_st, DType::f32, {s.S, t2F, tH})};
-    if (fp8_w2(moe))
-      b.w2_spare_q = {view(w.fp8_w2s_q, DType::e4m3, {s.S, s.F, s.H}),
-                      view(w.fp8_w2s_qt, DType::e4m3, {s.S, s.H, s.F}),
-                      view(w.fp8_w2s_s, DType::f32, {s.S, tF, tH}),
-                      view(w.fp8_w2s_st, DType::f32, {s.S, tH, tF})};
-  }
+  // The echo slots' e4m3 copies: [S, K, N] slabs as Fp8Weight (q, q_t, s, s_t).
+  auto weight = [&](const MoeWorkspace::Buffers::Fp8WeightBytes& x, int64_t K, int64_t N) {
+    return MoeLayer::Buffers::Fp8Weight{view(x.q, DType::e4m3, {s.S, K, N}),
+                                        view(x.q_t, DType::e4m3, {s.S, N, K}),
+                                        view(x.s, DType::f32, {s.S, fp8_tiles(K), fp8_tiles(N)}),
+                                        view(x.s_t, DType::f32, {s.S, fp8_tiles(N), fp8_tiles(K)})};
+  };
+  if (s.S > 0 && fp8_w1(moe)) b.w1_spare_q = weight(w.fp8_w1s, s.H, 2 * s.F);
+  if (s.S > 0 && fp8_w2(moe)) b.w2_spare_q = weight(w.fp8_w2s, s.F, s.H);
   if (!b.h.data) b.h = view(w.h, act, {s.cap, 2 * s.F});
   if (!b.a.data) b.a = view(w.a, act, {s.cap, s.F});
   if (!b.recv_out.data) b.recv_out = view(w.recv_out, act, {s.cap, s.H});
@@ -803,7 +799,7 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
     step(b.shared_w1, b.d_shared_w1, b.m_sw1, b.v_sw1, b.master_sw1);
     step(b.shared_w2, b.d_shared_w2, b.m_sw2, b.v_sw2, b.master_sw2);
   }
-  if (fp8_w1(moe_) || fp8_w2(moe_)) {
+  if (fp8_weights(moe_)) {
     quantize_weights(true, false, s);
     fp8_weights_stale_ = false;
   }
@@ -1060,7 +1056,7 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   last_tokens_ = T;
   last_x_ = x;  // the router backward and spill-round recompute read it again
   forward_pending_ = true;
-  const bool quantize_home = (fp8_w1(moe_) || fp8_w2(moe_)) && fp8_weights_stale_;
+  const bool quantize_home = fp8_weights(moe_) && fp8_weights_stale_;
   if (eager_graphs())
     backend_.enqueue_as_graph(
         forward_graph_, {address(x.data), address(y.data), uint64_t(T), uint64_t(quantize_home)},
@@ -1321,7 +1317,7 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     pull_clones(s);
     // Precision fp8: the echo slots' e4m3 copies are shared like the slots, so they are made
     // again; the home experts' copies are the layer's own, made in its forward.
-    if (fp8_w1(moe_) || fp8_w2(moe_)) quantize_weights(false, true, s);
+    if (fp8_weights(moe_)) quantize_weights(false, true, s);
   }
   mark("bwd_zero_clone_grads", s);
   if (slots_ > EPR && !overwrite_grads) {
