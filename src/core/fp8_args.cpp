@@ -3,6 +3,15 @@
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
+namespace {
+
+// A window's groups: a count and, when there are any, their offsets.
+void check_window_groups(const GroupWindow& w, const char* op) {
+  MOE_ECHO_CHECK(w.groups >= 0 && (w.groups == 0 || w.group_offsets),
+                 op << ": window of " << w.groups << " groups, offsets " << w.group_offsets);
+}
+
+}  // namespace
 
 int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
   const GroupWindow& w = a.window;
@@ -19,9 +28,7 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
                                                   << a.x_scale.describe() << " given for an x of "
                                                   << to_string(a.x.dtype)
                                                   << " (only e4m3 x has one)");
-  MOE_ECHO_CHECK(
-      w.groups >= 0 && (w.groups == 0 || w.group_offsets),
-      "quantize_fp8_cols: window of " << w.groups << " groups, offsets " << w.group_offsets);
+  check_window_groups(w, "quantize_fp8_cols");
   check_tensor(a.q_t, "quantize_fp8_cols q_t", DType::e4m3, {K, -1});
   const int64_t P = a.q_t.size(1);
   MOE_ECHO_CHECK(P % kFp8Tile == 0 && P >= fp8_padded_rows(w.rows, w.groups),
@@ -65,9 +72,7 @@ int64_t check_fp8_fan_args(const Fp8FanArgs& a) {
       a.members.dtype == DType::i32 && a.members.ndim == 2 && a.members.size(0) >= rows &&
           a.members.size(1) >= 1,
       "fan_out_fp8: members must be i32 [>= " << rows << ", K], got " << a.members.describe());
-  MOE_ECHO_CHECK(a.window.groups >= 0 && (a.window.groups == 0 || a.window.group_offsets),
-                 "fan_out_fp8: window of " << a.window.groups << " groups, offsets "
-                                           << a.window.group_offsets);
+  check_window_groups(a.window, "fan_out_fp8");
   return HT;
 }
 

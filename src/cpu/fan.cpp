@@ -13,18 +13,19 @@
 namespace moe_echo::cpu {
 namespace {
 
-// Member m of lead row p, or -1 past the last one. Member rows must be valid rows.
-int64_t member(const FanArgs& a, int64_t p, int64_t m, int64_t valid) {
-  const int64_t K = a.members.size(1);
+// Member m of lead row p of the fan table `members` [rows, K], or -1 past the last one. Member
+// rows must be valid rows.
+int64_t member(const Tensor& members, int64_t p, int64_t m, int64_t valid) {
+  const int64_t K = members.size(1);
   if (m >= K) return -1;
-  const int64_t j = a.members.as<int32_t>()[p * K + m];
+  const int64_t j = members.as<int32_t>()[p * K + m];
   MOE_ECHO_CHECK(j < valid, "fan table: member " << m << " of lead row " << p << " is row " << j
                                                  << ", outside the " << valid << " valid rows");
   return j < 0 ? -1 : j;
 }
 
-bool is_lead(const FanArgs& a, int64_t p) {
-  return a.members.as<int32_t>()[p * a.members.size(1)] == p;
+bool is_lead(const Tensor& members, int64_t p) {
+  return members.as<int32_t>()[p * members.size(1)] == p;
 }
 
 }  // namespace
@@ -38,11 +39,11 @@ void fan_out(const FanArgs& a) {
   MOE_ECHO_CHECK(!grad || a.other.data != nullptr, "fan_out: d_weight needs `other`");
   std::vector<double> lead(static_cast<size_t>(H));
   for (int64_t p = 0; p < valid; ++p) {
-    if (!is_lead(a, p)) continue;
+    if (!is_lead(a.members, p)) continue;
     const T* s = a.src.as<T>() + p * H;
     for (int64_t h = 0; h < H; ++h) lead[size_t(h)] = double(s[h]);
     for (int64_t m = 0; m < K; ++m) {
-      const int64_t j = member(a, p, m, valid);
+      const int64_t j = member(a.members, p, m, valid);
       if (j < 0) break;
       if (grad) {
         const T* o = a.other.as<T>() + j * H;
@@ -64,10 +65,10 @@ void fan_in(const FanArgs& a) {
   MOE_ECHO_CHECK(a.dst.data != a.src.data, "fan_in: dst and src must be distinct buffers");
   std::vector<double> acc(static_cast<size_t>(H));
   for (int64_t p = 0; p < valid; ++p) {
-    if (!is_lead(a, p)) continue;
+    if (!is_lead(a.members, p)) continue;
     std::fill(acc.begin(), acc.end(), 0.0);
     for (int64_t m = 0; m < K; ++m) {
-      const int64_t j = member(a, p, m, valid);
+      const int64_t j = member(a.members, p, m, valid);
       if (j < 0) break;
       const double w = weighted ? double(a.weights.as<T>()[p * K + m]) : 1.0;
       const T* s = a.src.as<T>() + j * H;
@@ -80,16 +81,13 @@ void fan_in(const FanArgs& a) {
 
 void fan_out_fp8(const Fp8FanArgs& a) {
   const int64_t HT = check_fp8_fan_args(a), H = a.q.size(1), pitch = fp8_packed_row_bytes(H);
-  const int64_t K = a.members.size(1), valid = valid_rows(a.window);
-  const int32_t* members = a.members.as<int32_t>();
+  const int64_t valid = valid_rows(a.window);
   for (int64_t p = 0; p < valid; ++p) {
-    if (members[p * K] != p) continue;
+    if (!is_lead(a.members, p)) continue;
     const uint8_t* row = a.src.as<uint8_t>() + p * pitch;
-    for (int64_t m = 0; m < K; ++m) {
-      const int64_t j = members[p * K + m];
+    for (int64_t m = 0;; ++m) {
+      const int64_t j = member(a.members, p, m, valid);
       if (j < 0) break;
-      MOE_ECHO_CHECK(j < valid, "fan table: member " << m << " of lead row " << p << " is row " << j
-                                                     << ", outside the " << valid << " valid rows");
       std::copy(row, row + H, a.q.as<uint8_t>() + j * H);
       std::memcpy(a.scale.as<float>() + j * HT, row + H, size_t(HT) * sizeof(float));
     }
