@@ -97,8 +97,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_GEMM:-0}" != 1 ]; then
   grep -E "rowwise" "$out/torch.log" | head -20
 fi
 # Everything but the build tree's logs in one archive (many files under $OUT do not all come back).
-(cd "$out" && tar czf fp8_round.tgz --exclude=fp8_round.tgz --exclude=build.log . 2>/dev/null &&
+gpu_name=$(head -2 "$out/gpu.txt" | tail -1 | cut -d, -f1)
+# The archive is written outside $out first: tar fails on a file that grows while it reads it.
+tmp_tgz=$(mktemp /tmp/fp8_round.XXXXXX.tgz)
+(cd "$out" && tar czf "$tmp_tgz" --exclude=build.log . && mv "$tmp_tgz" fp8_round.tgz &&
   find . -maxdepth 1 -type f ! -name fp8_round.tgz ! -name bench.log ! -name layer_table.txt -delete)
 echo
-echo "== FP8 round: $(head -2 "$out/gpu.txt" | tail -1 | cut -d, -f1), $((SECONDS - t0)) s"
+echo "== FP8 round: $gpu_name, $((SECONDS - t0)) s"
 for r in "${rows[@]}"; do echo "  $r"; done
+[ -f "$out/layer_table.txt" ] && cat "$out/layer_table.txt"

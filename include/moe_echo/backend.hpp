@@ -159,11 +159,12 @@ struct FanArgs {
 };
 
 // FP8 blockwise quantization (DeepSeek-V3's recipe): each tile's values x are stored as
-// q = e4m3(x / s) with one fp32 scale s = amax / 448 per tile (amax the tile's largest |x|; s = 1
-// for a tile of zeros), e4m3 rounded to nearest even and saturated at 448 (host_io.hpp's
-// to_e4m3), so that q s gives x back within e4m3's 3 mantissa bits. amax / 448 and x / s are
-// IEEE fp32 divisions, so every backend gives the same bits. A partial tile at an edge is a tile
-// of the elements that exist.
+// q = e4m3(x * (1 / s)) with one fp32 scale s = amax / 448 per tile (amax the tile's largest |x|;
+// s = 1 for a tile of zeros), e4m3 rounded to nearest even and saturated at 448 (host_io.hpp's
+// to_e4m3), so that q s gives x back within e4m3's 3 mantissa bits. amax / 448 and 1 / s are IEEE
+// fp32 divisions (one per tile) and x * (1 / s) an IEEE fp32 product, so every backend gives the
+// same bits; where 1 / s overflows (amax under 448 / FLT_MAX) a value is e4m3(x / s). A partial
+// tile at an edge is a tile of the elements that exist.
 struct Fp8RowArgs {  // 1 x 128 tiles along each row (activations and gradients, GEMM operand A)
   Tensor x;          // [rows, K] activation dtype
   Tensor q;          // [rows, K] e4m3 (with scale), or empty when packed is given
@@ -172,6 +173,9 @@ struct Fp8RowArgs {  // 1 x 128 tiles along each row (activations and gradients,
   // e4m3 bytes, the row's K e4m3 values, then its ceil(K / 128) f32 scales, then zero padding to
   // a multiple of 16 bytes. The same bits as q and scale.
   Tensor packed = {};
+  // With group offsets, x's rows are the window's rows and only its valid rows (those in some
+  // group) are quantized; the others are not written. Without, every row of x.
+  GroupWindow window = {};
 };
 struct Fp8BlockArgs {  // 128 x 128 blocks of each [K, N] slab (expert weights, operand B)
   Tensor w;            // [G, K, N] activation dtype
@@ -212,6 +216,12 @@ struct Fp8ColArgs {
   // With an e4m3 x, its row scales [>= window.rows, ceil(K / 128)] f32: x's values are the f32
   // products x[i][k] x_scale[i][k / 128]. Empty otherwise.
   Tensor x_scale = {};
+  // Optional, for an x in the activation dtype: in the same pass, the 1 x 128 row quantization of
+  // x's valid window rows, the bits of Fp8RowArgs{x, row_q, row_scale, {}, window} (rows of the
+  // window in no group are not written). Both empty, or row_q [>= window.rows, K] e4m3 and
+  // row_scale [row_q rows, ceil(K / 128)] f32.
+  Tensor row_q = {};
+  Tensor row_scale = {};
 };
 // Checks `a` against the contract above, x of dtype `x_dtype` (Error naming the tensor
 // otherwise); returns q_t's columns P.

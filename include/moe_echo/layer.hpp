@@ -285,15 +285,18 @@ class MoeLayer {
   // The expert GEMMs of fc1 (fc = 1) or fc2 (fc = 2) over a window, in the layer's precision
   // (MoeConfig::precision): c = a @ w (or a @ w^T with dgrad), and the weight gradient of a^T b
   // into the home slots (`home`) and the spare slots (fp8: `a` may be e4m3 with its row scales
-  // `a_scale`). quantized_rows_gemm: the fp8 GEMM of rows already quantized (q, sc); fc1_forward:
-  // h from the received rows.
+  // `a_scale`; `b_quantized`: b's columns are in col_b already, from expert_dgrad).
+  // quantized_rows_gemm: the fp8 GEMM of rows already quantized (q, sc); fc1_forward: h from the
+  // received rows.
   void expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, bool dgrad,
                         Stream s);
+  bool expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c, Stream s);
   void quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const Tensor& sc, int fc,
                            const Tensor& c, bool dgrad, Stream s);
   void fc1_forward(const GroupWindow& gw, Stream s);
   void expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, int fc,
-                    const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale = Tensor());
+                    const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale = Tensor(),
+                    bool b_quantized = false);
   // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'
   // (`spare`, after the clones were pulled), from the weights as they are now.
   void quantize_weights(bool home, bool spare, Stream s);

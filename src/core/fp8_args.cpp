@@ -38,6 +38,17 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
   check_tensor(a.scale, "quantize_fp8_cols scale", DType::f32, {K * P / kFp8Tile});
   check_tensor(a.padded_offsets, "quantize_fp8_cols padded_offsets", DType::i32,
                {int64_t(w.groups) + 1});
+  if (a.row_q.data || a.row_scale.data) {
+    MOE_ECHO_CHECK(!fp8_in, "quantize_fp8_cols: row_q " << a.row_q.describe()
+                                                        << " for an e4m3 x (rows of an "
+                                                           "activation-dtype x only)");
+    check_tensor(a.row_q, "quantize_fp8_cols row_q", DType::e4m3, {-1, K});
+    MOE_ECHO_CHECK(a.row_q.size(0) >= w.rows, "quantize_fp8_cols: row_q " << a.row_q.describe()
+                                                                          << " for " << w.rows
+                                                                          << " window rows");
+    check_tensor(a.row_scale, "quantize_fp8_cols row_scale", DType::f32,
+                 {a.row_q.size(0), fp8_tiles(K)});
+  }
   return P;
 }
 
@@ -55,6 +66,12 @@ int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype) {
   } else {
     check_tensor(a.q, "quantize_fp8_rows q", DType::e4m3, {rows, K});
     check_tensor(a.scale, "quantize_fp8_rows scale", DType::f32, {rows, KT});
+  }
+  if (a.window.group_offsets || a.window.groups) {
+    check_window_groups(a.window, "quantize_fp8_rows");
+    MOE_ECHO_CHECK(a.window.rows >= 0 && a.window.row_lo >= 0 && rows >= a.window.rows,
+                   "quantize_fp8_rows: x " << a.x.describe() << " for a window of " << a.window.rows
+                                           << " rows from row " << a.window.row_lo);
   }
   return KT;
 }

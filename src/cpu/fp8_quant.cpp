@@ -1,6 +1,6 @@
-// FP8 blockwise quantization (backend.hpp, Fp8RowArgs / Fp8BlockArgs): per tile, the largest
-// magnitude, the scale amax / 448 (1 for a tile of zeros) and every element as e4m3(x / scale),
-// all in float as the CUDA kernels compute it.
+// FP8 blockwise quantization (backend.hpp, Fp8RowArgs / Fp8BlockArgs / Fp8ColArgs): per tile, the
+// largest magnitude, the scale amax / 448 (1 for a tile of zeros) and every element as
+// e4m3(x * (1 / scale)), all in float as the CUDA kernels compute it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,13 +12,21 @@
 namespace moe_echo::cpu {
 namespace {
 
-float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
+// A tile's scale s = amax / 448 (1 for a tile of zeros) and its multiplier 1 / s (one IEEE
+// division per tile): a value x is stored as e4m3(x * (1 / s)), or as e4m3(x / s) where 1 / s
+// overflows (amax under 448 / FLT_MAX).
+struct TileQuant {
+  float s, inv;
+  explicit TileQuant(float amax) : s(amax > 0.f ? amax / 448.f : 1.f), inv(1.f / s) {}
+  uint8_t operator()(float x) const { return to_e4m3(std::isinf(inv) ? x / s : x * inv); }
+};
 
 }  // namespace
 
 template <class T>
 void quantize_fp8_rows(const Fp8RowArgs& a) {
-  const int64_t KT = check_fp8_row_args(a, a.x.dtype), rows = a.x.size(0), K = a.x.size(1);
+  const int64_t KT = check_fp8_row_args(a, a.x.dtype), K = a.x.size(1);
+  const int64_t rows = a.window.group_offsets ? valid_rows(a.window) : a.x.size(0);
   const T* x = a.x.as<T>();
   // Row r's values and scales: q and scale, or packed row r (values, then scales, then zeros).
   const int64_t pitch = a.packed.data ? fp8_packed_row_bytes(K) : 0;
@@ -30,17 +38,17 @@ void quantize_fp8_rows(const Fp8RowArgs& a) {
       const int64_t lo = t * kFp8Tile, hi = std::min(K, lo + kFp8Tile);
       float amax = 0.f;
       for (int64_t k = lo; k < hi; ++k) amax = std::max(amax, std::fabs(float(x[r * K + k])));
-      const float s = tile_scale(amax);
-      scale[t] = s;
-      for (int64_t k = lo; k < hi; ++k) q[k] = to_e4m3(float(x[r * K + k]) / s);
+      const TileQuant tq(amax);
+      scale[t] = tq.s;
+      for (int64_t k = lo; k < hi; ++k) q[k] = tq(float(x[r * K + k]));
     }
   }
 }
 
 template <class T>
 void dequantize_fp8_rows(const Fp8RowArgs& a) {
-  MOE_ECHO_CHECK(a.packed.data == nullptr,
-                 "dequantize_fp8_rows reads q and scale, not packed rows");
+  MOE_ECHO_CHECK(a.packed.data == nullptr && a.window.group_offsets == nullptr,
+                 "dequantize_fp8_rows reads q and scale of every row, not packed rows or a window");
   const int64_t KT = check_fp8_row_args(a, a.x.dtype), rows = a.x.size(0), K = a.x.size(1);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < K; ++k)
@@ -67,12 +75,12 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a) {
         float amax = 0.f;
         for (int64_t k = k0; k < k1; ++k)
           for (int64_t n = n0; n < n1; ++n) amax = std::max(amax, std::fabs(at(k, n)));
-        const float s = tile_scale(amax);
-        a.scale.as<float>()[(g * KT + kt) * NT + nt] = s;
-        if (a.scale_t.data) a.scale_t.as<float>()[(g * NT + nt) * KT + kt] = s;
+        const TileQuant tq(amax);
+        a.scale.as<float>()[(g * KT + kt) * NT + nt] = tq.s;
+        if (a.scale_t.data) a.scale_t.as<float>()[(g * NT + nt) * KT + kt] = tq.s;
         for (int64_t k = k0; k < k1; ++k)
           for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t v = to_e4m3(at(k, n) / s);
+            const uint8_t v = tq(at(k, n));
             if (a.q.data) a.q.as<uint8_t>()[(g * K + k) * N + n] = v;
             if (a.q_t.data) a.q_t.as<uint8_t>()[(g * N + n) * K + k] = v;
           }
@@ -103,14 +111,15 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
         const int64_t lo = t * kFp8Tile, hi = std::min(m, lo + kFp8Tile);
         float amax = 0.f;
         for (int64_t i = lo; i < hi; ++i) amax = std::max(amax, std::fabs(value(rr.begin + i, k)));
-        const float s = tile_scale(amax);
-        scale[K * p / kFp8Tile + t * K + k] = s;
+        const TileQuant tq(amax);
+        scale[K * p / kFp8Tile + t * K + k] = tq.s;
         for (int64_t i = lo; i < lo + kFp8Tile; ++i)
-          q[k * P + p + i] = i < hi ? to_e4m3(value(rr.begin + i, k) / s) : 0;
+          q[k * P + p + i] = i < hi ? tq(value(rr.begin + i, k)) : 0;
       }
     p += tiles_g * kFp8Tile;
   }
   po[w.groups] = int32_t(p);
+  if (a.row_q.data) quantize_fp8_rows<T>({a.x, a.row_q, a.row_scale, {}, w});
 }
 
 template void quantize_fp8_rows<float>(const Fp8RowArgs&);

@@ -1,6 +1,7 @@
 // FP8 blockwise quantization on the GPU (backend.hpp, Fp8RowArgs / Fp8BlockArgs / Fp8ColArgs).
-// Semantics and bits: src/cpu/fp8_quant.cpp (amax, scale = amax / 448 or 1, e4m3(x / scale) rounded
-// to nearest even and saturated: cvt.rn.satfinite.e4m3x2.f32 through __nv_cvt_float_to_fp8).
+// Semantics and bits: src/cpu/fp8_quant.cpp (amax, scale = amax / 448 or 1, e4m3(x * (1 / scale))
+// rounded to nearest even and saturated: cvt.rn.satfinite.e4m3x2.f32 through
+// __nv_cvt_float_to_fp8).
 // Memory-bound: each element is read once per pass (twice for the weight blocks, whose second read
 // hits L2).
 #include <cuda_fp8.h>
@@ -14,11 +15,21 @@ namespace {
 
 constexpr int kTile = int(kFp8Tile);
 
-__device__ __forceinline__ float tile_scale(float amax) { return amax > 0.f ? amax / 448.f : 1.f; }
-
 __device__ __forceinline__ uint8_t e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
+
+// A tile's scale s = amax / 448 (1 for a tile of zeros) and its multiplier 1 / s (one IEEE
+// division per tile): a value x is stored as e4m3(x * (1 / s)), or as e4m3(x / s) where 1 / s
+// overflows (amax under 448 / FLT_MAX).
+struct TileQuant {
+  float s, inv;
+  __device__ __forceinline__ explicit TileQuant(float amax)
+      : s(amax > 0.f ? amax / 448.f : 1.f), inv(1.f / s) {}
+  __device__ __forceinline__ uint8_t operator()(float x) const {
+    return e4m3(isinf(inv) ? x / s : x * inv);
+  }
+};
 
 // e4m3 bits as a float (exact: every e4m3 value is a half).
 __device__ __forceinline__ float from_e4m3(uint8_t b) {
@@ -33,43 +44,73 @@ __device__ __forceinline__ void load4(const bf16* p, float v[4]) {
   v[0] = __low2float(lo), v[1] = __high2float(lo), v[2] = __low2float(hi), v[3] = __high2float(hi);
 }
 
-// One warp per (row, tile): lane l holds elements 4l .. 4l + 3 of the tile (one 8-byte load and
-// one 4-byte store when `vec`: K a multiple of 4 and x, q aligned; element by element otherwise).
-// Row r's values go to q + r q_pitch and its scales to scale + r s_pitch (dense q and scale, or
-// packed rows: values then scales in one row of q_pitch bytes, whose `pad` last bytes are zeroed).
+// Eight bf16 of x (16 bytes, aligned) as floats.
+__device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(p), v);
+}
+
+// The e4m3 bytes of a, b, c, d in one tile as one word (a lowest).
+__device__ __forceinline__ uint32_t e4m3x4(const TileQuant& t, float a, float b, float c, float d) {
+  return uint32_t(t(a)) | uint32_t(t(b)) << 8 | uint32_t(t(c)) << 16 | uint32_t(t(d)) << 24;
+}
+
+// The row quantization's load and store widths: each lane holds V elements of a tile, so a tile
+// takes 128 / V lanes and a warp takes 32 V / 128 (row, tile) items at a time.
+enum class RowVec { x16, x8, scalar };  // 16-byte / 8-byte loads, or element by element
+
+// Warp-uniform loop over (row, tile) items: lane group `sub` of the warp takes item w0 + sub,
+// its lane l elements V l .. V l + V - 1 of the tile. The rows are x's, or with `offsets` the
+// window's valid rows only. Row r's values go to q + r q_pitch and its scales to
+// scale + r s_pitch (dense q and scale, or packed rows: values then scales in one row of q_pitch
+// bytes, whose `pad` last bytes are zeroed).
+template <RowVec kVec>
 __global__ void quantize_rows_kernel(const bf16* __restrict__ x, uint8_t* __restrict__ q,
                                      float* __restrict__ scale, int64_t rows, int64_t K,
-                                     int64_t tiles, bool vec, int64_t q_pitch, int64_t s_pitch,
-                                     int pad) {
-  const int lane = int(threadIdx.x) % 32;
-  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  for (int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; w < rows * tiles;
-       w += warps) {
-    const int64_t r = w / tiles, t = w % tiles, lo = t * kTile;
-    const int64_t n = K - lo < kTile ? K - lo : kTile;
+                                     int64_t tiles, int64_t q_pitch, int64_t s_pitch, int pad,
+                                     const int32_t* __restrict__ offsets, int groups,
+                                     int64_t row_lo) {
+  constexpr int V = kVec == RowVec::x16 ? 8 : 4, L = kTile / V, per_warp = 32 / L;
+  const int lane = int(threadIdx.x) % 32, sub = lane / L, l = lane % L, c = V * l;
+  if (offsets) rows = valid_window_rows(offsets, groups, row_lo, rows);
+  const int64_t items = rows * tiles;
+  const int64_t stride = int64_t(gridDim.x) * (blockDim.x / 32) * per_warp;
+  for (int64_t w0 = (int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32) * per_warp;
+       w0 < items; w0 += stride) {
+    const int64_t w = w0 + sub;
+    const bool on = w < items;
+    const int64_t r = on ? w / tiles : 0, t = on ? w % tiles : 0, lo = t * kTile;
+    const int64_t n = !on ? 0 : K - lo < kTile ? K - lo : kTile;
     const bf16* row = x + r * K + lo;
-    const int c = 4 * lane;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
-    if (vec && c < n) {
-      load4(row + c, v);
-    } else if (!vec) {
-      for (int j = 0; j < 4; ++j)
+    float v[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = 0.f;
+    if constexpr (kVec == RowVec::x16) {
+      if (c < n) load8(row + c, v);
+    } else if constexpr (kVec == RowVec::x8) {
+      if (c < n) load4(row + c, v);
+    } else {
+      for (int j = 0; j < V; ++j)
         if (c + j < n) v[j] = __bfloat162float(row[c + j]);
     }
-    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-    amax = warp_max(amax);
-    const float s = tile_scale(amax);
-    if (lane == 0) scale[r * s_pitch + t] = s;
-    if (t == 0 && lane < pad) q[(r + 1) * q_pitch - pad + lane] = 0;
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(v[j]));
+#pragma unroll
+    for (int o = L / 2; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!on) continue;
+    const TileQuant tq(amax);
+    if (l == 0) scale[r * s_pitch + t] = tq.s;
+    if (t == 0 && l < pad) q[(r + 1) * q_pitch - pad + l] = 0;
     uint8_t* out = q + r * q_pitch + lo;
-    if (vec) {
+    if constexpr (kVec == RowVec::x16) {
       if (c < n)
-        *reinterpret_cast<uint32_t*>(out + c) =
-            uint32_t(e4m3(v[0] / s)) | uint32_t(e4m3(v[1] / s)) << 8 |
-            uint32_t(e4m3(v[2] / s)) << 16 | uint32_t(e4m3(v[3] / s)) << 24;
+        *reinterpret_cast<uint2*>(out + c) =
+            make_uint2(e4m3x4(tq, v[0], v[1], v[2], v[3]), e4m3x4(tq, v[4], v[5], v[6], v[7]));
+    } else if constexpr (kVec == RowVec::x8) {
+      if (c < n) *reinterpret_cast<uint32_t*>(out + c) = e4m3x4(tq, v[0], v[1], v[2], v[3]);
     } else {
-      for (int j = 0; j < 4; ++j)
-        if (c + j < n) out[c + j] = e4m3(v[j] / s);
+      for (int j = 0; j < V; ++j)
+        if (c + j < n) out[c + j] = tq(v[j]);
     }
   }
 }
@@ -112,13 +153,13 @@ __global__ void __launch_bounds__(256)
   __syncthreads();
   amax = 0.f;
   for (int i = 0; i < int(blockDim.x / 32); ++i) amax = fmaxf(amax, warp_amax[i]);
-  const float s = tile_scale(amax);
-  if (threadIdx.x == 0) scale[(g * k_tiles + kt) * n_tiles + nt] = s;
-  if (threadIdx.x == 0 && scale_t) scale_t[(g * n_tiles + nt) * k_tiles + kt] = s;
+  const TileQuant tq(amax);
+  if (threadIdx.x == 0) scale[(g * k_tiles + kt) * n_tiles + nt] = tq.s;
+  if (threadIdx.x == 0 && scale_t) scale_t[(g * n_tiles + nt) * k_tiles + kt] = tq.s;
   for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
     const int r = i / kTile, c = i % kTile;
     if (r < kn && c < nn) {
-      const uint8_t v = e4m3(__bfloat162float(slab[(k0 + r) * N + n0 + c]) / s);
+      const uint8_t v = tq(__bfloat162float(slab[(k0 + r) * N + n0 + c]));
       if (q) q[g * K * N + (k0 + r) * N + n0 + c] = v;
       tile[r][c] = v;
     }
@@ -146,25 +187,29 @@ __global__ void padded_offsets_kernel(const int32_t* __restrict__ offsets, int g
 }
 
 // Fp8ColArgs, step 2: block (t, kb) takes column tile t of q_t (128 columns, inside one group)
-// and rows [kb * 128, kb * 128 + 128) of q_t (columns of x): the 128 x 128 bf16 block of x into
-// shared memory (16-byte loads along x's rows when `vec`), then warp w takes q_t rows
-// w, w + 8, ...: lane l holds tile columns l, l + 32, l + 64, l + 96, so the amax is one warp
-// reduction and every store is 32 consecutive bytes.
+// and rows [kb * 128, kb * 128 + 128) of q_t (columns of x): the 128 x 128 block of x into shared
+// memory, row r of the block at word row tile_row(r) of an odd pitch, so that the four rows
+// 4 l .. 4 l + 3 of lane l lie in 32 distinct banks at any column. Then warp w takes the x
+// columns of one shared word at a time (2 of bf16, 4 of e4m3): lane l reads its four rows' words,
+// each column's amax is one warp reduction, and lane l writes the column's four e4m3 bytes of
+// rows 4 l .. 4 l + 3 as one word (a warp: 128 consecutive bytes of a q_t row).
 // With an e4m3 x (kFp8In), the block keeps x's bytes and each row's scale of this K tile, and a
 // value is their f32 product (the scale of x row i's tile kb is x_scale[i * tiles + kb]).
+// With row_q (bf16 x), the block's rows are also quantized along K from shared memory: warp w
+// takes rows w, w + 8, ..., lane l the columns 2 l, 2 l + 1, 2 l + 64, 2 l + 65.
+__device__ __forceinline__ int tile_row(int r) { return (r >> 2) + ((r & 3) << 5); }
+
 template <bool kFp8In>
 __global__ void __launch_bounds__(256)
     quantize_cols_kernel(const void* __restrict__ x_in, const float* __restrict__ x_scale,
                          const int32_t* __restrict__ offsets, const int32_t* __restrict__ padded,
                          int groups, int64_t row_lo, int64_t rows, int64_t K, int64_t P,
-                         uint8_t* __restrict__ q_t, float* __restrict__ scale, bool vec) {
-  // bf16: odd word stride (65 words), so column reads hit 32 banks; e4m3: 33 words.
-  __shared__ alignas(16) unsigned char smem[kFp8In ? kTile * (kTile + 4) : kTile * (kTile + 2) * 2];
-  __shared__ float row_scale[kFp8In ? kTile : 1];
-  [[maybe_unused]] auto block = reinterpret_cast<bf16(*)[kTile + 2]>(smem);
-  [[maybe_unused]] auto bytes = reinterpret_cast<uint8_t(*)[kTile + 4]>(smem);
-  [[maybe_unused]] const bf16* x = static_cast<const bf16*>(x_in);
-  [[maybe_unused]] const uint8_t* xq = static_cast<const uint8_t*>(x_in);
+                         uint8_t* __restrict__ q_t, float* __restrict__ scale, bool vec,
+                         uint8_t* __restrict__ row_q, float* __restrict__ row_scale) {
+  constexpr int kPer = kFp8In ? 4 : 2;      // x columns per shared word
+  constexpr int kPitch = kTile / kPer + 1;  // words per shared row (odd)
+  __shared__ uint32_t tile[kTile * kPitch];
+  __shared__ float x_row_scale[kFp8In ? kTile : 1];
   const int64_t c0 = int64_t(blockIdx.x) * kTile, k0 = int64_t(blockIdx.y) * kTile;
   if (c0 >= padded[groups]) return;
   int lo_g = 0, hi_g = groups - 1;  // the group whose padded columns hold c0
@@ -182,59 +227,96 @@ __global__ void __launch_bounds__(256)
   const int64_t first = begin - row_lo + t * kTile;  // window row of the tile's column 0
   const int n = int(m - t * kTile < kTile ? m - t * kTile : kTile);
   const int kn = int(K - k0 < kTile ? K - k0 : kTile);
-  if constexpr (kFp8In) {
-    const int64_t k_tiles = (K + kTile - 1) / kTile;
+  const int64_t k_tiles = (K + kTile - 1) / kTile;
+  if constexpr (kFp8In)
     for (int r = int(threadIdx.x); r < kTile; r += int(blockDim.x))
-      row_scale[r] = r < n ? x_scale[(first + r) * k_tiles + blockIdx.y] : 0.f;
-    if (vec) {  // 4 e4m3 per load; kn is a multiple of 4
-      for (int i = int(threadIdx.x); i < kTile * kTile / 4; i += int(blockDim.x)) {
-        const int r = i / (kTile / 4), c = i % (kTile / 4) * 4;
-        uint32_t raw = 0;
-        if (r < n && c < kn)
-          raw = *reinterpret_cast<const uint32_t*>(xq + (first + r) * K + k0 + c);
-        *reinterpret_cast<uint32_t*>(&bytes[r][c]) = raw;
-      }
-    } else {
-      for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
-        const int r = i / kTile, c = i % kTile;
-        bytes[r][c] = r < n && c < kn ? xq[(first + r) * K + k0 + c] : uint8_t(0);
-      }
-    }
-  } else if (vec) {  // 8 bf16 per load; kn is a multiple of 8
-    for (int i = int(threadIdx.x); i < kTile * kTile / 8; i += int(blockDim.x)) {
-      const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+      x_row_scale[r] = r < n ? x_scale[(first + r) * k_tiles + blockIdx.y] : 0.f;
+  // The block: 16-byte loads when `vec` (kn a multiple of 16 bytes' elements), element by
+  // element otherwise; zeros past n rows and kn columns.
+  constexpr int kChunk = 16 / (kFp8In ? 1 : 2);  // elements of a 16-byte load
+  if (vec) {
+#pragma unroll 4
+    for (int i = int(threadIdx.x); i < kTile * kTile / kChunk; i += int(blockDim.x)) {
+      const int r = i / (kTile / kChunk), c = i % (kTile / kChunk) * kChunk;
       uint4 raw = make_uint4(0, 0, 0, 0);
-      if (r < n && c < kn) raw = *reinterpret_cast<const uint4*>(x + (first + r) * K + k0 + c);
-      const bf16* e = reinterpret_cast<const bf16*>(&raw);
-      for (int j = 0; j < 8; ++j) block[r][c + j] = e[j];
+      if (r < n && c < kn) {
+        const int64_t at = (first + r) * K + k0 + c;
+        raw = kFp8In ? *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x_in) + at)
+                     : *reinterpret_cast<const uint4*>(static_cast<const bf16*>(x_in) + at);
+      }
+      uint32_t* dst = tile + tile_row(r) * kPitch + c / kPer;
+      dst[0] = raw.x, dst[1] = raw.y, dst[2] = raw.z, dst[3] = raw.w;
     }
   } else {
     for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
       const int r = i / kTile, c = i % kTile;
-      block[r][c] = r < n && c < kn ? x[(first + r) * K + k0 + c] : __float2bfloat16(0.f);
+      const bool in = r < n && c < kn;
+      const int64_t at = (first + r) * K + k0 + c;
+      if constexpr (kFp8In)
+        reinterpret_cast<uint8_t*>(tile + tile_row(r) * kPitch)[c] =
+            in ? static_cast<const uint8_t*>(x_in)[at] : uint8_t(0);
+      else
+        reinterpret_cast<bf16*>(tile + tile_row(r) * kPitch)[c] =
+            in ? static_cast<const bf16*>(x_in)[at] : __float2bfloat16(0.f);
     }
   }
   __syncthreads();
-  const int lane = int(threadIdx.x) % 32;
-  float* tile_scales = scale + K * (padded[g] / kTile) + t * K + k0;
-  for (int c = int(threadIdx.x) / 32; c < kn; c += int(blockDim.x) / 32) {
-    float v[4];
-    float amax = 0.f;
-    for (int j = 0; j < 4; ++j) {
-      const int r = lane + 32 * j;
-      if constexpr (kFp8In)
-        v[j] = r < n ? __fmul_rn(from_e4m3(bytes[r][c]), row_scale[r]) : 0.f;
-      else
-        v[j] = r < n ? __bfloat162float(block[r][c]) : 0.f;
-      amax = fmaxf(amax, fabsf(v[j]));
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  if constexpr (!kFp8In) {
+    if (row_q) {
+      for (int r = warp; r < n; r += int(blockDim.x) / 32) {
+        const uint32_t* row = tile + tile_row(r) * kPitch;
+        float v[4];
+        const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(row + lane);
+        const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(row + lane + 32);
+        v[0] = __low2float(lo), v[1] = __high2float(lo), v[2] = __low2float(hi);
+        v[3] = __high2float(hi);  // zero past kn
+        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+        amax = warp_max(amax);
+        const TileQuant tq(amax);
+        if (lane == 0) row_scale[(first + r) * k_tiles + blockIdx.y] = tq.s;
+        uint8_t* out = row_q + (first + r) * K + k0;
+        const int c = 2 * lane;
+        if (vec) {
+          if (c < kn) *reinterpret_cast<uint16_t*>(out + c) = uint16_t(tq(v[0]) | tq(v[1]) << 8);
+          if (c + 64 < kn)
+            *reinterpret_cast<uint16_t*>(out + c + 64) = uint16_t(tq(v[2]) | tq(v[3]) << 8);
+        } else {
+          for (int j = 0; j < 4; ++j) {
+            const int cj = c + j % 2 + (j / 2) * 64;
+            if (cj < kn) out[cj] = tq(v[j]);
+          }
+        }
+      }
     }
-    amax = warp_max(amax);
-    const float s = tile_scale(amax);
-    if (lane == 0) tile_scales[c] = s;
-    uint8_t* out = q_t + (k0 + c) * P + c0;
-    for (int j = 0; j < 4; ++j) {
-      const int r = lane + 32 * j;
-      out[r] = r < n ? e4m3(v[j] / s) : uint8_t(0);
+  }
+  float* tile_scales = scale + K * (padded[g] / kTile) + t * K + k0;
+  for (int cw = warp; cw * kPer < kn; cw += int(blockDim.x) / 32) {
+    float v[4][kPer];  // rows 4 lane + i, columns kPer cw + j
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * lane + i;
+      const uint32_t word = tile[tile_row(r) * kPitch + cw];
+      if constexpr (kFp8In) {
+        const float rs = x_row_scale[r];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) v[i][j] = __fmul_rn(from_e4m3(uint8_t(word >> (8 * j))), rs);
+      } else {
+        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
+        v[i][0] = __low2float(pair), v[i][1] = __high2float(pair);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int c = kPer * cw + j;
+      float amax =
+          fmaxf(fmaxf(fabsf(v[0][j]), fabsf(v[1][j])), fmaxf(fabsf(v[2][j]), fabsf(v[3][j])));
+      amax = warp_max(amax);
+      if (c >= kn) continue;  // warp-uniform
+      const TileQuant tq(amax);
+      if (lane == 0) tile_scales[c] = tq.s;
+      *reinterpret_cast<uint32_t*>(q_t + (k0 + c) * P + c0 + 4 * lane) =
+          e4m3x4(tq, v[0][j], v[1][j], v[2][j], v[3][j]);
     }
   }
 }
@@ -248,17 +330,29 @@ void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
   uint8_t* q = packed ? a.packed.as<uint8_t>() : a.q.as<uint8_t>();
   float* scale = packed ? reinterpret_cast<float*>(q + K) : a.scale.as<float>();
   const int64_t pitch = packed ? fp8_packed_row_bytes(K) : K;
-  const bool vec = K % 4 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 8 == 0 &&
-                   reinterpret_cast<uintptr_t>(q) % 4 == 0;
-  MOE_ECHO_LAUNCH(quantize_rows_kernel, blocks_for(rows * KT, 8, grid_cap()), 256, 0, s,
-                  a.x.as<bf16>(), q, scale, rows, K, KT, vec, pitch,
-                  packed ? pitch / int64_t(sizeof(float)) : KT,
-                  packed ? int(pitch - K - KT * int64_t(sizeof(float))) : 0);
+  const auto x_at = reinterpret_cast<uintptr_t>(a.x.data), q_at = reinterpret_cast<uintptr_t>(q);
+  const RowVec vec = K % 8 == 0 && x_at % 16 == 0 && q_at % 8 == 0  ? RowVec::x16
+                     : K % 4 == 0 && x_at % 8 == 0 && q_at % 4 == 0 ? RowVec::x8
+                                                                    : RowVec::scalar;
+  const GroupWindow& w = a.window;
+  const int64_t n = w.group_offsets ? w.rows : rows;
+  auto launch = [&](auto kernel, int per_warp) {
+    MOE_ECHO_LAUNCH(kernel, blocks_for(n * KT, 8 * per_warp, grid_cap()), 256, 0, s, a.x.as<bf16>(),
+                    q, scale, n, K, KT, pitch, packed ? pitch / int64_t(sizeof(float)) : KT,
+                    packed ? int(pitch - K - KT * int64_t(sizeof(float))) : 0, w.group_offsets,
+                    w.groups, w.row_lo);
+  };
+  if (vec == RowVec::x16)
+    launch(quantize_rows_kernel<RowVec::x16>, 2);
+  else if (vec == RowVec::x8)
+    launch(quantize_rows_kernel<RowVec::x8>, 1);
+  else
+    launch(quantize_rows_kernel<RowVec::scalar>, 1);
 }
 
 void dequantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
-  MOE_ECHO_CHECK(a.packed.data == nullptr,
-                 "dequantize_fp8_rows reads q and scale, not packed rows");
+  MOE_ECHO_CHECK(a.packed.data == nullptr && a.window.group_offsets == nullptr,
+                 "dequantize_fp8_rows reads q and scale of every row, not packed rows or a window");
   const int64_t KT = check_fp8_row_args(a, DType::bf16), rows = a.x.size(0), K = a.x.size(1);
   if (rows == 0 || K == 0) return;
   const int per = K % 4 == 0 ? 4 : 1;
@@ -289,17 +383,22 @@ void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
   MOE_ECHO_CHECK(P / kFp8Tile <= INT32_MAX && fp8_tiles(K) <= 65535,
                  "quantize_fp8_cols: " << P << " columns, K " << K);
   if (P == 0) return;
+  MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(a.q_t.data) % 4 == 0,
+                 "quantize_fp8_cols: q_t at " << a.q_t.data << " must be 4-byte aligned");
   const dim3 grid(unsigned(P / kFp8Tile), unsigned(fp8_tiles(K)));
   if (a.x.dtype == DType::e4m3)
     MOE_ECHO_LAUNCH(quantize_cols_kernel<true>, grid, 256, 0, s, a.x.data, a.x_scale.as<float>(),
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
                     P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
-                    K % 4 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 4 == 0);
+                    K % 16 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0, nullptr,
+                    nullptr);
   else
     MOE_ECHO_LAUNCH(quantize_cols_kernel<false>, grid, 256, 0, s, a.x.data, nullptr,
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
                     P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
-                    K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0);
+                    K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(a.row_q.data) % 2 == 0,
+                    a.row_q.as<uint8_t>(), a.row_scale.as<float>());
 }
 
 }  // namespace moe_echo::cuda

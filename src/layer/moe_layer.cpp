@@ -983,8 +983,28 @@ void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, 
   }
   const int64_t rows = a.size(0), k = a.size(1);
   const Tensor q = packed(b.row_q, rows, k), sc = packed(b.row_s, rows, fp8_tiles(k));
-  backend_.quantize_fp8_rows({a, q, sc}, s);
+  backend_.quantize_fp8_rows({a, q, sc, {}, gw}, s);
   quantized_rows_gemm(gw, q, sc, fc, c, dgrad, s);
+}
+
+// fc's dgrad c = d @ w^T. When fc's wgrad is FP8 too, d's rows and its columns for that wgrad
+// (col_b, col_bs, col_po2) are quantized in one pass, which expert_wgrad then takes
+// (`b_quantized`); returns whether they were.
+bool MoeLayer::expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c,
+                            Stream s) {
+  const bool both = fc == 1 ? uses_fp8(moe_, fp8_gemm::dgrad1) && uses_fp8(moe_, fp8_gemm::wgrad1)
+                            : uses_fp8(moe_, fp8_gemm::dgrad2) && uses_fp8(moe_, fp8_gemm::wgrad2);
+  if (!both) {
+    expert_rows_gemm(gw, d, fc, c, true, s);
+    return false;
+  }
+  const Buffers& b = *buf_;
+  const int64_t rows = d.size(0), k = d.size(1), P = b.col_b.size(1);
+  const Tensor q = packed(b.row_q, rows, k), sc = packed(b.row_s, rows, fp8_tiles(k));
+  backend_.quantize_fp8_cols(
+      {gw, d, packed(b.col_b, k, P), packed(b.col_bs, k * P / kFp8Tile), b.col_po2, {}, q, sc}, s);
+  quantized_rows_gemm(gw, q, sc, fc, c, true, s);
+  return true;
 }
 
 // expert_rows_gemm on rows already in e4m3 with their 1 x 128 scales.
@@ -1007,7 +1027,8 @@ void MoeLayer::quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const
 }
 
 void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& bt, int fc,
-                            const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale) {
+                            const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale,
+                            bool b_quantized) {
   const Buffers& b = *buf_;
   const Tensor& spare = fc == 1 ? b.dw1_spare : b.dw2_spare;
   if (!uses_fp8(moe_, fc == 1 ? fp8_gemm::wgrad1 : fp8_gemm::wgrad2)) {
@@ -1019,7 +1040,7 @@ void MoeLayer::expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor
   const Tensor qa = packed(b.col_a, ka, P), qb = packed(b.col_b, nb, P);
   const Tensor sa = packed(b.col_as, ka * P / kFp8Tile), sb = packed(b.col_bs, nb * P / kFp8Tile);
   backend_.quantize_fp8_cols({gw, a, qa, sa, b.col_po, a_scale}, s);
-  backend_.quantize_fp8_cols({gw, bt, qb, sb, b.col_po2}, s);
+  if (!b_quantized) backend_.quantize_fp8_cols({gw, bt, qb, sb, b.col_po2}, s);
   const GemmArgs w = wgrad(gw, a, bt, spare, home, overwrite);
   Fp8GemmArgs g;
   g.window = gw;
@@ -1396,24 +1417,25 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
   mark(round, "bwd_dgrad_fc2", s);
-  expert_rows_gemm(gw, b.recv_out, 2, b.da, true, s);
+  const bool dy_quantized = expert_dgrad(gw, b.recv_out, 2, b.da, s);
   mark(round, "bwd_wgrad_fc2", s);
-  expert_wgrad(gw, b.a, b.recv_out, 2, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads, s);
+  expert_wgrad(gw, b.a, b.recv_out, 2, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads, s,
+               Tensor(), dy_quantized);
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  expert_rows_gemm(gw, b.dh, 1, b.recv_out, true, s);  // dx rows
+  const bool dh_quantized = expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
   const Tensor& dw1 = into.dw1.data ? into.dw1 : b.dw1;
   if (fp8_dispatch(moe_) && uses_fp8(moe_, fp8_gemm::wgrad1)) {
-    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs);
+    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs, dh_quantized);
   } else if (fp8_dispatch(moe_)) {
     // A weight gradient in the activation dtype from rows received in e4m3: their values into
     // recv_red (free between the scatter of dy and the fan-in).
     backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs}, s);
     expert_wgrad(gw, b.recv_red, b.dh, 1, dw1, overwrite_grads, s);
   } else {
-    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s);
+    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s, Tensor(), dh_quantized);
   }
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();

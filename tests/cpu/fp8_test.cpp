@@ -1,8 +1,8 @@
 // FP8 (e4m3) on the host and the CPU backend: the conversion against a brute-force nearest-value
 // search over all 256 codes (ties to the even code, saturation at 448, NaN), and the blockwise
 // quantization of rows (1 x 128 tiles) and weight slabs (128 x 128 blocks) against a plain fp64
-// reading of its definition: scale = amax / 448 (1 for zeros), q = e4m3(x / scale), dequantized
-// q * scale within e4m3's half-ulp of x.
+// reading of its definition: scale = amax / 448 (1 for zeros), q = e4m3(x * (1 / scale)),
+// dequantized q * scale within e4m3's half-ulp of x.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "moe_echo/backends.hpp"
@@ -95,6 +96,12 @@ TEST(Fp8, RoundsToNearestEvenAndSaturates) {
 // The definition in fp64 where it can be: per tile amax, scale = float(amax / 448), each value
 // converted by the brute-force nearest code of float(x / scale).
 float definition_scale(double amax) { return amax > 0 ? float(float(amax) / 448.f) : 1.f; }
+// A value's code in a tile of scale sc: the nearest code to v * (1 / sc) in f32, or to v / sc where
+// 1 / sc overflows.
+double definition_code(float v, float sc) {
+  const float inv = 1.f / sc;
+  return from_e4m3(nearest_e4m3(std::isinf(inv) ? v / sc : v * inv));
+}
 
 TEST(Fp8, RowTilesFollowTheDefinition) {
   auto be = make_cpu_backend(DType::f32);
@@ -106,6 +113,8 @@ TEST(Fp8, RowTilesFollowTheDefinition) {
     for (int64_t k = 0; k < std::min<int64_t>(K, 128); ++k) x[size_t(k)] = 0;  // a zero tile
     if (rows > 2)
       for (int64_t k = 0; k < K; ++k) x[size_t(2 * K + k)] *= 1e-3;  // a small-valued row
+    if (rows > 3)  // a row whose 1 / scale overflows: its values are divided by the scale
+      for (int64_t k = 0; k < K; ++k) x[size_t(3 * K + k)] *= 1e-38;
     OwnedTensor xt(*be, DType::f32, {rows, K}), q(*be, DType::e4m3, {rows, K}),
         s(*be, DType::f32, {rows, KT});
     xt.write(x);
@@ -121,8 +130,7 @@ TEST(Fp8, RowTilesFollowTheDefinition) {
         ASSERT_EQ(float(got_s[size_t(r * KT + t)]), sc) << "scale of row " << r << " tile " << t;
         for (int64_t k = t * 128; k < std::min(K, t * 128 + 128); ++k) {
           const float v = float(x[size_t(r * K + k)]);
-          ASSERT_EQ(float(got_q[size_t(r * K + k)]), from_e4m3(nearest_e4m3(v / sc)))
-              << r << ", " << k;
+          ASSERT_EQ(float(got_q[size_t(r * K + k)]), definition_code(v, sc)) << r << ", " << k;
           deq.push_back(got_q[size_t(r * K + k)] * sc);
           orig.push_back(v);
         }
@@ -155,7 +163,7 @@ TEST(Fp8, WeightBlocksFollowTheDefinitionInBothLayouts) {
         ASSERT_EQ(float(got_st[size_t((g * NT + nt) * KT + kt)]), sc) << "scale_t";
         for (int64_t k = kt * 128; k < std::min(K, kt * 128 + 128); ++k)
           for (int64_t n = nt * 128; n < std::min(N, nt * 128 + 128); ++n) {
-            const double want = from_e4m3(nearest_e4m3(float(w[size_t((g * K + k) * N + n)]) / sc));
+            const double want = definition_code(float(w[size_t((g * K + k) * N + n)]), sc);
             ASSERT_EQ(got_q[size_t((g * K + k) * N + n)], want) << g << ", " << k << ", " << n;
             ASSERT_EQ(got_qt[size_t((g * N + n) * K + k)], want) << g << ", " << n << ", " << k;
           }
@@ -207,8 +215,7 @@ TEST(Fp8, ColumnsRestartAtEveryGroupAndPadTo128) {
         const float sc = definition_scale(amax);
         ASSERT_EQ(float(got_s[size_t(K * p / 128 + t * K + k)]), sc) << g << ", " << k;
         for (int64_t i = t * 128; i < t * 128 + 128; ++i) {
-          const double want =
-              i < m ? from_e4m3(nearest_e4m3(float(x[size_t((lo + i) * K + k)]) / sc)) : 0.0;
+          const double want = i < m ? definition_code(float(x[size_t((lo + i) * K + k)]), sc) : 0.0;
           ASSERT_EQ(got_q[size_t(k * P + p + i)], want) << g << ", " << k << ", " << i;
         }
       }
@@ -456,6 +463,58 @@ TEST(Fp8, ColumnsOfE4m3RowsEqualColumnsOfTheirValues) {
       << "e4m3 x without its scales";
   EXPECT_THROW(be->quantize_fp8_cols({win.view(), *xd, *b, *bs, *bpo, *sc}, nullptr), Error)
       << "scales for an x that is not e4m3";
+}
+
+// Rows of a window (Fp8RowArgs::window) and the rows written in the column pass
+// (Fp8ColArgs::row_q): the valid rows get the bits of quantizing every row, the rows past them
+// keep what they held; the columns of the fused pass are those of the pass alone.
+TEST(Fp8, WindowRowsAndTheFusedPassQuantizeTheValidRowsOnly) {
+  auto be = make_cpu_backend(DType::f32);
+  // Groups of 0, 1, 130, 0 and 200 rows from global row 20; the window [20, 420) has 331 valid
+  // rows.
+  const Window win{{20, 20, 21, 151, 151, 351}, 20, 400};
+  const int64_t K = 264, KT = 3, G = 5, P = fp8_padded_rows(win.rows, G), R = win.rows, valid = 331;
+  OwnedTensor xt(*be, DType::f32, {R, K}), q(*be, DType::e4m3, {R, K}),
+      sc(*be, DType::f32, {R, KT});
+  xt.write(random_values(size_t(R * K), 91, -4, 4));
+  be->quantize_fp8_rows({*xt, *q, *sc}, nullptr);
+  const std::vector<uint8_t> q_all = bytes_of(*be, *q), s_all = bytes_of(*be, *sc);
+  OwnedTensor qw(*be, DType::e4m3, {R, K}), sw(*be, DType::f32, {R, KT}),
+      qf(*be, DType::e4m3, {R, K}), sf(*be, DType::f32, {R, KT}), ct(*be, DType::e4m3, {K, P}),
+      cs(*be, DType::f32, {K * P / 128}), po(*be, DType::i32, {G + 1}),
+      ct2(*be, DType::e4m3, {K, P}), cs2(*be, DType::f32, {K * P / 128}),
+      po2(*be, DType::i32, {G + 1});
+  for (const OwnedTensor* t : {&qw, &sw, &qf, &sf, &ct, &cs, &ct2, &cs2})
+    t->write(std::vector<double>(size_t((**t).numel()), 7.0));
+  be->quantize_fp8_rows({*xt, *qw, *sw, {}, win.view()}, nullptr);
+  be->quantize_fp8_cols({win.view(), *xt, *ct, *cs, *po, {}, *qf, *sf}, nullptr);
+  be->quantize_fp8_cols({win.view(), *xt, *ct2, *cs2, *po2}, nullptr);
+  EXPECT_EQ(bytes_of(*be, *ct), bytes_of(*be, *ct2)) << "columns";
+  EXPECT_EQ(bytes_of(*be, *cs), bytes_of(*be, *cs2)) << "column scales";
+  for (const auto& [qo, so, what] : {std::tuple{&qw, &sw, "window"}, {&qf, &sf, "fused"}}) {
+    const std::vector<uint8_t> qb = bytes_of(*be, **qo), sb = bytes_of(*be, **so);
+    const size_t qv = size_t(valid * K), sv = size_t(valid * KT * 4);
+    EXPECT_TRUE(std::equal(qb.begin(), qb.begin() + long(qv), q_all.begin())) << what;
+    EXPECT_TRUE(std::equal(sb.begin(), sb.begin() + long(sv), s_all.begin())) << what;
+    EXPECT_EQ(std::count(qb.begin() + long(qv), qb.end(), to_e4m3(7.f)), long(qb.size() - qv))
+        << what << ": rows past the valid ones were written";
+    const std::vector<double> sd = so->read();
+    EXPECT_EQ(std::count(sd.begin() + long(valid * KT), sd.end(), 7.0), long((R - valid) * KT))
+        << what << ": scales past the valid rows were written";
+  }
+  // Bad arguments: rows for an e4m3 x, a row_q of the wrong width, no row_scale, a window larger
+  // than x, dequantizing a window.
+  EXPECT_THROW(be->quantize_fp8_cols({win.view(), *q, *ct, *cs, *po, *sc, *qf, *sf}, nullptr),
+               Error);
+  OwnedTensor narrow(*be, DType::e4m3, {R, K - 8});
+  EXPECT_THROW(be->quantize_fp8_cols({win.view(), *xt, *ct, *cs, *po, {}, *narrow, *sf}, nullptr),
+               Error);
+  EXPECT_THROW(be->quantize_fp8_cols({win.view(), *xt, *ct, *cs, *po, {}, *qf, {}}, nullptr),
+               Error);
+  Window big = win;
+  big.rows = R + 1;
+  EXPECT_THROW(be->quantize_fp8_rows({*xt, *qw, *sw, {}, big.view()}, nullptr), Error);
+  EXPECT_THROW(be->dequantize_fp8_rows({*xt, *qw, *sw, {}, win.view()}, nullptr), Error);
 }
 
 }  // namespace

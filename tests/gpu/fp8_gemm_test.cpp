@@ -69,6 +69,10 @@ struct Outputs {
   std::vector<uint8_t> xp, fq, fs;
   std::vector<double> ft, fts;
   std::vector<double> x_back;  // dequantize_fp8_rows of x's rows
+  // dy's rows over the window's valid rows only (raw, poison included), and dy's rows and columns
+  // in one pass (quantize_fp8_cols with row outputs).
+  std::vector<uint8_t> dyq_w, dys_w, dyq_f, dys_f;
+  std::vector<double> dyt_f, dyts_f;
 };
 
 // The raw bytes of a tensor.
@@ -164,6 +168,13 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   OwnedTensor x_back(be, act, {R, K});
   poison(x_back);
   be.dequantize_fp8_rows({*x_back, *xq, *xs}, nullptr);
+  OwnedTensor dyq_w(be, DType::e4m3, {R, N}), dys_w(be, DType::f32, {R, tiles(N)}),
+      dyq_f(be, DType::e4m3, {R, N}), dys_f(be, DType::f32, {R, tiles(N)}),
+      dyt_f(be, DType::e4m3, {N, P}), dyts_f(be, DType::f32, {N * P / 128}),
+      po4(be, DType::i32, {G + 1});
+  for (const OwnedTensor* t : {&dyq_w, &dys_w, &dyq_f, &dys_f, &dyt_f, &dyts_f, &po4}) poison(*t);
+  be.quantize_fp8_rows({*dy, *dyq_w, *dys_w, {}, win}, nullptr);
+  be.quantize_fp8_cols({win, *dy, *dyt_f, *dyts_f, *po4, {}, *dyq_f, *dys_f}, nullptr);
   be.synchronize();
   Outputs o;
   o.xp = raw(be, xp), o.fq = raw(be, fq), o.fs = raw(be, fs);
@@ -181,6 +192,37 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   o.fts = fts.read();
   o.fts.resize(size_t(K * used / 128));
   o.y = y.read(), o.dx = dx.read(), o.dw_add = dw_add.read(), o.dw_write = dw_write.read();
+  o.dyq_w = raw(be, dyq_w), o.dys_w = raw(be, dys_w), o.dyq_f = raw(be, dyq_f);
+  o.dys_f = raw(be, dys_f);
+  EXPECT_EQ(po4.read(), o.po) << "padded offsets of the fused pass";
+  o.dyt_f = columns(dyt_f.read(), N, P, used);
+  o.dyts_f = dyts_f.read();
+  o.dyts_f.resize(size_t(N * used / 128));
+  // The valid rows' bits equal those of every row's quantization; the others kept their poison.
+  const std::vector<uint8_t> dyq_all = raw(be, dyq), dys_all = raw(be, dys);
+  const int64_t valid = std::clamp<int64_t>(c.offsets.back() - c.row_lo, 0, R);
+  for (int64_t r = 0; r < R; ++r) {
+    const auto qb = [&](const std::vector<uint8_t>& v) {
+      return std::vector<uint8_t>(v.begin() + r * N, v.begin() + (r + 1) * N);
+    };
+    const int64_t sb = tiles(N) * 4;
+    const auto sbytes = [&](const std::vector<uint8_t>& v) {
+      return std::vector<uint8_t>(v.begin() + r * sb, v.begin() + (r + 1) * sb);
+    };
+    if (r < valid) {
+      EXPECT_EQ(qb(o.dyq_w), qb(dyq_all)) << "windowed rows: row " << r;
+      EXPECT_EQ(sbytes(o.dys_w), sbytes(dys_all)) << "windowed row scales: row " << r;
+      EXPECT_EQ(qb(o.dyq_f), qb(dyq_all)) << "fused rows: row " << r;
+      EXPECT_EQ(sbytes(o.dys_f), sbytes(dys_all)) << "fused row scales: row " << r;
+    } else {
+      EXPECT_EQ(std::count(o.dyq_w.begin() + r * N, o.dyq_w.begin() + (r + 1) * N, uint8_t(0x7F)),
+                N)
+          << "windowed rows wrote row " << r << " past the valid rows";
+      EXPECT_EQ(std::count(o.dyq_f.begin() + r * N, o.dyq_f.begin() + (r + 1) * N, uint8_t(0x7F)),
+                N)
+          << "fused rows wrote row " << r << " past the valid rows";
+    }
+  }
   return o;
 }
 
@@ -274,6 +316,13 @@ TEST_P(Fp8Gemm, QuantizersBitForBitAndGemmsWithinTolerance) {
   EXPECT_EQ(go.ft, co.ft) << "columns of the e4m3 x";
   EXPECT_EQ(go.fts, co.fts) << "columns of the e4m3 x: scales";
   EXPECT_EQ(go.x_back, round_bf16(co.x_back)) << "dequantized rows: the CPU's f32 product in bf16";
+  EXPECT_EQ(go.dyq_w, co.dyq_w) << "windowed dy rows";
+  EXPECT_EQ(go.dys_w, co.dys_w) << "windowed dy row scales";
+  EXPECT_EQ(go.dyq_f, co.dyq_f) << "fused dy rows";
+  EXPECT_EQ(go.dys_f, co.dys_f) << "fused dy row scales";
+  EXPECT_EQ(go.dyt_f, go.dyt) << "fused dy columns = dy columns alone";
+  EXPECT_EQ(go.dyts_f, go.dyts) << "fused dy column scales = dy column scales alone";
+  EXPECT_EQ(go.dyt_f, co.dyt_f) << "fused dy columns";
   if (c.offsets.back() > c.row_lo && c.rows > 0) {
     EXPECT_LT(std::count(go.fq.begin(), go.fq.end(), uint8_t(0x7F)), int64_t(go.fq.size()))
         << "fan_out_fp8 wrote nothing";

@@ -1,8 +1,8 @@
 // FP8 blockwise quantization on the GPU against the CPU reference backend on the same values:
 // fresh random bf16 inputs over several magnitudes (a tile of zeros, a tiny-valued row, partial
 // tiles at the edges), outputs poisoned first; the e4m3 codes and the fp32 scales must be the
-// same bits (both compute amax / 448 and x / scale as IEEE fp32 divisions and round to nearest
-// even). Skipped where no GPU is visible.
+// same bits (both compute amax / 448 and 1 / scale as IEEE fp32 divisions, x * (1 / scale) as an
+// IEEE fp32 product, and round to nearest even). Skipped where no GPU is visible.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -26,7 +26,7 @@ TEST(Fp8QuantGpu, RowTilesMatchCpuBitForBit) {
   auto cpu = make_cpu_backend(DType::f32);
   auto gpu = cuda::make_cuda_backend();
   for (const auto& [rows, K] : std::vector<std::pair<int64_t, int64_t>>{
-           {64, 2048}, {37, 768}, {5, 200}, {1, 8}, {0, 128}}) {
+           {64, 2048}, {37, 768}, {5, 200}, {1, 8}, {0, 128}, {3, 300}, {2, 77}}) {
     SCOPED_TRACE(std::to_string(rows) + " x " + std::to_string(K));
     const int64_t KT = (K + 127) / 128;
     std::vector<double> x = inputs(size_t(rows * K), uint64_t(rows + K), 3.0);
@@ -35,6 +35,9 @@ TEST(Fp8QuantGpu, RowTilesMatchCpuBitForBit) {
     if (rows > 3)
       for (int64_t k = 0; k < K; ++k)
         x[size_t(3 * K + k)] = round_bf16(x[size_t(3 * K + k)] * 1e-6);
+    if (rows > 4)  // a row whose 1 / scale overflows
+      for (int64_t k = 0; k < K; ++k)
+        x[size_t(4 * K + k)] = round_bf16(x[size_t(4 * K + k)] * 1e-38);
     OwnedTensor xc(*cpu, DType::f32, {rows, K}), qc(*cpu, DType::e4m3, {rows, K}),
         sc(*cpu, DType::f32, {rows, KT});
     OwnedTensor xg(*gpu, DType::bf16, {rows, K}), qg(*gpu, DType::e4m3, {rows, K}),
