@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute over one eager FP8 layer step (moe-echo bench, capture off) at a slice of one
-# GPU: every GEMM (CUTLASS device_kernel), quantization, fan-out and SwiGLU kernel of the step with the SpeedOfLight, compute,
-# memory and warp-state sections (text), then the same kernels' duration, SM, DRAM and tensor-pipe
-# figures as one table. Needs the build of bench/fp8_round.sh (BUILD_DIR, default build-gpu).
+# GPU: every GEMM (CUTLASS device_kernel), quantization, fan-out and SwiGLU kernel of the step
+# with the SpeedOfLight, compute, memory and warp-state sections (text), then the same kernels'
+# duration, SM, DRAM and tensor-pipe figures as one table. Needs the build of bench/fp8_round.sh (BUILD_DIR, default build-gpu).
 # SLICE = hidden:ffn:experts:top_k (default DeepSeek-V3's 7168:2048:32:8); FP8_GEMMS as
 # --fp8-gemms (default all). Output in $OUT (default out/fp8_profile).
 set -uo pipefail
