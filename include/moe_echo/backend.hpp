@@ -159,12 +159,12 @@ struct FanArgs {
 };
 
 // FP8 blockwise quantization (DeepSeek-V3's recipe): each tile's values x are stored as
-// q = e4m3(x * (1 / s)) with one fp32 scale s = amax / 448 per tile (amax the tile's largest |x|;
-// s = 1 for a tile of zeros), e4m3 rounded to nearest even and saturated at 448 (host_io.hpp's
-// to_e4m3), so that q s gives x back within e4m3's 3 mantissa bits. amax / 448 and 1 / s are IEEE
-// fp32 divisions (one per tile) and x * (1 / s) an IEEE fp32 product, so every backend gives the
-// same bits; where 1 / s overflows (amax under 448 / FLT_MAX) a value is e4m3(x / s). A partial
-// tile at an edge is a tile of the elements that exist.
+// q = e4m3(x * (1 / s)) with one fp32 scale s = max(amax / 448, FLT_MIN) per tile (amax the
+// tile's largest |x|; s = 1 for a tile of zeros; FLT_MIN keeps s normal and 1 / s finite), e4m3
+// rounded to nearest even and saturated at 448 (host_io.hpp's to_e4m3), so that q s gives x back
+// within e4m3's 3 mantissa bits. amax / 448 and 1 / s are IEEE fp32 divisions (one per tile) and
+// x * (1 / s) an IEEE fp32 product, so every backend gives the same bits. A partial tile at an
+// edge is a tile of the elements that exist.
 struct Fp8RowArgs {  // 1 x 128 tiles along each row (activations and gradients, GEMM operand A)
   Tensor x;          // [rows, K] activation dtype
   Tensor q;          // [rows, K] e4m3 (with scale), or empty when packed is given

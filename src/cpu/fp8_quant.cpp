@@ -1,7 +1,8 @@
 // FP8 blockwise quantization (backend.hpp, Fp8RowArgs / Fp8BlockArgs / Fp8ColArgs): per tile, the
-// largest magnitude, the scale amax / 448 (1 for a tile of zeros) and every element as
-// e4m3(x * (1 / scale)), all in float as the CUDA kernels compute it.
+// largest magnitude, the scale max(amax / 448, FLT_MIN) (1 for a tile of zeros) and every element
+// as e4m3(x * (1 / scale)), all in float as the CUDA kernels compute it.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -12,13 +13,14 @@
 namespace moe_echo::cpu {
 namespace {
 
-// A tile's scale s = amax / 448 (1 for a tile of zeros) and its multiplier 1 / s (one IEEE
-// division per tile): a value x is stored as e4m3(x * (1 / s)), or as e4m3(x / s) where 1 / s
-// overflows (amax under 448 / FLT_MAX).
+// A tile's scale s = max(amax / 448, FLT_MIN) (1 for a tile of zeros: s stays a normal float, so
+// its multiplier 1 / s, one IEEE division per tile, is finite): a value x is stored as
+// e4m3(x * (1 / s)).
 struct TileQuant {
   float s, inv;
-  explicit TileQuant(float amax) : s(amax > 0.f ? amax / 448.f : 1.f), inv(1.f / s) {}
-  uint8_t operator()(float x) const { return to_e4m3(std::isinf(inv) ? x / s : x * inv); }
+  explicit TileQuant(float amax)
+      : s(amax > 0.f ? std::max(amax / 448.f, FLT_MIN) : 1.f), inv(1.f / s) {}
+  uint8_t operator()(float x) const { return to_e4m3(x * inv); }
 };
 
 }  // namespace

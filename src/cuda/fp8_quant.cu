@@ -1,10 +1,12 @@
 // FP8 blockwise quantization on the GPU (backend.hpp, Fp8RowArgs / Fp8BlockArgs / Fp8ColArgs).
-// Semantics and bits: src/cpu/fp8_quant.cpp (amax, scale = amax / 448 or 1, e4m3(x * (1 / scale))
-// rounded to nearest even and saturated: cvt.rn.satfinite.e4m3x2.f32 through
-// __nv_cvt_float_to_fp8).
+// Semantics and bits: src/cpu/fp8_quant.cpp (amax, scale = max(amax / 448, FLT_MIN) or 1,
+// e4m3(x * (1 / scale)) rounded to nearest even and saturated: cvt.rn.satfinite.e4m3x2.f32
+// through __nv_cvt_float_to_fp8).
 // Memory-bound: each element is read once per pass (twice for the weight blocks, whose second read
 // hits L2).
 #include <cuda_fp8.h>
+
+#include <cfloat>
 
 #include "cuda/common.cuh"
 #include "cuda/ops.hpp"
@@ -19,16 +21,14 @@ __device__ __forceinline__ uint8_t e4m3(float v) {
   return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
 }
 
-// A tile's scale s = amax / 448 (1 for a tile of zeros) and its multiplier 1 / s (one IEEE
-// division per tile): a value x is stored as e4m3(x * (1 / s)), or as e4m3(x / s) where 1 / s
-// overflows (amax under 448 / FLT_MAX).
+// A tile's scale s = max(amax / 448, FLT_MIN) (1 for a tile of zeros: s stays a normal float, so
+// its multiplier 1 / s, one IEEE division per tile, is finite): a value x is stored as
+// e4m3(x * (1 / s)).
 struct TileQuant {
   float s, inv;
   __device__ __forceinline__ explicit TileQuant(float amax)
-      : s(amax > 0.f ? amax / 448.f : 1.f), inv(1.f / s) {}
-  __device__ __forceinline__ uint8_t operator()(float x) const {
-    return e4m3(isinf(inv) ? x / s : x * inv);
-  }
+      : s(amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f), inv(1.f / s) {}
+  __device__ __forceinline__ uint8_t operator()(float x) const { return e4m3(x * inv); }
 };
 
 // e4m3 bits as a float (exact: every e4m3 value is a half).

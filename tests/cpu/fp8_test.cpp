@@ -95,13 +95,11 @@ TEST(Fp8, RoundsToNearestEvenAndSaturates) {
 
 // The definition in fp64 where it can be: per tile amax, scale = float(amax / 448), each value
 // converted by the brute-force nearest code of float(x / scale).
-float definition_scale(double amax) { return amax > 0 ? float(float(amax) / 448.f) : 1.f; }
-// A value's code in a tile of scale sc: the nearest code to v * (1 / sc) in f32, or to v / sc where
-// 1 / sc overflows.
-double definition_code(float v, float sc) {
-  const float inv = 1.f / sc;
-  return from_e4m3(nearest_e4m3(std::isinf(inv) ? v / sc : v * inv));
+float definition_scale(double amax) {
+  return amax > 0 ? std::max(float(float(amax) / 448.f), std::numeric_limits<float>::min()) : 1.f;
 }
+// A value's code in a tile of scale sc: the nearest code to v * (1 / sc) in f32.
+double definition_code(float v, float sc) { return from_e4m3(nearest_e4m3(v * (1.f / sc))); }
 
 TEST(Fp8, RowTilesFollowTheDefinition) {
   auto be = make_cpu_backend(DType::f32);
@@ -113,8 +111,10 @@ TEST(Fp8, RowTilesFollowTheDefinition) {
     for (int64_t k = 0; k < std::min<int64_t>(K, 128); ++k) x[size_t(k)] = 0;  // a zero tile
     if (rows > 2)
       for (int64_t k = 0; k < K; ++k) x[size_t(2 * K + k)] *= 1e-3;  // a small-valued row
-    if (rows > 3)  // a row whose 1 / scale overflows: its values are divided by the scale
-      for (int64_t k = 0; k < K; ++k) x[size_t(3 * K + k)] *= 1e-38;
+    if (rows > 3)  // a row of normal values whose amax / 448 is not: its scale is FLT_MIN
+      for (int64_t k = 0; k < K; ++k)
+        x[size_t(3 * K + k)] =
+            std::copysign(std::fabs(x[size_t(3 * K + k)]) + 0.5, x[size_t(3 * K + k)]) * 1e-36;
     OwnedTensor xt(*be, DType::f32, {rows, K}), q(*be, DType::e4m3, {rows, K}),
         s(*be, DType::f32, {rows, KT});
     xt.write(x);

@@ -35,9 +35,10 @@ TEST(Fp8QuantGpu, RowTilesMatchCpuBitForBit) {
     if (rows > 3)
       for (int64_t k = 0; k < K; ++k)
         x[size_t(3 * K + k)] = round_bf16(x[size_t(3 * K + k)] * 1e-6);
-    if (rows > 4)  // a row whose 1 / scale overflows
+    if (rows > 4)  // a row of normal values whose amax / 448 is not: its scale is FLT_MIN
       for (int64_t k = 0; k < K; ++k)
-        x[size_t(4 * K + k)] = round_bf16(x[size_t(4 * K + k)] * 1e-38);
+        x[size_t(4 * K + k)] = round_bf16(
+            std::copysign(std::fabs(x[size_t(4 * K + k)]) + 0.5, x[size_t(4 * K + k)]) * 1e-36);
     OwnedTensor xc(*cpu, DType::f32, {rows, K}), qc(*cpu, DType::e4m3, {rows, K}),
         sc(*cpu, DType::f32, {rows, KT});
     OwnedTensor xg(*gpu, DType::bf16, {rows, K}), qg(*gpu, DType::e4m3, {rows, K}),
