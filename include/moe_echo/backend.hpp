@@ -332,7 +332,7 @@ class Backend {
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;
   virtual void quantize_fp8_rows(const Fp8RowArgs& a, Stream s) = 0;
   // The inverse on q and scale: x[r][k] = q[r][k] scale[r][k / 128] (the f32 product) rounded
-  // to x's dtype.
+  // to x's dtype (with a window, on its valid rows only).
   virtual void dequantize_fp8_rows(const Fp8RowArgs& a, Stream s) = 0;
   virtual void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream s) = 0;
   virtual void quantize_fp8_cols(const Fp8ColArgs& a, Stream s) = 0;

@@ -49,9 +49,10 @@ void quantize_fp8_rows(const Fp8RowArgs& a) {
 
 template <class T>
 void dequantize_fp8_rows(const Fp8RowArgs& a) {
-  MOE_ECHO_CHECK(a.packed.data == nullptr && a.window.group_offsets == nullptr,
-                 "dequantize_fp8_rows reads q and scale of every row, not packed rows or a window");
-  const int64_t KT = check_fp8_row_args(a, a.x.dtype), rows = a.x.size(0), K = a.x.size(1);
+  MOE_ECHO_CHECK(a.packed.data == nullptr,
+                 "dequantize_fp8_rows reads q and scale, not packed rows");
+  const int64_t KT = check_fp8_row_args(a, a.x.dtype), K = a.x.size(1);
+  const int64_t rows = a.window.group_offsets ? valid_rows(a.window) : a.x.size(0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < K; ++k)
       a.x.as<T>()[r * K + k] =

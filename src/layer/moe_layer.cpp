@@ -1432,7 +1432,7 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   } else if (fp8_dispatch(moe_)) {
     // A weight gradient in the activation dtype from rows received in e4m3: their values into
     // recv_red (free between the scatter of dy and the fan-in).
-    backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs}, s);
+    backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs, {}, gw}, s);
     expert_wgrad(gw, b.recv_red, b.dh, 1, dw1, overwrite_grads, s);
   } else {
     expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s, Tensor(), dh_quantized);

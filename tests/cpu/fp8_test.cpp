@@ -503,7 +503,7 @@ TEST(Fp8, WindowRowsAndTheFusedPassQuantizeTheValidRowsOnly) {
         << what << ": scales past the valid rows were written";
   }
   // Bad arguments: rows for an e4m3 x, a row_q of the wrong width, no row_scale, a window larger
-  // than x, dequantizing a window.
+  // than x.
   EXPECT_THROW(be->quantize_fp8_cols({win.view(), *q, *ct, *cs, *po, *sc, *qf, *sf}, nullptr),
                Error);
   OwnedTensor narrow(*be, DType::e4m3, {R, K - 8});
@@ -514,7 +514,14 @@ TEST(Fp8, WindowRowsAndTheFusedPassQuantizeTheValidRowsOnly) {
   Window big = win;
   big.rows = R + 1;
   EXPECT_THROW(be->quantize_fp8_rows({*xt, *qw, *sw, {}, big.view()}, nullptr), Error);
-  EXPECT_THROW(be->dequantize_fp8_rows({*xt, *qw, *sw, {}, win.view()}, nullptr), Error);
+  // Dequantizing a window: its valid rows are those of every row's dequantization, the rest kept.
+  OwnedTensor back(*be, DType::f32, {R, K}), back_all(*be, DType::f32, {R, K});
+  back.write(std::vector<double>(size_t(R * K), 7.0));
+  be->dequantize_fp8_rows({*back, *q, *sc, {}, win.view()}, nullptr);
+  be->dequantize_fp8_rows({*back_all, *q, *sc}, nullptr);
+  const std::vector<double> bw = back.read(), ba = back_all.read();
+  EXPECT_TRUE(std::equal(bw.begin(), bw.begin() + long(valid * K), ba.begin()));
+  EXPECT_EQ(std::count(bw.begin() + long(valid * K), bw.end(), 7.0), long((R - valid) * K));
 }
 
 }  // namespace

@@ -168,6 +168,9 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   OwnedTensor x_back(be, act, {R, K});
   poison(x_back);
   be.dequantize_fp8_rows({*x_back, *xq, *xs}, nullptr);
+  OwnedTensor x_back_w(be, act, {R, K});
+  poison(x_back_w);
+  be.dequantize_fp8_rows({*x_back_w, *xq, *xs, {}, win}, nullptr);
   OwnedTensor dyq_w(be, DType::e4m3, {R, N}), dys_w(be, DType::f32, {R, tiles(N)}),
       dyq_f(be, DType::e4m3, {R, N}), dys_f(be, DType::f32, {R, tiles(N)}),
       dyt_f(be, DType::e4m3, {N, P}), dyts_f(be, DType::f32, {N * P / 128}),
@@ -179,6 +182,15 @@ Outputs run(Backend& be, const Case& c, const Inputs& in) {
   Outputs o;
   o.xp = raw(be, xp), o.fq = raw(be, fq), o.fs = raw(be, fs);
   o.x_back = x_back.read();
+  {  // the window's valid rows as every row's dequantization, the others kept their poison
+    const std::vector<double> bw = x_back_w.read();
+    const int64_t valid = std::clamp<int64_t>(c.offsets.back() - c.row_lo, 0, R);
+    EXPECT_TRUE(std::equal(bw.begin(), bw.begin() + valid * K, o.x_back.begin()))
+        << "windowed dequantization";
+    EXPECT_TRUE(std::all_of(bw.begin() + valid * K, bw.end(), [](double v) {
+      return std::isnan(v);
+    })) << "windowed dequantization wrote rows past the valid ones";
+  }
   o.xq = xq.read(), o.xs = xs.read(), o.q = q.read(), o.q_t = q_t.read(), o.s = s.read();
   o.s_t = s_t.read(), o.po = po.read();
   EXPECT_EQ(po2.read(), o.po) << "padded offsets of x and dy";
