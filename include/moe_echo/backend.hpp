@@ -144,6 +144,11 @@ struct SwigluArgs {
   Tensor a;            // [rows, F]: silu(gate) * up            (forward out; backward in)
   Tensor da;           // [rows, F]                              (backward in)
   Tensor dh;           // [rows, 2F]                             (backward out)
+  // Forward, optional: in the same pass, a's 1 x 128 row quantization over the window's valid
+  // rows, the bits of Fp8RowArgs{a, a_q, a_scale, {}, window} (a_q [rows, F] e4m3, a_scale
+  // [rows, ceil(F / 128)] f32; rows past the valid ones are not written). Both empty otherwise.
+  Tensor a_q = {};
+  Tensor a_scale = {};
 };
 
 // The receiver's side of a token's members (see FanTable in comm.hpp): the fan table this round's

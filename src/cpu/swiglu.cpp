@@ -10,6 +10,8 @@ double sigmoid(double v) { return 1.0 / (1.0 + std::exp(-v)); }
 
 template <class T>
 void swiglu_forward(const SwigluArgs& a) {
+  if (a.a_q.data || a.a_scale.data)
+    check_fp8_row_args({a.a, a.a_q, a.a_scale, {}, a.window}, a.a.dtype);
   const int64_t F = a.a.size(1), rows = valid_rows(a.window);
   for (int64_t i = 0; i < rows; ++i) {
     const T* h = a.h.as<T>() + i * 2 * F;
@@ -19,6 +21,7 @@ void swiglu_forward(const SwigluArgs& a) {
       out[f] = T(gate * sigmoid(gate) * up);
     }
   }
+  if (a.a_q.data) quantize_fp8_rows<T>({a.a, a.a_q, a.a_scale, {}, a.window});
 }
 
 template <class T>

@@ -6,9 +6,8 @@
 // hits L2).
 #include <cuda_fp8.h>
 
-#include <cfloat>
-
 #include "cuda/common.cuh"
+#include "cuda/fp8_tile.cuh"
 #include "cuda/ops.hpp"
 #include "moe_echo/error.hpp"
 
@@ -16,20 +15,6 @@ namespace moe_echo::cuda {
 namespace {
 
 constexpr int kTile = int(kFp8Tile);
-
-__device__ __forceinline__ uint8_t e4m3(float v) {
-  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
-}
-
-// A tile's scale s = max(amax / 448, FLT_MIN) (1 for a tile of zeros: s stays a normal float, so
-// its multiplier 1 / s, one IEEE division per tile, is finite): a value x is stored as
-// e4m3(x * (1 / s)).
-struct TileQuant {
-  float s, inv;
-  __device__ __forceinline__ explicit TileQuant(float amax)
-      : s(amax > 0.f ? fmaxf(amax / 448.f, FLT_MIN) : 1.f), inv(1.f / s) {}
-  __device__ __forceinline__ uint8_t operator()(float x) const { return e4m3(x * inv); }
-};
 
 // e4m3 bits as a float (exact: every e4m3 value is a half).
 __device__ __forceinline__ float from_e4m3(uint8_t b) {
@@ -47,11 +32,6 @@ __device__ __forceinline__ void load4(const bf16* p, float v[4]) {
 // Eight bf16 of x (16 bytes, aligned) as floats.
 __device__ __forceinline__ void load8(const bf16* p, float (&v)[8]) {
   unpack_bf16x8(*reinterpret_cast<const uint4*>(p), v);
-}
-
-// The e4m3 bytes of a, b, c, d in one tile as one word (a lowest).
-__device__ __forceinline__ uint32_t e4m3x4(const TileQuant& t, float a, float b, float c, float d) {
-  return uint32_t(t(a)) | uint32_t(t(b)) << 8 | uint32_t(t(c)) << 16 | uint32_t(t(d)) << 24;
 }
 
 // The row quantization's load and store widths: each lane holds V elements of a tile, so a tile

@@ -6,6 +6,7 @@
 // (3F * 2) and writes dh (2F * 2). With F % 8 == 0 and 16-byte aligned bases every thread moves
 // 8 elements as 16-byte words; otherwise the scalar kernels run (the same f32 expressions).
 #include "cuda/common.cuh"
+#include "cuda/fp8_tile.cuh"
 #include "cuda/ops.hpp"
 #include "moe_echo/error.hpp"
 
@@ -29,6 +30,46 @@ __global__ void swiglu_forward_vec_kernel(const int32_t* __restrict__ offsets, i
 #pragma unroll
     for (int j = 0; j < 8; ++j) out[j] = gate[j] * sigmoidf_(gate[j]) * up[j];
     a[i] = pack_bf16x8(out);
+  }
+}
+
+// With a's FP8 rows (F % 128 == 0): the loop runs warp-uniform, 16 lanes hold one 128-wide tile
+// of a row (F / 8 is a multiple of 16, so tiles start at multiples of 16 lanes), the tile's amax
+// is a 16-lane reduction of the bf16-rounded values, and each lane writes its 8 e4m3 bytes.
+__global__ void swiglu_forward_fp8_kernel(const int32_t* __restrict__ offsets, int groups,
+                                          int64_t row_lo, int64_t rows, int64_t F8,
+                                          const uint4* __restrict__ h, uint4* __restrict__ a,
+                                          uint8_t* __restrict__ a_q, float* __restrict__ a_scale) {
+  const int64_t n = valid_window_rows(offsets, groups, row_lo, rows) * F8;
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x - lane; i0 < n; i0 += stride) {
+    const int64_t i = i0 + lane;
+    const bool on = i < n;
+    const int64_t r = on ? i / F8 : 0, c = on ? i - r * F8 : 0;
+    float out[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (on) {
+      const uint4 gv = h[r * 2 * F8 + c], uv = h[r * 2 * F8 + F8 + c];
+      float gate[8], up[8];
+      unpack_bf16x8(gv, gate);
+      unpack_bf16x8(uv, up);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) out[j] = gate[j] * sigmoidf_(gate[j]) * up[j];
+      const uint4 packed = pack_bf16x8(out);
+      a[i] = packed;
+      unpack_bf16x8(packed, out);  // the values a holds
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(out[j]));
+#pragma unroll
+    for (int o = 8; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (!on) continue;
+    const TileQuant tq(amax);
+    const int64_t F = 8 * F8;
+    if (c % 16 == 0) a_scale[r * (F / 128) + c / 16] = tq.s;
+    *reinterpret_cast<uint2*>(a_q + r * F + 8 * c) = make_uint2(
+        e4m3x4(tq, out[0], out[1], out[2], out[3]), e4m3x4(tq, out[4], out[5], out[6], out[7]));
   }
 }
 
@@ -92,6 +133,20 @@ void swiglu_forward(const SwigluArgs& a, cudaStream_t s) {
                  "swiglu needs bf16 h and a, got " << a.h.describe() << ", " << a.a.describe());
   const GroupWindow& w = a.window;
   const int64_t F = a.a.size(1);
+  if (a.a_q.data || a.a_scale.data) {
+    check_fp8_row_args({a.a, a.a_q, a.a_scale, {}, w}, DType::bf16);
+    if (F % 128 == 0 && aligned16(a.h.data) && aligned16(a.a.data) &&
+        reinterpret_cast<uintptr_t>(a.a_q.data) % 8 == 0) {
+      MOE_ECHO_LAUNCH(swiglu_forward_fp8_kernel, blocks_for(w.rows * (F / 8), 256, grid_cap()), 256,
+                      0, s, w.group_offsets, w.groups, w.row_lo, w.rows, F / 8,
+                      static_cast<const uint4*>(a.h.data), static_cast<uint4*>(a.a.data),
+                      a.a_q.as<uint8_t>(), a.a_scale.as<float>());
+      return;
+    }
+    swiglu_forward({w, a.h, a.a, Tensor(), Tensor()}, s);  // then the rows apart
+    quantize_fp8_rows({a.a, a.a_q, a.a_scale, {}, w}, s);
+    return;
+  }
   if (F % 8 == 0 && aligned16(a.h.data) && aligned16(a.a.data)) {
     MOE_ECHO_LAUNCH(swiglu_forward_vec_kernel, blocks_for(w.rows * (F / 8), 256, grid_cap()), 256,
                     0, s, w.group_offsets, w.groups, w.row_lo, w.rows, F / 8,

@@ -1250,9 +1250,17 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   mark(round, "fc1", s);
   fc1_forward(gw, s);
   mark(round, "swiglu", s);
-  backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
-  mark(round, "fc2", s);
-  expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
+  if (uses_fp8(moe_, fp8_gemm::fprop2)) {  // a's FP8 rows written by SwiGLU itself
+    const int64_t rows = b.a.size(0), F = b.a.size(1);
+    const Tensor q = packed(b.row_q, rows, F), sc = packed(b.row_s, rows, fp8_tiles(F));
+    backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor(), q, sc}, s);
+    mark(round, "fc2", s);
+    quantized_rows_gemm(gw, q, sc, 2, b.recv_out, false, s);
+  } else {
+    backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+    mark(round, "fc2", s);
+    expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
+  }
   FanArgs sum = fan_args(round);
   sum.src = b.recv_out;
   sum.dst = b.recv_red;

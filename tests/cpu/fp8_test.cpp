@@ -465,6 +465,32 @@ TEST(Fp8, ColumnsOfE4m3RowsEqualColumnsOfTheirValues) {
       << "scales for an x that is not e4m3";
 }
 
+// SwiGLU with a's FP8 rows (SwigluArgs::a_q): SwiGLU, then the rows of the window's valid rows.
+TEST(Fp8, SwigluWithFp8RowsEqualsSwigluThenRows) {
+  auto be = make_cpu_backend(DType::f32);
+  const Window win{{20, 20, 21, 151, 151, 351}, 20, 400};  // 331 valid rows
+  const int64_t F = 200, FT = 2, R = win.rows;
+  OwnedTensor h(*be, DType::f32, {R, 2 * F}), a1(*be, DType::f32, {R, F}),
+      a2(*be, DType::f32, {R, F}), q1(*be, DType::e4m3, {R, F}), q2(*be, DType::e4m3, {R, F}),
+      s1(*be, DType::f32, {R, FT}), s2(*be, DType::f32, {R, FT});
+  h.write(random_values(size_t(R * 2 * F), 93, -4, 4));
+  for (const OwnedTensor* t : {&a1, &a2, &q1, &q2, &s1, &s2})
+    t->write(std::vector<double>(size_t((**t).numel()), 7.0));
+  be->swiglu_forward({win.view(), *h, *a1, Tensor(), Tensor(), *q1, *s1}, nullptr);
+  be->swiglu_forward({win.view(), *h, *a2, Tensor(), Tensor()}, nullptr);
+  be->quantize_fp8_rows({*a2, *q2, *s2, {}, win.view()}, nullptr);
+  EXPECT_EQ(bytes_of(*be, *a1), bytes_of(*be, *a2));
+  EXPECT_EQ(bytes_of(*be, *q1), bytes_of(*be, *q2));
+  EXPECT_EQ(bytes_of(*be, *s1), bytes_of(*be, *s2));
+  const std::vector<uint8_t> qb = bytes_of(*be, *q1);
+  EXPECT_EQ(std::count(qb.begin() + 331 * F, qb.end(), to_e4m3(7.f)), (R - 331) * F);
+  OwnedTensor narrow(*be, DType::e4m3, {R, F - 8});
+  EXPECT_THROW(be->swiglu_forward({win.view(), *h, *a1, Tensor(), Tensor(), *narrow, *s1}, nullptr),
+               Error);
+  EXPECT_THROW(be->swiglu_forward({win.view(), *h, *a1, Tensor(), Tensor(), *q1, {}}, nullptr),
+               Error);
+}
+
 // Rows of a window (Fp8RowArgs::window) and the rows written in the column pass
 // (Fp8ColArgs::row_q): the valid rows get the bits of quantizing every row, the rows past them
 // keep what they held; the columns of the fused pass are those of the pass alone.

@@ -88,5 +88,50 @@ TEST(Fp8QuantGpu, WeightBlocksMatchCpuBitForBitInBothLayouts) {
   }
 }
 
+// The raw bytes of a tensor.
+std::vector<uint8_t> raw_bytes(Backend& be, const OwnedTensor& t) {
+  std::vector<uint8_t> out(t->bytes());
+  be.copy_to_host(out.data(), t->data, out.size());
+  return out;
+}
+
+// SwiGLU writing a's FP8 rows in its own pass (F % 128 == 0) or after it (other F): the bits of
+// SwiGLU followed by the rows of the window's valid rows, rows past them keep their poison; a
+// against the CPU's within bf16 rounding.
+TEST(Fp8QuantGpu, SwigluWithFp8RowsEqualsSwigluThenRows) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  auto cpu = make_cpu_backend(DType::f32);
+  auto gpu = cuda::make_cuda_backend();
+  for (const int64_t F : {int64_t(768), int64_t(256), int64_t(200)}) {
+    SCOPED_TRACE("F " + std::to_string(F));
+    const int64_t R = 300, FT = (F + 127) / 128;
+    const std::vector<int32_t> offsets{40, 40, 41, 171, 171, 301};  // 261 valid rows of [40, 340)
+    OwnedTensor off(*gpu, DType::i32, {6});
+    off.write(std::vector<double>(offsets.begin(), offsets.end()));
+    GroupWindow w;
+    w.group_offsets = off->as<int32_t>();
+    w.groups = 5;
+    w.row_lo = 40;
+    w.rows = R;
+    OwnedTensor h(*gpu, DType::bf16, {R, 2 * F}), a1(*gpu, DType::bf16, {R, F}),
+        a2(*gpu, DType::bf16, {R, F}), q1(*gpu, DType::e4m3, {R, F}), q2(*gpu, DType::e4m3, {R, F}),
+        s1(*gpu, DType::f32, {R, FT}), s2(*gpu, DType::f32, {R, FT});
+    h.write(inputs(size_t(R * 2 * F), uint64_t(F), 4.0));
+    for (const OwnedTensor* t : {&a1, &a2, &q1, &q2, &s1, &s2}) poison(*t);
+    gpu->swiglu_forward({w, *h, *a1, Tensor(), Tensor(), *q1, *s1}, nullptr);
+    gpu->swiglu_forward({w, *h, *a2, Tensor(), Tensor()}, nullptr);
+    gpu->quantize_fp8_rows({*a2, *q2, *s2, {}, w}, nullptr);
+    gpu->synchronize();
+    EXPECT_EQ(raw_bytes(*gpu, a1), raw_bytes(*gpu, a2)) << "a";
+    EXPECT_EQ(raw_bytes(*gpu, q1), raw_bytes(*gpu, q2)) << "e4m3 rows";
+    EXPECT_EQ(raw_bytes(*gpu, s1), raw_bytes(*gpu, s2)) << "row scales";
+    const std::vector<uint8_t> qb = raw_bytes(*gpu, q1);
+    EXPECT_EQ(std::count(qb.begin() + 261 * F, qb.end(), uint8_t(0x7F)), (R - 261) * F)
+        << "rows past the valid ones were written";
+    EXPECT_LT(std::count(qb.begin(), qb.begin() + 261 * F, uint8_t(0x7F)), 261 * F / 100)
+        << "the valid rows were not written";
+  }
+}
+
 }  // namespace
 }  // namespace moe_echo::test
