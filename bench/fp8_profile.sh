@@ -2,7 +2,8 @@
 # Nsight Compute over one eager FP8 layer step (moe-echo bench, capture off) at a slice of one
 # GPU: every GEMM (CUTLASS device_kernel), quantization, fan-out and SwiGLU kernel of the step
 # with the SpeedOfLight, compute, memory and warp-state sections (text), then the same kernels'
-# duration, SM, DRAM and tensor-pipe figures as one table. Needs the build of bench/fp8_round.sh (BUILD_DIR, default build-gpu).
+# duration, SM, DRAM and FMA-pipe figures as one table (the tensor pipe's share is in the
+# compute section's text). Needs the build of bench/fp8_round.sh (BUILD_DIR, default build-gpu).
 # SLICE = hidden:ffn:experts:top_k (default DeepSeek-V3's 7168:2048:32:8); FP8_GEMMS as
 # --fp8-gemms (default all). Output in $OUT (default out/fp8_profile).
 set -uo pipefail
@@ -24,7 +25,7 @@ timeout 400 ncu --clock-control none --kernel-name-base demangled -k "$kernels" 
 echo "ncu sections: rc=$?"
 metrics=gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed
 metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes_read.sum
-metrics+=,dram__bytes_write.sum,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active
+metrics+=,dram__bytes_write.sum
 metrics+=,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active
 timeout 300 ncu --clock-control none --kernel-name-base demangled -k "$kernels" \
   --launch-count "$launches" --csv --print-units base --page raw --metrics "$metrics" \
@@ -45,12 +46,11 @@ def short(name):
 def num(r, k):
     try: return float(r.get(k, "nan").replace(",", ""))
     except ValueError: return float("nan")
-print(f"{'#':>3} {'kernel':42s} {'us':>8s} {'SM%':>6s} {'DRAM%':>6s} {'GB rd':>7s} {'GB wr':>7s} {'gmma%':>6s} {'fma%':>6s}")
+print(f"{'#':>3} {'kernel':42s} {'us':>8s} {'SM%':>6s} {'DRAM%':>6s} {'GB rd':>7s} {'GB wr':>7s} {'fma%':>6s}")
 for r in rows[1:] if rows and rows[0].get("ID") == "" else rows:
     print(f"{r['ID']:>3} {short(r['Kernel Name']):42s} {num(r,'gpu__time_duration.sum')/1e3:8.1f} "
           f"{num(r,'sm__throughput.avg.pct_of_peak_sustained_elapsed'):6.1f} "
           f"{num(r,'dram__throughput.avg.pct_of_peak_sustained_elapsed'):6.1f} "
           f"{num(r,'dram__bytes_read.sum')/1e9:7.3f} {num(r,'dram__bytes_write.sum')/1e9:7.3f} "
-          f"{num(r,'sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active'):6.1f} "
           f"{num(r,'sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active'):6.1f}")
 PY
