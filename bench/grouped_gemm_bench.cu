@@ -83,26 +83,27 @@ using Config = gd::KernelConfig<bf16, Row, Row, 128, 128, 64, 2, 1, true>;
 constexpr const char* kName = "fprop 128x128x64 c2x1 pingpong";
 // FP8 blockwise (CMake option MOE_ECHO_GEMM_FP8_VARIANTS, indices from 100): layouts and scale
 // granularity as in grouped_gemm_fp8_{fprop,wgrad}.cu; tile, cluster and schedule vary.
-#elif MOE_ECHO_GG_VARIANT == 100  // (ping-pong with a scale per column of B does not compile)
+#elif MOE_ECHO_GG_VARIANT == 100  // (a 128x128 ping-pong tile with a scale per column of B
+                                  // does not compile: each warp group would hold 2 x 128 floats)
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 1, 2, false, 1, true>;
-constexpr const char* kName = "fp8 wgrad 128x128x128 c1x2 coop";
+using Config = gd::KernelConfig<float, Row, Col, 64, 128, 128, 1, 1, true, 1, true>;
+constexpr const char* kName = "fp8 wgrad 64x128x128 c1x1 pingpong";
 #elif MOE_ECHO_GG_VARIANT == 101
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Row, Col, 128, 256, 128, 1, 2, false, 1, true>;
-constexpr const char* kName = "fp8 wgrad 128x256x128 c1x2 coop";
+using Config = gd::KernelConfig<float, Row, Col, 64, 128, 128, 2, 1, true, 1, true>;
+constexpr const char* kName = "fp8 wgrad 64x128x128 c2x1 pingpong";
 #elif MOE_ECHO_GG_VARIANT == 102
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Row, Col, 256, 128, 128, 2, 1, false, 1, true>;
-constexpr const char* kName = "fp8 wgrad 256x128x128 c2x1 coop";
-#elif MOE_ECHO_GG_VARIANT == 103  // (a 256-wide tile with B scales per 128 does not compile)
-constexpr GemmOp kOp = GemmOp::dgrad;
-using Config = gd::KernelConfig<bf16, Row, Col, 256, 128, 128, 2, 1, false, 128>;
-constexpr const char* kName = "fp8 dgrad 256x128x128 c2x1 coop";
+using Config = gd::KernelConfig<float, Row, Col, 64, 128, 128, 1, 2, true, 1, true>;
+constexpr const char* kName = "fp8 wgrad 64x128x128 c1x2 pingpong";
+#elif MOE_ECHO_GG_VARIANT == 103
+constexpr GemmOp kOp = GemmOp::fprop;
+using Config = gd::KernelConfig<bf16, Row, Col, 64, 128, 128, 2, 1, true, 128>;
+constexpr const char* kName = "fp8 fprop 64x128x128 c2x1 pingpong";
 #elif MOE_ECHO_GG_VARIANT == 104
 constexpr GemmOp kOp = GemmOp::dgrad;
-using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 1, 1, true, 128>;
-constexpr const char* kName = "fp8 dgrad 128x128x128 c1x1 pingpong";
+using Config = gd::KernelConfig<bf16, Row, Col, 64, 128, 128, 2, 1, true, 128>;
+constexpr const char* kName = "fp8 dgrad 64x128x128 c2x1 pingpong";
 #else
 #error "unknown MOE_ECHO_GG_VARIANT"
 #endif
