@@ -183,28 +183,37 @@ __global__ void padded_offsets_kernel(const int32_t* __restrict__ offsets, int g
 
 // Fp8ColArgs, step 2: block (t, kb) takes column tile t of q_t (128 columns, inside one group)
 // and rows [kb * 128, kb * 128 + 128) of q_t (columns of x): the 128 x 128 block of x into shared
-// memory, row r of the block at word row tile_row(r) of an odd pitch, so that the four rows
-// 4 l .. 4 l + 3 of lane l lie in 32 distinct banks at any column. Then warp w takes the x
-// columns of one shared word at a time (2 of bf16, 4 of e4m3): lane l reads its four rows' words,
-// each column's amax is one warp reduction, and lane l writes the column's four e4m3 bytes of
-// rows 4 l .. 4 l + 3 as one word (a warp: 128 consecutive bytes of a q_t row).
+// memory (row r at word r * kPitch, an odd pitch), then each pass gives every thread whole runs of
+// one tile, so a tile's amax is a thread's own loop plus one combine through shared memory (no
+// warp reductions) and each thread writes 16-byte runs:
+// - with row_q (bf16 x), the rows along K: thread i takes the 64 columns 64 (i / 128) .. of block
+//   row i % 128 (a warp reads 32 rows at one word: 32 banks, the pitch being odd);
+// - the columns: thread i takes the kPer columns of shared word i % kWords and the kRun rows
+//   kRun (i / kWords) .. (a warp reads consecutive words of one row), and writes the kRun bytes of
+//   each of its columns as q_t row bytes (kRun: 32 for bf16, 16 for e4m3).
 // With an e4m3 x (kFp8In), the block keeps x's bytes and each row's scale of this K tile, and a
 // value is their f32 product (the scale of x row i's tile kb is x_scale[i * tiles + kb]).
-// With row_q (bf16 x), the block's rows are also quantized along K from shared memory: warp w
-// takes rows w, w + 8, ..., lane l the columns 2 l, 2 l + 1, 2 l + 64, 2 l + 65.
-__device__ __forceinline__ int tile_row(int r) { return (r >> 2) + ((r & 3) << 5); }
-
+// vec: 16-byte loads (kn a multiple of 16 bytes' elements); row_vec: 16-byte row_q stores
+// (K % 16 == 0, row_q 16-byte aligned); qt_vec: 16-byte q_t stores (q_t 16-byte aligned; else
+// 4-byte).
 template <bool kFp8In>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 4)
     quantize_cols_kernel(const void* __restrict__ x_in, const float* __restrict__ x_scale,
                          const int32_t* __restrict__ offsets, const int32_t* __restrict__ padded,
                          int groups, int64_t row_lo, int64_t rows, int64_t K, int64_t P,
                          uint8_t* __restrict__ q_t, float* __restrict__ scale, bool vec,
-                         uint8_t* __restrict__ row_q, float* __restrict__ row_scale) {
+                         bool row_vec, bool qt_vec, uint8_t* __restrict__ row_q,
+                         float* __restrict__ row_scale) {
+  constexpr int kThreads = 256;
   constexpr int kPer = kFp8In ? 4 : 2;      // x columns per shared word
-  constexpr int kPitch = kTile / kPer + 1;  // words per shared row (odd)
+  constexpr int kWords = kTile / kPer;      // words per block row
+  constexpr int kPitch = kWords + 1;        // words per shared row (odd)
+  constexpr int kRuns = kThreads / kWords;  // row runs per column: 4 (bf16) or 8 (e4m3)
+  constexpr int kRun = kTile / kRuns;       // rows per run: 32 or 16
   __shared__ uint32_t tile[kTile * kPitch];
   __shared__ float x_row_scale[kFp8In ? kTile : 1];
+  __shared__ float col_part[kRuns][kTile];  // per run: each column's amax over its rows
+  __shared__ float row_part[2][kTile];      // per half row: its amax
   const int64_t c0 = int64_t(blockIdx.x) * kTile, k0 = int64_t(blockIdx.y) * kTile;
   if (c0 >= padded[groups]) return;
   int lo_g = 0, hi_g = groups - 1;  // the group whose padded columns hold c0
@@ -223,15 +232,16 @@ __global__ void __launch_bounds__(256)
   const int n = int(m - t * kTile < kTile ? m - t * kTile : kTile);
   const int kn = int(K - k0 < kTile ? K - k0 : kTile);
   const int64_t k_tiles = (K + kTile - 1) / kTile;
+  const int tid = int(threadIdx.x);
   if constexpr (kFp8In)
-    for (int r = int(threadIdx.x); r < kTile; r += int(blockDim.x))
+    for (int r = tid; r < kTile; r += kThreads)
       x_row_scale[r] = r < n ? x_scale[(first + r) * k_tiles + blockIdx.y] : 0.f;
-  // The block: 16-byte loads when `vec` (kn a multiple of 16 bytes' elements), element by
-  // element otherwise; zeros past n rows and kn columns.
+  // The block: 16-byte loads when `vec`, element by element otherwise; zeros past n rows and kn
+  // columns.
   constexpr int kChunk = 16 / (kFp8In ? 1 : 2);  // elements of a 16-byte load
   if (vec) {
 #pragma unroll 4
-    for (int i = int(threadIdx.x); i < kTile * kTile / kChunk; i += int(blockDim.x)) {
+    for (int i = tid; i < kTile * kTile / kChunk; i += kThreads) {
       const int r = i / (kTile / kChunk), c = i % (kTile / kChunk) * kChunk;
       uint4 raw = make_uint4(0, 0, 0, 0);
       if (r < n && c < kn) {
@@ -239,79 +249,109 @@ __global__ void __launch_bounds__(256)
         raw = kFp8In ? *reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(x_in) + at)
                      : *reinterpret_cast<const uint4*>(static_cast<const bf16*>(x_in) + at);
       }
-      uint32_t* dst = tile + tile_row(r) * kPitch + c / kPer;
+      uint32_t* dst = tile + r * kPitch + c / kPer;
       dst[0] = raw.x, dst[1] = raw.y, dst[2] = raw.z, dst[3] = raw.w;
     }
   } else {
-    for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
+    for (int i = tid; i < kTile * kTile; i += kThreads) {
       const int r = i / kTile, c = i % kTile;
       const bool in = r < n && c < kn;
       const int64_t at = (first + r) * K + k0 + c;
       if constexpr (kFp8In)
-        reinterpret_cast<uint8_t*>(tile + tile_row(r) * kPitch)[c] =
+        reinterpret_cast<uint8_t*>(tile + r * kPitch)[c] =
             in ? static_cast<const uint8_t*>(x_in)[at] : uint8_t(0);
       else
-        reinterpret_cast<bf16*>(tile + tile_row(r) * kPitch)[c] =
+        reinterpret_cast<bf16*>(tile + r * kPitch)[c] =
             in ? static_cast<const bf16*>(x_in)[at] : __float2bfloat16(0.f);
     }
   }
   __syncthreads();
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
   if constexpr (!kFp8In) {
     if (row_q) {
-      for (int r = warp; r < n; r += int(blockDim.x) / 32) {
-        const uint32_t* row = tile + tile_row(r) * kPitch;
-        float v[4];
-        const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(row + lane);
-        const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(row + lane + 32);
-        v[0] = __low2float(lo), v[1] = __high2float(lo), v[2] = __low2float(hi);
-        v[3] = __high2float(hi);  // zero past kn
-        float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-        amax = warp_max(amax);
-        const TileQuant tq(amax);
-        if (lane == 0) row_scale[(first + r) * k_tiles + blockIdx.y] = tq.s;
-        uint8_t* out = row_q + (first + r) * K + k0;
-        const int c = 2 * lane;
-        if (vec) {
-          if (c < kn) *reinterpret_cast<uint16_t*>(out + c) = uint16_t(tq(v[0]) | tq(v[1]) << 8);
-          if (c + 64 < kn)
-            *reinterpret_cast<uint16_t*>(out + c + 64) = uint16_t(tq(v[2]) | tq(v[3]) << 8);
+      const int r = tid % kTile, h = tid / kTile;          // h: columns 64 h .. 64 h + 63
+      const uint32_t* words = tile + r * kPitch + 32 * h;  // read twice: amax, then values
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[j]);
+        amax = fmaxf(amax, fmaxf(fabsf(__low2float(pair)), fabsf(__high2float(pair))));
+      }
+      row_part[h][r] = amax;
+      __syncthreads();
+      const TileQuant tq(fmaxf(row_part[0][r], row_part[1][r]));
+      if (r < n) {
+        if (h == 0) row_scale[(first + r) * k_tiles + blockIdx.y] = tq.s;
+        uint8_t* out = row_q + (first + r) * K + k0 + 64 * h;
+        uint32_t q[16];  // the 64 bytes
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&words[2 * j]);
+          const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&words[2 * j + 1]);
+          q[j] = e4m3x4(tq, __low2float(a), __high2float(a), __low2float(b), __high2float(b));
+        }
+        if (row_vec && kn == kTile) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            reinterpret_cast<uint4*>(out)[j] =
+                make_uint4(q[4 * j], q[4 * j + 1], q[4 * j + 2], q[4 * j + 3]);
         } else {
-          for (int j = 0; j < 4; ++j) {
-            const int cj = c + j % 2 + (j / 2) * 64;
-            if (cj < kn) out[cj] = tq(v[j]);
-          }
+#pragma unroll
+          for (int c = 0; c < 64; ++c)
+            if (64 * h + c < kn) out[c] = uint8_t(q[c / 4] >> (8 * (c % 4)));
         }
       }
     }
   }
-  float* tile_scales = scale + K * (padded[g] / kTile) + t * K + k0;
-  for (int cw = warp; cw * kPer < kn; cw += int(blockDim.x) / 32) {
-    float v[4][kPer];  // rows 4 lane + i, columns kPer cw + j
+  // Columns: word cw (x columns kPer cw ..), rows r0 .. r0 + kRun - 1.
+  const int cw = tid % kWords, run = tid / kWords, r0 = run * kRun;
+  const uint32_t* words = tile + r0 * kPitch + cw;  // row r0 + i at i * kPitch: read twice
+  float amax[kPer];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = 4 * lane + i;
-      const uint32_t word = tile[tile_row(r) * kPitch + cw];
-      if constexpr (kFp8In) {
-        const float rs = x_row_scale[r];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) v[i][j] = __fmul_rn(from_e4m3(uint8_t(word >> (8 * j))), rs);
-      } else {
-        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
-        v[i][0] = __low2float(pair), v[i][1] = __high2float(pair);
-      }
+  for (int j = 0; j < kPer; ++j) amax[j] = 0.f;
+  // The value of column j of a word in row r.
+  auto value = [&](uint32_t word, int j, int r) {
+    if constexpr (kFp8In) {
+      return __fmul_rn(from_e4m3(uint8_t(word >> (8 * j))), x_row_scale[r]);
+    } else {
+      const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
+      return j == 0 ? __low2float(pair) : __high2float(pair);
     }
+  };
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int c = kPer * cw + j;
-      float amax =
-          fmaxf(fmaxf(fabsf(v[0][j]), fabsf(v[1][j])), fmaxf(fabsf(v[2][j]), fabsf(v[3][j])));
-      amax = warp_max(amax);
-      if (c >= kn) continue;  // warp-uniform
-      const TileQuant tq(amax);
-      if (lane == 0) tile_scales[c] = tq.s;
-      *reinterpret_cast<uint32_t*>(q_t + (k0 + c) * P + c0 + 4 * lane) =
-          e4m3x4(tq, v[0][j], v[1][j], v[2][j], v[3][j]);
+  for (int i = 0; i < kRun; ++i) {
+    const uint32_t word = words[i * kPitch];
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) amax[j] = fmaxf(amax[j], fabsf(value(word, j, r0 + i)));
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) col_part[run][kPer * cw + j] = amax[j];
+  __syncthreads();
+  float* tile_scales = scale + K * (padded[g] / kTile) + t * K + k0;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int c = kPer * cw + j;
+    if (c >= kn) break;
+    float a = col_part[0][c];
+#pragma unroll
+    for (int u = 1; u < kRuns; ++u) a = fmaxf(a, col_part[u][c]);
+    const TileQuant tq(a);
+    if (run == 0) tile_scales[c] = tq.s;
+    uint32_t q[kRun / 4];  // this column's kRun bytes
+#pragma unroll
+    for (int i = 0; i < kRun / 4; ++i)
+      q[i] = e4m3x4(tq, value(words[4 * i * kPitch], j, r0 + 4 * i),
+                    value(words[(4 * i + 1) * kPitch], j, r0 + 4 * i + 1),
+                    value(words[(4 * i + 2) * kPitch], j, r0 + 4 * i + 2),
+                    value(words[(4 * i + 3) * kPitch], j, r0 + 4 * i + 3));
+    uint8_t* out = q_t + (k0 + c) * P + c0 + r0;
+    if (qt_vec) {
+#pragma unroll
+      for (int i = 0; i < kRun / 16; ++i)
+        reinterpret_cast<uint4*>(out)[i] =
+            make_uint4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kRun / 4; ++i) reinterpret_cast<uint32_t*>(out)[i] = q[i];
     }
   }
 }
@@ -387,18 +427,19 @@ void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
   MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(a.q_t.data) % 4 == 0,
                  "quantize_fp8_cols: q_t at " << a.q_t.data << " must be 4-byte aligned");
   const dim3 grid(unsigned(P / kFp8Tile), unsigned(fp8_tiles(K)));
+  const bool qt_vec = reinterpret_cast<uintptr_t>(a.q_t.data) % 16 == 0;
   if (a.x.dtype == DType::e4m3)
     MOE_ECHO_LAUNCH(quantize_cols_kernel<true>, grid, 256, 0, s, a.x.data, a.x_scale.as<float>(),
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
                     P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
-                    K % 16 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0, nullptr,
-                    nullptr);
+                    K % 16 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0, false, qt_vec,
+                    nullptr, nullptr);
   else
     MOE_ECHO_LAUNCH(quantize_cols_kernel<false>, grid, 256, 0, s, a.x.data, nullptr,
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
                     P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
-                    K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(a.row_q.data) % 2 == 0,
+                    K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0,
+                    K % 16 == 0 && reinterpret_cast<uintptr_t>(a.row_q.data) % 16 == 0, qt_vec,
                     a.row_q.as<uint8_t>(), a.row_scale.as<float>());
 }
 
