@@ -212,8 +212,9 @@ __global__ void __launch_bounds__(256, 4)
   constexpr int kRun = kTile / kRuns;       // rows per run: 32 or 16
   __shared__ uint32_t tile[kTile * kPitch];
   __shared__ float x_row_scale[kFp8In ? kTile : 1];
-  __shared__ float col_part[kRuns][kTile];  // per run: each column's amax over its rows
-  __shared__ float row_part[2][kTile];      // per half row: its amax
+  __shared__ float col_part[kRuns][kTile];              // per run: each column's amax over its rows
+  __shared__ float row_part[2][kTile];                  // per half row: its amax
+  __shared__ __align__(16) uint8_t out[kTile * kTile];  // one pass's e4m3 bytes (swizzled)
   const int64_t c0 = int64_t(blockIdx.x) * kTile, k0 = int64_t(blockIdx.y) * kTile;
   if (c0 >= padded[groups]) return;
   int lo_g = 0, hi_g = groups - 1;  // the group whose padded columns hold c0
@@ -266,94 +267,124 @@ __global__ void __launch_bounds__(256, 4)
     }
   }
   __syncthreads();
+  // Pass 1: the amax of every half row (with row_q) and of every column run.
+  const bool rows_too = !kFp8In && row_q != nullptr;
+  const int r = tid % kTile, h = tid / kTile;  // rows: columns 64 h .. 64 h + 63 of block row r
+  const uint32_t* row_words = tile + r * kPitch + 32 * h;
   if constexpr (!kFp8In) {
-    if (row_q) {
-      const int r = tid % kTile, h = tid / kTile;          // h: columns 64 h .. 64 h + 63
-      const uint32_t* words = tile + r * kPitch + 32 * h;  // read twice: amax, then values
+    if (rows_too) {
       float amax = 0.f;
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
-        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&words[j]);
+        const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&row_words[j]);
         amax = fmaxf(amax, fmaxf(fabsf(__low2float(pair)), fabsf(__high2float(pair))));
       }
       row_part[h][r] = amax;
-      __syncthreads();
-      const TileQuant tq(fmaxf(row_part[0][r], row_part[1][r]));
-      if (r < n) {
-        if (h == 0) row_scale[(first + r) * k_tiles + blockIdx.y] = tq.s;
-        uint8_t* out = row_q + (first + r) * K + k0 + 64 * h;
-        uint32_t q[16];  // the 64 bytes
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&words[2 * j]);
-          const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&words[2 * j + 1]);
-          q[j] = e4m3x4(tq, __low2float(a), __high2float(a), __low2float(b), __high2float(b));
-        }
-        if (row_vec && kn == kTile) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            reinterpret_cast<uint4*>(out)[j] =
-                make_uint4(q[4 * j], q[4 * j + 1], q[4 * j + 2], q[4 * j + 3]);
-        } else {
-#pragma unroll
-          for (int c = 0; c < 64; ++c)
-            if (64 * h + c < kn) out[c] = uint8_t(q[c / 4] >> (8 * (c % 4)));
-        }
-      }
     }
   }
   // Columns: word cw (x columns kPer cw ..), rows r0 .. r0 + kRun - 1.
   const int cw = tid % kWords, run = tid / kWords, r0 = run * kRun;
-  const uint32_t* words = tile + r0 * kPitch + cw;  // row r0 + i at i * kPitch: read twice
-  float amax[kPer];
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) amax[j] = 0.f;
-  // The value of column j of a word in row r.
-  auto value = [&](uint32_t word, int j, int r) {
+  const uint32_t* col_words = tile + r0 * kPitch + cw;  // row r0 + i at i * kPitch
+  // The value of column j of a word in row `row`.
+  auto value = [&](uint32_t word, int j, int row) {
     if constexpr (kFp8In) {
-      return __fmul_rn(from_e4m3(uint8_t(word >> (8 * j))), x_row_scale[r]);
+      return __fmul_rn(from_e4m3(uint8_t(word >> (8 * j))), x_row_scale[row]);
     } else {
       const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
       return j == 0 ? __low2float(pair) : __high2float(pair);
     }
   };
+  {
+    float amax[kPer];
 #pragma unroll
-  for (int i = 0; i < kRun; ++i) {
-    const uint32_t word = words[i * kPitch];
+    for (int j = 0; j < kPer; ++j) amax[j] = 0.f;
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) amax[j] = fmaxf(amax[j], fabsf(value(word, j, r0 + i)));
+    for (int i = 0; i < kRun; ++i) {
+      const uint32_t word = col_words[i * kPitch];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) amax[j] = fmaxf(amax[j], fabsf(value(word, j, r0 + i)));
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) col_part[run][kPer * cw + j] = amax[j];
   }
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) col_part[run][kPer * cw + j] = amax[j];
   __syncthreads();
+  // Pass 2: the e4m3 bytes into `out` (128 rows of 128 bytes; the 16-byte chunk ch of row y at
+  // chunk ch ^ swz(y), so that the 8 threads of a store phase hit distinct banks), then stored
+  // from there as whole 16-byte chunks, a warp writing four 128-byte rows at a time.
+  auto put = [&](int y, int ch, int swz, uint4 v) {
+    reinterpret_cast<uint4*>(out + y * kTile)[ch ^ swz] = v;
+  };
+  // Row y of `out` (valid bytes: `valid`) to dst_row(y) for the rows y < n_out; 16-byte stores
+  // when vec16, else 4-byte when vec4, else bytes.
+  auto store_out = [&](int n_out, int valid, bool vec16, bool vec4, auto swz, auto dst_row) {
+    for (int e = tid; e < kTile * (kTile / 16); e += kThreads) {
+      const int y = e / (kTile / 16), ch = e % (kTile / 16);
+      if (y >= n_out || 16 * ch >= valid) continue;
+      const uint4 v = reinterpret_cast<const uint4*>(out + y * kTile)[ch ^ swz(y)];
+      uint8_t* dst = dst_row(y) + 16 * ch;
+      if (vec16 && 16 * ch + 16 <= valid) {
+        *reinterpret_cast<uint4*>(dst) = v;
+      } else if (vec4 && 16 * ch + 16 <= valid) {
+        uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+        d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+      } else {
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int b = 0; b < 16; ++b)
+          if (16 * ch + b < valid) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
+      }
+    }
+  };
+  if constexpr (!kFp8In) {
+    if (rows_too) {
+      const TileQuant tq(fmaxf(row_part[0][r], row_part[1][r]));
+      if (h == 0 && r < n) row_scale[(first + r) * k_tiles + blockIdx.y] = tq.s;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // chunk 4 h + i: columns 64 h + 16 i ..
+        uint32_t q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t wa = row_words[8 * i + 2 * u], wb = row_words[8 * i + 2 * u + 1];
+          const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&wa);
+          const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&wb);
+          q[u] = e4m3x4(tq, __low2float(a), __high2float(a), __low2float(b), __high2float(b));
+        }
+        put(r, 4 * h + i, r & 7, make_uint4(q[0], q[1], q[2], q[3]));
+      }
+      __syncthreads();
+      store_out(
+          n, kn, row_vec, false, [](int y) { return y & 7; },
+          [&](int y) { return row_q + (first + y) * K + k0; });
+      __syncthreads();
+    }
+  }
   float* tile_scales = scale + K * (padded[g] / kTile) + t * K + k0;
 #pragma unroll
   for (int j = 0; j < kPer; ++j) {
     const int c = kPer * cw + j;
-    if (c >= kn) break;
     float a = col_part[0][c];
 #pragma unroll
     for (int u = 1; u < kRuns; ++u) a = fmaxf(a, col_part[u][c]);
     const TileQuant tq(a);
-    if (run == 0) tile_scales[c] = tq.s;
-    uint32_t q[kRun / 4];  // this column's kRun bytes
+    if (run == 0 && c < kn) tile_scales[c] = tq.s;
 #pragma unroll
-    for (int i = 0; i < kRun / 4; ++i)
-      q[i] = e4m3x4(tq, value(words[4 * i * kPitch], j, r0 + 4 * i),
-                    value(words[(4 * i + 1) * kPitch], j, r0 + 4 * i + 1),
-                    value(words[(4 * i + 2) * kPitch], j, r0 + 4 * i + 2),
-                    value(words[(4 * i + 3) * kPitch], j, r0 + 4 * i + 3));
-    uint8_t* out = q_t + (k0 + c) * P + c0 + r0;
-    if (qt_vec) {
+    for (int i = 0; i < kRun / 16; ++i) {  // chunk r0 / 16 + i of out row c
+      uint32_t q[4];
 #pragma unroll
-      for (int i = 0; i < kRun / 16; ++i)
-        reinterpret_cast<uint4*>(out)[i] =
-            make_uint4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kRun / 4; ++i) reinterpret_cast<uint32_t*>(out)[i] = q[i];
+      for (int u = 0; u < 4; ++u) {
+        const int y = 16 * i + 4 * u;
+        q[u] = e4m3x4(tq, value(col_words[y * kPitch], j, r0 + y),
+                      value(col_words[(y + 1) * kPitch], j, r0 + y + 1),
+                      value(col_words[(y + 2) * kPitch], j, r0 + y + 2),
+                      value(col_words[(y + 3) * kPitch], j, r0 + y + 3));
+      }
+      put(c, r0 / 16 + i, cw & 7, make_uint4(q[0], q[1], q[2], q[3]));
     }
   }
+  __syncthreads();
+  store_out(
+      kn, kTile, qt_vec, true, [](int y) { return y / kPer & 7; },
+      [&](int y) { return q_t + (k0 + y) * P + c0; });
 }
 
 }  // namespace
