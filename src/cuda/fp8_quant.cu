@@ -124,46 +124,116 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q,
   }
 }
 
-// One block of 256 threads per (group, K tile, N tile): the block's amax, then every element
-// quantized into q (rows of N) and, through shared memory, into q_t (rows of K).
-__global__ void __launch_bounds__(256)
+// One block of 256 threads per (group, K tile, N tile): the 128 x 128 block of w into shared
+// memory (16-byte loads when `vec`: N % 8 == 0 and w 16-byte aligned; row r at word r * 65), its
+// amax over the threads' loads, then q's rows from shared memory as 8-byte runs (4-byte or single
+// bytes at an edge or without `vec`), and q_t's rows (w's columns) as in quantize_cols_kernel:
+// thread i takes the two columns of shared word i % 64 and the 32 rows 32 (i / 64) .., stages their
+// bytes in shared memory and the block stores whole 128-byte rows (16-byte stores when `t_vec`:
+// K % 16 == 0 and q_t 16-byte aligned).
+__global__ void __launch_bounds__(256, 3)
     quantize_blocks_kernel(const bf16* __restrict__ w, uint8_t* __restrict__ q,
                            uint8_t* __restrict__ q_t, float* __restrict__ scale,
                            float* __restrict__ scale_t, int64_t K, int64_t N, int64_t k_tiles,
-                           int64_t n_tiles) {
-  __shared__ float warp_amax[8];
-  __shared__ uint8_t tile[kTile][kTile + 4];
+                           int64_t n_tiles, bool vec, bool t_vec) {
+  constexpr int kThreads = 256, kWords = kTile / 2, kPitch = kWords + 1;
+  __shared__ uint32_t tile[kTile * kPitch];
+  __shared__ __align__(16) uint8_t out[kTile * kTile];
+  __shared__ float warp_amax[kThreads / 32];
   const int64_t b = blockIdx.x;
   const int64_t g = b / (k_tiles * n_tiles), kt = b / n_tiles % k_tiles, nt = b % n_tiles;
   const int64_t k0 = kt * kTile, n0 = nt * kTile;
   const int kn = int(K - k0 < kTile ? K - k0 : kTile), nn = int(N - n0 < kTile ? N - n0 : kTile);
   const bf16* slab = w + g * K * N;
+  const int tid = int(threadIdx.x);
   float amax = 0.f;
-  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
-    const int r = i / kTile, c = i % kTile;
-    if (r < kn && c < nn) amax = fmaxf(amax, fabsf(__bfloat162float(slab[(k0 + r) * N + n0 + c])));
+  if (vec) {
+#pragma unroll 4
+    for (int i = tid; i < kTile * kTile / 8; i += kThreads) {
+      const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (r < kn && c < nn) raw = *reinterpret_cast<const uint4*>(slab + (k0 + r) * N + n0 + c);
+      float v[8];
+      unpack_bf16x8(raw, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      uint32_t* dst = tile + r * kPitch + c / 2;
+      dst[0] = raw.x, dst[1] = raw.y, dst[2] = raw.z, dst[3] = raw.w;
+    }
+  } else {
+    for (int i = tid; i < kTile * kTile; i += kThreads) {
+      const int r = i / kTile, c = i % kTile;
+      const bf16 v = r < kn && c < nn ? slab[(k0 + r) * N + n0 + c] : __float2bfloat16(0.f);
+      amax = fmaxf(amax, fabsf(__bfloat162float(v)));
+      reinterpret_cast<bf16*>(tile + r * kPitch)[c] = v;
+    }
   }
   amax = warp_max(amax);
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+  if (tid % 32 == 0) warp_amax[tid / 32] = amax;
   __syncthreads();
   amax = 0.f;
-  for (int i = 0; i < int(blockDim.x / 32); ++i) amax = fmaxf(amax, warp_amax[i]);
+#pragma unroll
+  for (int i = 0; i < kThreads / 32; ++i) amax = fmaxf(amax, warp_amax[i]);
   const TileQuant tq(amax);
-  if (threadIdx.x == 0) scale[(g * k_tiles + kt) * n_tiles + nt] = tq.s;
-  if (threadIdx.x == 0 && scale_t) scale_t[(g * n_tiles + nt) * k_tiles + kt] = tq.s;
-  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
-    const int r = i / kTile, c = i % kTile;
-    if (r < kn && c < nn) {
-      const uint8_t v = tq(__bfloat162float(slab[(k0 + r) * N + n0 + c]));
-      if (q) q[g * K * N + (k0 + r) * N + n0 + c] = v;
-      tile[r][c] = v;
+  if (tid == 0) scale[(g * k_tiles + kt) * n_tiles + nt] = tq.s;
+  if (tid == 0 && scale_t) scale_t[(g * n_tiles + nt) * k_tiles + kt] = tq.s;
+  auto value = [](uint32_t word, int j) {
+    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
+    return j == 0 ? __low2float(pair) : __high2float(pair);
+  };
+  if (q) {
+    // q's rows: thread i takes 8 columns of a row at a time (a warp: two 128-byte rows).
+    for (int i = tid; i < kTile * kTile / 8; i += kThreads) {
+      const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
+      if (r >= kn || c >= nn) continue;
+      const uint32_t* src = tile + r * kPitch + c / 2;
+      const uint32_t lo =
+          e4m3x4(tq, value(src[0], 0), value(src[0], 1), value(src[1], 0), value(src[1], 1));
+      const uint32_t hi =
+          e4m3x4(tq, value(src[2], 0), value(src[2], 1), value(src[3], 0), value(src[3], 1));
+      uint8_t* dst = q + g * K * N + (k0 + r) * N + n0 + c;
+      if (vec && c + 8 <= nn) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+      } else {
+        for (int j = 0; j < 8 && c + j < nn; ++j)
+          dst[j] = uint8_t((j < 4 ? lo : hi) >> (8 * (j % 4)));
+      }
     }
   }
   if (!q_t) return;
+  // q_t's rows: column pair cw, rows r0 .. r0 + 31, staged at out row c (chunk ch at ch ^ (cw &
+  // 7)).
+  const int cw = tid % kWords, r0 = tid / kWords * 32;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int c = 2 * cw + j;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      uint32_t v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const uint32_t* col = tile + (r0 + 16 * i + 4 * u) * kPitch + cw;
+        v[u] = e4m3x4(tq, value(col[0], j), value(col[kPitch], j), value(col[2 * kPitch], j),
+                      value(col[3 * kPitch], j));
+      }
+      reinterpret_cast<uint4*>(out + c * kTile)[(r0 / 16 + i) ^ (cw & 7)] =
+          make_uint4(v[0], v[1], v[2], v[3]);
+    }
+  }
   __syncthreads();
-  for (int i = int(threadIdx.x); i < kTile * kTile; i += int(blockDim.x)) {
-    const int c = i / kTile, r = i % kTile;  // row c of q_t's block, along K
-    if (r < kn && c < nn) q_t[g * N * K + (n0 + c) * K + k0 + r] = tile[r][c];
+  for (int e = tid; e < kTile * (kTile / 16); e += kThreads) {
+    const int c = e / (kTile / 16), ch = e % (kTile / 16);
+    if (c >= nn || 16 * ch >= kn) continue;
+    const uint4 v = reinterpret_cast<const uint4*>(out + c * kTile)[ch ^ (c / 2 & 7)];
+    uint8_t* dst = q_t + g * N * K + (n0 + c) * K + k0 + 16 * ch;
+    if (t_vec && 16 * ch + 16 <= kn) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        if (16 * ch + u < kn) dst[u] = uint8_t(words[u / 4] >> (8 * (u % 4)));
+    }
   }
 }
 
@@ -442,9 +512,12 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
   if (a.scale_t.data)
     check_tensor(a.scale_t, "quantize_fp8_blocks scale_t", DType::f32, {G, NT, KT});
   MOE_ECHO_CHECK(G * KT * NT <= INT32_MAX, "quantize_fp8_blocks: " << G * KT * NT << " blocks");
+  const bool vec = N % 8 == 0 && reinterpret_cast<uintptr_t>(a.w.data) % 16 == 0 &&
+                   reinterpret_cast<uintptr_t>(a.q.data) % 8 == 0;
+  const bool t_vec = K % 16 == 0 && reinterpret_cast<uintptr_t>(a.q_t.data) % 16 == 0;
   MOE_ECHO_LAUNCH(quantize_blocks_kernel, unsigned(G * KT * NT), 256, 0, s, a.w.as<bf16>(),
                   a.q.as<uint8_t>(), a.q_t.as<uint8_t>(), a.scale.as<float>(),
-                  a.scale_t.as<float>(), K, N, KT, NT);
+                  a.scale_t.as<float>(), K, N, KT, NT, vec, t_vec);
 }
 
 void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
