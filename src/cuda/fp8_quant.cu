@@ -2,8 +2,8 @@
 // Semantics and bits: src/cpu/fp8_quant.cpp (amax, scale = max(amax / 448, FLT_MIN) or 1,
 // e4m3(x * (1 / scale)) rounded to nearest even and saturated: cvt.rn.satfinite.e4m3x2.f32
 // through __nv_cvt_float_to_fp8).
-// Memory-bound: each element is read once per pass (twice for the weight blocks, whose second read
-// hits L2).
+// Each element is read once from global memory; the block and column kernels stage their tiles
+// and their e4m3 output in shared memory so that every global load and store is a 16-byte run.
 #include <cuda_fp8.h>
 
 #include "cuda/common.cuh"
@@ -124,6 +124,32 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q,
   }
 }
 
+// A 128 x 128 byte tile staged in shared memory (the 16-byte chunk ch of row y at chunk
+// ch ^ swz(y), so that the 8 threads of a store phase hit distinct banks), stored by the block's
+// threads as whole chunks (a warp writes four 128-byte rows at a time): rows y < n_rows, `valid`
+// bytes each, to dst_row(y); 16-byte stores when vec16, 4-byte when vec4, else bytes.
+template <class Swz, class Dst>
+__device__ __forceinline__ void store_staged(const uint8_t* staged, int n_rows, int valid,
+                                             bool vec16, bool vec4, Swz swz, Dst dst_row) {
+  for (int e = int(threadIdx.x); e < kTile * (kTile / 16); e += int(blockDim.x)) {
+    const int y = e / (kTile / 16), ch = e % (kTile / 16);
+    if (y >= n_rows || 16 * ch >= valid) continue;
+    const uint4 v = reinterpret_cast<const uint4*>(staged + y * kTile)[ch ^ swz(y)];
+    uint8_t* dst = dst_row(y) + 16 * ch;
+    if (vec16 && 16 * ch + 16 <= valid) {
+      *reinterpret_cast<uint4*>(dst) = v;
+    } else if (vec4 && 16 * ch + 16 <= valid) {
+      uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+      d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
+    } else {
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int b = 0; b < 16; ++b)
+        if (16 * ch + b < valid) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
+    }
+  }
+}
+
 // One block of 256 threads per (group, K tile, N tile): the 128 x 128 block of w into shared
 // memory (16-byte loads when `vec`: N % 8 == 0 and w 16-byte aligned; row r at word r * 65), its
 // amax over the threads' loads, then q's rows from shared memory as 8-byte runs (4-byte or single
@@ -221,20 +247,9 @@ __global__ void __launch_bounds__(256, 3)
     }
   }
   __syncthreads();
-  for (int e = tid; e < kTile * (kTile / 16); e += kThreads) {
-    const int c = e / (kTile / 16), ch = e % (kTile / 16);
-    if (c >= nn || 16 * ch >= kn) continue;
-    const uint4 v = reinterpret_cast<const uint4*>(out + c * kTile)[ch ^ (c / 2 & 7)];
-    uint8_t* dst = q_t + g * N * K + (n0 + c) * K + k0 + 16 * ch;
-    if (t_vec && 16 * ch + 16 <= kn) {
-      *reinterpret_cast<uint4*>(dst) = v;
-    } else {
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int u = 0; u < 16; ++u)
-        if (16 * ch + u < kn) dst[u] = uint8_t(words[u / 4] >> (8 * (u % 4)));
-    }
-  }
+  store_staged(
+      out, nn, kn, t_vec, false, [](int c) { return c / 2 & 7; },
+      [&](int c) { return q_t + g * N * K + (n0 + c) * K + k0; });
 }
 
 // Fp8ColArgs, step 1 (one thread): every group's padded column offset.
@@ -378,32 +393,9 @@ __global__ void __launch_bounds__(256, 4)
     for (int j = 0; j < kPer; ++j) col_part[run][kPer * cw + j] = amax[j];
   }
   __syncthreads();
-  // Pass 2: the e4m3 bytes into `out` (128 rows of 128 bytes; the 16-byte chunk ch of row y at
-  // chunk ch ^ swz(y), so that the 8 threads of a store phase hit distinct banks), then stored
-  // from there as whole 16-byte chunks, a warp writing four 128-byte rows at a time.
+  // Pass 2: the e4m3 bytes staged in `out` (store_staged's layout), then stored from there.
   auto put = [&](int y, int ch, int swz, uint4 v) {
     reinterpret_cast<uint4*>(out + y * kTile)[ch ^ swz] = v;
-  };
-  // Row y of `out` (valid bytes: `valid`) to dst_row(y) for the rows y < n_out; 16-byte stores
-  // when vec16, else 4-byte when vec4, else bytes.
-  auto store_out = [&](int n_out, int valid, bool vec16, bool vec4, auto swz, auto dst_row) {
-    for (int e = tid; e < kTile * (kTile / 16); e += kThreads) {
-      const int y = e / (kTile / 16), ch = e % (kTile / 16);
-      if (y >= n_out || 16 * ch >= valid) continue;
-      const uint4 v = reinterpret_cast<const uint4*>(out + y * kTile)[ch ^ swz(y)];
-      uint8_t* dst = dst_row(y) + 16 * ch;
-      if (vec16 && 16 * ch + 16 <= valid) {
-        *reinterpret_cast<uint4*>(dst) = v;
-      } else if (vec4 && 16 * ch + 16 <= valid) {
-        uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-        d[0] = v.x, d[1] = v.y, d[2] = v.z, d[3] = v.w;
-      } else {
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int b = 0; b < 16; ++b)
-          if (16 * ch + b < valid) dst[b] = uint8_t(w[b / 4] >> (8 * (b % 4)));
-      }
-    }
   };
   if constexpr (!kFp8In) {
     if (rows_too) {
@@ -422,8 +414,8 @@ __global__ void __launch_bounds__(256, 4)
         put(r, 4 * h + i, r & 7, make_uint4(q[0], q[1], q[2], q[3]));
       }
       __syncthreads();
-      store_out(
-          n, kn, row_vec, false, [](int y) { return y & 7; },
+      store_staged(
+          out, n, kn, row_vec, false, [](int y) { return y & 7; },
           [&](int y) { return row_q + (first + y) * K + k0; });
       __syncthreads();
     }
@@ -452,8 +444,8 @@ __global__ void __launch_bounds__(256, 4)
     }
   }
   __syncthreads();
-  store_out(
-      kn, kTile, qt_vec, true, [](int y) { return y / kPer & 7; },
+  store_staged(
+      out, kn, kTile, qt_vec, true, [](int y) { return y / kPer & 7; },
       [&](int y) { return q_t + (k0 + y) * P + c0; });
 }
 
