@@ -68,6 +68,16 @@ void validate(const PlannerConfig& cfg);
 // of `out`. With spare_slots == 0 or max_clones == 0 it writes the no-clone plan.
 void plan_echo(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out);
 
+// The plan of a placement chosen before this routing map (placement[r * S + s]: the expert cloned
+// into spare slot s of rank r, or -1; e.g. the spare_expert of the previous step's plan, or of a
+// step's first micro-batch that the step's later ones keep): the clones stay in their slots and
+// each cloned expert's rows of this map are split over its replicas by plan_echo's water-filling
+// refinement (a clone left with no rows is dropped, as plan_echo drops one). Throws ConfigError
+// naming `placement` when an entry is not an expert, a clone sits on its expert's home rank or
+// beside another replica of it, or an expert has more than min(max_clones, R - 1) clones.
+void plan_placed(const int32_t* routing_map, const PlannerConfig& cfg, const int32_t* placement,
+                 PlanView out);
+
 // The no-clone plan (every expert on its home slot).
 void plan_none(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out);
 

@@ -162,6 +162,60 @@ void plan_echo(const int32_t* routing_map, const PlannerConfig& cfg, PlanView ou
   run_planner(routing_map, cfg, true, out);
 }
 
+void plan_placed(const int32_t* routing_map, const PlannerConfig& cfg, const int32_t* placement,
+                 PlanView out) {
+  validate(cfg);
+  check_routing_map(routing_map, cfg);
+  const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots;
+  const int limit = std::min(cfg.max_clones, R - 1);
+  std::vector<int32_t> clones(size_t(E), 0);
+  std::vector<uint8_t> on_rank(size_t(R) * size_t(E), 0);  // a clone of e on rank r already
+  for (int i = 0; i < R * S; ++i) {
+    const int r = i / S, e = placement[i];
+    if (e == -1) continue;
+    auto bad = [&](const std::string& why) {
+      reject("placement", "[" + std::to_string(i) + "] = " + std::to_string(e),
+             why + " (spare slot " + std::to_string(i % S) + " of rank " + std::to_string(r) + ")");
+    };
+    if (e < 0 || e >= E) bad("-1 or an expert in [0, " + std::to_string(E) + ")");
+    if (cfg.home_rank(e) == r) bad("an expert whose home is another rank");
+    if (on_rank[size_t(r) * E + size_t(e)]) bad("one replica of an expert per rank");
+    if (++clones[size_t(e)] > limit)
+      bad("at most min(max_clones, ranks - 1) = " + std::to_string(limit) + " clones per expert");
+    on_rank[size_t(r) * E + size_t(e)] = 1;
+  }
+  std::vector<int64_t> scratch((planner_core::PlannerCore::bytes(cfg) + 7) / 8);
+  planner_core::PlannerCore core;
+  core.bind(cfg, scratch.data());
+  core.init_experts(routing_map, 0, 1);
+  core.init_ranks(0, 1);
+  // The core fills a rank's spare slots in order: slot[r * S + k] is the placement's slot of the
+  // rank's k-th clone, and the written plan is mapped back to those slots.
+  std::vector<int32_t> slot(size_t(R) * size_t(S), -1);
+  for (int i = 0; i < R * S; ++i)
+    if (placement[i] >= 0) {
+      const int r = i / S;
+      slot[size_t(r) * S + size_t(core.spare_used[r])] = i % S;
+      core.add_clone(placement[i], r);
+    }
+  core.refine();
+  core.write(out);
+  const int epr = cfg.experts_per_rank(), M = cfg.max_replicas();
+  for (int r = 0; r < R; ++r) {
+    std::vector<int32_t> compact(out.spare_expert + int64_t(r) * S,
+                                 out.spare_expert + int64_t(r + 1) * S);
+    std::fill(out.spare_expert + int64_t(r) * S, out.spare_expert + int64_t(r + 1) * S, -1);
+    for (int k = 0; k < S; ++k)
+      if (compact[size_t(k)] >= 0)
+        out.spare_expert[int64_t(r) * S + slot[size_t(r) * S + k]] = compact[size_t(k)];
+  }
+  for (int64_t i = 0; i < int64_t(E) * M; ++i)
+    if (i % M != 0 && out.replica_rank[i] >= 0) {
+      const int r = out.replica_rank[i];
+      out.replica_slot[i] = epr + slot[size_t(r) * S + size_t(out.replica_slot[i] - epr)];
+    }
+}
+
 void compute_assignment(const int32_t* routing_map, const PlannerConfig& cfg, const PlanView& plan,
                         int32_t* assign) {
   validate(cfg);

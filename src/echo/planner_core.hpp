@@ -808,6 +808,18 @@ struct PlannerCore {
     if (!best_here) restore_best();
   }
 
+  // A clone of expert x in target's next spare slot, placed by the caller (plan_placed): x is
+  // water-filled over its replicas and the new one, and the two ranks get a link each.
+  MOE_ECHO_HD void add_clone(int x, int target) {
+    ++trial;
+    n_touched = 0;
+    spare[int64_t(target) * S + spare_used[target]] = x;
+    ++spare_used[target];
+    commit(x, trial_fill(x, target), false);
+    ++links[target];
+    ++links[x / epr];
+  }
+
   // Step 3: re-split every cloned expert by water-filling, in expert order, until nothing
   // changes or the pass budget is spent.
   MOE_ECHO_HD void refine() {

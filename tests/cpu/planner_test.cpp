@@ -240,6 +240,94 @@ TEST(Planner, InvariantsRandomAndSkewed) {
       }
 }
 
+// plan_placed keeps a placement made for another map (the previous step's, or a micro-batch's
+// the step keeps) and splits this map's rows over it: every invariant of a plan, the clones in
+// the slots given (a clone left with no rows dropped), never above the no-clone busiest load,
+// and on the map the placement was made for, plan_echo's busiest load (to within 0.1%).
+TEST(Planner, PlacedPlanKeepsThePlacementAndSplitsTheNewMap) {
+  uint64_t seed = 300;
+  for (const Shape& sh : kShapes)
+    for (double alpha : {0.6, 1.2, 2.0}) {
+      const auto cfg = make_cfg(sh.R, sh.E, sh.S, sh.max_clones);
+      SCOPED_TRACE("R=" + std::to_string(sh.R) + " E=" + std::to_string(sh.E) +
+                   " alpha=" + std::to_string(alpha));
+      const RoutingMap before = zipf_map(sh.R, sh.E, alpha, 4096, seed);
+      const RoutingMap now = zipf_map(sh.R, sh.E, alpha, 4096, seed + 1);
+      ++seed;
+      Plan a = run_echo(before, cfg);
+      const std::vector<int32_t> placement(a.view().spare_expert,
+                                           a.view().spare_expert + sh.R * sh.S);
+      Plan same(cfg), b(cfg);
+      plan_placed(before.data(), cfg, placement.data(), same.view());
+      // Both splits are water-filled towards the min-max split, plan_echo's clone by clone and
+      // this one from the whole placement at once: the same busiest load to within 0.1%.
+      EXPECT_LE(same.max_load_after(), a.max_load_after() + a.max_load_after() / 1000)
+          << "the map the placement was made for";
+      std::fill(b.storage.begin(), b.storage.end(), 12345);  // every entry must be written
+      plan_placed(now.data(), cfg, placement.data(), b.view());
+      check_plan(now, cfg, b);
+      EXPECT_LE(b.max_load_after(), b.max_load_before());
+      const PlanView v = b.view();
+      for (int i = 0; i < sh.R * sh.S; ++i)
+        if (v.spare_expert[i] >= 0) {
+          EXPECT_EQ(v.spare_expert[i], placement[size_t(i)]) << i;
+        }
+      const int M = cfg.max_replicas(), epr = sh.E / sh.R;
+      for (int e = 0; e < sh.E; ++e)
+        for (int j = 1; j < M; ++j) {
+          const int r = v.replica_rank[e * M + j];
+          if (r < 0) continue;
+          EXPECT_EQ(placement[size_t(r * sh.S + v.replica_slot[e * M + j] - epr)], e);
+        }
+    }
+}
+
+TEST(Planner, PlacedPlanSplitsExactlyAndKeepsSlots) {
+  // Expert 0 (home rank 0) has 100 rows, expert 1 (rank 1) 10; a clone of 0 in rank 1's second
+  // spare slot takes 45 rows: 55 and 55.
+  const auto cfg = make_cfg(2, 2, 2, 1);
+  const RoutingMap C = {60, 4, 40, 6};
+  const std::vector<int32_t> placement = {-1, -1, -1, 0};
+  Plan p(cfg);
+  plan_placed(C.data(), cfg, placement.data(), p.view());
+  const PlanView v = p.view();
+  EXPECT_EQ(v.load_after[0], 55);
+  EXPECT_EQ(v.load_after[1], 55);
+  EXPECT_EQ(v.replica_rank[1], 1);
+  EXPECT_EQ(v.replica_slot[1], 1 + 1) << "rank 1's spare slot 1 (local slot E/R + 1)";
+  EXPECT_EQ(v.replica_rows[0] + v.replica_rows[1], 100);
+  EXPECT_EQ(v.spare_expert[3], 0);
+  EXPECT_EQ(v.spare_expert[2], -1);
+  EXPECT_EQ(v.num_clones[0], 1);
+}
+
+TEST(Planner, PlacedPlanRejectsBadPlacements) {
+  const auto cfg = make_cfg(4, 8, 2, 1);
+  const RoutingMap C = uniform_map(4, 8, 50, 3);
+  Plan p(cfg);
+  auto expect_reject = [&](std::vector<int32_t> placement, const std::string& what) {
+    SCOPED_TRACE(what);
+    try {
+      plan_placed(C.data(), cfg, placement.data(), p.view());
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("placement"), std::string::npos) << e.what();
+    }
+  };
+  std::vector<int32_t> none(8, -1);
+  auto with = [&](std::initializer_list<std::pair<int, int32_t>> set) {
+    std::vector<int32_t> v = none;
+    for (auto [i, e] : set) v[size_t(i)] = e;
+    return v;
+  };
+  expect_reject(with({{2, 8}}), "not an expert");
+  expect_reject(with({{2, -2}}), "negative");
+  expect_reject(with({{0, 1}}), "on its home rank (expert 1 lives on rank 0)");
+  expect_reject(with({{2, 4}, {3, 4}}), "two replicas on rank 1");
+  expect_reject(with({{2, 0}, {4, 0}}), "two clones with max_clones 1");
+  EXPECT_NO_THROW(plan_placed(C.data(), cfg, with({{2, 0}, {4, 1}}).data(), p.view()));
+}
+
 TEST(Planner, SkewedLoadIsBalanced) {
   // One hot expert per rank pair: cloning must bring the busiest rank well below no-clone.
   const auto cfg = make_cfg(16, 64, 2, 3);
