@@ -56,7 +56,7 @@ std::string fmt(double v, int precision) {
 Policy parse_policy(const std::string& s) {
   for (Policy p : kAllPolicies)
     if (s == to_string(p)) return p;
-  reject("policies", "'" + s + "'", "echo, eplb, eplb_periodic, none");
+  reject("policies", "'" + s + "'", "echo, eplb, eplb_periodic, none, echo_stale");
 }
 
 nlohmann::json policy_json(const PolicyStats& p) {
@@ -312,7 +312,8 @@ void add_simulate(CLI::App& app, Runner& run) {
   add_option(cmd, "--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
   add_option(cmd, "--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
   add_option(cmd, "--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
-  add_option(cmd, "--policies", o->policies, "subset of echo,eplb,eplb_periodic,none")
+  add_option(cmd, "--policies", o->policies,
+             "subset of echo,eplb,eplb_periodic,none,echo_stale (default: the first four)")
       ->delimiter(',');
   add_option(cmd, "--json", o->json, "write the results as JSON");
   add_option(cmd, "--plot", o->plot, "write an SVG plot of max/mean over steps");

@@ -20,6 +20,7 @@ const char* to_string(Policy p) {
     case Policy::eplb: return "eplb";
     case Policy::eplb_periodic: return "eplb_periodic";
     case Policy::none: return "none";
+    case Policy::echo_stale: return "echo_stale";
   }
   return "?";
 }
@@ -77,7 +78,7 @@ void validate(const SimulatorConfig& c) {
   if (c.master_state_bytes < 0)
     reject("master_state_bytes", c.master_state_bytes, "master_state_bytes >= 0");
   if (c.policies.empty())
-    reject("policies", "(none)", "at least one of echo, eplb, eplb_periodic, none");
+    reject("policies", "(none)", "at least one of echo, eplb, eplb_periodic, none, echo_stale");
   for (size_t i = 0; i < c.policies.size(); ++i)
     for (size_t j = 0; j < i; ++j)
       if (c.policies[i] == c.policies[j])
@@ -220,8 +221,9 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
     auto stream = trace.open_layer(layer, R);
     std::vector<int32_t> C(size_t(R) * size_t(E));
     std::vector<int64_t> expert_load(static_cast<size_t>(E));
-    std::vector<Plan> plans;
+    std::vector<Plan> plans, ahead;  // ahead: echo_stale's plan_echo of the step before
     for (size_t p = 0; p < P; ++p) plans.emplace_back(pc);
+    for (size_t p = 0; p < P; ++p) ahead.emplace_back(pc);
     PeriodicEplb periodic;
     std::vector<int32_t> hosted(static_cast<size_t>(R)), served(static_cast<size_t>(R));
     std::vector<double> planner_s(P, 0);
@@ -283,9 +285,15 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
           served = periodic.served;
         } else {
           PlanView v = plans[p].view();
-          if (policy == Policy::echo)
+          if (policy == Policy::echo) {
             plan_echo(C.data(), pc, v);
-          else if (policy == Policy::eplb)
+          } else if (policy == Policy::echo_stale) {
+            if (step == 0)
+              plan_none(C.data(), pc, v);
+            else
+              plan_placed(C.data(), pc, ahead[p].view().spare_expert, v);
+            plan_echo(C.data(), pc, ahead[p].view());  // the next step's placement
+          } else if (policy == Policy::eplb)
             plan_eplb_restricted(C.data(), pc, v);
           else
             plan_none(C.data(), pc, v);

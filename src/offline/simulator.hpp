@@ -10,6 +10,10 @@
 //                  then eplb_rank_loads each step; until the first re-placement nothing has
 //                  been observed, so experts stay home and the redundant slots stay empty
 //   none           plan_none: every expert on its home rank
+//   echo_stale     plan_placed on the placement plan_echo made from the previous step's map of
+//                  the same layer (none at step 0): the clones are chosen a step ahead, as when
+//                  their weights are pulled right after the optimizer, and only the rows are
+//                  split on this step's map (not in the default set)
 //
 // Invariants:
 // - A sample is one (step, layer): max over ranks of the rank load (rows) over the mean. The
@@ -33,10 +37,12 @@
 
 namespace moe_echo::offline {
 
-enum class Policy { echo, eplb, eplb_periodic, none };
+enum class Policy { echo, eplb, eplb_periodic, none, echo_stale };
 const char* to_string(Policy p);
 inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::eplb_periodic,
-                                          Policy::none};
+                                          Policy::none, Policy::echo_stale};
+inline constexpr Policy kDefaultPolicies[] = {Policy::echo, Policy::eplb, Policy::eplb_periodic,
+                                              Policy::none};
 
 struct SimulatorConfig {
   int ranks = 32;                     // R, the EP size
@@ -55,7 +61,7 @@ struct SimulatorConfig {
   int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (clone_ms / row_ms)
   int eplb_period = 100;         // steps between EPLB re-placements
   int threads = 2;
-  std::vector<Policy> policies{std::begin(kAllPolicies), std::end(kAllPolicies)};
+  std::vector<Policy> policies{std::begin(kDefaultPolicies), std::end(kDefaultPolicies)};
   // Model (DeepSeek-V3's layer unless set) and cost model, for bytes and time.
   int hidden = kDeepSeekV3.hidden;  // H
   int ffn = kDeepSeekV3.ffn;        // F

@@ -264,6 +264,42 @@ TEST(Simulator, EchoAndEplbMatchThePlannerOnEachMap) {
   EXPECT_LT(r.find(Policy::echo)->max_over_mean_per_step[0], 1.6);
 }
 
+TEST(Simulator, EchoStaleSplitsEachMapOverThePreviousStepsPlacement) {
+  // three steps, one layer, R = 2: expert 0 hot, then expert 2 hot, then expert 2 again
+  const std::vector<std::vector<std::vector<int>>> counts = {
+      {{400, 0, 50, 50}}, {{50, 50, 400, 0}}, {{60, 40, 390, 10}}};
+  const TraceFile t = totals_trace(4, counts);
+  SimulatorConfig c = small_sim(2, 4);
+  c.policies = {Policy::echo_stale, Policy::echo};
+  const SimulationResult r = simulate(t, c);
+  PlannerConfig pc;
+  pc.ranks = 2;
+  pc.experts = 4;
+  pc.spare_slots = 1;
+  pc.max_clones = 2;
+  std::vector<double> want;
+  auto s = t.open_layer(0, 2);
+  std::vector<int32_t> C(8);
+  Plan before(pc);
+  for (int step = 0; step < 3; ++step) {
+    s->next(C.data());
+    Plan plan(pc);
+    if (step == 0)
+      plan_none(C.data(), pc, plan.view());
+    else
+      plan_placed(C.data(), pc, before.view().spare_expert, plan.view());
+    want.push_back(plan.max_load_after() / 250.0);
+    plan_echo(C.data(), pc, before.view());
+  }
+  const PolicyStats& got = *r.find(Policy::echo_stale);
+  for (int step = 0; step < 3; ++step)
+    EXPECT_NEAR(got.max_over_mean_per_step[size_t(step)], want[size_t(step)], 1e-12) << step;
+  EXPECT_NEAR(want[0], 1.6, 1e-12) << "no placement before the first step";
+  EXPECT_NEAR(want[1], 1.6, 1e-12) << "the clone of expert 0 leaves expert 2 alone on rank 1";
+  EXPECT_LT(want[2], 1.05) << "expert 2's clone, placed a step ahead";
+  EXPECT_LT(r.find(Policy::echo)->max_over_mean_per_step[1], want[1]);
+}
+
 TEST(Simulator, PeriodicEplbRePlacesOnScheduleFromObservedLoads) {
   const int R = 2, E = 4, N = 10;
   // the same skewed map every step: after the first re-placement EPLB fits it
