@@ -227,12 +227,6 @@ struct Fp8ColArgs {
   // row_scale [row_q rows, ceil(K / 128)] f32.
   Tensor row_q = {};
   Tensor row_scale = {};
-  // Optional, for an x in the activation dtype: x is SwiGLU's input gradient, swiglu_backward of
-  // swiglu_h [>= window.rows, K] (gate | up) and swiglu_da [swiglu_h rows, K / 2] on the valid
-  // window rows (the same bits), computed here first. x is then scratch: the CUDA backend, when
-  // K / 2 is a multiple of 128, computes those values inside the pass and leaves x unwritten.
-  Tensor swiglu_h = {};
-  Tensor swiglu_da = {};
 };
 // Checks `a` against the contract above, x of dtype `x_dtype` (Error naming the tensor
 // otherwise); returns q_t's columns P.

@@ -290,10 +290,7 @@ class MoeLayer {
   // received rows.
   void expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, bool dgrad,
                         Stream s);
-  // expert_dgrad with swiglu_h and swiglu_da: d is SwiGLU's input gradient of h and da, computed
-  // inside the quantization when both of fc1's backward GEMMs are FP8 (d is then scratch).
-  bool expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c, Stream s,
-                    const Tensor& swiglu_h = Tensor(), const Tensor& swiglu_da = Tensor());
+  bool expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c, Stream s);
   void quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const Tensor& sc, int fc,
                            const Tensor& c, bool dgrad, Stream s);
   void fc1_forward(const GroupWindow& gw, Stream s);

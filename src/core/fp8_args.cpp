@@ -49,18 +49,6 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype) {
     check_tensor(a.row_scale, "quantize_fp8_cols row_scale", DType::f32,
                  {a.row_q.size(0), fp8_tiles(K)});
   }
-  if (a.swiglu_h.data || a.swiglu_da.data) {
-    MOE_ECHO_CHECK(!fp8_in && K % 2 == 0, "quantize_fp8_cols: swiglu_h "
-                                              << a.swiglu_h.describe() << " for x "
-                                              << a.x.describe()
-                                              << " (an activation-dtype x of even width 2F)");
-    check_tensor(a.swiglu_h, "quantize_fp8_cols swiglu_h", a.x.dtype, {-1, K});
-    MOE_ECHO_CHECK(a.swiglu_h.size(0) >= w.rows, "quantize_fp8_cols: swiglu_h "
-                                                     << a.swiglu_h.describe() << " for " << w.rows
-                                                     << " window rows");
-    check_tensor(a.swiglu_da, "quantize_fp8_cols swiglu_da", a.x.dtype,
-                 {a.swiglu_h.size(0), K / 2});
-  }
   return P;
 }
 

@@ -94,7 +94,6 @@ template <class T>
 void quantize_fp8_cols(const Fp8ColArgs& a) {
   const GroupWindow& w = a.window;
   const int64_t P = check_fp8_col_args(a, a.x.dtype), K = a.x.size(1), KT = fp8_tiles(K);
-  if (a.swiglu_h.data) swiglu_backward<T>({w, a.swiglu_h, Tensor(), a.swiglu_da, a.x});
   // x[i][k] as a float: the activation, or an e4m3 value times its row tile's scale.
   const bool fp8_in = a.x.dtype == DType::e4m3;
   auto value = [&](int64_t i, int64_t k) {

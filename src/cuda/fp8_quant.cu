@@ -9,7 +9,6 @@
 #include "cuda/common.cuh"
 #include "cuda/fp8_tile.cuh"
 #include "cuda/ops.hpp"
-#include "cuda/swiglu_math.cuh"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {
@@ -289,8 +288,7 @@ __global__ void __launch_bounds__(256, 4)
                          int groups, int64_t row_lo, int64_t rows, int64_t K, int64_t P,
                          uint8_t* __restrict__ q_t, float* __restrict__ scale, bool vec,
                          bool row_vec, bool qt_vec, uint8_t* __restrict__ row_q,
-                         float* __restrict__ row_scale, const bf16* __restrict__ sw_h,
-                         const bf16* __restrict__ sw_da) {
+                         float* __restrict__ row_scale) {
   constexpr int kThreads = 256;
   constexpr int kPer = kFp8In ? 4 : 2;      // x columns per shared word
   constexpr int kWords = kTile / kPer;      // words per block row
@@ -327,33 +325,7 @@ __global__ void __launch_bounds__(256, 4)
   // The block: 16-byte loads when `vec`, element by element otherwise; zeros past n rows and kn
   // columns.
   constexpr int kChunk = 16 / (kFp8In ? 1 : 2);  // elements of a 16-byte load
-  if (!kFp8In && sw_h != nullptr) {
-    // x is swiglu_backward(sw_h, sw_da): the tile lies in the gate half (dgate) or the up half
-    // (dup) of x's 2F columns (F % 128 == 0), and each 8 values come from 8 of gate, up and da.
-    const int64_t F = K / 2, f0 = k0 < F ? k0 : k0 - F;
-    const bool gate_half = k0 < F;
-#pragma unroll 2
-    for (int i = tid; i < kTile * kTile / 8; i += kThreads) {
-      const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      if (r < n) {
-        const int64_t row = first + r;
-        float g[8], u[8], d[8], out[8];
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(sw_h + row * K + f0 + c), g);
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(sw_h + row * K + F + f0 + c), u);
-        unpack_bf16x8(*reinterpret_cast<const uint4*>(sw_da + row * F + f0 + c), d);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          float dgate, dup;
-          swiglu_grads(g[j], u[j], d[j], dgate, dup);
-          out[j] = gate_half ? dgate : dup;
-        }
-        raw = pack_bf16x8(out);
-      }
-      uint32_t* dst = tile + r * kPitch + c / kPer;
-      dst[0] = raw.x, dst[1] = raw.y, dst[2] = raw.z, dst[3] = raw.w;
-    }
-  } else if (vec) {
+  if (vec) {
 #pragma unroll 4
     for (int i = tid; i < kTile * kTile / kChunk; i += kThreads) {
       const int r = i / (kTile / kChunk), c = i % (kTile / kChunk) * kChunk;
@@ -543,13 +515,6 @@ void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
 void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
   const GroupWindow& w = a.window;
   const int64_t P = check_fp8_col_args(a, DType::bf16), K = a.x.size(1);
-  // SwiGLU's input gradient inside the pass when a tile lies in one half (F % 128 == 0) and the
-  // sources are 16-byte aligned; otherwise swiglu_backward into x first.
-  const bool fused_swiglu = a.swiglu_h.data != nullptr && (K / 2) % kFp8Tile == 0 &&
-                            reinterpret_cast<uintptr_t>(a.swiglu_h.data) % 16 == 0 &&
-                            reinterpret_cast<uintptr_t>(a.swiglu_da.data) % 16 == 0;
-  if (a.swiglu_h.data && !fused_swiglu)
-    swiglu_backward({w, a.swiglu_h, Tensor(), a.swiglu_da, a.x}, s);
   MOE_ECHO_LAUNCH(padded_offsets_kernel, 1, 1, 0, s, w.group_offsets, w.groups, w.row_lo, w.rows,
                   a.padded_offsets.as<int32_t>());
   MOE_ECHO_CHECK(P / kFp8Tile <= INT32_MAX && fp8_tiles(K) <= 65535,
@@ -564,16 +529,14 @@ void quantize_fp8_cols(const Fp8ColArgs& a, cudaStream_t s) {
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
                     P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
                     K % 16 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0, false, qt_vec,
-                    nullptr, nullptr, nullptr, nullptr);
+                    nullptr, nullptr);
   else
     MOE_ECHO_LAUNCH(quantize_cols_kernel<false>, grid, 256, 0, s, a.x.data, nullptr,
                     w.group_offsets, a.padded_offsets.as<int32_t>(), w.groups, w.row_lo, w.rows, K,
                     P, a.q_t.as<uint8_t>(), a.scale.as<float>(),
                     K % 8 == 0 && reinterpret_cast<uintptr_t>(a.x.data) % 16 == 0,
                     K % 16 == 0 && reinterpret_cast<uintptr_t>(a.row_q.data) % 16 == 0, qt_vec,
-                    a.row_q.as<uint8_t>(), a.row_scale.as<float>(),
-                    fused_swiglu ? a.swiglu_h.as<bf16>() : nullptr,
-                    fused_swiglu ? a.swiglu_da.as<bf16>() : nullptr);
+                    a.row_q.as<uint8_t>(), a.row_scale.as<float>());
 }
 
 }  // namespace moe_echo::cuda

@@ -8,11 +8,12 @@
 #include "cuda/common.cuh"
 #include "cuda/fp8_tile.cuh"
 #include "cuda/ops.hpp"
-#include "cuda/swiglu_math.cuh"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {
 namespace {
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + expf(-v)); }
 
 // One thread per 8 consecutive f of one row (F8 = F / 8 words per row of a, 2 F8 of h).
 __global__ void swiglu_forward_vec_kernel(const int32_t* __restrict__ offsets, int groups,
@@ -86,7 +87,11 @@ __global__ void swiglu_backward_vec_kernel(const int32_t* __restrict__ offsets, 
     unpack_bf16x8(uv, up);
     unpack_bf16x8(dv, d);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) swiglu_grads(gate[j], up[j], d[j], dgate[j], dup[j]);
+    for (int j = 0; j < 8; ++j) {
+      const float sg = sigmoidf_(gate[j]);
+      dgate[j] = d[j] * up[j] * sg * (1.f + gate[j] * (1.f - sg));
+      dup[j] = d[j] * gate[j] * sg;
+    }
     dh[r * 2 * F8 + c] = pack_bf16x8(dgate);
     dh[r * 2 * F8 + F8 + c] = pack_bf16x8(dup);
   }
@@ -115,10 +120,9 @@ __global__ void swiglu_backward_kernel(const int32_t* __restrict__ offsets, int 
     const int64_t r = i / F, f = i - r * F;
     const float gate = __bfloat162float(h[r * 2 * F + f]),
                 up = __bfloat162float(h[r * 2 * F + F + f]);
-    float dgate, dup;
-    swiglu_grads(gate, up, __bfloat162float(da[i]), dgate, dup);
-    dh[r * 2 * F + f] = __float2bfloat16_rn(dgate);
-    dh[r * 2 * F + F + f] = __float2bfloat16_rn(dup);
+    const float sg = sigmoidf_(gate), d = __bfloat162float(da[i]);
+    dh[r * 2 * F + f] = __float2bfloat16_rn(d * up * sg * (1.f + gate * (1.f - sg)));
+    dh[r * 2 * F + F + f] = __float2bfloat16_rn(d * gate * sg);
   }
 }
 

@@ -991,7 +991,7 @@ void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, 
 // (col_b, col_bs, col_po2) are quantized in one pass, which expert_wgrad then takes
 // (`b_quantized`); returns whether they were.
 bool MoeLayer::expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c,
-                            Stream s, const Tensor& swiglu_h, const Tensor& swiglu_da) {
+                            Stream s) {
   const bool both = fc == 1 ? uses_fp8(moe_, fp8_gemm::dgrad1) && uses_fp8(moe_, fp8_gemm::wgrad1)
                             : uses_fp8(moe_, fp8_gemm::dgrad2) && uses_fp8(moe_, fp8_gemm::wgrad2);
   if (!both) {
@@ -1001,17 +1001,8 @@ bool MoeLayer::expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, cons
   const Buffers& b = *buf_;
   const int64_t rows = d.size(0), k = d.size(1), P = b.col_b.size(1);
   const Tensor q = packed(b.row_q, rows, k), sc = packed(b.row_s, rows, fp8_tiles(k));
-  backend_.quantize_fp8_cols({gw,
-                              d,
-                              packed(b.col_b, k, P),
-                              packed(b.col_bs, k * P / kFp8Tile),
-                              b.col_po2,
-                              {},
-                              q,
-                              sc,
-                              swiglu_h,
-                              swiglu_da},
-                             s);
+  backend_.quantize_fp8_cols(
+      {gw, d, packed(b.col_b, k, P), packed(b.col_bs, k * P / kFp8Tile), b.col_po2, {}, q, sc}, s);
   quantized_rows_gemm(gw, q, sc, fc, c, true, s);
   return true;
 }
@@ -1439,13 +1430,9 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   expert_wgrad(gw, b.a, b.recv_out, 2, into.dw2.data ? into.dw2 : b.dw2, overwrite_grads, s,
                Tensor(), dy_quantized);
   mark(round, "bwd_swiglu", s);
-  // With both of fc1's backward GEMMs in FP8, dh exists only as their e4m3 operands: the column
-  // pass computes it from h and da (Fp8ColArgs::swiglu_h), and b.dh is its scratch.
-  const bool dh_fp8 = uses_fp8(moe_, fp8_gemm::dgrad1) && uses_fp8(moe_, fp8_gemm::wgrad1);
-  if (!dh_fp8) backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
+  backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  const bool dh_quantized = expert_dgrad(gw, b.dh, 1, b.recv_out, s, dh_fp8 ? b.h : Tensor(),
-                                         dh_fp8 ? b.da : Tensor());  // dx rows
+  const bool dh_quantized = expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
   mark(round, "bwd_wgrad_fc1", s);
   const Tensor& dw1 = into.dw1.data ? into.dw1 : b.dw1;
   if (fp8_dispatch(moe_) && uses_fp8(moe_, fp8_gemm::wgrad1)) {

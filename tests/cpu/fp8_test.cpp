@@ -494,58 +494,6 @@ TEST(Fp8, SwigluWithFp8RowsEqualsSwigluThenRows) {
 // Rows of a window (Fp8RowArgs::window) and the rows written in the column pass
 // (Fp8ColArgs::row_q): the valid rows get the bits of quantizing every row, the rows past them
 // keep what they held; the columns of the fused pass are those of the pass alone.
-// Fp8ColArgs::swiglu_h / swiglu_da: x becomes swiglu_backward of them on the window's valid rows,
-// then the pass runs on it: the same bits as the two ops apart. Shapes are checked by name.
-TEST(Fp8, ColumnsOfSwiglusGradientEqualSwigluBackwardThenColumns) {
-  auto be = make_cpu_backend(DType::f32);
-  const Window win{{20, 20, 21, 151, 151, 351}, 20, 400};
-  const int64_t F = 136, K = 2 * F, KT = 3, G = 5, P = fp8_padded_rows(win.rows, G), R = win.rows;
-  OwnedTensor h(*be, DType::f32, {R, K}), da(*be, DType::f32, {R, F});
-  h.write(random_values(size_t(R * K), 93, -4, 4));
-  da.write(random_values(size_t(R * F), 94, -1, 1));
-  struct Out {
-    OwnedTensor x, q_t, scale, po, row_q, row_scale;
-  };
-  auto make = [&] {
-    return Out{OwnedTensor(*be, DType::f32, {R, K}),        OwnedTensor(*be, DType::e4m3, {K, P}),
-               OwnedTensor(*be, DType::f32, {K * P / 128}), OwnedTensor(*be, DType::i32, {G + 1}),
-               OwnedTensor(*be, DType::e4m3, {R, K}),       OwnedTensor(*be, DType::f32, {R, KT})};
-  };
-  Out a = make(), b = make();
-  for (Out* o : {&a, &b})
-    for (const OwnedTensor* t : {&o->x, &o->q_t, &o->scale, &o->row_q, &o->row_scale})
-      t->write(std::vector<double>(size_t((**t).numel()), 7.0));
-  be->quantize_fp8_cols(
-      {win.view(), *a.x, *a.q_t, *a.scale, *a.po, {}, *a.row_q, *a.row_scale, *h, *da}, nullptr);
-  be->swiglu_backward({win.view(), *h, Tensor(), *da, *b.x}, nullptr);
-  be->quantize_fp8_cols({win.view(), *b.x, *b.q_t, *b.scale, *b.po, {}, *b.row_q, *b.row_scale},
-                        nullptr);
-  EXPECT_EQ(bytes_of(*be, *a.q_t), bytes_of(*be, *b.q_t)) << "columns";
-  EXPECT_EQ(bytes_of(*be, *a.scale), bytes_of(*be, *b.scale)) << "column scales";
-  EXPECT_EQ(bytes_of(*be, *a.row_q), bytes_of(*be, *b.row_q)) << "rows";
-  EXPECT_EQ(bytes_of(*be, *a.row_scale), bytes_of(*be, *b.row_scale)) << "row scales";
-  EXPECT_NE(bytes_of(*be, *a.q_t), std::vector<uint8_t>(size_t(K * P), to_e4m3(7.f)));
-  // Bad arguments: da of the wrong width, h of another width than x, h without da.
-  OwnedTensor narrow(*be, DType::f32, {R, F - 8}), wide(*be, DType::f32, {R, K + 16});
-  auto message = [&](const Fp8ColArgs& args) {
-    try {
-      be->quantize_fp8_cols(args, nullptr);
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
-    return std::string("accepted");
-  };
-  EXPECT_NE(message({win.view(), *a.x, *a.q_t, *a.scale, *a.po, {}, {}, {}, *h, *narrow})
-                .find("swiglu_da"),
-            std::string::npos);
-  EXPECT_NE(
-      message({win.view(), *a.x, *a.q_t, *a.scale, *a.po, {}, {}, {}, *wide, *da}).find("swiglu_h"),
-      std::string::npos);
-  EXPECT_NE(
-      message({win.view(), *a.x, *a.q_t, *a.scale, *a.po, {}, {}, {}, *h, {}}).find("swiglu_da"),
-      std::string::npos);
-}
-
 TEST(Fp8, WindowRowsAndTheFusedPassQuantizeTheValidRowsOnly) {
   auto be = make_cpu_backend(DType::f32);
   // Groups of 0, 1, 130, 0 and 200 rows from global row 20; the window [20, 420) has 331 valid
