@@ -319,6 +319,11 @@ class Backend {
                                   Stream s) = 0;
   virtual void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo,
                     const Tensor& plan, Stream s) = 0;
+  // plan_placed (planner.hpp) of a placement in device memory (i32 [R * S], e.g. the spare_expert
+  // part of an earlier plan): the same plan bit for bit on every backend. The placement is
+  // trusted on the device (a kept plan's is valid); the host checks only shapes.
+  virtual void plan_placed(const Tensor& routing_map, const PlannerConfig& cfg,
+                           const Tensor& placement, const Tensor& plan, Stream s) = 0;
   virtual void layout(const LayoutArgs& a, Stream s) = 0;
   virtual void gemm_fprop(const GemmArgs& a, Stream s) = 0;
   virtual void gemm_dgrad(const GemmArgs& a, Stream s) = 0;

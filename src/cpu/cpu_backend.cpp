@@ -61,6 +61,13 @@ class CpuBackend final : public Backend {
     else
       plan_none(routing_map.as<int32_t>(), cfg, view);
   }
+  void plan_placed(const Tensor& routing_map, const PlannerConfig& cfg, const Tensor& placement,
+                   const Tensor& plan, Stream) override {
+    check_tensor(placement, "plan_placed placement", DType::i32,
+                 {int64_t(cfg.ranks) * cfg.spare_slots});
+    moe_echo::plan_placed(routing_map.as<int32_t>(), cfg, placement.as<int32_t>(),
+                          plan_view(plan.as<int32_t>(), cfg));
+  }
   void layout(const LayoutArgs& a, Stream) override { cpu::layout(a); }
   void gemm_fprop(const GemmArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::gemm_fprop<T>(a); });

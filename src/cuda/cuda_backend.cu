@@ -153,6 +153,12 @@ class CudaBackend final : public Backend {
     const cudaStream_t cs = as_cuda(s);
     cuda::plan(routing_map, cfg, echo, plan, scratch(planner_scratch_bytes(cfg), cs), cs);
   }
+  void plan_placed(const Tensor& routing_map, const PlannerConfig& cfg, const Tensor& placement,
+                   const Tensor& plan, Stream s) override {
+    const cudaStream_t cs = as_cuda(s);
+    cuda::plan_placed(routing_map, cfg, placement, plan, scratch(planner_scratch_bytes(cfg), cs),
+                      cs);
+  }
   void layout(const LayoutArgs& a, Stream s) override {
     const cudaStream_t cs = as_cuda(s);
     cuda::layout(a, scratch(layout_scratch_bytes(a.planner, a.slots, a.topk_idx.numel()), cs), cs);

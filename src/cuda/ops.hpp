@@ -37,6 +37,9 @@ void layout(const LayoutArgs& a, void* scratch, cudaStream_t s);
 size_t planner_scratch_bytes(const PlannerConfig& cfg);
 void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const Tensor& plan,
           void* scratch, cudaStream_t s);
+// plan_placed of src/echo/planner.cpp on the device (placement: i32 [R * S] in device memory).
+void plan_placed(const Tensor& routing_map, const PlannerConfig& cfg, const Tensor& placement,
+                 const Tensor& plan, void* scratch, cudaStream_t s);
 
 // SwiGLU (swiglu.cu), valid rows of the window only.
 void swiglu_forward(const SwigluArgs& a, cudaStream_t s);

@@ -71,6 +71,66 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
   if (tid == 0) out.num_clones[0] = clones;
 }
 
+// The slot of rank r's k-th clone in a placement: its k-th entry >= 0 (S entries from `row`).
+__device__ int placed_slot(const int32_t* row, int S, int k) {
+  for (int s = 0; s < S; ++s)
+    if (row[s] >= 0 && k-- == 0) return s;
+  return -1;
+}
+
+// plan_placed: the placement's clones added in slot order and water-filled (lane 0), the
+// refinement (warp 0), the plan (all threads), then each clone's compact slot mapped back to its
+// placement slot (spare_expert per rank, replica_slot per expert).
+template <bool kShared>
+__global__ void __launch_bounds__(kPlanThreads, 1)
+    plan_placed_kernel(PlannerConfig cfg, const int32_t* __restrict__ routing_map,
+                       const int32_t* __restrict__ placement, PlanView out, void* scratch) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int clones;
+  const int tid = int(threadIdx.x), threads = int(blockDim.x);
+  planner_core::PlannerWarp core;
+  core.bind(cfg, kShared ? static_cast<void*>(smem) : scratch);
+  if (tid == 0) clones = 0;
+  core.init_experts(routing_map, tid, threads);
+  __syncthreads();
+  core.init_ranks(tid, threads, out.load_before);
+  __syncthreads();
+  const int R = cfg.ranks, S = cfg.spare_slots, E = cfg.experts, M = 1 + cfg.max_clones;
+  if (tid < Warp::kLanes) {  // warp 0, whole
+    const Warp w{tid};
+    if (tid == 0)
+      for (int i = 0; i < R * S; ++i)
+        if (placement[i] >= 0) core.add_clone(placement[i], i / S);
+    w.sync();
+    core.refine_warp(w);
+  }
+  __syncthreads();
+  const int32_t mine = core.write_part(out, tid, threads);
+  if (mine != 0) atomicAdd(&clones, mine);
+  __syncthreads();
+  if (tid == 0) out.num_clones[0] = clones;
+  const int epr = E / R;
+  for (int r = tid; r < R; r += threads) {
+    // From the last compact entry down: entry k moves to its slot s_k >= k, and every slot above
+    // k already holds its final entry.
+    int32_t* row = out.spare_expert + int64_t(r) * S;
+    for (int k = S - 1; k >= 0; --k) {
+      const int s = placed_slot(placement + int64_t(r) * S, S, k);
+      if (s < 0 || s == k) continue;
+      row[s] = row[k];
+      row[k] = -1;
+    }
+  }
+  for (int e = tid; e < E; e += threads)
+    for (int j = 1; j < M; ++j) {
+      const int64_t at = int64_t(e) * M + j;
+      const int r = out.replica_rank[at];
+      if (r >= 0)
+        out.replica_slot[at] =
+            epr + placed_slot(placement + int64_t(r) * S, S, out.replica_slot[at] - epr);
+    }
+}
+
 }  // namespace
 
 size_t planner_scratch_bytes(const PlannerConfig& cfg) {
@@ -98,6 +158,33 @@ void plan(const Tensor& routing_map, const PlannerConfig& cfg, bool echo, const 
         plan_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
   MOE_ECHO_LAUNCH(plan_kernel<true>, 1, kPlanThreads, bytes, s, cfg, echo,
                   routing_map.as<int32_t>(), out, scratch);
+}
+
+void plan_placed(const Tensor& routing_map, const PlannerConfig& cfg, const Tensor& placement,
+                 const Tensor& plan, void* scratch, cudaStream_t s) {
+  validate(cfg);
+  MOE_ECHO_CHECK(
+      routing_map.dtype == DType::i32 && routing_map.numel() == int64_t(cfg.ranks) * cfg.experts,
+      "routing_map must be i32[" << cfg.ranks << ", " << cfg.experts << "], got "
+                                 << routing_map.describe());
+  MOE_ECHO_CHECK(
+      placement.dtype == DType::i32 && placement.numel() == int64_t(cfg.ranks) * cfg.spare_slots,
+      "placement must be i32[" << int64_t(cfg.ranks) * cfg.spare_slots << "], got "
+                               << placement.describe());
+  MOE_ECHO_CHECK(plan.dtype == DType::i32 && plan.numel() >= plan_ints(cfg),
+                 "plan storage " << plan.describe() << " < " << plan_ints(cfg) << " ints");
+  const size_t bytes = planner_core::PlannerCore::bytes(cfg);
+  const PlanView out = plan_view(plan.as<int32_t>(), cfg);
+  if (bytes > kMaxSharedBytes) {
+    MOE_ECHO_LAUNCH(plan_placed_kernel<false>, 1, kPlanThreads, 0, s, cfg,
+                    routing_map.as<int32_t>(), placement.as<int32_t>(), out, scratch);
+    return;
+  }
+  if (bytes > 48 * 1024)
+    MOE_ECHO_CUDA_CHECK(cudaFuncSetAttribute(
+        plan_placed_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+  MOE_ECHO_LAUNCH(plan_placed_kernel<true>, 1, kPlanThreads, bytes, s, cfg,
+                  routing_map.as<int32_t>(), placement.as<int32_t>(), out, scratch);
 }
 
 }  // namespace moe_echo::cuda

@@ -62,5 +62,53 @@ TEST(CudaPlanner, PlansAreBitIdenticalToTheCpuPlanner) {
   RecordProperty("clones", int(clones));
 }
 
+// Backend::plan_placed on the device equals plan_placed on the host bit for bit, for placements
+// that plan_echo made from another map (clones kept in their slots, holes between them).
+TEST(CudaPlanner, PlacedPlansAreBitIdenticalToTheCpuPlanner) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  auto gpu = cuda::make_cuda_backend();
+  std::mt19937_64 rng(2025);
+  struct Shape {
+    int R, EPR, S, clones;
+  };
+  const Shape shapes[] = {{2, 4, 1, 1},   {4, 2, 2, 2},  {4, 8, 1, 3},  {8, 4, 2, 2},
+                          {8, 32, 1, 8},  {16, 2, 4, 4}, {32, 8, 1, 2}, {64, 4, 2, 2},
+                          {256, 1, 1, 2}, {256, 1, 4, 8}};
+  int64_t plans = 0, clones = 0;
+  for (const Shape& sh : shapes)
+    for (int mode = 0; mode < 4; ++mode) {
+      PlannerConfig cfg;
+      cfg.ranks = sh.R;
+      cfg.experts = sh.R * sh.EPR;
+      cfg.spare_slots = sh.S;
+      cfg.max_clones = sh.clones;
+      SCOPED_TRACE("R " + std::to_string(sh.R) + " E " + std::to_string(cfg.experts) + " S " +
+                   std::to_string(sh.S) + " mode " + std::to_string(mode));
+      const auto before = planner_routing_map(cfg.ranks, cfg.experts, mode, rng);
+      const auto now = planner_routing_map(cfg.ranks, cfg.experts, mode, rng);
+      Plan ahead(cfg), want(cfg);
+      plan_echo(before.data(), cfg, ahead.view());
+      std::vector<int32_t> placement(ahead.view().spare_expert,
+                                     ahead.view().spare_expert + sh.R * sh.S);
+      if (sh.S > 1)  // a hole before a clone: its slot must be kept
+        for (int r = 0; r < sh.R; ++r)
+          if (placement[size_t(r * sh.S)] >= 0 && placement[size_t(r * sh.S + 1)] < 0)
+            std::swap(placement[size_t(r * sh.S)], placement[size_t(r * sh.S + 1)]);
+      plan_placed(now.data(), cfg, placement.data(), want.view());
+      OwnedTensor map(*gpu, DType::i32, {cfg.ranks, cfg.experts}),
+          place(*gpu, DType::i32, {int64_t(sh.R) * sh.S}), plan(*gpu, DType::i32, {plan_ints(cfg)});
+      map.write(std::vector<double>(now.begin(), now.end()));
+      place.write(std::vector<double>(placement.begin(), placement.end()));
+      poison(plan);
+      gpu->plan_placed(*map, cfg, *place, *plan, nullptr);
+      ASSERT_EQ(to_i32(plan.read()), want.storage);
+      ++plans;
+      clones += want.view().num_clones[0];
+    }
+  EXPECT_GT(clones, 50) << "the sweep placed too few clones";
+  RecordProperty("plans", int(plans));
+  RecordProperty("clones", int(clones));
+}
+
 }  // namespace
 }  // namespace moe_echo::test
