@@ -91,8 +91,11 @@ void check_routing_map(const int32_t* routing_map, const PlannerConfig& cfg) {
                  "routing_map holds " << total << " rows in all, more than int32 plan fields hold");
 }
 
-// Runs the shared core (planner_core.hpp) on the host, in a scratch buffer of its own.
-void run_planner(const int32_t* routing_map, const PlannerConfig& cfg, bool echo, PlanView out) {
+// Runs the shared core (planner_core.hpp) on the host, in a scratch buffer of its own: plan_echo
+// when echo, plan_placed with a placement (its clones added in slot order, then the refinement,
+// and the written plan's compact slots mapped back to the placement's), else plan_none.
+void run_planner(const int32_t* routing_map, const PlannerConfig& cfg, bool echo,
+                 const int32_t* placement, PlanView out) {
   validate(cfg);
   check_routing_map(routing_map, cfg);
   std::vector<int64_t> scratch((planner_core::PlannerCore::bytes(cfg) + 7) / 8);
@@ -100,11 +103,37 @@ void run_planner(const int32_t* routing_map, const PlannerConfig& cfg, bool echo
   core.bind(cfg, scratch.data());
   core.init_experts(routing_map, 0, 1);
   core.init_ranks(0, 1);
-  if (echo) {
+  const int R = cfg.ranks, S = cfg.spare_slots;
+  // slot[r * S + k]: the placement's slot of rank r's k-th clone (the core fills slots in order).
+  std::vector<int32_t> slot(placement ? size_t(R) * size_t(S) : 0, -1);
+  if (placement) {
+    for (int i = 0; i < R * S; ++i)
+      if (placement[i] >= 0) {
+        const int r = i / S;
+        slot[size_t(r) * S + size_t(core.spare_used[r])] = i % S;
+        core.add_clone(placement[i], r);
+      }
+    core.refine();
+  } else if (echo) {
     core.place_clones(cfg.clone_cost_rows);
     core.refine();
   }
   core.write(out);
+  if (!placement) return;
+  const int epr = cfg.experts_per_rank(), M = cfg.max_replicas();
+  for (int r = 0; r < R; ++r) {
+    std::vector<int32_t> compact(out.spare_expert + int64_t(r) * S,
+                                 out.spare_expert + int64_t(r + 1) * S);
+    std::fill(out.spare_expert + int64_t(r) * S, out.spare_expert + int64_t(r + 1) * S, -1);
+    for (int k = 0; k < S; ++k)
+      if (compact[size_t(k)] >= 0)
+        out.spare_expert[int64_t(r) * S + slot[size_t(r) * S + k]] = compact[size_t(k)];
+  }
+  for (int64_t i = 0; i < int64_t(cfg.experts) * M; ++i)
+    if (i % M != 0 && out.replica_rank[i] >= 0) {
+      const int r = out.replica_rank[i];
+      out.replica_slot[i] = epr + slot[size_t(r) * S + size_t(out.replica_slot[i] - epr)];
+    }
 }
 
 }  // namespace
@@ -155,17 +184,16 @@ void validate(const PlannerConfig& cfg) {
 }
 
 void plan_none(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out) {
-  run_planner(routing_map, cfg, false, out);
+  run_planner(routing_map, cfg, false, nullptr, out);
 }
 
 void plan_echo(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out) {
-  run_planner(routing_map, cfg, true, out);
+  run_planner(routing_map, cfg, true, nullptr, out);
 }
 
 void plan_placed(const int32_t* routing_map, const PlannerConfig& cfg, const int32_t* placement,
                  PlanView out) {
-  validate(cfg);
-  check_routing_map(routing_map, cfg);
+  validate(cfg);  // before the placement's checks; run_planner checks the map
   const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots;
   const int limit = std::min(cfg.max_clones, R - 1);
   std::vector<int32_t> clones(size_t(E), 0);
@@ -184,36 +212,7 @@ void plan_placed(const int32_t* routing_map, const PlannerConfig& cfg, const int
       bad("at most min(max_clones, ranks - 1) = " + std::to_string(limit) + " clones per expert");
     on_rank[size_t(r) * E + size_t(e)] = 1;
   }
-  std::vector<int64_t> scratch((planner_core::PlannerCore::bytes(cfg) + 7) / 8);
-  planner_core::PlannerCore core;
-  core.bind(cfg, scratch.data());
-  core.init_experts(routing_map, 0, 1);
-  core.init_ranks(0, 1);
-  // The core fills a rank's spare slots in order: slot[r * S + k] is the placement's slot of the
-  // rank's k-th clone, and the written plan is mapped back to those slots.
-  std::vector<int32_t> slot(size_t(R) * size_t(S), -1);
-  for (int i = 0; i < R * S; ++i)
-    if (placement[i] >= 0) {
-      const int r = i / S;
-      slot[size_t(r) * S + size_t(core.spare_used[r])] = i % S;
-      core.add_clone(placement[i], r);
-    }
-  core.refine();
-  core.write(out);
-  const int epr = cfg.experts_per_rank(), M = cfg.max_replicas();
-  for (int r = 0; r < R; ++r) {
-    std::vector<int32_t> compact(out.spare_expert + int64_t(r) * S,
-                                 out.spare_expert + int64_t(r + 1) * S);
-    std::fill(out.spare_expert + int64_t(r) * S, out.spare_expert + int64_t(r + 1) * S, -1);
-    for (int k = 0; k < S; ++k)
-      if (compact[size_t(k)] >= 0)
-        out.spare_expert[int64_t(r) * S + slot[size_t(r) * S + k]] = compact[size_t(k)];
-  }
-  for (int64_t i = 0; i < int64_t(E) * M; ++i)
-    if (i % M != 0 && out.replica_rank[i] >= 0) {
-      const int r = out.replica_rank[i];
-      out.replica_slot[i] = epr + slot[size_t(r) * S + size_t(out.replica_slot[i] - epr)];
-    }
+  run_planner(routing_map, cfg, true, placement, out);
 }
 
 void compute_assignment(const int32_t* routing_map, const PlannerConfig& cfg, const PlanView& plan,
