@@ -124,6 +124,23 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ q,
   }
 }
 
+// Half j (0: low) of a word of two bf16, as a float.
+__device__ __forceinline__ float bf16_half(uint32_t word, int j) {
+  const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
+  return j == 0 ? __low2float(pair) : __high2float(pair);
+}
+
+// The e4m3 bytes of the 16 values v(0) .. v(15) of one tile (scale tq) into 16-byte chunk `ch`
+// of row y of a staged tile, in store_staged's layout (at chunk ch ^ swz).
+template <class V>
+__device__ __forceinline__ void stage16(uint8_t* staged, int y, int ch, int swz,
+                                        const TileQuant& tq, V v) {
+  uint32_t w[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) w[u] = e4m3x4(tq, v(4 * u), v(4 * u + 1), v(4 * u + 2), v(4 * u + 3));
+  reinterpret_cast<uint4*>(staged + y * kTile)[ch ^ swz] = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 // A 128 x 128 byte tile staged in shared memory (the 16-byte chunk ch of row y at chunk
 // ch ^ swz(y), so that the 8 threads of a store phase hit distinct banks), stored by the block's
 // threads as whole chunks (a warp writes four 128-byte rows at a time): rows y < n_rows, `valid`
@@ -203,20 +220,16 @@ __global__ void __launch_bounds__(256, 3)
   const TileQuant tq(amax);
   if (tid == 0) scale[(g * k_tiles + kt) * n_tiles + nt] = tq.s;
   if (tid == 0 && scale_t) scale_t[(g * n_tiles + nt) * k_tiles + kt] = tq.s;
-  auto value = [](uint32_t word, int j) {
-    const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
-    return j == 0 ? __low2float(pair) : __high2float(pair);
-  };
   if (q) {
     // q's rows: thread i takes 8 columns of a row at a time (a warp: two 128-byte rows).
     for (int i = tid; i < kTile * kTile / 8; i += kThreads) {
       const int r = i / (kTile / 8), c = i % (kTile / 8) * 8;
       if (r >= kn || c >= nn) continue;
       const uint32_t* src = tile + r * kPitch + c / 2;
-      const uint32_t lo =
-          e4m3x4(tq, value(src[0], 0), value(src[0], 1), value(src[1], 0), value(src[1], 1));
-      const uint32_t hi =
-          e4m3x4(tq, value(src[2], 0), value(src[2], 1), value(src[3], 0), value(src[3], 1));
+      const uint32_t lo = e4m3x4(tq, bf16_half(src[0], 0), bf16_half(src[0], 1),
+                                 bf16_half(src[1], 0), bf16_half(src[1], 1));
+      const uint32_t hi = e4m3x4(tq, bf16_half(src[2], 0), bf16_half(src[2], 1),
+                                 bf16_half(src[3], 0), bf16_half(src[3], 1));
       uint8_t* dst = q + g * K * N + (k0 + r) * N + n0 + c;
       if (vec && c + 8 <= nn) {
         *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
@@ -227,24 +240,15 @@ __global__ void __launch_bounds__(256, 3)
     }
   }
   if (!q_t) return;
-  // q_t's rows: column pair cw, rows r0 .. r0 + 31, staged at out row c (chunk ch at ch ^ (cw &
-  // 7)).
+  // q_t's rows: column pair cw, rows r0 .. r0 + 31, staged at out row c with swizzle cw & 7.
   const int cw = tid % kWords, r0 = tid / kWords * 32;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int c = 2 * cw + j;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      uint32_t v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const uint32_t* col = tile + (r0 + 16 * i + 4 * u) * kPitch + cw;
-        v[u] = e4m3x4(tq, value(col[0], j), value(col[kPitch], j), value(col[2 * kPitch], j),
-                      value(col[3 * kPitch], j));
-      }
-      reinterpret_cast<uint4*>(out + c * kTile)[(r0 / 16 + i) ^ (cw & 7)] =
-          make_uint4(v[0], v[1], v[2], v[3]);
-    }
+    for (int i = 0; i < 2; ++i)
+      stage16(out, c, r0 / 16 + i, cw & 7, tq,
+              [&](int y) { return bf16_half(tile[(r0 + 16 * i + y) * kPitch + cw], j); });
   }
   __syncthreads();
   store_staged(
@@ -375,8 +379,7 @@ __global__ void __launch_bounds__(256, 4)
     if constexpr (kFp8In) {
       return __fmul_rn(from_e4m3(uint8_t(word >> (8 * j))), x_row_scale[row]);
     } else {
-      const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&word);
-      return j == 0 ? __low2float(pair) : __high2float(pair);
+      return bf16_half(word, j);
     }
   };
   {
@@ -394,25 +397,14 @@ __global__ void __launch_bounds__(256, 4)
   }
   __syncthreads();
   // Pass 2: the e4m3 bytes staged in `out` (store_staged's layout), then stored from there.
-  auto put = [&](int y, int ch, int swz, uint4 v) {
-    reinterpret_cast<uint4*>(out + y * kTile)[ch ^ swz] = v;
-  };
   if constexpr (!kFp8In) {
     if (rows_too) {
       const TileQuant tq(fmaxf(row_part[0][r], row_part[1][r]));
       if (h == 0 && r < n) row_scale[(first + r) * k_tiles + blockIdx.y] = tq.s;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {  // chunk 4 h + i: columns 64 h + 16 i ..
-        uint32_t q[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const uint32_t wa = row_words[8 * i + 2 * u], wb = row_words[8 * i + 2 * u + 1];
-          const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&wa);
-          const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&wb);
-          q[u] = e4m3x4(tq, __low2float(a), __high2float(a), __low2float(b), __high2float(b));
-        }
-        put(r, 4 * h + i, r & 7, make_uint4(q[0], q[1], q[2], q[3]));
-      }
+      for (int i = 0; i < 4; ++i)  // chunk 4 h + i: columns 64 h + 16 i ..
+        stage16(out, r, 4 * h + i, r & 7, tq,
+                [&](int e) { return bf16_half(row_words[8 * i + e / 2], e % 2); });
       __syncthreads();
       store_staged(
           out, n, kn, row_vec, false, [](int y) { return y & 7; },
@@ -430,18 +422,9 @@ __global__ void __launch_bounds__(256, 4)
     const TileQuant tq(a);
     if (run == 0 && c < kn) tile_scales[c] = tq.s;
 #pragma unroll
-    for (int i = 0; i < kRun / 16; ++i) {  // chunk r0 / 16 + i of out row c
-      uint32_t q[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int y = 16 * i + 4 * u;
-        q[u] = e4m3x4(tq, value(col_words[y * kPitch], j, r0 + y),
-                      value(col_words[(y + 1) * kPitch], j, r0 + y + 1),
-                      value(col_words[(y + 2) * kPitch], j, r0 + y + 2),
-                      value(col_words[(y + 3) * kPitch], j, r0 + y + 3));
-      }
-      put(c, r0 / 16 + i, cw & 7, make_uint4(q[0], q[1], q[2], q[3]));
-    }
+    for (int i = 0; i < kRun / 16; ++i)  // chunk r0 / 16 + i of out row c
+      stage16(out, c, r0 / 16 + i, cw & 7, tq,
+              [&](int y) { return value(col_words[(16 * i + y) * kPitch], j, r0 + 16 * i + y); });
   }
   __syncthreads();
   store_staged(
