@@ -104,13 +104,45 @@ constexpr const char* kName = "fp8 fprop 64x128x128 c2x1 pingpong";
 constexpr GemmOp kOp = GemmOp::dgrad;
 using Config = gd::KernelConfig<bf16, Row, Col, 64, 128, 128, 2, 1, true, 128>;
 constexpr const char* kName = "fp8 dgrad 64x128x128 c2x1 pingpong";
+// The production tiles on CUTLASS's own FP8BlockScaledAccum consumer (promotion after each K
+// block's wgmmas complete), beside the production Fp8OverlapMainloop.
+#elif MOE_ECHO_GG_VARIANT == 105
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, false>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, serial promotion";
+#elif MOE_ECHO_GG_VARIANT == 106
+constexpr GemmOp kOp = GemmOp::fprop;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 128, false, false>;
+constexpr const char* kName = "fp8 fprop 128x128x128 c2x1 coop, serial promotion";
+#elif MOE_ECHO_GG_VARIANT == 107
+constexpr GemmOp kOp = GemmOp::dgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 128, false, false>;
+constexpr const char* kName = "fp8 dgrad 128x128x128 c2x1 coop, serial promotion";
+// The epilogue of the FP8 wgrad: 128 x 64 subtiles (two per tile) instead of 128 x 32 (four);
+// and, writing (beta 0, what the layer runs when it overwrites its gradients), no C operand.
+#elif MOE_ECHO_GG_VARIANT == 108
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 64, false>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, epilogue 128x64";
+#elif MOE_ECHO_GG_VARIANT == 109
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 64, true>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing, no C, epilogue 128x64";
+#elif MOE_ECHO_GG_VARIANT == 110
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0, true>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing, no C";
 #else
 #error "unknown MOE_ECHO_GG_VARIANT"
 #endif
 
 std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const RunnerOptions& o) {
-  return std::make_unique<gd::CutlassRunner<Config>>(p, max_groups, o,
-                                                     kOp == GemmOp::wgrad ? 1.0f : 0.0f, kName);
+  // wgrad adds (beta 1) unless the kernel has no C operand.
+  const float beta = kOp == GemmOp::wgrad && !Config::NoSource ? 1.0f : 0.0f;
+  return std::make_unique<gd::CutlassRunner<Config>>(p, max_groups, o, beta, kName);
 }
 [[maybe_unused]] const bool registered =
     add_variant({kOp, kName, &make, gd::KernelConfig_is_fp8<Config>});
@@ -434,6 +466,11 @@ class Bench {
     f.a = xq, f.a_scale = xs, f.b = q_t, f.b_scale = s_t, f.c = fa.c;
     d.a = dyq, d.a_scale = dys, d.b = q, d.b_scale = s, d.c = da.c;
     w.a = xt, w.a_scale = xts, w.b = dyt, w.b_scale = dyts, w.padded_offsets = po, w.c = wa.c;
+    // beta 0 (dW = x^T dy, not dW +=): what the layer runs when it overwrites its gradients
+    Fp8GemmArgs w_write = w;
+    w_write.accumulate = false;
+    GemmArgs wa_write = wa;
+    wa_write.accumulate = false;
     // FP8 variant kernels (MOE_ECHO_GEMM_FP8_VARIANTS) on a GroupedGemmFp8 of their own each.
     std::vector<std::unique_ptr<mc::GroupedGemmFp8>> alt;
     auto with_variants = [&](GemmOp op, std::vector<Candidate> c) {
@@ -467,7 +504,9 @@ class Bench {
          }}};
     const std::vector<Candidate> wgrad = {
         {"GroupedGemm bf16 (production)", [&] { gg.wgrad(wa, s_); }},
+        {"GroupedGemm bf16, writing", [&] { gg.wgrad(wa_write, s_); }},
         {"FP8 blockwise GEMM", [&] { g8.wgrad(w, s_); }},
+        {"FP8 blockwise GEMM, writing", [&] { g8.wgrad(w_write, s_); }},
         {"FP8 blockwise GEMM + quantize x and dy columns", [&] {
            mc::quantize_fp8_cols({win, fa.a, xt, xts, po}, s_);
            mc::quantize_fp8_cols({win, da.a, dyt, dyts, po2}, s_);

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.hpp"
+#include "cuda/fp8_overlap_mainloop.cuh"
 #include "cuda/grouped_gemm_detail.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -83,8 +84,14 @@ void run_gemm(Gemm& gemm, cudaStream_t s, const char* name) {
 // scale per row of A and per Fp8ScaleN columns of B for each 128 of K, both operands K-major (FP8
 // wgmma needs it). The scale arrays of a group are K-major ([rows][K / 128]), or with
 // Fp8ScalesMN MN-major ([K / 128][rows]: the scales one K block needs are contiguous).
+// Fp8Overlap: the consumer side of that mainloop replaced by Fp8OverlapMainloop (the promotion of
+// one K block runs beside the next block's wgmmas; fp8_overlap_mainloop.cuh).
+// EpiTileN: the epilogue's subtile is TileM x EpiTileN (0: CUTLASS's choice, 128 x 32 at a
+// cooperative 128 x 128 tile). NoSource: D = acc, no C operand at all (no C buffers in shared
+// memory, beta fixed at 0).
 template <class ElementD_, class LayoutA_, class LayoutB_, int TileM, int TileN, int TileK,
-          int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0, bool Fp8ScalesMN_ = false>
+          int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0, bool Fp8ScalesMN_ = false,
+          bool Fp8Overlap_ = false, int EpiTileN_ = 0, bool NoSource_ = false>
 struct KernelConfig {
   using ElementD = ElementD_;
   using LayoutA = LayoutA_;
@@ -94,10 +101,16 @@ struct KernelConfig {
   static constexpr bool Pingpong = Pingpong_;
   static constexpr int Fp8ScaleN = Fp8ScaleN_;
   static constexpr bool Fp8ScalesMN = Fp8ScalesMN_;
+  static constexpr bool Fp8Overlap = Fp8Overlap_;
+  static constexpr int EpiTileN = EpiTileN_;
+  static constexpr bool NoSource = NoSource_;
 };
 
 template <class Config>
 inline constexpr bool KernelConfig_is_fp8 = Config::Fp8ScaleN > 0;
+
+template <class Config>
+inline constexpr int TileM_of = int(cute::size<0>(typename Config::TileShape{}));
 
 template <class Config>
 class CutlassRunner final : public KernelRunner {
@@ -133,19 +146,26 @@ class CutlassRunner final : public KernelRunner {
   static constexpr int kAlignAB = 16 / int(sizeof(ElementAB));  // 8 elements: TMA's 16 bytes
   static constexpr int kAlignD = 16 / int(sizeof(ElementD));
 
+  static constexpr bool kSource = !Config::NoSource;
+  using ElementC = std::conditional_t<kSource, ElementD, void>;
+  using EpilogueTile =
+      std::conditional_t<Config::EpiTileN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+                         cute::Shape<cute::Int<TileM_of<Config>>, cute::Int<Config::EpiTileN>>>;
+  using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, ElementC>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
-      typename Config::ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, ElementAcc,
-      ElementAcc, ElementD, cutlass::layout::RowMajor*, kAlignD, ElementD,
-      cutlass::layout::RowMajor*, kAlignD, EpilogueSchedule,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc>>::CollectiveOp;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      typename Config::ClusterShape, EpilogueTile, ElementAcc, ElementAcc, ElementC,
+      cutlass::layout::RowMajor*, kAlignD, ElementD, cutlass::layout::RowMajor*, kAlignD,
+      EpilogueSchedule, Fusion>::CollectiveOp;
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainloopLayoutA, kAlignAB,
       ElementAB, MainloopLayoutB, kAlignAB, ElementAcc, typename Config::TileShape,
       typename Config::ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+  using CollectiveMainloop = std::conditional_t<kFp8 && Config::Fp8Overlap,
+                                                Fp8OverlapMainloop<BuiltMainloop>, BuiltMainloop>;
   using GemmKernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
@@ -180,10 +200,15 @@ class CutlassRunner final : public KernelRunner {
       args.mainloop.layout_SFB = nullptr;
     }
     args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = beta;
     args.epilogue.thread.dAlpha = {cute::_0{}, cute::_0{}, 0};
+    args.epilogue.thread.beta = beta;
     args.epilogue.thread.dBeta = {cute::_0{}, cute::_0{}, 0};
-    args.epilogue.ptr_C = const_cast<const ElementD**>(reinterpret_cast<ElementD**>(p.ptr_c));
+    if constexpr (kSource) {
+      args.epilogue.ptr_C = const_cast<const ElementD**>(reinterpret_cast<ElementD**>(p.ptr_c));
+    } else {
+      MOE_ECHO_CHECK(beta == 0.0f, name << ": a kernel without C needs beta 0, not " << beta);
+      args.epilogue.ptr_C = nullptr;
+    }
     args.epilogue.dC = reinterpret_cast<StrideC*>(p.ld_c);
     args.epilogue.ptr_D = reinterpret_cast<ElementD**>(p.ptr_c);
     args.epilogue.dD = reinterpret_cast<StrideD*>(p.ld_c);

@@ -7,8 +7,9 @@ namespace moe_echo::cuda::gemm_detail {
 
 // fprop and dgrad: A = activation rows (RowMajor, K-major), B = the weight slab as (N x K) rows
 // (ColumnMajor B, K-major), scales 1 x 128 on A and 128 x 128 on B, bf16 D.
-using Fp8Config = KernelConfig<cutlass::bfloat16_t, cutlass::layout::RowMajor,
-                               cutlass::layout::ColumnMajor, 128, 128, 128, 2, 1, false, 128>;
+using Fp8Config =
+    KernelConfig<cutlass::bfloat16_t, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, 128,
+                 128, 128, 2, 1, false, 128, false, true>;
 
 std::unique_ptr<KernelRunner> make_fp8_runner(const ProblemArrays& p, int max_groups,
                                               const RunnerOptions& o) {

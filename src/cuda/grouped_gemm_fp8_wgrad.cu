@@ -8,7 +8,7 @@ namespace moe_echo::cuda::gemm_detail {
 // one scale per row and 128 tokens on both, MN-major ([tiles][rows] per group: the 128 + 128
 // scales of one K block are two contiguous runs), fp32 D.
 using Fp8WgradConfig = KernelConfig<float, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
-                                    128, 128, 128, 2, 1, false, 1, true>;
+                                    128, 128, 128, 2, 1, false, 1, true, true>;
 
 std::unique_ptr<KernelRunner> make_fp8_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                     const RunnerOptions& o, float beta) {
