@@ -3,16 +3,17 @@
 // all stay CUTLASS's), with mma() replaced.
 //
 // CUTLASS's mma() issues a K block's wgmmas into a temporary accumulator, waits for all of them,
-// then promotes: main += temp * scale_a * scale_b. The tensor cores idle during the promotion.
-// With a scale per row on both operands (the weight gradient: 1 x 128 tiles on x^T and dy^T) that
-// is a multiply and a fused multiply-add on each of a thread's 64 accumulators per K block, about
-// two thirds of the wgmmas' own time, so the kernel ran at ~60% of the fprop's rate.
+// then promotes: main += temp * scale_a * scale_b, with the tensor cores idle meanwhile. With a
+// scale per row on both operands (the weight gradient: 1 x 128 tiles on x^T and dy^T) that is a
+// multiply and a fused multiply-add on each of a thread's 64 accumulators per K block; with a
+// weight block's one scale (fprop, dgrad) a fused multiply-add.
 //
 // Here each warp group keeps two temporary accumulators and issues K block k + 1's wgmmas into one
 // before it promotes block k from the other (warpgroup_wait<1>), so the promotion runs beside the
 // tensor cores. 3 x 64 accumulator registers per thread at a 128 x 128 tile of two warp groups.
 // A stage's buffer (data and scales) is released after its promotion; the last one by mma_tail,
 // as CUTLASS's contract has it. A tile with no K blocks (an empty group) ends with zeros.
+// Measured against CUTLASS's consumer on the same tiles: docs/fp8.md.
 #pragma once
 
 #include "cute/tensor.hpp"

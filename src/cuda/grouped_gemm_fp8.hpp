@@ -1,9 +1,9 @@
 // FP8 grouped GEMMs over a receive window (backend.hpp, Fp8GemmArgs): e4m3 operands with
 // blockwise fp32 scales, group sizes only in device memory, on CUTLASS 4.2's ptr-array
-// FP8BlockScaledAccum kernels (sm_90a). As GroupedGemm: a prep kernel writes every group's
-// problem (shape, operand and scale pointers, leading dimensions) on the device, the persistent
-// grids and workspaces are fixed at construction, and every call is capture-safe. Calls of one
-// op must be stream-ordered.
+// FP8BlockScaledAccum kernels (sm_90a; the consumer side is Fp8OverlapMainloop). As GroupedGemm:
+// a prep kernel writes every group's problem (shape, operand and scale pointers, leading
+// dimensions) on the device, the persistent grids and workspaces are fixed at construction, and
+// every call is capture-safe. Calls of one op must be stream-ordered.
 //
 //   fprop: c[i] = a[i] @ w[g]     (m_g x K) . (K x N), B = q_t [G, N, K], scales scale_t
 //   dgrad: c[i] = a[i] @ w[g]^T   (m_g x N) . (N x K), B = q [G, K, N], scales scale

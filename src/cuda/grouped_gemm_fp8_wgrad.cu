@@ -1,5 +1,6 @@
 // The FP8 blockwise wgrad kernel (grouped_gemm_detail.hpp): CUTLASS 4.2's ptr-array
-// FP8BlockScaledAccum mainloop, 128x128x128 tiles, cluster 2x1, cooperative, fp32 D.
+// FP8BlockScaledAccum kernel with our Fp8OverlapMainloop consumer, 128x128x128 tiles, cluster 2x1,
+// cooperative, fp32 D.
 #include "cuda/grouped_gemm_cutlass.cuh"
 
 namespace moe_echo::cuda::gemm_detail {
