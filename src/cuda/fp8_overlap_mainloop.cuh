@@ -92,11 +92,27 @@ struct Fp8OverlapMainloop : Base {
       warpgroup_commit_batch();
       warpgroup_fence_operand(part);
     };
+    // A stage's scales into registers, in two parts around the wait for that stage's wgmmas: A's
+    // and the first kEarlyB of B's before it, so that the promotion's first multiplies do not
+    // wait on shared memory, the rest after it (all of them before the wait would not fit in the
+    // registers beside three accumulator sets). The compact views list each distinct scale once,
+    // in the same order for the shared-memory and the register side (same layouts).
+    auto sfb_regs = filter_zeros(sfb);
+    constexpr int kEarlyB = cute::min(16, int(size(decltype(sfb_regs){})));
+    auto load_scales_early = [&](int stage) {
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sfa);
+      auto from = filter_zeros(tCsSFB(_, _, _, make_coord(_0{}, stage)));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kEarlyB; ++j) sfb_regs(j) = from(j);
+    };
+    auto load_scales_late = [&](int stage) {
+      auto from = filter_zeros(tCsSFB(_, _, _, make_coord(_0{}, stage)));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = kEarlyB; j < size(sfb_regs); ++j) sfb_regs(j) = from(j);
+    };
     // main += part * scale_a * scale_b, after the block's wgmmas completed (the caller waited).
     // With one scale per tile on a side the products scale_a * scale_b repeat and fold.
-    auto promote = [&](auto& part, int stage) {
-      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), sfa);
-      copy(tCsSFB(_, _, _, make_coord(_0{}, stage)), sfb);
+    auto promote = [&](auto& part) {
       warpgroup_fence_operand(part);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(accum); ++i) accum(i) += part(i) * (sfa(i) * sfb(i));
@@ -124,30 +140,40 @@ struct Fp8OverlapMainloop : Base {
       pipeline.consumer_wait(issued);
       issue(part1, issued.index());
       ++issued;
+      load_scales_early(promoted.index());
       warpgroup_wait<1>();
-      promote(part0, promoted.index());
+      load_scales_late(promoted.index());
+      promote(part0);
       pipeline.consumer_release(promoted);
       ++promoted;
       pipeline.consumer_wait(issued);
       issue(part0, issued.index());
       ++issued;
+      load_scales_early(promoted.index());
       warpgroup_wait<1>();
-      promote(part1, promoted.index());
+      load_scales_late(promoted.index());
+      promote(part1);
       pipeline.consumer_release(promoted);
       ++promoted;
     }
     if (k < k_tile_count) {
       pipeline.consumer_wait(issued);
       issue(part1, issued.index());
+      load_scales_early(promoted.index());
       warpgroup_wait<1>();
-      promote(part0, promoted.index());
+      load_scales_late(promoted.index());
+      promote(part0);
       pipeline.consumer_release(promoted);
       ++promoted;
+      load_scales_early(promoted.index());
       warpgroup_wait<0>();
-      promote(part1, promoted.index());
+      load_scales_late(promoted.index());
+      promote(part1);
     } else {
+      load_scales_early(promoted.index());
       warpgroup_wait<0>();
-      promote(part0, promoted.index());
+      load_scales_late(promoted.index());
+      promote(part0);
     }
     // The last stage stays held: mma_tail releases it.
   }
