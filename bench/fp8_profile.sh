@@ -6,6 +6,11 @@
 # compute section's text). Needs the build of bench/fp8_round.sh (BUILD_DIR, default build-gpu).
 # SLICE = hidden:ffn:experts:top_k (default DeepSeek-V3's 7168:2048:32:8); FP8_GEMMS as
 # --fp8-gemms (default all). Output in $OUT (default out/fp8_profile).
+# SASS_KERNEL = a regex over the demangled kernel names (e.g. 'Fp8OverlapMainloop.*LinearCombination<float'
+# for the FP8 wgrad) adds one launch of it (SASS_SKIP earlier matches skipped, default 0) under
+# the full section set, its SASS with the warp-stall samples per instruction (sass.csv), and the
+# instructions with the most samples and their two main stall reasons (sass_top.txt); SASS_ONLY=1
+# skips the other passes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-out/fp8_profile}
@@ -17,6 +22,7 @@ layer=("$build/moe-echo" bench --hidden "$H" --ffn "$F" --experts "$E" --top-k "
 kernels='regex:device_kernel|quantize|swiglu|fan_out'
 # The warm-up step and the timed step: LAUNCHES kernels at most.
 launches=${LAUNCHES:-60}
+if [ "${SASS_ONLY:-0}" != 1 ]; then
 timeout 400 ncu --clock-control none --kernel-name-base demangled -k "$kernels" \
   --launch-count "$launches" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
@@ -54,3 +60,34 @@ for r in rows[1:] if rows and rows[0].get("ID") == "" else rows:
           f"{num(r,'dram__bytes_read.sum')/1e9:7.3f} {num(r,'dram__bytes_write.sum')/1e9:7.3f} "
           f"{num(r,'sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active'):6.1f}")
 PY
+fi
+
+if [ -n "${SASS_KERNEL:-}" ]; then
+  timeout 400 ncu --clock-control none --kernel-name-base demangled -k "regex:$SASS_KERNEL" \
+    --launch-skip "${SASS_SKIP:-0}" --launch-count 1 --set full --import-source no \
+    -o "$out/sass" -f "${layer[@]}" >"$out/sass_ncu.log" 2>&1
+  echo "ncu sass: rc=$?"
+  ncu -i "$out/sass.ncu-rep" --page source --csv --print-source sass >"$out/sass.csv" 2>&1
+  python3 - "$out/sass.csv" <<'PY' | tee "$out/sass_top.txt"
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+head = next((i for i, r in enumerate(rows) if r and r[0] == "Address"), None)
+if head is None:
+    print("no SASS table:"); print("\n".join(",".join(r) for r in rows[-5:])); sys.exit()
+cols, data = rows[head], rows[head + 1:]
+samples = cols.index("Warp Stall Sampling (All Samples)")
+executed = cols.index("Instructions Executed")
+reasons = [i for i, c in enumerate(cols) if c.startswith("stall_") and "Not Issued" not in c]
+def n(r, i):
+    try: return int(r[i] or 0)
+    except ValueError: return 0
+total = sum(n(r, samples) for r in data) or 1
+print(f"{len(data)} instructions, {total} samples; the 40 with the most:")
+top = sorted(range(len(data)), key=lambda i: -n(data[i], samples))[:40]
+for i in sorted(top):
+    r = data[i]
+    why = sorted(((n(r, c), cols[c][6:]) for c in reasons), reverse=True)[:2]
+    print(f"{i:5d} {100 * n(r, samples) / total:5.1f}% x{n(r, executed):<9d} {r[1].strip()[:56]:56s} "
+          + " ".join(f"{w}={v}" for v, w in why))
+PY
+fi

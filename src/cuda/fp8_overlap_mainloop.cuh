@@ -130,6 +130,25 @@ struct Fp8OverlapMainloop : Base {
     warpgroup_fence_operand(part1);
     PipelineState issued = smem_pipe_read;    // the next stage to issue
     PipelineState promoted = smem_pipe_read;  // the oldest stage in flight
+    // Issue the next stage into `next`, then promote the oldest one from `done` and release it.
+    auto advance = [&](auto& next, auto& done) {
+      pipeline.consumer_wait(issued);
+      issue(next, issued.index());
+      ++issued;
+      load_scales_early(promoted.index());
+      warpgroup_wait<1>();
+      load_scales_late(promoted.index());
+      promote(done);
+      pipeline.consumer_release(promoted);
+      ++promoted;
+    };
+    // Promote the last stage from `done`; it stays held (mma_tail releases it).
+    auto finish = [&](auto& done) {
+      load_scales_early(promoted.index());
+      warpgroup_wait<0>();
+      load_scales_late(promoted.index());
+      promote(done);
+    };
     pipeline.consumer_wait(issued);
     issue(part0, issued.index());
     ++issued;
@@ -137,45 +156,15 @@ struct Fp8OverlapMainloop : Base {
     int k = 1;
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k + 1 < k_tile_count; k += 2) {
-      pipeline.consumer_wait(issued);
-      issue(part1, issued.index());
-      ++issued;
-      load_scales_early(promoted.index());
-      warpgroup_wait<1>();
-      load_scales_late(promoted.index());
-      promote(part0);
-      pipeline.consumer_release(promoted);
-      ++promoted;
-      pipeline.consumer_wait(issued);
-      issue(part0, issued.index());
-      ++issued;
-      load_scales_early(promoted.index());
-      warpgroup_wait<1>();
-      load_scales_late(promoted.index());
-      promote(part1);
-      pipeline.consumer_release(promoted);
-      ++promoted;
+      advance(part1, part0);
+      advance(part0, part1);
     }
     if (k < k_tile_count) {
-      pipeline.consumer_wait(issued);
-      issue(part1, issued.index());
-      load_scales_early(promoted.index());
-      warpgroup_wait<1>();
-      load_scales_late(promoted.index());
-      promote(part0);
-      pipeline.consumer_release(promoted);
-      ++promoted;
-      load_scales_early(promoted.index());
-      warpgroup_wait<0>();
-      load_scales_late(promoted.index());
-      promote(part1);
+      advance(part1, part0);
+      finish(part1);
     } else {
-      load_scales_early(promoted.index());
-      warpgroup_wait<0>();
-      load_scales_late(promoted.index());
-      promote(part0);
+      finish(part0);
     }
-    // The last stage stays held: mma_tail releases it.
   }
 };
 
