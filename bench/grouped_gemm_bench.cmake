@@ -5,7 +5,7 @@
 option(MOE_ECHO_GEMM_VARIANTS "Compile alternative grouped GEMM kernels into grouped_gemm_bench" OFF)
 option(MOE_ECHO_GEMM_FP8_VARIANTS "Compile alternative FP8 grouped GEMM kernels into grouped_gemm_bench" OFF)
 set(MOE_ECHO_GEMM_VARIANT_COUNT 7)
-set(MOE_ECHO_GEMM_FP8_VARIANT_COUNT 11)
+set(MOE_ECHO_GEMM_FP8_VARIANT_COUNT 12)
 
 add_executable(grouped_gemm_bench ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm_bench.cu)
 set(moe_echo_gg_bench_targets grouped_gemm_bench)

@@ -37,7 +37,8 @@ struct Variant {
   GemmOp op;
   const char* name;
   MakeRunner make;
-  bool fp8 = false;  // an FP8 blockwise kernel (timed by --fp8 on GroupedGemmFp8's prep)
+  bool fp8 = false;      // an FP8 blockwise kernel (timed by --fp8 on GroupedGemmFp8's prep)
+  bool bf16_dw = false;  // a wgrad writing bf16 (into the first half of each group's fp32 slab)
 };
 bool add_variant(const Variant& v);
 }  // namespace gg_bench
@@ -135,17 +136,24 @@ constexpr GemmOp kOp = GemmOp::wgrad;
 using Config =
     gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0, true>;
 constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing, no C";
+// What the fp32 output costs: the production wgrad writing a bf16 dW (as PyTorch's rowwise FP8
+// grouped GEMM does), half the epilogue's bytes.
+#elif MOE_ECHO_GG_VARIANT == 111
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing a bf16 dW";
 #else
 #error "unknown MOE_ECHO_GG_VARIANT"
 #endif
 
+constexpr bool kBf16Dw = kOp == GemmOp::wgrad && std::is_same_v<typename Config::ElementD, bf16>;
 std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const RunnerOptions& o) {
-  // wgrad adds (beta 1) unless the kernel has no C operand.
-  const float beta = kOp == GemmOp::wgrad && !Config::NoSource ? 1.0f : 0.0f;
+  // wgrad adds (beta 1) into fp32 unless the kernel has no C operand; a bf16 dW is written.
+  const float beta = kOp == GemmOp::wgrad && !Config::NoSource && !kBf16Dw ? 1.0f : 0.0f;
   return std::make_unique<gd::CutlassRunner<Config>>(p, max_groups, o, beta, kName);
 }
 [[maybe_unused]] const bool registered =
-    add_variant({kOp, kName, &make, gd::KernelConfig_is_fp8<Config>});
+    add_variant({kOp, kName, &make, gd::KernelConfig_is_fp8<Config>, kBf16Dw});
 }  // namespace
 }  // namespace gg_bench
 
@@ -223,8 +231,9 @@ __global__ void fill_uniform(__nv_bfloat16* p, size_t n, uint64_t seed) {
 // One sampled output entry per block: an fp64 dot product of the bf16 inputs, and what the
 // kernel wrote there. idx = (row or group, column) as chosen on the host.
 __global__ void sample_reference(GemmOp op, const __nv_bfloat16* a, const __nv_bfloat16* b,
-                                 const void* c, const int32_t* offsets, int groups, int64_t K,
-                                 int64_t N, const int64_t* idx, double* ref, double* got) {
+                                 const void* c, bool bf16_dw, const int32_t* offsets, int groups,
+                                 int64_t K, int64_t N, const int64_t* idx, double* ref,
+                                 double* got) {
   const int s = blockIdx.x;
   const int64_t i = idx[2 * s], j = idx[2 * s + 1];
   int g = 0;
@@ -253,7 +262,9 @@ __global__ void sample_reference(GemmOp op, const __nv_bfloat16* a, const __nv_b
   }
   if (threadIdx.x == 0) {
     ref[s] = part[0];
-    if (op == GemmOp::wgrad) {
+    if (op == GemmOp::wgrad && bf16_dw) {  // group i's bf16 dW at the start of its fp32 slab
+      got[s] = double(__bfloat162float(static_cast<const __nv_bfloat16*>(c)[2 * i * K * N + j]));
+    } else if (op == GemmOp::wgrad) {
       got[s] = double(static_cast<const float*>(c)[i * K * N + j]);
     } else {
       const int64_t width = op == GemmOp::fprop ? N : K;
@@ -277,6 +288,7 @@ struct Result {
 struct Candidate {
   std::string label;
   std::function<void()> call;
+  bool bf16_dw = false;  // wgrad output in bf16 (Variant::bf16_dw)
 };
 
 // Timing protocol (the GPU's clocks follow its power draw, so a kernel timed right after idle
@@ -480,11 +492,13 @@ class Bench {
         alt.back()->replace_kernel(op, v.make);
         mc::GroupedGemmFp8* g = alt.back().get();
         const Fp8GemmArgs* args = op == GemmOp::fprop ? &f : op == GemmOp::dgrad ? &d : &w;
-        c.push_back({std::string(v.name), [=, this] {
+        c.push_back({std::string(v.name),
+                     [=, this] {
                        if (op == GemmOp::fprop) g->fprop(*args, s_);
                        if (op == GemmOp::dgrad) g->dgrad(*args, s_);
                        if (op == GemmOp::wgrad) g->wgrad(*args, s_);
-                     }});
+                     },
+                     v.bf16_dw});
       }
       return c;
     };
@@ -542,8 +556,8 @@ class Bench {
     CK(cudaMemcpyAsync(d_idx_, idx.data(), idx.size() * 8, cudaMemcpyHostToDevice, s_));
     sample_reference<<<kSamples, 256, 0, s_>>>(op, static_cast<const __nv_bfloat16*>(a.a.data),
                                                static_cast<const __nv_bfloat16*>(a.b.data),
-                                               a.c.data, a.window.group_offsets, sh.experts, K, N,
-                                               d_idx_, d_ref_, d_got_);
+                                               a.c.data, c.bf16_dw, a.window.group_offsets,
+                                               sh.experts, K, N, d_idx_, d_ref_, d_got_);
     CK(cudaGetLastError());
     std::vector<double> ref(kSamples), got(kSamples);
     CK(cudaMemcpyAsync(ref.data(), d_ref_, kSamples * 8, cudaMemcpyDeviceToHost, s_));
