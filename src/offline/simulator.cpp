@@ -164,6 +164,18 @@ struct PeriodicEplb {
 
 }  // namespace
 
+PlannerConfig simulator_planner_config(const SimulatorConfig& cfg) {
+  PlannerConfig pc;
+  pc.ranks = cfg.ranks;
+  pc.experts = cfg.experts;
+  pc.spare_slots = cfg.spare_slots;
+  pc.max_clones = cfg.max_clones;
+  pc.clone_cost_rows = cfg.clone_cost_rows >= 0
+                           ? cfg.clone_cost_rows
+                           : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
+  return pc;
+}
+
 SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_in) {
   SimulatorConfig cfg = cfg_in;
   validate(cfg);
@@ -182,15 +194,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, N = cfg.steps, L = cfg.layers;
   const double reach = ranks_per_token(E, R, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
   const int reach_max = max_ranks_per_token(E, R, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
-  const int64_t clone_cost_rows =
-      cfg.clone_cost_rows >= 0 ? cfg.clone_cost_rows
-                               : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
-  PlannerConfig pc;
-  pc.ranks = R;
-  pc.experts = E;
-  pc.spare_slots = S;
-  pc.max_clones = cfg.max_clones;
-  pc.clone_cost_rows = clone_cost_rows;
+  const PlannerConfig pc = simulator_planner_config(cfg);
+  const int64_t clone_cost_rows = pc.clone_cost_rows;
   validate(pc);
 
   const size_t P = cfg.policies.size();

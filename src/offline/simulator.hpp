@@ -74,6 +74,10 @@ struct SimulatorConfig {
 // Throws ConfigError naming the first invalid field.
 void validate(const SimulatorConfig& cfg);
 
+// The planner config simulate() plans every step with: ranks, experts, spare slots and clones of
+// cfg, and its clone cost (cfg.clone_cost_rows, or from the cost model when it is -1).
+PlannerConfig simulator_planner_config(const SimulatorConfig& cfg);
+
 struct PolicyStats {
   Policy policy = Policy::none;
   // max/mean over ranks, over all (step, layer) samples

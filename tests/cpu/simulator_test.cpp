@@ -168,17 +168,6 @@ SimulatorConfig small_sim(int R, int E) {
   return c;
 }
 
-// The planner config simulate() derives from a small_sim config.
-PlannerConfig small_planner(const SimulatorConfig& c) {
-  PlannerConfig pc;
-  pc.ranks = c.ranks;
-  pc.experts = c.experts;
-  pc.spare_slots = c.spare_slots;
-  pc.max_clones = c.max_clones;
-  pc.clone_cost_rows = c.clone_cost_rows;
-  return pc;
-}
-
 TEST(Simulator, UniformRoutingIsBalancedUnderEveryPolicy) {
   const int R = 4, E = 8;
   std::vector<std::vector<std::vector<int>>> counts(
@@ -247,7 +236,7 @@ TEST(Simulator, EchoAndEplbMatchThePlannerOnEachMap) {
   const TraceFile t = totals_trace(4, counts);
   SimulatorConfig c = small_sim(2, 4);
   const SimulationResult r = simulate(t, c);
-  const PlannerConfig pc = small_planner(c);
+  const PlannerConfig pc = simulator_planner_config(c);
   for (Policy p : {Policy::echo, Policy::eplb}) {
     std::vector<double> want;
     auto s = t.open_layer(0, 2);
@@ -279,7 +268,7 @@ TEST(Simulator, EchoStaleSplitsEachMapOverThePreviousStepsPlacement) {
   SimulatorConfig c = small_sim(2, 4);
   c.policies = {Policy::echo_stale, Policy::echo};
   const SimulationResult r = simulate(t, c);
-  const PlannerConfig pc = small_planner(c);
+  const PlannerConfig pc = simulator_planner_config(c);
   std::vector<double> want;
   auto s = t.open_layer(0, 2);
   std::vector<int32_t> C(8);
