@@ -223,7 +223,7 @@ class CutlassRunner final : public KernelRunner {
 
   const char* name() const override { return name_; }
 
-  int tile_m() const override { return int(cute::size<0>(typename Config::TileShape{})); }
+  int tile_m() const override { return TileM_of<Config>; }
   int tile_n() const override { return int(cute::size<1>(typename Config::TileShape{})); }
 
   std::string describe() const override { return describe_gemm<GemmKernel>(gemm_); }
