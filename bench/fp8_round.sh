@@ -8,7 +8,8 @@
 # SKIP_BENCH=1 runs the tests only, SKIP_TESTS=1 the benchmarks only, SKIP_GEMM=1 / SKIP_LAYER=1
 # skip a benchmark; LAYER_ARGS adds options to the layer benchmark (--phases on); FP8_SETS lists
 # the sets of FP8 GEMMs to time the layer with (--fp8-gemms; default all); VARIANTS=1
-# compiles the alternative FP8 kernels into the GEMM benchmark (MOE_ECHO_GEMM_FP8_VARIANTS);
+# compiles the alternative FP8 kernels into the GEMM benchmark (MOE_ECHO_GEMM_FP8_VARIANTS),
+# VARIANTS="105 112" only those listed;
 # EXTRA_TESTS names more test binaries of the build (tests/gpu/local_comm_test ...), built and
 # run after the FP8 ones. Needs third_party/ carried along.
 set -uo pipefail
@@ -24,6 +25,7 @@ extra_targets=()
 for t in ${EXTRA_TESTS:-}; do extra_targets+=("$(basename "$t")"); done
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
   -DMOE_ECHO_GEMM_FP8_VARIANTS="$([ "${VARIANTS:-0}" = 1 ] && echo ON || echo OFF)" \
+  -DMOE_ECHO_GEMM_FP8_VARIANT_LIST="$(case "${VARIANTS:-0}" in 0 | 1) ;; *) echo "${VARIANTS// /;}" ;; esac)" \
   >"$out/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target fp8_test fp8_quant_test fp8_gemm_test \
     grouped_gemm_test grouped_gemm_bench cuda_layer_test fp8_layer_test moe-echo \

@@ -1,11 +1,13 @@
 # The grouped GEMM benchmark (CUDA builds only): build/grouped_gemm_bench.
 # -DMOE_ECHO_GEMM_VARIANTS=ON also compiles alternative CUTLASS configurations into it (one
 # object per configuration, ~80 s each on two cores: off by default, meant for the GPU machine).
-# -DMOE_ECHO_GEMM_FP8_VARIANTS=ON the same for alternative FP8 blockwise kernels (indices 100 on).
+# -DMOE_ECHO_GEMM_FP8_VARIANTS=ON the same for alternative FP8 blockwise kernels (indices 100 on);
+# -DMOE_ECHO_GEMM_FP8_VARIANT_LIST="105;112" compiles only the FP8 ones listed.
 option(MOE_ECHO_GEMM_VARIANTS "Compile alternative grouped GEMM kernels into grouped_gemm_bench" OFF)
 option(MOE_ECHO_GEMM_FP8_VARIANTS "Compile alternative FP8 grouped GEMM kernels into grouped_gemm_bench" OFF)
 set(MOE_ECHO_GEMM_VARIANT_COUNT 7)
-set(MOE_ECHO_GEMM_FP8_VARIANT_COUNT 12)
+set(MOE_ECHO_GEMM_FP8_VARIANT_COUNT 16)
+set(MOE_ECHO_GEMM_FP8_VARIANT_LIST "" CACHE STRING "FP8 grouped GEMM variants to compile (indices)")
 
 add_executable(grouped_gemm_bench ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm_bench.cu)
 set(moe_echo_gg_bench_targets grouped_gemm_bench)
@@ -22,6 +24,14 @@ if(MOE_ECHO_GEMM_FP8_VARIANTS)
     list(APPEND moe_echo_gg_variants ${v})
   endforeach()
 endif()
+foreach(v ${MOE_ECHO_GEMM_FP8_VARIANT_LIST})
+  math(EXPR last "100 + ${MOE_ECHO_GEMM_FP8_VARIANT_COUNT} - 1")
+  if(v LESS 100 OR v GREATER last)
+    message(FATAL_ERROR "MOE_ECHO_GEMM_FP8_VARIANT_LIST: ${v} is not an FP8 variant (100 to ${last})")
+  endif()
+  list(APPEND moe_echo_gg_variants ${v})
+endforeach()
+list(REMOVE_DUPLICATES moe_echo_gg_variants)
 if(moe_echo_gg_variants)
   foreach(v ${moe_echo_gg_variants})
     add_library(grouped_gemm_bench_variant${v} OBJECT ${CMAKE_CURRENT_LIST_DIR}/grouped_gemm_bench.cu)

@@ -142,14 +142,44 @@ constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing, no C";
 constexpr GemmOp kOp = GemmOp::wgrad;
 using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true>;
 constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing a bf16 dW";
+// The production wgrad with all four of a tile's subtile stores in flight (EpiStagesD 4): its
+// epilogue does not wait for its own stores, which drain during the next tile's main loop.
+#elif MOE_ECHO_GG_VARIANT == 112
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0,
+                                false, 4>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, 4 stores in flight";
+#elif MOE_ECHO_GG_VARIANT == 113
+#define MOE_ECHO_GG_WRITING 1
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0,
+                                false, 4>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing, 4 stores in flight";
+#elif MOE_ECHO_GG_VARIANT == 114
+constexpr GemmOp kOp = GemmOp::fprop;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 128, false, true, 0,
+                                false, 4>;
+constexpr const char* kName = "fp8 fprop 128x128x128 c2x1 coop, 4 stores in flight";
+#elif MOE_ECHO_GG_VARIANT == 115
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0,
+                                false, 4>;
+constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing a bf16 dW, 4 stores in flight";
 #else
 #error "unknown MOE_ECHO_GG_VARIANT"
 #endif
 
 constexpr bool kBf16Dw = kOp == GemmOp::wgrad && std::is_same_v<typename Config::ElementD, bf16>;
 std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const RunnerOptions& o) {
-  // wgrad adds (beta 1) into fp32 unless the kernel has no C operand; a bf16 dW is written.
-  const float beta = kOp == GemmOp::wgrad && !Config::NoSource && !kBf16Dw ? 1.0f : 0.0f;
+  // wgrad adds (beta 1) into fp32 unless the kernel has no C operand or the variant writes
+  // (MOE_ECHO_GG_WRITING); a bf16 dW is written.
+#if defined(MOE_ECHO_GG_WRITING)
+  constexpr bool kWriting = true;
+#else
+  constexpr bool kWriting = false;
+#endif
+  const float beta =
+      kOp == GemmOp::wgrad && !Config::NoSource && !kBf16Dw && !kWriting ? 1.0f : 0.0f;
   return std::make_unique<gd::CutlassRunner<Config>>(p, max_groups, o, beta, kName);
 }
 [[maybe_unused]] const bool registered =

@@ -88,10 +88,13 @@ void run_gemm(Gemm& gemm, cudaStream_t s, const char* name) {
 // one K block runs beside the next block's wgmmas; fp8_overlap_mainloop.cuh).
 // EpiTileN: the epilogue's subtile is TileM x EpiTileN (0: CUTLASS's choice, 128 x 32 at a
 // cooperative 128 x 128 tile). NoSource: D = acc, no C operand at all (no C buffers in shared
-// memory, beta fixed at 0).
+// memory, beta fixed at 0). EpiStagesD: how many of a tile's subtile stores may be in flight
+// (0: CUTLASS's choice, 2; with as many as the tile has subtiles, the epilogue never waits for its
+// own tile's stores and they drain during the next tile's main loop).
 template <class ElementD_, class LayoutA_, class LayoutB_, int TileM, int TileN, int TileK,
           int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0, bool Fp8ScalesMN_ = false,
-          bool Fp8Overlap_ = false, int EpiTileN_ = 0, bool NoSource_ = false>
+          bool Fp8Overlap_ = false, int EpiTileN_ = 0, bool NoSource_ = false,
+          int EpiStagesD_ = 0>
 struct KernelConfig {
   using ElementD = ElementD_;
   using LayoutA = LayoutA_;
@@ -104,6 +107,39 @@ struct KernelConfig {
   static constexpr bool Fp8Overlap = Fp8Overlap_;
   static constexpr int EpiTileN = EpiTileN_;
   static constexpr bool NoSource = NoSource_;
+  static constexpr int EpiStagesD = EpiStagesD_;
+};
+
+// The CUTLASS ptr-array TMA epilogue `Epi` with StagesD store stages (StagesC raised to match where
+// the stores reuse the C buffers); StagesD 0 leaves it as built.
+template <class Epi, int StagesD>
+struct EpilogueWithStagesD {
+  using type = Epi;
+};
+template <class Fusion, int StagesC, int StagesD>
+struct FusionWithStages;
+template <int SC, int SD, int FS, bool R, bool Dl, int NW, class Op, class Tile, class EpiTile,
+          int NewSC, int NewSD>
+struct FusionWithStages<
+    cutlass::epilogue::fusion::FusionCallbacks<
+        cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<SC, SD, FS, R, Dl, NW>, Op, Tile, EpiTile>,
+    NewSC, NewSD> {
+  using type = cutlass::epilogue::fusion::FusionCallbacks<
+      cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<NewSC, NewSD, FS, R, Dl, NW>, Op, Tile,
+      EpiTile>;
+};
+template <int SC, int SD, int FS, bool R, bool Dl, int NW, class Tile, class EpiTile, class EC,
+          class StrideC, class ED, class StrideD, class Fusion, class... Rest, int NewSD>
+  requires(NewSD > 0)
+struct EpilogueWithStagesD<
+    cutlass::epilogue::collective::CollectiveEpilogue<
+        cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<SC, SD, FS, R, Dl, NW>, Tile, EpiTile, EC,
+        StrideC, ED, StrideD, Fusion, Rest...>,
+    NewSD> {
+  static constexpr int NewSC = R ? (SC > NewSD ? SC : NewSD) : SC;
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<
+      cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<NewSC, NewSD, FS, R, Dl, NW>, Tile, EpiTile,
+      EC, StrideC, ED, StrideD, typename FusionWithStages<Fusion, NewSC, NewSD>::type, Rest...>;
 };
 
 template <class Config>
@@ -152,11 +188,12 @@ class CutlassRunner final : public KernelRunner {
       std::conditional_t<Config::EpiTileN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
                          cute::Shape<cute::Int<TileM_of<Config>>, cute::Int<Config::EpiTileN>>>;
   using Fusion = cutlass::epilogue::fusion::LinearCombination<ElementD, ElementAcc, ElementC>;
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
       typename Config::ClusterShape, EpilogueTile, ElementAcc, ElementAcc, ElementC,
       cutlass::layout::RowMajor*, kAlignD, ElementD, cutlass::layout::RowMajor*, kAlignD,
       EpilogueSchedule, Fusion>::CollectiveOp;
+  using CollectiveEpilogue = typename EpilogueWithStagesD<BuiltEpilogue, Config::EpiStagesD>::type;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, MainloopLayoutA, kAlignAB,
       ElementAB, MainloopLayoutB, kAlignAB, ElementAcc, typename Config::TileShape,
