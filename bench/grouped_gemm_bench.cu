@@ -146,25 +146,26 @@ constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing a bf16 d
 // epilogue does not wait for its own stores, which drain during the next tile's main loop.
 #elif MOE_ECHO_GG_VARIANT == 112
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0,
-                                false, 4>;
+using Config =
+    gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0, false, 4>;
 constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, 4 stores in flight";
 #elif MOE_ECHO_GG_VARIANT == 113
 #define MOE_ECHO_GG_WRITING 1
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0,
-                                false, 4>;
+using Config =
+    gd::KernelConfig<float, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0, false, 4>;
 constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing, 4 stores in flight";
 #elif MOE_ECHO_GG_VARIANT == 114
 constexpr GemmOp kOp = GemmOp::fprop;
-using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 128, false, true, 0,
-                                false, 4>;
+using Config =
+    gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 128, false, true, 0, false, 4>;
 constexpr const char* kName = "fp8 fprop 128x128x128 c2x1 coop, 4 stores in flight";
 #elif MOE_ECHO_GG_VARIANT == 115
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0,
-                                false, 4>;
-constexpr const char* kName = "fp8 wgrad 128x128x128 c2x1 coop, writing a bf16 dW, 4 stores in flight";
+using Config =
+    gd::KernelConfig<bf16, Row, Col, 128, 128, 128, 2, 1, false, 1, true, true, 0, false, 4>;
+constexpr const char* kName =
+    "fp8 wgrad 128x128x128 c2x1 coop, writing a bf16 dW, 4 stores in flight";
 #else
 #error "unknown MOE_ECHO_GG_VARIANT"
 #endif

@@ -93,8 +93,7 @@ void run_gemm(Gemm& gemm, cudaStream_t s, const char* name) {
 // own tile's stores and they drain during the next tile's main loop).
 template <class ElementD_, class LayoutA_, class LayoutB_, int TileM, int TileN, int TileK,
           int ClusterM, int ClusterN, bool Pingpong_, int Fp8ScaleN_ = 0, bool Fp8ScalesMN_ = false,
-          bool Fp8Overlap_ = false, int EpiTileN_ = 0, bool NoSource_ = false,
-          int EpiStagesD_ = 0>
+          bool Fp8Overlap_ = false, int EpiTileN_ = 0, bool NoSource_ = false, int EpiStagesD_ = 0>
 struct KernelConfig {
   using ElementD = ElementD_;
   using LayoutA = LayoutA_;
@@ -122,7 +121,8 @@ template <int SC, int SD, int FS, bool R, bool Dl, int NW, class Op, class Tile,
           int NewSC, int NewSD>
 struct FusionWithStages<
     cutlass::epilogue::fusion::FusionCallbacks<
-        cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<SC, SD, FS, R, Dl, NW>, Op, Tile, EpiTile>,
+        cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<SC, SD, FS, R, Dl, NW>, Op, Tile,
+        EpiTile>,
     NewSC, NewSD> {
   using type = cutlass::epilogue::fusion::FusionCallbacks<
       cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<NewSC, NewSD, FS, R, Dl, NW>, Op, Tile,
@@ -130,8 +130,7 @@ struct FusionWithStages<
 };
 template <int SC, int SD, int FS, bool R, bool Dl, int NW, class Tile, class EpiTile, class EC,
           class StrideC, class ED, class StrideD, class Fusion, class... Rest, int NewSD>
-  requires(NewSD > 0)
-struct EpilogueWithStagesD<
+requires(NewSD > 0) struct EpilogueWithStagesD<
     cutlass::epilogue::collective::CollectiveEpilogue<
         cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<SC, SD, FS, R, Dl, NW>, Tile, EpiTile, EC,
         StrideC, ED, StrideD, Fusion, Rest...>,
