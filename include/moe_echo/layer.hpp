@@ -142,6 +142,9 @@ class MoeWorkspace {
   EchoConfig echo_;
   std::unique_ptr<Buffers> buf_;
   const MoeLayer* pool_owner_ = nullptr;  // the layer whose clones the echo slots hold now
+  // The layer between its split-phase dispatch and combine (MoeLayer::forward_dispatch): it holds
+  // the receive windows and temporaries until then.
+  const MoeLayer* split_owner_ = nullptr;
 };
 
 class MoeLayer {
@@ -174,6 +177,31 @@ class MoeLayer {
   // The same, with x given again (a framework that saves x for the backward passes it here): it
   // must have the last forward's shape and values.
   void backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+
+  // The forward and the backward as three calls each, for a framework's schedule that runs other
+  // work between them (on its other streams, ordered by its own events):
+  // - forward_dispatch(x, y): router, routing map, plan, clone pull, any spill rounds whole (they
+  //   add into y), then round 0's token rows sent to their experts' ranks;
+  // - forward_experts(): round 0's expert GEMMs and SwiGLU on the rows received (and the shared
+  //   experts, beside them on the side stream with MoeConfig::shared_side_stream);
+  // - forward_combine(): round 0's outputs back into y.
+  // - backward_dispatch(dy, dx): the clones pulled again if another layer used the echo slots,
+  //   what MoeConfig::recompute left out recomputed, then round 0's dy rows sent to the experts;
+  // - backward_experts(): round 0's input-gradient and weight-gradient GEMMs (and the shared
+  //   experts' backward, beside them on the side stream);
+  // - backward_combine(): round 0's dx rows back into dx, any spill rounds whole, the router's
+  //   backward, the clone gradients reduced home and the bias update.
+  // Each call enqueues on its stream and returns, as forward()/backward() do (one graph per phase
+  // where they use one); the calls of one split go in this order, once each, and no other
+  // forward or backward of a layer sharing this layer's workspace runs between a dispatch and
+  // its combine (both throw otherwise: the receive windows and echo slots are in use). The
+  // results equal forward() and backward() bit for bit.
+  void forward_dispatch(const Tensor& x, const Tensor& y, Stream stream = nullptr);
+  void forward_experts(Stream stream = nullptr);
+  void forward_combine(Stream stream = nullptr);
+  void backward_dispatch(const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+  void backward_experts(Stream stream = nullptr);
+  void backward_combine(Stream stream = nullptr);
 
   // Where backward_into puts the home experts' gradients: dw1 [E/R, H, 2F] and dw2 [E/R, F, H],
   // both of the backend's float dtype, in its memory (16-byte aligned on CUDA).
@@ -271,14 +299,47 @@ class MoeLayer {
                        Stream s);
   FanArgs fan_args(int round) const;
   void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
-  void run_round(int round, const Tensor& x, const Tensor& y, int64_t T, const int32_t* accumulate,
-                 Stream s, bool join_side = false);
-  void run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                          const int32_t* accumulate, bool overwrite_grads, const ExpertGrads& into,
-                          Stream s, bool join_side = false);
-  void forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s);
-  void backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                    bool overwrite_shared, const ExpertGrads& into, bool repull, Stream s);
+  // One round's parts: dispatch_tokens, then its expert GEMMs up to the fan-in, then the
+  // combine (forward); the same for the backward.
+  void round_experts(int round, Stream s);
+  void round_combine(int round, const Tensor& y, int64_t T, const int32_t* accumulate, Stream s,
+                     bool join_side);
+  void round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s);
+  void round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into, Stream s);
+  void round_backward_combine(int round, const Tensor& dx, int64_t T, const int32_t* accumulate,
+                              Stream s, bool join_side);
+  // A forward or backward's arguments, kept from its first phase to the next ones.
+  struct Step {
+    Tensor x, y, dy, dx;
+    int64_t T = 0;
+    bool quantize_home = false;  // precision fp8: the home weights' e4m3 copies made again
+    bool overwrite_grads = false, overwrite_shared = false, repull = false;
+    ExpertGrads into;
+    bool split = false;  // enqueued as three phases (shared experts beside the experts phase)
+  };
+  enum class SplitPhase {
+    none,
+    forward_dispatched,
+    forward_experts_done,
+    backward_dispatched,
+    backward_experts_done
+  };
+  void forward_dispatch_ops(const Step& st, Stream s);
+  void forward_experts_ops(const Step& st, Stream s);
+  void forward_combine_ops(const Step& st, Stream s);
+  void backward_dispatch_ops(const Step& st, Stream s);
+  void backward_experts_ops(const Step& st, Stream s);
+  void backward_combine_ops(const Step& st, Stream s);
+  // The checks and bookkeeping of a forward's or backward's start (forward(), backward_impl()
+  // and the split dispatches), filling step_.
+  void begin_forward(const Tensor& x, const Tensor& y, bool split);
+  void begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, bool split);
+  // Enqueues one phase (a graph of its own where eager_graphs()) keyed on the step's arguments.
+  void enqueue_phase(int phase, const std::function<void(Stream)>& ops, Stream s);
+  // Throws when this layer is between split phases, or (workspace) another layer sharing its
+  // workspace is.
+  void check_no_split(const char* call, bool workspace = true) const;
+  void expect_phase(SplitPhase want, const char* call) const;
   void pull_clones(Stream s);
   GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,
                  const Tensor& home, bool overwrite) const;
@@ -331,6 +392,9 @@ class MoeLayer {
   bool forward_pending_ = false;           // a forward whose backward has not run yet
   mutable bool fp8_weights_stale_ = true;  // precision fp8: home weights changed since quantized
   std::unique_ptr<GraphCache> forward_graph_, backward_graph_;
+  std::unique_ptr<GraphCache> phase_graphs_[6];  // the split phases, in call order
+  Step step_;
+  SplitPhase split_phase_ = SplitPhase::none;
   int64_t last_tokens_ = 0;
   Tensor last_x_;
   std::unique_ptr<Buffers> buf_;

@@ -189,6 +189,20 @@ class Layer {
                           Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream));
   }
 
+  // The split-phase forward and backward (MoeLayer::forward_dispatch ...).
+  void forward_dispatch(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream) {
+    const DType act = backend_->activation_dtype();
+    const int64_t H = layer_->moe_config().hidden;
+    layer_->forward_dispatch(Tensor(as_ptr(x), act, {tokens, H}),
+                             Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream));
+  }
+  void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream) {
+    const DType act = backend_->activation_dtype();
+    const int64_t H = layer_->moe_config().hidden;
+    layer_->backward_dispatch(Tensor(as_ptr(dy), act, {tokens, H}),
+                              Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream));
+  }
+
   void zero_grad(uintptr_t stream) { layer_->zero_grad(as_stream(stream)); }
   void discard_grad(uintptr_t stream) { layer_->discard_grad(as_stream(stream)); }
 
@@ -328,6 +342,27 @@ NB_MODULE(_ext, m) {
       .def("backward_into", &Layer::backward_into, "x"_a, "dy"_a, "dx"_a, "dw1"_a, "dw2"_a,
            "tokens"_a, "stream"_a,
            "backward that writes the home experts' w1/w2 gradients into dw1, dw2 (float dtype)")
+      .def(
+          "forward_dispatch", &Layer::forward_dispatch, "x"_a, "y"_a, "tokens"_a, "stream"_a,
+          "split forward, first phase: routing, plan, clone pull, spill rounds, round 0's rows out")
+      .def(
+          "forward_experts",
+          [](Layer& l, uintptr_t stream) { l.layer().forward_experts(as_stream(stream)); },
+          "stream"_a, "split forward, second phase: round 0's expert GEMMs")
+      .def(
+          "forward_combine",
+          [](Layer& l, uintptr_t stream) { l.layer().forward_combine(as_stream(stream)); },
+          "stream"_a, "split forward, last phase: round 0's outputs back into y")
+      .def("backward_dispatch", &Layer::backward_dispatch, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
+           "split backward, first phase (the last forward's x is read again)")
+      .def(
+          "backward_experts",
+          [](Layer& l, uintptr_t stream) { l.layer().backward_experts(as_stream(stream)); },
+          "stream"_a, "split backward, second phase: round 0's gradient GEMMs")
+      .def(
+          "backward_combine",
+          [](Layer& l, uintptr_t stream) { l.layer().backward_combine(as_stream(stream)); },
+          "stream"_a, "split backward, last phase: dx, spill rounds, router, clone gradients home")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
       .def(
           "weights_changed", [](Layer& l) { l.layer().weights_changed(); },

@@ -693,6 +693,7 @@ void MoeLayer::refresh_master_weights() {
 MoeLayer::~MoeLayer() {
   if (!buf_) return;
   if (ws_ && ws_->pool_owner_ == this) ws_->pool_owner_ = nullptr;
+  if (ws_ && ws_->split_owner_ == this) ws_->split_owner_ = nullptr;
   release(backend_, comm_, buf_->symmetric, buf_->owned);
 }
 
@@ -754,11 +755,13 @@ Tensor MoeLayer::grad(Param p) const {
 }
 
 void MoeLayer::discard_grad(Stream s) {
+  check_no_split("discard_grad", false);
   backend_.fill_zero(buf_->d_router_weight, s);
   grads_zeroed_ = true;
 }
 
 void MoeLayer::zero_grad(Stream s) {
+  check_no_split("zero_grad", false);
   backend_.fill_zero(buf_->d_router_weight, s);
   backend_.fill_zero(buf_->dw1, s);
   backend_.fill_zero(buf_->dw2, s);
@@ -778,6 +781,7 @@ void MoeLayer::all_reduce_router_grad(Stream s) {
 }
 
 void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
+  check_no_split("optimizer_step", false);
   Buffers& b = *buf_;
   MOE_ECHO_CHECK(
       b.m_router.data != nullptr,
@@ -1068,7 +1072,31 @@ void MoeLayer::pull_clones(Stream s) {
                            b.w2.row_numel() * dtype_size(b.w2.dtype), s);
 }
 
-void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
+void MoeLayer::check_no_split(const char* call, bool workspace) const {
+  MOE_ECHO_CHECK(split_phase_ == SplitPhase::none,
+                 call << ": this layer is between the phases of a split "
+                      << (split_phase_ == SplitPhase::forward_dispatched ||
+                                  split_phase_ == SplitPhase::forward_experts_done
+                              ? "forward (forward_dispatch without its forward_combine)"
+                              : "backward (backward_dispatch without its backward_combine)"));
+  MOE_ECHO_CHECK(!workspace || ws_->split_owner_ == nullptr || ws_->split_owner_ == this,
+                 call << ": another layer sharing this layer's workspace is between the phases of "
+                         "a split forward or backward (its receive windows and echo slots are in "
+                         "use until its combine)");
+}
+
+void MoeLayer::expect_phase(SplitPhase want, const char* call) const {
+  static const char* const calls[] = {"", "forward_dispatch", "forward_experts",
+                                      "backward_dispatch", "backward_experts"};
+  static const char* const states[] = {"no split forward or backward under way",
+                                       "after forward_dispatch", "after forward_experts",
+                                       "after backward_dispatch", "after backward_experts"};
+  MOE_ECHO_CHECK(split_phase_ == want, call << " must follow " << calls[int(want)]
+                                            << " of this layer; the layer is "
+                                            << states[int(split_phase_)]);
+}
+
+void MoeLayer::begin_forward(const Tensor& x, const Tensor& y, bool split) {
   const int64_t T = x.ndim == 2 ? x.size(0) : -1, H = moe_.hidden;
   check_tensor(x, "x", backend_.activation_dtype(), {-1, H});
   check_tensor(y, "y", backend_.activation_dtype(), {T, H});
@@ -1077,26 +1105,87 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   last_tokens_ = T;
   last_x_ = x;  // the router backward and spill-round recompute read it again
   forward_pending_ = true;
-  const bool quantize_home = fp8_weights(moe_) && fp8_weights_stale_;
+  step_ = Step{};
+  step_.x = x;
+  step_.y = y;
+  step_.T = T;
+  step_.quantize_home = fp8_weights(moe_) && fp8_weights_stale_;
+  step_.split = split;
+}
+
+void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
+  check_no_split("forward");
+  begin_forward(x, y, false);
+  const Step& st = step_;
+  auto ops = [&](Stream g) {
+    forward_dispatch_ops(st, g);
+    forward_experts_ops(st, g);
+    forward_combine_ops(st, g);
+  };
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        forward_graph_, {address(x.data), address(y.data), uint64_t(T), uint64_t(quantize_home)},
-        [&](Stream g) { forward_ops(x, y, T, g); }, s);
+        forward_graph_,
+        {address(x.data), address(y.data), uint64_t(st.T), uint64_t(st.quantize_home)}, ops, s);
   else
-    forward_ops(x, y, T, s);
-  if (quantize_home) fp8_weights_stale_ = false;
+    ops(s);
+  if (st.quantize_home) fp8_weights_stale_ = false;
   ws_->pool_owner_ = this;  // the forward pulled this layer's clones into the echo slots
 }
 
-void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s) {
+void MoeLayer::enqueue_phase(int phase, const std::function<void(Stream)>& ops, Stream s) {
+  const Step& st = step_;
+  if (eager_graphs())
+    backend_.enqueue_as_graph(
+        phase_graphs_[phase],
+        {address(st.x.data), address(st.y.data), address(st.dy.data), address(st.dx.data),
+         uint64_t(st.T), uint64_t(st.quantize_home), uint64_t(st.overwrite_grads),
+         uint64_t(st.overwrite_shared), uint64_t(st.repull), address(st.into.dw1.data),
+         address(st.into.dw2.data)},
+        ops, s);
+  else
+    ops(s);
+}
+
+void MoeLayer::forward_dispatch(const Tensor& x, const Tensor& y, Stream s) {
+  check_no_split("forward_dispatch");
+  begin_forward(x, y, true);
+  ws_->split_owner_ = this;
+  split_phase_ = SplitPhase::forward_dispatched;
+  enqueue_phase(
+      0, [&](Stream g) { forward_dispatch_ops(step_, g); }, s);
+  if (step_.quantize_home) fp8_weights_stale_ = false;
+  ws_->pool_owner_ = this;
+}
+
+void MoeLayer::forward_experts(Stream s) {
+  expect_phase(SplitPhase::forward_dispatched, "forward_experts");
+  split_phase_ = SplitPhase::forward_experts_done;
+  enqueue_phase(
+      1, [&](Stream g) { forward_experts_ops(step_, g); }, s);
+}
+
+void MoeLayer::forward_combine(Stream s) {
+  expect_phase(SplitPhase::forward_experts_done, "forward_combine");
+  enqueue_phase(
+      2, [&](Stream g) { forward_combine_ops(step_, g); }, s);
+  split_phase_ = SplitPhase::none;
+  ws_->split_owner_ = nullptr;
+}
+
+// Shared experts (they write y) run first; on the side stream when asked, joined before the first
+// combine: before the rounds when spill rounds are configured, else in round 0. A split forward
+// without spill rounds runs them beside round 0's experts phase instead (one phase's graph holds
+// both the fork and the join). Spill rounds run whole before round 0, so that round 0's
+// activations stay in the buffers for the backward.
+void MoeLayer::forward_dispatch_ops(const Step& st, Stream s) {
   Buffers& b = *buf_;
-  const int64_t K = moe_.top_k;
-  // Shared experts first (they write y), on the side stream when asked: joined before the first
-  // combine, i.e. before the rounds when spill rounds are configured, else in round 0.
+  const Tensor &x = st.x, &y = st.y;
+  const int64_t T = st.T, K = moe_.top_k;
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
-  if (side)
+  const bool beside_experts = side && st.split && rounds_ == 1;
+  if (side && !beside_experts)
     backend_.fork_side([&](Stream ss) { shared_forward(x, y, T, ss); }, s);
-  else if (shared)
+  else if (shared && !side)
     shared_forward(x, y, T, s);
   RouterForwardArgs ra;
   ra.tensors = router_tensors(b, x, T);
@@ -1134,7 +1223,7 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
   }
   if (moe_.precision == Precision::fp8) {
     mark("fp8_weights", s);
-    quantize_weights(fp8_weights_stale_, planner_.spare_slots > 0, s);
+    quantize_weights(st.quantize_home, planner_.spare_slots > 0, s);
   }
 
   // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first
@@ -1145,14 +1234,32 @@ void MoeLayer::forward_ops(const Tensor& x, const Tensor& y, int64_t T, Stream s
   if (spill && !shared)
     backend_.run_if(
         spill, [&](Stream bs) { backend_.fill_zero(y, bs); }, s);
-  for (int r = rounds_ - 1; r >= 0; --r) {
-    if (r == 0)
-      run_round(0, x, y, T, shared ? b.one.as<int32_t>() : spill, s, side && rounds_ == 1);
-    else
-      backend_.run_if(
-          b.round_active.as<int32_t>() + r, [&, r](Stream bs) { run_round(r, x, y, T, spill, bs); },
-          s);
-  }
+  for (int r = rounds_ - 1; r >= 1; --r)
+    backend_.run_if(
+        b.round_active.as<int32_t>() + r,
+        [&, r](Stream bs) {
+          dispatch_tokens(r, x, T, bs);
+          round_experts(r, bs);
+          round_combine(r, y, T, spill, bs, false);
+        },
+        s);
+  dispatch_tokens(0, x, T, s);
+}
+
+void MoeLayer::forward_experts_ops(const Step& st, Stream s) {
+  const bool beside =
+      buf_->shared_w1.data != nullptr && moe_.shared_side_stream && st.split && rounds_ == 1;
+  if (beside) backend_.fork_side([&](Stream ss) { shared_forward(st.x, st.y, st.T, ss); }, s);
+  round_experts(0, s);
+  if (beside) backend_.join_side(s);
+}
+
+void MoeLayer::forward_combine_ops(const Step& st, Stream s) {
+  Buffers& b = *buf_;
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
+  round_combine(0, st.y, st.T, shared ? b.one.as<int32_t>() : spill, s,
+                side && rounds_ == 1 && !st.split);
 }
 
 GroupWindow MoeLayer::shared_window(int64_t T) const {
@@ -1240,13 +1347,10 @@ void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) 
   backend_.fan_out(expand, s);
 }
 
-void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
-                         const int32_t* accumulate, Stream s, bool join_side) {
+void MoeLayer::round_experts(int round, Stream s) {
   Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
-
-  dispatch_tokens(round, x, T, s);
   mark(round, "fc1", s);
   fc1_forward(gw, s);
   mark(round, "swiglu", s);
@@ -1266,9 +1370,15 @@ void MoeLayer::run_round(int round, const Tensor& x, const Tensor& y, int64_t T,
   sum.dst = b.recv_red;
   mark(round, "fan_in", s);
   backend_.fan_in(sum, s);
+}
+
+void MoeLayer::round_combine(int round, const Tensor& y, int64_t T, const int32_t* accumulate,
+                             Stream s, bool join_side) {
+  Buffers& b = *buf_;
   mark(round, "combine", s);
   if (join_side) backend_.join_side(s);
-  comm_.combine(route(T), win, b.recv_red_sym, y, accumulate, b.fan, nullptr, s);
+  comm_.combine(route(T), RoundWindow{round * capacity_, capacity_}, b.recv_red_sym, y, accumulate,
+                b.fan, nullptr, s);
 }
 
 void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream s) {
@@ -1298,8 +1408,8 @@ void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
   backward_impl(dy, dx, ExpertGrads{}, s);
 }
 
-void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
-                             Stream s) {
+void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                              bool split) {
   const int64_t T = last_tokens_, H = moe_.hidden;
   MOE_ECHO_CHECK(forward_pending_,
                  "backward without a forward before it (each forward takes "
@@ -1307,41 +1417,83 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
   forward_pending_ = false;
+  step_ = Step{};
+  step_.x = last_x_;
+  step_.dy = dy;
+  step_.dx = dx;
+  step_.T = T;
+  step_.into = into;
+  step_.split = split;
   // Expert gradients written elsewhere leave the layer's stale (a later backward() writes them
   // instead of adding to them); the shared experts' stay in the layer and accumulate as usual.
-  const bool overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
-  const bool overwrite_shared = grads_zeroed_;
+  step_.overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
+  step_.overwrite_shared = grads_zeroed_;
   grads_zeroed_ = false;
   expert_grads_stale_ = into.dw1.data != nullptr;
   // Another layer's forward or backward used the echo slots since this layer's forward: pull this
   // layer's clones again.
-  const bool repull = planner_.spare_slots > 0 && ws_->pool_owner_ != this;
+  step_.repull = planner_.spare_slots > 0 && ws_->pool_owner_ != this;
+}
+
+void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                             Stream s) {
+  check_no_split("backward");
+  begin_backward(dy, dx, into, false);
+  const Step& st = step_;
+  auto ops = [&](Stream g) {
+    backward_dispatch_ops(st, g);
+    backward_experts_ops(st, g);
+    backward_combine_ops(st, g);
+  };
   if (eager_graphs())
     backend_.enqueue_as_graph(
         backward_graph_,
-        {address(last_x_.data), address(dy.data), address(dx.data), uint64_t(T),
-         uint64_t(overwrite_grads), uint64_t(overwrite_shared), address(into.dw1.data),
-         address(into.dw2.data), uint64_t(repull)},
-        [&](Stream g) {
-          backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, repull, g);
-        },
-        s);
+        {address(st.x.data), address(dy.data), address(dx.data), uint64_t(st.T),
+         uint64_t(st.overwrite_grads), uint64_t(st.overwrite_shared), address(into.dw1.data),
+         address(into.dw2.data), uint64_t(st.repull)},
+        ops, s);
   else
-    backward_ops(dy, dx, T, overwrite_grads, overwrite_shared, into, repull, s);
+    ops(s);
   ws_->pool_owner_ = this;
 }
 
-void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                            bool overwrite_shared, const ExpertGrads& into, bool repull, Stream s) {
+void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s) {
+  check_no_split("backward_dispatch");
+  begin_backward(dy, dx, ExpertGrads{}, true);
+  ws_->split_owner_ = this;
+  split_phase_ = SplitPhase::backward_dispatched;
+  enqueue_phase(
+      3, [&](Stream g) { backward_dispatch_ops(step_, g); }, s);
+  ws_->pool_owner_ = this;
+}
+
+void MoeLayer::backward_experts(Stream s) {
+  expect_phase(SplitPhase::backward_dispatched, "backward_experts");
+  split_phase_ = SplitPhase::backward_experts_done;
+  enqueue_phase(
+      4, [&](Stream g) { backward_experts_ops(step_, g); }, s);
+}
+
+void MoeLayer::backward_combine(Stream s) {
+  expect_phase(SplitPhase::backward_experts_done, "backward_combine");
+  enqueue_phase(
+      5, [&](Stream g) { backward_combine_ops(step_, g); }, s);
+  split_phase_ = SplitPhase::none;
+  ws_->split_owner_ = nullptr;
+}
+
+// Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
+// round 0 also writes the expert gradients of every slot with rows (zero if none are in round
+// 0), which the spill rounds then add to; a home slot without rows is zeroed (so discard_grad
+// needs no zeroing before), a spare slot without a clone is not read. Otherwise home slots add to
+// what earlier backwards left, and clone slots, which hold this step's gradients only, are zeroed
+// first. The shared experts (they write dx) run first, on the side stream when asked, joined
+// before round 0's combine, which adds into dx; a split backward runs them beside round 0's
+// experts phase.
+void MoeLayer::backward_dispatch_ops(const Step& st, Stream s) {
   Buffers& b = *buf_;
-  // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
-  // round 0 also writes the expert gradients of every slot with rows (zero if none are in round
-  // 0), which the spill rounds then add to; a home slot without rows is zeroed (so discard_grad
-  // needs no zeroing before), a spare slot without a clone is not read. Otherwise home slots add to
-  // what earlier backwards left, and clone slots, which hold this step's gradients only, are zeroed
-  // first.
   const int64_t EPR = moe_.experts / par_.ep_size;
-  if (repull) {
+  if (st.repull) {
     mark("bwd_clone_pull", s);
     pull_clones(s);
     // Precision fp8: the echo slots' e4m3 copies are shared like the slots, so they are made
@@ -1349,32 +1501,46 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     if (fp8_weights(moe_)) quantize_weights(false, true, s);
   }
   mark("bwd_zero_clone_grads", s);
-  if (slots_ > EPR && !overwrite_grads) {
+  if (slots_ > EPR && !st.overwrite_grads) {
     backend_.fill_zero(b.dw1_spare, s);
     backend_.fill_zero(b.dw2_spare, s);
   }
-  // Shared experts first (they write dx), on the side stream when asked: joined before round 0's
-  // combine, which adds into dx.
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
-  if (side)
-    backend_.fork_side([&](Stream ss) { shared_backward(dy, dx, T, overwrite_shared, ss); }, s);
-  else if (shared)
-    shared_backward(dy, dx, T, overwrite_shared, s);
-  for (int r = 0; r < rounds_; ++r) {
-    if (r == 0)
-      run_round_backward(0, dy, dx, T, shared ? b.one.as<int32_t>() : nullptr, overwrite_grads,
-                         into, s, side);
-    else
-      backend_.run_if(
-          b.round_active.as<int32_t>() + r,
-          [&, r](Stream bs) {
-            run_round_backward(r, dy, dx, T, b.round_active.as<int32_t>() + r, false, into, bs);
-          },
-          s);
-  }
+  if (side && !st.split)
+    backend_.fork_side(
+        [&](Stream ss) { shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, ss); }, s);
+  else if (shared && !side)
+    shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, s);
+  round_backward_dispatch(0, st.dy, st.T, s);
+}
+
+void MoeLayer::backward_experts_ops(const Step& st, Stream s) {
+  const bool beside = buf_->shared_w1.data != nullptr && moe_.shared_side_stream && st.split;
+  if (beside)
+    backend_.fork_side(
+        [&](Stream ss) { shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, ss); }, s);
+  round_backward_experts(0, st.overwrite_grads, st.into, s);
+  if (beside) backend_.join_side(s);
+}
+
+void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
+  Buffers& b = *buf_;
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  const int64_t T = st.T;
+  const Tensor& dx = st.dx;
+  round_backward_combine(0, dx, T, shared ? b.one.as<int32_t>() : nullptr, s, side && !st.split);
+  for (int r = 1; r < rounds_; ++r)
+    backend_.run_if(
+        b.round_active.as<int32_t>() + r,
+        [&, r](Stream bs) {
+          round_backward_dispatch(r, st.dy, T, bs);
+          round_backward_experts(r, false, st.into, bs);
+          round_backward_combine(r, dx, T, b.round_active.as<int32_t>() + r, bs, false);
+        },
+        s);
 
   RouterBackwardArgs rb;
-  rb.tensors = router_tensors(b, last_x_, T);
+  rb.tensors = router_tensors(b, st.x, T);
   rb.d_topk_weight = b.d_topk_weight.rows(0, T);
   rb.d_weight = b.d_router_weight;
   rb.dx = dx;
@@ -1385,8 +1551,8 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
   if (planner_.spare_slots > 0) {
     mark("bwd_clone_reduce", s);
     const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
-    void* home1 = into.dw1.data ? into.dw1.data : b.dw1.data;
-    void* home2 = into.dw2.data ? into.dw2.data : b.dw2.data;
+    void* home1 = st.into.dw1.data ? st.into.dw1.data : b.dw1.data;
+    void* home2 = st.into.dw2.data ? st.into.dw2.data : b.dw2.data;
     comm_.reduce_clone_grads(plan, planner_, b.dw1_spare_sym, home1, b.dw1.row_numel(), b.dw1.dtype,
                              s);
     comm_.reduce_clone_grads(plan, planner_, b.dw2_spare_sym, home2, b.dw2.row_numel(), b.dw2.dtype,
@@ -1397,16 +1563,14 @@ void MoeLayer::backward_ops(const Tensor& dy, const Tensor& dx, int64_t T, bool 
     backend_.router_bias_update(b.routing_map, b.router_bias, moe_.bias_update_rate, s);
 }
 
-void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx, int64_t T,
-                                  const int32_t* accumulate, bool overwrite_grads,
-                                  const ExpertGrads& into, Stream s, bool join_side) {
+// Recomputes what the forward did not keep (everything for a spill round: round 0 ran last in
+// the forward; for round 0 what MoeConfig::recompute leaves out), then sends the dy rows to the
+// lead rows and, per member, d_weight = <dy, out> and d_out = w * dy, in place.
+void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
   const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
-
-  // Recompute what the forward did not keep: everything for a spill round (round 0 ran last in
-  // the forward), and for round 0 what MoeConfig::recompute leaves out.
   const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
   if (rc != Recompute::none) mark(round, "bwd_recompute", s);
   if (rc == Recompute::dispatch) dispatch_tokens(round, last_x_, T, s);
@@ -1414,7 +1578,6 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   if (rc == Recompute::dispatch || rc == Recompute::experts)
     expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
-  // dy rows to the lead rows; per member: d_weight = <dy, out> and d_out = w * dy, in place.
   mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
   FanArgs scatter = fan_args(round);
@@ -1424,6 +1587,13 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   scatter.d_weight = b.fan_values;
   mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
+}
+
+void MoeLayer::round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into,
+                                      Stream s) {
+  Buffers& b = *buf_;
+  const GroupWindow gw{RoundWindow{round * capacity_, capacity_}, b.group_offsets.as<int32_t>(),
+                       slots_};
   mark(round, "bwd_dgrad_fc2", s);
   const bool dy_quantized = expert_dgrad(gw, b.recv_out, 2, b.da, s);
   mark(round, "bwd_wgrad_fc2", s);
@@ -1451,9 +1621,15 @@ void MoeLayer::run_round_backward(int round, const Tensor& dy, const Tensor& dx,
   sum.dst = b.recv_red;
   mark(round, "bwd_fan_in", s);
   backend_.fan_in(sum, s);
+}
+
+void MoeLayer::round_backward_combine(int round, const Tensor& dx, int64_t T,
+                                      const int32_t* accumulate, Stream s, bool join_side) {
+  Buffers& b = *buf_;
   mark(round, "bwd_combine", s);
   if (join_side) backend_.join_side(s);
-  comm_.combine(route(T), win, b.recv_red_sym, dx, accumulate, b.fan, b.d_topk_weight.data, s);
+  comm_.combine(route(T), RoundWindow{round * capacity_, capacity_}, b.recv_red_sym, dx, accumulate,
+                b.fan, b.d_topk_weight.data, s);
 }
 
 StepStats MoeLayer::stats() const {

@@ -59,7 +59,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     Tensor dw1_into(nullptr, be->float_dtype(), {EPR, H, 2 * F}),
         dw2_into(nullptr, be->float_dtype(), {EPR, F, H});
     if (c.backward_into) {
-      MOE_ECHO_CHECK(c.passes == 1, "backward_into takes one pass, not " << c.passes);
+      MOE_ECHO_CHECK(c.passes == 1 && !c.split_phases,
+                     "backward_into takes one pass without split phases, not " << c.passes);
       for (Tensor* t : {&dw1_into, &dw2_into}) {
         t->data = be->allocate(t->bytes());
         write_tensor(*be, *t, std::vector<double>(size_t(t->numel()), 1e30));
@@ -68,8 +69,17 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
       layer.backward_into(xt, gt, dxt, {dw1_into, dw2_into});
     }
     for (int pass = 0; pass < c.passes && !c.backward_into; ++pass) {
-      layer.forward(xt, yt);
-      layer.backward(gt, dxt);
+      if (c.split_phases) {
+        layer.forward_dispatch(xt, yt);
+        layer.forward_experts();
+        layer.forward_combine();
+        layer.backward_dispatch(gt, dxt);
+        layer.backward_experts();
+        layer.backward_combine();
+      } else {
+        layer.forward(xt, yt);
+        layer.backward(gt, dxt);
+      }
     }
     out.y[size_t(r)] = read_tensor(*be, yt);
     out.dx[size_t(r)] = read_tensor(*be, dxt);

@@ -22,6 +22,8 @@ struct LayerCase {
   // backward_into tensors of the test's own (poisoned first) instead of the layer's buffers;
   // with one pass only.
   bool backward_into = false;
+  // Each forward and backward as its three split-phase calls (MoeLayer::forward_dispatch ...).
+  bool split_phases = false;
 };
 
 // Parameters of the whole layer (all experts), to override the seeded initial values.

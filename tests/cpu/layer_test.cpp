@@ -553,6 +553,163 @@ TEST(Layer, PhaseObserverSeesEachPhaseOnceInAFixedOrder) {
   }
 }
 
+// The split-phase calls (forward_dispatch, forward_experts, forward_combine and the backward's
+// three) give forward()'s and backward()'s results bit for bit: ECHO with clones, spill rounds,
+// shared experts (on the side stream, with and without spill rounds), every recompute option, two
+// passes after one zero_grad.
+TEST(Layer, SplitPhasesEqualTheWholeForwardAndBackward) {
+  struct Case {
+    const char* name;
+    void (*set)(LayerCase&);
+    bool spill, clones;
+  };
+  const Case cases[] = {
+      {"echo under skew",
+       [](LayerCase& c) {
+         c.echo.enabled = true;
+         c.echo.spare_slots_per_rank = 2;
+         c.echo.max_clones_per_expert = 2;
+         c.echo.capacity_factor = 4.0;
+       },
+       false, true},
+      {"echo and spill rounds",
+       [](LayerCase& c) {
+         c.echo.enabled = true;
+         c.echo.spare_slots_per_rank = 1;
+         c.echo.capacity_factor = 0.3;
+       },
+       true, true},
+      {"shared experts on the side stream",
+       [](LayerCase& c) {
+         c.moe.shared_experts = 2;
+         c.moe.shared_ffn = 3;
+         c.moe.shared_side_stream = true;
+         c.echo.capacity_factor = 4.0;
+       },
+       false, false},
+      {"shared experts on the side stream, spill rounds",
+       [](LayerCase& c) {
+         c.moe.shared_experts = 2;
+         c.moe.shared_ffn = 3;
+         c.moe.shared_side_stream = true;
+         c.echo.capacity_factor = 0.3;
+       },
+       true, false},
+      {"shared experts in line",
+       [](LayerCase& c) {
+         c.moe.shared_experts = 1;
+         c.moe.shared_ffn = 4;
+         c.echo.capacity_factor = 0.3;
+       },
+       true, false},
+      {"recompute dispatch",
+       [](LayerCase& c) {
+         c.moe.recompute = Recompute::dispatch;
+         c.echo.capacity_factor = 0.3;
+       },
+       true, false},
+      {"recompute experts",
+       [](LayerCase& c) {
+         c.moe.recompute = Recompute::experts;
+         c.echo.capacity_factor = 4.0;
+       },
+       false, false},
+      {"recompute moe_act, spill rounds",
+       [](LayerCase& c) { c.moe.recompute = Recompute::moe_act; }, true, false},
+  };
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    LayerCase whole;
+    whole.moe = small_moe(16, 2, 32);
+    whole.ranks = 4;
+    whole.passes = 2;
+    whole.echo.enabled = false;
+    k.set(whole);
+    LayerCase split = whole;
+    split.split_phases = true;
+    const SkewedInput in = skewed(whole, 32, 1.5, 21);
+    const auto g = per_rank(4, 32, 16, 500);
+    const LayerRun a = run_layer(whole, in.x, g, in.params);
+    const LayerRun b = run_layer(split, in.x, g, in.params);
+    int spill = 0, clones = 0;
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(b.y[size_t(r)], a.y[size_t(r)]) << "y, rank " << r;
+      EXPECT_EQ(b.dx[size_t(r)], a.dx[size_t(r)]) << "dx, rank " << r;
+      EXPECT_EQ(b.d_router[size_t(r)], a.d_router[size_t(r)]) << "router gradient, rank " << r;
+      EXPECT_EQ(b.d_shared_w1[size_t(r)], a.d_shared_w1[size_t(r)]) << "shared w1 gradient";
+      EXPECT_EQ(b.d_shared_w2[size_t(r)], a.d_shared_w2[size_t(r)]) << "shared w2 gradient";
+      spill += b.stats[size_t(r)].spill_rounds;
+      clones = std::max(clones, b.stats[size_t(r)].clones);
+    }
+    EXPECT_EQ(b.dw1, a.dw1);
+    EXPECT_EQ(b.dw2, a.dw2);
+    EXPECT_EQ(spill > 0, k.spill) << "spill rounds " << spill;
+    EXPECT_EQ(clones > 0, k.clones) << "clones " << clones;
+  }
+}
+
+template <class F>
+void expect_error(F call, const std::string& what) {
+  try {
+    call();
+    ADD_FAILURE() << "no error; expected one saying: " << what;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
+}
+
+// Split phases out of order, a whole forward or backward in the middle of a split, and another
+// layer of the same workspace between a dispatch and its combine are refused by name; nothing
+// is left half done (the layer runs normally afterwards).
+TEST(Layer, SplitPhasesOutOfOrderAreRefusedByName) {
+  auto be = make_cpu_backend(DType::f32);
+  InProcessWorld world(1);
+  EchoConfig echo;
+  echo.spare_slots_per_rank = 1;
+  MoeStack stack(*be, world.communicator(0), std::vector<MoeConfig>(2, small_moe()),
+                 ParallelConfig{1, 0}, echo);
+  MoeLayer &a = stack.layer(0), &b = stack.layer(1);
+  auto floats = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  std::vector<float> xh = floats(random_values(4 * 16, 3)), dyh = floats(random_values(4 * 16, 4));
+  std::vector<float> ya(4 * 16), yb(4 * 16), dxa(4 * 16), dxb(4 * 16);
+  Tensor x(xh.data(), DType::f32, {4, 16}), dy(dyh.data(), DType::f32, {4, 16});
+  Tensor y_a(ya.data(), DType::f32, {4, 16}), y_b(yb.data(), DType::f32, {4, 16});
+  Tensor dx_a(dxa.data(), DType::f32, {4, 16}), dx_b(dxb.data(), DType::f32, {4, 16});
+  expect_error([&] { a.forward_experts(); },
+               "forward_experts must follow forward_dispatch of this layer; the layer is no "
+               "split forward or backward under way");
+  expect_error([&] { a.backward_dispatch(dy, dx_a); }, "backward without a forward before it");
+  a.forward_dispatch(x, y_a);
+  expect_error([&] { a.forward(x, y_a); },
+               "forward: this layer is between the phases of a split forward (forward_dispatch "
+               "without its forward_combine)");
+  expect_error([&] { b.forward(x, y_b); },
+               "forward: another layer sharing this layer's workspace is between the phases");
+  expect_error([&] { b.forward_dispatch(x, y_b); }, "forward_dispatch: another layer sharing");
+  expect_error([&] { a.forward_combine(); },
+               "forward_combine must follow forward_experts of this layer; the layer is after "
+               "forward_dispatch");
+  expect_error([&] { a.zero_grad(); }, "zero_grad: this layer is between the phases");
+  expect_error([&] { a.optimizer_step(AdamWConfig{}); }, "optimizer_step: this layer is between");
+  a.forward_experts();
+  a.forward_combine();
+  // The same forward as a whole gives the same y; another layer may run in between.
+  std::vector<float> y_whole(4 * 16);
+  b.forward(x, y_b);
+  b.backward(dy, dx_b);
+  a.backward_dispatch(dy, dx_a);
+  expect_error([&] { a.backward_combine(); },
+               "backward_combine must follow backward_experts of this layer; the layer is after "
+               "backward_dispatch");
+  expect_error([&] { b.forward(x, y_b); }, "another layer sharing this layer's workspace");
+  a.backward_experts();
+  a.backward_combine();
+  expect_error([&] { a.backward_dispatch(dy, dx_a); }, "backward without a forward before it");
+  a.forward(x, Tensor(y_whole.data(), DType::f32, {4, 16}));
+  EXPECT_EQ(y_whole, ya);
+  a.backward(dy, dx_a);
+}
+
 TEST(Layer, MemoryEstimateMatchesWhatIsAllocated) {
   for (bool optimizer : {false, true}) {
     for (bool echo : {false, true}) {

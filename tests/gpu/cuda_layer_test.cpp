@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <future>
 #include <random>
 #include <sstream>
@@ -451,6 +452,27 @@ TEST(CudaLayerTiming, Qwen3SizedStepInOneGraph) {
 // without waiting on the host: while a host function that waits for a flag holds the stream, both
 // calls return (the flag is set only after they did, or after 20 s); the results then equal, bit
 // for bit, the same step run with nothing holding the stream.
+// Holds `stream` with a host function, runs `enqueue` on another thread and says whether it
+// returned while the stream was still held (it waited on the device otherwise); then releases it.
+bool returns_while_held(cudaStream_t stream, const std::function<void()>& enqueue) {
+  std::atomic<bool> release{false};
+  auto hold = [](void* flag) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!static_cast<std::atomic<bool>*>(flag)->load() &&
+           std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  };
+  if (cudaLaunchHostFunc(stream, hold, &release) != cudaSuccess) {
+    ADD_FAILURE() << "cudaLaunchHostFunc failed";
+    return false;
+  }
+  auto done = std::async(std::launch::async, enqueue);
+  const bool returned = done.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  release = true;
+  done.get();
+  return returned;
+}
+
 TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   MoeConfig m;
@@ -486,19 +508,8 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
 
   poison(y);
   poison(dx);
-  std::atomic<bool> release{false};
-  auto hold = [](void* flag) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!static_cast<std::atomic<bool>*>(flag)->load() &&
-           std::chrono::steady_clock::now() < deadline)
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  };
-  ASSERT_EQ(cudaLaunchHostFunc(stream, hold, &release), cudaSuccess);
-  auto done = std::async(std::launch::async, step);
-  const bool returned = done.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
-  release = true;
-  done.get();
-  EXPECT_TRUE(returned) << "forward or backward waited for the held stream (a host sync)";
+  EXPECT_TRUE(returns_while_held(stream, step))
+      << "forward or backward waited for the held stream (a host sync)";
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   EXPECT_EQ(y.read(), y_ref);
   EXPECT_EQ(dx.read(), dx_ref);
@@ -526,6 +537,74 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   EXPECT_EQ(other.dx.read(), dx_cached);
   EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_cached);
   cudaStreamDestroy(stream);
+}
+
+// The split-phase calls on the GPU (a graph per phase): the whole step's bits, with a spill round,
+// with the shared experts on the side stream (forked and joined inside the experts phase), and in
+// fp8; enqueued while the stream is held (no phase waits on the host), then again from the cached
+// graphs.
+TEST(CudaLayerEager, SplitPhasesEqualTheWholeStepAndNeverWaitOnHost) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  for (int variant = 0; variant < 3; ++variant) {
+    MoeConfig m;
+    m.hidden = 128;
+    m.ffn = 128;
+    m.experts = 8;
+    m.top_k = 2;
+    m.max_tokens = 128;
+    m.aux_loss_coeff = 0.01;
+    EchoConfig echo;
+    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    const char* name = "spill round";
+    if (variant == 1) {
+      name = "shared experts on the side stream";
+      m.shared_experts = 1;
+      m.shared_ffn = 64;
+      m.shared_side_stream = true;
+      echo.capacity_factor = 1.0;
+    } else if (variant == 2) {
+      name = "fp8, spill round";
+      m.precision = Precision::fp8;
+    }
+    SCOPED_TRACE(name);
+    GpuLayer gl(m, echo, 9);
+    gl.set(rounded_params(m, 41));
+    const int64_t T = m.max_tokens, H = m.hidden;
+    StepTensors tensors(*gl.be, T, H, 51, 1.0);
+    OwnedTensor &x = tensors.x, &y = tensors.y, &dy = tensors.dy, &dx = tensors.dx;
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    const Stream s = stream;
+    poison(y);
+    poison(dx);
+    gl.layer.zero_grad(s);
+    gl.layer.forward(*x, *y, s);
+    gl.layer.backward(*dy, *dx, s);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(gl.layer.stats().spill_rounds, variant == 1 ? 0 : 1);
+    const auto y_ref = y.read(), dx_ref = dx.read();
+    const auto dw1_ref = read_tensor(*gl.be, gl.layer.grad(Param::w1));
+    auto split_step = [&] {
+      gl.layer.zero_grad(s);
+      gl.layer.forward_dispatch(*x, *y, s);
+      gl.layer.forward_experts(s);
+      gl.layer.forward_combine(s);
+      gl.layer.backward_dispatch(*dy, *dx, s);
+      gl.layer.backward_experts(s);
+      gl.layer.backward_combine(s);
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      poison(y);
+      poison(dx);
+      EXPECT_TRUE(returns_while_held(stream, split_step))
+          << "a split phase waited for the held stream (a host sync)";
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(y.read(), y_ref) << "pass " << pass;
+      EXPECT_EQ(dx.read(), dx_ref) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref) << "pass " << pass;
+    }
+    cudaStreamDestroy(stream);
+  }
 }
 
 }  // namespace

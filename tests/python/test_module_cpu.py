@@ -497,3 +497,33 @@ def test_fp8_gemms_choose_which_gemms_are_quantized():
         make(precision="bf16", fp8_gemms="wgrad")
     with pytest.raises(TypeError, match="fp8_gemms"):
         make(precision="fp8", fp8_gemms=3)
+
+
+def test_split_phases_equal_the_whole_forward_and_backward():
+    """The C++ layer's split-phase calls (forward_dispatch/experts/combine and the backward's
+    three) give forward()'s and backward()'s bits, spill rounds included, and refuse a phase out
+    of order with a RuntimeError naming the call it must follow."""
+    m = make(capacity_factor=0.3)
+    x = torch.randn(24, m.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(24, m.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    m(x)  # builds the layer
+    layer = m._handle.layer
+    y_whole, dx_whole = torch.empty_like(x), torch.empty_like(x)
+    layer.forward(x.data_ptr(), y_whole.data_ptr(), 24, 0)
+    layer.backward(x.data_ptr(), dy.data_ptr(), dx_whole.data_ptr(), 24, 0)
+    assert m.stats(as_numbers=True)["overflow_rows"] > 0  # 48 rows, capacity 38: a spill round
+    y, dx = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    with pytest.raises(RuntimeError, match="forward_experts must follow forward_dispatch"):
+        layer.forward_experts(0)
+    layer.forward_dispatch(x.data_ptr(), y.data_ptr(), 24, 0)
+    with pytest.raises(RuntimeError, match="forward: this layer is between the phases"):
+        layer.forward(x.data_ptr(), y.data_ptr(), 24, 0)
+    layer.forward_experts(0)
+    layer.forward_combine(0)
+    layer.backward_dispatch(dy.data_ptr(), dx.data_ptr(), 24, 0)
+    with pytest.raises(RuntimeError, match="backward_combine must follow backward_experts"):
+        layer.backward_combine(0)
+    layer.backward_experts(0)
+    layer.backward_combine(0)
+    assert torch.equal(y, y_whole)
+    assert torch.equal(dx, dx_whole)
