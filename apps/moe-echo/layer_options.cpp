@@ -84,6 +84,11 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   add_option(cmd, "--recompute", o.recompute,
              "What each layer keeps for its backward: none (default), moe_act (redo SwiGLU), "
              "experts (redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)");
+  add_option(cmd, "--overlap", o.overlap,
+             "What the backward runs beside its communication: none (default) or wgrad (fc1's "
+             "weight-gradient GEMM on a second stream beside the combine)");
+  add_option(cmd, "--overlap-sms", o.overlap_sms,
+             "With --overlap wgrad, the SMs that GEMM leaves to communication (default 16)");
   add_option(cmd, "--precision", o.precision,
              "The routed experts' GEMMs: bf16 (default) or fp8 (e4m3 with blockwise scales; "
              "hidden and ffn multiples of 16)");
@@ -127,6 +132,8 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.moe.z_loss_coeff = o.z_loss_coeff;
   r.moe.bias_update = o.bias_update;
   r.moe.recompute = parse_recompute(o.recompute, "recompute");
+  r.moe.overlap = parse_overlap(o.overlap, "overlap");
+  r.moe.overlap_sms = o.overlap_sms;
   r.moe.precision = parse_precision(o.precision, "precision");
   r.moe.fp8_gemms = parse_fp8_gemms(o.fp8_gemms, "fp8-gemms");
   if (r.moe.precision != Precision::fp8 && o.fp8_gemms != "all")

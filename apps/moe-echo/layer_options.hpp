@@ -33,6 +33,8 @@ struct LayerOptions {
   std::string recompute = "none";
   std::string precision = "bf16";
   std::string fp8_gemms = "all";
+  std::string overlap = "none";
+  int overlap_sms = 16;
 };
 
 struct ResolvedLayer {

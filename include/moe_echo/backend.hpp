@@ -285,6 +285,9 @@ struct Reservation {
   int hidden = 0, ffn = 0, experts = 0, top_k = 0, ranks = 1;
   PlannerConfig planner;  // the plans this layer will ask for (spare slots, clone limit)
   bool fp8 = false;       // the layer runs the FP8 grouped GEMMs (MoeConfig::precision)
+  // MoeConfig::overlap wgrad: grouped GEMMs of max_groups for the side stream that run on all SMs
+  // but overlap_sms (-1: none).
+  int overlap_sms = -1;
 };
 
 // What Backend::enqueue_as_graph keeps between calls of one call site (an instantiated graph).
@@ -372,9 +375,11 @@ class Backend {
   }
   // Enqueues `body` on the backend's side stream, after the work enqueued on `s` so far, and
   // returns; join_side(s) makes the work enqueued on `s` after it wait for all of body's. Only the
-  // grouped GEMMs and SwiGLU may run in body (the CUDA backend gives the side stream a grouped
-  // GEMM of its own; the other ops share a scratch arena). One fork at a time, each joined before
-  // the next. Capture-safe (the side stream joins the capture). The CPU backend runs body on `s`.
+  // grouped GEMMs, the FP8 column quantization and SwiGLU may run in body (the CUDA backend gives
+  // the side stream grouped GEMMs of its own: one group, and, after a reservation with
+  // overlap_sms, more groups on all SMs but those; the other ops share a scratch arena). One fork
+  // at a time, each joined before the next. Capture-safe (the side stream joins the capture). The
+  // CPU backend runs body on `s`.
   virtual void fork_side(const std::function<void(Stream)>& body, Stream s) { body(s); }
   virtual void join_side(Stream s) {}
 };

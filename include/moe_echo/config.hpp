@@ -43,6 +43,16 @@ const char* to_string(Recompute r);
 // Parses "none", "moe_act", "experts" or "dispatch"; throws ConfigError naming `field` otherwise.
 Recompute parse_recompute(const std::string& s, const char* field = "recompute");
 
+// What a layer's backward runs beside its communication (MoeConfig::overlap).
+enum class Overlap {
+  none,   // every op in turn on the caller's stream
+  wgrad,  // round 0's fc1 weight-gradient GEMM on a second stream (Backend::fork_side) beside
+          // round 0's combine and the router's backward, on all SMs but overlap_sms
+};
+const char* to_string(Overlap o);
+// Parses "none" or "wgrad"; throws ConfigError naming `field` otherwise.
+Overlap parse_overlap(const std::string& s, const char* field = "overlap");
+
 // The number format of the routed experts' GEMMs (the router stays fp32, the shared experts and
 // every activation between the GEMMs stay in the activation dtype, gradients and master weights
 // in the float dtype).
@@ -114,6 +124,11 @@ struct MoeConfig {
   bool shared_side_stream = false;
   // What the forward keeps for the backward (see Recompute).
   Recompute recompute = Recompute::none;
+  // What the backward runs beside its communication (see Overlap), and with Overlap::wgrad the
+  // SMs the weight-gradient GEMM leaves to the communication kernels (CUDA backend; less than the
+  // GPU's SM count).
+  Overlap overlap = Overlap::none;
+  int overlap_sms = 16;
   // Float master copies of the expert and shared-expert weights (with optimizer state): AdamW
   // updates the masters and writes the weights the GEMMs read (bf16 on CUDA) as their rounding,
   // so updates below a bf16 ulp are not lost. The router weight is float already.

@@ -305,7 +305,9 @@ class MoeLayer {
   void round_combine(int round, const Tensor& y, int64_t T, const int32_t* accumulate, Stream s,
                      bool join_side);
   void round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s);
-  void round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into, Stream s);
+  void round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into, Stream s,
+                              bool delay_wgrad1 = false);
+  void round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& into, Stream s);
   void round_backward_combine(int round, const Tensor& dx, int64_t T, const int32_t* accumulate,
                               Stream s, bool join_side);
   // A forward or backward's arguments, kept from its first phase to the next ones.
@@ -395,6 +397,7 @@ class MoeLayer {
   std::unique_ptr<GraphCache> phase_graphs_[6];  // the split phases, in call order
   Step step_;
   SplitPhase split_phase_ = SplitPhase::none;
+  bool dh_quantized_ = false;  // the last dgrad of fc1 quantized dh's columns too (fp8)
   int64_t last_tokens_ = 0;
   Tensor last_x_;
   std::unique_ptr<Buffers> buf_;

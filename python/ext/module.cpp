@@ -295,7 +295,7 @@ NB_MODULE(_ext, m) {
              const std::string& group_score, double routed_scaling_factor,
              double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
              int shared_experts, int shared_ffn, const std::string& precision,
-             const std::string& fp8_gemms) {
+             const std::string& fp8_gemms, const std::string& overlap, int overlap_sms) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -319,6 +319,8 @@ NB_MODULE(_ext, m) {
             moe.shared_ffn = shared_ffn;
             moe.precision = parse_precision(precision);
             moe.fp8_gemms = parse_fp8_gemms(fp8_gemms);
+            moe.overlap = parse_overlap(overlap);
+            moe.overlap_sms = overlap_sms;
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -334,7 +336,8 @@ NB_MODULE(_ext, m) {
           "transport"_a = "host", "expert_groups"_a = 1, "topk_groups"_a = 1,
           "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
           "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
-          "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16", "fp8_gemms"_a = "all")
+          "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16", "fp8_gemms"_a = "all",
+          "overlap"_a = "none", "overlap_sms"_a = 16)
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,

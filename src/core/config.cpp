@@ -57,6 +57,14 @@ Recompute parse_recompute(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "none, moe_act, experts or dispatch");
 }
 
+const char* to_string(Overlap o) { return o == Overlap::wgrad ? "wgrad" : "none"; }
+
+Overlap parse_overlap(const std::string& s, const char* field) {
+  for (Overlap o : {Overlap::none, Overlap::wgrad})
+    if (s == to_string(o)) return o;
+  reject(field, "'" + s + "'", "none or wgrad");
+}
+
 const char* to_string(Precision p) { return p == Precision::fp8 ? "fp8" : "bf16"; }
 
 Precision parse_precision(const std::string& s, const char* field) {
@@ -156,6 +164,16 @@ void validate(const MoeConfig& m) {
   if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
   if (int(m.recompute) < 0 || int(m.recompute) > int(Recompute::dispatch))
     reject("recompute", int(m.recompute), "none, moe_act, experts or dispatch");
+  if (int(m.overlap) < 0 || int(m.overlap) > int(Overlap::wgrad))
+    reject("overlap", int(m.overlap), "none or wgrad");
+  if (m.overlap_sms < 0 || m.overlap_sms > 1024)
+    reject("overlap_sms", m.overlap_sms, "0 <= overlap_sms <= 1024 (and below the GPU's SMs)");
+  if (m.overlap == Overlap::wgrad && uses_fp8(m, fp8_gemm::fprop1) &&
+      !uses_fp8(m, fp8_gemm::wgrad1))
+    reject("overlap", "wgrad",
+           "none when fc1's forward is FP8 and its weight gradient is not (fp8_gemms with fprop1 "
+           "and without wgrad1: that weight gradient reads the received rows' values from the "
+           "buffer the combine sends)");
   if (int(m.precision) < 0 || int(m.precision) > int(Precision::fp8))
     reject("precision", int(m.precision), "bf16 or fp8");
   if (m.fp8_gemms == 0 || (m.fp8_gemms & ~fp8_gemm::all) != 0)

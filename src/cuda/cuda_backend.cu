@@ -48,12 +48,15 @@ class CudaBackend final : public Backend {
   CudaBackend() { MOE_ECHO_CUDA_CHECK(cudaGetDevice(&device_)); }
   ~CudaBackend() override {
     (void)cudaDeviceSynchronize();
+    destroy_retired();
     gemm_.reset();
     retired_gemms_.clear();
     fp8_gemm_.reset();
     retired_fp8_gemms_.clear();
     for (void* p : arenas_) (void)cudaFree(p);
     side_gemm_.reset();
+    overlap_gemm_.reset();
+    overlap_fp8_gemm_.reset();
     if (side_stream_) (void)cudaStreamDestroy(side_stream_);
     if (fork_event_) (void)cudaEventDestroy(fork_event_);
     if (join_event_) (void)cudaEventDestroy(join_event_);
@@ -85,8 +88,12 @@ class CudaBackend final : public Backend {
     if (!bytes) return;
     MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
     MOE_ECHO_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+    destroy_retired();
   }
-  void synchronize() override { MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize()); }
+  void synchronize() override {
+    MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+    destroy_retired();
+  }
 
   // Build time: the grouped GEMM for the largest group count seen, and a scratch arena for the
   // largest router/layout/planner/fan needs of the reserved layers' planner configs.
@@ -96,6 +103,26 @@ class CudaBackend final : public Backend {
       gemm_ = std::make_unique<GroupedGemm>(r.max_groups);
     }
     if (r.fp8) fp8_gemm(r.max_groups, nullptr);  // built now, before any capture
+    if (r.overlap_sms >= 0) {  // the side stream's GEMMs of many groups, on fewer SMs
+      int sms = 0;
+      MOE_ECHO_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+      MOE_ECHO_CHECK(r.overlap_sms < sms, "overlap_sms = " << r.overlap_sms
+                                                           << " leaves no SM to the GEMMs: "
+                                                              "allowed 0 to "
+                                                           << sms - 1 << " on this GPU");
+      const int gemm_sms = sms - r.overlap_sms;
+      if (!overlap_gemm_ || overlap_gemm_->max_groups() < r.max_groups ||
+          overlap_gemm_sms_ != gemm_sms) {
+        if (overlap_gemm_) retired_gemms_.push_back(std::move(overlap_gemm_));
+        overlap_gemm_ = std::make_unique<GroupedGemm>(r.max_groups, gemm_sms);
+      }
+      if (r.fp8 && (!overlap_fp8_gemm_ || overlap_fp8_gemm_->max_groups() < r.max_groups ||
+                    overlap_gemm_sms_ != gemm_sms)) {
+        if (overlap_fp8_gemm_) retired_fp8_gemms_.push_back(std::move(overlap_fp8_gemm_));
+        overlap_fp8_gemm_ = std::make_unique<GroupedGemmFp8>(r.max_groups, gemm_sms);
+      }
+      overlap_gemm_sms_ = gemm_sms;
+    }
     const PlannerConfig& cfg = r.planner;
     const int64_t entries = r.max_tokens * r.top_k;
     size_t need = router_scratch_bytes(r.max_tokens, r.experts, r.hidden);
@@ -311,7 +338,7 @@ class CudaBackend final : public Backend {
       cudaGraphExecUpdateResultInfo info{};
       if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
         (void)cudaGetLastError();
-        (void)cudaGraphExecDestroy(exec);
+        retire(exec);
         exec = nullptr;
       }
     }
@@ -329,10 +356,30 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // An executable graph replaced by one of another topology. Destroying it at once can wait for
+  // the device (seen with FP8 steps whose graphs hold conditional nodes), which would put a host
+  // sync into the step that re-captures: it is destroyed once the device is known idle
+  // (synchronize(), copy_to_host(), the backend's end), or when more than kMaxRetired wait.
+  void retire(cudaGraphExec_t exec) {
+    static constexpr size_t kMaxRetired = 64;
+    if (retired_execs_.size() >= kMaxRetired) {
+      (void)cudaGraphExecDestroy(retired_execs_.front());
+      retired_execs_.erase(retired_execs_.begin());
+    }
+    retired_execs_.push_back(exec);
+  }
+  void destroy_retired() {  // the device is idle
+    for (cudaGraphExec_t e : retired_execs_) (void)cudaGraphExecDestroy(e);
+    retired_execs_.clear();
+  }
+
   GroupedGemm& gemm(int groups, Stream s) {
     if (s != nullptr && as_cuda(s) == side_stream_) {
-      MOE_ECHO_CHECK(groups == 1, "the side stream's grouped GEMM takes one group, got " << groups);
-      return *side_gemm_;
+      if (groups == 1) return *side_gemm_;
+      MOE_ECHO_CHECK(overlap_gemm_ && overlap_gemm_->max_groups() >= groups,
+                     "the side stream's grouped GEMM of "
+                         << groups << " groups was not reserved (a layer with overlap wgrad)");
+      return *overlap_gemm_;
     }
     if (!gemm_ || gemm_->max_groups() < groups) {
       MOE_ECHO_CHECK(!is_capturing(as_cuda(s)), "grouped GEMM for "
@@ -348,6 +395,12 @@ class CudaBackend final : public Backend {
   // The FP8 grouped GEMMs, built on first use with at least the reserved groups (their kernels
   // are built outside a capture, as the bf16 ones).
   GroupedGemmFp8& fp8_gemm(int groups, Stream s) {
+    if (s != nullptr && as_cuda(s) == side_stream_) {
+      MOE_ECHO_CHECK(overlap_fp8_gemm_ && overlap_fp8_gemm_->max_groups() >= groups,
+                     "the side stream's FP8 grouped GEMM of "
+                         << groups << " groups was not reserved (a layer with overlap wgrad)");
+      return *overlap_fp8_gemm_;
+    }
     const int want = std::max(groups, gemm_ ? gemm_->max_groups() : 1);
     if (!fp8_gemm_ || fp8_gemm_->max_groups() < groups) {
       MOE_ECHO_CHECK(!is_capturing(as_cuda(s)),
@@ -396,6 +449,11 @@ class CudaBackend final : public Backend {
   cudaStream_t side_stream_ = nullptr;  // fork_side's, with its events and its own GEMM
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   std::unique_ptr<GroupedGemm> side_gemm_;
+  std::vector<cudaGraphExec_t> retired_execs_;  // see retire()
+  // The side stream's GEMMs of many groups (MoeConfig::overlap wgrad) on overlap_gemm_sms_ SMs.
+  std::unique_ptr<GroupedGemm> overlap_gemm_;
+  std::unique_ptr<GroupedGemmFp8> overlap_fp8_gemm_;
+  int overlap_gemm_sms_ = 0;
   std::unique_ptr<GroupedGemmFp8> fp8_gemm_;
   std::vector<std::unique_ptr<GroupedGemmFp8>> retired_fp8_gemms_;
   void* arena_ = nullptr;

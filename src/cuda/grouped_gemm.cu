@@ -100,6 +100,12 @@ int device_sm_count() {
   return sms;
 }
 
+int bounded_sm_count(int sms) {
+  MOE_ECHO_CHECK(sms >= 0, "grouped GEMM: sm_count " << sms << " must be >= 0 (0: all SMs)");
+  const int all = device_sm_count();
+  return sms == 0 ? all : std::min(sms, all);
+}
+
 namespace {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -306,9 +312,9 @@ struct GroupedGemm::Impl {
     std::unique_ptr<gemm_detail::KernelRunner> alt[2];     // fprop beta 1, wgrad beta 0
   };
 
-  explicit Impl(int groups)
+  Impl(int groups, int sms)
       : max_groups(groups),
-        sm_count(gemm_detail::device_sm_count()),
+        sm_count(gemm_detail::bounded_sm_count(sms)),
         fprop(GemmOp::fprop, groups, sm_count),
         dgrad(GemmOp::dgrad, groups, sm_count),
         wgrad(GemmOp::wgrad, groups, sm_count) {}
@@ -325,9 +331,9 @@ struct GroupedGemm::Impl {
   Op fprop, dgrad, wgrad;
 };
 
-GroupedGemm::GroupedGemm(int max_groups) {
+GroupedGemm::GroupedGemm(int max_groups, int sm_count) {
   MOE_ECHO_CHECK(max_groups >= 1, "GroupedGemm: max_groups " << max_groups << " must be >= 1");
-  impl_ = std::make_unique<Impl>(max_groups);
+  impl_ = std::make_unique<Impl>(max_groups, sm_count);
 }
 
 GroupedGemm::~GroupedGemm() = default;

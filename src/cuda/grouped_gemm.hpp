@@ -26,7 +26,8 @@ namespace moe_echo::cuda {
 class GroupedGemm {
  public:
   // Build time: allocates the prep arrays and CUTLASS workspaces for up to max_groups groups.
-  explicit GroupedGemm(int max_groups);
+  // The kernels' persistent grids use sm_count SMs (0: all of the GPU's; at most all).
+  explicit GroupedGemm(int max_groups, int sm_count = 0);
   ~GroupedGemm();
   GroupedGemm(const GroupedGemm&) = delete;
   GroupedGemm& operator=(const GroupedGemm&) = delete;

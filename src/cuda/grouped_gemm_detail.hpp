@@ -114,6 +114,8 @@ inline bool raster_along_n(int64_t m, int64_t n, int tile_m, int tile_n) {
 int raster_index(GemmOp op, const GroupWindow& w, int64_t k, int64_t n, const KernelRunner& r);
 // SMs of the current device.
 int device_sm_count();
+// `sms` bounded by the device's SM count; 0: all of them.
+int bounded_sm_count(int sms);
 
 // Extents of one call, after checking the tensors against the op (dtypes, shapes, alignment).
 struct GemmDims {

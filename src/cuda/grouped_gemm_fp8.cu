@@ -217,9 +217,9 @@ struct GroupedGemmFp8::Impl {
     std::unique_ptr<KernelRunner> alt[2];     // wgrad writing (beta 0)
   };
 
-  explicit Impl(int groups)
+  Impl(int groups, int sms)
       : max_groups(groups),
-        sm_count(gemm_detail::device_sm_count()),
+        sm_count(gemm_detail::bounded_sm_count(sms)),
         fprop(GemmOp::fprop, groups, sm_count),
         dgrad(GemmOp::dgrad, groups, sm_count),
         wgrad(GemmOp::wgrad, groups, sm_count) {}
@@ -253,9 +253,9 @@ struct GroupedGemmFp8::Impl {
   Op fprop, dgrad, wgrad;
 };
 
-GroupedGemmFp8::GroupedGemmFp8(int max_groups) {
+GroupedGemmFp8::GroupedGemmFp8(int max_groups, int sm_count) {
   MOE_ECHO_CHECK(max_groups >= 1, "GroupedGemmFp8: max_groups " << max_groups << " must be >= 1");
-  impl_ = std::make_unique<Impl>(max_groups);
+  impl_ = std::make_unique<Impl>(max_groups, sm_count);
 }
 
 GroupedGemmFp8::~GroupedGemmFp8() = default;

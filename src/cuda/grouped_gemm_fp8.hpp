@@ -23,7 +23,7 @@ namespace moe_echo::cuda {
 
 class GroupedGemmFp8 {
  public:
-  explicit GroupedGemmFp8(int max_groups);
+  explicit GroupedGemmFp8(int max_groups, int sm_count = 0);  // sm_count as GroupedGemm's
   ~GroupedGemmFp8();
   GroupedGemmFp8(const GroupedGemmFp8&) = delete;
   GroupedGemmFp8& operator=(const GroupedGemmFp8&) = delete;

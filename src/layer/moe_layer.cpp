@@ -617,6 +617,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   reservation.ranks = par.ep_size;
   reservation.planner = planner_;
   reservation.fp8 = moe.precision == Precision::fp8;
+  reservation.overlap_sms = moe.overlap == Overlap::wgrad ? moe.overlap_sms : -1;
   backend.reserve(reservation);
 
   buf_ = std::make_unique<Buffers>();
@@ -1519,7 +1520,7 @@ void MoeLayer::backward_experts_ops(const Step& st, Stream s) {
   if (beside)
     backend_.fork_side(
         [&](Stream ss) { shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, ss); }, s);
-  round_backward_experts(0, st.overwrite_grads, st.into, s);
+  round_backward_experts(0, st.overwrite_grads, st.into, s, moe_.overlap == Overlap::wgrad);
   if (beside) backend_.join_side(s);
 }
 
@@ -1528,7 +1529,16 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
   const int64_t T = st.T;
   const Tensor& dx = st.dx;
-  round_backward_combine(0, dx, T, shared ? b.one.as<int32_t>() : nullptr, s, side && !st.split);
+  // Overlap::wgrad: round 0's fc1 weight gradient on the side stream beside round 0's combine
+  // (and, without spill rounds, the router's backward), joined before the spill rounds, which
+  // reuse its operands, or before the clone gradients go home. The shared experts' backward, on
+  // the side stream too, is joined first (one fork at a time).
+  const bool overlap = moe_.overlap == Overlap::wgrad;
+  if (side && !st.split) backend_.join_side(s);
+  if (overlap)
+    backend_.fork_side([&](Stream ss) { round_wgrad1(0, st.overwrite_grads, st.into, ss); }, s);
+  round_backward_combine(0, dx, T, shared ? b.one.as<int32_t>() : nullptr, s, false);
+  if (overlap && rounds_ > 1) backend_.join_side(s);
   for (int r = 1; r < rounds_; ++r)
     backend_.run_if(
         b.round_active.as<int32_t>() + r,
@@ -1547,6 +1557,7 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
   rb.config = router_config(moe_);
   mark("bwd_router", s);
   backend_.router_backward(rb, s);
+  if (overlap && rounds_ == 1) backend_.join_side(s);
 
   if (planner_.spare_slots > 0) {
     mark("bwd_clone_reduce", s);
@@ -1589,8 +1600,29 @@ void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, S
   backend_.fan_out(scatter, s);
 }
 
+// fc1's weight gradient from the received rows and dh (quantized with dh's rows when both of
+// fc1's backward GEMMs are FP8: dh_quantized_, from the round's dgrad).
+void MoeLayer::round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& into, Stream s) {
+  Buffers& b = *buf_;
+  const GroupWindow gw{RoundWindow{round * capacity_, capacity_}, b.group_offsets.as<int32_t>(),
+                       slots_};
+  mark(round, "bwd_wgrad_fc1", s);
+  const Tensor& dw1 = into.dw1.data ? into.dw1 : b.dw1;
+  if (fp8_dispatch(moe_) && uses_fp8(moe_, fp8_gemm::wgrad1)) {
+    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs, dh_quantized_);
+  } else if (fp8_dispatch(moe_)) {
+    // A weight gradient in the activation dtype from rows received in e4m3: their values into
+    // recv_red (free between the scatter of dy and the fan-in; MoeConfig refuses Overlap::wgrad
+    // here, which would run it beside the combine that sends recv_red).
+    backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs, {}, gw}, s);
+    expert_wgrad(gw, b.recv_red, b.dh, 1, dw1, overwrite_grads, s);
+  } else {
+    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s, Tensor(), dh_quantized_);
+  }
+}
+
 void MoeLayer::round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into,
-                                      Stream s) {
+                                      Stream s, bool delay_wgrad1) {
   Buffers& b = *buf_;
   const GroupWindow gw{RoundWindow{round * capacity_, capacity_}, b.group_offsets.as<int32_t>(),
                        slots_};
@@ -1602,19 +1634,9 @@ void MoeLayer::round_backward_experts(int round, bool overwrite_grads, const Exp
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  const bool dh_quantized = expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
-  mark(round, "bwd_wgrad_fc1", s);
-  const Tensor& dw1 = into.dw1.data ? into.dw1 : b.dw1;
-  if (fp8_dispatch(moe_) && uses_fp8(moe_, fp8_gemm::wgrad1)) {
-    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs, dh_quantized);
-  } else if (fp8_dispatch(moe_)) {
-    // A weight gradient in the activation dtype from rows received in e4m3: their values into
-    // recv_red (free between the scatter of dy and the fan-in).
-    backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs, {}, gw}, s);
-    expert_wgrad(gw, b.recv_red, b.dh, 1, dw1, overwrite_grads, s);
-  } else {
-    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s, Tensor(), dh_quantized);
-  }
+  dh_quantized_ = expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
+  // With Overlap::wgrad, round 0's fc1 weight gradient runs later, beside its combine.
+  if (!delay_wgrad1) round_wgrad1(round, overwrite_grads, into, s);
   FanArgs sum = fan_args(round);
   sum.weights = Tensor();
   sum.src = b.recv_out;

@@ -82,6 +82,21 @@ TEST(Config, RoutingRules) {
   expect_rejected(with([](MoeConfig& m) { m.shared_ffn = -4; }), "shared_ffn", "-4");
   expect_rejected(with([](MoeConfig& m) { m.shared_side_stream = true; }), "shared_side_stream",
                   "true");
+  expect_rejected(with([](MoeConfig& m) { m.overlap_sms = -1; }), "overlap_sms", "-1");
+  expect_rejected(with([](MoeConfig& m) { m.overlap_sms = 5000; }), "overlap_sms", "5000");
+  expect_rejected(with([](MoeConfig& m) { m.overlap = Overlap(7); }), "overlap", "7");
+  // fc1's weight gradient unquantized after an FP8 dispatch reads recv_red, which the combine
+  // sends: not beside it.
+  expect_rejected(with([](MoeConfig& m) {
+                    m.overlap = Overlap::wgrad;
+                    m.precision = Precision::fp8;
+                    m.hidden = m.ffn = 32;
+                    m.fp8_gemms = fp8_gemm::fprop1;
+                  }),
+                  "overlap", "wgrad");
+  EXPECT_EQ(parse_overlap("wgrad"), Overlap::wgrad);
+  EXPECT_EQ(parse_overlap("none"), Overlap::none);
+  EXPECT_THROW(parse_overlap("chunks"), ConfigError);
   EXPECT_EQ(parse_group_score("max"), GroupScore::max);
   EXPECT_EQ(parse_group_score("top2_sum"), GroupScore::top2_sum);
   expect_rejected([] { parse_group_score("sum"); }, "group_score", "'sum'");

@@ -648,6 +648,45 @@ TEST(Layer, SplitPhasesEqualTheWholeForwardAndBackward) {
   }
 }
 
+// Overlap::wgrad (round 0's fc1 weight gradient beside the combine, on the backend's side stream)
+// gives the same bits as none, whole and split, with spill rounds, clones, shared experts on the
+// side stream and a recompute option.
+TEST(Layer, OverlapWgradGivesTheSameBits) {
+  for (int variant = 0; variant < 4; ++variant) {
+    LayerCase none;
+    none.moe = small_moe(16, 2, 32);
+    none.ranks = 4;
+    none.passes = 2;
+    none.echo.enabled = variant != 1;
+    none.echo.spare_slots_per_rank = 2;
+    none.echo.capacity_factor = variant == 0 ? 4.0 : 0.3;
+    if (variant == 2) {
+      none.moe.shared_experts = 2;
+      none.moe.shared_ffn = 3;
+      none.moe.shared_side_stream = true;
+    }
+    if (variant == 3) none.moe.recompute = Recompute::experts;
+    const SkewedInput in = skewed(none, 32, 1.5, 23);
+    const auto g = per_rank(4, 32, 16, 600);
+    const LayerRun a = run_layer(none, in.x, g, in.params);
+    for (bool split : {false, true}) {
+      SCOPED_TRACE("variant " + std::to_string(variant) + (split ? ", split" : ""));
+      LayerCase over = none;
+      over.moe.overlap = Overlap::wgrad;
+      over.split_phases = split;
+      const LayerRun b = run_layer(over, in.x, g, in.params);
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(b.y[size_t(r)], a.y[size_t(r)]);
+        EXPECT_EQ(b.dx[size_t(r)], a.dx[size_t(r)]);
+        EXPECT_EQ(b.d_router[size_t(r)], a.d_router[size_t(r)]);
+        EXPECT_EQ(b.d_shared_w1[size_t(r)], a.d_shared_w1[size_t(r)]);
+      }
+      EXPECT_EQ(b.dw1, a.dw1);
+      EXPECT_EQ(b.dw2, a.dw2);
+    }
+  }
+}
+
 template <class F>
 void expect_error(F call, const std::string& what) {
   try {

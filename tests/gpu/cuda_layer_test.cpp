@@ -539,13 +539,14 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   cudaStreamDestroy(stream);
 }
 
-// The split-phase calls on the GPU (a graph per phase): the whole step's bits, with a spill round,
-// with the shared experts on the side stream (forked and joined inside the experts phase), and in
-// fp8; enqueued while the stream is held (no phase waits on the host), then again from the cached
-// graphs.
-TEST(CudaLayerEager, SplitPhasesEqualTheWholeStepAndNeverWaitOnHost) {
+// The split-phase calls on the GPU (a graph per phase) and Overlap::wgrad (fc1's weight gradient
+// on the side stream beside the combine, on fewer SMs): the bits of the whole step without
+// overlap, with a spill round, with the shared experts on the side stream, in fp8; after a first
+// step of each kind, enqueued while the stream is held (nothing waits on the host), twice each
+// (the second time from cached graphs).
+TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHost) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
     MoeConfig m;
     m.hidden = 128;
     m.ffn = 128;
@@ -556,35 +557,52 @@ TEST(CudaLayerEager, SplitPhasesEqualTheWholeStepAndNeverWaitOnHost) {
     EchoConfig echo;
     echo.capacity_factor = 0.5;  // round 0 and one spill round
     const char* name = "spill round";
-    if (variant == 1) {
-      name = "shared experts on the side stream";
+    if (variant == 1 || variant == 3) {
+      name = variant == 1 ? "shared experts on the side stream"
+                          : "shared experts on the side stream, overlap wgrad";
       m.shared_experts = 1;
       m.shared_ffn = 64;
       m.shared_side_stream = true;
       echo.capacity_factor = 1.0;
-    } else if (variant == 2) {
-      name = "fp8, spill round";
+    } else if (variant == 2 || variant == 4) {
+      name = variant == 2 ? "fp8, spill round" : "fp8, spill round, overlap wgrad";
       m.precision = Precision::fp8;
     }
     SCOPED_TRACE(name);
-    GpuLayer gl(m, echo, 9);
-    gl.set(rounded_params(m, 41));
+    const GlobalParams params = rounded_params(m, 41);
     const int64_t T = m.max_tokens, H = m.hidden;
-    StepTensors tensors(*gl.be, T, H, 51, 1.0);
-    OwnedTensor &x = tensors.x, &y = tensors.y, &dy = tensors.dy, &dx = tensors.dx;
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
     const Stream s = stream;
-    poison(y);
-    poison(dx);
-    gl.layer.zero_grad(s);
-    gl.layer.forward(*x, *y, s);
-    gl.layer.backward(*dy, *dx, s);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_EQ(gl.layer.stats().spill_rounds, variant == 1 ? 0 : 1);
-    const auto y_ref = y.read(), dx_ref = dx.read();
-    const auto dw1_ref = read_tensor(*gl.be, gl.layer.grad(Param::w1));
-    auto split_step = [&] {
+    // The whole step without overlap: the reference bits.
+    std::vector<double> y_ref, dx_ref, dw1_ref;
+    {
+      GpuLayer ref(m, echo, 9);
+      ref.set(params);
+      StepTensors t(*ref.be, T, H, 51, 1.0);
+      ref.layer.zero_grad(s);
+      ref.layer.forward(*t.x, *t.y, s);
+      ref.layer.backward(*t.dy, *t.dx, s);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(ref.layer.stats().spill_rounds, m.shared_experts > 0 ? 0 : 1);
+      y_ref = t.y.read();
+      dx_ref = t.dx.read();
+      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
+    }
+    if (variant >= 3) {
+      m.overlap = Overlap::wgrad;
+      m.overlap_sms = 20;
+    }
+    GpuLayer gl(m, echo, 9);
+    gl.set(params);
+    StepTensors tensors(*gl.be, T, H, 51, 1.0);
+    OwnedTensor &x = tensors.x, &y = tensors.y, &dy = tensors.dy, &dx = tensors.dx;
+    const std::function<void()> whole_step = [&] {
+      gl.layer.zero_grad(s);
+      gl.layer.forward(*x, *y, s);
+      gl.layer.backward(*dy, *dx, s);
+    };
+    const std::function<void()> split_step = [&] {
       gl.layer.zero_grad(s);
       gl.layer.forward_dispatch(*x, *y, s);
       gl.layer.forward_experts(s);
@@ -593,11 +611,15 @@ TEST(CudaLayerEager, SplitPhasesEqualTheWholeStepAndNeverWaitOnHost) {
       gl.layer.backward_experts(s);
       gl.layer.backward_combine(s);
     };
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < 4; ++pass) {
+      if (pass % 2 == 0) {  // a first step of this kind, not held
+        (pass < 2 ? whole_step : split_step)();
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      }
       poison(y);
       poison(dx);
-      EXPECT_TRUE(returns_while_held(stream, split_step))
-          << "a split phase waited for the held stream (a host sync)";
+      EXPECT_TRUE(returns_while_held(stream, pass < 2 ? whole_step : split_step))
+          << "a step waited for the held stream (a host sync), pass " << pass;
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
       EXPECT_EQ(y.read(), y_ref) << "pass " << pass;
       EXPECT_EQ(dx.read(), dx_ref) << "pass " << pass;

@@ -527,3 +527,23 @@ def test_split_phases_equal_the_whole_forward_and_backward():
     layer.backward_combine(0)
     assert torch.equal(y, y_whole)
     assert torch.equal(dx, dx_whole)
+
+
+def test_overlap_wgrad_gives_the_bits_of_none():
+    """overlap="wgrad" only moves fc1's weight gradient beside the combine (on the CUDA
+    backend's second stream): outputs and every gradient are the bits of overlap="none"; a bad
+    value is refused by name."""
+    x = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    out = []
+    for overlap in ("none", "wgrad"):
+        m = make(capacity_factor=0.5, overlap=overlap, overlap_sms=8)
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        (y * y).sum().backward()
+        out.append((y.detach(), xi.grad, m.w1.grad, m.w2.grad, m.router_weight.grad))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="overlap = 'chunks' is invalid"):
+        make(overlap="chunks")
+    with pytest.raises(ValueError, match="overlap_sms"):
+        make(overlap="wgrad", overlap_sms=-1)

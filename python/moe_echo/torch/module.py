@@ -66,6 +66,9 @@ class MoE(nn.Module):
             outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
             redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
             dispatch and the experts). Gradients are the same bits whichever is chosen.
+        overlap: what the backward runs beside its communication: "none" or "wgrad" (fc1's
+            weight-gradient GEMM on a second CUDA stream beside the combine and the router's
+            backward, on all SMs but ``overlap_sms``); gradients are the same bits either way.
         precision: the routed experts' GEMMs: "bf16" or "fp8" (e4m3 operands with blockwise
             scales: 1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights; the
             router, the shared experts and the parameters keep their dtypes). With "fp8" every
@@ -116,6 +119,8 @@ class MoE(nn.Module):
         recompute: str = "none",
         precision: str = "bf16",
         fp8_gemms: str = "all",
+        overlap: str = "none",
+        overlap_sms: int = 16,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -138,6 +143,7 @@ class MoE(nn.Module):
             ("seq_len", seq_len),
             ("shared_experts", shared_experts),
             ("shared_ffn", shared_ffn),
+            ("overlap_sms", overlap_sms),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
@@ -145,6 +151,8 @@ class MoE(nn.Module):
             raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"precision = {precision!r} is invalid: allowed 'bf16' or 'fp8'")
+        if overlap not in ("none", "wgrad"):
+            raise ValueError(f"overlap = {overlap!r} is invalid: allowed 'none' or 'wgrad'")
         if not isinstance(fp8_gemms, str):
             raise TypeError(f"fp8_gemms = {fp8_gemms!r} is invalid: allowed a str")
         if precision != "fp8" and fp8_gemms != "all":
@@ -185,6 +193,8 @@ class MoE(nn.Module):
             recompute=recompute,
             precision=precision,
             fp8_gemms=fp8_gemms,
+            overlap=overlap,
+            overlap_sms=overlap_sms,
             shared_experts=shared_experts,
             shared_ffn=shared_ffn,
         )
