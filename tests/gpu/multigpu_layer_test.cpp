@@ -9,6 +9,7 @@
 // - ECHO on against ECHO off on the GPUs under skew (clones made);
 // - forced overflow (capacity factor 0.3: spill rounds through the conditional path);
 // - both dispatchers (sync-free and baseline);
+// - Overlap::wgrad and the split-phase calls against the whole step without overlap, bit for bit;
 // - a whole training step (forward, backward, router-gradient all-reduce, AdamW) captured in ONE
 //   CUDA graph per rank and replayed 6 times with new tokens written on the device, routing
 //   changing (a replay with every token on one expert: overflow, spill round, clones), every
@@ -44,8 +45,9 @@ struct GpuRun {
   StepStats stats;
 };
 
+// split: the forward and backward as their three split-phase calls each.
 GpuRun run_gpu(MultiGpuWorld& w, Communicator& comm, const LayerCase& c, const GlobalParams& p,
-               const std::vector<double>& x, const std::vector<double>& g) {
+               const std::vector<double>& x, const std::vector<double>& g, bool split = false) {
   Backend& be = *w.be;
   const int R = w.size(), r = w.rank();
   const int64_t H = c.moe.hidden, T = int64_t(x.size()) / H;
@@ -61,8 +63,17 @@ GpuRun run_gpu(MultiGpuWorld& w, Communicator& comm, const LayerCase& c, const G
   poison(yt);
   poison(dxt);
   layer.zero_grad();
-  layer.forward(*xt, *yt);
-  layer.backward(*gt, *dxt);
+  if (split) {
+    layer.forward_dispatch(*xt, *yt);
+    layer.forward_experts();
+    layer.forward_combine();
+    layer.backward_dispatch(*gt, *dxt);
+    layer.backward_experts();
+    layer.backward_combine();
+  } else {
+    layer.forward(*xt, *yt);
+    layer.backward(*gt, *dxt);
+  }
   GpuRun out;
   out.y = yt.read();
   out.dx = dxt.read();
@@ -151,6 +162,23 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
     EXPECT_TRUE(close(gpu.dw1, g2.dw1, kLayerTol, "dw1 ECHO on vs off"));
     EXPECT_TRUE(close(gpu.dw2, g2.dw2, kLayerTol, "dw2 ECHO on vs off"));
     EXPECT_TRUE(close(gpu.d_router, g2.d_router, kLayerTol, "d_router ECHO on vs off"));
+  }
+
+  // Overlap wgrad (fc1's weight gradient beside the combine, on GEMMs that leave 8 SMs to it),
+  // whole and as split-phase calls: the same bits on the GPUs.
+  {
+    LayerCase ov = c;
+    ov.moe.overlap = Overlap::wgrad;
+    ov.moe.overlap_sms = 8;
+    for (bool split : {false, true}) {
+      SCOPED_TRACE(split ? "overlap wgrad, split phases" : "overlap wgrad");
+      const GpuRun g3 = run_gpu(*w, comm, ov, p, xs[size_t(me)], gs[size_t(me)], split);
+      EXPECT_EQ(g3.y, gpu.y);
+      EXPECT_EQ(g3.dx, gpu.dx);
+      EXPECT_EQ(g3.d_router, gpu.d_router);
+      EXPECT_EQ(g3.dw1, gpu.dw1);
+      EXPECT_EQ(g3.dw2, gpu.dw2);
+    }
   }
 
   // R ranks == one rank holding every expert and every token.
