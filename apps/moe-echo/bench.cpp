@@ -55,6 +55,7 @@ struct BenchOptions {
   std::optional<int> comm_ctas;         // GPU ranks: CTAs of the NCCL kernels (unset: its default)
   int layers = 1;                       // L layers per step
   bool separate = false;                // L MoeLayers with their own workspaces, not one MoeStack
+  bool split_phases = false;            // each forward and backward as its three split calls
 };
 
 // The most layers one bench step runs.
@@ -106,7 +107,8 @@ double mib(double bytes) { return bytes / (1 << 20); }
 class BenchLayers {
  public:
   BenchLayers(Backend& backend, Communicator& comm, const ResolvedLayer& L, int layers,
-              bool separate, int rank, uint64_t seed) {
+              bool separate, int rank, uint64_t seed, bool split_phases)
+      : split_(split_phases) {
     const ParallelConfig par{L.ep, rank};
     if (!separate) {
       stack_ =
@@ -146,12 +148,27 @@ class BenchLayers {
   }
   // acts[0] is the input, acts[l + 1] layer l's output and layer l + 1's input.
   void forward(const std::vector<Tensor>& acts, Stream s = nullptr) {
-    for (int l = 0; l < size(); ++l) layer(l).forward(acts[size_t(l)], acts[size_t(l + 1)], s);
+    for (int l = 0; l < size(); ++l) {
+      if (!split_) {
+        layer(l).forward(acts[size_t(l)], acts[size_t(l + 1)], s);
+        continue;
+      }
+      layer(l).forward_dispatch(acts[size_t(l)], acts[size_t(l + 1)], s);
+      layer(l).forward_experts(s);
+      layer(l).forward_combine(s);
+    }
   }
   // grads[L] is the output's gradient, grads[l] layer l's input gradient; in reverse order.
   void backward(const std::vector<Tensor>& grads, Stream s = nullptr) {
-    for (int l = size() - 1; l >= 0; --l)
-      layer(l).backward(grads[size_t(l + 1)], grads[size_t(l)], s);
+    for (int l = size() - 1; l >= 0; --l) {
+      if (!split_) {
+        layer(l).backward(grads[size_t(l + 1)], grads[size_t(l)], s);
+        continue;
+      }
+      layer(l).backward_dispatch(grads[size_t(l + 1)], grads[size_t(l)], s);
+      layer(l).backward_experts(s);
+      layer(l).backward_combine(s);
+    }
   }
   std::vector<StepStats> stats() {
     std::vector<StepStats> st;
@@ -160,6 +177,7 @@ class BenchLayers {
   }
 
  private:
+  bool split_ = false;
   std::unique_ptr<MoeStack> stack_;
   std::vector<std::unique_ptr<MoeLayer>> separate_;
 };
@@ -396,6 +414,7 @@ void Report::summary() const {
                  {"precision", to_string(moe.precision)},
                  {"fp8_gemms", fp8_gemms_to_string(moe.fp8_gemms)},
                  {"separate", o.separate},
+                 {"split_phases", o.split_phases},
                  {"workspace_bytes_per_rank", memory.total}};
   j["memory"] = {{"moe_bytes_per_rank", memory.total},
                  {"workspace_bytes", memory.workspace},
@@ -577,7 +596,7 @@ int run_bench(const BenchOptions& opts) {
     auto backend = make_backend(o.layer.backend);
     std::unique_ptr<Communicator> comm_holder;
     Communicator& comm = rank_communicator(*backend, world, rank, comm_holder);
-    BenchLayers layers(*backend, comm, L, NL, o.separate, rank, o.layer.seed);
+    BenchLayers layers(*backend, comm, L, NL, o.separate, rank, o.layer.seed, o.split_phases);
     for (int l = 0; l < NL; ++l)
       write_tensor(*backend, layers.layer(l).param(Param::router_weight), synth.router_weight());
     if (rank == 0) {
@@ -779,7 +798,7 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   MOE_ECHO_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
 
   SyntheticTokens synth(moe.experts, H, skew, o.layer.seed);
-  BenchLayers layers(*backend, *comm, L, NL, o.separate, rank, o.layer.seed);
+  BenchLayers layers(*backend, *comm, L, NL, o.separate, rank, o.layer.seed, o.split_phases);
   for (int l = 0; l < NL; ++l)
     write_tensor(*backend, layers.layer(l).param(Param::router_weight), synth.router_weight());
   PhaseEvents phase_events;
@@ -922,6 +941,9 @@ void add_bench(CLI::App& app, Runner& run) {
   cmd->add_flag("--separate", opts->separate,
                 "Build the layers as separate MoeLayers, each with its own workspace, instead of "
                 "one MoeStack sharing one workspace (to compare their memory and time)");
+  cmd->add_flag("--split-phases", opts->split_phases,
+                "Run each forward and backward as its three split-phase calls (dispatch, "
+                "experts, combine; MoeLayer::forward_dispatch ...) instead of one call");
   add_option(cmd, "--steps", opts->steps, "Steps to run (default 20)");
   add_option(cmd, "--warmup", opts->warmup,
              "Leading steps left out of the timing summary (default 1)");
