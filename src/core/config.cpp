@@ -170,8 +170,8 @@ void validate(const MoeConfig& m) {
     reject("overlap_sms", m.overlap_sms, "0 <= overlap_sms <= 1024 (and below the GPU's SMs)");
   if (m.overlap == Overlap::wgrad && uses_fp8(m, fp8_gemm::fprop1) &&
       !uses_fp8(m, fp8_gemm::wgrad1))
-    reject("overlap", "wgrad",
-           "none when fc1's forward is FP8 and its weight gradient is not (fp8_gemms with fprop1 "
+    reject("overlap", "'wgrad'",
+           "'none' when fc1's forward is FP8 and its weight gradient is not (fp8_gemms with fprop1 "
            "and without wgrad1: that weight gradient reads the received rows' values from the "
            "buffer the combine sends)");
   if (int(m.precision) < 0 || int(m.precision) > int(Precision::fp8))

@@ -1,13 +1,16 @@
-# `moe-echo bench --layers`: three layers on one MoeStack and three separate MoeLayers compute the
-# same steps (identical load statistics), each allocates what was estimated before building, the
-# stack less than the separate layers (one workspace instead of three), and the JSON holds the
-# documented layer and memory fields.
+# `moe-echo bench --layers`: three layers on one MoeStack, three separate MoeLayers, and the stack
+# run as split-phase calls with --overlap wgrad compute the same steps (identical load statistics),
+# each allocates what was estimated before building, the stack less than the separate layers (one
+# workspace instead of three), and the JSON holds the documented layer and memory fields.
 cmake_policy(SET CMP0054 NEW)
-foreach(mode stack separate)
+foreach(mode stack separate split)
   set(json_file ${WORK_DIR}/bench_layers_${mode}.json)
   set(args bench --ep 2 --layers 3 --recompute experts --steps 2 --json ${json_file})
   if(mode STREQUAL "separate")
     list(APPEND args --separate)
+  endif()
+  if(mode STREQUAL "split")
+    list(APPEND args --split-phases --overlap wgrad)
   endif()
   execute_process(COMMAND ${EXE} ${args} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
@@ -67,6 +70,18 @@ if(NOT stack_summary_load_max_over_mean_echo STREQUAL separate_summary_load_max_
   message(FATAL_ERROR "stack and separate layers routed differently: max/mean "
                       "${stack_summary_load_max_over_mean_echo} and "
                       "${separate_summary_load_max_over_mean_echo}")
+endif()
+# The split-phase calls with overlap wgrad: the stack's steps (same loads, same memory).
+if(NOT split_summary_load_max_over_mean_echo STREQUAL stack_summary_load_max_over_mean_echo OR
+   NOT split_moe_bytes_per_rank EQUAL stack_moe_bytes_per_rank)
+  message(FATAL_ERROR "split phases with overlap: max/mean ${split_summary_load_max_over_mean_echo}"
+                      ", ${split_moe_bytes_per_rank} bytes; the stack's "
+                      "${stack_summary_load_max_over_mean_echo}, ${stack_moe_bytes_per_rank}")
+endif()
+string(JSON split_phases GET "${j}" config split_phases)
+string(JSON split_overlap GET "${j}" config overlap)
+if(NOT split_phases STREQUAL "ON" OR NOT split_overlap STREQUAL "wgrad")
+  message(FATAL_ERROR "split: config.split_phases ${split_phases}, config.overlap ${split_overlap}")
 endif()
 message(STATUS "3 layers: stack ${stack_moe_bytes_per_rank} bytes per rank, separate "
                "${separate_moe_bytes_per_rank}")

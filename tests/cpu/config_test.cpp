@@ -93,7 +93,7 @@ TEST(Config, RoutingRules) {
                     m.hidden = m.ffn = 32;
                     m.fp8_gemms = fp8_gemm::fprop1;
                   }),
-                  "overlap", "wgrad");
+                  "overlap", "'wgrad'");
   EXPECT_EQ(parse_overlap("wgrad"), Overlap::wgrad);
   EXPECT_EQ(parse_overlap("none"), Overlap::none);
   EXPECT_THROW(parse_overlap("chunks"), ConfigError);
