@@ -61,6 +61,11 @@ def parse_args(argv=None):
     ap.add_argument("--moe", choices=["echo", "torch"], default="echo",
                     help="the MoE block: moe_echo.torch.MoE or the plain PyTorch block")
     ap.add_argument("--echo", choices=["on", "off"], default="on", help="ECHO load balancing")
+    ap.add_argument("--overlap", choices=["none", "wgrad"], default="none",
+                    help="what each MoE layer's backward runs beside its communication "
+                         "(MoE(overlap=...): wgrad puts fc1's weight gradient on a second stream)")
+    ap.add_argument("--overlap-sms", type=int, default=16,
+                    help="with --overlap wgrad, the SMs that GEMM leaves to communication")
     ap.add_argument("--compare", choices=["none", "torch", "echo-off"], default="none",
                     help="also train this model on the same seed and data and compare curves")
     ap.add_argument("--tolerance", type=float, default=0.02,
@@ -140,6 +145,7 @@ def build(args, moe: str, echo: bool) -> MoeLM:
                   moe_args=dict(echo=echo, aux_loss_coeff=args.aux_loss_coeff,
                                 z_loss_coeff=args.z_loss_coeff,
                                 capacity_factor=args.capacity_factor,
+                                overlap=args.overlap, overlap_sms=args.overlap_sms,
                                 ep_group=dist.group.WORLD if args.ep > 1 else None,
                                 ep_transport=args.ep_transport)
                   if moe == "echo" else

@@ -39,6 +39,18 @@ def test_echo_on_equals_off(tmp_path):
     assert rec["runs"][0]["losses"] == rec["runs"][1]["losses"]
 
 
+def test_overlap_wgrad_trains_the_same_curve(tmp_path):
+    # --overlap wgrad only reorders the backward's ops across streams: the same losses.
+    rc, rec = run(tmp_path, "--steps", "5")
+    assert rc == 0
+    ref = tmp_path / "none.json"
+    (tmp_path / "record.json").rename(ref)
+    rc, rec2 = run(tmp_path, "--steps", "5", "--overlap", "wgrad", "--reference", str(ref),
+                   "--tolerance", "0", "--smooth", "1")
+    assert rc == 0
+    assert rec2["runs"][0]["losses"] == rec["runs"][0]["losses"]
+
+
 def test_bad_flags_exit_2(capsys):
     import pytest
 
