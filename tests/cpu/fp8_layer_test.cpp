@@ -129,6 +129,39 @@ TEST(Fp8Layer, EchoOnEqualsOffAndRecomputeEqualsNone) {
   }
 }
 
+// Overlap::wgrad and the split-phase calls in fp8 (the dh columns quantized in the experts phase
+// feed the weight gradient in the combine phase): forward()/backward()'s bits, clones and spill
+// rounds included; and fc1's FP8 forward with its weight gradient unquantized refuses the overlap.
+TEST(Fp8Layer, OverlapWgradAndSplitPhasesGiveTheSameBits) {
+  const LayerCase base = echo_case(4);
+  const SkewedInput in = skewed(base, 48, 1.5, 37);
+  const auto g = per_rank(4, 48 * 32, 700);
+  const LayerRun a = run_layer(base, in.x, g, in.params);
+  int spill = 0;
+  for (const StepStats& st : a.stats) spill += st.spill_rounds;
+  EXPECT_GT(spill, 0) << "no spill round ran";
+  EXPECT_GT(a.stats[0].clones, 0) << "no clone made";
+  for (bool split : {false, true}) {
+    for (bool overlap : {false, true}) {
+      if (!split && !overlap) continue;
+      SCOPED_TRACE(std::string(split ? "split" : "whole") + (overlap ? ", overlap wgrad" : ""));
+      LayerCase c = base;
+      c.split_phases = split;
+      if (overlap) c.moe.overlap = Overlap::wgrad;
+      const LayerRun r = run_layer(c, in.x, g, in.params);
+      EXPECT_EQ(concat(r.y), concat(a.y));
+      EXPECT_EQ(concat(r.dx), concat(a.dx));
+      EXPECT_EQ(r.dw1, a.dw1);
+      EXPECT_EQ(r.dw2, a.dw2);
+      EXPECT_EQ(concat(r.d_router), concat(a.d_router));
+    }
+  }
+  LayerCase refused = base;
+  refused.moe.overlap = Overlap::wgrad;
+  refused.moe.fp8_gemms = fp8_gemm::fprop1;
+  EXPECT_THROW(run_layer(refused, in.x, g, in.params), ConfigError);
+}
+
 // The e4m3 weight copies follow the weights: optimizer_step quantizes the updated weights (A's
 // second forward), and weights written through param() are quantized by the next forward (B).
 TEST(Fp8Layer, WeightCopiesFollowTheOptimizerAndWrittenWeights) {
