@@ -309,7 +309,7 @@ class MoeLayer {
                               bool delay_wgrad1 = false);
   void round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& into, Stream s);
   void round_backward_combine(int round, const Tensor& dx, int64_t T, const int32_t* accumulate,
-                              Stream s, bool join_side);
+                              Stream s);
   // A forward or backward's arguments, kept from its first phase to the next ones.
   struct Step {
     Tensor x, y, dy, dx;
@@ -326,6 +326,9 @@ class MoeLayer {
     backward_dispatched,
     backward_experts_done
   };
+  // A split step's shared experts on the side stream beside round 0's experts phase (the
+  // forward's only without spill rounds configured) instead of forked at the step's start.
+  bool shared_beside_experts(const Step& st, bool forward) const;
   void forward_dispatch_ops(const Step& st, Stream s);
   void forward_experts_ops(const Step& st, Stream s);
   void forward_combine_ops(const Step& st, Stream s);
@@ -354,6 +357,11 @@ class MoeLayer {
   void expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, bool dgrad,
                         Stream s);
   bool expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c, Stream s);
+  // Whether fc's dgrad quantizes its operand's columns for the wgrad too (both FP8).
+  bool dgrad_quantizes_cols(int fc) const {
+    return fc == 1 ? uses_fp8(moe_, fp8_gemm::dgrad1) && uses_fp8(moe_, fp8_gemm::wgrad1)
+                   : uses_fp8(moe_, fp8_gemm::dgrad2) && uses_fp8(moe_, fp8_gemm::wgrad2);
+  }
   void quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const Tensor& sc, int fc,
                            const Tensor& c, bool dgrad, Stream s);
   void fc1_forward(const GroupWindow& gw, Stream s);
@@ -397,7 +405,6 @@ class MoeLayer {
   std::unique_ptr<GraphCache> phase_graphs_[6];  // the split phases, in call order
   Step step_;
   SplitPhase split_phase_ = SplitPhase::none;
-  bool dh_quantized_ = false;  // the last dgrad of fc1 quantized dh's columns too (fp8)
   int64_t last_tokens_ = 0;
   Tensor last_x_;
   std::unique_ptr<Buffers> buf_;

@@ -997,9 +997,7 @@ void MoeLayer::expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, 
 // (`b_quantized`); returns whether they were.
 bool MoeLayer::expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c,
                             Stream s) {
-  const bool both = fc == 1 ? uses_fp8(moe_, fp8_gemm::dgrad1) && uses_fp8(moe_, fp8_gemm::wgrad1)
-                            : uses_fp8(moe_, fp8_gemm::dgrad2) && uses_fp8(moe_, fp8_gemm::wgrad2);
-  if (!both) {
+  if (!dgrad_quantizes_cols(fc)) {
     expert_rows_gemm(gw, d, fc, c, true, s);
     return false;
   }
@@ -1173,6 +1171,11 @@ void MoeLayer::forward_combine(Stream s) {
   ws_->split_owner_ = nullptr;
 }
 
+bool MoeLayer::shared_beside_experts(const Step& st, bool forward) const {
+  return buf_->shared_w1.data != nullptr && moe_.shared_side_stream && st.split &&
+         (!forward || rounds_ == 1);
+}
+
 // Shared experts (they write y) run first; on the side stream when asked, joined before the first
 // combine: before the rounds when spill rounds are configured, else in round 0. A split forward
 // without spill rounds runs them beside round 0's experts phase instead (one phase's graph holds
@@ -1183,8 +1186,7 @@ void MoeLayer::forward_dispatch_ops(const Step& st, Stream s) {
   const Tensor &x = st.x, &y = st.y;
   const int64_t T = st.T, K = moe_.top_k;
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
-  const bool beside_experts = side && st.split && rounds_ == 1;
-  if (side && !beside_experts)
+  if (side && !shared_beside_experts(st, true))
     backend_.fork_side([&](Stream ss) { shared_forward(x, y, T, ss); }, s);
   else if (shared && !side)
     shared_forward(x, y, T, s);
@@ -1248,8 +1250,7 @@ void MoeLayer::forward_dispatch_ops(const Step& st, Stream s) {
 }
 
 void MoeLayer::forward_experts_ops(const Step& st, Stream s) {
-  const bool beside =
-      buf_->shared_w1.data != nullptr && moe_.shared_side_stream && st.split && rounds_ == 1;
+  const bool beside = shared_beside_experts(st, true);
   if (beside) backend_.fork_side([&](Stream ss) { shared_forward(st.x, st.y, st.T, ss); }, s);
   round_experts(0, s);
   if (beside) backend_.join_side(s);
@@ -1260,7 +1261,7 @@ void MoeLayer::forward_combine_ops(const Step& st, Stream s) {
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
   const int32_t* spill = rounds_ > 1 ? b.round_active.as<int32_t>() + 1 : nullptr;
   round_combine(0, st.y, st.T, shared ? b.one.as<int32_t>() : spill, s,
-                side && rounds_ == 1 && !st.split);
+                side && rounds_ == 1 && !shared_beside_experts(st, true));
 }
 
 GroupWindow MoeLayer::shared_window(int64_t T) const {
@@ -1507,7 +1508,7 @@ void MoeLayer::backward_dispatch_ops(const Step& st, Stream s) {
     backend_.fill_zero(b.dw2_spare, s);
   }
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
-  if (side && !st.split)
+  if (side && !shared_beside_experts(st, false))
     backend_.fork_side(
         [&](Stream ss) { shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, ss); }, s);
   else if (shared && !side)
@@ -1516,7 +1517,7 @@ void MoeLayer::backward_dispatch_ops(const Step& st, Stream s) {
 }
 
 void MoeLayer::backward_experts_ops(const Step& st, Stream s) {
-  const bool beside = buf_->shared_w1.data != nullptr && moe_.shared_side_stream && st.split;
+  const bool beside = shared_beside_experts(st, false);
   if (beside)
     backend_.fork_side(
         [&](Stream ss) { shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, ss); }, s);
@@ -1534,10 +1535,10 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
   // reuse its operands, or before the clone gradients go home. The shared experts' backward, on
   // the side stream too, is joined first (one fork at a time).
   const bool overlap = moe_.overlap == Overlap::wgrad;
-  if (side && !st.split) backend_.join_side(s);
+  if (side && !shared_beside_experts(st, false)) backend_.join_side(s);
   if (overlap)
     backend_.fork_side([&](Stream ss) { round_wgrad1(0, st.overwrite_grads, st.into, ss); }, s);
-  round_backward_combine(0, dx, T, shared ? b.one.as<int32_t>() : nullptr, s, false);
+  round_backward_combine(0, dx, T, shared ? b.one.as<int32_t>() : nullptr, s);
   if (overlap && rounds_ > 1) backend_.join_side(s);
   for (int r = 1; r < rounds_; ++r)
     backend_.run_if(
@@ -1545,7 +1546,7 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
         [&, r](Stream bs) {
           round_backward_dispatch(r, st.dy, T, bs);
           round_backward_experts(r, false, st.into, bs);
-          round_backward_combine(r, dx, T, b.round_active.as<int32_t>() + r, bs, false);
+          round_backward_combine(r, dx, T, b.round_active.as<int32_t>() + r, bs);
         },
         s);
 
@@ -1600,8 +1601,8 @@ void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, S
   backend_.fan_out(scatter, s);
 }
 
-// fc1's weight gradient from the received rows and dh (quantized with dh's rows when both of
-// fc1's backward GEMMs are FP8: dh_quantized_, from the round's dgrad).
+// fc1's weight gradient from the received rows and dh (dh's columns quantized with its rows by
+// the round's dgrad when both of fc1's backward GEMMs are FP8).
 void MoeLayer::round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& into, Stream s) {
   Buffers& b = *buf_;
   const GroupWindow gw{RoundWindow{round * capacity_, capacity_}, b.group_offsets.as<int32_t>(),
@@ -1609,7 +1610,8 @@ void MoeLayer::round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& 
   mark(round, "bwd_wgrad_fc1", s);
   const Tensor& dw1 = into.dw1.data ? into.dw1 : b.dw1;
   if (fp8_dispatch(moe_) && uses_fp8(moe_, fp8_gemm::wgrad1)) {
-    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs, dh_quantized_);
+    expert_wgrad(gw, b.recv_xq, b.dh, 1, dw1, overwrite_grads, s, b.recv_xs,
+                 dgrad_quantizes_cols(1));
   } else if (fp8_dispatch(moe_)) {
     // A weight gradient in the activation dtype from rows received in e4m3: their values into
     // recv_red (free between the scatter of dy and the fan-in; MoeConfig refuses Overlap::wgrad
@@ -1617,7 +1619,7 @@ void MoeLayer::round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& 
     backend_.dequantize_fp8_rows({b.recv_red, b.recv_xq, b.recv_xs, {}, gw}, s);
     expert_wgrad(gw, b.recv_red, b.dh, 1, dw1, overwrite_grads, s);
   } else {
-    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s, Tensor(), dh_quantized_);
+    expert_wgrad(gw, b.recv_x, b.dh, 1, dw1, overwrite_grads, s, Tensor(), dgrad_quantizes_cols(1));
   }
 }
 
@@ -1634,7 +1636,7 @@ void MoeLayer::round_backward_experts(int round, bool overwrite_grads, const Exp
   mark(round, "bwd_swiglu", s);
   backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
   mark(round, "bwd_dgrad_fc1", s);
-  dh_quantized_ = expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
+  expert_dgrad(gw, b.dh, 1, b.recv_out, s);  // dx rows
   // With Overlap::wgrad, round 0's fc1 weight gradient runs later, beside its combine.
   if (!delay_wgrad1) round_wgrad1(round, overwrite_grads, into, s);
   FanArgs sum = fan_args(round);
@@ -1646,10 +1648,9 @@ void MoeLayer::round_backward_experts(int round, bool overwrite_grads, const Exp
 }
 
 void MoeLayer::round_backward_combine(int round, const Tensor& dx, int64_t T,
-                                      const int32_t* accumulate, Stream s, bool join_side) {
+                                      const int32_t* accumulate, Stream s) {
   Buffers& b = *buf_;
   mark(round, "bwd_combine", s);
-  if (join_side) backend_.join_side(s);
   comm_.combine(route(T), RoundWindow{round * capacity_, capacity_}, b.recv_red_sym, dx, accumulate,
                 b.fan, b.d_topk_weight.data, s);
 }
