@@ -88,6 +88,8 @@ uint32_t parse_fp8_gemms(const std::string& s, const char* field = "fp8_gemms");
 inline constexpr int kMaxTopK = 32;
 // The most expert groups of group-limited routing: one warp holds a token's group scores.
 inline constexpr int kMaxExpertGroups = 32;
+// The most micro-batches in flight per layer (MoeConfig::in_flight).
+inline constexpr int kMaxInFlight = 16;
 
 struct MoeConfig {
   int hidden = 0;      // H
@@ -129,6 +131,11 @@ struct MoeConfig {
   // GPU's SM count).
   Overlap overlap = Overlap::none;
   int overlap_sms = 16;
+  // Micro-batches in flight: how many forwards may await their backward at once, each keeping
+  // its own routing, plan and kept activations (MoeLayer's micro_batch argument picks one, from
+  // 0 to in_flight - 1). With 2 or more, two micro-batches' split phases may also interleave:
+  // micro-batch m uses set m % 2 of the workspace's receive windows, temporaries and echo slots.
+  int in_flight = 1;
   // Float master copies of the expert and shared-expert weights (with optimizer state): AdamW
   // updates the masters and writes the weights the GEMMs read (bf16 on CUDA) as their rounding,
   // so updates below a bf16 ulp are not lost. The router weight is float already.

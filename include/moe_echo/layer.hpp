@@ -111,7 +111,9 @@ struct MoeMemory {
 // backward (see Recompute), the backward's temporaries, and the pool of echo slots (the spare
 // slots' weights, pulled for a layer's forward and again for its backward when another layer
 // used the pool in between, and their gradients, reduced home at the end of each backward).
-// Each buffer is sized for the largest need of the layers it was built for. Building is
+// Each buffer is sized for the largest need of the layers it was built for. With a layer of
+// MoeConfig::in_flight 2 or more, all of it is there twice (two sets: micro-batch m of a layer
+// uses set m % 2), so that two micro-batches' split phases may interleave. Building is
 // collective across the ranks of `comm` (the receive windows, the fan table and the echo slots'
 // gradients are symmetric).
 class MoeWorkspace {
@@ -123,28 +125,42 @@ class MoeWorkspace {
   MoeWorkspace& operator=(const MoeWorkspace&) = delete;
 
   size_t bytes() const;  // what it allocated on this rank
+  int sets() const { return int(sets_.size()); }
   // The same, before building.
   static size_t memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                              const EchoConfig& echo, DType activation, DType float_dtype);
   // The same by part (workspace and echo slots).
   static MoeMemory memory_breakdown(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                                     const EchoConfig& echo, DType activation, DType float_dtype);
+  // Sets of buffers built for these layers: 2 when one has in_flight 2 or more, else 1.
+  static int sets_for(const std::vector<MoeConfig>& layers);
   Backend& backend() const { return backend_; }
   Communicator& communicator() const { return comm_; }
 
   struct Buffers;
+  // A micro-batch of a layer (MoeConfig::in_flight).
+  struct User {
+    const MoeLayer* layer = nullptr;
+    int micro_batch = 0;
+    bool operator==(const User& o) const {
+      return layer == o.layer && micro_batch == o.micro_batch;
+    }
+  };
 
  private:
   friend class MoeLayer;
+  struct Set {
+    std::unique_ptr<Buffers> buf;
+    User pool_owner;  // the micro-batch whose clones the echo slots hold now
+    // The micro-batch between its split-phase dispatch and combine (MoeLayer::forward_dispatch):
+    // it holds the receive windows and temporaries until then.
+    User split_owner;
+  };
   Backend& backend_;
   Communicator& comm_;
   ParallelConfig par_;
   EchoConfig echo_;
-  std::unique_ptr<Buffers> buf_;
-  const MoeLayer* pool_owner_ = nullptr;  // the layer whose clones the echo slots hold now
-  // The layer between its split-phase dispatch and combine (MoeLayer::forward_dispatch): it holds
-  // the receive windows and temporaries until then.
-  const MoeLayer* split_owner_ = nullptr;
+  std::vector<Set> sets_;
 };
 
 class MoeLayer {
@@ -166,17 +182,25 @@ class MoeLayer {
   // host: outside a capture the step's work is enqueued as one graph (Backend::enqueue_as_graph)
   // when the communicator is capturable and no phase observer is set; otherwise it is enqueued op
   // by op, and on the CUDA backend each possible spill round then reads its flag on the host.
-  void forward(const Tensor& x, const Tensor& y, Stream stream = nullptr);
+  //
+  // micro_batch (0 to MoeConfig::in_flight - 1, every call below takes it): which of the layer's
+  // in-flight micro-batches the call is for. Each keeps its own routing, plan and activations
+  // from its forward to its backward, so up to in_flight forwards may await their backwards (a
+  // pipeline schedule's), in any order; parameters and gradients are shared (the backwards add
+  // in the order they run). A forward of a micro-batch replaces what its last forward kept.
+  void forward(const Tensor& x, const Tensor& y, Stream stream = nullptr, int micro_batch = 0);
   // Once per forward (throws otherwise), the same way as the forward (graph or op by op).
-  // dy: [T, H] for the last forward, whose x must still hold the same values; dx: [T, H] out.
+  // dy: [T, H] for the micro-batch's last forward, whose x must still hold the same values;
+  // dx: [T, H] out.
   // Accumulates parameter gradients; the aux and z losses enter with gradient 1. Reduces clone
   // gradients into their home experts and, when enabled, applies the aux-loss-free bias update.
   // Capture-safe.
-  void backward(const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+  void backward(const Tensor& dy, const Tensor& dx, Stream stream = nullptr, int micro_batch = 0);
 
   // The same, with x given again (a framework that saves x for the backward passes it here): it
   // must have the last forward's shape and values.
-  void backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
+  void backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream stream = nullptr,
+                int micro_batch = 0);
 
   // The forward and the backward as three calls each, for a framework's schedule that runs other
   // work between them (on its other streams, ordered by its own events):
@@ -196,12 +220,19 @@ class MoeLayer {
   // forward or backward of a layer sharing this layer's workspace runs between a dispatch and
   // its combine (both throw otherwise: the receive windows and echo slots are in use). The
   // results equal forward() and backward() bit for bit.
-  void forward_dispatch(const Tensor& x, const Tensor& y, Stream stream = nullptr);
-  void forward_experts(Stream stream = nullptr);
-  void forward_combine(Stream stream = nullptr);
-  void backward_dispatch(const Tensor& dy, const Tensor& dx, Stream stream = nullptr);
-  void backward_experts(Stream stream = nullptr);
-  void backward_combine(Stream stream = nullptr);
+  // With in_flight 2 or more, the splits of two micro-batches that use different workspace sets
+  // (m % 2) may interleave, e.g. micro-batch 1's forward phases between micro-batch 0's backward
+  // phases (a combined 1F1B schedule). Their dispatch and combine phases communicate: enqueue
+  // them in the same order on every rank, and all of a layer's phases on one stream (the
+  // backend's scratch and the communicator's barriers serve one stream's order).
+  void forward_dispatch(const Tensor& x, const Tensor& y, Stream stream = nullptr,
+                        int micro_batch = 0);
+  void forward_experts(Stream stream = nullptr, int micro_batch = 0);
+  void forward_combine(Stream stream = nullptr, int micro_batch = 0);
+  void backward_dispatch(const Tensor& dy, const Tensor& dx, Stream stream = nullptr,
+                         int micro_batch = 0);
+  void backward_experts(Stream stream = nullptr, int micro_batch = 0);
+  void backward_combine(Stream stream = nullptr, int micro_batch = 0);
 
   // Where backward_into puts the home experts' gradients: dw1 [E/R, H, 2F] and dw2 [E/R, F, H],
   // both of the backend's float dtype, in its memory (16-byte aligned on CUDA).
@@ -214,13 +245,13 @@ class MoeLayer {
   // copy out is needed. The layer's own w1 and w2 gradients are left stale, as after
   // discard_grad; the router weight's gradient accumulates in the layer as in backward().
   void backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
-                     Stream stream = nullptr);
+                     Stream stream = nullptr, int micro_batch = 0);
 
-  // Device views that each forward writes (valid until the next forward, read without a sync):
-  // the plan (PlanView layout over planner_config(): rank loads before and after ECHO, clones)
-  // and the losses [3] float (aux, z, sequence aux; coefficients applied).
-  Tensor plan_buffer() const;
-  Tensor losses() const;
+  // Device views that each forward of the micro-batch writes (valid until its next forward, read
+  // without a sync): the plan (PlanView layout over planner_config(): rank loads before and after
+  // ECHO, clones) and the losses [3] float (aux, z, sequence aux; coefficients applied).
+  Tensor plan_buffer(int micro_batch = 0) const;
+  Tensor losses(int micro_batch = 0) const;
 
   // Device views of a parameter and its gradient (router_bias has no gradient). With precision
   // fp8, taking the view of w1 or w2 marks their e4m3 copies stale (the caller may write them):
@@ -256,11 +287,11 @@ class MoeLayer {
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
   void set_phase_observer(PhaseObserver* observer) { observer_ = observer; }
 
-  // Statistics of the last forward: the losses, the plan's loads and clones, and the rows and
-  // rounds the layout computed. Waits for the device (all work queued on it, as read_tensor does)
-  // before copying them to the host, so call it after the step, never inside a capture; the CPU
-  // backend has them at once.
-  StepStats stats() const;
+  // Statistics of a micro-batch's last forward (-1: of the last forward of any): the losses, the
+  // plan's loads and clones, and the rows and rounds the layout computed. Waits for the device
+  // (all work queued on it, as read_tensor does) before copying them to the host, so call it
+  // after the step, never inside a capture; the CPU backend has them at once.
+  StepStats stats(int micro_batch = -1) const;
 
   const MoeConfig& moe_config() const { return moe_; }
   const ParallelConfig& parallel_config() const { return par_; }
@@ -335,15 +366,21 @@ class MoeLayer {
   void backward_dispatch_ops(const Step& st, Stream s);
   void backward_experts_ops(const Step& st, Stream s);
   void backward_combine_ops(const Step& st, Stream s);
+  // Makes micro-batch m's buffers and host state the current ones (buf_'s StepPart, fl_),
+  // checking m first; `call` names the caller in the error.
+  void select_micro_batch(int m, const char* call);
+  MoeWorkspace::User user() const { return {this, cur_}; }
+  MoeWorkspace::Set& ws_set() const { return ws_->sets_[size_t(cur_ % ws_->sets())]; }
   // The checks and bookkeeping of a forward's or backward's start (forward(), backward_impl()
-  // and the split dispatches), filling step_.
+  // and the split dispatches), filling fl_->step.
   void begin_forward(const Tensor& x, const Tensor& y, bool split);
   void begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, bool split);
   // Enqueues one phase (a graph of its own where eager_graphs()) keyed on the step's arguments.
   void enqueue_phase(int phase, const std::function<void(Stream)>& ops, Stream s);
-  // Throws when this layer is between split phases, or (workspace) another layer sharing its
-  // workspace is.
-  void check_no_split(const char* call, bool workspace = true) const;
+  // Throws when the current micro-batch is between split phases, or (workspace) another user of
+  // its workspace set is; with all_micro_batches, when any micro-batch of this layer is.
+  void check_no_split(const char* call, bool workspace = true,
+                      bool all_micro_batches = false) const;
   void expect_phase(SplitPhase want, const char* call) const;
   void pull_clones(Stream s);
   GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,
@@ -371,7 +408,8 @@ class MoeLayer {
   // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'
   // (`spare`, after the clones were pulled), from the weights as they are now.
   void quantize_weights(bool home, bool spare, Stream s);
-  void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
+  void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s,
+                     int micro_batch);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.
   bool eager_graphs() const { return observer_ == nullptr && comm_.capturable(); }
@@ -399,14 +437,21 @@ class MoeLayer {
   PhaseObserver* observer_ = nullptr;
   bool grads_zeroed_ = false;              // zero_grad or discard_grad since the last backward
   bool expert_grads_stale_ = false;        // the last backward wrote the expert gradients elsewhere
-  bool forward_pending_ = false;           // a forward whose backward has not run yet
   mutable bool fp8_weights_stale_ = true;  // precision fp8: home weights changed since quantized
-  std::unique_ptr<GraphCache> forward_graph_, backward_graph_;
-  std::unique_ptr<GraphCache> phase_graphs_[6];  // the split phases, in call order
-  Step step_;
-  SplitPhase split_phase_ = SplitPhase::none;
-  int64_t last_tokens_ = 0;
-  Tensor last_x_;
+  // A micro-batch's host state (MoeConfig::in_flight of them).
+  struct Flight {
+    bool forward_pending = false;  // a forward whose backward has not run yet
+    std::unique_ptr<GraphCache> forward_graph, backward_graph;
+    std::unique_ptr<GraphCache> phase_graphs[6];  // the split phases, in call order
+    Step step;
+    SplitPhase split_phase = SplitPhase::none;
+    int64_t last_tokens = 0;
+    Tensor last_x;
+  };
+  std::vector<Flight> flights_;
+  int cur_ = 0;           // the current micro-batch
+  int last_forward_ = 0;  // the micro-batch of the last forward
+  Flight* fl_ = nullptr;  // &flights_[cur_]
   std::unique_ptr<Buffers> buf_;
 };
 

@@ -164,43 +164,47 @@ class Layer {
     layer_.reset();  // before the communicator and backend it uses
   }
 
-  void forward(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream) {
+  void forward(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream, int micro_batch) {
     const DType act = backend_->activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->forward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(y), act, {tokens, H}),
-                    as_stream(stream));
+                    as_stream(stream), micro_batch);
   }
 
-  void backward(uintptr_t x, uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream) {
+  void backward(uintptr_t x, uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
+                int micro_batch) {
     const DType act = backend_->activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->backward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
-                     Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream));
+                     Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
   }
 
   void backward_into(uintptr_t x, uintptr_t dy, uintptr_t dx, uintptr_t dw1, uintptr_t dw2,
-                     int64_t tokens, uintptr_t stream) {
+                     int64_t tokens, uintptr_t stream, int micro_batch) {
     const DType act = backend_->activation_dtype(), fl = backend_->float_dtype();
     const MoeConfig& m = layer_->moe_config();
     const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / layer_->parallel_config().ep_size;
     const MoeLayer::ExpertGrads into{Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}),
                                      Tensor(as_ptr(dw2), fl, {EPR, F, H})};
     layer_->backward_into(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
-                          Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream));
+                          Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream),
+                          micro_batch);
   }
 
   // The split-phase forward and backward (MoeLayer::forward_dispatch ...).
-  void forward_dispatch(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream) {
+  void forward_dispatch(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream,
+                        int micro_batch) {
     const DType act = backend_->activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->forward_dispatch(Tensor(as_ptr(x), act, {tokens, H}),
-                             Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream));
+                             Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream), micro_batch);
   }
-  void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream) {
+  void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
+                         int micro_batch) {
     const DType act = backend_->activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->backward_dispatch(Tensor(as_ptr(dy), act, {tokens, H}),
-                              Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream));
+                              Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
   }
 
   void zero_grad(uintptr_t stream) { layer_->zero_grad(as_stream(stream)); }
@@ -295,7 +299,8 @@ NB_MODULE(_ext, m) {
              const std::string& group_score, double routed_scaling_factor,
              double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
              int shared_experts, int shared_ffn, const std::string& precision,
-             const std::string& fp8_gemms, const std::string& overlap, int overlap_sms) {
+             const std::string& fp8_gemms, const std::string& overlap, int overlap_sms,
+             int in_flight) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -321,6 +326,7 @@ NB_MODULE(_ext, m) {
             moe.fp8_gemms = parse_fp8_gemms(fp8_gemms);
             moe.overlap = parse_overlap(overlap);
             moe.overlap_sms = overlap_sms;
+            moe.in_flight = in_flight;
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -337,35 +343,48 @@ NB_MODULE(_ext, m) {
           "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
           "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
           "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16", "fp8_gemms"_a = "all",
-          "overlap"_a = "none", "overlap_sms"_a = 16)
-      .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a,
+          "overlap"_a = "none", "overlap_sms"_a = 16, "in_flight"_a = 1)
+      .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
+           "micro_batch"_a = 0,
            "dx <- gradient of x; parameter gradients accumulate (+=) in the layer's buffers")
       .def("backward_into", &Layer::backward_into, "x"_a, "dy"_a, "dx"_a, "dw1"_a, "dw2"_a,
-           "tokens"_a, "stream"_a,
+           "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "backward that writes the home experts' w1/w2 gradients into dw1, dw2 (float dtype)")
       .def(
           "forward_dispatch", &Layer::forward_dispatch, "x"_a, "y"_a, "tokens"_a, "stream"_a,
+          "micro_batch"_a = 0,
           "split forward, first phase: routing, plan, clone pull, spill rounds, round 0's rows out")
       .def(
           "forward_experts",
-          [](Layer& l, uintptr_t stream) { l.layer().forward_experts(as_stream(stream)); },
-          "stream"_a, "split forward, second phase: round 0's expert GEMMs")
+          [](Layer& l, uintptr_t stream, int m) {
+            l.layer().forward_experts(as_stream(stream), m);
+          },
+          "stream"_a, "micro_batch"_a = 0, "split forward, second phase: round 0's expert GEMMs")
       .def(
           "forward_combine",
-          [](Layer& l, uintptr_t stream) { l.layer().forward_combine(as_stream(stream)); },
-          "stream"_a, "split forward, last phase: round 0's outputs back into y")
+          [](Layer& l, uintptr_t stream, int m) {
+            l.layer().forward_combine(as_stream(stream), m);
+          },
+          "stream"_a, "micro_batch"_a = 0,
+          "split forward, last phase: round 0's outputs back into y")
       .def("backward_dispatch", &Layer::backward_dispatch, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
-           "split backward, first phase (the last forward's x is read again)")
+           "micro_batch"_a = 0,
+           "split backward, first phase (the micro-batch's last forward's x is read again)")
       .def(
           "backward_experts",
-          [](Layer& l, uintptr_t stream) { l.layer().backward_experts(as_stream(stream)); },
-          "stream"_a, "split backward, second phase: round 0's gradient GEMMs")
+          [](Layer& l, uintptr_t stream, int m) {
+            l.layer().backward_experts(as_stream(stream), m);
+          },
+          "stream"_a, "micro_batch"_a = 0, "split backward, second phase: round 0's gradient GEMMs")
       .def(
           "backward_combine",
-          [](Layer& l, uintptr_t stream) { l.layer().backward_combine(as_stream(stream)); },
-          "stream"_a, "split backward, last phase: dx, spill rounds, router, clone gradients home")
+          [](Layer& l, uintptr_t stream, int m) {
+            l.layer().backward_combine(as_stream(stream), m);
+          },
+          "stream"_a, "micro_batch"_a = 0,
+          "split backward, last phase: dx, spill rounds, router, clone gradients home")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
       .def(
           "weights_changed", [](Layer& l) { l.layer().weights_changed(); },
@@ -388,18 +407,20 @@ NB_MODULE(_ext, m) {
           "name"_a, "the layer's gradient buffer of a parameter, as a torch view")
       .def(
           "plan_buffer",
-          [](nb::handle self) {
+          [](nb::handle self, int m) {
             Layer& l = nb::cast<Layer&>(self);
-            return l.view(l.layer().plan_buffer(), self);
+            return l.view(l.layer().plan_buffer(m), self);
           },
-          "the last forward's plan (int32, PlanView layout), as a torch view")
+          "micro_batch"_a = 0,
+          "the micro-batch's last forward's plan (int32, PlanView layout), as a torch view")
       .def(
           "losses",
-          [](nb::handle self) {
+          [](nb::handle self, int m) {
             Layer& l = nb::cast<Layer&>(self);
-            return l.view(l.layer().losses(), self);
+            return l.view(l.layer().losses(m), self);
           },
-          "the last forward's [aux, z, sequence aux] losses, as a torch view")
+          "micro_batch"_a = 0,
+          "the micro-batch's last forward's [aux, z, sequence aux] losses, as a torch view")
       .def_prop_ro(
           "activation_dtype",
           [](const Layer& l) { return std::string(dtype_name(l.backend().activation_dtype())); })
@@ -407,6 +428,7 @@ NB_MODULE(_ext, m) {
           "float_dtype",
           [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
       .def_prop_ro("capacity", [](Layer& l) { return l.layer().capacity(); })
+      .def_prop_ro("in_flight", [](Layer& l) { return l.layer().moe_config().in_flight; })
       .def_prop_ro("slots", [](Layer& l) { return l.layer().slots(); })
       .def_prop_ro("ranks", [](Layer& l) { return l.layer().parallel_config().ep_size; })
       .def_prop_ro("rank", [](Layer& l) { return l.layer().parallel_config().ep_rank; })

@@ -168,6 +168,8 @@ void validate(const MoeConfig& m) {
     reject("overlap", int(m.overlap), "none or wgrad");
   if (m.overlap_sms < 0 || m.overlap_sms > 1024)
     reject("overlap_sms", m.overlap_sms, "0 <= overlap_sms <= 1024 (and below the GPU's SMs)");
+  if (m.in_flight < 1 || m.in_flight > kMaxInFlight)
+    reject("in_flight", m.in_flight, range("1", "in_flight", std::to_string(kMaxInFlight)));
   if (m.overlap == Overlap::wgrad && uses_fp8(m, fp8_gemm::fprop1) &&
       !uses_fp8(m, fp8_gemm::wgrad1))
     reject("overlap", "'wgrad'",

@@ -43,22 +43,18 @@ const char* to_string(Param p) {
   return "?";
 }
 
-struct MoeLayer::Buffers {
-  // Parameters and gradients of the home experts. w1 and w2 are symmetric (peers pull clones of
-  // them); the spare slots (this step's clones, not parameters) are views of the workspace's echo
-  // slots, their gradients symmetric there too (their home ranks reduce them).
-  Tensor router_weight, router_bias, d_router_weight;
-  SymmetricBuffer w1_sym, w2_sym, dw1_spare_sym, dw2_spare_sym;
-  Tensor w1, w2, dw1, dw2;                          // [E/R, ...]
-  Tensor w1_spare, w2_spare, dw1_spare, dw2_spare;  // [S, ...] (empty without spare slots)
-  // Optimizer state (float dtype), for router weight, w1 home, w2 home; float masters of w1, w2
-  // and the shared experts (MoeConfig::master_weights).
-  Tensor m_router, v_router, m_w1, v_w1, m_w2, v_w2;
-  Tensor master_w1, master_w2, master_sw1, master_sw2;
-  Tensor optimizer_step;  // [1] i32: steps taken, advanced on the device
+// A micro-batch's part of a layer's buffers (MoeConfig::in_flight): its routing, plan and layout,
+// the activations the layer keeps for its backward, the temporaries between its phases, and its
+// views of the workspace's buffers (set m % 2 for micro-batch m). The rest (parameters,
+// gradients, optimizer state, the home weights' e4m3 copies) the micro-batches share.
+struct StepPart {
   // Routing.
   Tensor logits, scores, topk_idx, topk_weight, counts, losses;
   Tensor routing_map, plan, assign, dest_rank, dest_row, group_offsets, rank_rows, round_active;
+  // The spare slots (this step's clones, not parameters) are views of the workspace's echo
+  // slots, their gradients symmetric there too (their home ranks reduce them).
+  SymmetricBuffer dw1_spare_sym, dw2_spare_sym;
+  Tensor w1_spare, w2_spare, dw1_spare, dw2_spare;  // [S, ...] (empty without spare slots)
   // Receive windows and expert activations (capacity rows): the layer's own where it keeps them
   // for its backward (MoeConfig::recompute), the workspace's otherwise.
   // recv_x: token rows in (forward and recompute). recv_red: the rows the source reads back
@@ -70,25 +66,45 @@ struct MoeLayer::Buffers {
   Tensor fan_members, fan_weights, fan_values;
   // Source side.
   Tensor d_topk_weight;
-  // Shared experts (empty without): weights [1, H, 2S] and [1, S, H], their gradients and AdamW
-  // state; the group offsets {0, T} of their one group; activations of up to T tokens; and a
-  // device flag holding 1 (the routed rounds then add to y and dx).
-  Tensor shared_w1, shared_w2, d_shared_w1, d_shared_w2, m_sw1, v_sw1, m_sw2, v_sw2;
+  // Shared experts (empty without): the group offsets {0, T} of their one group; activations of
+  // up to T tokens; and a device flag holding 1 (the routed rounds then add to y and dx).
   Tensor shared_offsets, shared_h, shared_a, shared_da, shared_dh, one;
-  // Precision fp8 (empty otherwise): each expert weight's e4m3 copies for fprop (q_t, scale_t)
-  // and dgrad (q, scale), home slots and spare slots apart; the rows of one GEMM's activation
-  // operand (row_q [cap, max(2F, H)], row_s), and wgrad's two transposed column operands
-  // (col_a, col_b [max(H, 2F), P], their scales and padded offsets).
+  // Precision fp8 (empty otherwise): the echo slots' e4m3 copies of the weights (the home
+  // slots' are in Buffers); the rows of one GEMM's activation operand (row_q [cap, max(2F, H)],
+  // row_s), and wgrad's two transposed column operands (col_a, col_b [max(H, 2F), P], their
+  // scales and padded offsets).
   struct Fp8Weight {
     Tensor q, q_t, s, s_t;
   };
-  Fp8Weight w1_q, w2_q, w1_spare_q, w2_spare_q;
+  Fp8Weight w1_spare_q, w2_spare_q;
   Tensor row_q, row_s, col_a, col_as, col_b, col_bs, col_po, col_po2;
   // Precision fp8's dispatch: x's rows quantized and packed (x_send [T, fp8_packed_row_bytes(H)],
   // the workspace's), landing in recv_red's bytes, fanned out into recv_x's bytes as e4m3 rows
   // recv_xq [cap, H] and their scales recv_xs [cap, ceil(H / 128)].
   Tensor x_send, recv_xq, recv_xs;
+};
 
+// The buffers in use are the StepPart of the current micro-batch (MoeLayer::select_micro_batch
+// copies micro_batches[m] in).
+struct MoeLayer::Buffers : StepPart {
+  // Parameters and gradients of the home experts. w1 and w2 are symmetric (peers pull clones of
+  // them).
+  Tensor router_weight, router_bias, d_router_weight;
+  SymmetricBuffer w1_sym, w2_sym;
+  Tensor w1, w2, dw1, dw2;  // [E/R, ...]
+  // Optimizer state (float dtype), for router weight, w1 home, w2 home; float masters of w1, w2
+  // and the shared experts (MoeConfig::master_weights).
+  Tensor m_router, v_router, m_w1, v_w1, m_w2, v_w2;
+  Tensor master_w1, master_w2, master_sw1, master_sw2;
+  Tensor optimizer_step;  // [1] i32: steps taken, advanced on the device
+  // Shared experts (empty without): weights [1, H, 2S] and [1, S, H], their gradients and AdamW
+  // state.
+  Tensor shared_w1, shared_w2, d_shared_w1, d_shared_w2, m_sw1, v_sw1, m_sw2, v_sw2;
+  // Precision fp8: each home expert weight's e4m3 copies for fprop (q_t, scale_t) and dgrad
+  // (q, scale).
+  Fp8Weight w1_q, w2_q;
+
+  std::vector<StepPart> micro_batches;  // [MoeConfig::in_flight]
   std::vector<void*> owned;
   std::vector<SymmetricBuffer*> symmetric;
   size_t bytes = 0;
@@ -268,27 +284,36 @@ struct MoeWorkspace::Buffers {
   }
 };
 
+int MoeWorkspace::sets_for(const std::vector<MoeConfig>& layers) {
+  int sets = 1;
+  for (const MoeConfig& m : layers) sets = std::max(sets, std::min(m.in_flight, 2));
+  return sets;
+}
+
 MoeWorkspace::MoeWorkspace(Backend& backend, Communicator& comm,
                            const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                            const EchoConfig& echo)
     : backend_(backend), comm_(comm), par_(par), echo_(echo) {
   MOE_ECHO_CHECK(!layers.empty(), "a workspace for no layers: allowed one layer or more");
   for (const MoeConfig& m : layers) validate(m, par, echo);
-  buf_ = std::make_unique<Buffers>();
-  Buffers& b = *buf_;
-  b.size_for(layers, par, echo, backend.activation_dtype(), backend.float_dtype());
-  b.each([&](Buffers::Bytes& x, bool symmetric) {
-    if (x.bytes == 0) return;
-    if (symmetric) {
-      x.sym = comm.alloc_symmetric(backend, x.bytes);
-      b.symmetric.push_back(&x.sym);
-      x.local = x.sym.local;
-    } else {
-      x.local = backend.allocate(x.bytes);
-      b.owned.push_back(x.local);
-    }
-    b.bytes += x.bytes;
-  });
+  sets_.resize(size_t(sets_for(layers)));
+  for (Set& set : sets_) {
+    set.buf = std::make_unique<Buffers>();
+    Buffers& b = *set.buf;
+    b.size_for(layers, par, echo, backend.activation_dtype(), backend.float_dtype());
+    b.each([&](Buffers::Bytes& x, bool symmetric) {
+      if (x.bytes == 0) return;
+      if (symmetric) {
+        x.sym = comm.alloc_symmetric(backend, x.bytes);
+        b.symmetric.push_back(&x.sym);
+        x.local = x.sym.local;
+      } else {
+        x.local = backend.allocate(x.bytes);
+        b.owned.push_back(x.local);
+      }
+      b.bytes += x.bytes;
+    });
+  }
   backend.synchronize();
   comm.barrier();
 }
@@ -310,10 +335,15 @@ void release(Backend& backend, Communicator& comm, const std::vector<SymmetricBu
 }  // namespace
 
 MoeWorkspace::~MoeWorkspace() {
-  if (buf_) release(backend_, comm_, buf_->symmetric, buf_->owned);
+  for (Set& set : sets_)
+    if (set.buf) release(backend_, comm_, set.buf->symmetric, set.buf->owned);
 }
 
-size_t MoeWorkspace::bytes() const { return buf_->bytes; }
+size_t MoeWorkspace::bytes() const {
+  size_t total = 0;
+  for (const Set& set : sets_) total += set.buf->bytes;
+  return total;
+}
 
 size_t MoeWorkspace::memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                                   const EchoConfig& echo, DType activation, DType float_dtype) {
@@ -326,7 +356,9 @@ MoeMemory MoeWorkspace::memory_breakdown(const std::vector<MoeConfig>& layers,
   for (const MoeConfig& m : layers) validate(m, par, echo);
   Buffers b;
   b.size_for(layers, par, echo, activation, float_dtype);
-  return b.memory();
+  MoeMemory one = b.memory(), all;
+  for (int i = 0; i < sets_for(layers); ++i) all += one;
+  return all;
 }
 
 MoeMemory& MoeMemory::operator+=(const MoeMemory& o) {
@@ -456,7 +488,7 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
   if (s.moe.precision == Precision::fp8) {
     alloc.part(&MoeMemory::fp8);
     auto weight = [&](int64_t slabs, int64_t k, int64_t n) {
-      MoeLayer::Buffers::Fp8Weight w;
+      StepPart::Fp8Weight w;
       if (slabs == 0) return w;
       w.q = dev(DType::e4m3, {slabs, k, n});
       w.q_t = dev(DType::e4m3, {slabs, n, k});
@@ -502,10 +534,10 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
   }
   // The echo slots' e4m3 copies: [S, K, N] slabs as Fp8Weight (q, q_t, s, s_t).
   auto weight = [&](const MoeWorkspace::Buffers::Fp8WeightBytes& x, int64_t K, int64_t N) {
-    return MoeLayer::Buffers::Fp8Weight{view(x.q, DType::e4m3, {s.S, K, N}),
-                                        view(x.q_t, DType::e4m3, {s.S, N, K}),
-                                        view(x.s, DType::f32, {s.S, fp8_tiles(K), fp8_tiles(N)}),
-                                        view(x.s_t, DType::f32, {s.S, fp8_tiles(N), fp8_tiles(K)})};
+    return StepPart::Fp8Weight{view(x.q, DType::e4m3, {s.S, K, N}),
+                               view(x.q_t, DType::e4m3, {s.S, N, K}),
+                               view(x.s, DType::f32, {s.S, fp8_tiles(K), fp8_tiles(N)}),
+                               view(x.s_t, DType::f32, {s.S, fp8_tiles(N), fp8_tiles(K)})};
   };
   if (s.S > 0 && fp8_w1(moe)) b.w1_spare_q = weight(w.fp8_w1s, s.H, 2 * s.F);
   if (s.S > 0 && fp8_w2(moe)) b.w2_spare_q = weight(w.fp8_w2s, s.F, s.H);
@@ -591,12 +623,18 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
     need.size_for({moe}, par, echo, backend.activation_dtype(), backend.float_dtype());
     std::vector<size_t> needed, held;
     need.each([&](MoeWorkspace::Buffers::Bytes& x, bool) { needed.push_back(x.bytes); });
-    workspace->buf_->each([&](MoeWorkspace::Buffers::Bytes& x, bool) { held.push_back(x.bytes); });
+    workspace->sets_[0].buf->each(
+        [&](MoeWorkspace::Buffers::Bytes& x, bool) { held.push_back(x.bytes); });
     for (size_t i = 0; i < needed.size(); ++i)
       MOE_ECHO_CHECK(needed[i] <= held[i], "workspace buffer of "
                                                << held[i] << " bytes where this layer needs "
                                                << needed[i]
                                                << ": build the workspace for this layer's config");
+    MOE_ECHO_CHECK(workspace->sets() >= MoeWorkspace::sets_for({moe}),
+                   "workspace of " << workspace->sets() << " set(s) of buffers for a layer of "
+                                   << "in_flight = " << moe.in_flight
+                                   << ", which needs 2: build the workspace for this layer's "
+                                      "config");
     ws_ = workspace;
   } else {
     own_workspace_ =
@@ -638,43 +676,64 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
     view.data = sb.local;
     return view;
   };
-  declare_buffers(b,
-                  {moe, par, planner_, slots_, capacity_, rounds_, backend.activation_dtype(),
-                   backend.float_dtype(), optimizer_state},
-                  alloc);
-  bind_workspace(b, *ws_->buf_, moe, par, echo, backend.activation_dtype(), backend.float_dtype());
-
-  for (Tensor* t : {&b.w1,
-                    &b.w2,
-                    &b.dw1,
-                    &b.dw2,
-                    &b.d_router_weight,
-                    &b.router_bias,
-                    &b.m_router,
-                    &b.v_router,
-                    &b.m_w1,
-                    &b.v_w1,
-                    &b.m_w2,
-                    &b.v_w2,
-                    &b.optimizer_step,
-                    &b.losses,
-                    &b.counts,
-                    &b.routing_map,
-                    &b.plan,
-                    &b.group_offsets,
-                    &b.rank_rows,
-                    &b.round_active,
-                    &b.d_shared_w1,
-                    &b.d_shared_w2,
-                    &b.m_sw1,
-                    &b.v_sw1,
-                    &b.m_sw2,
-                    &b.v_sw2})
-    if (t->data) backend.fill_zero(*t, nullptr);
-  if (b.one.data) {
-    write_tensor(backend, b.one, std::vector<double>{1.0});
-    write_tensor(backend, b.shared_offsets, std::vector<double>{0.0, double(moe.max_tokens)});
+  const BufferShapes shapes{moe,
+                            par,
+                            planner_,
+                            slots_,
+                            capacity_,
+                            rounds_,
+                            backend.activation_dtype(),
+                            backend.float_dtype(),
+                            optimizer_state};
+  declare_buffers(b, shapes, alloc);
+  // Micro-batch 0's part is the one just declared; the others get their own routing,
+  // activations and temporaries (the parts of the other MoeMemory fields are not allocated).
+  b.micro_batches.resize(size_t(moe.in_flight));
+  for (int m = 0; m < moe.in_flight; ++m) {
+    Buffers part;
+    if (m == 0) {
+      part = b;  // (its StepPart only is kept)
+    } else {
+      auto current = std::make_shared<size_t MoeMemory::*>(&MoeMemory::params);
+      Allocator per_step;
+      per_step.part = [current](size_t MoeMemory::*p) { *current = p; };
+      auto own = [current]() {
+        return *current == &MoeMemory::routing || *current == &MoeMemory::activations ||
+               *current == &MoeMemory::temporaries;
+      };
+      per_step.dev = [&, own](DType t, std::initializer_list<int64_t> dims) {
+        return own() ? alloc.dev(t, dims) : Tensor(nullptr, t, dims);
+      };
+      per_step.sym = [&, own](SymmetricBuffer& sb, DType t, std::initializer_list<int64_t> dims) {
+        return own() ? alloc.sym(sb, t, dims) : Tensor(nullptr, t, dims);
+      };
+      declare_buffers(part, shapes, per_step);
+    }
+    bind_workspace(part, *ws_->sets_[size_t(m % ws_->sets())].buf, moe, par, echo,
+                   backend.activation_dtype(), backend.float_dtype());
+    StepPart& kept = b.micro_batches[size_t(m)];
+    kept = static_cast<const StepPart&>(part);
+    // The one symmetric buffer a StepPart owns (recv_x, when kept) is released through the kept
+    // copy (buf_'s own StepPart is overwritten by select_micro_batch).
+    for (SymmetricBuffer*& sb : b.symmetric)
+      if (sb == &(m == 0 ? b : part).recv_x_sym) sb = &kept.recv_x_sym;
   }
+
+  for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
+                    &b.v_router, &b.m_w1, &b.v_w1, &b.m_w2, &b.v_w2, &b.optimizer_step,
+                    &b.d_shared_w1, &b.d_shared_w2, &b.m_sw1, &b.v_sw1, &b.m_sw2, &b.v_sw2})
+    if (t->data) backend.fill_zero(*t, nullptr);
+  for (StepPart& p : b.micro_batches) {
+    for (Tensor* t : {&p.losses, &p.counts, &p.routing_map, &p.plan, &p.group_offsets, &p.rank_rows,
+                      &p.round_active})
+      backend.fill_zero(*t, nullptr);
+    if (p.one.data) {
+      write_tensor(backend, p.one, std::vector<double>{1.0});
+      write_tensor(backend, p.shared_offsets, std::vector<double>{0.0, double(moe.max_tokens)});
+    }
+  }
+  flights_.resize(size_t(moe.in_flight));
+  select_micro_batch(0, "MoeLayer");
   init_parameters(seed);
   refresh_master_weights();
   backend.synchronize();
@@ -693,8 +752,11 @@ void MoeLayer::refresh_master_weights() {
 
 MoeLayer::~MoeLayer() {
   if (!buf_) return;
-  if (ws_ && ws_->pool_owner_ == this) ws_->pool_owner_ = nullptr;
-  if (ws_ && ws_->split_owner_ == this) ws_->split_owner_ = nullptr;
+  if (ws_)
+    for (MoeWorkspace::Set& set : ws_->sets_) {
+      if (set.pool_owner.layer == this) set.pool_owner = {};
+      if (set.split_owner.layer == this) set.split_owner = {};
+    }
   release(backend_, comm_, buf_->symmetric, buf_->owned);
 }
 
@@ -756,13 +818,13 @@ Tensor MoeLayer::grad(Param p) const {
 }
 
 void MoeLayer::discard_grad(Stream s) {
-  check_no_split("discard_grad", false);
+  check_no_split("discard_grad", false, true);
   backend_.fill_zero(buf_->d_router_weight, s);
   grads_zeroed_ = true;
 }
 
 void MoeLayer::zero_grad(Stream s) {
-  check_no_split("zero_grad", false);
+  check_no_split("zero_grad", false, true);
   backend_.fill_zero(buf_->d_router_weight, s);
   backend_.fill_zero(buf_->dw1, s);
   backend_.fill_zero(buf_->dw2, s);
@@ -782,7 +844,7 @@ void MoeLayer::all_reduce_router_grad(Stream s) {
 }
 
 void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
-  check_no_split("optimizer_step", false);
+  check_no_split("optimizer_step", false, true);
   Buffers& b = *buf_;
   MOE_ECHO_CHECK(
       b.m_router.data != nullptr,
@@ -827,6 +889,10 @@ MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelC
                   {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
                    max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
                   counting_allocator(memory));
+  // Each micro-batch in flight has its own routing, activations and temporaries.
+  memory.routing *= size_t(moe.in_flight);
+  memory.activations *= size_t(moe.in_flight);
+  memory.temporaries *= size_t(moe.in_flight);
   return memory;
 }
 
@@ -1071,28 +1137,62 @@ void MoeLayer::pull_clones(Stream s) {
                            b.w2.row_numel() * dtype_size(b.w2.dtype), s);
 }
 
-void MoeLayer::check_no_split(const char* call, bool workspace) const {
-  MOE_ECHO_CHECK(split_phase_ == SplitPhase::none,
-                 call << ": this layer is between the phases of a split "
-                      << (split_phase_ == SplitPhase::forward_dispatched ||
-                                  split_phase_ == SplitPhase::forward_experts_done
-                              ? "forward (forward_dispatch without its forward_combine)"
-                              : "backward (backward_dispatch without its backward_combine)"));
-  MOE_ECHO_CHECK(!workspace || ws_->split_owner_ == nullptr || ws_->split_owner_ == this,
-                 call << ": another layer sharing this layer's workspace is between the phases of "
-                         "a split forward or backward (its receive windows and echo slots are in "
-                         "use until its combine)");
+namespace {
+void check_micro_batch(int m, const MoeConfig& moe, const char* call) {
+  MOE_ECHO_CHECK(m >= 0 && m < moe.in_flight,
+                 call << ": micro_batch = " << m << " is invalid: allowed 0 to "
+                      << moe.in_flight - 1 << " (MoeConfig::in_flight = " << moe.in_flight << ")");
+}
+}  // namespace
+
+void MoeLayer::select_micro_batch(int m, const char* call) {
+  check_micro_batch(m, moe_, call);
+  cur_ = m;
+  fl_ = &flights_[size_t(m)];
+  static_cast<StepPart&>(*buf_) = buf_->micro_batches[size_t(m)];
+}
+
+namespace {
+const char* split_name(bool forward) {
+  return forward ? "forward (forward_dispatch without its forward_combine)"
+                 : "backward (backward_dispatch without its backward_combine)";
+}
+}  // namespace
+
+void MoeLayer::check_no_split(const char* call, bool workspace, bool all_micro_batches) const {
+  for (int m = 0; m < moe_.in_flight; ++m) {
+    if (m != cur_ && !all_micro_batches) continue;
+    const SplitPhase p = flights_[size_t(m)].split_phase;
+    MOE_ECHO_CHECK(p == SplitPhase::none,
+                   call << ": micro-batch " << m << " of this layer is between the phases of a "
+                        << "split "
+                        << split_name(p == SplitPhase::forward_dispatched ||
+                                      p == SplitPhase::forward_experts_done));
+  }
+  const MoeWorkspace::User owner = ws_set().split_owner;
+  if (!workspace || owner.layer == nullptr || owner == user()) return;
+  if (owner.layer == this)
+    throw Error(std::string(call) + ": micro-batch " + std::to_string(owner.micro_batch) +
+                " of this layer, sharing micro-batch " + std::to_string(cur_) +
+                "'s workspace set (micro_batch % 2), is between the phases of a split forward or "
+                "backward (the set's receive windows and echo slots are in use until its "
+                "combine)");
+  throw Error(std::string(call) +
+              ": another layer sharing this micro-batch's workspace set is between the phases of "
+              "a split forward or backward (its micro-batch " +
+              std::to_string(owner.micro_batch) +
+              "; the set's receive windows and echo slots are in use until its combine)");
 }
 
 void MoeLayer::expect_phase(SplitPhase want, const char* call) const {
   static const char* const calls[] = {"", "forward_dispatch", "forward_experts",
                                       "backward_dispatch", "backward_experts"};
-  static const char* const states[] = {"no split forward or backward under way",
+  static const char* const states[] = {"with no split forward or backward under way",
                                        "after forward_dispatch", "after forward_experts",
                                        "after backward_dispatch", "after backward_experts"};
-  MOE_ECHO_CHECK(split_phase_ == want, call << " must follow " << calls[int(want)]
-                                            << " of this layer; the layer is "
-                                            << states[int(split_phase_)]);
+  MOE_ECHO_CHECK(fl_->split_phase == want, call << " must follow " << calls[int(want)]
+                                                << " of this layer and micro-batch; micro-batch "
+                                                << cur_ << " is " << states[int(fl_->split_phase)]);
 }
 
 void MoeLayer::begin_forward(const Tensor& x, const Tensor& y, bool split) {
@@ -1101,21 +1201,23 @@ void MoeLayer::begin_forward(const Tensor& x, const Tensor& y, bool split) {
   check_tensor(y, "y", backend_.activation_dtype(), {T, H});
   MOE_ECHO_CHECK(T <= moe_.max_tokens,
                  "x has " << T << " tokens, more than max_tokens = " << moe_.max_tokens);
-  last_tokens_ = T;
-  last_x_ = x;  // the router backward and spill-round recompute read it again
-  forward_pending_ = true;
-  step_ = Step{};
-  step_.x = x;
-  step_.y = y;
-  step_.T = T;
-  step_.quantize_home = fp8_weights(moe_) && fp8_weights_stale_;
-  step_.split = split;
+  fl_->last_tokens = T;
+  fl_->last_x = x;  // the router backward and spill-round recompute read it again
+  last_forward_ = cur_;
+  fl_->forward_pending = true;
+  fl_->step = Step{};
+  fl_->step.x = x;
+  fl_->step.y = y;
+  fl_->step.T = T;
+  fl_->step.quantize_home = fp8_weights(moe_) && fp8_weights_stale_;
+  fl_->step.split = split;
 }
 
-void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
+void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "forward");
   check_no_split("forward");
   begin_forward(x, y, false);
-  const Step& st = step_;
+  const Step& st = fl_->step;
   auto ops = [&](Stream g) {
     forward_dispatch_ops(st, g);
     forward_experts_ops(st, g);
@@ -1123,19 +1225,19 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s) {
   };
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        forward_graph_,
+        fl_->forward_graph,
         {address(x.data), address(y.data), uint64_t(st.T), uint64_t(st.quantize_home)}, ops, s);
   else
     ops(s);
   if (st.quantize_home) fp8_weights_stale_ = false;
-  ws_->pool_owner_ = this;  // the forward pulled this layer's clones into the echo slots
+  ws_set().pool_owner = user();  // the forward pulled this micro-batch's clones into the slots
 }
 
 void MoeLayer::enqueue_phase(int phase, const std::function<void(Stream)>& ops, Stream s) {
-  const Step& st = step_;
+  const Step& st = fl_->step;
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        phase_graphs_[phase],
+        fl_->phase_graphs[phase],
         {address(st.x.data), address(st.y.data), address(st.dy.data), address(st.dx.data),
          uint64_t(st.T), uint64_t(st.quantize_home), uint64_t(st.overwrite_grads),
          uint64_t(st.overwrite_shared), uint64_t(st.repull), address(st.into.dw1.data),
@@ -1145,30 +1247,33 @@ void MoeLayer::enqueue_phase(int phase, const std::function<void(Stream)>& ops, 
     ops(s);
 }
 
-void MoeLayer::forward_dispatch(const Tensor& x, const Tensor& y, Stream s) {
+void MoeLayer::forward_dispatch(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "forward_dispatch");
   check_no_split("forward_dispatch");
   begin_forward(x, y, true);
-  ws_->split_owner_ = this;
-  split_phase_ = SplitPhase::forward_dispatched;
+  ws_set().split_owner = user();
+  fl_->split_phase = SplitPhase::forward_dispatched;
   enqueue_phase(
-      0, [&](Stream g) { forward_dispatch_ops(step_, g); }, s);
-  if (step_.quantize_home) fp8_weights_stale_ = false;
-  ws_->pool_owner_ = this;
+      0, [&](Stream g) { forward_dispatch_ops(fl_->step, g); }, s);
+  if (fl_->step.quantize_home) fp8_weights_stale_ = false;
+  ws_set().pool_owner = user();
 }
 
-void MoeLayer::forward_experts(Stream s) {
+void MoeLayer::forward_experts(Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "forward_experts");
   expect_phase(SplitPhase::forward_dispatched, "forward_experts");
-  split_phase_ = SplitPhase::forward_experts_done;
+  fl_->split_phase = SplitPhase::forward_experts_done;
   enqueue_phase(
-      1, [&](Stream g) { forward_experts_ops(step_, g); }, s);
+      1, [&](Stream g) { forward_experts_ops(fl_->step, g); }, s);
 }
 
-void MoeLayer::forward_combine(Stream s) {
+void MoeLayer::forward_combine(Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "forward_combine");
   expect_phase(SplitPhase::forward_experts_done, "forward_combine");
   enqueue_phase(
-      2, [&](Stream g) { forward_combine_ops(step_, g); }, s);
-  split_phase_ = SplitPhase::none;
-  ws_->split_owner_ = nullptr;
+      2, [&](Stream g) { forward_combine_ops(fl_->step, g); }, s);
+  fl_->split_phase = SplitPhase::none;
+  ws_set().split_owner = {};
 }
 
 bool MoeLayer::shared_beside_experts(const Step& st, bool forward) const {
@@ -1297,7 +1402,7 @@ void MoeLayer::shared_backward(const Tensor& dy, const Tensor& dx, int64_t T, bo
   backend_.gemm_wgrad({gw, b.shared_a, dy, b.d_shared_w2, !overwrite_grads}, s);
   backend_.swiglu_backward({gw, b.shared_h, b.shared_a, b.shared_da, b.shared_dh}, s);
   backend_.gemm_dgrad({gw, b.shared_dh, b.shared_w1, dx}, s);
-  backend_.gemm_wgrad({gw, last_x_, b.shared_dh, b.d_shared_w1, !overwrite_grads}, s);
+  backend_.gemm_wgrad({gw, fl_->last_x, b.shared_dh, b.d_shared_w1, !overwrite_grads}, s);
 }
 
 RowRoute MoeLayer::route(int64_t T) const {
@@ -1383,15 +1488,18 @@ void MoeLayer::round_combine(int round, const Tensor& y, int64_t T, const int32_
                 b.fan, nullptr, s);
 }
 
-void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream s) {
-  check_tensor(x, "x", backend_.activation_dtype(), {last_tokens_, moe_.hidden});
-  last_x_ = x;
-  backward(dy, dx, s);
+void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream s,
+                        int micro_batch) {
+  select_micro_batch(micro_batch, "backward");
+  check_tensor(x, "x", backend_.activation_dtype(), {fl_->last_tokens, moe_.hidden});
+  fl_->last_x = x;
+  backward(dy, dx, s, micro_batch);
 }
 
 void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx,
-                             const ExpertGrads& into, Stream s) {
-  check_tensor(x, "x", backend_.activation_dtype(), {last_tokens_, moe_.hidden});
+                             const ExpertGrads& into, Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "backward_into");
+  check_tensor(x, "x", backend_.activation_dtype(), {fl_->last_tokens, moe_.hidden});
   const int64_t EPR = moe_.experts / par_.ep_size, H = moe_.hidden, F = moe_.ffn;
   check_tensor(into.dw1, "dw1", backend_.float_dtype(), {EPR, H, 2 * F});
   check_tensor(into.dw2, "dw2", backend_.float_dtype(), {EPR, F, H});
@@ -1399,49 +1507,58 @@ void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx
                      reinterpret_cast<uintptr_t>(into.dw2.data) % 16 == 0,
                  "backward_into: dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
                                           << " must be 16-byte aligned");
-  last_x_ = x;
-  backward_impl(dy, dx, into, s);
+  fl_->last_x = x;
+  backward_impl(dy, dx, into, s, micro_batch);
 }
 
-Tensor MoeLayer::plan_buffer() const { return buf_->plan; }
-Tensor MoeLayer::losses() const { return buf_->losses; }
+Tensor MoeLayer::plan_buffer(int m) const {
+  check_micro_batch(m, moe_, "plan_buffer");
+  return buf_->micro_batches[size_t(m)].plan;
+}
+Tensor MoeLayer::losses(int m) const {
+  check_micro_batch(m, moe_, "losses");
+  return buf_->micro_batches[size_t(m)].losses;
+}
 
-void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s) {
-  backward_impl(dy, dx, ExpertGrads{}, s);
+void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
+  backward_impl(dy, dx, ExpertGrads{}, s, micro_batch);
 }
 
 void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
                               bool split) {
-  const int64_t T = last_tokens_, H = moe_.hidden;
-  MOE_ECHO_CHECK(forward_pending_,
-                 "backward without a forward before it (each forward takes "
-                 "one backward; a second backward needs a new forward)");
+  const int64_t T = fl_->last_tokens, H = moe_.hidden;
+  MOE_ECHO_CHECK(fl_->forward_pending,
+                 "backward of micro-batch "
+                     << cur_
+                     << " without a forward of it before (each "
+                        "forward takes one backward; a second backward needs a new forward)");
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
-  forward_pending_ = false;
-  step_ = Step{};
-  step_.x = last_x_;
-  step_.dy = dy;
-  step_.dx = dx;
-  step_.T = T;
-  step_.into = into;
-  step_.split = split;
+  fl_->forward_pending = false;
+  fl_->step = Step{};
+  fl_->step.x = fl_->last_x;
+  fl_->step.dy = dy;
+  fl_->step.dx = dx;
+  fl_->step.T = T;
+  fl_->step.into = into;
+  fl_->step.split = split;
   // Expert gradients written elsewhere leave the layer's stale (a later backward() writes them
   // instead of adding to them); the shared experts' stay in the layer and accumulate as usual.
-  step_.overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
-  step_.overwrite_shared = grads_zeroed_;
+  fl_->step.overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
+  fl_->step.overwrite_shared = grads_zeroed_;
   grads_zeroed_ = false;
   expert_grads_stale_ = into.dw1.data != nullptr;
-  // Another layer's forward or backward used the echo slots since this layer's forward: pull this
-  // layer's clones again.
-  step_.repull = planner_.spare_slots > 0 && ws_->pool_owner_ != this;
+  // Another micro-batch's or layer's forward or backward used the echo slots since this
+  // micro-batch's forward: pull its clones again.
+  fl_->step.repull = planner_.spare_slots > 0 && !(ws_set().pool_owner == user());
 }
 
-void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
-                             Stream s) {
+void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s,
+                             int micro_batch) {
+  select_micro_batch(micro_batch, "backward");
   check_no_split("backward");
   begin_backward(dy, dx, into, false);
-  const Step& st = step_;
+  const Step& st = fl_->step;
   auto ops = [&](Stream g) {
     backward_dispatch_ops(st, g);
     backward_experts_ops(st, g);
@@ -1449,39 +1566,42 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
   };
   if (eager_graphs())
     backend_.enqueue_as_graph(
-        backward_graph_,
+        fl_->backward_graph,
         {address(st.x.data), address(dy.data), address(dx.data), uint64_t(st.T),
          uint64_t(st.overwrite_grads), uint64_t(st.overwrite_shared), address(into.dw1.data),
          address(into.dw2.data), uint64_t(st.repull)},
         ops, s);
   else
     ops(s);
-  ws_->pool_owner_ = this;
+  ws_set().pool_owner = user();
 }
 
-void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s) {
+void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "backward_dispatch");
   check_no_split("backward_dispatch");
   begin_backward(dy, dx, ExpertGrads{}, true);
-  ws_->split_owner_ = this;
-  split_phase_ = SplitPhase::backward_dispatched;
+  ws_set().split_owner = user();
+  fl_->split_phase = SplitPhase::backward_dispatched;
   enqueue_phase(
-      3, [&](Stream g) { backward_dispatch_ops(step_, g); }, s);
-  ws_->pool_owner_ = this;
+      3, [&](Stream g) { backward_dispatch_ops(fl_->step, g); }, s);
+  ws_set().pool_owner = user();
 }
 
-void MoeLayer::backward_experts(Stream s) {
+void MoeLayer::backward_experts(Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "backward_experts");
   expect_phase(SplitPhase::backward_dispatched, "backward_experts");
-  split_phase_ = SplitPhase::backward_experts_done;
+  fl_->split_phase = SplitPhase::backward_experts_done;
   enqueue_phase(
-      4, [&](Stream g) { backward_experts_ops(step_, g); }, s);
+      4, [&](Stream g) { backward_experts_ops(fl_->step, g); }, s);
 }
 
-void MoeLayer::backward_combine(Stream s) {
+void MoeLayer::backward_combine(Stream s, int micro_batch) {
+  select_micro_batch(micro_batch, "backward_combine");
   expect_phase(SplitPhase::backward_experts_done, "backward_combine");
   enqueue_phase(
-      5, [&](Stream g) { backward_combine_ops(step_, g); }, s);
-  split_phase_ = SplitPhase::none;
-  ws_->split_owner_ = nullptr;
+      5, [&](Stream g) { backward_combine_ops(fl_->step, g); }, s);
+  fl_->split_phase = SplitPhase::none;
+  ws_set().split_owner = {};
 }
 
 // Round 0 writes dx, spill rounds add to it; then the router adds its part. After zero_grad,
@@ -1585,7 +1705,7 @@ void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, S
   const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
   const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
   if (rc != Recompute::none) mark(round, "bwd_recompute", s);
-  if (rc == Recompute::dispatch) dispatch_tokens(round, last_x_, T, s);
+  if (rc == Recompute::dispatch) dispatch_tokens(round, fl_->last_x, T, s);
   if (rc == Recompute::dispatch || rc == Recompute::experts) fc1_forward(gw, s);
   if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
   if (rc == Recompute::dispatch || rc == Recompute::experts)
@@ -1655,8 +1775,10 @@ void MoeLayer::round_backward_combine(int round, const Tensor& dx, int64_t T,
                 b.fan, b.d_topk_weight.data, s);
 }
 
-StepStats MoeLayer::stats() const {
-  Buffers& b = *buf_;
+StepStats MoeLayer::stats(int micro_batch) const {
+  const int m = micro_batch < 0 ? last_forward_ : micro_batch;
+  check_micro_batch(m, moe_, "stats");
+  const StepPart& b = buf_->micro_batches[size_t(m)];
   StepStats st;
   const auto losses = read_tensor(backend_, b.losses);
   st.aux_loss = losses[0];
@@ -1699,7 +1821,7 @@ StepStats MoeLayer::stats() const {
       std::count_if(round_active.begin(), round_active.end(), [](int32_t a) { return a != 0; });
   st.spill_rounds = std::max(0, int(active) - 1);
   // Distinct destination ranks of each token's K rows.
-  const int64_t T = last_tokens_, K = moe_.top_k;
+  const int64_t T = flights_[size_t(m)].last_tokens, K = moe_.top_k;
   std::vector<int32_t> dest(static_cast<size_t>(T * K));
   backend_.copy_to_host(dest.data(), b.dest_rank.data, dest.size() * sizeof(int32_t));
   int64_t ranks_sum = 0;

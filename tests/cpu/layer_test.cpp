@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -697,6 +698,206 @@ void expect_error(F call, const std::string& what) {
   }
 }
 
+// Micro-batches of one layer on R in-process ranks, run by a schedule of calls: "F2" a whole
+// forward of micro-batch 2, "B2" its whole backward, "f2d" / "f2e" / "f2c" its forward's
+// dispatch, experts and combine phases, "b2d" / "b2e" / "b2c" its backward's. Micro-batch k
+// runs in the layer's in-flight slot k % in_flight. One zero_grad before; the gradients
+// accumulate over the backwards.
+struct MicroBatchRun {
+  std::vector<std::vector<std::vector<double>>> y, dx;     // [micro-batch][rank]
+  std::vector<std::vector<double>> d_router, d_shared_w1;  // [rank]
+  std::vector<double> dw1, dw2;                            // all experts
+  int clones = 0, spill_rounds = 0;
+};
+
+MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, int micro_batches,
+                                const std::vector<std::string>& schedule) {
+  const int R = c.ranks;
+  const int64_t H = c.moe.hidden, F = c.moe.ffn, E = c.moe.experts, EPR = E / R,
+                T = c.moe.max_tokens;
+  MicroBatchRun out;
+  out.y.assign(size_t(micro_batches), std::vector<std::vector<double>>(size_t(R)));
+  out.dx = out.y;
+  out.d_router.resize(size_t(R));
+  out.d_shared_w1.resize(size_t(R));
+  out.dw1.assign(size_t(E * H * 2 * F), 0.0);
+  out.dw2.assign(size_t(E * F * H), 0.0);
+  std::vector<StepStats> stats(static_cast<size_t>(R));
+  InProcessWorld world(R);
+  world.run([&](int r) {
+    auto be = make_cpu_backend(c.dtype);
+    MoeLayer layer(*be, world.communicator(r), c.moe, ParallelConfig{R, r}, c.echo, c.seed);
+    const size_t w1n = size_t(H * 2 * F), w2n = size_t(F * H);
+    write_tensor(*be, layer.param(Param::router_weight), params.router_weight);
+    write_tensor(*be, layer.param(Param::w1),
+                 std::vector<double>(params.w1.begin() + r * EPR * w1n,
+                                     params.w1.begin() + (r + 1) * EPR * w1n));
+    write_tensor(*be, layer.param(Param::w2),
+                 std::vector<double>(params.w2.begin() + r * EPR * w2n,
+                                     params.w2.begin() + (r + 1) * EPR * w2n));
+    std::vector<std::vector<double>> host;
+    std::vector<Tensor> x, y, g, dx;
+    auto tensor = [&](uint64_t seed) {
+      Tensor t(nullptr, be->activation_dtype(), {T, H});
+      t.data = be->allocate(t.bytes());
+      write_tensor(*be, t,
+                   seed ? random_values(size_t(T * H), seed) : std::vector<double>(T * H, 1e30));
+      return t;
+    };
+    for (int k = 0; k < micro_batches; ++k) {
+      x.push_back(tensor(1000 + 17 * uint64_t(k) + uint64_t(r)));
+      g.push_back(tensor(5000 + 17 * uint64_t(k) + uint64_t(r)));
+      y.push_back(tensor(0));
+      dx.push_back(tensor(0));
+    }
+    layer.zero_grad();
+    for (const std::string& op : schedule) {
+      const char kind = op[0];
+      const size_t k = size_t(op[1] - '0');
+      const int m = int(k) % c.moe.in_flight;
+      const char phase = op.size() > 2 ? op[2] : 'w';
+      if (kind == 'F') layer.forward(x[k], y[k], nullptr, m);
+      if (kind == 'B') layer.backward(g[k], dx[k], nullptr, m);
+      if (kind == 'f' && phase == 'd') layer.forward_dispatch(x[k], y[k], nullptr, m);
+      if (kind == 'f' && phase == 'e') layer.forward_experts(nullptr, m);
+      if (kind == 'f' && phase == 'c') layer.forward_combine(nullptr, m);
+      if (kind == 'b' && phase == 'd') layer.backward_dispatch(g[k], dx[k], nullptr, m);
+      if (kind == 'b' && phase == 'e') layer.backward_experts(nullptr, m);
+      if (kind == 'b' && phase == 'c') layer.backward_combine(nullptr, m);
+      if (kind == 'F' || (kind == 'f' && phase == 'd')) {
+        const StepStats st = layer.stats(m);
+        stats[size_t(r)].clones = std::max(stats[size_t(r)].clones, st.clones);
+        stats[size_t(r)].spill_rounds += st.spill_rounds;
+      }
+    }
+    for (int k = 0; k < micro_batches; ++k) {
+      out.y[size_t(k)][size_t(r)] = read_tensor(*be, y[size_t(k)]);
+      out.dx[size_t(k)][size_t(r)] = read_tensor(*be, dx[size_t(k)]);
+    }
+    out.d_router[size_t(r)] = read_tensor(*be, layer.grad(Param::router_weight));
+    if (shared_width(c.moe) > 0)
+      out.d_shared_w1[size_t(r)] = read_tensor(*be, layer.grad(Param::shared_w1));
+    const auto dw1 = read_tensor(*be, layer.grad(Param::w1));
+    const auto dw2 = read_tensor(*be, layer.grad(Param::w2));
+    std::copy(dw1.begin(), dw1.end(), out.dw1.begin() + r * EPR * w1n);
+    std::copy(dw2.begin(), dw2.end(), out.dw2.begin() + r * EPR * w2n);
+    for (auto* v : {&x, &y, &g, &dx})
+      for (Tensor& t : *v) be->deallocate(t.data);
+  });
+  for (const StepStats& st : stats) {
+    out.clones = std::max(out.clones, st.clones);
+    out.spill_rounds += st.spill_rounds;
+  }
+  return out;
+}
+
+// Several micro-batches in flight (MoeConfig::in_flight) give the bits of one at a time: a
+// pipeline schedule's forwards all before their backwards, and a combined 1F1B schedule that
+// interleaves one micro-batch's forward phases with another's backward phases (slots reused
+// once a backward is done). With clones and spill rounds, shared experts on the side stream with
+// the weight-gradient overlap, and recompute of the dispatch.
+TEST(Layer, MicroBatchesInFlightGiveTheBitsOfOneAtATime) {
+  struct Case {
+    const char* name;
+    std::function<void(LayerCase&)> set;
+    bool spill;
+  };
+  const std::vector<Case> cases = {
+      {"clones and spill rounds", [](LayerCase& c) { c.echo.capacity_factor = 0.4; }, true},
+      {"shared experts on the side stream, overlap wgrad",
+       [](LayerCase& c) {
+         c.moe.shared_experts = 1;
+         c.moe.shared_ffn = 4;
+         c.moe.shared_side_stream = true;
+         c.moe.overlap = Overlap::wgrad;
+       },
+       false},
+      {"recompute dispatch, spill rounds",
+       [](LayerCase& c) {
+         c.moe.recompute = Recompute::dispatch;
+         c.echo.capacity_factor = 0.4;
+       },
+       true},
+  };
+  const std::vector<std::string> one_at_a_time = {"F0", "B0", "F1", "B1", "F2", "B2"};
+  const std::vector<std::string> pipeline = {"F0", "F1", "F2", "B0", "B1", "B2"};
+  const std::vector<std::string> combined = {
+      "f0d", "f0e", "f0c",                       // warm-up forward
+      "f1d", "b0d", "f1e", "b0e", "f1c", "b0c",  // forward 1 beside backward 0
+      "f2d", "b1d", "f2e", "b1e", "f2c", "b1c",  // forward 2 (slot 0 again) beside 1
+      "b2d", "b2e", "b2c"};                      // cool-down backward
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    LayerCase base;
+    base.moe = small_moe(16, 2, 32);
+    base.ranks = 4;
+    base.echo.spare_slots_per_rank = 2;
+    k.set(base);
+    const SkewedInput in = skewed(base, 32, 1.5, 31);
+    const MicroBatchRun a = run_micro_batches(base, in.params, 3, one_at_a_time);
+    EXPECT_GT(a.clones, 0);
+    EXPECT_EQ(a.spill_rounds > 0, k.spill) << "spill rounds " << a.spill_rounds;
+    for (int in_flight : {3, 2}) {
+      LayerCase c = base;
+      c.moe.in_flight = in_flight;
+      const MicroBatchRun b =
+          run_micro_batches(c, in.params, 3, in_flight == 3 ? pipeline : combined);
+      SCOPED_TRACE("in_flight " + std::to_string(in_flight));
+      for (size_t mb = 0; mb < 3; ++mb)
+        for (size_t r = 0; r < 4; ++r) {
+          EXPECT_EQ(b.y[mb][r], a.y[mb][r]) << "y of micro-batch " << mb << ", rank " << r;
+          EXPECT_EQ(b.dx[mb][r], a.dx[mb][r]) << "dx of micro-batch " << mb << ", rank " << r;
+        }
+      for (size_t r = 0; r < 4; ++r) {
+        EXPECT_EQ(b.d_router[r], a.d_router[r]) << "router gradient, rank " << r;
+        EXPECT_EQ(b.d_shared_w1[r], a.d_shared_w1[r]) << "shared w1 gradient, rank " << r;
+      }
+      EXPECT_EQ(b.dw1, a.dw1);
+      EXPECT_EQ(b.dw2, a.dw2);
+      EXPECT_EQ(b.spill_rounds, a.spill_rounds);
+    }
+  }
+}
+
+// A micro-batch outside in_flight is refused by name; two splits of one workspace set (micro
+// batches 0 and 2) may not interleave; nothing is left half done.
+TEST(Layer, MicroBatchesOutOfRangeOrSharingASetAreRefusedByName) {
+  auto be = make_cpu_backend(DType::f32);
+  InProcessWorld world(1);
+  MoeConfig m = small_moe();
+  m.in_flight = 3;
+  MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, EchoConfig{});
+  auto floats = [](const std::vector<double>& v) { return std::vector<float>(v.begin(), v.end()); };
+  std::vector<float> xh = floats(random_values(4 * 16, 3)), dyh = floats(random_values(4 * 16, 4));
+  std::vector<float> y0(4 * 16), y2(4 * 16), dx0(4 * 16);
+  Tensor x(xh.data(), DType::f32, {4, 16}), dy(dyh.data(), DType::f32, {4, 16});
+  Tensor t_y0(y0.data(), DType::f32, {4, 16}), t_y2(y2.data(), DType::f32, {4, 16});
+  Tensor t_dx0(dx0.data(), DType::f32, {4, 16});
+  expect_error([&] { layer.forward(x, t_y0, nullptr, 3); },
+               "forward: micro_batch = 3 is invalid: allowed 0 to 2 (MoeConfig::in_flight = 3)");
+  expect_error([&] { layer.backward(dy, t_dx0, nullptr, -1); },
+               "backward: micro_batch = -1 is invalid: allowed 0 to 2");
+  expect_error([&] { layer.losses(5); }, "losses: micro_batch = 5 is invalid");
+  expect_error([&] { layer.backward(dy, t_dx0, nullptr, 1); },
+               "backward of micro-batch 1 without a forward of it before");
+  layer.forward_dispatch(x, t_y0, nullptr, 0);
+  expect_error([&] { layer.forward_dispatch(x, t_y2, nullptr, 2); },
+               "forward_dispatch: micro-batch 0 of this layer, sharing micro-batch 2's "
+               "workspace set (micro_batch % 2), is between the phases");
+  expect_error([&] { layer.zero_grad(); }, "zero_grad: micro-batch 0 of this layer is between");
+  layer.forward(x, t_y2, nullptr, 1);  // set 1: free
+  layer.forward_experts(nullptr, 0);
+  layer.forward_combine(nullptr, 0);
+  layer.forward(x, t_y2, nullptr, 2);
+  EXPECT_EQ(y0, y2);
+  layer.backward(dy, t_dx0, nullptr, 0);
+  EXPECT_THROW(layer.backward(dy, t_dx0, nullptr, 0), Error);
+  layer.backward(dy, t_dx0, nullptr, 2);
+  MoeConfig wide = m;
+  wide.in_flight = kMaxInFlight + 1;
+  expect_error([&] { validate(wide); }, "in_flight = 17 is invalid");
+}
+
 // Split phases out of order, a whole forward or backward in the middle of a split, and another
 // layer of the same workspace between a dispatch and its combine are refused by name; nothing
 // is left half done (the layer runs normally afterwards).
@@ -715,21 +916,24 @@ TEST(Layer, SplitPhasesOutOfOrderAreRefusedByName) {
   Tensor y_a(ya.data(), DType::f32, {4, 16}), y_b(yb.data(), DType::f32, {4, 16});
   Tensor dx_a(dxa.data(), DType::f32, {4, 16}), dx_b(dxb.data(), DType::f32, {4, 16});
   expect_error([&] { a.forward_experts(); },
-               "forward_experts must follow forward_dispatch of this layer; the layer is no "
-               "split forward or backward under way");
-  expect_error([&] { a.backward_dispatch(dy, dx_a); }, "backward without a forward before it");
+               "forward_experts must follow forward_dispatch of this layer and micro-batch; "
+               "micro-batch 0 is with no split forward or backward under way");
+  expect_error([&] { a.backward_dispatch(dy, dx_a); },
+               "backward of micro-batch 0 without a forward of it before");
   a.forward_dispatch(x, y_a);
   expect_error([&] { a.forward(x, y_a); },
-               "forward: this layer is between the phases of a split forward (forward_dispatch "
-               "without its forward_combine)");
+               "forward: micro-batch 0 of this layer is between the phases of a split forward "
+               "(forward_dispatch without its forward_combine)");
   expect_error([&] { b.forward(x, y_b); },
-               "forward: another layer sharing this layer's workspace is between the phases");
+               "forward: another layer sharing this micro-batch's workspace set is between the "
+               "phases");
   expect_error([&] { b.forward_dispatch(x, y_b); }, "forward_dispatch: another layer sharing");
   expect_error([&] { a.forward_combine(); },
-               "forward_combine must follow forward_experts of this layer; the layer is after "
-               "forward_dispatch");
-  expect_error([&] { a.zero_grad(); }, "zero_grad: this layer is between the phases");
-  expect_error([&] { a.optimizer_step(AdamWConfig{}); }, "optimizer_step: this layer is between");
+               "forward_combine must follow forward_experts of this layer and micro-batch; "
+               "micro-batch 0 is after forward_dispatch");
+  expect_error([&] { a.zero_grad(); }, "zero_grad: micro-batch 0 of this layer is between");
+  expect_error([&] { a.optimizer_step(AdamWConfig{}); },
+               "optimizer_step: micro-batch 0 of this layer is between");
   a.forward_experts();
   a.forward_combine();
   // The same forward as a whole gives the same y; another layer may run in between.
@@ -738,12 +942,13 @@ TEST(Layer, SplitPhasesOutOfOrderAreRefusedByName) {
   b.backward(dy, dx_b);
   a.backward_dispatch(dy, dx_a);
   expect_error([&] { a.backward_combine(); },
-               "backward_combine must follow backward_experts of this layer; the layer is after "
-               "backward_dispatch");
-  expect_error([&] { b.forward(x, y_b); }, "another layer sharing this layer's workspace");
+               "backward_combine must follow backward_experts of this layer and micro-batch; "
+               "micro-batch 0 is after backward_dispatch");
+  expect_error([&] { b.forward(x, y_b); }, "another layer sharing this micro-batch's workspace");
   a.backward_experts();
   a.backward_combine();
-  expect_error([&] { a.backward_dispatch(dy, dx_a); }, "backward without a forward before it");
+  expect_error([&] { a.backward_dispatch(dy, dx_a); },
+               "backward of micro-batch 0 without a forward of it before");
   a.forward(x, Tensor(y_whole.data(), DType::f32, {4, 16}));
   EXPECT_EQ(y_whole, ya);
   a.backward(dy, dx_a);
@@ -755,6 +960,8 @@ TEST(Layer, MemoryEstimateMatchesWhatIsAllocated) {
       auto be = make_cpu_backend(DType::f32);
       InProcessWorld world(1);
       MoeConfig m = small_moe();
+      m.in_flight = optimizer ? 3 : 1;  // 3: the layer's per-micro-batch part thrice, 2 sets
+      m.recompute = echo ? Recompute::none : Recompute::dispatch;
       EchoConfig e;
       e.enabled = echo;
       MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 1, optimizer);

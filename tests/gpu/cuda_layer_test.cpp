@@ -629,5 +629,94 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
   }
 }
 
+// Two micro-batches in flight (MoeConfig::in_flight 2), micro-batch 1's forward phases
+// interleaved with micro-batch 0's backward phases on one stream (a combined 1F1B step): the
+// outputs, input gradients and weight gradients of one micro-batch at a time, bit for bit, in
+// bf16 and fp8 with a spill round (fp8 with overlap wgrad), and with shared experts on the side
+// stream; a held step enqueues without waiting on the host.
+TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  for (int variant = 0; variant < 3; ++variant) {
+    MoeConfig m;
+    m.hidden = 128;
+    m.ffn = 128;
+    m.experts = 8;
+    m.top_k = 2;
+    m.max_tokens = 128;
+    m.aux_loss_coeff = 0.01;
+    EchoConfig echo;
+    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    const char* name = "bf16, spill round";
+    if (variant == 1) {
+      name = "fp8, spill round, overlap wgrad";
+      m.precision = Precision::fp8;
+      m.overlap = Overlap::wgrad;
+      m.overlap_sms = 20;
+    } else if (variant == 2) {
+      name = "shared experts on the side stream";
+      m.shared_experts = 1;
+      m.shared_ffn = 64;
+      m.shared_side_stream = true;
+      echo.capacity_factor = 1.0;
+    }
+    SCOPED_TRACE(name);
+    const GlobalParams params = rounded_params(m, 43);
+    const int64_t T = m.max_tokens, H = m.hidden;
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    const Stream s = stream;
+    std::vector<double> y_ref[2], dx_ref[2], dw1_ref, dw2_ref;
+    {
+      GpuLayer ref(m, echo, 9);
+      ref.set(params);
+      StepTensors t0(*ref.be, T, H, 71, 1.0), t1(*ref.be, T, H, 81, 1.0);
+      ref.layer.zero_grad(s);
+      ref.layer.forward(*t0.x, *t0.y, s);
+      ref.layer.backward(*t0.dy, *t0.dx, s);
+      ref.layer.forward(*t1.x, *t1.y, s);
+      ref.layer.backward(*t1.dy, *t1.dx, s);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      y_ref[0] = t0.y.read(), y_ref[1] = t1.y.read();
+      dx_ref[0] = t0.dx.read(), dx_ref[1] = t1.dx.read();
+      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
+      dw2_ref = read_tensor(*ref.be, ref.layer.grad(Param::w2));
+    }
+    m.in_flight = 2;
+    GpuLayer gl(m, echo, 9);
+    gl.set(params);
+    StepTensors t0(*gl.be, T, H, 71, 1.0), t1(*gl.be, T, H, 81, 1.0);
+    const std::function<void()> step = [&] {
+      MoeLayer& l = gl.layer;
+      l.zero_grad(s);
+      l.forward(*t0.x, *t0.y, s, 0);
+      l.forward_dispatch(*t1.x, *t1.y, s, 1);
+      l.backward_dispatch(*t0.dy, *t0.dx, s, 0);
+      l.forward_experts(s, 1);
+      l.backward_experts(s, 0);
+      l.forward_combine(s, 1);
+      l.backward_combine(s, 0);
+      l.backward(*t1.dy, *t1.dx, s, 1);
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 0) {
+        step();  // the first step captures its graphs
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      }
+      for (OwnedTensor* t : {&t0.y, &t1.y, &t0.dx, &t1.dx}) poison(*t);
+      EXPECT_TRUE(returns_while_held(stream, step))
+          << "a step waited for the held stream (a host sync), pass " << pass;
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(t0.y.read(), y_ref[0]) << "pass " << pass;
+      EXPECT_EQ(t1.y.read(), y_ref[1]) << "pass " << pass;
+      EXPECT_EQ(t0.dx.read(), dx_ref[0]) << "pass " << pass;
+      EXPECT_EQ(t1.dx.read(), dx_ref[1]) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w2)), dw2_ref) << "pass " << pass;
+    }
+    EXPECT_EQ(gl.layer.stats(0).spill_rounds, m.shared_experts > 0 ? 0 : 1);
+    cudaStreamDestroy(stream);
+  }
+}
+
 }  // namespace
 }  // namespace moe_echo::test

@@ -10,6 +10,8 @@
 // - forced overflow (capacity factor 0.3: spill rounds through the conditional path);
 // - both dispatchers (sync-free and baseline);
 // - Overlap::wgrad and the split-phase calls against the whole step without overlap, bit for bit;
+// - two micro-batches in flight (MoeConfig::in_flight 2), one's forward phases interleaved with
+//   the other's backward phases: each micro-batch's outputs and input gradients bit for bit;
 // - a whole training step (forward, backward, router-gradient all-reduce, AdamW) captured in ONE
 //   CUDA graph per rank and replayed 6 times with new tokens written on the device, routing
 //   changing (a replay with every token on one expert: overflow, spill round, clones), every
@@ -45,9 +47,16 @@ struct GpuRun {
   StepStats stats;
 };
 
-// split: the forward and backward as their three split-phase calls each.
+// split: the forward and backward as their three split-phase calls each. interleaved (with
+// c.moe.in_flight 2): two micro-batches of the same tokens, micro-batch 1's forward phases
+// between micro-batch 0's backward phases; y and dx are micro-batch 1's (micro-batch 0's must
+// equal them: y2 and dx2), the gradients the two backwards' sum.
+struct Interleaved {
+  std::vector<double> y2, dx2;
+};
 GpuRun run_gpu(MultiGpuWorld& w, Communicator& comm, const LayerCase& c, const GlobalParams& p,
-               const std::vector<double>& x, const std::vector<double>& g, bool split = false) {
+               const std::vector<double>& x, const std::vector<double>& g, bool split = false,
+               Interleaved* interleaved = nullptr) {
   Backend& be = *w.be;
   const int R = w.size(), r = w.rank();
   const int64_t H = c.moe.hidden, T = int64_t(x.size()) / H;
@@ -63,7 +72,21 @@ GpuRun run_gpu(MultiGpuWorld& w, Communicator& comm, const LayerCase& c, const G
   poison(yt);
   poison(dxt);
   layer.zero_grad();
-  if (split) {
+  if (interleaved) {
+    OwnedTensor y0(be, DType::bf16, {T, H}), dx0(be, DType::bf16, {T, H});
+    poison(y0);
+    poison(dx0);
+    layer.forward(*xt, *y0, nullptr, 0);
+    layer.forward_dispatch(*xt, *yt, nullptr, 1);
+    layer.backward_dispatch(*gt, *dx0, nullptr, 0);
+    layer.forward_experts(nullptr, 1);
+    layer.backward_experts(nullptr, 0);
+    layer.forward_combine(nullptr, 1);
+    layer.backward_combine(nullptr, 0);
+    layer.backward(*gt, *dxt, nullptr, 1);
+    interleaved->y2 = y0.read();
+    interleaved->dx2 = dx0.read();
+  } else if (split) {
     layer.forward_dispatch(*xt, *yt);
     layer.forward_experts();
     layer.forward_combine();
@@ -179,6 +202,26 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
       EXPECT_EQ(g3.dw1, gpu.dw1);
       EXPECT_EQ(g3.dw2, gpu.dw2);
     }
+  }
+
+  // Two micro-batches in flight, interleaved: each gives the whole step's y and dx bits; the
+  // gradients are the two backwards' sum.
+  {
+    LayerCase two = c;
+    two.moe.in_flight = 2;
+    Interleaved other;
+    const GpuRun g4 = run_gpu(*w, comm, two, p, xs[size_t(me)], gs[size_t(me)], false, &other);
+    EXPECT_EQ(g4.y, gpu.y);
+    EXPECT_EQ(g4.dx, gpu.dx);
+    EXPECT_EQ(other.y2, gpu.y);
+    EXPECT_EQ(other.dx2, gpu.dx);
+    auto twice = [](std::vector<double> v) {
+      for (double& e : v) e *= 2;
+      return v;
+    };
+    EXPECT_TRUE(close(g4.dw1, twice(gpu.dw1), kLayerTol, "dw1 of two micro-batches"));
+    EXPECT_TRUE(close(g4.dw2, twice(gpu.dw2), kLayerTol, "dw2 of two micro-batches"));
+    EXPECT_TRUE(close(g4.d_router, twice(gpu.d_router), kLayerTol, "d_router, two"));
   }
 
   // R ranks == one rank holding every expert and every token.

@@ -329,8 +329,54 @@ def test_two_forwards_before_backward_is_refused():
     y1 = m(x)
     y2 = m(x)
     y2.sum().backward()
-    with pytest.raises(RuntimeError, match="not this MoE module's last one"):
+    with pytest.raises(RuntimeError, match="backward of forward 1 of this MoE module, whose "
+                       "state is gone .* more than in_flight = 1 forwards"):
         y1.sum().backward()
+
+
+def test_micro_batches_in_flight_give_the_gradients_of_one_at_a_time():
+    """in_flight=3: a pipeline schedule's three forwards before their backwards (in order, and
+    in reverse) give the outputs, input gradients and parameter gradients of one micro-batch at a
+    time (in_flight=1), bit for bit; a fourth forward takes the oldest one's slot, whose
+    backward is then refused by name; in_flight out of range is a ValueError."""
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(20, 16, dtype=torch.float64, generator=gen) for _ in range(3)]
+
+    def run(in_flight, order):
+        m = make(capacity_factor=0.5, in_flight=in_flight, shared_experts=1)
+        ins = [x.clone().requires_grad_(True) for x in xs]
+        if in_flight == 1:
+            ys = []
+            for xi in ins:
+                ys.append(m(xi))
+                (ys[-1] * ys[-1]).sum().backward()
+        else:
+            ys = [m(xi) for xi in ins]
+            for i in order:
+                (ys[i] * ys[i]).sum().backward()
+        grads = [m.w1.grad, m.w2.grad, m.router_weight.grad, m.shared_w1.grad]
+        return [y.detach() for y in ys], [xi.grad for xi in ins], grads
+
+    ref = run(1, None)
+    for order in ([0, 1, 2], [2, 1, 0]):
+        got = run(3, order)
+        for a, b in zip(ref[0] + ref[1], got[0] + got[1]):
+            assert torch.equal(a, b)
+        for a, b in zip(ref[2], got[2]):  # the backwards add in another order when reversed
+            if order == [0, 1, 2]:
+                assert torch.equal(a, b)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    m = make(in_flight=2)
+    ys = [m(x.clone().requires_grad_(True)) for x in xs]  # the third takes the first's slot
+    ys[1].sum().backward()
+    ys[2].sum().backward()
+    with pytest.raises(RuntimeError, match="backward of forward 1 .* more than in_flight = 2"):
+        ys[0].sum().backward()
+    with pytest.raises(ValueError, match="in_flight = 0 is invalid"):
+        make(in_flight=0)
+    with pytest.raises(ValueError, match="in_flight = 17 is invalid"):
+        make(in_flight=17)
 
 
 def test_inference_forward_needs_no_backward():
@@ -516,7 +562,7 @@ def test_split_phases_equal_the_whole_forward_and_backward():
     with pytest.raises(RuntimeError, match="forward_experts must follow forward_dispatch"):
         layer.forward_experts(0)
     layer.forward_dispatch(x.data_ptr(), y.data_ptr(), 24, 0)
-    with pytest.raises(RuntimeError, match="forward: this layer is between the phases"):
+    with pytest.raises(RuntimeError, match="forward: micro-batch 0 of this layer is between the phases"):
         layer.forward(x.data_ptr(), y.data_ptr(), 24, 0)
     layer.forward_experts(0)
     layer.forward_combine(0)
@@ -527,6 +573,23 @@ def test_split_phases_equal_the_whole_forward_and_backward():
     layer.backward_combine(0)
     assert torch.equal(y, y_whole)
     assert torch.equal(dx, dx_whole)
+    # Two micro-batches' phases interleaved (in_flight=2: micro-batch 1's forward beside
+    # micro-batch 0's backward) give the same bits as one at a time.
+    m2 = make(capacity_factor=0.3, in_flight=2)
+    m2(x)
+    l2 = m2._handle.layer
+    y0, y1, dx0 = (torch.full_like(x, float("nan")) for _ in range(3))
+    l2.forward(x.data_ptr(), y0.data_ptr(), 24, 0, micro_batch=0)
+    l2.forward_dispatch(x.data_ptr(), y1.data_ptr(), 24, 0, micro_batch=1)
+    l2.backward_dispatch(dy.data_ptr(), dx0.data_ptr(), 24, 0, micro_batch=0)
+    l2.forward_experts(0, micro_batch=1)
+    l2.backward_experts(0, micro_batch=0)
+    l2.forward_combine(0, micro_batch=1)
+    l2.backward_combine(0, micro_batch=0)
+    assert torch.equal(y0, y_whole) and torch.equal(y1, y_whole)
+    assert torch.equal(dx0, dx_whole)
+    with pytest.raises(RuntimeError, match="micro_batch = 2 is invalid"):
+        l2.forward_experts(0, micro_batch=2)
 
 
 def test_overlap_wgrad_gives_the_bits_of_none():

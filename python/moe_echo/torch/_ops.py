@@ -7,9 +7,12 @@ first round's activations), so:
 - an op names its layer by an integer id in a registry (a constant of the traced graph);
 - the forward returns a token, a CPU int64 tensor [1] holding the forward's serial number, that
   the backward takes: it orders the backward after its forward for the compiler, and lets the
-  backward check on the host, without touching the device, that it belongs to the layer's last
-  forward (one forward, then its backward: two forwards of one module before their backwards,
-  as pipeline schedules do, are refused rather than given wrong gradients).
+  backward find, on the host and without touching the device, the in-flight slot that holds its
+  forward's state (``in_flight`` slots: up to that many forwards of one module may await their
+  backwards, as pipeline schedules need). A forward takes a free slot, or, when every slot
+  awaits a backward, the one of the oldest forward (a forward without grad never gets a
+  backward); a backward whose forward's slot was taken so is refused rather than given wrong
+  gradients.
 
 Parameters are torch tensors. A parameter of the layer's own dtype is normally a view of the
 layer's buffer (the module binds it so), and the forward reads it in place; any other parameter
@@ -60,13 +63,22 @@ class LayerHandle:
             self.shared_w2 = layer.param("shared_w2")[0]
             self.d_shared_w1 = layer.grad("shared_w1")[0]
             self.d_shared_w2 = layer.grad("shared_w2")[0]
-        self.losses = layer.losses()
-        self.plan = layer.plan_buffer()
+        self.in_flight = layer.in_flight
+        self.losses = [layer.losses(m) for m in range(self.in_flight)]
+        self.plans = [layer.plan_buffer(m) for m in range(self.in_flight)]
+        self.last_slot = 0  # the slot of the last forward
         self.plan_layout = layer.plan_layout
         self.activation_dtype = getattr(torch, layer.activation_dtype)
         self.float_dtype = getattr(torch, layer.float_dtype)
         self.serial = 0
-        self.pending: int | None = None  # serial of the forward whose backward has not run
+        # Per in-flight slot: the serial of the forward whose backward has not run, or None.
+        self.pending: list[int | None] = [None] * self.in_flight
+
+    def take_slot(self) -> int:
+        free = [m for m, p in enumerate(self.pending) if p is None]
+        if free:
+            return free[0]
+        return min(range(self.in_flight), key=lambda m: self.pending[m])
 
 
 def register(handle: LayerHandle) -> int:
@@ -114,10 +126,12 @@ def moe_forward(
     if h.fp8:  # the e4m3 copies follow the weights, which the optimizer changes in place
         h.layer.weights_changed()
     y = torch.empty_like(x)
-    h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device))
+    slot = h.take_slot()
+    h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device), slot)
     h.serial += 1
-    h.pending = h.serial
-    return y, h.losses.clone(), torch.tensor([h.serial], dtype=torch.int64)
+    h.pending[slot] = h.serial
+    h.last_slot = slot
+    return y, h.losses[slot].clone(), torch.tensor([h.serial], dtype=torch.int64)
 
 
 @moe_forward.register_fake
@@ -145,15 +159,15 @@ def moe_backward(
     two empty without shared experts) of the forward that returned `token`."""
     h = handle(layer_id)
     serial = int(token[0])  # a CPU tensor: no device sync
-    if h.pending != serial:
+    if serial not in h.pending:
         raise RuntimeError(
-            "moe_echo: backward of a forward that is not this MoE module's last one "
-            f"(forward {serial}, last forward {h.serial}, "
-            f"{'its backward already ran' if h.pending is None else 'pending'}): "
-            "each forward must be followed by its backward before the module's next forward "
-            "with gradients"
+            f"moe_echo: backward of forward {serial} of this MoE module, whose state is gone "
+            f"(the module's last forward is {h.serial}): either its backward already ran, or "
+            f"more than in_flight = {h.in_flight} forwards ran before it and a later one took "
+            "its slot; build the module with a larger in_flight for such a schedule"
         )
-    h.pending = None
+    slot = h.pending.index(serial)
+    h.pending[slot] = None
     dx = torch.empty_like(dy)
     stream = _stream(dy.device)
     h.layer.discard_grad(stream)
@@ -162,9 +176,9 @@ def moe_backward(
         dw1 = torch.empty(h.dw1.shape, dtype=w1_dtype, device=dy.device)
         dw2 = torch.empty(h.dw2.shape, dtype=w2_dtype, device=dy.device)
         h.layer.backward_into(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dw1.data_ptr(),
-                              dw2.data_ptr(), x.shape[0], stream)
+                              dw2.data_ptr(), x.shape[0], stream, slot)
     else:
-        h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream)
+        h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream, slot)
         dw1, dw2 = h.dw1.to(w1_dtype, copy=True), h.dw2.to(w2_dtype, copy=True)
     if h.d_shared_w1 is not None:  # written by this backward (after discard_grad)
         dsw1 = h.d_shared_w1.to(shared_dtype, copy=True)

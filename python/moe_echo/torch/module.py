@@ -69,6 +69,10 @@ class MoE(nn.Module):
         overlap: what the backward runs beside its communication: "none" or "wgrad" (fc1's
             weight-gradient GEMM on a second CUDA stream beside the combine and the router's
             backward, on all SMs but ``overlap_sms``); gradients are the same bits either way.
+        in_flight: how many forwards may await their backward at once (1 to 16), each keeping
+            its own routing and activations: a pipeline schedule runs several micro-batches'
+            forwards before their backwards. A forward beyond them reuses the state of the
+            oldest forward still awaiting its backward, whose backward then raises.
         precision: the routed experts' GEMMs: "bf16" or "fp8" (e4m3 operands with blockwise
             scales: 1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights; the
             router, the shared experts and the parameters keep their dtypes). With "fp8" every
@@ -121,6 +125,7 @@ class MoE(nn.Module):
         fp8_gemms: str = "all",
         overlap: str = "none",
         overlap_sms: int = 16,
+        in_flight: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -144,6 +149,7 @@ class MoE(nn.Module):
             ("shared_experts", shared_experts),
             ("shared_ffn", shared_ffn),
             ("overlap_sms", overlap_sms),
+            ("in_flight", in_flight),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
@@ -195,6 +201,7 @@ class MoE(nn.Module):
             fp8_gemms=fp8_gemms,
             overlap=overlap,
             overlap_sms=overlap_sms,
+            in_flight=in_flight,
             shared_experts=shared_experts,
             shared_ffn=shared_ffn,
         )
@@ -391,7 +398,7 @@ class MoE(nn.Module):
         max_over_mean, clones made, overflow_rows (rows beyond capacity, run in spill rounds).
         """
         h = self._handle
-        lay, plan = h.plan_layout, h.plan
+        lay, plan = h.plan_layout, h.plans[h.last_slot]
         R = lay["ranks"]
         before = plan[lay["load_before"] : lay["load_before"] + R].to(torch.int64)
         after = plan[lay["load_after"] : lay["load_after"] + R].to(torch.int64)
