@@ -185,3 +185,32 @@ def test_nccl_transport_one_rank(tmp_path):
         del a
     finally:
         dist.destroy_process_group()
+
+
+def test_pipeline_micro_batches_in_flight_give_the_bits_of_one_at_a_time():
+    """in_flight=4 on the GPU: four forwards (a pipeline stage's micro-batches, spill rounds
+    included) before their backwards give each micro-batch's y and dx, and the accumulated
+    weight gradients, bit for bit as one micro-batch at a time."""
+    torch.manual_seed(4)
+    xs = [torch.randn(256, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    gs = [torch.randn(256, 256, device="cuda") for _ in range(4)]
+    out = []
+    for in_flight in (1, 4):
+        torch.manual_seed(5)
+        m = MoE(256, 128, 16, 4, max_tokens=256, capacity_factor=0.5, device="cuda",
+                in_flight=in_flight)
+        ins = [x.clone().requires_grad_(True) for x in xs]
+        if in_flight == 1:
+            ys = []
+            for xi, g in zip(ins, gs):
+                ys.append(m(xi))
+                (ys[-1].float() * g).sum().backward()
+        else:
+            ys = [m(xi) for xi in ins]
+            for y, g in zip(ys, gs):
+                (y.float() * g).sum().backward()
+        out.append(([y.detach() for y in ys], [xi.grad for xi in ins],
+                    [m.w1.grad, m.w2.grad, m.router_weight.grad]))
+    (ya, dxa, ga), (yb, dxb, gb) = out
+    for a, b in zip(ya + dxa + ga, yb + dxb + gb):
+        assert torch.equal(a, b)
