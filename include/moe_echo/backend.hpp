@@ -288,6 +288,9 @@ struct Reservation {
   // MoeConfig::overlap wgrad: grouped GEMMs of max_groups for the side stream that run on all SMs
   // but overlap_sms (-1: none).
   int overlap_sms = -1;
+  // Lanes of the backend's own resources the layer uses (Backend::set_lane): 2 for two
+  // micro-batches in flight, whose phases may run on two streams at once.
+  int lanes = 1;
 };
 
 // What Backend::enqueue_as_graph keeps between calls of one call site (an instantiated graph).
@@ -381,6 +384,11 @@ class Backend {
   // at a time, each joined before the next. Capture-safe (the side stream joins the capture). The
   // CPU backend runs body on `s`.
   virtual void fork_side(const std::function<void(Stream)>& body, Stream s) { body(s); }
+  // Which of the reserved lanes (Reservation::lanes) the ops enqueued next use: each lane has
+  // its own grouped GEMM arguments, scratch and side stream (on the CUDA backend), so ops of two
+  // lanes may run on two streams at once; ops of one lane go in one stream's order. The CPU
+  // backend has nothing to keep apart.
+  virtual void set_lane(int lane) {}
   virtual void join_side(Stream s) {}
 };
 

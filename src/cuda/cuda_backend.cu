@@ -49,17 +49,19 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     (void)cudaDeviceSynchronize();
     destroy_retired();
-    gemm_.reset();
     retired_gemms_.clear();
-    fp8_gemm_.reset();
     retired_fp8_gemms_.clear();
+    for (Lane& l : lanes_) {
+      l.gemm.reset();
+      l.fp8_gemm.reset();
+      l.side_gemm.reset();
+      l.overlap_gemm.reset();
+      l.overlap_fp8_gemm.reset();
+      if (l.side_stream) (void)cudaStreamDestroy(l.side_stream);
+      if (l.fork_event) (void)cudaEventDestroy(l.fork_event);
+      if (l.join_event) (void)cudaEventDestroy(l.join_event);
+    }
     for (void* p : arenas_) (void)cudaFree(p);
-    side_gemm_.reset();
-    overlap_gemm_.reset();
-    overlap_fp8_gemm_.reset();
-    if (side_stream_) (void)cudaStreamDestroy(side_stream_);
-    if (fork_event_) (void)cudaEventDestroy(fork_event_);
-    if (join_event_) (void)cudaEventDestroy(join_event_);
     if (capture_stream_) (void)cudaStreamDestroy(capture_stream_);
     for (cudaStream_t bs : body_streams_) (void)cudaStreamDestroy(bs);
   }
@@ -98,9 +100,23 @@ class CudaBackend final : public Backend {
   // Build time: the grouped GEMM for the largest group count seen, and a scratch arena for the
   // largest router/layout/planner/fan needs of the reserved layers' planner configs.
   void reserve(const Reservation& r) override {
-    if (!gemm_ || gemm_->max_groups() < r.max_groups) {
-      if (gemm_) retired_gemms_.push_back(std::move(gemm_));  // captured graphs may use it
-      gemm_ = std::make_unique<GroupedGemm>(r.max_groups);
+    MOE_ECHO_CHECK(r.lanes >= 1, "Reservation::lanes = " << r.lanes << ": allowed 1 or more");
+    if (int(lanes_.size()) < r.lanes) lanes_.resize(size_t(r.lanes));
+    const int current = lane_;
+    for (lane_ = 0; lane_ < r.lanes; ++lane_) reserve_lane(r);
+    lane_ = current;
+  }
+  void set_lane(int lane) override {
+    MOE_ECHO_CHECK(lane >= 0 && lane < int(lanes_.size()),
+                   "lane " << lane << " of a backend reserved for " << lanes_.size()
+                           << " lane(s): reserve (build the layer) first");
+    lane_ = lane;
+  }
+  // reserve() for the current lane.
+  void reserve_lane(const Reservation& r) {
+    if (!L().gemm || L().gemm->max_groups() < r.max_groups) {
+      if (L().gemm) retired_gemms_.push_back(std::move(L().gemm));  // captured graphs may use it
+      L().gemm = std::make_unique<GroupedGemm>(r.max_groups);
     }
     if (r.fp8) fp8_gemm(r.max_groups, nullptr);  // built now, before any capture
     if (r.overlap_sms >= 0) {  // the side stream's GEMMs of many groups, on fewer SMs
@@ -111,17 +127,17 @@ class CudaBackend final : public Backend {
                                                               "allowed 0 to "
                                                            << sms - 1 << " on this GPU");
       const int gemm_sms = sms - r.overlap_sms;
-      if (!overlap_gemm_ || overlap_gemm_->max_groups() < r.max_groups ||
-          overlap_gemm_sms_ != gemm_sms) {
-        if (overlap_gemm_) retired_gemms_.push_back(std::move(overlap_gemm_));
-        overlap_gemm_ = std::make_unique<GroupedGemm>(r.max_groups, gemm_sms);
+      if (!L().overlap_gemm || L().overlap_gemm->max_groups() < r.max_groups ||
+          L().overlap_gemm_sms != gemm_sms) {
+        if (L().overlap_gemm) retired_gemms_.push_back(std::move(L().overlap_gemm));
+        L().overlap_gemm = std::make_unique<GroupedGemm>(r.max_groups, gemm_sms);
       }
-      if (r.fp8 && (!overlap_fp8_gemm_ || overlap_fp8_gemm_->max_groups() < r.max_groups ||
-                    overlap_gemm_sms_ != gemm_sms)) {
-        if (overlap_fp8_gemm_) retired_fp8_gemms_.push_back(std::move(overlap_fp8_gemm_));
-        overlap_fp8_gemm_ = std::make_unique<GroupedGemmFp8>(r.max_groups, gemm_sms);
+      if (r.fp8 && (!L().overlap_fp8_gemm || L().overlap_fp8_gemm->max_groups() < r.max_groups ||
+                    L().overlap_gemm_sms != gemm_sms)) {
+        if (L().overlap_fp8_gemm) retired_fp8_gemms_.push_back(std::move(L().overlap_fp8_gemm));
+        L().overlap_fp8_gemm = std::make_unique<GroupedGemmFp8>(r.max_groups, gemm_sms);
       }
-      overlap_gemm_sms_ = gemm_sms;
+      L().overlap_gemm_sms = gemm_sms;
     }
     const PlannerConfig& cfg = r.planner;
     const int64_t entries = r.max_tokens * r.top_k;
@@ -130,23 +146,23 @@ class CudaBackend final : public Backend {
     need = std::max(need, planner_scratch_bytes(cfg));
     need = std::max(need, fan_scratch_bytes(r.max_rows));
     grow_arena(need);
-    if (!side_stream_) {  // fork_side: the stream, its events and its one-group GEMM
-      MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking));
-      MOE_ECHO_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
-      MOE_ECHO_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
-      side_gemm_ = std::make_unique<GroupedGemm>(1);
+    if (!L().side_stream) {  // fork_side: the stream, its events and its one-group GEMM
+      MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&L().side_stream, cudaStreamNonBlocking));
+      MOE_ECHO_CUDA_CHECK(cudaEventCreateWithFlags(&L().fork_event, cudaEventDisableTiming));
+      MOE_ECHO_CUDA_CHECK(cudaEventCreateWithFlags(&L().join_event, cudaEventDisableTiming));
+      L().side_gemm = std::make_unique<GroupedGemm>(1);
     }
   }
 
   void fork_side(const std::function<void(Stream)>& body, Stream s) override {
-    MOE_ECHO_CHECK(side_stream_ != nullptr, "fork_side before reserve(): build the layer first");
-    MOE_ECHO_CUDA_CHECK(cudaEventRecord(fork_event_, as_cuda(s)));
-    MOE_ECHO_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_event_, 0));
-    body(side_stream_);
-    MOE_ECHO_CUDA_CHECK(cudaEventRecord(join_event_, side_stream_));
+    MOE_ECHO_CHECK(L().side_stream != nullptr, "fork_side before reserve(): build the layer first");
+    MOE_ECHO_CUDA_CHECK(cudaEventRecord(L().fork_event, as_cuda(s)));
+    MOE_ECHO_CUDA_CHECK(cudaStreamWaitEvent(L().side_stream, L().fork_event, 0));
+    body(L().side_stream);
+    MOE_ECHO_CUDA_CHECK(cudaEventRecord(L().join_event, L().side_stream));
   }
   void join_side(Stream s) override {
-    MOE_ECHO_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(s), join_event_, 0));
+    MOE_ECHO_CUDA_CHECK(cudaStreamWaitEvent(as_cuda(s), L().join_event, 0));
   }
 
   void fill_zero(const Tensor& t, Stream s) override {
@@ -374,62 +390,62 @@ class CudaBackend final : public Backend {
   }
 
   GroupedGemm& gemm(int groups, Stream s) {
-    if (s != nullptr && as_cuda(s) == side_stream_) {
-      if (groups == 1) return *side_gemm_;
-      MOE_ECHO_CHECK(overlap_gemm_ && overlap_gemm_->max_groups() >= groups,
+    if (s != nullptr && as_cuda(s) == L().side_stream) {
+      if (groups == 1) return *L().side_gemm;
+      MOE_ECHO_CHECK(L().overlap_gemm && L().overlap_gemm->max_groups() >= groups,
                      "the side stream's grouped GEMM of "
                          << groups << " groups was not reserved (a layer with overlap wgrad)");
-      return *overlap_gemm_;
+      return *L().overlap_gemm;
     }
-    if (!gemm_ || gemm_->max_groups() < groups) {
+    if (!L().gemm || L().gemm->max_groups() < groups) {
       MOE_ECHO_CHECK(!is_capturing(as_cuda(s)), "grouped GEMM for "
                                                     << groups
                                                     << " groups not reserved before capture: "
                                                        "build the layer (Backend::reserve) first");
-      if (gemm_) retired_gemms_.push_back(std::move(gemm_));
-      gemm_ = std::make_unique<GroupedGemm>(groups);
+      if (L().gemm) retired_gemms_.push_back(std::move(L().gemm));
+      L().gemm = std::make_unique<GroupedGemm>(groups);
     }
-    return *gemm_;
+    return *L().gemm;
   }
 
   // The FP8 grouped GEMMs, built on first use with at least the reserved groups (their kernels
   // are built outside a capture, as the bf16 ones).
   GroupedGemmFp8& fp8_gemm(int groups, Stream s) {
-    if (s != nullptr && as_cuda(s) == side_stream_) {
-      MOE_ECHO_CHECK(overlap_fp8_gemm_ && overlap_fp8_gemm_->max_groups() >= groups,
+    if (s != nullptr && as_cuda(s) == L().side_stream) {
+      MOE_ECHO_CHECK(L().overlap_fp8_gemm && L().overlap_fp8_gemm->max_groups() >= groups,
                      "the side stream's FP8 grouped GEMM of "
                          << groups << " groups was not reserved (a layer with overlap wgrad)");
-      return *overlap_fp8_gemm_;
+      return *L().overlap_fp8_gemm;
     }
-    const int want = std::max(groups, gemm_ ? gemm_->max_groups() : 1);
-    if (!fp8_gemm_ || fp8_gemm_->max_groups() < groups) {
+    const int want = std::max(groups, L().gemm ? L().gemm->max_groups() : 1);
+    if (!L().fp8_gemm || L().fp8_gemm->max_groups() < groups) {
       MOE_ECHO_CHECK(!is_capturing(as_cuda(s)),
                      "FP8 grouped GEMM for " << groups
                                              << " groups built during a capture: call it once "
                                                 "before capturing");
-      if (fp8_gemm_) retired_fp8_gemms_.push_back(std::move(fp8_gemm_));
-      fp8_gemm_ = std::make_unique<GroupedGemmFp8>(want);
+      if (L().fp8_gemm) retired_fp8_gemms_.push_back(std::move(L().fp8_gemm));
+      L().fp8_gemm = std::make_unique<GroupedGemmFp8>(want);
     }
-    return *fp8_gemm_;
+    return *L().fp8_gemm;
   }
 
   // Scratch of `bytes` for the op about to be enqueued on `s`. The arena only grows, outside a
   // capture; old arenas stay allocated until the backend dies (captured graphs may use them).
   void* scratch(size_t bytes, cudaStream_t s) {
-    if (bytes > arena_bytes_) {
+    if (bytes > L().arena_bytes) {
       MOE_ECHO_CHECK(!is_capturing(s), "op scratch of " << bytes << " bytes exceeds the "
-                                                        << arena_bytes_
+                                                        << L().arena_bytes
                                                         << " reserved: reserve() before capture");
       grow_arena(bytes);
     }
-    return arena_;
+    return L().arena;
   }
   void grow_arena(size_t bytes) {
-    if (bytes <= arena_bytes_) return;
-    bytes = std::max(bytes, 2 * arena_bytes_);
-    arena_ = allocate(bytes);
-    arenas_.push_back(arena_);
-    arena_bytes_ = bytes;
+    if (bytes <= L().arena_bytes) return;
+    bytes = std::max(bytes, 2 * L().arena_bytes);
+    L().arena = allocate(bytes);
+    arenas_.push_back(L().arena);
+    L().arena_bytes = bytes;
   }
 
   struct ExecCache final : GraphCache {
@@ -444,20 +460,27 @@ class CudaBackend final : public Backend {
   cudaStream_t capture_stream_ = nullptr;   // enqueue_as_graph's captures
   std::vector<cudaStream_t> body_streams_;  // run_if bodies, one per nesting depth
   int body_depth_ = 0;
-  std::unique_ptr<GroupedGemm> gemm_;
+  // What one lane's ops use (Backend::set_lane): its grouped GEMMs, its side stream with its
+  // events and GEMMs, and its scratch arena.
+  struct Lane {
+    std::unique_ptr<GroupedGemm> gemm;
+    std::unique_ptr<GroupedGemmFp8> fp8_gemm;
+    cudaStream_t side_stream = nullptr;  // fork_side's, with its events and its own GEMM
+    cudaEvent_t fork_event = nullptr, join_event = nullptr;
+    std::unique_ptr<GroupedGemm> side_gemm;
+    // The side stream's GEMMs of many groups (MoeConfig::overlap wgrad) on overlap_gemm_sms SMs.
+    std::unique_ptr<GroupedGemm> overlap_gemm;
+    std::unique_ptr<GroupedGemmFp8> overlap_fp8_gemm;
+    int overlap_gemm_sms = 0;
+    void* arena = nullptr;
+    size_t arena_bytes = 0;
+  };
+  Lane& L() { return lanes_[size_t(lane_)]; }
+  std::vector<Lane> lanes_ = std::vector<Lane>(1);
+  int lane_ = 0;
   std::vector<std::unique_ptr<GroupedGemm>> retired_gemms_;
-  cudaStream_t side_stream_ = nullptr;  // fork_side's, with its events and its own GEMM
-  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
-  std::unique_ptr<GroupedGemm> side_gemm_;
   std::vector<cudaGraphExec_t> retired_execs_;  // see retire()
-  // The side stream's GEMMs of many groups (MoeConfig::overlap wgrad) on overlap_gemm_sms_ SMs.
-  std::unique_ptr<GroupedGemm> overlap_gemm_;
-  std::unique_ptr<GroupedGemmFp8> overlap_fp8_gemm_;
-  int overlap_gemm_sms_ = 0;
-  std::unique_ptr<GroupedGemmFp8> fp8_gemm_;
   std::vector<std::unique_ptr<GroupedGemmFp8>> retired_fp8_gemms_;
-  void* arena_ = nullptr;
-  size_t arena_bytes_ = 0;
   std::vector<void*> arenas_;
 };
 

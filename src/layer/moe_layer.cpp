@@ -656,6 +656,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   reservation.planner = planner_;
   reservation.fp8 = moe.precision == Precision::fp8;
   reservation.overlap_sms = moe.overlap == Overlap::wgrad ? moe.overlap_sms : -1;
+  reservation.lanes = ws_->sets();
   backend.reserve(reservation);
 
   buf_ = std::make_unique<Buffers>();
@@ -1150,6 +1151,7 @@ void MoeLayer::select_micro_batch(int m, const char* call) {
   cur_ = m;
   fl_ = &flights_[size_t(m)];
   static_cast<StepPart&>(*buf_) = buf_->micro_batches[size_t(m)];
+  backend_.set_lane(m % ws_->sets());  // the backend's resources of this workspace set
 }
 
 namespace {

@@ -718,5 +718,93 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
   }
 }
 
+// The same two micro-batches with their phases on two streams at once, ordered by events only:
+// dispatch and combine phases on stream A, experts phases on stream B, so micro-batch 1's expert
+// GEMMs run beside micro-batch 0's backward dispatch (each micro-batch on its own backend lane:
+// GEMM arguments, scratch, side stream). The bits of one micro-batch at a time, three times over.
+TEST(CudaLayerEager, MicroBatchesOnTwoStreamsGiveTheBitsOfOneAtATime) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  for (int variant = 0; variant < 2; ++variant) {
+    MoeConfig m;
+    m.hidden = 256;
+    m.ffn = 256;
+    m.experts = 8;
+    m.top_k = 2;
+    m.max_tokens = 512;
+    m.aux_loss_coeff = 0.01;
+    EchoConfig echo;
+    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    if (variant == 1) {
+      m.precision = Precision::fp8;
+      m.shared_experts = 1;
+      m.shared_ffn = 128;
+      m.shared_side_stream = true;
+    }
+    SCOPED_TRACE(variant == 0 ? "bf16, spill round" : "fp8, spill round, shared experts beside");
+    const GlobalParams params = rounded_params(m, 47);
+    const int64_t T = m.max_tokens, H = m.hidden;
+    cudaStream_t a, b;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<double> y_ref[2], dx_ref[2], dw1_ref, dw2_ref, dr_ref;
+    {
+      GpuLayer ref(m, echo, 9);
+      ref.set(params);
+      StepTensors t0(*ref.be, T, H, 91, 1.0), t1(*ref.be, T, H, 93, 1.0);
+      ref.layer.zero_grad(a);
+      ref.layer.forward(*t0.x, *t0.y, a);
+      ref.layer.backward(*t0.dy, *t0.dx, a);
+      ref.layer.forward(*t1.x, *t1.y, a);
+      ref.layer.backward(*t1.dy, *t1.dx, a);
+      ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+      y_ref[0] = t0.y.read(), y_ref[1] = t1.y.read();
+      dx_ref[0] = t0.dx.read(), dx_ref[1] = t1.dx.read();
+      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
+      dw2_ref = read_tensor(*ref.be, ref.layer.grad(Param::w2));
+      dr_ref = read_tensor(*ref.be, ref.layer.grad(Param::router_weight));
+    }
+    m.in_flight = 2;
+    GpuLayer gl(m, echo, 9);
+    gl.set(params);
+    StepTensors t0(*gl.be, T, H, 91, 1.0), t1(*gl.be, T, H, 93, 1.0);
+    cudaEvent_t ev[4];
+    for (cudaEvent_t& e : ev)
+      ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+    auto after = [&](cudaStream_t waiter, cudaStream_t on, cudaEvent_t e) {
+      ASSERT_EQ(cudaEventRecord(e, on), cudaSuccess);
+      ASSERT_EQ(cudaStreamWaitEvent(waiter, e, 0), cudaSuccess);
+    };
+    for (int pass = 0; pass < 3; ++pass) {
+      for (OwnedTensor* t : {&t0.y, &t1.y, &t0.dx, &t1.dx}) poison(*t);
+      MoeLayer& l = gl.layer;
+      l.zero_grad(a);
+      l.forward(*t0.x, *t0.y, a, 0);
+      l.forward_dispatch(*t1.x, *t1.y, a, 1);
+      after(b, a, ev[0]);  // micro-batch 1's rows are in
+      l.backward_dispatch(*t0.dy, *t0.dx, a, 0);
+      l.forward_experts(b, 1);  // beside micro-batch 0's backward dispatch
+      after(b, a, ev[1]);
+      l.backward_experts(b, 0);
+      after(a, b, ev[2]);
+      l.forward_combine(a, 1);
+      l.backward_combine(a, 0);
+      l.backward(*t1.dy, *t1.dx, a, 1);
+      ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
+      EXPECT_EQ(t0.y.read(), y_ref[0]) << "pass " << pass;
+      EXPECT_EQ(t1.y.read(), y_ref[1]) << "pass " << pass;
+      EXPECT_EQ(t0.dx.read(), dx_ref[0]) << "pass " << pass;
+      EXPECT_EQ(t1.dx.read(), dx_ref[1]) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w2)), dw2_ref) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), dr_ref)
+          << "pass " << pass;
+    }
+    for (cudaEvent_t e : ev) cudaEventDestroy(e);
+    cudaStreamDestroy(a);
+    cudaStreamDestroy(b);
+  }
+}
+
 }  // namespace
 }  // namespace moe_echo::test

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Two micro-batches in flight on one GPU, in one call: build micro_batch_bench and
+# cuda_layer_test, run the layer test's micro-batch tests (interleaved on one stream, and on two
+# streams at once: bits of one micro-batch at a time), then time the three ways of running two
+# micro-batches (micro_batch_bench) in bf16 and fp8 at the Qwen3-30B-A3B, DeepSeek-V3 and Mixtral
+# slices. JSON and logs under $OUT (default out/micro_batch); the tables last. Needs third_party/
+# carried along.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-out/micro_batch}
+build=${BUILD_DIR:-build-gpu}
+mkdir -p "$out"
+export PATH=/usr/local/cuda/bin:$PATH
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON >"$out/build.log" 2>&1 &&
+  cmake --build "$build" -j "$(nproc)" --target micro_batch_bench cuda_layer_test >>"$out/build.log" 2>&1
+rc=$?
+echo "build: rc=$rc"
+[ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -40; exit 1; }
+"$build"/tests/gpu/cuda_layer_test --gtest_filter='*MicroBatch*' >"$out/cuda_layer_test.log" 2>&1
+echo "cuda_layer_test (micro-batches): rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/cuda_layer_test.log" | tr '\n' ' ')"
+for p in bf16 fp8; do
+  timeout 240 "$build/micro_batch_bench" --precision "$p" --iters "${ITERS:-20}" \
+    --out "$out/micro_batch_$p.json" >"$out/micro_batch_$p.log" 2>&1
+  echo "micro_batch_bench $p: rc=$?"
+done
+cat "$out"/micro_batch_bf16.log "$out"/micro_batch_fp8.log
