@@ -8,17 +8,21 @@
 //   dispatch or combine (each micro-batch on its own backend lane).
 // Every mode's outputs and gradients are checked equal to one at a time, bit for bit, before
 // timing. Tokens are drawn with Zipf-skewed routing (exponent 1.2) at the model slices of
-// layer_bench.
+// layer_bench (the slice's experts per rank). Under `moe-echo launch -n R` (a CUDA + NCCL build)
+// the layer runs with expert parallelism over the R GPUs on the sync-free NCCL communicator
+// (ECHO on); each iteration starts after a host barrier and counts the slowest rank.
 //
-// usage: micro_batch_bench --out results.json [--iters N] [--warmup N] [--tokens T]
-//                          [--config NAME[,NAME]] [--precision bf16|fp8]
+// usage: [moe-echo launch -n R --] micro_batch_bench --out results.json [--iters N] [--warmup N]
+//                          [--tokens T] [--config NAME[,NAME]] [--precision bf16|fp8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -26,9 +30,13 @@
 #include "core/random.hpp"
 #include "core/synthetic.hpp"
 #include "cuda/cuda_backend.hpp"
+#include "moe_echo/dist.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
+#ifdef MOE_ECHO_WITH_NCCL
+#include "moe_echo/nccl.hpp"
+#endif
 
 using namespace moe_echo;
 
@@ -100,31 +108,62 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--precision %s is invalid: allowed bf16 or fp8\n", precision.c_str());
     return 2;
   }
+  const DistEnv env = DistEnv::from_env();
+  const int R = env.world_size, rank = env.rank;
+  std::unique_ptr<Backend> be;  // destroyed after the communicator
+  std::unique_ptr<Rendezvous> rv;
+  std::unique_ptr<Communicator> comm;
+  if (R > 1) {
+#ifdef MOE_ECHO_WITH_NCCL
+    select_device(env);
+    be = cuda::make_cuda_backend();
+    rv = std::make_unique<Rendezvous>(env);
+    comm = make_nccl_communicator(*rv);
+#else
+    std::fprintf(stderr, "WORLD_SIZE = %d needs a build with NCCL\n", R);
+    return 2;
+#endif
+  } else {
+    be = cuda::make_cuda_backend();
+    comm = cuda::make_local_communicator();
+  }
+  // The slowest rank's value of each entry.
+  auto max_over_ranks = [&](std::vector<double> v) {
+    if (!rv) return v;
+    Bytes mine(v.size() * sizeof(double));
+    std::memcpy(mine.data(), v.data(), mine.size());
+    for (const Bytes& peer : rv->all_gather_bytes(mine))
+      for (size_t i = 0; i < v.size(); ++i) {
+        double x = 0;
+        std::memcpy(&x, peer.data() + i * sizeof(double), sizeof x);
+        v[i] = std::max(v[i], x);
+      }
+    return v;
+  };
   const std::vector<Slice> slices = {{&kQwen3_30B_A3B, 16}, {&kDeepSeekV3, 32}, {&kMixtral8x7B, 8}};
   cudaDeviceProp prop{};
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   nlohmann::json results = nlohmann::json::array();
-  std::printf("%-14s %-9s %14s %14s %14s %10s\n", "config", "precision", "one_at_a_time",
-              "interleaved", "two_streams", "speedup");
+  if (rank == 0)
+    std::printf("%-14s %-9s %14s %14s %14s %10s\n", "config", "precision", "one_at_a_time",
+                "interleaved", "two_streams", "speedup");
   for (const Slice& sl : slices) {
     const std::string name(sl.model->name);
     if (!only.empty() && only.find(name) == std::string::npos) continue;
     MoeConfig m;
     m.hidden = sl.model->hidden;
     m.ffn = sl.model->ffn;
-    m.experts = sl.experts;
+    m.experts = sl.experts * R;
     m.top_k = sl.model->top_k;
     m.max_tokens = tokens;
     m.precision = precision == "fp8" ? Precision::fp8 : Precision::bf16;
     EchoConfig echo;
     const int64_t T = tokens, H = m.hidden;
-    auto be = cuda::make_cuda_backend();
-    auto comm = cuda::make_local_communicator();
     // One layer per mode (in_flight 1 and 2), the same seed: the same weights.
-    MoeLayer one(*be, *comm, m, ParallelConfig{1, 0}, echo, 3);
+    MoeLayer one(*be, *comm, m, ParallelConfig{R, rank}, echo, 3);
     MoeConfig m2 = m;
     m2.in_flight = 2;
-    MoeLayer two(*be, *comm, m2, ParallelConfig{1, 0}, echo, 3);
+    MoeLayer two(*be, *comm, m2, ParallelConfig{R, rank}, echo, 3);
     SkewSpec skew;
     skew.exponent = 1.2;
     SyntheticTokens synth(m.experts, m.hidden, skew, 17);
@@ -136,8 +175,8 @@ int main(int argc, char** argv) {
         *t = Tensor(nullptr, be->activation_dtype(), {T, H});
         t->data = be->allocate(t->bytes());
       }
-      write_tensor(*be, mb.x[k], synth.tokens(k, 0, int(T)));
-      Rng rng(29, uint64_t(k), 0);
+      write_tensor(*be, mb.x[k], synth.tokens(k, rank, int(T)));
+      Rng rng(29, uint64_t(k), uint64_t(rank));
       std::vector<double> g(size_t(T * H));
       for (auto& v : g) v = rng.normal() / double(T);
       write_tensor(*be, mb.dy[k], g);
@@ -205,6 +244,7 @@ int main(int argc, char** argv) {
     for (int mode = 0; mode < 3; ++mode) {
       std::vector<double> t;
       for (int it = 0; it < warmup + iters; ++it) {
+        comm->barrier();
         CHECK_CUDA(cudaEventRecord(e0, a));
         modes[mode]();
         CHECK_CUDA(cudaStreamWaitEvent(a, ev[2], 0));  // b's last work (two streams)
@@ -214,16 +254,22 @@ int main(int argc, char** argv) {
         CHECK_CUDA(cudaEventElapsedTime(&f, e0, e1));
         if (it >= warmup) t.push_back(f);
       }
-      ms[mode] = median(t);
+      ms[mode] = median(max_over_ranks(t));
+    }
+    {  // the bits agree on every rank
+      const std::vector<double> differ = max_over_ranks({same[1] ? 0.0 : 1.0, same[2] ? 0.0 : 1.0});
+      same[1] = differ[0] == 0, same[2] = differ[1] == 0;
     }
     const double speedup = ms[0] / ms[2];
-    std::printf("%-14s %-9s %11.3f ms %11.3f ms %11.3f ms %9.3fx%s\n", name.c_str(),
-                precision.c_str(), ms[0], ms[1], ms[2], speedup,
-                same[1] && same[2] ? "" : "  (BITS DIFFER)");
+    if (rank == 0)
+      std::printf("%-14s %-9s %11.3f ms %11.3f ms %11.3f ms %9.3fx%s\n", name.c_str(),
+                  precision.c_str(), ms[0], ms[1], ms[2], speedup,
+                  same[1] && same[2] ? "" : "  (BITS DIFFER)");
     results.push_back({{"config", name},
                        {"hidden", m.hidden},
                        {"ffn", m.ffn},
                        {"experts", m.experts},
+                       {"ep", R},
                        {"top_k", m.top_k},
                        {"tokens_per_micro_batch", T},
                        {"precision", precision},
@@ -241,13 +287,15 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaStreamDestroy(b));
     for (int k = 0; k < 2; ++k)
       for (Tensor* t : {&mb.x[k], &mb.y[k], &mb.dy[k], &mb.dx[k]}) be->deallocate(t->data);
+    be->synchronize();
+    comm->barrier();  // no rank frees its windows (the layers' end) while a peer reads them
   }
   nlohmann::json doc = {{"device", prop.name},
                         {"kernel", "moe_echo MoeLayer, two micro-batches (in_flight 2)"},
                         {"iters", iters},
                         {"warmup", warmup},
                         {"results", results}};
-  std::ofstream(out) << doc.dump(2) << "\n";
+  if (rank == 0) std::ofstream(out) << doc.dump(2) << "\n";
   bool ok = true;
   for (const auto& r : results)
     ok = ok && r["interleaved_bits_equal"].get<bool>() && r["two_streams_bits_equal"].get<bool>();
