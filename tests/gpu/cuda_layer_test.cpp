@@ -539,6 +539,59 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   cudaStreamDestroy(stream);
 }
 
+// The layer of the eager split, overlap and micro-batch tests: H = F = `hidden`, 8 experts, top 2,
+// `tokens` tokens, aux loss on.
+MoeConfig spill_test_moe(int hidden, int tokens) {
+  MoeConfig m;
+  m.hidden = hidden;
+  m.ffn = hidden;
+  m.experts = 8;
+  m.top_k = 2;
+  m.max_tokens = tokens;
+  m.aux_loss_coeff = 0.01;
+  return m;
+}
+
+// Two micro-batches (tokens and output gradients from seeds[k]) one at a time on `stream`:
+// outputs, input gradients, and the gradients they accumulate.
+struct OneAtATime {
+  std::vector<double> y[2], dx[2], dw1, dw2, d_router;
+};
+OneAtATime one_at_a_time(const MoeConfig& m, const EchoConfig& echo, const GlobalParams& params,
+                         const uint64_t (&seeds)[2], cudaStream_t stream) {
+  GpuLayer ref(m, echo, 9);
+  ref.set(params);
+  StepTensors t0(*ref.be, m.max_tokens, m.hidden, seeds[0], 1.0),
+      t1(*ref.be, m.max_tokens, m.hidden, seeds[1], 1.0);
+  ref.layer.zero_grad(stream);
+  ref.layer.forward(*t0.x, *t0.y, stream);
+  ref.layer.backward(*t0.dy, *t0.dx, stream);
+  ref.layer.forward(*t1.x, *t1.y, stream);
+  ref.layer.backward(*t1.dy, *t1.dx, stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  OneAtATime o;
+  o.y[0] = t0.y.read(), o.y[1] = t1.y.read();
+  o.dx[0] = t0.dx.read(), o.dx[1] = t1.dx.read();
+  o.dw1 = read_tensor(*ref.be, ref.layer.grad(Param::w1));
+  o.dw2 = read_tensor(*ref.be, ref.layer.grad(Param::w2));
+  o.d_router = read_tensor(*ref.be, ref.layer.grad(Param::router_weight));
+  return o;
+}
+
+// Two micro-batches' outputs and input gradients (t0, t1) and the layer's accumulated gradients
+// equal `ref`'s bit for bit.
+void expect_one_at_a_time(const OneAtATime& ref, StepTensors& t0, StepTensors& t1, GpuLayer& gl,
+                          int pass) {
+  EXPECT_EQ(t0.y.read(), ref.y[0]) << "pass " << pass;
+  EXPECT_EQ(t1.y.read(), ref.y[1]) << "pass " << pass;
+  EXPECT_EQ(t0.dx.read(), ref.dx[0]) << "pass " << pass;
+  EXPECT_EQ(t1.dx.read(), ref.dx[1]) << "pass " << pass;
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), ref.dw1) << "pass " << pass;
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w2)), ref.dw2) << "pass " << pass;
+  EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), ref.d_router)
+      << "pass " << pass;
+}
+
 // The split-phase calls on the GPU (a graph per phase) and Overlap::wgrad (fc1's weight gradient
 // on the side stream beside the combine, on fewer SMs): the bits of the whole step without
 // overlap, with a spill round, with the shared experts on the side stream, in fp8; after a first
@@ -547,13 +600,7 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
 TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHost) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   for (int variant = 0; variant < 5; ++variant) {
-    MoeConfig m;
-    m.hidden = 128;
-    m.ffn = 128;
-    m.experts = 8;
-    m.top_k = 2;
-    m.max_tokens = 128;
-    m.aux_loss_coeff = 0.01;
+    MoeConfig m = spill_test_moe(128, 128);
     EchoConfig echo;
     echo.capacity_factor = 0.5;  // round 0 and one spill round
     const char* name = "spill round";
@@ -637,13 +684,7 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
 TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   for (int variant = 0; variant < 3; ++variant) {
-    MoeConfig m;
-    m.hidden = 128;
-    m.ffn = 128;
-    m.experts = 8;
-    m.top_k = 2;
-    m.max_tokens = 128;
-    m.aux_loss_coeff = 0.01;
+    MoeConfig m = spill_test_moe(128, 128);
     EchoConfig echo;
     echo.capacity_factor = 0.5;  // round 0 and one spill round
     const char* name = "bf16, spill round";
@@ -665,22 +706,7 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
     const Stream s = stream;
-    std::vector<double> y_ref[2], dx_ref[2], dw1_ref, dw2_ref;
-    {
-      GpuLayer ref(m, echo, 9);
-      ref.set(params);
-      StepTensors t0(*ref.be, T, H, 71, 1.0), t1(*ref.be, T, H, 81, 1.0);
-      ref.layer.zero_grad(s);
-      ref.layer.forward(*t0.x, *t0.y, s);
-      ref.layer.backward(*t0.dy, *t0.dx, s);
-      ref.layer.forward(*t1.x, *t1.y, s);
-      ref.layer.backward(*t1.dy, *t1.dx, s);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      y_ref[0] = t0.y.read(), y_ref[1] = t1.y.read();
-      dx_ref[0] = t0.dx.read(), dx_ref[1] = t1.dx.read();
-      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
-      dw2_ref = read_tensor(*ref.be, ref.layer.grad(Param::w2));
-    }
+    const OneAtATime ref = one_at_a_time(m, echo, params, {71, 81}, stream);
     m.in_flight = 2;
     GpuLayer gl(m, echo, 9);
     gl.set(params);
@@ -706,12 +732,7 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
       EXPECT_TRUE(returns_while_held(stream, step))
           << "a step waited for the held stream (a host sync), pass " << pass;
       ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      EXPECT_EQ(t0.y.read(), y_ref[0]) << "pass " << pass;
-      EXPECT_EQ(t1.y.read(), y_ref[1]) << "pass " << pass;
-      EXPECT_EQ(t0.dx.read(), dx_ref[0]) << "pass " << pass;
-      EXPECT_EQ(t1.dx.read(), dx_ref[1]) << "pass " << pass;
-      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref) << "pass " << pass;
-      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w2)), dw2_ref) << "pass " << pass;
+      expect_one_at_a_time(ref, t0, t1, gl, pass);
     }
     EXPECT_EQ(gl.layer.stats(0).spill_rounds, m.shared_experts > 0 ? 0 : 1);
     cudaStreamDestroy(stream);
@@ -725,13 +746,7 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
 TEST(CudaLayerEager, MicroBatchesOnTwoStreamsGiveTheBitsOfOneAtATime) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
   for (int variant = 0; variant < 2; ++variant) {
-    MoeConfig m;
-    m.hidden = 256;
-    m.ffn = 256;
-    m.experts = 8;
-    m.top_k = 2;
-    m.max_tokens = 512;
-    m.aux_loss_coeff = 0.01;
+    MoeConfig m = spill_test_moe(256, 512);
     EchoConfig echo;
     echo.capacity_factor = 0.5;  // round 0 and one spill round
     if (variant == 1) {
@@ -746,23 +761,7 @@ TEST(CudaLayerEager, MicroBatchesOnTwoStreamsGiveTheBitsOfOneAtATime) {
     cudaStream_t a, b;
     ASSERT_EQ(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), cudaSuccess);
     ASSERT_EQ(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), cudaSuccess);
-    std::vector<double> y_ref[2], dx_ref[2], dw1_ref, dw2_ref, dr_ref;
-    {
-      GpuLayer ref(m, echo, 9);
-      ref.set(params);
-      StepTensors t0(*ref.be, T, H, 91, 1.0), t1(*ref.be, T, H, 93, 1.0);
-      ref.layer.zero_grad(a);
-      ref.layer.forward(*t0.x, *t0.y, a);
-      ref.layer.backward(*t0.dy, *t0.dx, a);
-      ref.layer.forward(*t1.x, *t1.y, a);
-      ref.layer.backward(*t1.dy, *t1.dx, a);
-      ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
-      y_ref[0] = t0.y.read(), y_ref[1] = t1.y.read();
-      dx_ref[0] = t0.dx.read(), dx_ref[1] = t1.dx.read();
-      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
-      dw2_ref = read_tensor(*ref.be, ref.layer.grad(Param::w2));
-      dr_ref = read_tensor(*ref.be, ref.layer.grad(Param::router_weight));
-    }
+    const OneAtATime ref = one_at_a_time(m, echo, params, {91, 93}, a);
     m.in_flight = 2;
     GpuLayer gl(m, echo, 9);
     gl.set(params);
@@ -791,14 +790,7 @@ TEST(CudaLayerEager, MicroBatchesOnTwoStreamsGiveTheBitsOfOneAtATime) {
       l.backward(*t1.dy, *t1.dx, a, 1);
       ASSERT_EQ(cudaStreamSynchronize(a), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(b), cudaSuccess);
-      EXPECT_EQ(t0.y.read(), y_ref[0]) << "pass " << pass;
-      EXPECT_EQ(t1.y.read(), y_ref[1]) << "pass " << pass;
-      EXPECT_EQ(t0.dx.read(), dx_ref[0]) << "pass " << pass;
-      EXPECT_EQ(t1.dx.read(), dx_ref[1]) << "pass " << pass;
-      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref) << "pass " << pass;
-      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w2)), dw2_ref) << "pass " << pass;
-      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::router_weight)), dr_ref)
-          << "pass " << pass;
+      expect_one_at_a_time(ref, t0, t1, gl, pass);
     }
     for (cudaEvent_t e : ev) cudaEventDestroy(e);
     cudaStreamDestroy(a);
