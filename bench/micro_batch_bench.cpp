@@ -147,9 +147,11 @@ int main(int argc, char** argv) {
   if (rank == 0)
     std::printf("%-14s %-9s %14s %14s %14s %10s\n", "config", "precision", "one_at_a_time",
                 "interleaved", "two_streams", "speedup");
+  int matched = 0;
   for (const Slice& sl : slices) {
     const std::string name(sl.model->name);
     if (!only.empty() && only.find(name) == std::string::npos) continue;
+    ++matched;
     MoeConfig m;
     m.hidden = sl.model->hidden;
     m.ffn = sl.model->ffn;
@@ -289,6 +291,13 @@ int main(int argc, char** argv) {
       for (Tensor* t : {&mb.x[k], &mb.y[k], &mb.dy[k], &mb.dx[k]}) be->deallocate(t->data);
     be->synchronize();
     comm->barrier();  // no rank frees its windows (the layers' end) while a peer reads them
+  }
+  if (matched == 0) {
+    std::fprintf(stderr,
+                 "--config %s is invalid: allowed a comma-separated list of qwen3-30b-a3b, "
+                 "deepseek-v3, mixtral-8x7b\n",
+                 only.c_str());
+    return 2;
   }
   nlohmann::json doc = {{"device", prop.name},
                         {"kernel", "moe_echo MoeLayer, two micro-batches (in_flight 2)"},
