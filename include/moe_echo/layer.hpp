@@ -370,7 +370,9 @@ class MoeLayer {
   // checking m first; `call` names the caller in the error.
   void select_micro_batch(int m, const char* call);
   MoeWorkspace::User user() const { return {this, cur_}; }
-  MoeWorkspace::Set& ws_set() const { return ws_->sets_[size_t(cur_ % ws_->sets())]; }
+  // The workspace set (and backend lane) of micro-batch m, and the current micro-batch's set.
+  int set_of(int m) const { return m % ws_->sets(); }
+  MoeWorkspace::Set& ws_set() const { return ws_->sets_[size_t(set_of(cur_))]; }
   // The checks and bookkeeping of a forward's or backward's start (forward(), backward_impl()
   // and the split dispatches), filling fl_->step.
   void begin_forward(const Tensor& x, const Tensor& y, bool split);
@@ -408,8 +410,8 @@ class MoeLayer {
   // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'
   // (`spare`, after the clones were pulled), from the weights as they are now.
   void quantize_weights(bool home, bool spare, Stream s);
-  void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s,
-                     int micro_batch);
+  // The backward of the current micro-batch (select_micro_batch first).
+  void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
   // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
   // the host anyway or a phase observer records events between the ops.
   bool eager_graphs() const { return observer_ == nullptr && comm_.capturable(); }

@@ -375,6 +375,15 @@ MoeMemory& MoeMemory::operator+=(const MoeMemory& o) {
   return *this;
 }
 
+// The parts of a layer's buffers each micro-batch in flight has its own of (MoeConfig::in_flight);
+// the others (parameters, gradients, optimizer state, fp8 weight copies) the micro-batches share.
+namespace {
+bool per_micro_batch(size_t MoeMemory::*part) {
+  return part == &MoeMemory::routing || part == &MoeMemory::activations ||
+         part == &MoeMemory::temporaries;
+}
+}  // namespace
+
 // Every buffer a layer owns, in one place (the workspace's are views, bound in the constructor).
 struct BufferShapes {
   const MoeConfig& moe;
@@ -689,35 +698,28 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   declare_buffers(b, shapes, alloc);
   // Micro-batch 0's part is the one just declared; the others get their own routing,
   // activations and temporaries (the parts of the other MoeMemory fields are not allocated).
+  auto current = std::make_shared<size_t MoeMemory::*>(&MoeMemory::params);
+  Allocator per_step;
+  per_step.part = [current](size_t MoeMemory::*p) { *current = p; };
+  per_step.dev = [&, current](DType t, std::initializer_list<int64_t> dims) {
+    return per_micro_batch(*current) ? alloc.dev(t, dims) : Tensor(nullptr, t, dims);
+  };
+  per_step.sym = [&, current](SymmetricBuffer& sb, DType t, std::initializer_list<int64_t> dims) {
+    return per_micro_batch(*current) ? alloc.sym(sb, t, dims) : Tensor(nullptr, t, dims);
+  };
   b.micro_batches.resize(size_t(moe.in_flight));
   for (int m = 0; m < moe.in_flight; ++m) {
     Buffers part;
-    if (m == 0) {
-      part = b;  // (its StepPart only is kept)
-    } else {
-      auto current = std::make_shared<size_t MoeMemory::*>(&MoeMemory::params);
-      Allocator per_step;
-      per_step.part = [current](size_t MoeMemory::*p) { *current = p; };
-      auto own = [current]() {
-        return *current == &MoeMemory::routing || *current == &MoeMemory::activations ||
-               *current == &MoeMemory::temporaries;
-      };
-      per_step.dev = [&, own](DType t, std::initializer_list<int64_t> dims) {
-        return own() ? alloc.dev(t, dims) : Tensor(nullptr, t, dims);
-      };
-      per_step.sym = [&, own](SymmetricBuffer& sb, DType t, std::initializer_list<int64_t> dims) {
-        return own() ? alloc.sym(sb, t, dims) : Tensor(nullptr, t, dims);
-      };
-      declare_buffers(part, shapes, per_step);
-    }
-    bind_workspace(part, *ws_->sets_[size_t(m % ws_->sets())].buf, moe, par, echo,
+    if (m > 0) declare_buffers(part, shapes, per_step);
+    Buffers& declared = m == 0 ? b : part;
+    bind_workspace(declared, *ws_->sets_[size_t(set_of(m))].buf, moe, par, echo,
                    backend.activation_dtype(), backend.float_dtype());
     StepPart& kept = b.micro_batches[size_t(m)];
-    kept = static_cast<const StepPart&>(part);
+    kept = static_cast<const StepPart&>(declared);
     // The one symmetric buffer a StepPart owns (recv_x, when kept) is released through the kept
     // copy (buf_'s own StepPart is overwritten by select_micro_batch).
     for (SymmetricBuffer*& sb : b.symmetric)
-      if (sb == &(m == 0 ? b : part).recv_x_sym) sb = &kept.recv_x_sym;
+      if (sb == &declared.recv_x_sym) sb = &kept.recv_x_sym;
   }
 
   for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
@@ -890,10 +892,12 @@ MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelC
                   {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
                    max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
                   counting_allocator(memory));
-  // Each micro-batch in flight has its own routing, activations and temporaries.
-  memory.routing *= size_t(moe.in_flight);
-  memory.activations *= size_t(moe.in_flight);
-  memory.temporaries *= size_t(moe.in_flight);
+  // Each micro-batch in flight has its own of these parts.
+  for (size_t MoeMemory::*part :
+       {&MoeMemory::params, &MoeMemory::grads, &MoeMemory::optimizer, &MoeMemory::routing,
+        &MoeMemory::activations, &MoeMemory::temporaries, &MoeMemory::workspace,
+        &MoeMemory::echo_slot_weights, &MoeMemory::echo_slot_grads, &MoeMemory::fp8})
+    if (per_micro_batch(part)) memory.*part *= size_t(moe.in_flight);
   return memory;
 }
 
@@ -1151,7 +1155,7 @@ void MoeLayer::select_micro_batch(int m, const char* call) {
   cur_ = m;
   fl_ = &flights_[size_t(m)];
   static_cast<StepPart&>(*buf_) = buf_->micro_batches[size_t(m)];
-  backend_.set_lane(m % ws_->sets());  // the backend's resources of this workspace set
+  backend_.set_lane(set_of(m));  // the backend's resources of this workspace set
 }
 
 namespace {
@@ -1495,7 +1499,7 @@ void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Str
   select_micro_batch(micro_batch, "backward");
   check_tensor(x, "x", backend_.activation_dtype(), {fl_->last_tokens, moe_.hidden});
   fl_->last_x = x;
-  backward(dy, dx, s, micro_batch);
+  backward_impl(dy, dx, ExpertGrads{}, s);
 }
 
 void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx,
@@ -1510,7 +1514,7 @@ void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx
                  "backward_into: dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
                                           << " must be 16-byte aligned");
   fl_->last_x = x;
-  backward_impl(dy, dx, into, s, micro_batch);
+  backward_impl(dy, dx, into, s);
 }
 
 Tensor MoeLayer::plan_buffer(int m) const {
@@ -1523,7 +1527,8 @@ Tensor MoeLayer::losses(int m) const {
 }
 
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
-  backward_impl(dy, dx, ExpertGrads{}, s, micro_batch);
+  select_micro_batch(micro_batch, "backward");
+  backward_impl(dy, dx, ExpertGrads{}, s);
 }
 
 void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
@@ -1555,9 +1560,8 @@ void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGr
   fl_->step.repull = planner_.spare_slots > 0 && !(ws_set().pool_owner == user());
 }
 
-void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s,
-                             int micro_batch) {
-  select_micro_batch(micro_batch, "backward");
+void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                             Stream s) {
   check_no_split("backward");
   begin_backward(dy, dx, into, false);
   const Step& st = fl_->step;

@@ -8,6 +8,24 @@
 
 namespace moe_echo::test {
 
+void set_params(Backend& be, MoeLayer& layer, const GlobalParams& params, int r, int R) {
+  const MoeConfig& m = layer.moe_config();
+  const int64_t EPR = m.experts / R;
+  const size_t w1n = size_t(m.hidden) * 2 * size_t(m.ffn), w2n = size_t(m.ffn) * size_t(m.hidden);
+  write_tensor(be, layer.param(Param::router_weight), params.router_weight);
+  write_tensor(be, layer.param(Param::router_bias), params.router_bias);
+  write_tensor(be, layer.param(Param::w1),
+               std::vector<double>(params.w1.begin() + r * EPR * w1n,
+                                   params.w1.begin() + (r + 1) * EPR * w1n));
+  write_tensor(be, layer.param(Param::w2),
+               std::vector<double>(params.w2.begin() + r * EPR * w2n,
+                                   params.w2.begin() + (r + 1) * EPR * w2n));
+  if (!params.shared_w1.empty()) {
+    write_tensor(be, layer.param(Param::shared_w1), params.shared_w1);
+    write_tensor(be, layer.param(Param::shared_w2), params.shared_w2);
+  }
+}
+
 LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,
                    const std::vector<std::vector<double>>& g,
                    const std::optional<GlobalParams>& params, const CommunicatorOf& communicator) {
@@ -31,20 +49,7 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     Communicator& comm = communicator ? communicator(world, r, *be) : world.communicator(r);
     MoeLayer layer(*be, comm, c.moe, ParallelConfig{R, r}, c.echo, c.seed);
     const size_t w1n = size_t(H * 2 * F), w2n = size_t(F * H);
-    if (params) {
-      write_tensor(*be, layer.param(Param::router_weight), params->router_weight);
-      write_tensor(*be, layer.param(Param::router_bias), params->router_bias);
-      write_tensor(*be, layer.param(Param::w1),
-                   std::vector<double>(params->w1.begin() + r * EPR * w1n,
-                                       params->w1.begin() + (r + 1) * EPR * w1n));
-      write_tensor(*be, layer.param(Param::w2),
-                   std::vector<double>(params->w2.begin() + r * EPR * w2n,
-                                       params->w2.begin() + (r + 1) * EPR * w2n));
-      if (!params->shared_w1.empty()) {
-        write_tensor(*be, layer.param(Param::shared_w1), params->shared_w1);
-        write_tensor(*be, layer.param(Param::shared_w2), params->shared_w2);
-      }
-    }
+    if (params) set_params(*be, layer, *params, r, R);
     const int64_t T = int64_t(x[size_t(r)].size()) / H;
     auto alloc = [&](const std::vector<double>* init) {
       Tensor t(nullptr, be->activation_dtype(), {T, H});

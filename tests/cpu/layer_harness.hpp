@@ -50,6 +50,10 @@ struct LayerRun {
 using CommunicatorOf =
     std::function<Communicator&(InProcessWorld& world, int rank, Backend& backend)>;
 
+// Writes rank r's part of `params` into the layer (router weight and bias, its home experts'
+// w1 and w2 out of R ranks', the shared experts when given).
+void set_params(Backend& be, MoeLayer& layer, const GlobalParams& params, int r, int R);
+
 // x[r] holds T_r * H values (T_r may differ per rank, <= max_tokens); g[r] the same shape.
 LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x,
                    const std::vector<std::vector<double>>& g,

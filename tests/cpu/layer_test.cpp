@@ -728,13 +728,7 @@ MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, 
     auto be = make_cpu_backend(c.dtype);
     MoeLayer layer(*be, world.communicator(r), c.moe, ParallelConfig{R, r}, c.echo, c.seed);
     const size_t w1n = size_t(H * 2 * F), w2n = size_t(F * H);
-    write_tensor(*be, layer.param(Param::router_weight), params.router_weight);
-    write_tensor(*be, layer.param(Param::w1),
-                 std::vector<double>(params.w1.begin() + r * EPR * w1n,
-                                     params.w1.begin() + (r + 1) * EPR * w1n));
-    write_tensor(*be, layer.param(Param::w2),
-                 std::vector<double>(params.w2.begin() + r * EPR * w2n,
-                                     params.w2.begin() + (r + 1) * EPR * w2n));
+    set_params(*be, layer, params, r, R);
     std::vector<std::vector<double>> host;
     std::vector<Tensor> x, y, g, dx;
     auto tensor = [&](uint64_t seed) {
