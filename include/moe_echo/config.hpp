@@ -159,6 +159,22 @@ struct ParallelConfig {
   int ep_rank = 0;  // r
 };
 
+// How long an ECHO clone placement holds, and where a layer keeps its clones (EchoConfig).
+enum class EchoPlacement {
+  // Every forward plans clones for its own routing and pulls their weights into the echo slots
+  // that the layers of a workspace share; every backward reduces its clones' gradients home.
+  micro_batch,
+  // A layer keeps one placement for a whole step, in echo slots of its own: the first forward
+  // after the weights changed (the layer's construction, optimizer_step, weights_changed) plans
+  // it from its routing and pulls the clones; the step's other forwards split their rows over it
+  // (plan_placed) and pull nothing; the backwards add their clones' gradients in the slots,
+  // reduced home once by the step's last backward (MoeLayer::hold_clone_grads).
+  step,
+};
+const char* to_string(EchoPlacement p);
+// Parses "micro_batch" or "step"; throws ConfigError naming `field` otherwise.
+EchoPlacement parse_echo_placement(const std::string& s, const char* field = "placement");
+
 struct EchoConfig {
   bool enabled = true;
   int spare_slots_per_rank = 1;   // S: slots per rank that may hold a clone for one step
@@ -168,6 +184,7 @@ struct EchoConfig {
   // of the busiest-linked rank (a rank's links: clones it hosts + clones of its home experts):
   // the planner minimises the busiest rank's load plus this per such link (planner.hpp).
   int64_t clone_cost_rows = 0;
+  EchoPlacement placement = EchoPlacement::micro_batch;  // see EchoPlacement
 };
 
 // Throws ConfigError on the first invalid field or combination.

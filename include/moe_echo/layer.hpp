@@ -40,10 +40,15 @@ struct StepStats {
   std::vector<int32_t> load_after;   // [R] rows each rank received
   double max_over_mean_before = 0;   // busiest rank over the mean, without ECHO
   double max_over_mean_after = 0;    // ... with this step's plan
-  int clones = 0;                    // spare slots filled this step (all ranks)
+  int clones = 0;                    // clones given rows by this forward's plan (all ranks)
   // Clone traffic, all ranks: per clone 3 H F weights in (activation dtype) and 3 H F gradients
   // home (float dtype), so 3 H F (2 + 4) bytes on the CUDA backend (bf16 weights, fp32 gradients).
+  // With EchoPlacement::step a step's clones move once: counted on the forward that pulled them
+  // (the step's first), 0 on the forwards that kept its placement.
   int64_t clone_bytes = 0;
+  // EchoPlacement::step: this forward split its rows over the placement an earlier forward of the
+  // step made, and pulled no clone.
+  bool placement_kept = false;
   int64_t received_rows = 0;      // rows this rank's experts processed
   int64_t overflow_rows = 0;      // rows beyond this rank's capacity (done in spill rounds)
   int64_t overflow_rows_all = 0;  // the same over all ranks
@@ -257,9 +262,19 @@ class MoeLayer {
   // fp8, taking the view of w1 or w2 marks their e4m3 copies stale (the caller may write them):
   // the next forward quantizes them again.
   Tensor param(Param p) const;
-  // Precision fp8: the expert weights were changed through a view taken earlier; the next
-  // forward quantizes them again (optimizer_step does it itself).
-  void weights_changed() { fp8_weights_stale_ = true; }
+  // The expert weights were changed through a view taken earlier: with precision fp8 the next
+  // forward quantizes them again, and with EchoPlacement::step it plans a new placement and pulls
+  // its clones (optimizer_step does both itself). Throws while clone gradients are held.
+  void weights_changed();
+  // EchoPlacement::step (turning it on with micro_batch throws): while on, a backward leaves
+  // its clones' gradients in the layer's echo slots, added to those of the step's earlier
+  // backwards, instead of reducing them home; the next backward run with it off reduces all of
+  // them home at once (into its home gradients: the layer's, or backward_into's `into`). Turn it
+  // on for all but the step's last backward, as with DDP's no_sync. zero_grad drops what is held;
+  // optimizer_step and weights_changed refuse to run while gradients are held.
+  void hold_clone_grads(bool hold);
+  // Clone gradients of earlier backwards wait in the echo slots (EchoPlacement::step).
+  bool clone_grads_held() const { return clone_grads_held_; }
   Tensor grad(Param p) const;
   // Zeroes the gradients. The next backward then writes the expert gradients of its first round
   // instead of adding to zeros (no read of them); a CUDA graph captured from zero_grad through
@@ -347,6 +362,12 @@ class MoeLayer {
     int64_t T = 0;
     bool quantize_home = false;  // precision fp8: the home weights' e4m3 copies made again
     bool overwrite_grads = false, overwrite_shared = false, repull = false;
+    // EchoPlacement::step: a forward plans the step's placement and pulls its clones (`place`;
+    // otherwise it splits its rows over the kept one); a backward zeroes its home gradients first
+    // and adds to them (`zero_home`: the clone gradients held add up, so the GEMM adds), zeroes
+    // the clone gradients first (`zero_clones`), and reduces them home (`reduce_clones`). With
+    // EchoPlacement::micro_batch: place, reduce_clones and zero_clones as the step needs.
+    bool place = true, zero_home = false, zero_clones = false, reduce_clones = true;
     ExpertGrads into;
     bool split = false;  // enqueued as three phases (shared experts beside the experts phase)
   };
@@ -439,6 +460,20 @@ class MoeLayer {
   PhaseObserver* observer_ = nullptr;
   bool grads_zeroed_ = false;              // zero_grad or discard_grad since the last backward
   bool expert_grads_stale_ = false;        // the last backward wrote the expert gradients elsewhere
+  // EchoPlacement::step (own_slots_: with spare slots, the layer's own echo slots): whether the
+  // slots hold the clones of this step's placement, which renewal of it is current (a forward
+  // records its epoch; its backward needs the same), and the clone gradients' state.
+  bool own_slots_ = false;
+  mutable bool placement_held_ = false;
+  mutable int64_t placement_epoch_ = 0;
+  // The weights changed (optimizer_step, weights_changed, param of w1 or w2): the next forward
+  // plans a new placement, and backwards of forwards before refuse to run.
+  void drop_placement() const {
+    if (placement_held_) ++placement_epoch_;
+    placement_held_ = false;
+  }
+  bool hold_clone_grads_ = false;
+  bool clone_grads_held_ = false;
   mutable bool fp8_weights_stale_ = true;  // precision fp8: home weights changed since quantized
   // A micro-batch's host state (MoeConfig::in_flight of them).
   struct Flight {
@@ -449,6 +484,8 @@ class MoeLayer {
     SplitPhase split_phase = SplitPhase::none;
     int64_t last_tokens = 0;
     Tensor last_x;
+    int64_t placement_epoch = 0;  // EchoPlacement::step: the placement its forward used
+    bool placed = true;           // its forward planned a placement and pulled the clones
   };
   std::vector<Flight> flights_;
   int cur_ = 0;           // the current micro-batch

@@ -65,6 +65,16 @@ Overlap parse_overlap(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "none or wgrad");
 }
 
+const char* to_string(EchoPlacement p) {
+  return p == EchoPlacement::step ? "step" : "micro_batch";
+}
+
+EchoPlacement parse_echo_placement(const std::string& s, const char* field) {
+  for (EchoPlacement p : {EchoPlacement::micro_batch, EchoPlacement::step})
+    if (s == to_string(p)) return p;
+  reject(field, "'" + s + "'", "micro_batch or step");
+}
+
 const char* to_string(Precision p) { return p == Precision::fp8 ? "fp8" : "bf16"; }
 
 Precision parse_precision(const std::string& s, const char* field) {
@@ -218,6 +228,8 @@ void validate(const EchoConfig& e, const ParallelConfig& p) {
   if (e.max_clones_per_expert < 0)
     reject("max_clones_per_expert", e.max_clones_per_expert, "max_clones_per_expert >= 0");
   if (e.clone_cost_rows < 0) reject("clone_cost_rows", e.clone_cost_rows, "clone_cost_rows >= 0");
+  if (e.placement != EchoPlacement::micro_batch && e.placement != EchoPlacement::step)
+    reject("placement", int(e.placement), "micro_batch (0) or step (1)");
   // Each clone of an expert sits on a rank other than the expert's, one per rank: more than
   // ep_size - 1 clones cannot be placed. The library default (2) is accepted on any ep_size.
   const int useful_clones = std::max(p.ep_size - 1, EchoConfig{}.max_clones_per_expert);

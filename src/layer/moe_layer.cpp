@@ -103,6 +103,11 @@ struct MoeLayer::Buffers : StepPart {
   // Precision fp8: each home expert weight's e4m3 copies for fprop (q_t, scale_t) and dgrad
   // (q, scale).
   Fp8Weight w1_q, w2_q;
+  // EchoPlacement::step: the plan of the step's first forward, which made its placement (its
+  // spare_expert; its replicas name every clone slot the step's backwards may leave gradients
+  // in, which the reduction reads); the echo slots are then the layer's own (StepPart's spare
+  // tensors, the same in every micro-batch).
+  Tensor step_plan;
 
   std::vector<StepPart> micro_batches;  // [MoeConfig::in_flight]
   std::vector<void*> owned;
@@ -235,10 +240,13 @@ struct MoeWorkspace::Buffers {
       grow(fan_values, s.cap, fs);
       grow(da, s.cap * s.F, as);
       grow(dh, s.cap * 2 * s.F, as);
-      grow(w1_spare, s.S * s.H * 2 * s.F, as);
-      grow(w2_spare, s.S * s.F * s.H, as);
-      grow(dw1_spare, s.S * s.H * 2 * s.F, fs);
-      grow(dw2_spare, s.S * s.F * s.H, fs);
+      const bool pool = echo.placement == EchoPlacement::micro_batch;  // else the layers' own
+      if (pool) {
+        grow(w1_spare, s.S * s.H * 2 * s.F, as);
+        grow(w2_spare, s.S * s.F * s.H, as);
+        grow(dw1_spare, s.S * s.H * 2 * s.F, fs);
+        grow(dw2_spare, s.S * s.F * s.H, fs);
+      }
       if (m.precision == Precision::fp8) {
         const Fp8Shapes f(s, slots_per_rank(m, par, echo));
         if (fp8_rows(m)) {
@@ -254,8 +262,8 @@ struct MoeWorkspace::Buffers {
           grow(fp8_po2, f.G + 1, sizeof(int32_t));
         }
         if (fp8_dispatch(m)) grow(fp8_x_send, m.max_tokens * fp8_packed_row_bytes(s.H), 1);
-        if (fp8_w1(m)) fp8_w1s.grow(s.S, s.H, 2 * s.F);
-        if (fp8_w2(m)) fp8_w2s.grow(s.S, s.F, s.H);
+        if (fp8_w1(m) && pool) fp8_w1s.grow(s.S, s.H, 2 * s.F);
+        if (fp8_w2(m) && pool) fp8_w2s.grow(s.S, s.F, s.H);
       }
     }
   }
@@ -394,6 +402,7 @@ struct BufferShapes {
   int rounds;
   DType act, fl;
   bool optimizer_state;
+  bool own_slots;  // EchoPlacement::step with spare slots: the layer's own echo slots
 };
 
 void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocator& alloc) {
@@ -417,7 +426,16 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
   alloc.part(&MoeMemory::grads);
   b.dw1 = dev(fl, {EPR, H, 2 * F});  // gradients accumulate in the float dtype
   b.dw2 = dev(fl, {EPR, F, H});
-  (void)G;
+  const int64_t SP = planner_.spare_slots;
+  if (s.own_slots) {  // EchoPlacement::step: the layer's own echo slots and placement
+    alloc.part(&MoeMemory::echo_slot_weights);
+    b.w1_spare = dev(act, {SP, H, 2 * F});
+    b.w2_spare = dev(act, {SP, F, H});
+    b.step_plan = dev(DType::i32, {plan_ints(planner_)});
+    alloc.part(&MoeMemory::echo_slot_grads);
+    b.dw1_spare = sym(b.dw1_spare_sym, fl, {SP, H, 2 * F});
+    b.dw2_spare = sym(b.dw2_spare_sym, fl, {SP, F, H});
+  }
   alloc.part(&MoeMemory::optimizer);
   if (optimizer_state) {
     b.m_router = dev(fl, {E, H});
@@ -505,9 +523,11 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
       w.s_t = dev(DType::f32, {slabs, fp8_tiles(n), fp8_tiles(k)});
       return w;
     };
-    // The echo slots' copies are the workspace's.
+    // The echo slots' copies are the workspace's (the layer's own with its own slots).
     if (fp8_w1(s.moe)) b.w1_q = weight(EPR, H, 2 * F);
     if (fp8_w2(s.moe)) b.w2_q = weight(EPR, F, H);
+    if (s.own_slots && fp8_w1(s.moe)) b.w1_spare_q = weight(SP, H, 2 * F);
+    if (s.own_slots && fp8_w2(s.moe)) b.w2_spare_q = weight(SP, F, H);
   }
 }
 
@@ -548,8 +568,9 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
                                view(x.s, DType::f32, {s.S, fp8_tiles(K), fp8_tiles(N)}),
                                view(x.s_t, DType::f32, {s.S, fp8_tiles(N), fp8_tiles(K)})};
   };
-  if (s.S > 0 && fp8_w1(moe)) b.w1_spare_q = weight(w.fp8_w1s, s.H, 2 * s.F);
-  if (s.S > 0 && fp8_w2(moe)) b.w2_spare_q = weight(w.fp8_w2s, s.F, s.H);
+  const bool pool = s.S > 0 && echo.placement == EchoPlacement::micro_batch;  // else the layer's
+  if (pool && fp8_w1(moe)) b.w1_spare_q = weight(w.fp8_w1s, s.H, 2 * s.F);
+  if (pool && fp8_w2(moe)) b.w2_spare_q = weight(w.fp8_w2s, s.F, s.H);
   if (!b.h.data) b.h = view(w.h, act, {s.cap, 2 * s.F});
   if (!b.a.data) b.a = view(w.a, act, {s.cap, s.F});
   if (!b.recv_out.data) b.recv_out = view(w.recv_out, act, {s.cap, s.H});
@@ -578,7 +599,7 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
     b.col_po = view(w.fp8_po, DType::i32, {f.G + 1});
     b.col_po2 = view(w.fp8_po2, DType::i32, {f.G + 1});
   }
-  if (s.S > 0) {
+  if (pool) {
     b.w1_spare = view(w.w1_spare, act, {s.S, s.H, 2 * s.F});
     b.w2_spare = view(w.w2_spare, act, {s.S, s.F, s.H});
     b.dw1_spare = view(w.dw1_spare, fl, {s.S, s.H, 2 * s.F});
@@ -618,6 +639,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   slots_ = slots_per_rank(moe, par, echo);
   capacity_ = capacity_rows(moe, echo);
   rounds_ = max_rounds(moe, par, echo);
+  own_slots_ = echo.placement == EchoPlacement::step && planner_.spare_slots > 0;
   if (workspace) {
     MOE_ECHO_CHECK(&workspace->backend() == &backend && &workspace->communicator() == &comm,
                    "workspace built on another backend or communicator than the layer's");
@@ -694,7 +716,8 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
                             rounds_,
                             backend.activation_dtype(),
                             backend.float_dtype(),
-                            optimizer_state};
+                            optimizer_state,
+                            own_slots_};
   declare_buffers(b, shapes, alloc);
   // Micro-batch 0's part is the one just declared; the others get their own routing,
   // activations and temporaries (the parts of the other MoeMemory fields are not allocated).
@@ -714,12 +737,20 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
     Buffers& declared = m == 0 ? b : part;
     bind_workspace(declared, *ws_->sets_[size_t(set_of(m))].buf, moe, par, echo,
                    backend.activation_dtype(), backend.float_dtype());
+    if (m > 0 && own_slots_) {  // the layer's own echo slots serve every micro-batch
+      declared.w1_spare = b.w1_spare, declared.w2_spare = b.w2_spare;
+      declared.dw1_spare = b.dw1_spare, declared.dw2_spare = b.dw2_spare;
+      declared.dw1_spare_sym = b.dw1_spare_sym, declared.dw2_spare_sym = b.dw2_spare_sym;
+      declared.w1_spare_q = b.w1_spare_q, declared.w2_spare_q = b.w2_spare_q;
+    }
     StepPart& kept = b.micro_batches[size_t(m)];
     kept = static_cast<const StepPart&>(declared);
-    // The one symmetric buffer a StepPart owns (recv_x, when kept) is released through the kept
-    // copy (buf_'s own StepPart is overwritten by select_micro_batch).
+    // The symmetric buffers in a StepPart that a layer allocates (recv_x when kept; the echo
+    // slots' gradients when its own) are released through micro-batch 0's kept copy (buf_'s own
+    // StepPart is overwritten by select_micro_batch).
     for (SymmetricBuffer*& sb : b.symmetric)
-      if (sb == &declared.recv_x_sym) sb = &kept.recv_x_sym;
+      for (auto member : {&StepPart::recv_x_sym, &StepPart::dw1_spare_sym, &StepPart::dw2_spare_sym})
+        if (sb == &(declared.*member)) sb = &(kept.*member);
   }
 
   for (Tensor* t : {&b.w1, &b.w2, &b.dw1, &b.dw2, &b.d_router_weight, &b.router_bias, &b.m_router,
@@ -795,7 +826,10 @@ void MoeLayer::init_parameters(uint64_t seed) {
 
 Tensor MoeLayer::param(Param p) const {
   const int64_t EPR = moe_.experts / par_.ep_size;
-  if (p == Param::w1 || p == Param::w2) fp8_weights_stale_ = true;  // the caller may write them
+  if (p == Param::w1 || p == Param::w2) {  // the caller may write them
+    fp8_weights_stale_ = true;
+    drop_placement();
+  }
   switch (p) {
     case Param::router_weight: return buf_->router_weight;
     case Param::router_bias: return buf_->router_bias;
@@ -820,6 +854,24 @@ Tensor MoeLayer::grad(Param p) const {
   return {};
 }
 
+void MoeLayer::weights_changed() {
+  MOE_ECHO_CHECK(!clone_grads_held_,
+                 "weights_changed: clone gradients of earlier backwards are held in the echo "
+                 "slots (hold_clone_grads), reduced home by the step's last backward (run with "
+                 "hold_clone_grads(false)); change the weights after it");
+  fp8_weights_stale_ = true;
+  drop_placement();
+}
+
+void MoeLayer::hold_clone_grads(bool hold) {
+  MOE_ECHO_CHECK(!hold || echo_.placement == EchoPlacement::step,
+                 "hold_clone_grads(true) needs EchoConfig::placement = step, not "
+                     << to_string(echo_.placement)
+                     << " (each micro-batch's clones are planned for it, and their gradients go "
+                        "home with its backward)");
+  hold_clone_grads_ = hold;
+}
+
 void MoeLayer::discard_grad(Stream s) {
   check_no_split("discard_grad", false, true);
   backend_.fill_zero(buf_->d_router_weight, s);
@@ -836,6 +888,7 @@ void MoeLayer::zero_grad(Stream s) {
     backend_.fill_zero(buf_->d_shared_w2, s);
   }
   grads_zeroed_ = true;
+  clone_grads_held_ = false;  // dropped: the next backward zeroes the clone slots' gradients
 }
 
 void MoeLayer::all_reduce_router_grad(Stream s) {
@@ -852,6 +905,11 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
   MOE_ECHO_CHECK(
       b.m_router.data != nullptr,
       "optimizer_step on a layer built without optimizer state (optimizer_state = false)");
+  MOE_ECHO_CHECK(!clone_grads_held_,
+                 "optimizer_step: clone gradients of earlier backwards are held in the echo slots "
+                 "(hold_clone_grads), not yet in the home experts' gradients: run the step's last "
+                 "backward with hold_clone_grads(false), which reduces them home");
+  drop_placement();  // the next forward plans the next step's placement
   backend_.add_i32(b.optimizer_step, 1, s);
   auto step = [&](const Tensor& p, const Tensor& g, const Tensor& m, const Tensor& v,
                   const Tensor& master) {
@@ -890,7 +948,8 @@ MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelC
   MoeMemory memory;
   declare_buffers(b,
                   {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
-                   max_rounds(moe, par, echo), activation, float_dtype, optimizer_state},
+                   max_rounds(moe, par, echo), activation, float_dtype, optimizer_state,
+                   echo.placement == EchoPlacement::step && planner.spare_slots > 0},
                   counting_allocator(memory));
   // Each micro-batch in flight has its own of these parts.
   for (size_t MoeMemory::*part :
@@ -1004,7 +1063,9 @@ GemmArgs MoeLayer::wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b
   g.c = spare;
   g.c_home = home;
   g.accumulate = !overwrite;
-  g.zero_empty_below = overwrite ? int(moe_.experts / par_.ep_size) : 0;
+  // Overwriting, a slot with no rows is zeroed: a home slot; with EchoPlacement::step a clone slot
+  // too (the step's clone may get rows in a later backward, and is reduced home either way).
+  g.zero_empty_below = overwrite ? (own_slots_ ? slots_ : int(moe_.experts / par_.ep_size)) : 0;
   return g;
 }
 
@@ -1207,6 +1268,14 @@ void MoeLayer::begin_forward(const Tensor& x, const Tensor& y, bool split) {
   check_tensor(y, "y", backend_.activation_dtype(), {T, H});
   MOE_ECHO_CHECK(T <= moe_.max_tokens,
                  "x has " << T << " tokens, more than max_tokens = " << moe_.max_tokens);
+  // EchoPlacement::step: the step's first forward (the weights changed since the last placement)
+  // plans the placement; a new one would leave held clone gradients without their clones.
+  const bool place = !own_slots_ || !placement_held_;
+  MOE_ECHO_CHECK(!(own_slots_ && place && clone_grads_held_),
+                 "forward: the expert weights changed (optimizer_step, weights_changed or a view "
+                 "of w1 or w2 taken) while clone gradients of earlier backwards are held in the "
+                 "echo slots (hold_clone_grads): run the step's last backward with "
+                 "hold_clone_grads(false) first, which reduces them home");
   fl_->last_tokens = T;
   fl_->last_x = x;  // the router backward and spill-round recompute read it again
   last_forward_ = cur_;
@@ -1217,6 +1286,10 @@ void MoeLayer::begin_forward(const Tensor& x, const Tensor& y, bool split) {
   fl_->step.T = T;
   fl_->step.quantize_home = fp8_weights(moe_) && fp8_weights_stale_;
   fl_->step.split = split;
+  fl_->step.place = place;
+  fl_->placed = place;
+  if (own_slots_) placement_held_ = true;
+  fl_->placement_epoch = placement_epoch_;
 }
 
 void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
@@ -1232,7 +1305,9 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s, int micro_bat
   if (eager_graphs())
     backend_.enqueue_as_graph(
         fl_->forward_graph,
-        {address(x.data), address(y.data), uint64_t(st.T), uint64_t(st.quantize_home)}, ops, s);
+        {address(x.data), address(y.data), uint64_t(st.T), uint64_t(st.quantize_home),
+         uint64_t(st.place)},
+        ops, s);
   else
     ops(s);
   if (st.quantize_home) fp8_weights_stale_ = false;
@@ -1247,7 +1322,8 @@ void MoeLayer::enqueue_phase(int phase, const std::function<void(Stream)>& ops, 
         {address(st.x.data), address(st.y.data), address(st.dy.data), address(st.dx.data),
          uint64_t(st.T), uint64_t(st.quantize_home), uint64_t(st.overwrite_grads),
          uint64_t(st.overwrite_shared), uint64_t(st.repull), address(st.into.dw1.data),
-         address(st.into.dw2.data)},
+         address(st.into.dw2.data), uint64_t(st.place), uint64_t(st.zero_home),
+         uint64_t(st.zero_clones), uint64_t(st.reduce_clones)},
         ops, s);
   else
     ops(s);
@@ -1312,7 +1388,15 @@ void MoeLayer::forward_dispatch_ops(const Step& st, Stream s) {
   mark("count_gather", s);
   comm_.all_gather_i32(b.counts.as<int32_t>(), b.routing_map.as<int32_t>(), moe_.experts, s);
   mark("plan", s);
-  backend_.plan(b.routing_map, planner_, echo_.enabled, b.plan, s);
+  if (own_slots_ && !st.place) {  // EchoPlacement::step: this micro-batch's rows over the kept one
+    const PlanView kept = plan_view(b.step_plan.as<int32_t>(), planner_);
+    const Tensor placement(kept.spare_expert, DType::i32,
+                           {int64_t(par_.ep_size) * planner_.spare_slots});
+    backend_.plan_placed(b.routing_map, planner_, placement, b.plan, s);
+  } else {
+    backend_.plan(b.routing_map, planner_, echo_.enabled, b.plan, s);
+  }
+  if (own_slots_ && st.place) backend_.copy(b.step_plan, b.plan, s);  // the step's placement
 
   LayoutArgs la;
   la.routing_map = b.routing_map;
@@ -1331,13 +1415,14 @@ void MoeLayer::forward_dispatch_ops(const Step& st, Stream s) {
   mark("layout", s);
   backend_.layout(la, s);
 
-  if (planner_.spare_slots > 0) {
+  const bool pull = planner_.spare_slots > 0 && st.place;
+  if (pull) {
     mark("clone_pull", s);
     pull_clones(s);
   }
   if (moe_.precision == Precision::fp8) {
     mark("fp8_weights", s);
-    quantize_weights(st.quantize_home, planner_.spare_slots > 0, s);
+    quantize_weights(st.quantize_home, pull, s);
   }
 
   // With shared experts every round adds to y. Otherwise spill rounds add into y (zeroed first
@@ -1541,6 +1626,13 @@ void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGr
                         "forward takes one backward; a second backward needs a new forward)");
   check_tensor(dy, "dy", backend_.activation_dtype(), {T, H});
   check_tensor(dx, "dx", backend_.activation_dtype(), {T, H});
+  MOE_ECHO_CHECK(!own_slots_ || fl_->placement_epoch == placement_epoch_,
+                 "backward of micro-batch "
+                     << cur_
+                     << ": its forward ran on the clone placement of an earlier step (the expert "
+                        "weights changed since: optimizer_step, weights_changed or a view of w1 "
+                        "or w2 taken), whose clones the echo slots no longer hold; with "
+                        "EchoPlacement::step run a step's backwards before its optimizer step");
   fl_->forward_pending = false;
   fl_->step = Step{};
   fl_->step.x = fl_->last_x;
@@ -1551,13 +1643,23 @@ void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGr
   fl_->step.split = split;
   // Expert gradients written elsewhere leave the layer's stale (a later backward() writes them
   // instead of adding to them); the shared experts' stay in the layer and accumulate as usual.
-  fl_->step.overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
-  fl_->step.overwrite_shared = grads_zeroed_;
+  Step& st = fl_->step;
+  st.overwrite_grads = grads_zeroed_ || expert_grads_stale_ || into.dw1.data != nullptr;
+  st.overwrite_shared = grads_zeroed_;
   grads_zeroed_ = false;
   expert_grads_stale_ = into.dw1.data != nullptr;
-  // Another micro-batch's or layer's forward or backward used the echo slots since this
+  // Another micro-batch's or layer's forward or backward used the shared echo slots since this
   // micro-batch's forward: pull its clones again.
-  fl_->step.repull = planner_.spare_slots > 0 && !(ws_set().pool_owner == user());
+  st.repull = planner_.spare_slots > 0 && !own_slots_ && !(ws_set().pool_owner == user());
+  // Clone gradients held from earlier backwards of the step add up with this one's, so its GEMMs
+  // add: home gradients to be written are zeroed first instead.
+  if (clone_grads_held_ && st.overwrite_grads) {
+    st.zero_home = true;
+    st.overwrite_grads = false;
+  }
+  st.zero_clones = slots_ > moe_.experts / par_.ep_size && !st.overwrite_grads && !clone_grads_held_;
+  st.reduce_clones = planner_.spare_slots > 0 && !(own_slots_ && hold_clone_grads_);
+  clone_grads_held_ = own_slots_ && hold_clone_grads_;
 }
 
 void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
@@ -1575,7 +1677,8 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
         fl_->backward_graph,
         {address(st.x.data), address(dy.data), address(dx.data), uint64_t(st.T),
          uint64_t(st.overwrite_grads), uint64_t(st.overwrite_shared), address(into.dw1.data),
-         address(into.dw2.data), uint64_t(st.repull)},
+         address(into.dw2.data), uint64_t(st.repull), uint64_t(st.zero_home),
+         uint64_t(st.zero_clones), uint64_t(st.reduce_clones)},
         ops, s);
   else
     ops(s);
@@ -1620,7 +1723,6 @@ void MoeLayer::backward_combine(Stream s, int micro_batch) {
 // experts phase.
 void MoeLayer::backward_dispatch_ops(const Step& st, Stream s) {
   Buffers& b = *buf_;
-  const int64_t EPR = moe_.experts / par_.ep_size;
   if (st.repull) {
     mark("bwd_clone_pull", s);
     pull_clones(s);
@@ -1629,9 +1731,13 @@ void MoeLayer::backward_dispatch_ops(const Step& st, Stream s) {
     if (fp8_weights(moe_)) quantize_weights(false, true, s);
   }
   mark("bwd_zero_clone_grads", s);
-  if (slots_ > EPR && !st.overwrite_grads) {
+  if (st.zero_clones) {
     backend_.fill_zero(b.dw1_spare, s);
     backend_.fill_zero(b.dw2_spare, s);
+  }
+  if (st.zero_home) {
+    backend_.fill_zero(st.into.dw1.data ? st.into.dw1 : b.dw1, s);
+    backend_.fill_zero(st.into.dw2.data ? st.into.dw2 : b.dw2, s);
   }
   const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
   if (side && !shared_beside_experts(st, false))
@@ -1686,9 +1792,11 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
   backend_.router_backward(rb, s);
   if (overlap && rounds_ == 1) backend_.join_side(s);
 
-  if (planner_.spare_slots > 0) {
+  if (st.reduce_clones) {
     mark("bwd_clone_reduce", s);
-    const PlanView plan = plan_view(b.plan.as<int32_t>(), planner_);
+    // The clones of the micro-batch's plan, or with EchoPlacement::step all of the step's (a
+    // micro-batch's plan leaves out a clone given no rows, which an earlier one may have had).
+    const PlanView plan = plan_view((own_slots_ ? b.step_plan : b.plan).as<int32_t>(), planner_);
     void* home1 = st.into.dw1.data ? st.into.dw1.data : b.dw1.data;
     void* home2 = st.into.dw2.data ? st.into.dw2.data : b.dw2.data;
     comm_.reduce_clone_grads(plan, planner_, b.dw1_spare_sym, home1, b.dw1.row_numel(), b.dw1.dtype,
@@ -1807,12 +1915,15 @@ StepStats MoeLayer::stats(int micro_batch) const {
   st.max_over_mean_before = max_over_mean(st.load_before);
   st.max_over_mean_after = max_over_mean(st.load_after);
   st.clones = pv.num_clones[0];
+  st.placement_kept = !flights_[size_t(m)].placed;
   // Per clone: fc1 and fc2 weights (3 H F values) pulled in, in the activation dtype, and their
   // gradients reduced home, in the float dtype (bf16 in and fp32 home on the CUDA backend).
   const int64_t expert_values = int64_t(3) * moe_.hidden * moe_.ffn;
   st.clone_bytes =
-      int64_t(st.clones) * expert_values *
-      int64_t(dtype_size(backend_.activation_dtype()) + dtype_size(backend_.float_dtype()));
+      st.placement_kept
+          ? 0
+          : int64_t(st.clones) * expert_values *
+                int64_t(dtype_size(backend_.activation_dtype()) + dtype_size(backend_.float_dtype()));
   // Rows and rounds as the layout computed them on the device: every rank's receive rows, and
   // the rounds some rank has rows in (round 0 and the spill rounds).
   std::vector<int32_t> rank_rows(static_cast<size_t>(R)),

@@ -699,15 +699,30 @@ void expect_error(F call, const std::string& what) {
 }
 
 // Micro-batches of one layer on R in-process ranks, run by a schedule of calls: "F2" a whole
-// forward of micro-batch 2, "B2" its whole backward, "f2d" / "f2e" / "f2c" its forward's
-// dispatch, experts and combine phases, "b2d" / "b2e" / "b2c" its backward's. Micro-batch k
-// runs in the layer's in-flight slot k % in_flight. One zero_grad before; the gradients
-// accumulate over the backwards.
+// forward of micro-batch 2, "B2" its whole backward, "I2" its backward_into fresh tensors
+// (added up over the run in into_dw1, into_dw2), "f2d" / "f2e" / "f2c" its forward's dispatch,
+// experts and combine phases, "b2d" / "b2e" / "b2c" its backward's; "H1" / "H0"
+// hold_clone_grads(true / false), "O0" optimizer_step, "Z0" zero_grad. Micro-batch k runs in the
+// layer's in-flight slot k % in_flight; a micro-batch of a later step is a new k. One zero_grad
+// before; the gradients accumulate over the backwards.
 struct MicroBatchRun {
   std::vector<std::vector<std::vector<double>>> y, dx;     // [micro-batch][rank]
   std::vector<std::vector<double>> d_router, d_shared_w1;  // [rank]
   std::vector<double> dw1, dw2;                            // all experts
+  std::vector<double> into_dw1, into_dw2;                  // all experts ("I" backwards)
+  std::vector<double> w1;                                  // all experts, at the end
   int clones = 0, spill_rounds = 0;
+  // Rank 0: clone pulls and clone-gradient reductions (phase marks, forward and backward), and
+  // its forwards' StepStats.
+  int pulls = 0, reduces = 0;
+  std::vector<StepStats> forwards;
+};
+
+// Counts the phases marked.
+struct PhaseCounter final : PhaseObserver {
+  std::vector<std::string> seen;
+  void mark(const char* phase, Stream) override { seen.emplace_back(phase); }
+  int count(const std::string& p) const { return int(std::count(seen.begin(), seen.end(), p)); }
 };
 
 MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, int micro_batches,
@@ -722,6 +737,8 @@ MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, 
   out.d_shared_w1.resize(size_t(R));
   out.dw1.assign(size_t(E * H * 2 * F), 0.0);
   out.dw2.assign(size_t(E * F * H), 0.0);
+  out.into_dw1 = out.w1 = out.dw1;
+  out.into_dw2 = out.dw2;
   std::vector<StepStats> stats(static_cast<size_t>(R));
   InProcessWorld world(R);
   world.run([&](int r) {
@@ -744,14 +761,34 @@ MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, 
       y.push_back(tensor(0));
       dx.push_back(tensor(0));
     }
+    PhaseCounter phases;
+    layer.set_phase_observer(&phases);
     layer.zero_grad();
+    std::vector<double> into1(size_t(EPR) * w1n, 0.0), into2(size_t(EPR) * w2n, 0.0);
     for (const std::string& op : schedule) {
       const char kind = op[0];
       const size_t k = size_t(op[1] - '0');
       const int m = int(k) % c.moe.in_flight;
       const char phase = op.size() > 2 ? op[2] : 'w';
+      if (kind == 'H') layer.hold_clone_grads(k == 1);
+      if (kind == 'O') layer.optimizer_step(AdamWConfig{});
+      if (kind == 'Z') layer.zero_grad();
       if (kind == 'F') layer.forward(x[k], y[k], nullptr, m);
       if (kind == 'B') layer.backward(g[k], dx[k], nullptr, m);
+      if (kind == 'I') {
+        Tensor d1(nullptr, be->float_dtype(), {EPR, H, 2 * F}),
+            d2(nullptr, be->float_dtype(), {EPR, F, H});
+        d1.data = be->allocate(d1.bytes());
+        d2.data = be->allocate(d2.bytes());
+        write_tensor(*be, d1, std::vector<double>(size_t(d1.numel()), 1e30));  // poisoned
+        write_tensor(*be, d2, std::vector<double>(size_t(d2.numel()), 1e30));
+        layer.backward_into(x[k], g[k], dx[k], {d1, d2}, nullptr, m);
+        const auto v1 = read_tensor(*be, d1), v2 = read_tensor(*be, d2);
+        for (size_t i = 0; i < v1.size(); ++i) into1[i] += v1[i];
+        for (size_t i = 0; i < v2.size(); ++i) into2[i] += v2[i];
+        be->deallocate(d1.data);
+        be->deallocate(d2.data);
+      }
       if (kind == 'f' && phase == 'd') layer.forward_dispatch(x[k], y[k], nullptr, m);
       if (kind == 'f' && phase == 'e') layer.forward_experts(nullptr, m);
       if (kind == 'f' && phase == 'c') layer.forward_combine(nullptr, m);
@@ -762,8 +799,18 @@ MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, 
         const StepStats st = layer.stats(m);
         stats[size_t(r)].clones = std::max(stats[size_t(r)].clones, st.clones);
         stats[size_t(r)].spill_rounds += st.spill_rounds;
+        if (r == 0) out.forwards.push_back(st);
       }
     }
+    layer.set_phase_observer(nullptr);
+    if (r == 0) {
+      out.pulls = phases.count("clone_pull") + phases.count("bwd_clone_pull");
+      out.reduces = phases.count("bwd_clone_reduce");
+    }
+    std::copy(into1.begin(), into1.end(), out.into_dw1.begin() + r * EPR * w1n);
+    std::copy(into2.begin(), into2.end(), out.into_dw2.begin() + r * EPR * w2n);
+    const auto w1 = read_tensor(*be, layer.param(Param::w1));
+    std::copy(w1.begin(), w1.end(), out.w1.begin() + r * EPR * w1n);
     for (int k = 0; k < micro_batches; ++k) {
       out.y[size_t(k)][size_t(r)] = read_tensor(*be, y[size_t(k)]);
       out.dx[size_t(k)][size_t(r)] = read_tensor(*be, dx[size_t(k)]);
@@ -851,6 +898,170 @@ TEST(Layer, MicroBatchesInFlightGiveTheBitsOfOneAtATime) {
       EXPECT_EQ(b.spill_rounds, a.spill_rounds);
     }
   }
+}
+
+// EchoConfig::placement = step: the placement a step's first forward makes holds for the step's
+// other micro-batches (their rows split over it), so the clones are pulled once a step; the
+// backwards hold their clone gradients and the step's last one reduces them home once. Outputs
+// and gradients equal those of a placement per micro-batch up to the order of their sums (1e-13
+// in f64), over two steps with an optimizer step between, run one at a time, as a pipeline, as a
+// combined 1F1B schedule, and through backward_into (whose gradients add up to the step's).
+TEST(Layer, StepPlacementMovesClonesOncePerStep) {
+  struct Case {
+    const char* name;
+    std::function<void(LayerCase&)> set;
+  };
+  const std::vector<Case> cases = {
+      {"clones and spill rounds", [](LayerCase& c) { c.echo.capacity_factor = 0.4; }},
+      {"shared experts on the side stream, overlap wgrad",
+       [](LayerCase& c) {
+         c.moe.shared_experts = 1;
+         c.moe.shared_ffn = 4;
+         c.moe.shared_side_stream = true;
+         c.moe.overlap = Overlap::wgrad;
+       }},
+      {"recompute dispatch", [](LayerCase& c) { c.moe.recompute = Recompute::dispatch; }},
+  };
+  // Two steps of three micro-batches each (0-2, then 3-5).
+  auto two_steps = [](const std::vector<std::string>& first, const std::vector<std::string>& last) {
+    std::vector<std::string> ops = first;
+    ops.insert(ops.end(), {"O0", "Z0"});
+    for (const std::string& op : last) ops.push_back(op);
+    return ops;
+  };
+  auto shifted = [](std::vector<std::string> ops) {  // the same with micro-batches 3-5
+    for (std::string& op : ops)
+      if (op[0] != 'H') op[1] = char(op[1] + 3);
+    return ops;
+  };
+  struct Schedule {
+    const char* name;
+    int in_flight;
+    std::vector<std::string> step;
+  };
+  const std::vector<Schedule> schedules = {
+      {"one at a time", 1, {"H1", "F0", "B0", "F1", "B1", "H0", "F2", "B2"}},
+      {"pipeline", 3, {"H1", "F0", "F1", "F2", "B0", "B1", "H0", "B2"}},
+      {"combined 1F1B",
+       2,
+       {"H1", "f0d", "f0e", "f0c", "f1d", "b0d", "f1e", "b0e", "f1c", "b0c", "f2d", "b1d", "f2e",
+        "b1e", "f2c", "b1c", "H0", "b2d", "b2e", "b2c"}},
+  };
+  const std::vector<std::string> ref_step = {"F0", "B0", "F1", "B1", "F2", "B2"};
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.name);
+    LayerCase base;
+    base.moe = small_moe(16, 2, 32);
+    base.ranks = 4;
+    base.echo.spare_slots_per_rank = 2;
+    k.set(base);
+    const SkewedInput in = skewed(base, 32, 1.5, 31);
+    const MicroBatchRun a =
+        run_micro_batches(base, in.params, 6, two_steps(ref_step, shifted(ref_step)));
+    ASSERT_GT(a.clones, 0);
+    EXPECT_EQ(a.pulls, 6);
+    EXPECT_EQ(a.reduces, 6);
+    for (const Schedule& sc : schedules) {
+      SCOPED_TRACE(sc.name);
+      LayerCase c = base;
+      c.echo.placement = EchoPlacement::step;
+      c.moe.in_flight = sc.in_flight;
+      const MicroBatchRun b =
+          run_micro_batches(c, in.params, 6, two_steps(sc.step, shifted(sc.step)));
+      for (size_t mb = 0; mb < 6; ++mb)
+        for (size_t r = 0; r < 4; ++r) {
+          SCOPED_TRACE("micro-batch " + std::to_string(mb) + ", rank " + std::to_string(r));
+          expect_close(b.y[mb][r], a.y[mb][r], 1e-13, "y");
+          expect_close(b.dx[mb][r], a.dx[mb][r], 1e-13, "dx");
+        }
+      for (size_t r = 0; r < 4; ++r) {
+        expect_close(b.d_router[r], a.d_router[r], 1e-13, "router gradient");
+        if (shared_width(c.moe) > 0)
+          expect_close(b.d_shared_w1[r], a.d_shared_w1[r], 1e-13, "shared w1 gradient");
+      }
+      expect_close(b.dw1, a.dw1, 1e-13, "dw1 (the second step's)");
+      expect_close(b.dw2, a.dw2, 1e-13, "dw2 (the second step's)");
+      expect_close(b.w1, a.w1, 1e-13, "w1 after the first optimizer step");
+      // One pull and one reduction a step; the forwards after a step's first keep its clones.
+      EXPECT_EQ(b.pulls, 2);
+      EXPECT_EQ(b.reduces, 2);
+      ASSERT_EQ(b.forwards.size(), 6u);
+      for (size_t f = 0; f < 6; ++f) {
+        const StepStats& st = b.forwards[f];
+        const StepStats& first = b.forwards[f < 3 ? 0 : 3];
+        EXPECT_EQ(st.placement_kept, f % 3 != 0) << "forward " << f;
+        EXPECT_LE(st.clones, first.clones) << "forward " << f;  // those given rows
+        // The step's clones move on its first forward: 3 H F f64 values in and 3 H F home.
+        EXPECT_EQ(st.clone_bytes,
+                  f % 3 == 0 ? int64_t(st.clones) * 3 * c.moe.hidden * c.moe.ffn * 16 : 0)
+            << "forward " << f;
+      }
+      EXPECT_GT(b.forwards[0].clone_bytes, 0);
+    }
+    // backward_into after each forward (a framework's fresh gradient tensors): the step's last
+    // one takes the held clone gradients, so the tensors add up to the step's gradients.
+    LayerCase c = base;
+    c.echo.placement = EchoPlacement::step;
+    const MicroBatchRun one = run_micro_batches(base, in.params, 3, ref_step);
+    const MicroBatchRun into =
+        run_micro_batches(c, in.params, 3, {"H1", "F0", "I0", "F1", "I1", "H0", "F2", "I2"});
+    expect_close(into.into_dw1, one.dw1, 1e-13, "dw1 through backward_into");
+    expect_close(into.into_dw2, one.dw2, 1e-13, "dw2 through backward_into");
+    EXPECT_EQ(into.reduces, 1);
+  }
+}
+
+// Misuse of a step's placement is refused by name, before anything runs: holding clone
+// gradients with a placement per micro-batch, an optimizer step or changed weights while they
+// are held, and the backward of a forward made on an earlier step's placement.
+TEST(Layer, StepPlacementMisuseIsRefusedByName) {
+  InProcessWorld world(2);
+  world.run([&](int r) {
+    auto be = make_cpu_backend(DType::f64);
+    MoeConfig m = small_moe(8, 2, 16);
+    m.in_flight = 2;
+    std::vector<Tensor> t;
+    for (uint64_t i = 0; i < 6; ++i) {
+      Tensor v(nullptr, DType::f64, {16, 16});
+      v.data = be->allocate(v.bytes());
+      write_tensor(*be, v, random_values(256, 40 + i + 10 * uint64_t(r)));
+      t.push_back(v);
+    }
+    const Tensor &x = t[0], &y = t[1], &dy = t[2], &dx = t[3], &x1 = t[4], &y1 = t[5];
+    {
+      MoeLayer per_micro_batch(*be, world.communicator(r), m, ParallelConfig{2, r}, EchoConfig{});
+      expect_error([&] { per_micro_batch.hold_clone_grads(true); },
+                   "hold_clone_grads(true) needs EchoConfig::placement = step, not micro_batch");
+      per_micro_batch.hold_clone_grads(false);
+    }
+    EchoConfig e;
+    e.placement = EchoPlacement::step;
+    MoeLayer layer(*be, world.communicator(r), m, ParallelConfig{2, r}, e);
+    layer.zero_grad();
+    layer.hold_clone_grads(true);
+    layer.forward(x, y);
+    layer.backward(dy, dx);
+    EXPECT_TRUE(layer.clone_grads_held());
+    expect_error([&] { layer.optimizer_step(AdamWConfig{}); },
+                 "optimizer_step: clone gradients of earlier backwards are held in the echo slots");
+    expect_error([&] { layer.weights_changed(); },
+                 "weights_changed: clone gradients of earlier backwards are held");
+    (void)layer.param(Param::w1);  // a view of w1: the caller may write it
+    expect_error([&] { layer.forward(x, y); },
+                 "forward: the expert weights changed (optimizer_step, weights_changed or a view "
+                 "of w1 or w2 taken) while clone gradients of earlier backwards are held");
+    layer.zero_grad();  // drops them
+    EXPECT_FALSE(layer.clone_grads_held());
+    layer.hold_clone_grads(false);
+    layer.forward(x, y, nullptr, 0);
+    layer.forward(x1, y1, nullptr, 1);
+    layer.backward(dy, dx, nullptr, 0);
+    layer.optimizer_step(AdamWConfig{});
+    expect_error([&] { layer.backward(dy, dx, nullptr, 1); },
+                 "backward of micro-batch 1: its forward ran on the clone placement of an "
+                 "earlier step");
+    for (Tensor& v : t) be->deallocate(v.data);
+  });
 }
 
 // A micro-batch outside in_flight is refused by name; two splits of one workspace set (micro
@@ -958,6 +1169,8 @@ TEST(Layer, MemoryEstimateMatchesWhatIsAllocated) {
       m.recompute = echo ? Recompute::none : Recompute::dispatch;
       EchoConfig e;
       e.enabled = echo;
+      // With a placement a step, the echo slots are the layer's own.
+      e.placement = optimizer ? EchoPlacement::step : EchoPlacement::micro_batch;
       MoeLayer layer(*be, world.communicator(0), m, ParallelConfig{1, 0}, e, 1, optimizer);
       EXPECT_EQ(layer.workspace_bytes(), MoeLayer::memory_bytes(m, ParallelConfig{1, 0}, e,
                                                                 DType::f32, DType::f32, optimizer));
