@@ -458,8 +458,8 @@ class MoeLayer {
   int64_t capacity_ = 0;
   int rounds_ = 0;
   PhaseObserver* observer_ = nullptr;
-  bool grads_zeroed_ = false;              // zero_grad or discard_grad since the last backward
-  bool expert_grads_stale_ = false;        // the last backward wrote the expert gradients elsewhere
+  bool grads_zeroed_ = false;        // zero_grad or discard_grad since the last backward
+  bool expert_grads_stale_ = false;  // the last backward wrote the expert gradients elsewhere
   // EchoPlacement::step (own_slots_: with spare slots, the layer's own echo slots): whether the
   // slots hold the clones of this step's placement, which renewal of it is current (a forward
   // records its epoch; its backward needs the same), and the clone gradients' state.

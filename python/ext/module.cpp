@@ -300,7 +300,7 @@ NB_MODULE(_ext, m) {
              double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
              int shared_experts, int shared_ffn, const std::string& precision,
              const std::string& fp8_gemms, const std::string& overlap, int overlap_sms,
-             int in_flight) {
+             int in_flight, const std::string& echo_placement) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -333,6 +333,7 @@ NB_MODULE(_ext, m) {
             e.capacity_factor = capacity_factor;
             e.max_clones_per_expert = max_clones;
             e.clone_cost_rows = clone_cost_rows;
+            e.placement = parse_echo_placement(echo_placement, "echo_placement");
             new (self) Layer(backend, dtype, moe, e, seed, std::move(collectives), transport);
           },
           "backend"_a, "dtype"_a, "hidden"_a, "ffn"_a, "experts"_a, "top_k"_a, "max_tokens"_a,
@@ -343,7 +344,8 @@ NB_MODULE(_ext, m) {
           "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
           "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
           "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16", "fp8_gemms"_a = "all",
-          "overlap"_a = "none", "overlap_sms"_a = 16, "in_flight"_a = 1)
+          "overlap"_a = "none", "overlap_sms"_a = 16, "in_flight"_a = 1,
+          "echo_placement"_a = "micro_batch")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -388,7 +390,17 @@ NB_MODULE(_ext, m) {
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
       .def(
           "weights_changed", [](Layer& l) { l.layer().weights_changed(); },
-          "precision fp8: the expert weights changed; the next forward quantizes them again")
+          "the expert weights changed: the next forward quantizes them again (fp8) and plans a "
+          "new clone placement (echo_placement 'step')")
+      .def(
+          "hold_clone_grads", [](Layer& l, bool hold) { l.layer().hold_clone_grads(hold); },
+          "hold"_a,
+          "echo_placement 'step': backwards keep their clone gradients in the echo slots; the "
+          "next one without reduces them all home")
+      .def_prop_ro("clone_grads_held", [](Layer& l) { return l.layer().clone_grads_held(); })
+      .def_prop_ro(
+          "echo_placement",
+          [](Layer& l) { return std::string(to_string(l.layer().echo_config().placement)); })
       .def("discard_grad", &Layer::discard_grad, "stream"_a,
            "the next backward writes the gradients without zeroing them first")
       .def(

@@ -65,9 +65,7 @@ Overlap parse_overlap(const std::string& s, const char* field) {
   reject(field, "'" + s + "'", "none or wgrad");
 }
 
-const char* to_string(EchoPlacement p) {
-  return p == EchoPlacement::step ? "step" : "micro_batch";
-}
+const char* to_string(EchoPlacement p) { return p == EchoPlacement::step ? "step" : "micro_batch"; }
 
 EchoPlacement parse_echo_placement(const std::string& s, const char* field) {
   for (EchoPlacement p : {EchoPlacement::micro_batch, EchoPlacement::step})

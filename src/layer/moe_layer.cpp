@@ -749,7 +749,8 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
     // slots' gradients when its own) are released through micro-batch 0's kept copy (buf_'s own
     // StepPart is overwritten by select_micro_batch).
     for (SymmetricBuffer*& sb : b.symmetric)
-      for (auto member : {&StepPart::recv_x_sym, &StepPart::dw1_spare_sym, &StepPart::dw2_spare_sym})
+      for (auto member :
+           {&StepPart::recv_x_sym, &StepPart::dw1_spare_sym, &StepPart::dw2_spare_sym})
         if (sb == &(declared.*member)) sb = &(kept.*member);
   }
 
@@ -1303,11 +1304,10 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s, int micro_bat
     forward_combine_ops(st, g);
   };
   if (eager_graphs())
-    backend_.enqueue_as_graph(
-        fl_->forward_graph,
-        {address(x.data), address(y.data), uint64_t(st.T), uint64_t(st.quantize_home),
-         uint64_t(st.place)},
-        ops, s);
+    backend_.enqueue_as_graph(fl_->forward_graph,
+                              {address(x.data), address(y.data), uint64_t(st.T),
+                               uint64_t(st.quantize_home), uint64_t(st.place)},
+                              ops, s);
   else
     ops(s);
   if (st.quantize_home) fp8_weights_stale_ = false;
@@ -1657,7 +1657,8 @@ void MoeLayer::begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGr
     st.zero_home = true;
     st.overwrite_grads = false;
   }
-  st.zero_clones = slots_ > moe_.experts / par_.ep_size && !st.overwrite_grads && !clone_grads_held_;
+  st.zero_clones =
+      slots_ > moe_.experts / par_.ep_size && !st.overwrite_grads && !clone_grads_held_;
   st.reduce_clones = planner_.spare_slots > 0 && !(own_slots_ && hold_clone_grads_);
   clone_grads_held_ = own_slots_ && hold_clone_grads_;
 }
@@ -1919,11 +1920,10 @@ StepStats MoeLayer::stats(int micro_batch) const {
   // Per clone: fc1 and fc2 weights (3 H F values) pulled in, in the activation dtype, and their
   // gradients reduced home, in the float dtype (bf16 in and fp32 home on the CUDA backend).
   const int64_t expert_values = int64_t(3) * moe_.hidden * moe_.ffn;
-  st.clone_bytes =
-      st.placement_kept
-          ? 0
-          : int64_t(st.clones) * expert_values *
-                int64_t(dtype_size(backend_.activation_dtype()) + dtype_size(backend_.float_dtype()));
+  st.clone_bytes = st.placement_kept ? 0
+                                     : int64_t(st.clones) * expert_values *
+                                           int64_t(dtype_size(backend_.activation_dtype()) +
+                                                   dtype_size(backend_.float_dtype()));
   // Rows and rounds as the layout computed them on the device: every rank's receive rows, and
   // the rounds some rank has rows in (round 0 and the spill rounds).
   std::vector<int32_t> rank_rows(static_cast<size_t>(R)),

@@ -942,10 +942,8 @@ TEST(Layer, StepPlacementMovesClonesOncePerStep) {
   const std::vector<Schedule> schedules = {
       {"one at a time", 1, {"H1", "F0", "B0", "F1", "B1", "H0", "F2", "B2"}},
       {"pipeline", 3, {"H1", "F0", "F1", "F2", "B0", "B1", "H0", "B2"}},
-      {"combined 1F1B",
-       2,
-       {"H1", "f0d", "f0e", "f0c", "f1d", "b0d", "f1e", "b0e", "f1c", "b0c", "f2d", "b1d", "f2e",
-        "b1e", "f2c", "b1c", "H0", "b2d", "b2e", "b2c"}},
+      {"combined 1F1B", 2, {"H1",  "f0d", "f0e", "f0c", "f1d", "b0d", "f1e", "b0e", "f1c", "b0c",
+                            "f2d", "b1d", "f2e", "b1e", "f2c", "b1c", "H0",  "b2d", "b2e", "b2c"}},
   };
   const std::vector<std::string> ref_step = {"F0", "B0", "F1", "B1", "F2", "B2"};
   for (const Case& k : cases) {

@@ -739,6 +739,60 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
   }
 }
 
+// EchoConfig::placement = step on one rank, where no clone can be placed: the step's first
+// forward plans on the device and keeps the plan, the second splits its rows over it
+// (plan_placed), the first backward holds its clone gradients and the second reduces them. The
+// bits of a placement per micro-batch, in bf16 and fp8 with a spill round, the forwards
+// pipelined, enqueued while the stream is held, with weights_changed (a new placement) each step.
+TEST(CudaLayerEager, StepPlacementGivesTheBitsOfAPlacementPerMicroBatch) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  for (bool fp8 : {false, true}) {
+    MoeConfig m = spill_test_moe(128, 128);
+    if (fp8) m.precision = Precision::fp8;
+    EchoConfig echo;
+    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    SCOPED_TRACE(fp8 ? "fp8, spill round" : "bf16, spill round");
+    const GlobalParams params = rounded_params(m, 45);
+    const int64_t T = m.max_tokens, H = m.hidden;
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    const Stream s = stream;
+    const OneAtATime ref = one_at_a_time(m, echo, params, {73, 83}, stream);
+    m.in_flight = 2;
+    echo.placement = EchoPlacement::step;
+    GpuLayer gl(m, echo, 9);
+    gl.set(params);
+    StepTensors t0(*gl.be, T, H, 73, 1.0), t1(*gl.be, T, H, 83, 1.0);
+    const std::function<void()> step = [&] {
+      MoeLayer& l = gl.layer;
+      l.weights_changed();  // a new step: a new placement
+      l.zero_grad(s);
+      l.hold_clone_grads(true);
+      l.forward(*t0.x, *t0.y, s, 0);
+      l.forward(*t1.x, *t1.y, s, 1);
+      l.backward(*t0.dy, *t0.dx, s, 0);
+      l.hold_clone_grads(false);
+      l.backward(*t1.dy, *t1.dx, s, 1);
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 0) {
+        step();  // the first step captures its graphs
+        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      }
+      for (OwnedTensor* t : {&t0.y, &t1.y, &t0.dx, &t1.dx}) poison(*t);
+      EXPECT_TRUE(returns_while_held(stream, step))
+          << "a step waited for the held stream (a host sync), pass " << pass;
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      expect_one_at_a_time(ref, t0, t1, gl, pass);
+    }
+    EXPECT_FALSE(gl.layer.stats(0).placement_kept);
+    EXPECT_TRUE(gl.layer.stats(1).placement_kept);
+    EXPECT_EQ(gl.layer.stats(1).spill_rounds, 1);
+    EXPECT_FALSE(gl.layer.clone_grads_held());
+    cudaStreamDestroy(stream);
+  }
+}
+
 // The same two micro-batches with their phases on two streams at once, ordered by events only:
 // dispatch and combine phases on stream A, experts phases on stream B, so micro-batch 1's expert
 // GEMMs run beside micro-batch 0's backward dispatch (each micro-batch on its own backend lane:

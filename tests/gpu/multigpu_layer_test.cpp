@@ -11,7 +11,8 @@
 // - both dispatchers (sync-free and baseline);
 // - Overlap::wgrad and the split-phase calls against the whole step without overlap, bit for bit;
 // - two micro-batches in flight (MoeConfig::in_flight 2), one's forward phases interleaved with
-//   the other's backward phases: each micro-batch's outputs and input gradients bit for bit;
+//   the other's backward phases: each micro-batch's outputs and input gradients bit for bit,
+//   with a clone placement per micro-batch and one per step (EchoPlacement::step);
 // - a whole training step (forward, backward, router-gradient all-reduce, AdamW) captured in ONE
 //   CUDA graph per rank and replayed 6 times with new tokens written on the device, routing
 //   changing (a replay with every token on one expert: overflow, spill round, clones), every
@@ -50,7 +51,8 @@ struct GpuRun {
 // split: the forward and backward as their three split-phase calls each. interleaved (with
 // c.moe.in_flight 2): two micro-batches of the same tokens, micro-batch 1's forward phases
 // between micro-batch 0's backward phases; y and dx are micro-batch 1's (micro-batch 0's must
-// equal them: y2 and dx2), the gradients the two backwards' sum.
+// equal them: y2 and dx2), the gradients the two backwards' sum. With EchoPlacement::step the
+// first backward holds its clone gradients and the second reduces both.
 struct Interleaved {
   std::vector<double> y2, dx2;
 };
@@ -76,13 +78,16 @@ GpuRun run_gpu(MultiGpuWorld& w, Communicator& comm, const LayerCase& c, const G
     OwnedTensor y0(be, DType::bf16, {T, H}), dx0(be, DType::bf16, {T, H});
     poison(y0);
     poison(dx0);
+    const bool step = c.echo.placement == EchoPlacement::step;
     layer.forward(*xt, *y0, nullptr, 0);
     layer.forward_dispatch(*xt, *yt, nullptr, 1);
+    if (step) layer.hold_clone_grads(true);
     layer.backward_dispatch(*gt, *dx0, nullptr, 0);
     layer.forward_experts(nullptr, 1);
     layer.backward_experts(nullptr, 0);
     layer.forward_combine(nullptr, 1);
     layer.backward_combine(nullptr, 0);
+    if (step) layer.hold_clone_grads(false);
     layer.backward(*gt, *dxt, nullptr, 1);
     interleaved->y2 = y0.read();
     interleaved->dx2 = dx0.read();
@@ -205,10 +210,13 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
   }
 
   // Two micro-batches in flight, interleaved: each gives the whole step's y and dx bits; the
-  // gradients are the two backwards' sum.
-  {
+  // gradients are the two backwards' sum. With a placement per step too (the second forward
+  // keeps the first's clones, the clone gradients go home once).
+  for (EchoPlacement placement : {EchoPlacement::micro_batch, EchoPlacement::step}) {
+    SCOPED_TRACE(std::string("two micro-batches, placement ") + to_string(placement));
     LayerCase two = c;
     two.moe.in_flight = 2;
+    two.echo.placement = placement;
     Interleaved other;
     const GpuRun g4 = run_gpu(*w, comm, two, p, xs[size_t(me)], gs[size_t(me)], false, &other);
     EXPECT_EQ(g4.y, gpu.y);

@@ -91,6 +91,63 @@ def test_ep_over_gloo_equals_one_rank(ranks, case):
         assert st["overflow_rows"] > 0
 
 
+def step_placement_worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        out = {}
+        for placement in ("micro_batch", "step"):
+            m = MoE(H, F, E, K, ep_group=dist.group.WORLD, echo_placement=placement,
+                    **config(spare_slots_per_rank=2, in_flight=3))
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            with torch.no_grad():
+                m.router_weight[0].add_(2.0)  # skewed: ECHO clones expert 0
+            ys, dxs, grads, held = [], [], [], []
+            for s in range(2):  # two steps of three micro-batches, the backwards pipelined
+                opt.zero_grad()
+                xs = [(tokens(rank) + mb).requires_grad_(True) for mb in range(3)]
+                outs = [m(x) for x in xs]
+                for mb, (x, y) in enumerate(zip(xs, outs)):
+                    loss = (y * upstream(rank)).sum()
+                    if mb < 2 and placement == "step":
+                        with moe_echo.torch.hold_clone_grads():
+                            loss.backward()
+                    else:
+                        loss.backward()
+                    held.append(m._handle.layer.clone_grads_held)
+                    ys.append(y.detach())
+                    dxs.append(x.grad)
+                grads.append([m.w1.grad.clone(), m.w2.grad.clone(), m.router_weight.grad.clone()])
+                opt.step()
+            out[placement] = dict(ys=ys, dxs=dxs, grads=grads, held=held,
+                                  clones=m.stats(as_numbers=True)["clones"])
+        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_placement_over_gloo_gives_the_gradients_of_one_per_micro_batch():
+    """echo_placement="step" on 2 gloo ranks: two AdamW steps of three pipelined micro-batches,
+    the first two backwards inside hold_clone_grads(). The step's later forwards keep its first
+    forward's clones (a new placement while gradients are held would raise), the held gradients
+    reach the last backward's, and outputs, input gradients and parameter gradients equal those of
+    a placement per micro-batch up to the order of sums (1e-12)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(step_placement_worker, args=(f"{tmp}/init", tmp), nprocs=2, join=True)
+        got = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
+    for r in range(2):
+        a, b = got[r]["micro_batch"], got[r]["step"]
+        assert a["clones"] > 0
+        assert b["held"] == [True, True, False] * 2
+        for u, v in zip(a["ys"] + a["dxs"], b["ys"] + b["dxs"]):
+            assert rel(v, u) < 1e-12
+        for ga, gb in zip(a["grads"], b["grads"]):
+            for u, v in zip(ga, gb):
+                assert rel(v, u) < 1e-12
+    with pytest.raises(ValueError, match="echo_placement = 'once' is invalid: allowed "
+                                         "'micro_batch' or 'step'"):
+        MoE(H, F, E, K, echo_placement="once", **config())
+
+
 def ddp_worker(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
     try:

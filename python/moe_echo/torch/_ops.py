@@ -23,10 +23,17 @@ float dtype (fp32 parameters on CUDA) are written by the layer straight into the
 (``backward_into``); those of other dtypes are written into the layer's buffers (no zeroing
 before) and cast out.
 Both ops run on torch's current CUDA stream and never synchronise with the host.
+
+With ``echo_placement="step"`` a module keeps the clone placement of a step's first forward until
+its expert weights change, which the forward sees from their version counters (an in-place
+optimizer step bumps them). A backward run inside ``hold_clone_grads()`` keeps its clones'
+gradients in the layer; the first backward outside it adds all of them to the gradients it
+returns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -40,6 +47,23 @@ from torch import Tensor
 
 _registry: dict[int, "LayerHandle"] = {}
 _next_id = itertools.count(1)
+_hold = False  # inside hold_clone_grads()
+
+
+@contextlib.contextmanager
+def hold_clone_grads():
+    """Backwards run inside keep their ECHO clones' gradients in the layers of modules built with
+    ``echo_placement="step"`` (other modules ignore it); the step's last backward, run outside,
+    reduces them home once, into the gradients it returns. Wrap every backward of a step but the
+    last, as with DDP's ``no_sync()``; an optimizer step while gradients are held raises at the
+    next forward. The flag is read when the backward op runs (a captured CUDA graph keeps the
+    value it was captured with)."""
+    global _hold
+    before, _hold = _hold, True
+    try:
+        yield
+    finally:
+        _hold = before
 
 
 class LayerHandle:
@@ -73,6 +97,10 @@ class LayerHandle:
         self.serial = 0
         # Per in-flight slot: the serial of the forward whose backward has not run, or None.
         self.pending: list[int | None] = [None] * self.in_flight
+        # echo_placement "step": the expert weights' version counters when the layer last saw
+        # them (a change renews the placement at the next forward).
+        self.step_placement = layer.echo_placement == "step"
+        self.weights_version: tuple[int, int] | None = None
 
     def take_slot(self) -> int:
         free = [m for m, p in enumerate(self.pending) if p is None]
@@ -123,7 +151,12 @@ def moe_forward(
     for src, dst in pairs:
         if src.data_ptr() != dst.data_ptr():  # not bound to the layer's buffer: copy it in
             dst.copy_(src)
-    if h.fp8:  # the e4m3 copies follow the weights, which the optimizer changes in place
+    if h.step_placement:  # a new placement (and fp8 copies) only when the weights changed
+        version = (w1._version, w2._version)
+        if version != h.weights_version:
+            h.layer.weights_changed()
+            h.weights_version = version
+    elif h.fp8:  # the e4m3 copies follow the weights, which the optimizer changes in place
         h.layer.weights_changed()
     y = torch.empty_like(x)
     slot = h.take_slot()
@@ -170,6 +203,8 @@ def moe_backward(
     h.pending[slot] = None
     dx = torch.empty_like(dy)
     stream = _stream(dy.device)
+    if h.step_placement:
+        h.layer.hold_clone_grads(_hold)
     h.layer.discard_grad(stream)
     if w1_dtype == h.dw1.dtype and w2_dtype == h.dw2.dtype:
         # Expert gradients straight into the tensors returned (no copy out of the layer).

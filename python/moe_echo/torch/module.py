@@ -56,6 +56,12 @@ class MoE(nn.Module):
             own, see the module docstring).
         bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
         echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
+        echo_placement: how long ECHO's clone placement holds: "micro_batch" (every forward
+            plans clones for its own routing and pulls their weights; every backward sends their
+            gradients home) or "step" (the first forward after the expert weights changed plans
+            the placement, the step's other forwards split their rows over it and pull nothing,
+            in echo slots of the module's own; backwards inside ``hold_clone_grads()`` keep
+            their clone gradients, and the step's last backward sends them home once).
         capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
             rows beyond it run in extra (spill) rounds, never dropped.
         shared_experts, shared_ffn: dense SwiGLU experts every token goes through, added to the
@@ -126,6 +132,7 @@ class MoE(nn.Module):
         overlap: str = "none",
         overlap_sms: int = 16,
         in_flight: int = 1,
+        echo_placement: str = "micro_batch",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -157,6 +164,10 @@ class MoE(nn.Module):
             raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
         if precision not in ("bf16", "fp8"):
             raise ValueError(f"precision = {precision!r} is invalid: allowed 'bf16' or 'fp8'")
+        if echo_placement not in ("micro_batch", "step"):
+            raise ValueError(
+                f"echo_placement = {echo_placement!r} is invalid: allowed 'micro_batch' or 'step'"
+            )
         if overlap not in ("none", "wgrad"):
             raise ValueError(f"overlap = {overlap!r} is invalid: allowed 'none' or 'wgrad'")
         if not isinstance(fp8_gemms, str):
@@ -202,6 +213,7 @@ class MoE(nn.Module):
             overlap=overlap,
             overlap_sms=overlap_sms,
             in_flight=in_flight,
+            echo_placement=echo_placement,
             shared_experts=shared_experts,
             shared_ffn=shared_ffn,
         )
@@ -420,6 +432,13 @@ class MoE(nn.Module):
         if as_numbers:
             return {k: (v.tolist() if v.dim() else v.item()) for k, v in out.items()}
         return out
+
+    def weights_changed(self) -> None:
+        """The expert weights were written in a way their version counters do not show (through
+        ``.data``): with echo_placement "step" the next forward plans a new clone placement and
+        pulls the clones again (with precision "fp8" it quantizes the weights again)."""
+        if self._handle is not None:
+            self._handle.weights_version = None
 
     def extra_repr(self) -> str:
         c = self._config
