@@ -160,7 +160,7 @@ int run_plan(const PlanOptions& o) {
   row(in.train.distributed_optimizer ? "optimizer state (AdamW m, v; sharded over dp)"
                                      : "optimizer state (AdamW m, v)",
       mem.optimizer_gb);
-  row("echo-slot weights (clones, one pool per GPU)", mem.spare_weights_gb);
+  row("echo-slot weights (clones, a pool per GPU and set)", mem.spare_weights_gb);
   row("echo-slot gradients (fp32)", mem.spare_grads_gb);
   row(("kept for backward, routing (recompute " + in.train.recompute + ")").c_str(),
       mem.activations_gb);

@@ -49,23 +49,53 @@ double microbatches_in_flight(const LayoutSpec& l) {
 }
 
 // Echo-slot memory per GPU with `spare_slots` slots, the library's: one pool in the workspace
-// that every layer's clones pass through (weights and their fp32 gradients).
+// that every layer's clones pass through (weights and their fp32 gradients), one per workspace
+// set (two with more than one micro-batch in flight).
 double echo_slots_gb(const WallsInput& in, int spare_slots) {
   WallsInput w = in;
   w.train.spare_slots = spare_slots;
   const StageLayers s = stage_layers(w);
-  const MoeMemory m = MoeWorkspace::memory_breakdown({s.layers.front()}, s.par, s.echo,
-                                                     s.activation, s.float_dtype);
+  MoeConfig layer = s.layers.front();
+  layer.in_flight = microbatches_in_flight(in.layout) > 1.0 ? 2 : 1;
+  const MoeMemory m =
+      MoeWorkspace::memory_breakdown({layer}, s.par, s.echo, s.activation, s.float_dtype);
   return double(m.echo_slot_weights + m.echo_slot_grads) / kGB;
 }
 
-// The MoE lines of the plan from the library's count of a stage: kept activations and routing
-// once per micro-batch in flight, optimizer state sharded over `optimizer_shards`.
-double moe_gb(const MoeMemory& m, double inflight, double optimizer_shards) {
-  return (double(m.params + m.grads + m.echo_slot_weights + m.echo_slot_grads + m.workspace +
-                 m.temporaries + m.fp8) +
-          double(m.optimizer) / optimizer_shards + inflight * double(m.activations + m.routing)) /
-         kGB;
+// The library's count of a stage whose layers keep `in_flight` micro-batches.
+MoeMemory stage_memory(const WallsInput& in, Recompute recompute, int in_flight) {
+  StageLayers s = stage_layers(in, recompute);
+  for (MoeConfig& c : s.layers) c.in_flight = in_flight;
+  return s.memory();
+}
+
+// A stage's memory with `inflight` micro-batches in flight, as the library allocates it:
+// `one` counted with one micro-batch a layer, `sets` with two (MoeConfig::in_flight 2: the
+// workspace's two sets of receive windows, temporaries and echo slots; with one in flight the
+// same as `one`). Parameters, gradients, optimizer state (sharded over `optimizer_shards`) and
+// the workspace from `sets`; each layer's routing, kept activations and temporaries once per
+// micro-batch in flight (each of a layer's in_flight slots has its own).
+struct StageMemory {
+  MoeMemory one, sets;
+  double inflight = 1.0, optimizer_shards = 1.0;
+  double per_micro_batch() const {
+    return inflight * double(one.activations + one.routing + one.temporaries);
+  }
+  double gb() const {
+    return (double(sets.params + sets.grads + sets.echo_slot_weights + sets.echo_slot_grads +
+                   sets.workspace + sets.fp8) +
+            double(sets.optimizer) / optimizer_shards + per_micro_batch()) /
+           kGB;
+  }
+};
+StageMemory stage_memory(const WallsInput& in, Recompute recompute, double inflight,
+                         double optimizer_shards) {
+  StageMemory m;
+  m.one = stage_memory(in, recompute, 1);
+  m.sets = inflight > 1.0 ? stage_memory(in, recompute, 2) : m.one;
+  m.inflight = inflight;
+  m.optimizer_shards = optimizer_shards;
+  return m;
 }
 
 }  // namespace
@@ -355,27 +385,29 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   const double optimizer_shards = t.distributed_optimizer ? l.dp : 1;
   const Recompute recompute = parse_recompute(t.recompute, "recompute");
 
-  // Memory: the library's count of the stage's layers (what a MoeStack of them allocates), the
-  // kept activations and routing once per micro-batch in flight.
+  // Memory: the library's count of the stage's layers (what a MoeStack of them allocates), each
+  // layer's routing, kept activations and temporaries once per micro-batch in flight, and with
+  // more than one the workspace's second set.
   const StageLayers stage = stage_layers(in);
-  const MoeMemory lib = stage.memory();
+  const StageMemory sm = stage_memory(in, recompute, inflight, optimizer_shards);
+  const MoeMemory &lib = sm.one, &sets = sm.sets;
   MemoryBreakdown& mem = r.memory;
   mem.library = lib;
   mem.microbatches_in_flight = inflight;
-  mem.weights_gb = double(lib.params) / kGB;
-  mem.grads_gb = double(lib.grads) / kGB;
-  mem.optimizer_gb = double(lib.optimizer) / optimizer_shards / kGB;
-  mem.spare_weights_gb = double(lib.echo_slot_weights) / kGB;
-  mem.spare_grads_gb = double(lib.echo_slot_grads) / kGB;
+  mem.weights_gb = double(sets.params) / kGB;
+  mem.grads_gb = double(sets.grads) / kGB;
+  mem.optimizer_gb = double(sets.optimizer) / optimizer_shards / kGB;
+  mem.spare_weights_gb = double(sets.echo_slot_weights) / kGB;
+  mem.spare_grads_gb = double(sets.echo_slot_grads) / kGB;
   mem.activations_gb = inflight * double(lib.activations + lib.routing) / kGB;
-  mem.buffers_gb = double(lib.workspace + lib.temporaries) / kGB;
-  mem.moe_gb = moe_gb(lib, inflight, optimizer_shards);
-  // Each option against none: the layers keep less, the workspace holds one copy of the rest.
+  mem.buffers_gb = (double(sets.workspace + sets.fp8) + inflight * double(lib.temporaries)) / kGB;
+  mem.moe_gb = sm.gb();
+  // Each option against none: the layers keep less, the workspace holds one copy of the rest
+  // (per set).
   double saves[4] = {};
-  const double none_gb =
-      moe_gb(stage_layers(in, Recompute::none).memory(), inflight, optimizer_shards);
+  const double none_gb = stage_memory(in, Recompute::none, inflight, optimizer_shards).gb();
   for (Recompute o : {Recompute::moe_act, Recompute::experts, Recompute::dispatch})
-    saves[int(o)] = none_gb - moe_gb(stage_layers(in, o).memory(), inflight, optimizer_shards);
+    saves[int(o)] = none_gb - stage_memory(in, o, inflight, optimizer_shards).gb();
   mem.recompute_moe_act_saves_gb = saves[int(Recompute::moe_act)];
   mem.recompute_experts_saves_gb = saves[int(Recompute::experts)];
   mem.recompute_dispatch_saves_gb = saves[int(Recompute::dispatch)];
@@ -478,7 +510,7 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
       wider.layout.ep *= 2;
       try {
         const double saved =
-            mem.moe_gb - moe_gb(stage_layers(wider).memory(), inflight, optimizer_shards);
+            mem.moe_gb - stage_memory(wider, recompute, inflight, optimizer_shards).gb();
         r.advice.push_back("ep = " + std::to_string(l.ep * 2) +
                            " halves the home experts per GPU, their weights, gradients and "
                            "optimizer state (" +

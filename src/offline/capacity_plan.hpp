@@ -122,12 +122,15 @@ struct MemoryBreakdown {
   // Parameters (home experts, router, shared experts), their gradients (fp32), AdamW state (fp32
   // m and v; divided by dp with the distributed optimizer).
   double weights_gb = 0, grads_gb = 0, optimizer_gb = 0;
-  // The echo slots: one pool per GPU that every layer's clones pass through.
+  // The echo slots: one pool per GPU that every layer's clones pass through (per workspace set:
+  // twice with more than one micro-batch in flight).
   double spare_weights_gb = 0, spare_grads_gb = 0;
   // Kept for the backward (after the chosen recompute) and the routing, per micro-batch in flight.
   double activations_gb = 0;
-  double buffers_gb = 0;  // the workspace (receive windows, fan table, backward temporaries, the
-                          // activations no layer keeps) and the layers' backward temporaries
+  // The workspace (receive windows, fan table, backward temporaries, the activations no layer
+  // keeps; two sets with more than one micro-batch in flight), the layers' backward temporaries
+  // per micro-batch in flight, and with precision fp8 the e4m3 weight copies and operands.
+  double buffers_gb = 0;
   double moe_gb = 0;      // the MoE layers: every line above
   double reserve_gb = 0;
   double total_gb = 0, capacity_gb = 0;

@@ -258,9 +258,10 @@ TEST(WallsModel, MemoryMatchesHandComputation) {
   EXPECT_NEAR(m.weights_gb, Lp * (local * P * 2 + E * H * 4 + E * 4) / 1e9, 1e-12);
   EXPECT_NEAR(m.grads_gb, Lp * (local * P + E * H) * 4 / 1e9, 1e-12);
   EXPECT_NEAR(m.optimizer_gb, Lp * ((local * P + E * H) * 8 + 4) / 4 / 1e9, 1e-12);
-  // One pool of echo slots per GPU, whatever the layers and micro-batches.
-  EXPECT_NEAR(m.spare_weights_gb, 2 * P * 2 / 1e9, 1e-12);
-  EXPECT_NEAR(m.spare_grads_gb, 2 * P * 4 / 1e9, 1e-12);
+  // One pool of echo slots per GPU and workspace set, whatever the layers: two sets, as more than
+  // one micro-batch is in flight.
+  EXPECT_NEAR(m.spare_weights_gb, 2 * 2 * P * 2 / 1e9, 1e-12);
+  EXPECT_NEAR(m.spare_grads_gb, 2 * 2 * P * 4 / 1e9, 1e-12);
   const double cap = std::ceil(1.25 * T * K);
   EXPECT_EQ(r.layer.capacity_rows, int64_t(cap));
   // Kept with recompute none: received rows, fc1 and SwiGLU outputs, expert outputs; per layer
@@ -270,18 +271,20 @@ TEST(WallsModel, MemoryMatchesHandComputation) {
   EXPECT_NEAR(m.activations_gb, inflight * double(lib.activations + lib.routing) / 1e9, 1e-9);
   EXPECT_GE(double(lib.routing), Lp * (T * E * 4 * 2 + T * K * 4 * 2));  // logits, scores, top-k
   // The workspace: rows read back (H), SwiGLU gradients (3 F), the fan table (K i32 members, K
-  // fp32 weights, one fp32 value per row); each layer's combine-weight gradients [T, K] fp32.
+  // fp32 weights, one fp32 value per row), in two sets; each layer's combine-weight gradients
+  // [T, K] fp32 per micro-batch in flight.
   EXPECT_NEAR(double(lib.workspace), cap * (H + 3 * F) * 2 + cap * (8 * K + 4), 1e-3);
   EXPECT_NEAR(double(lib.temporaries), Lp * T * K * 4, 1e-3);
-  EXPECT_NEAR(m.buffers_gb, double(lib.workspace + lib.temporaries) / 1e9, 1e-12);
+  EXPECT_NEAR(m.buffers_gb, (2 * double(lib.workspace) + inflight * double(lib.temporaries)) / 1e9,
+              1e-12);
   const double sum = m.weights_gb + m.grads_gb + m.optimizer_gb + m.spare_weights_gb +
                      m.spare_grads_gb + m.activations_gb + m.buffers_gb;
   EXPECT_NEAR(m.moe_gb, sum, 1e-9);
   EXPECT_NEAR(m.total_gb, m.moe_gb + m.reserve_gb, 1e-9);
   // A recompute option drops buffers from every layer and micro-batch in flight and holds one
-  // copy in the workspace: moe_act SwiGLU's output (F), experts also fc1's output and the expert
-  // outputs (3 F + H), dispatch also the received rows (3 F + 2 H).
-  const double copies = Lp * inflight - 1;
+  // copy in each of the workspace's two sets: moe_act SwiGLU's output (F), experts also fc1's
+  // output and the expert outputs (3 F + H), dispatch also the received rows (3 F + 2 H).
+  const double copies = Lp * inflight - 2;
   EXPECT_NEAR(m.recompute_moe_act_saves_gb, copies * cap * F * 2 / 1e9, 1e-9);
   EXPECT_NEAR(m.recompute_experts_saves_gb, copies * cap * (3 * F + H) * 2 / 1e9, 1e-9);
   EXPECT_NEAR(m.recompute_dispatch_saves_gb, copies * cap * (3 * F + 2 * H) * 2 / 1e9, 1e-9);
