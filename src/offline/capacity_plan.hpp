@@ -131,7 +131,7 @@ struct MemoryBreakdown {
   // keeps; two sets with more than one micro-batch in flight), the layers' backward temporaries
   // per micro-batch in flight, and with precision fp8 the e4m3 weight copies and operands.
   double buffers_gb = 0;
-  double moe_gb = 0;      // the MoE layers: every line above
+  double moe_gb = 0;  // the MoE layers: every line above
   double reserve_gb = 0;
   double total_gb = 0, capacity_gb = 0;
   double microbatches_in_flight = 1;  // on the first pipeline stage (layer-micro-batches / Lp)
