@@ -5,9 +5,15 @@
 //   phases (a combined 1F1B step), all on stream A;
 // - on two streams: the same calls, dispatch and combine phases on stream A, experts phases on
 //   stream B, ordered by events only, so one micro-batch's expert GEMMs run beside the other's
-//   dispatch or combine (each micro-batch on its own backend lane).
-// Every mode's outputs and gradients are checked equal to one at a time, bit for bit, before
-// timing. Tokens are drawn with Zipf-skewed routing (exponent 1.2) at the model slices of
+//   dispatch or combine (each micro-batch on its own backend lane);
+// - one clone placement for the step: one at a time with EchoConfig::placement = step, the
+//   first backward holding its clone gradients, so the clones are pulled and their gradients
+//   reduced once for both micro-batches.
+// Each iteration is a new step (weights_changed first, as after an optimizer step: in fp8 the
+// home weights are quantized again, and the step placement plans anew).
+// The first three modes' outputs and gradients are checked equal to one at a time, bit for bit,
+// before timing; the fourth's first micro-batch (its placement is micro-batch 0's own; micro-batch
+// 1's rows are split over it, so its sums may round differently with clones). Tokens are drawn with Zipf-skewed routing (exponent 1.2) at the model slices of
 // layer_bench (the slice's experts per rank). Under `moe-echo launch -n R` (a CUDA + NCCL build)
 // the layer runs with expert parallelism over the R GPUs on the sync-free NCCL communicator
 // (ECHO on); each iteration starts after a host barrier and counts the slowest rank.
@@ -145,8 +151,8 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   nlohmann::json results = nlohmann::json::array();
   if (rank == 0)
-    std::printf("%-14s %-9s %14s %14s %14s %10s\n", "config", "precision", "one_at_a_time",
-                "interleaved", "two_streams", "speedup");
+    std::printf("%-14s %-9s %14s %14s %14s %10s %14s\n", "config", "precision", "one_at_a_time",
+                "interleaved", "two_streams", "speedup", "step_placement");
   int matched = 0;
   for (const Slice& sl : slices) {
     const std::string name(sl.model->name);
@@ -166,11 +172,15 @@ int main(int argc, char** argv) {
     MoeConfig m2 = m;
     m2.in_flight = 2;
     MoeLayer two(*be, *comm, m2, ParallelConfig{R, rank}, echo, 3);
+    EchoConfig per_step = echo;
+    per_step.placement = EchoPlacement::step;
+    MoeLayer three(*be, *comm, m, ParallelConfig{R, rank}, per_step, 3);
     SkewSpec skew;
     skew.exponent = 1.2;
     SyntheticTokens synth(m.experts, m.hidden, skew, 17);
     write_tensor(*be, one.param(Param::router_weight), synth.router_weight());
     write_tensor(*be, two.param(Param::router_weight), synth.router_weight());
+    write_tensor(*be, three.param(Param::router_weight), synth.router_weight());
     MicroBatches mb;
     for (int k = 0; k < 2; ++k) {
       for (Tensor* t : {&mb.x[k], &mb.y[k], &mb.dy[k], &mb.dx[k]}) {
@@ -194,7 +204,8 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaEventRecord(e, on));
       CHECK_CUDA(cudaStreamWaitEvent(waiter, e, 0));
     };
-    const std::function<void()> modes[3] = {[&] {
+    const std::function<void()> modes[4] = {[&] {
+                                              one.weights_changed();  // a new step
                                               one.zero_grad(a);
                                               for (int k = 0; k < 2; ++k) {
                                                 one.forward(mb.x[k], mb.y[k], a);
@@ -202,6 +213,7 @@ int main(int argc, char** argv) {
                                               }
                                             },
                                             [&] {
+                                              two.weights_changed();
                                               two.zero_grad(a);
                                               two.forward(mb.x[0], mb.y[0], a, 0);
                                               two.forward_dispatch(mb.x[1], mb.y[1], a, 1);
@@ -213,6 +225,7 @@ int main(int argc, char** argv) {
                                               two.backward(mb.dy[1], mb.dx[1], a, 1);
                                             },
                                             [&] {
+                                              two.weights_changed();
                                               two.zero_grad(a);
                                               two.forward(mb.x[0], mb.y[0], a, 0);
                                               two.forward_dispatch(mb.x[1], mb.y[1], a, 1);
@@ -225,25 +238,36 @@ int main(int argc, char** argv) {
                                               two.forward_combine(a, 1);
                                               two.backward_combine(a, 0);
                                               two.backward(mb.dy[1], mb.dx[1], a, 1);
+                                            },
+                                            [&] {
+                                              three.weights_changed();
+                                              three.zero_grad(a);
+                                              three.hold_clone_grads(true);
+                                              three.forward(mb.x[0], mb.y[0], a);
+                                              three.backward(mb.dy[0], mb.dx[0], a);
+                                              three.hold_clone_grads(false);
+                                              three.forward(mb.x[1], mb.y[1], a);
+                                              three.backward(mb.dy[1], mb.dx[1], a);
                                             }};
     // Bits of each mode against one at a time (digests of the outputs, input gradients and
     // weight gradients).
-    uint64_t ref = 0;
-    bool same[3] = {true, true, true};
-    for (int mode = 0; mode < 3; ++mode) {
+    uint64_t ref = 0, ref0 = 0;
+    bool same[4] = {true, true, true, true};
+    for (int mode = 0; mode < 4; ++mode) {
       modes[mode]();
       CHECK_CUDA(cudaDeviceSynchronize());
-      MoeLayer& l = mode == 0 ? one : two;
-      uint64_t h = 1469598103934665603ull;
-      for (int k = 0; k < 2; ++k) h = digest(*be, mb.dx[k], digest(*be, mb.y[k], h));
+      MoeLayer& l = mode == 0 ? one : mode == 3 ? three : two;
+      const uint64_t h0 = digest(*be, mb.dx[0], digest(*be, mb.y[0]));  // micro-batch 0
+      uint64_t h = h0;
+      h = digest(*be, mb.dx[1], digest(*be, mb.y[1], h));
       for (Param p : {Param::w1, Param::w2, Param::router_weight}) h = digest(*be, l.grad(p), h);
       if (mode == 0)
-        ref = h;
+        ref = h, ref0 = h0;
       else
-        same[mode] = h == ref;
+        same[mode] = mode == 3 ? h0 == ref0 : h == ref;
     }
-    double ms[3];
-    for (int mode = 0; mode < 3; ++mode) {
+    double ms[4];
+    for (int mode = 0; mode < 4; ++mode) {
       std::vector<double> t;
       for (int it = 0; it < warmup + iters; ++it) {
         comm->barrier();
@@ -259,14 +283,15 @@ int main(int argc, char** argv) {
       ms[mode] = median(max_over_ranks(t));
     }
     {  // the bits agree on every rank
-      const std::vector<double> differ = max_over_ranks({same[1] ? 0.0 : 1.0, same[2] ? 0.0 : 1.0});
-      same[1] = differ[0] == 0, same[2] = differ[1] == 0;
+      const std::vector<double> differ =
+          max_over_ranks({same[1] ? 0.0 : 1.0, same[2] ? 0.0 : 1.0, same[3] ? 0.0 : 1.0});
+      same[1] = differ[0] == 0, same[2] = differ[1] == 0, same[3] = differ[2] == 0;
     }
     const double speedup = ms[0] / ms[2];
     if (rank == 0)
-      std::printf("%-14s %-9s %11.3f ms %11.3f ms %11.3f ms %9.3fx%s\n", name.c_str(),
-                  precision.c_str(), ms[0], ms[1], ms[2], speedup,
-                  same[1] && same[2] ? "" : "  (BITS DIFFER)");
+      std::printf("%-14s %-9s %11.3f ms %11.3f ms %11.3f ms %9.3fx %11.3f ms%s\n", name.c_str(),
+                  precision.c_str(), ms[0], ms[1], ms[2], speedup, ms[3],
+                  same[1] && same[2] && same[3] ? "" : "  (BITS DIFFER)");
     results.push_back({{"config", name},
                        {"hidden", m.hidden},
                        {"ffn", m.ffn},
@@ -280,8 +305,10 @@ int main(int argc, char** argv) {
                        {"interleaved_one_stream_ms", ms[1]},
                        {"two_streams_ms", ms[2]},
                        {"two_streams_speedup", speedup},
+                       {"step_placement_ms", ms[3]},
                        {"interleaved_bits_equal", same[1]},
-                       {"two_streams_bits_equal", same[2]}});
+                       {"two_streams_bits_equal", same[2]},
+                       {"step_placement_micro_batch0_bits_equal", same[3]}});
     for (cudaEvent_t e : ev) CHECK_CUDA(cudaEventDestroy(e));
     CHECK_CUDA(cudaEventDestroy(e0));
     CHECK_CUDA(cudaEventDestroy(e1));
