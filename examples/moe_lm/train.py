@@ -5,6 +5,8 @@ plain PyTorch MoE block, or both, to compare their loss curves on the same seed 
     python examples/moe_lm/train.py --compare torch --steps 200       # + the plain PyTorch block
     python examples/moe_lm/train.py --compare echo-off                # + MoE Echo with ECHO off
     python examples/moe_lm/train.py --compile --cuda-graph            # torch.compile, one graph/step
+    python examples/moe_lm/train.py --micro-batches 4 --echo-placement step  # one clone placement
+                                                                      # for a step's micro-batches
 
 Prints a progress line (loss, tokens/s), writes a JSON record (--json) and a loss-curve PNG (--plot).
 With --compare the run fails (exit 1) unless the curves agree: the largest |difference| of their
@@ -23,6 +25,7 @@ step (different summation orders, amplified by training), so single steps are co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+import moe_echo.torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import Batches, MoeLM, load_corpus  # noqa: E402
@@ -52,6 +57,9 @@ def parse_args(argv=None):
     ap.add_argument("--ffn", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="split each step's batch into this many micro-batches, their gradients "
+                         "accumulated (--batch a multiple of it)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -61,6 +69,9 @@ def parse_args(argv=None):
     ap.add_argument("--moe", choices=["echo", "torch"], default="echo",
                     help="the MoE block: moe_echo.torch.MoE or the plain PyTorch block")
     ap.add_argument("--echo", choices=["on", "off"], default="on", help="ECHO load balancing")
+    ap.add_argument("--echo-placement", choices=["micro_batch", "step"], default="micro_batch",
+                    help="ECHO's clone placement: planned per micro-batch, or once per step for "
+                         "all its micro-batches (clone weights in and gradients home once a step)")
     ap.add_argument("--overlap", choices=["none", "wgrad"], default="none",
                     help="what each MoE layer's backward runs beside its communication "
                          "(MoE(overlap=...): wgrad puts fc1's weight gradient on a second stream)")
@@ -98,9 +109,12 @@ def parse_args(argv=None):
     ap.add_argument("--plot", default=None, help="write the loss curves here (PNG)")
     args = ap.parse_args(argv)
     for name in ("layers", "hidden", "heads", "experts", "top_k", "ffn", "seq_len", "batch", "steps",
-                 "smooth"):
+                 "smooth", "micro_batches"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} = {getattr(args, name)} is invalid: allowed >= 1")
+    if args.batch % args.micro_batches:
+        ap.error(f"--micro-batches = {args.micro_batches} is invalid: allowed a divisor of --batch "
+                 f"({args.batch})")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         ap.error(f"--lr = {args.lr} is invalid: allowed a finite value > 0")
     if not (args.tolerance >= 0 and math.isfinite(args.tolerance)):
@@ -139,17 +153,20 @@ def parse_args(argv=None):
 def build(args, moe: str, echo: bool) -> MoeLM:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
+    # The aux and z losses enter each micro-batch's backward with gradient 1: over --micro-batches
+    # of a step their coefficients are shared out, so that the step's gradient is the batch's.
+    aux, z = args.aux_loss_coeff / args.micro_batches, args.z_loss_coeff / args.micro_batches
     model = MoeLM(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                   top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
-                  max_tokens=args.batch * args.seq_len, moe=moe,
-                  moe_args=dict(echo=echo, aux_loss_coeff=args.aux_loss_coeff,
-                                z_loss_coeff=args.z_loss_coeff,
+                  max_tokens=args.batch // args.micro_batches * args.seq_len, moe=moe,
+                  moe_args=dict(echo=echo, echo_placement=args.echo_placement,
+                                aux_loss_coeff=aux, z_loss_coeff=z,
                                 capacity_factor=args.capacity_factor,
                                 overlap=args.overlap, overlap_sms=args.overlap_sms,
                                 ep_group=dist.group.WORLD if args.ep > 1 else None,
                                 ep_transport=args.ep_transport)
                   if moe == "echo" else
-                  dict(aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff),
+                  dict(aux_loss_coeff=aux, z_loss_coeff=z),
                   device=device, dtype=dtype)
     model.reset_parameters(args.seed)
     return model
@@ -190,9 +207,17 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
         return loss / args.ep
 
     def step(ids, targets):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = fwd(ids, targets)
-        loss.backward()
+        # The step's loss is the mean of its micro-batches' (each a mean over its tokens); with
+        # a clone placement per step, every backward but the last holds its clone gradients.
+        n = args.micro_batches
+        loss = None
+        for j, (ids_j, targets_j) in enumerate(zip(ids.chunk(n), targets.chunk(n))):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+                part = fwd(ids_j, targets_j) / n
+            hold = moe == "echo" and j < n - 1
+            with moe_echo.torch.hold_clone_grads() if hold else contextlib.nullcontext():
+                part.backward()
+            loss = part.detach() if loss is None else loss + part.detach()
         if args.ep > 1:
             loss = average_gradients(loss)
         opt.step()

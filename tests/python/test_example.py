@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "moe_lm"))
 
@@ -52,12 +54,27 @@ def test_overlap_wgrad_trains_the_same_curve(tmp_path):
 
 
 def test_bad_flags_exit_2(capsys):
-    import pytest
-
     with pytest.raises(SystemExit) as e:
         train.main(["--experts", "0"])
     assert e.value.code == 2
     assert "--experts = 0 is invalid" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        train.main(["--batch", "8", "--micro-batches", "3"])
+    assert e.value.code == 2
+    assert "--micro-batches = 3 is invalid: allowed a divisor of --batch (8)" in \
+        capsys.readouterr().err
+
+
+def test_micro_batches_train_the_curve_of_the_whole_batch(tmp_path):
+    # The batch in two micro-batches, gradients accumulated: the curve of the whole batch, up to
+    # the order of sums (the aux loss, a function of each forward's token counts, off).
+    rc, rec = run(tmp_path, "--steps", "10", "--aux-loss-coeff", "0")
+    assert rc == 0
+    ref = tmp_path / "whole.json"
+    (tmp_path / "record.json").rename(ref)
+    rc, rec2 = run(tmp_path, "--steps", "10", "--aux-loss-coeff", "0", "--micro-batches", "2",
+                   "--reference", str(ref), "--tolerance", "1e-3", "--smooth", "1")
+    assert rc == 0 and rec2["curves_agree"]
 
 
 # The ranks' global batch is --batch 8: one process of --batch 8 trains on the same data. The aux
@@ -65,18 +82,22 @@ def test_bad_flags_exit_2(capsys):
 EP_RUN = ["--steps", "30", "--aux-loss-coeff", "0", "--tolerance", "0.02", "--smooth", "5"]
 
 
-def ep_worker(rank, port, out, reference):
+def ep_worker(rank, port, out, reference, extra):
     import os
 
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rc = train.main(SMALL + EP_RUN + ["--ep", "2", "--json", out, "--reference", reference])
+    rc = train.main(SMALL + EP_RUN + ["--ep", "2", "--json", out, "--reference", reference] + extra)
     assert rc == 0
 
 
-def test_expert_parallel_training_over_gloo_equals_one_process(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--micro-batches", "2", "--echo-placement", "step"]],
+                         ids=["one-batch", "micro-batches-step-placement"])
+def test_expert_parallel_training_over_gloo_equals_one_process(tmp_path, extra):
     # Two processes (as torchrun starts them) train with the experts split over them and their
-    # loss curve equals one process's on the same global batch.
+    # loss curve equals one process's on the same global batch; also with each rank's batch in
+    # two micro-batches (gradients accumulated) and one clone placement per step, the first
+    # backward holding its clone gradients.
     import socket
 
     import torch.multiprocessing as mp
@@ -87,7 +108,7 @@ def test_expert_parallel_training_over_gloo_equals_one_process(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ep.json"
-    mp.spawn(ep_worker, args=(port, str(out), str(one)), nprocs=2, join=True)
+    mp.spawn(ep_worker, args=(port, str(out), str(one), extra), nprocs=2, join=True)
     rec = json.loads(out.read_text())
     losses = rec["runs"][0]["losses"]
     assert rec["config"]["ep"] == 2 and len(losses) == 30
@@ -97,8 +118,6 @@ def test_expert_parallel_training_over_gloo_equals_one_process(tmp_path):
 
 
 def test_reference_must_match_the_run(tmp_path, capsys):
-    import pytest
-
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"runs": [{"losses": [1.0, 2.0]}]}))
     with pytest.raises(SystemExit) as e:
