@@ -13,10 +13,11 @@
 // home weights are quantized again, and the step placement plans anew).
 // The first three modes' outputs and gradients are checked equal to one at a time, bit for bit,
 // before timing; the fourth's first micro-batch (its placement is micro-batch 0's own; micro-batch
-// 1's rows are split over it, so its sums may round differently with clones). Tokens are drawn with Zipf-skewed routing (exponent 1.2) at the model slices of
-// layer_bench (the slice's experts per rank). Under `moe-echo launch -n R` (a CUDA + NCCL build)
-// the layer runs with expert parallelism over the R GPUs on the sync-free NCCL communicator
-// (ECHO on); each iteration starts after a host barrier and counts the slowest rank.
+// 1's rows are split over it, so its sums may round differently with clones). Tokens are drawn with
+// Zipf-skewed routing (exponent 1.2) at the model slices of layer_bench (the slice's experts per
+// rank). Under `moe-echo launch -n R` (a CUDA + NCCL build) the layer runs with expert parallelism
+// over the R GPUs on the sync-free NCCL communicator (ECHO on); each iteration starts after a host
+// barrier and counts the slowest rank.
 //
 // usage: [moe-echo launch -n R --] micro_batch_bench --out results.json [--iters N] [--warmup N]
 //                          [--tokens T] [--config NAME[,NAME]] [--precision bf16|fp8]

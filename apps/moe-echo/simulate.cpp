@@ -34,7 +34,7 @@ struct SimulateOptions {
   int expert_groups = kSim.expert_groups, topk_groups = kSim.topk_groups;
   std::optional<int> steps, layers;
   int spare_slots = kSim.spare_slots, max_clones = kSim.max_clones;
-  int eplb_period = kSim.eplb_period, threads = kSim.threads;
+  int eplb_period = kSim.eplb_period, threads = kSim.threads, micro_batches = kSim.micro_batches;
   int64_t clone_cost_rows = kSim.clone_cost_rows;
   uint64_t seed = kGen.seed;
   std::string trace, write_trace, json, plot;
@@ -56,7 +56,7 @@ std::string fmt(double v, int precision) {
 Policy parse_policy(const std::string& s) {
   for (Policy p : kAllPolicies)
     if (s == to_string(p)) return p;
-  reject("policies", "'" + s + "'", "echo, eplb, eplb_periodic, none, echo_stale");
+  reject("policies", "'" + s + "'", "echo, eplb, eplb_periodic, none, echo_stale, echo_step");
 }
 
 nlohmann::json policy_json(const PolicyStats& p) {
@@ -91,6 +91,7 @@ int run_simulate(const SimulateOptions& o) {
   sc.max_clones = o.max_clones;
   sc.clone_cost_rows = o.clone_cost_rows;
   sc.eplb_period = o.eplb_period;
+  sc.micro_batches = o.micro_batches;
   sc.threads = o.threads;
   sc.hidden = o.hidden;
   sc.ffn = o.ffn;
@@ -160,7 +161,9 @@ int run_simulate(const SimulateOptions& o) {
   std::ostringstream out;
   out << "moe-echo simulate: EP " << c.ranks << ", " << c.experts << " experts, top-" << c.top_k
       << ", " << res.steps << " steps x " << res.layers << " layers, " << c.spare_slots
-      << " spare slot(s) per rank, max " << c.max_clones << " clone(s) per expert\n"
+      << " spare slot(s) per rank, max " << c.max_clones << " clone(s) per expert";
+  if (c.micro_batches > 1) out << ", " << c.micro_batches << " micro-batches a step";
+  out << "\n"
       << "trace: " << res.trace << "\n"
       << "rows per rank (mean): " << fmt(res.mean_rows_per_rank, 0) << "\n"
       << "ranks a token's rows go to: " << fmt(res.ranks_per_token, 2)
@@ -210,6 +213,7 @@ int run_simulate(const SimulateOptions& o) {
                    {"max_clones", c.max_clones},
                    {"clone_cost_rows", res.clone_cost_rows},
                    {"eplb_period", c.eplb_period},
+                   {"micro_batches", c.micro_batches},
                    {"threads", c.threads},
                    {"hidden", c.hidden},
                    {"ffn", c.ffn},
@@ -283,6 +287,10 @@ void add_simulate(CLI::App& app, Runner& run) {
       ->capture_default_str();
   add_option(cmd, "--eplb-period", o->eplb_period, "eplb_periodic: steps between re-placements")
       ->capture_default_str();
+  add_option(cmd, "--micro-batches", o->micro_batches,
+             "forwards each step's rows are split over; echo and eplb plan and pull clones for "
+             "each, echo_step, echo_stale and eplb_periodic once a step")
+      ->capture_default_str();
   add_option(cmd, "--threads", o->threads, "worker threads (layers are split over them)")
       ->capture_default_str();
   add_option(cmd, "--seed", o->seed, "generator seed")->capture_default_str();
@@ -312,8 +320,9 @@ void add_simulate(CLI::App& app, Runner& run) {
   add_option(cmd, "--nvlink-gbps", o->nvlink_gbps, "all-to-all GB/s per GPU within a node");
   add_option(cmd, "--network-gbps", o->network_gbps, "all-to-all GB/s per GPU across nodes");
   add_option(cmd, "--gpus-per-node", o->gpus_per_node, "GPUs per NVLink domain");
-  add_option(cmd, "--policies", o->policies,
-             "subset of echo,eplb,eplb_periodic,none,echo_stale (default: the first four)")
+  add_option(
+      cmd, "--policies", o->policies,
+      "subset of echo,eplb,eplb_periodic,none,echo_stale,echo_step (default: the first four)")
       ->delimiter(',');
   add_option(cmd, "--json", o->json, "write the results as JSON");
   add_option(cmd, "--plot", o->plot, "write an SVG plot of max/mean over steps");

@@ -7,6 +7,7 @@
 #include <exception>
 #include <mutex>
 #include <numeric>
+#include <random>
 #include <thread>
 
 #include "moe_echo/error.hpp"
@@ -21,6 +22,7 @@ const char* to_string(Policy p) {
     case Policy::eplb_periodic: return "eplb_periodic";
     case Policy::none: return "none";
     case Policy::echo_stale: return "echo_stale";
+    case Policy::echo_step: return "echo_step";
   }
   return "?";
 }
@@ -28,6 +30,7 @@ const char* to_string(Policy p) {
 namespace {
 constexpr int64_t kMaxRankExperts = int64_t(1) << 28;
 constexpr int kMaxThreads = 1024;
+constexpr int kMaxMicroBatches = 64;
 }  // namespace
 
 void validate(const SimulatorConfig& c) {
@@ -69,6 +72,9 @@ void validate(const SimulatorConfig& c) {
            "ep * experts <= 2^28 (experts = " + std::to_string(c.experts) +
                "): the rank-by-expert count tables");
   if (c.eplb_period < 1) reject("eplb_period", c.eplb_period, "eplb_period >= 1");
+  if (c.micro_batches < 1 || c.micro_batches > kMaxMicroBatches)
+    reject("micro_batches", c.micro_batches,
+           "1 <= micro_batches <= " + std::to_string(kMaxMicroBatches));
   if (c.threads < 1 || c.threads > kMaxThreads)
     reject("threads", c.threads, "1 <= threads <= " + std::to_string(kMaxThreads));
   if (c.hidden < 1) reject("hidden", c.hidden, "hidden >= 1");
@@ -197,6 +203,10 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   const PlannerConfig pc = simulator_planner_config(cfg);
   const int64_t clone_cost_rows = pc.clone_cost_rows;
   validate(pc);
+  // echo_step plans on the first of M micro-batches a placement that serves all M: one transfer
+  // a clone for M micro-batches' worth of rows, so its clone cost in rows of that map is 1/M.
+  PlannerConfig pc_step = pc;
+  pc_step.clone_cost_rows = pc.clone_cost_rows / cfg.micro_batches;
 
   const size_t P = cfg.policies.size();
   const size_t samples = size_t(N) * size_t(L);
@@ -234,8 +244,27 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
     std::vector<double> planner_s(P, 0);
     double migration_bytes = 0, migration_ms = 0;
     int64_t replacements = 0;
+    // The step's rows over its micro-batches: each row to one of M uniformly (a multinomial split
+    // of every count), from a generator of this layer's own.
+    const int M = cfg.micro_batches;
+    std::vector<int32_t> parts(M > 1 ? size_t(M) * size_t(R) * size_t(E) : 0);
+    std::mt19937_64 split_rng(0x5eed5eedull + uint64_t(layer));
     for (int step = 0; step < N; ++step) {
       stream->next(C.data());
+      if (M > 1)
+        for (size_t i = 0; i < size_t(R) * size_t(E); ++i) {
+          int32_t left = C[i];
+          for (int m = 0; m + 1 < M; ++m) {
+            std::binomial_distribution<int32_t> pick(left, 1.0 / double(M - m));
+            const int32_t x = left > 0 ? pick(split_rng) : 0;
+            parts[size_t(m) * size_t(R) * size_t(E) + i] = x;
+            left -= x;
+          }
+          parts[size_t(M - 1) * size_t(R) * size_t(E) + i] = left;
+        }
+      auto map_of = [&](int m) {
+        return M > 1 ? parts.data() + size_t(m) * size_t(R) * size_t(E) : C.data();
+      };
       std::fill(expert_load.begin(), expert_load.end(), 0);
       for (int r = 0; r < R; ++r)
         for (int e = 0; e < E; ++e) expert_load[size_t(e)] += C[size_t(r) * E + size_t(e)];
@@ -245,88 +274,111 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
       mean_rows[idx] = mean;
       for (size_t p = 0; p < P; ++p) {
         const Policy policy = cfg.policies[p];
-        int64_t max_load = 0;
-        int32_t clones = 0;
-        std::fill(hosted.begin(), hosted.end(), 0);
-        std::fill(served.begin(), served.end(), 0);
+        Samples& o = out[p];
+        o.ratio[idx] = o.compute_ms[idx] = o.comm_ms[idx] = o.clone_ms[idx] = 0;
+        o.clones[idx] = 0;
         const auto c0 = std::chrono::steady_clock::now();
-        if (policy == Policy::eplb_periodic) {
-          if (step == 0) {
-            // Nothing observed yet: experts stay home and the redundant slots stay empty.
-            EplbPlacement home;
-            home.ranks = R;
-            home.slots_per_rank = E / R + S;
-            home.slot_expert.assign(size_t(R) * size_t(home.slots_per_rank), -1);
-            for (int e = 0; e < E; ++e)
-              home.slot_expert[size_t(pc.home_rank(e)) * size_t(home.slots_per_rank) +
-                               size_t(pc.home_slot(e))] = e;
-            periodic.set(std::move(home), E);
-            periodic.observed.assign(size_t(E), 0.0);
-          } else if (step % cfg.eplb_period == 0) {
-            const std::vector<int32_t> old_master = periodic.master;
-            periodic.set(eplb_place(periodic.observed, R, E / R + S), E);
-            std::fill(periodic.observed.begin(), periodic.observed.end(), 0.0);
-            ++replacements;
-            std::vector<int32_t> moved_in(size_t(R), 0), moved_out(size_t(R), 0);
-            for (int e = 0; e < E; ++e)
-              if (old_master[size_t(e)] != periodic.master[size_t(e)]) {
-                ++moved_in[size_t(periodic.master[size_t(e)])];
-                ++moved_out[size_t(old_master[size_t(e)])];
+        // Each micro-batch is a forward and backward on its own map. A policy that plans on
+        // every map (echo, eplb) pulls its clones for each; one that keeps a placement for the
+        // step (echo_step, echo_stale, eplb_periodic) pulls them once, with its first.
+        const bool pulls_each = policy == Policy::echo || policy == Policy::eplb;
+        for (int m = 0; m < M; ++m) {
+          const int32_t* Cm = map_of(m);
+          int64_t total_m = 0;
+          for (size_t i = 0; i < size_t(R) * size_t(E); ++i) total_m += Cm[i];
+          const double mean_m = double(total_m) / double(R);
+          int64_t max_load = 0;
+          int32_t clones = 0;
+          std::fill(hosted.begin(), hosted.end(), 0);
+          std::fill(served.begin(), served.end(), 0);
+          if (policy == Policy::eplb_periodic) {
+            if (m == 0 && step == 0) {
+              // Nothing observed yet: experts stay home and the redundant slots stay empty.
+              EplbPlacement home;
+              home.ranks = R;
+              home.slots_per_rank = E / R + S;
+              home.slot_expert.assign(size_t(R) * size_t(home.slots_per_rank), -1);
+              for (int e = 0; e < E; ++e)
+                home.slot_expert[size_t(pc.home_rank(e)) * size_t(home.slots_per_rank) +
+                                 size_t(pc.home_slot(e))] = e;
+              periodic.set(std::move(home), E);
+              periodic.observed.assign(size_t(E), 0.0);
+            } else if (m == 0 && step % cfg.eplb_period == 0) {
+              const std::vector<int32_t> old_master = periodic.master;
+              periodic.set(eplb_place(periodic.observed, R, E / R + S), E);
+              std::fill(periodic.observed.begin(), periodic.observed.end(), 0.0);
+              ++replacements;
+              std::vector<int32_t> moved_in(size_t(R), 0), moved_out(size_t(R), 0);
+              for (int e = 0; e < E; ++e)
+                if (old_master[size_t(e)] != periodic.master[size_t(e)]) {
+                  ++moved_in[size_t(periodic.master[size_t(e)])];
+                  ++moved_out[size_t(old_master[size_t(e)])];
+                }
+              int32_t worst = 0, moved = 0;
+              for (int r = 0; r < R; ++r) {
+                worst = std::max({worst, moved_in[size_t(r)], moved_out[size_t(r)]});
+                moved += moved_in[size_t(r)];
               }
-            int32_t worst = 0, moved = 0;
-            for (int r = 0; r < R; ++r) {
-              worst = std::max({worst, moved_in[size_t(r)], moved_out[size_t(r)]});
-              moved += moved_in[size_t(r)];
+              migration_bytes += double(moved) * master_bytes;
+              migration_ms += cost.all_to_all_ms(double(worst) * master_bytes, R);
             }
-            migration_bytes += double(moved) * master_bytes;
-            migration_ms += cost.all_to_all_ms(double(worst) * master_bytes, R);
+            const std::vector<int64_t> loads = eplb_rank_loads(periodic.placement, Cm, R, E);
+            max_load = *std::max_element(loads.begin(), loads.end());
+            if (m + 1 == M)
+              for (int e = 0; e < E; ++e)
+                periodic.observed[size_t(e)] += double(expert_load[size_t(e)]);
+            clones = periodic.redundant;
+            hosted = periodic.hosted;
+            served = periodic.served;
+          } else {
+            PlanView v = plans[p].view();
+            if (policy == Policy::echo) {
+              plan_echo(Cm, pc, v);
+            } else if (policy == Policy::echo_stale) {
+              if (step == 0)
+                plan_none(Cm, pc, v);
+              else
+                plan_placed(Cm, pc, ahead[p].view().spare_expert, v);
+              if (m + 1 == M) plan_echo(Cm, pc, ahead[p].view());  // the next step's placement
+            } else if (policy == Policy::echo_step) {
+              if (m == 0) {
+                plan_echo(Cm, pc_step, v);
+                plan_echo(Cm, pc_step, ahead[p].view());  // the step's placement
+              } else {
+                plan_placed(Cm, pc_step, ahead[p].view().spare_expert, v);
+              }
+            } else if (policy == Policy::eplb) {
+              plan_eplb_restricted(Cm, pc, v);
+            } else {
+              plan_none(Cm, pc, v);
+            }
+            max_load = *std::max_element(v.load_after, v.load_after + R);
+            for (int r = 0; r < R; ++r)
+              for (int s = 0; s < S; ++s) {
+                const int e = v.spare_expert[size_t(r) * S + size_t(s)];
+                if (e < 0) continue;
+                ++clones;
+                ++hosted[size_t(r)];
+                ++served[size_t(pc.home_rank(e))];
+              }
           }
-          const std::vector<int64_t> loads = eplb_rank_loads(periodic.placement, C.data(), R, E);
-          max_load = *std::max_element(loads.begin(), loads.end());
-          for (int e = 0; e < E; ++e)
-            periodic.observed[size_t(e)] += double(expert_load[size_t(e)]);
-          clones = periodic.redundant;
-          hosted = periodic.hosted;
-          served = periodic.served;
-        } else {
-          PlanView v = plans[p].view();
-          if (policy == Policy::echo) {
-            plan_echo(C.data(), pc, v);
-          } else if (policy == Policy::echo_stale) {
-            if (step == 0)
-              plan_none(C.data(), pc, v);
-            else
-              plan_placed(C.data(), pc, ahead[p].view().spare_expert, v);
-            plan_echo(C.data(), pc, ahead[p].view());  // the next step's placement
-          } else if (policy == Policy::eplb)
-            plan_eplb_restricted(C.data(), pc, v);
-          else
-            plan_none(C.data(), pc, v);
-          max_load = *std::max_element(v.load_after, v.load_after + R);
+          int32_t clone_links = 0;
           for (int r = 0; r < R; ++r)
-            for (int s = 0; s < S; ++s) {
-              const int e = v.spare_expert[size_t(r) * S + size_t(s)];
-              if (e < 0) continue;
-              ++clones;
-              ++hosted[size_t(r)];
-              ++served[size_t(pc.home_rank(e))];
-            }
+            clone_links = std::max(clone_links, hosted[size_t(r)] + served[size_t(r)]);
+          o.ratio[idx] += (mean_m > 0 ? double(max_load) / mean_m : 1.0) / double(M);
+          o.compute_ms[idx] +=
+              cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
+          // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's
+          // rows (one per token and rank it picks)
+          o.comm_ms[idx] +=
+              4.0 * cost.all_to_all_ms(double(max_load) * rows_per_entry * remote * row_bytes, R);
+          if (m == 0 || pulls_each) {
+            o.clones[idx] += clones;
+            o.clone_ms[idx] += cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
+          }
         }
         planner_s[p] +=
             std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count();
-        int32_t clone_links = 0;
-        for (int r = 0; r < R; ++r)
-          clone_links = std::max(clone_links, hosted[size_t(r)] + served[size_t(r)]);
-        Samples& o = out[p];
-        o.ratio[idx] = mean > 0 ? double(max_load) / mean : 1.0;
-        o.clones[idx] = clones;
-        o.compute_ms[idx] =
-            cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
-        // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's rows
-        // (one per token and rank it picks)
-        o.comm_ms[idx] =
-            4.0 * cost.all_to_all_ms(double(max_load) * rows_per_entry * remote * row_bytes, R);
-        o.clone_ms[idx] = cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
       }
     }
     for (size_t p = 0; p < P; ++p) {
@@ -337,7 +389,7 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
       }
       std::lock_guard<std::mutex> lock(out[p].mu);
       out[p].planner_s += planner_s[p];
-      out[p].planner_calls += N;
+      out[p].planner_calls += int64_t(N) * cfg.micro_batches;
     }
   };
 

@@ -14,6 +14,17 @@
 //                  the same layer (none at step 0): the clones are chosen a step ahead, as when
 //                  their weights are pulled right after the optimizer, and only the rows are
 //                  split on this step's map (not in the default set)
+//   echo_step      with micro_batches = M > 1: plan_echo on the step's first micro-batch, with the
+//                  clone cost divided by M (one transfer serves M micro-batches), plan_placed on
+//                  that placement for the others (EchoPlacement::step: the clones pulled and
+//                  reduced once a step); with one micro-batch the same as echo (not in the
+//                  default set)
+//
+// Micro-batches (micro_batches = M > 1): each step's rows are split over M forwards (each row to
+// one of them uniformly); every policy runs on each micro-batch's map, a sample's max/mean is the
+// mean over them, and its time the sum. echo and eplb plan, and pull their clones, for each
+// micro-batch; echo_step, echo_stale and eplb_periodic keep a placement for the step and pull it
+// once.
 //
 // Invariants:
 // - A sample is one (step, layer): max over ranks of the rank load (rows) over the mean. The
@@ -37,10 +48,10 @@
 
 namespace moe_echo::offline {
 
-enum class Policy { echo, eplb, eplb_periodic, none, echo_stale };
+enum class Policy { echo, eplb, eplb_periodic, none, echo_stale, echo_step };
 const char* to_string(Policy p);
-inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb, Policy::eplb_periodic,
-                                          Policy::none, Policy::echo_stale};
+inline constexpr Policy kAllPolicies[] = {Policy::echo, Policy::eplb,       Policy::eplb_periodic,
+                                          Policy::none, Policy::echo_stale, Policy::echo_step};
 inline constexpr Policy kDefaultPolicies[] = {Policy::echo, Policy::eplb, Policy::eplb_periodic,
                                               Policy::none};
 
@@ -60,6 +71,7 @@ struct SimulatorConfig {
   int max_clones = EchoConfig{}.max_clones_per_expert;  // ECHO: clones per expert per step
   int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (clone_ms / row_ms)
   int eplb_period = 100;         // steps between EPLB re-placements
+  int micro_batches = 1;         // M: forwards a step's rows are split over (1 to 64)
   int threads = 2;
   std::vector<Policy> policies{std::begin(kDefaultPolicies), std::end(kDefaultPolicies)};
   // Model (DeepSeek-V3's layer unless set) and cost model, for bytes and time.

@@ -292,6 +292,47 @@ TEST(Simulator, EchoStaleSplitsEachMapOverThePreviousStepsPlacement) {
   EXPECT_LT(r.find(Policy::echo)->max_over_mean_per_step[1], want[1]);
 }
 
+// micro_batches = M: each step's rows split over M forwards. echo_step plans on the first and
+// keeps that placement for the others, pulling its clones once a step where echo pulls for each
+// micro-batch; with one micro-batch the two are the same. The split does not depend on threads.
+TEST(Simulator, EchoStepKeepsTheFirstMicroBatchsPlacementAndPullsItOnce) {
+  GeneratorConfig g;
+  g.experts = 16;
+  g.top_k = 2;
+  g.tokens = 2048;
+  g.layers = 3;
+  g.steps = 30;
+  g.zipf = {1.2};
+  const TraceGenerator gen(g);
+  SimulatorConfig c = small_sim(4, 16);
+  c.policies = {Policy::echo, Policy::echo_step, Policy::none};
+  const SimulationResult one = simulate(gen, c);
+  const PolicyStats &echo1 = *one.find(Policy::echo), &step1 = *one.find(Policy::echo_step);
+  EXPECT_EQ(step1.samples_sorted, echo1.samples_sorted);
+  EXPECT_EQ(step1.clones_per_step, echo1.clones_per_step);
+  EXPECT_EQ(step1.est_step_ms, echo1.est_step_ms);
+  c.micro_batches = 3;
+  const SimulationResult three = simulate(gen, c);
+  const PolicyStats &echo3 = *three.find(Policy::echo), &step3 = *three.find(Policy::echo_step),
+                    &none3 = *three.find(Policy::none);
+  EXPECT_DOUBLE_EQ(three.mean_rows_per_rank, one.mean_rows_per_rank);
+  EXPECT_GT(step3.clones_per_step, 0);
+  EXPECT_GT(echo3.clones_per_step, 2 * step3.clones_per_step) << "echo pulls for each of 3";
+  EXPECT_LT(step3.clone_ms, echo3.clone_ms);
+  EXPECT_LT(step3.max_over_mean_mean, none3.max_over_mean_mean);
+  EXPECT_LT(step3.max_over_mean_mean, 1.05 * echo3.max_over_mean_mean);
+  // Each micro-batch draws its rows from the step's: the home placement's imbalance is the
+  // step's, within the sampling noise of a third of the rows.
+  EXPECT_NEAR(none3.max_over_mean_mean, one.find(Policy::none)->max_over_mean_mean, 0.02);
+  c.threads = 3;
+  const SimulationResult threaded = simulate(gen, c);
+  for (size_t p = 0; p < c.policies.size(); ++p)
+    EXPECT_EQ(threaded.policies[p].samples_sorted, three.policies[p].samples_sorted);
+  c.micro_batches = 0;
+  EXPECT_NE(config_error([&] { simulate(gen, c); }).find("micro_batches = 0 is invalid"),
+            std::string::npos);
+}
+
 TEST(Simulator, PeriodicEplbRePlacesOnScheduleFromObservedLoads) {
   const int R = 2, E = 4, N = 10;
   // the same skewed map every step: after the first re-placement EPLB fits it
