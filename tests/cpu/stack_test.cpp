@@ -217,6 +217,34 @@ TEST(Stack, Fp8StackEqualsLayersBuiltApartBitForBit) {
   expect_stack_equals_layers_apart(layers, 2);
 }
 
+// EchoConfig::placement = step: each layer keeps its clones in echo slots of its own, for its
+// next forward too (no weights changed between the two steps here). The stack still equals the
+// layers built apart bit for bit, and a placement per micro-batch up to the order of sums.
+TEST(Stack, StepPlacementStackEqualsLayersBuiltApart) {
+  StackCase c;
+  c.layers = four_layers();
+  c.ranks = 2;
+  c.hot = {4.0, 0.0, 6.0, 3.0};
+  const StackRun per_micro_batch = run_stack(c);
+  c.echo.placement = EchoPlacement::step;
+  const StackRun stacked = run_stack(c);
+  expect_clones_and_spills(stacked);
+  c.stacked = false;
+  const StackRun apart = run_stack(c);
+  expect_same(stacked, apart);
+  EXPECT_LT(stacked.bytes[0], apart.bytes[0]);
+  for (size_t r = 0; r < 2; ++r)
+    for (size_t l = 0; l < 4; ++l) {
+      SCOPED_TRACE("rank " + std::to_string(r) + " layer " + std::to_string(l));
+      EXPECT_LE(rel_error(stacked.y[r][l], per_micro_batch.y[r][l]), 1e-13);
+      EXPECT_LE(rel_error(stacked.dx[r][l], per_micro_batch.dx[r][l]), 1e-13);
+      EXPECT_LE(rel_error(stacked.dw1[r][l], per_micro_batch.dw1[r][l]), 1e-13);
+      EXPECT_LE(rel_error(stacked.dw2[r][l], per_micro_batch.dw2[r][l]), 1e-13);
+    }
+  // The echo slots are each layer's own: the stack holds four layers' of them, not one pool.
+  EXPECT_GT(stacked.bytes[0], per_micro_batch.bytes[0]);
+}
+
 TEST(Stack, OneRankEqualsLayersBuiltApart) {
   StackCase c;
   c.layers = four_layers();
