@@ -832,6 +832,17 @@ MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, 
   return out;
 }
 
+// The layer of the micro-batch tests: 16 experts, top 2, 32 tokens on 4 ranks with 2 spare slots
+// each, then what `set` changes.
+LayerCase micro_batch_case(const std::function<void(LayerCase&)>& set) {
+  LayerCase c;
+  c.moe = small_moe(16, 2, 32);
+  c.ranks = 4;
+  c.echo.spare_slots_per_rank = 2;
+  set(c);
+  return c;
+}
+
 // Several micro-batches in flight (MoeConfig::in_flight) give the bits of one at a time: a
 // pipeline schedule's forwards all before their backwards, and a combined 1F1B schedule that
 // interleaves one micro-batch's forward phases with another's backward phases (slots reused
@@ -869,11 +880,7 @@ TEST(Layer, MicroBatchesInFlightGiveTheBitsOfOneAtATime) {
       "b2d", "b2e", "b2c"};                      // cool-down backward
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
-    LayerCase base;
-    base.moe = small_moe(16, 2, 32);
-    base.ranks = 4;
-    base.echo.spare_slots_per_rank = 2;
-    k.set(base);
+    const LayerCase base = micro_batch_case(k.set);
     const SkewedInput in = skewed(base, 32, 1.5, 31);
     const MicroBatchRun a = run_micro_batches(base, in.params, 3, one_at_a_time);
     EXPECT_GT(a.clones, 0);
@@ -948,11 +955,7 @@ TEST(Layer, StepPlacementMovesClonesOncePerStep) {
   const std::vector<std::string> ref_step = {"F0", "B0", "F1", "B1", "F2", "B2"};
   for (const Case& k : cases) {
     SCOPED_TRACE(k.name);
-    LayerCase base;
-    base.moe = small_moe(16, 2, 32);
-    base.ranks = 4;
-    base.echo.spare_slots_per_rank = 2;
-    k.set(base);
+    const LayerCase base = micro_batch_case(k.set);
     const SkewedInput in = skewed(base, 32, 1.5, 31);
     const MicroBatchRun a =
         run_micro_batches(base, in.params, 6, two_steps(ref_step, shifted(ref_step)));

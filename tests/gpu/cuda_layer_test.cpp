@@ -592,6 +592,22 @@ void expect_one_at_a_time(const OneAtATime& ref, StepTensors& t0, StepTensors& t
       << "pass " << pass;
 }
 
+// `step` (two micro-batches) run once to capture its graphs, then twice with the outputs poisoned
+// and the step enqueued behind a held stream: it returns first (no host wait), and gives `ref`'s
+// bits each time.
+void expect_held_passes_give(const OneAtATime& ref, StepTensors& t0, StepTensors& t1, GpuLayer& gl,
+                             cudaStream_t stream, const std::function<void()>& step) {
+  step();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (OwnedTensor* t : {&t0.y, &t1.y, &t0.dx, &t1.dx}) poison(*t);
+    EXPECT_TRUE(returns_while_held(stream, step))
+        << "a step waited for the held stream (a host sync), pass " << pass;
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    expect_one_at_a_time(ref, t0, t1, gl, pass);
+  }
+}
+
 // The split-phase calls on the GPU (a graph per phase) and Overlap::wgrad (fc1's weight gradient
 // on the side stream beside the combine, on fewer SMs): the bits of the whole step without
 // overlap, with a spill round, with the shared experts on the side stream, in fp8; after a first
@@ -723,17 +739,7 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
       l.backward_combine(s, 0);
       l.backward(*t1.dy, *t1.dx, s, 1);
     };
-    for (int pass = 0; pass < 2; ++pass) {
-      if (pass == 0) {
-        step();  // the first step captures its graphs
-        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      }
-      for (OwnedTensor* t : {&t0.y, &t1.y, &t0.dx, &t1.dx}) poison(*t);
-      EXPECT_TRUE(returns_while_held(stream, step))
-          << "a step waited for the held stream (a host sync), pass " << pass;
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      expect_one_at_a_time(ref, t0, t1, gl, pass);
-    }
+    expect_held_passes_give(ref, t0, t1, gl, stream, step);
     EXPECT_EQ(gl.layer.stats(0).spill_rounds, m.shared_experts > 0 ? 0 : 1);
     cudaStreamDestroy(stream);
   }
@@ -774,17 +780,7 @@ TEST(CudaLayerEager, StepPlacementGivesTheBitsOfAPlacementPerMicroBatch) {
       l.hold_clone_grads(false);
       l.backward(*t1.dy, *t1.dx, s, 1);
     };
-    for (int pass = 0; pass < 2; ++pass) {
-      if (pass == 0) {
-        step();  // the first step captures its graphs
-        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      }
-      for (OwnedTensor* t : {&t0.y, &t1.y, &t0.dx, &t1.dx}) poison(*t);
-      EXPECT_TRUE(returns_while_held(stream, step))
-          << "a step waited for the held stream (a host sync), pass " << pass;
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      expect_one_at_a_time(ref, t0, t1, gl, pass);
-    }
+    expect_held_passes_give(ref, t0, t1, gl, stream, step);
     EXPECT_FALSE(gl.layer.stats(0).placement_kept);
     EXPECT_TRUE(gl.layer.stats(1).placement_kept);
     EXPECT_EQ(gl.layer.stats(1).spill_rounds, 1);
