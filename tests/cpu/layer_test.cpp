@@ -832,6 +832,14 @@ MicroBatchRun run_micro_batches(const LayerCase& c, const GlobalParams& params, 
   return out;
 }
 
+// Shared experts on the side stream and the weight-gradient overlap (a micro-batch test case).
+void shared_beside_overlap(LayerCase& c) {
+  c.moe.shared_experts = 1;
+  c.moe.shared_ffn = 4;
+  c.moe.shared_side_stream = true;
+  c.moe.overlap = Overlap::wgrad;
+}
+
 // The layer of the micro-batch tests: 16 experts, top 2, 32 tokens on 4 ranks with 2 spare slots
 // each, then what `set` changes.
 LayerCase micro_batch_case(const std::function<void(LayerCase&)>& set) {
@@ -856,14 +864,7 @@ TEST(Layer, MicroBatchesInFlightGiveTheBitsOfOneAtATime) {
   };
   const std::vector<Case> cases = {
       {"clones and spill rounds", [](LayerCase& c) { c.echo.capacity_factor = 0.4; }, true},
-      {"shared experts on the side stream, overlap wgrad",
-       [](LayerCase& c) {
-         c.moe.shared_experts = 1;
-         c.moe.shared_ffn = 4;
-         c.moe.shared_side_stream = true;
-         c.moe.overlap = Overlap::wgrad;
-       },
-       false},
+      {"shared experts on the side stream, overlap wgrad", shared_beside_overlap, false},
       {"recompute dispatch, spill rounds",
        [](LayerCase& c) {
          c.moe.recompute = Recompute::dispatch;
@@ -920,13 +921,7 @@ TEST(Layer, StepPlacementMovesClonesOncePerStep) {
   };
   const std::vector<Case> cases = {
       {"clones and spill rounds", [](LayerCase& c) { c.echo.capacity_factor = 0.4; }},
-      {"shared experts on the side stream, overlap wgrad",
-       [](LayerCase& c) {
-         c.moe.shared_experts = 1;
-         c.moe.shared_ffn = 4;
-         c.moe.shared_side_stream = true;
-         c.moe.overlap = Overlap::wgrad;
-       }},
+      {"shared experts on the side stream, overlap wgrad", shared_beside_overlap},
       {"recompute dispatch", [](LayerCase& c) { c.moe.recompute = Recompute::dispatch; }},
   };
   // Two steps of three micro-batches each (0-2, then 3-5).
