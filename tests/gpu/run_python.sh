@@ -5,7 +5,9 @@
 # tree's package (PYTHONPATH=$BUILD_DIR/python; PYTEST_FILES picks files, default tests/python).
 # With 2 GPUs or more, test_ep_nccl.py's EP runs take part, and the example model trains with its
 # experts over 2 GPUs (--ep 2, NCCL, the whole step in one CUDA graph) on the global batch of a
-# one-GPU run, whose loss curve it must equal (10-step means within 0.02 nats, bf16 autocast).
+# one-GPU run, whose loss curve it must equal (10-step means within 0.02 nats, bf16 autocast),
+# then again with each rank's batch in 2 micro-batches and one ECHO clone placement per step
+# (--micro-batches 2 --echo-placement step).
 # Logs go to $OUT (or out/python); a summary last. Needs third_party/ (scripts/gpu_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,6 +34,7 @@ py_rc=$?
 tail -25 "$out/pytest.log"
 gpus=$(nvidia-smi -L | grep -c "^GPU")
 ex_rc=skipped
+ex_step_rc=skipped
 if [ "$gpus" -ge 2 ]; then
   ex=(examples/moe_lm/train.py --steps 60 --warmup 5 --cuda-graph --amp --aux-loss-coeff 0
       --tolerance 0.02 --smooth 10)
@@ -41,7 +44,12 @@ if [ "$gpus" -ge 2 ]; then
       "${ex[@]}" --ep 2 --batch 8 --reference "$out/moe_lm_one_gpu.json" \
       --json "$out/moe_lm_ep2.json" >"$out/moe_lm_ep2.log" 2>&1
   ex_rc=$?
-  tail -n 3 "$out/moe_lm_one_gpu.log" "$out/moe_lm_ep2.log"
+  PYTHONPATH="$PWD/$build/python" timeout 300 torchrun --standalone --nproc-per-node 2 \
+    "${ex[@]}" --ep 2 --batch 8 --micro-batches 2 --echo-placement step \
+    --reference "$out/moe_lm_one_gpu.json" --json "$out/moe_lm_ep2_step.json" \
+    >"$out/moe_lm_ep2_step.log" 2>&1
+  ex_step_rc=$?
+  tail -n 3 "$out/moe_lm_one_gpu.log" "$out/moe_lm_ep2.log" "$out/moe_lm_ep2_step.log"
 fi
 echo
 echo "== summary"
@@ -50,4 +58,5 @@ printf "%-22s %s\n" "cuda_layer_test" "rc $layer_rc: $(grep -E '^\[  PASSED|^\[ 
 printf "%-22s %s\n" "pytest" "rc $py_rc: $(tail -1 "$out/pytest.log")"
 printf "%-22s %s\n" "GPUs" "$gpus"
 printf "%-22s %s\n" "example --ep 2 = 1 GPU" "rc $ex_rc"
+printf "%-22s %s\n" "... placement a step" "rc $ex_step_rc"
 printf "%-22s %s\n" "time" "$((SECONDS - t1)) s of tests"
