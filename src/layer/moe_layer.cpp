@@ -117,6 +117,12 @@ struct MoeLayer::Buffers : StepPart {
 
 namespace {
 
+// Whether a layer with `spare_slots` echo slots keeps them itself (EchoPlacement::step) rather
+// than in the workspace's pool.
+bool own_echo_slots(const EchoConfig& e, int spare_slots) {
+  return e.placement == EchoPlacement::step && spare_slots > 0;
+}
+
 // Round 0's expert activations, and whether a layer keeps each for its backward (its own buffer)
 // or leaves it to the workspace (recomputed in the backward).
 enum class Act { recv_x, h, a, recv_out };
@@ -240,7 +246,7 @@ struct MoeWorkspace::Buffers {
       grow(fan_values, s.cap, fs);
       grow(da, s.cap * s.F, as);
       grow(dh, s.cap * 2 * s.F, as);
-      const bool pool = echo.placement == EchoPlacement::micro_batch;  // else the layers' own
+      const bool pool = !own_echo_slots(echo, s.S);  // else the layers' own
       if (pool) {
         grow(w1_spare, s.S * s.H * 2 * s.F, as);
         grow(w2_spare, s.S * s.F * s.H, as);
@@ -568,7 +574,7 @@ void bind_workspace(MoeLayer::Buffers& b, MoeWorkspace::Buffers& w, const MoeCon
                                view(x.s, DType::f32, {s.S, fp8_tiles(K), fp8_tiles(N)}),
                                view(x.s_t, DType::f32, {s.S, fp8_tiles(N), fp8_tiles(K)})};
   };
-  const bool pool = s.S > 0 && echo.placement == EchoPlacement::micro_batch;  // else the layer's
+  const bool pool = s.S > 0 && !own_echo_slots(echo, s.S);  // else the layer's own
   if (pool && fp8_w1(moe)) b.w1_spare_q = weight(w.fp8_w1s, s.H, 2 * s.F);
   if (pool && fp8_w2(moe)) b.w2_spare_q = weight(w.fp8_w2s, s.F, s.H);
   if (!b.h.data) b.h = view(w.h, act, {s.cap, 2 * s.F});
@@ -639,7 +645,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   slots_ = slots_per_rank(moe, par, echo);
   capacity_ = capacity_rows(moe, echo);
   rounds_ = max_rounds(moe, par, echo);
-  own_slots_ = echo.placement == EchoPlacement::step && planner_.spare_slots > 0;
+  own_slots_ = own_echo_slots(echo, planner_.spare_slots);
   if (workspace) {
     MOE_ECHO_CHECK(&workspace->backend() == &backend && &workspace->communicator() == &comm,
                    "workspace built on another backend or communicator than the layer's");
@@ -950,7 +956,7 @@ MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelC
   declare_buffers(b,
                   {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
                    max_rounds(moe, par, echo), activation, float_dtype, optimizer_state,
-                   echo.placement == EchoPlacement::step && planner.spare_slots > 0},
+                   own_echo_slots(echo, planner.spare_slots)},
                   counting_allocator(memory));
   // Each micro-batch in flight has its own of these parts.
   for (size_t MoeMemory::*part :

@@ -48,6 +48,10 @@ double microbatches_in_flight(const LayoutSpec& l) {
   return l.pp * (l.vpp > 1 ? 1.0 + double(l.pp - 1) / double(l.pp * l.vpp) : 1.0);
 }
 
+// The MoeConfig::in_flight whose workspace has the sets `inflight` micro-batches need: two sets
+// with more than one in flight (MoeWorkspace::sets_for), else one.
+int in_flight_for_sets(double inflight) { return inflight > 1.0 ? 2 : 1; }
+
 // Echo-slot memory per GPU with `spare_slots` slots, the library's: one pool in the workspace
 // that every layer's clones pass through (weights and their fp32 gradients), one per workspace
 // set (two with more than one micro-batch in flight).
@@ -56,7 +60,7 @@ double echo_slots_gb(const WallsInput& in, int spare_slots) {
   w.train.spare_slots = spare_slots;
   const StageLayers s = stage_layers(w);
   MoeConfig layer = s.layers.front();
-  layer.in_flight = microbatches_in_flight(in.layout) > 1.0 ? 2 : 1;
+  layer.in_flight = in_flight_for_sets(microbatches_in_flight(in.layout));
   const MoeMemory m =
       MoeWorkspace::memory_breakdown({layer}, s.par, s.echo, s.activation, s.float_dtype);
   return double(m.echo_slot_weights + m.echo_slot_grads) / kGB;
@@ -92,7 +96,8 @@ StageMemory stage_memory(const WallsInput& in, Recompute recompute, double infli
                          double optimizer_shards) {
   StageMemory m;
   m.one = stage_memory(in, recompute, 1);
-  m.sets = inflight > 1.0 ? stage_memory(in, recompute, 2) : m.one;
+  const int sets_in_flight = in_flight_for_sets(inflight);
+  m.sets = sets_in_flight > 1 ? stage_memory(in, recompute, sets_in_flight) : m.one;
   m.inflight = inflight;
   m.optimizer_shards = optimizer_shards;
   return m;

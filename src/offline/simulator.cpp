@@ -265,6 +265,12 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
       auto map_of = [&](int m) {
         return M > 1 ? parts.data() + size_t(m) * size_t(R) * size_t(E) : C.data();
       };
+      std::vector<double> mean_of(size_t(M), 0.0);  // each micro-batch's mean rank load
+      for (int m = 0; m < M; ++m) {
+        const int32_t* Cm = map_of(m);
+        mean_of[size_t(m)] =
+            double(std::accumulate(Cm, Cm + size_t(R) * size_t(E), int64_t(0))) / double(R);
+      }
       std::fill(expert_load.begin(), expert_load.end(), 0);
       for (int r = 0; r < R; ++r)
         for (int e = 0; e < E; ++e) expert_load[size_t(e)] += C[size_t(r) * E + size_t(e)];
@@ -284,9 +290,7 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
         const bool pulls_each = policy == Policy::echo || policy == Policy::eplb;
         for (int m = 0; m < M; ++m) {
           const int32_t* Cm = map_of(m);
-          int64_t total_m = 0;
-          for (size_t i = 0; i < size_t(R) * size_t(E); ++i) total_m += Cm[i];
-          const double mean_m = double(total_m) / double(R);
+          const double mean_m = mean_of[size_t(m)];
           int64_t max_load = 0;
           int32_t clones = 0;
           std::fill(hosted.begin(), hosted.end(), 0);
