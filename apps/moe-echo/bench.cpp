@@ -225,14 +225,14 @@ struct Report {
           "note: the CPU backend runs preset %s with %d tokens per rank (set --tokens to "
           "change)\n",
           L.preset.c_str(), moe.max_tokens);
-    std::printf("layers: %d, %s, recompute %s, overlap %s, precision %s%s\n", o.layers,
+    std::printf("layers: %d, %s, recompute %s, overlap %s, chunks %d, precision %s%s\n", o.layers,
                 o.separate ? "separate (each MoeLayer with its own workspace)"
                            : "one MoeStack (one workspace for all)",
                 to_string(moe.recompute),
                 moe.overlap == Overlap::wgrad
                     ? ("wgrad (" + std::to_string(moe.overlap_sms) + " SMs left)").c_str()
                     : "none",
-                to_string(moe.precision),
+                moe.chunks, to_string(moe.precision),
                 moe.precision == Precision::fp8
                     ? (" (fp8 GEMMs: " + fp8_gemms_to_string(moe.fp8_gemms) + ")").c_str()
                     : "");
@@ -411,6 +411,7 @@ void Report::summary() const {
                  {"recompute", to_string(moe.recompute)},
                  {"overlap", to_string(moe.overlap)},
                  {"overlap_sms", moe.overlap_sms},
+                 {"chunks", moe.chunks},
                  {"precision", to_string(moe.precision)},
                  {"fp8_gemms", fp8_gemms_to_string(moe.fp8_gemms)},
                  {"separate", o.separate},

@@ -88,7 +88,12 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
              "What the backward runs beside its communication: none (default) or wgrad (fc1's "
              "weight-gradient GEMM on a second stream beside the combine)");
   add_option(cmd, "--overlap-sms", o.overlap_sms,
-             "With --overlap wgrad, the SMs that GEMM leaves to communication (default 16)");
+             "With --overlap wgrad or --chunks above 1, the SMs the side stream's GEMMs leave to "
+             "communication (default 16)");
+  add_option(cmd, "--chunks", o.chunks,
+             "The forward's received rows in this many chunks (1 to 16, default 1): a chunk's "
+             "expert GEMMs run on a second stream while the next chunk is dispatched and the one "
+             "before combined");
   add_option(cmd, "--precision", o.precision,
              "The routed experts' GEMMs: bf16 (default) or fp8 (e4m3 with blockwise scales; "
              "hidden and ffn multiples of 16)");
@@ -134,6 +139,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.moe.recompute = parse_recompute(o.recompute, "recompute");
   r.moe.overlap = parse_overlap(o.overlap, "overlap");
   r.moe.overlap_sms = o.overlap_sms;
+  r.moe.chunks = o.chunks;
   r.moe.precision = parse_precision(o.precision, "precision");
   r.moe.fp8_gemms = parse_fp8_gemms(o.fp8_gemms, "fp8-gemms");
   if (r.moe.precision != Precision::fp8 && o.fp8_gemms != "all")

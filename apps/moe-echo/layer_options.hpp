@@ -35,6 +35,7 @@ struct LayerOptions {
   std::string fp8_gemms = "all";
   std::string overlap = "none";
   int overlap_sms = 16;
+  int chunks = 1;
 };
 
 struct ResolvedLayer {

@@ -40,6 +40,18 @@ struct GroupWindow : RoundWindow {
   int groups = 0;
 };
 
+// A window's rows split into chunks per rank (MoeConfig::chunks), so that one chunk's expert
+// GEMMs can run while the next chunk is dispatched and the one before it combined: window row q
+// of rank r lies in chunk c when bounds[r * (chunks + 1) + c] <= q < bounds[r * (chunks + 1) + c +
+// 1] (device i32 [ranks][chunks + 1], non-decreasing from 0 to the rows rank r receives in the
+// window: Backend::chunk_plan writes them). A call given chunks moves chunk `chunk` only
+// (RowRoute::chunks, comm.hpp); bounds nullptr is one chunk, the whole window.
+struct RowChunks {
+  const int32_t* bounds = nullptr;
+  int chunks = 1;
+  int chunk = 0;
+};
+
 // The router's options, the same in its forward and its backward.
 // Selection: per token, with expert_groups G > 1, its topk_groups best groups by group_score of
 // the selection keys (score + bias; ties to the lower group), then the top K keys among the
@@ -113,6 +125,22 @@ struct LayoutArgs {
   int64_t capacity = 0;  // receive rows per round
 };
 
+// MoeConfig::chunks: a window's rows split into about equal chunks per rank (RowChunks). With
+// n_r = min(rank_rows[r] - row_lo, capacity) clamped at 0 (the rows rank r receives in the
+// window), bounds[r][c] = floor(c n_r / chunks). offsets[c] is this rank's group_offsets narrowed
+// to chunk c: offsets[c][g] = clamp(group_offsets[g], row_lo + lo, row_lo + hi) for chunk c's
+// rows [lo, hi) of this rank, so that GroupWindow{window, offsets[c], slots} gives chunk c's
+// rows to the expert ops.
+struct ChunkPlanArgs {
+  Tensor rank_rows;      // [R] i32 (LayoutArgs::rank_rows)
+  Tensor group_offsets;  // [slots + 1] i32 (LayoutArgs::group_offsets)
+  Tensor bounds;         // out [R, chunks + 1] i32
+  Tensor offsets;        // out [chunks, slots + 1] i32
+  int rank = 0;
+  int64_t row_lo = 0;
+  int64_t capacity = 0;
+};
+
 struct GemmArgs {
   GroupWindow window;
   Tensor a;  // fprop: x [rows, K]          dgrad: dy [rows, N]     wgrad: x [rows, K]
@@ -161,6 +189,12 @@ struct FanArgs {
   Tensor dst;          // [rows, H] activation
   Tensor other;        // fan_out only: [rows, H] activation, or empty
   Tensor d_weight;     // fan_out only: out [rows] float, or empty
+  // One chunk of the window (RowChunks): device i32 [2], its window rows [lo, hi) on this rank
+  // (the bounds row of this rank at the chunk), or nullptr: the whole window. fan_out then
+  // writes the members of the lead rows p with lo <= p < hi, fan_in the lead rows p < hi whose
+  // last member (largest row) lies in [lo, hi): a pair's row arrives with its lead's chunk and is
+  // summed with its last member's. Fan table rows at or past hi are not read.
+  const int32_t* chunk = nullptr;
 };
 
 // FP8 blockwise quantization (DeepSeek-V3's recipe): each tile's values x are stored as
@@ -203,6 +237,7 @@ struct Fp8FanArgs {
   Tensor src;      // [rows, fp8_packed_row_bytes(H)] e4m3 bytes: packed rows (Fp8RowArgs)
   Tensor q;        // out [rows, H] e4m3
   Tensor scale;    // out [rows, ceil(H / 128)] f32
+  const int32_t* chunk = nullptr;  // as FanArgs::chunk for fan_out
 };
 // 1 x 128 tiles along the rows of each group, transposed (the operands of the FP8 weight
 // gradient, whose reduction runs over a group's rows): group g's window rows [lo_g, hi_g) become
@@ -234,6 +269,8 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype);
 // The same for Fp8RowArgs (returns the tiles per row) and Fp8FanArgs (returns the scales per row).
 int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype);
 int64_t check_fp8_fan_args(const Fp8FanArgs& a);
+// ChunkPlanArgs's shapes (bounds [R, chunks + 1], offsets [chunks, slots + 1]) and rank.
+void check_chunk_plan(const ChunkPlanArgs& a);
 // Columns q_t needs for a window of `rows` rows in `groups` groups (every group padded to 128).
 inline int64_t fp8_padded_rows(int64_t rows, int64_t groups) {
   return (rows + groups * (kFp8Tile - 1) + kFp8Tile - 1) / kFp8Tile * kFp8Tile;
@@ -331,6 +368,7 @@ class Backend {
   virtual void plan_placed(const Tensor& routing_map, const PlannerConfig& cfg,
                            const Tensor& placement, const Tensor& plan, Stream s) = 0;
   virtual void layout(const LayoutArgs& a, Stream s) = 0;
+  virtual void chunk_plan(const ChunkPlanArgs& a, Stream s) = 0;
   virtual void gemm_fprop(const GemmArgs& a, Stream s) = 0;
   virtual void gemm_dgrad(const GemmArgs& a, Stream s) = 0;
   virtual void gemm_wgrad(const GemmArgs& a, Stream s) = 0;

@@ -35,19 +35,31 @@ struct RowRoute {
                                        // or nullptr: weight 1
   int64_t n = 0;                       // tokens * top_k
   int top_k = 1;
+  RowChunks chunks = {};  // the one chunk of the window a call moves (see below)
 };
 
 // Leads and members. Entry i is in a window when row_lo <= dest_row[i] < row_lo + rows. In a
-// window, the members of (token t, rank d) are t's entries in the window with dest_rank d, in k
-// order; the first of them is the lead. A token's row crosses to rank d once per window, into the
-// lead's receive row; the receiver copies it to the other members' rows (Backend::fan_out) and
-// sums the members' results into the lead's row (Backend::fan_in) before the source reads it
-// back, so a token picking several experts on one rank moves one row each way, not one per expert.
+// window, the members of (token t, rank d) are t's entries in the window with dest_rank d; the
+// lead is the member with the lowest receive row (the first in slot order: receive rows are laid
+// out slot by slot). A token's row crosses to rank d once per window, into the lead's receive
+// row; the receiver copies it to the other members' rows (Backend::fan_out) and sums the members'
+// results into the lead's row (Backend::fan_in) before the source reads it back, so a token
+// picking several experts on one rank moves one row each way, not one per expert.
+//
+// Chunks (RowRoute::chunks, MoeConfig::chunks): the calls of a window's chunks 0, 1, ... together
+// move what one call over the whole window moves, with the same bits. A dispatch moves the
+// (token, rank) pairs whose lead row lies in its chunk at that rank: a pair's lead row is in the
+// earliest chunk of its members, so the row has arrived when the first of them is computed, and
+// the receiver's fan_out of that chunk copies it to members in later chunks (FanArgs::chunk). A
+// combine sums the tokens whose last chunk is its chunk: the highest chunk of the token's entries
+// over all ranks (0 for a token without entries in the window); a pair's fan_in belongs to its
+// last member's chunk, so every lead row a token needs is summed by then. Each token's y is
+// written by one of the calls, the others leave it as it is.
 //
 // The fan table tells the receiver who its members are: symmetric buffers of the layer, indexed by
 // window row (row - row_lo), written by the dispatch on the receiving rank:
-// - members [rows, K] i32: for a lead row p, the window rows of p's members, p first, then -1
-//   padding; for any other row q in the window, members[q][0] = -1.
+// - members [rows, K] i32: for a lead row p, the window rows of p's members, p first, then the
+//   others in k order, then -1 padding; for any other row q in the window, members[q][0] = -1.
 // - weights [rows, K] float: the route's combine weight of each member (1 without weights).
 // - values  [rows] float: written by the receiver (Backend::fan_out's d_weight), read back per
 //   entry by the combine.

@@ -90,6 +90,8 @@ inline constexpr int kMaxTopK = 32;
 inline constexpr int kMaxExpertGroups = 32;
 // The most micro-batches in flight per layer (MoeConfig::in_flight).
 inline constexpr int kMaxInFlight = 16;
+// The most chunks of a forward's received rows (MoeConfig::chunks).
+inline constexpr int kMaxChunks = 16;
 
 struct MoeConfig {
   int hidden = 0;      // H
@@ -131,6 +133,12 @@ struct MoeConfig {
   // GPU's SM count).
   Overlap overlap = Overlap::none;
   int overlap_sms = 16;
+  // Round 0 of the forward in this many chunks of its received rows (1: one, no overlap). Chunk
+  // c's expert GEMMs run on the backend's side stream, on all SMs but overlap_sms, while chunk
+  // c + 1 is dispatched and chunk c - 1 combined on the step's stream; the chunks' rows are
+  // computed on the device from the layout (Backend::chunk_plan, RowChunks), and the results are
+  // the bits of one chunk. forward() only: the split-phase forward calls refuse it.
+  int chunks = 1;
   // Micro-batches in flight: how many forwards may await their backward at once, each keeping
   // its own routing, plan and kept activations (MoeLayer's micro_batch argument picks one, from
   // 0 to in_flight - 1). With 2 or more, two micro-batches' split phases may also interleave:

@@ -348,6 +348,8 @@ class MoeLayer {
   // One round's parts: dispatch_tokens, then its expert GEMMs up to the fan-in, then the
   // combine (forward); the same for the backward.
   void round_experts(int round, Stream s);
+  // The expert GEMMs of a window's rows, up to the fan-in (`sum`: fan_in's arguments).
+  void window_experts(const GroupWindow& gw, const FanArgs& sum, Stream s);
   void round_combine(int round, const Tensor& y, int64_t T, const int32_t* accumulate, Stream s,
                      bool join_side);
   void round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s);
@@ -371,6 +373,12 @@ class MoeLayer {
     ExpertGrads into;
     bool split = false;  // enqueued as three phases (shared experts beside the experts phase)
   };
+  // MoeConfig::chunks: round 0 in chunks after forward_dispatch_ops (chunked_forward); a chunk's
+  // expert GEMMs, fan-out first, on the side stream.
+  bool chunked_forward(const Step& st) const;
+  void forward_chunks_ops(const Step& st, Stream s);
+  void chunk_experts(int chunk, Stream s);
+  RowRoute chunk_route(int64_t T, int chunk) const;
   enum class SplitPhase {
     none,
     forward_dispatched,

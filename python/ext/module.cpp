@@ -300,7 +300,7 @@ NB_MODULE(_ext, m) {
              double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
              int shared_experts, int shared_ffn, const std::string& precision,
              const std::string& fp8_gemms, const std::string& overlap, int overlap_sms,
-             int in_flight, const std::string& echo_placement) {
+             int in_flight, const std::string& echo_placement, int chunks) {
             MoeConfig moe;
             moe.hidden = hidden;
             moe.ffn = ffn;
@@ -327,6 +327,7 @@ NB_MODULE(_ext, m) {
             moe.overlap = parse_overlap(overlap);
             moe.overlap_sms = overlap_sms;
             moe.in_flight = in_flight;
+            moe.chunks = chunks;
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
@@ -345,7 +346,7 @@ NB_MODULE(_ext, m) {
           "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
           "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16", "fp8_gemms"_a = "all",
           "overlap"_a = "none", "overlap_sms"_a = 16, "in_flight"_a = 1,
-          "echo_placement"_a = "micro_batch")
+          "echo_placement"_a = "micro_batch", "chunks"_a = 1)
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -441,6 +442,7 @@ NB_MODULE(_ext, m) {
           [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
       .def_prop_ro("capacity", [](Layer& l) { return l.layer().capacity(); })
       .def_prop_ro("in_flight", [](Layer& l) { return l.layer().moe_config().in_flight; })
+      .def_prop_ro("chunks", [](Layer& l) { return l.layer().moe_config().chunks; })
       .def_prop_ro("slots", [](Layer& l) { return l.layer().slots(); })
       .def_prop_ro("ranks", [](Layer& l) { return l.layer().parallel_config().ep_size; })
       .def_prop_ro("rank", [](Layer& l) { return l.layer().parallel_config().ep_rank; })

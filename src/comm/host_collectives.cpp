@@ -114,17 +114,21 @@ class PieceMover {
 // Calls f(i, d, lead) for every entry i of the window in entry order: d its destination rank,
 // lead whether it leads its (token, rank) pair. The route is on the host.
 template <class F>
-void for_each_in_window(const RowRoute& route, RoundWindow win, int ranks, F&& f) {
+void for_each_in_window(const RowRoute& route, RoundWindow win, int ranks, bool combine, F&& f) {
   const int K = route.top_k;
-  for (int64_t first = 0; first < route.n; first += K)
+  for (int64_t first = 0; first < route.n; first += K) {
+    if (combine && !host_comm::combine_sums(route, win, first)) continue;
     for (int k = 0; k < K; ++k) {
       const int64_t i = first + k;
-      if (!host_comm::in_window(route, win, i)) continue;
+      if (!host_comm::in_window(route, win, i) ||
+          (!combine && !host_comm::dispatch_moves(route, win, first, k)))
+        continue;
       const int d = route.dest_rank[i];
       MOE_ECHO_CHECK(d >= 0 && d < ranks,
                      "entry " << i << " in the window is routed to rank " << d << " of " << ranks);
       f(i, d, host_comm::lead_entry(route, win, first, k) == k);
     }
+  }
 }
 
 // y's element type (bf16 as its bits) as f(Y{}).
@@ -220,13 +224,14 @@ class HostCollectivesCommunicator final : public Communicator {
     const size_t record = round_up8(row_at + row_bytes);
 
     std::vector<size_t> leads(R, 0);
-    for_each_in_window(h, win, size_, [&](int64_t, int d, bool lead) { leads[size_t(d)] += lead; });
+    for_each_in_window(h, win, size_, false,
+                       [&](int64_t, int d, bool lead) { leads[size_t(d)] += lead; });
     std::vector<size_t> send_bytes(R);
     for (size_t d = 0; d < R; ++d) send_bytes[d] = leads[d] * record;
     std::vector<size_t> at = offsets(send_bytes);
     send_.assign(at[R], 0);
     pieces_.clear();
-    for_each_in_window(h, win, size_, [&](int64_t i, int d, bool lead) {
+    for_each_in_window(h, win, size_, false, [&](int64_t i, int d, bool lead) {
       if (!lead) return;
       char* r = send_.data() + at[size_t(d)];
       at[size_t(d)] += record;
@@ -282,7 +287,7 @@ class HostCollectivesCommunicator final : public Communicator {
     std::vector<size_t> count(2 * R, 0);
     lead_slot_.resize(n);
     value_slot_.resize(n);
-    for_each_in_window(h, win, size_, [&](int64_t i, int d, bool lead) {
+    for_each_in_window(h, win, size_, true, [&](int64_t i, int d, bool lead) {
       if (lead) lead_slot_[size_t(i)] = count[2 * size_t(d)]++;
       if (values_out) value_slot_[size_t(i)] = count[2 * size_t(d) + 1]++;
     });
@@ -303,7 +308,7 @@ class HostCollectivesCommunicator final : public Communicator {
                               answer_bytes = answer_bytes_of(count);
     const std::vector<size_t> ask_at = offsets(ask_bytes), answer_at = offsets(answer_bytes);
     send_.resize(ask_at[R]);
-    for_each_in_window(h, win, size_, [&](int64_t i, int d, bool lead) {
+    for_each_in_window(h, win, size_, true, [&](int64_t i, int d, bool lead) {
       int32_t* ask = reinterpret_cast<int32_t*>(send_.data() + ask_at[size_t(d)]);
       const int32_t row = int32_t(h.dest_row[i] - win.row_lo);
       if (lead) ask[lead_slot_[size_t(i)]] = row;
@@ -340,7 +345,8 @@ class HostCollectivesCommunicator final : public Communicator {
     if (accumulate) backend_.copy_to_host(&flag, accumulate, sizeof flag);
     const bool add = flag != 0;
     y_.resize(y.bytes());
-    if (add) backend_.copy_to_host(y_.data(), y.data, y.bytes());
+    // With chunks the tokens this call does not sum keep their y: all of y comes back.
+    if (add || route.chunks.bounds) backend_.copy_to_host(y_.data(), y.data, y.bytes());
     pieces_.clear();
     with_row_type(y.dtype, [&](auto elem) {
       using Y = decltype(elem);
@@ -541,7 +547,15 @@ class HostCollectivesCommunicator final : public Communicator {
     dest_row_.resize(n);
     backend_.copy_to_host(dest_rank_.data(), route.dest_rank, n * sizeof(int32_t));
     backend_.copy_to_host(dest_row_.data(), route.dest_row, n * sizeof(int32_t));
-    RowRoute h{dest_rank_.data(), dest_row_.data(), nullptr, route.n, route.top_k};
+    RowRoute h{dest_rank_.data(), dest_row_.data(), nullptr, route.n, route.top_k, route.chunks};
+    if (route.chunks.bounds) {
+      const RowChunks& c = route.chunks;
+      MOE_ECHO_CHECK(c.chunks >= 1 && c.chunk >= 0 && c.chunk < c.chunks,
+                     "chunk " << c.chunk << " of " << c.chunks << " chunks");
+      chunk_bounds_.resize(size_t(size_) * size_t(c.chunks + 1));
+      backend_.copy_to_host(chunk_bounds_.data(), c.bounds, chunk_bounds_.size() * sizeof(int32_t));
+      h.chunks.bounds = chunk_bounds_.data();
+    }
     if (weights && route.weight) {
       route_weight_.resize(n * fl);
       backend_.copy_to_host(route_weight_.data(), route.weight, n * fl);
@@ -576,7 +590,7 @@ class HostCollectivesCommunicator final : public Communicator {
   std::vector<SymmetricBuffer> held_;  // by id; freed ones keep local = nullptr
   int32_t not_a_lead_ = -1;            // members[q][0] of a non-lead row q
   // Host staging, kept between calls.
-  std::vector<int32_t> dest_rank_, dest_row_, plan_;
+  std::vector<int32_t> dest_rank_, dest_row_, plan_, chunk_bounds_;
   std::vector<char> route_weight_, send_, recv_, reply_, answer_, y_;
   std::vector<size_t> lead_slot_, value_slot_;
   std::vector<Piece> pieces_, members_, weights_;

@@ -4,6 +4,7 @@
 // One definition, so that both give the same bits.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -33,12 +34,44 @@ inline bool in_window(const RowRoute& route, RoundWindow win, int64_t i) {
   return row >= 0 && row < win.rows;
 }
 
-// The k of the lead of entry first + k's (token, rank) pair: its first entry in the window.
+// The k of the lead of entry first + k's (token, rank) pair: its entry in the window with the
+// lowest receive row.
 inline int lead_entry(const RowRoute& route, RoundWindow win, int64_t first, int k) {
   const int d = route.dest_rank[first + k];
-  for (int k2 = 0; k2 < k; ++k2)
-    if (in_window(route, win, first + k2) && route.dest_rank[first + k2] == d) return k2;
-  return k;
+  int lead = k;
+  for (int k2 = 0; k2 < route.top_k; ++k2)
+    if (in_window(route, win, first + k2) && route.dest_rank[first + k2] == d &&
+        route.dest_row[first + k2] < route.dest_row[first + lead])
+      lead = k2;
+  return lead;
+}
+
+// The chunk (RowChunks) of entry i in the window at its rank; 0 without chunks.
+inline int entry_chunk(const RowRoute& route, RoundWindow win, int64_t i) {
+  const RowChunks& c = route.chunks;
+  if (!c.bounds) return 0;
+  const int32_t* b = c.bounds + int64_t(route.dest_rank[i]) * (c.chunks + 1);
+  const int64_t q = int64_t(route.dest_row[i]) - win.row_lo;
+  int chunk = 0;
+  while (chunk + 1 < c.chunks && q >= b[chunk + 1]) ++chunk;
+  return chunk;
+}
+
+// Whether a dispatch call moves entry first + k (in the window): its pair's lead row lies in
+// the call's chunk. Always, without chunks.
+inline bool dispatch_moves(const RowRoute& route, RoundWindow win, int64_t first, int k) {
+  return !route.chunks.bounds ||
+         entry_chunk(route, win, first + lead_entry(route, win, first, k)) == route.chunks.chunk;
+}
+
+// Whether a combine call sums the token of entries [first, first + K): its last chunk (the
+// highest of its entries in the window; 0 without any) is the call's. Always, without chunks.
+inline bool combine_sums(const RowRoute& route, RoundWindow win, int64_t first) {
+  if (!route.chunks.bounds) return true;
+  int last = 0;
+  for (int k = 0; k < route.top_k; ++k)
+    if (in_window(route, win, first + k)) last = std::max(last, entry_chunk(route, win, first + k));
+  return last == route.chunks.chunk;
 }
 
 inline size_t float_size(DType dt) {
@@ -58,17 +91,15 @@ inline void write_one(void* p, DType dt) {
 }
 
 // The fan table row of the lead entry first + k (destination d): members[0..K) gets the window
-// rows of (token, d)'s entries in the window in k order, lead first, then -1 padding; weights
-// (float_dtype bytes each) gets each member's route weight (1 without weights), members only.
-// Returns the member count.
+// rows of (token, d)'s entries in the window, the lead first, then the others in k order, then
+// -1 padding; weights (float_dtype bytes each) gets each member's route weight (1 without
+// weights), members only. Returns the member count.
 inline int list_members(const RowRoute& route, RoundWindow win, int64_t first, int k,
                         DType float_dtype, int32_t* members, char* weights) {
   const int K = route.top_k, d = route.dest_rank[first + k];
   const size_t fl = float_size(float_dtype);
   int m = 0;
-  for (int k2 = k; k2 < K; ++k2) {
-    const int64_t j = first + k2;
-    if (!in_window(route, win, j) || route.dest_rank[j] != d) continue;
+  auto add = [&](int64_t j) {
     members[m] = int32_t(route.dest_row[j] - win.row_lo);
     if (route.weight)
       std::memcpy(weights + size_t(m) * fl, static_cast<const char*>(route.weight) + size_t(j) * fl,
@@ -76,6 +107,11 @@ inline int list_members(const RowRoute& route, RoundWindow win, int64_t first, i
     else
       write_one(weights + size_t(m) * fl, float_dtype);
     ++m;
+  };
+  add(first + k);
+  for (int k2 = 0; k2 < K; ++k2) {
+    const int64_t j = first + k2;
+    if (k2 != k && in_window(route, win, j) && route.dest_rank[j] == d) add(j);
   }
   for (int p = m; p < K; ++p) members[p] = -1;
   return m;
@@ -133,7 +169,8 @@ struct RowSum<Bf16Bits> {
   static Bf16Bits store(float a) { return Bf16Bits{to_bf16(a)}; }
 };
 
-// The combine on the source rank, y [tokens, H] in host memory: for every token t,
+// The combine on the source rank, y [tokens, H] in host memory: for every token t the call sums
+// (combine_sums; the others are left as they are),
 //   y[t] = (add ? y[t] : 0) + sum over t's lead entries i in the window, in k order, of lead_row(i)
 // summed in RowSum's accumulator and rounded once; entry(i) is called for every entry i in the
 // window (leads and members, in entry order), before the lead's row is read.
@@ -144,9 +181,10 @@ void sum_leads(const RowRoute& route, RoundWindow win, Y* y, int64_t tokens, int
   const int K = route.top_k;
   std::vector<typename S::Acc> acc(static_cast<size_t>(H));
   for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t first = t * K;
+    if (!combine_sums(route, win, first)) continue;
     Y* out = y + t * H;
     for (int64_t h = 0; h < H; ++h) acc[size_t(h)] = add ? S::load(out[h]) : typename S::Acc(0);
-    const int64_t first = t * K;
     for (int k = 0; k < K; ++k) {
       const int64_t i = first + k;
       if (!in_window(route, win, i)) continue;

@@ -150,7 +150,7 @@ class InProcessCommunicator final : public Communicator {
       const int64_t first = t * K;
       for (int k = 0; k < K; ++k) {
         const int64_t i = first + k;
-        if (!in_window(route, win, i)) continue;
+        if (!in_window(route, win, i) || !host_comm::dispatch_moves(route, win, first, k)) continue;
         const int d = route.dest_rank[i];
         const int64_t row = route.dest_row[i] - win.row_lo;
         int32_t* members = static_cast<int32_t*>(peer(fan.members, d)) + row * K;

@@ -7,8 +7,11 @@
 // capture-safe.
 //
 // With one rank, all of a token's entries in a window go to rank 0: a token has at most one lead
-// per window, its first entry in the window (in k order), and its members are all its entries in
-// the window. Entries whose rank is not 0 (-1: unrouted) are in no window.
+// per window, its entry in the window with the lowest window row, and its members are all its
+// entries in the window. Entries whose rank is not 0 (-1: unrouted) are in no window. With chunks
+// (RowRoute::chunks) a dispatch moves the tokens whose lead row is in its chunk, a combine sums
+// those whose last entry row is.
+#include "comm/token_lanes.cuh"
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/warp_copy.cuh"
@@ -44,27 +47,31 @@ __device__ __forceinline__ TokenEntries token_entries(const int32_t* __restrict_
   return e;
 }
 
-// Dispatch: per token with entries in the window, the fan table of its lead row p (its members'
-// window rows in k order, p first, then -1; their weights), members[q][0] = -1 for its other
-// member rows q, and row t of src copied into row p of recv.
+// Dispatch: per token with entries in the window (and its lead row in the chunk), the fan table
+// of its lead row p (p first, then its other members' window rows in k order, then -1; their
+// weights), members[q][0] = -1 for its other member rows q, and row t of src copied into row p
+// of recv.
 template <class W>
 __global__ void __launch_bounds__(kRowThreads)
     dispatch_kernel(int64_t tokens, int K, const int32_t* __restrict__ dest_rank,
                     const int32_t* __restrict__ dest_row, const float* __restrict__ weight,
-                    int64_t row_lo, int64_t rows, const W* __restrict__ src, W* __restrict__ recv,
-                    int64_t row_words, int32_t* __restrict__ members, float* __restrict__ weights) {
+                    int64_t row_lo, int64_t rows, RowChunks chunks, const W* __restrict__ src,
+                    W* __restrict__ recv, int64_t row_words, int32_t* __restrict__ members,
+                    float* __restrict__ weights) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
     const TokenEntries e = token_entries(dest_rank, dest_row, t, K, row_lo, rows, lane);
     if (e.mask == 0) continue;
-    const int lead_lane = __ffs(e.mask) - 1, count = __popc(e.mask);
-    const int64_t p = __shfl_sync(0xffffffffu, e.row, lead_lane);
+    const int64_t p = group_low_row(e.row, e.mask, K);
+    if (row_chunk(chunks, 0, p) != chunks.chunk) continue;
+    const unsigned lead_bit = __ballot_sync(0xffffffffu, e.in && e.row == p);
+    const int count = __popc(e.mask);
     if (e.in) {
-      const int m = __popc(e.mask & ((1u << lane) - 1u));
+      const int m = member_slot(e.mask, lead_bit, lane);
       members[p * K + m] = int32_t(e.row);
       weights[p * K + m] = weight != nullptr ? weight[t * K + lane] : 1.f;
-      if (lane != lead_lane) members[e.row * K] = -1;
+      if (e.row != p) members[e.row * K] = -1;
     }
     if (lane >= count && lane < K) members[p * K + lane] = -1;
     warp_copy_row<kInFlight>(recv + p * row_words, src + t * row_words, row_words, lane);
@@ -73,14 +80,15 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // Combine: y[t] = (accumulate ? y[t] : 0) + red[lead row], in f32, rounded once (a plain copy
 // when not accumulating: one row's sum is the row); tokens with no entry in the window keep y[t]
-// or get 0. values_out[i] <- values[row of entry i] for every entry in the window.
+// or get 0. values_out[i] <- values[row of entry i] for every entry in the window. With chunks,
+// the tokens the call sums only (combine_sums).
 template <class W, class T>
 __global__ void __launch_bounds__(kRowThreads)
     combine_kernel(int64_t tokens, int K, const int32_t* __restrict__ dest_rank,
                    const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
-                   const W* __restrict__ red, W* __restrict__ y, int64_t row_words,
-                   const int32_t* __restrict__ accumulate, const float* __restrict__ values,
-                   float* __restrict__ values_out) {
+                   RowChunks chunks, const W* __restrict__ red, W* __restrict__ y,
+                   int64_t row_words, const int32_t* __restrict__ accumulate,
+                   const float* __restrict__ values, float* __restrict__ values_out) {
   using Word = RowWord<W, T>;
   constexpr int N = Word::n;
   const int lane = int(threadIdx.x) & 31;
@@ -88,6 +96,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const bool add = accumulate != nullptr && *accumulate != 0;
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
     const TokenEntries e = token_entries(dest_rank, dest_row, t, K, row_lo, rows, lane);
+    if (!combine_sums(chunks, e.in, 0, e.row)) continue;
     if (values_out != nullptr && e.in) values_out[t * K + lane] = values[e.row];
     W* y_row = y + t * row_words;
     if (e.mask == 0) {
@@ -97,7 +106,7 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int64_t w = lane; w < row_words; w += 32) y_row[w] = zero;
       continue;
     }
-    const int64_t p = __shfl_sync(0xffffffffu, e.row, __ffs(e.mask) - 1);
+    const int64_t p = group_low_row(e.row, e.mask, K);
     const W* r_row = red + p * row_words;
     for (int64_t w0 = lane; w0 < row_words; w0 += 32 * kInFlight) {
       W r[kInFlight], o[kInFlight];
@@ -221,12 +230,12 @@ class LocalCommunicator final : public Communicator {
     if (tokens == 0 || window.rows == 0 || row_bytes == 0) return;
     with_word(word_size(row_bytes, {src, recv.local}), [&](auto word) {
       using W = decltype(word);
-      MOE_ECHO_LAUNCH(dispatch_kernel<W>, blocks_for(tokens, kRowThreads / 32, grid_cap()),
-                      kRowThreads, 0, as_cuda(s), tokens, route.top_k, route.dest_rank,
-                      route.dest_row, static_cast<const float*>(route.weight), window.row_lo,
-                      window.rows, static_cast<const W*>(src), static_cast<W*>(recv.local),
-                      int64_t(row_bytes / sizeof(W)), static_cast<int32_t*>(fan.members.local),
-                      static_cast<float*>(fan.weights.local));
+      MOE_ECHO_LAUNCH(
+          dispatch_kernel<W>, blocks_for(tokens, kRowThreads / 32, grid_cap()), kRowThreads, 0,
+          as_cuda(s), tokens, route.top_k, route.dest_rank, route.dest_row,
+          static_cast<const float*>(route.weight), window.row_lo, window.rows, route.chunks,
+          static_cast<const W*>(src), static_cast<W*>(recv.local), int64_t(row_bytes / sizeof(W)),
+          static_cast<int32_t*>(fan.members.local), static_cast<float*>(fan.weights.local));
     });
   }
   void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
@@ -245,7 +254,7 @@ class LocalCommunicator final : public Communicator {
       using W = decltype(word);
       using T = decltype(element);
       MOE_ECHO_LAUNCH((combine_kernel<W, T>), grid, kRowThreads, 0, as_cuda(s), tokens, route.top_k,
-                      route.dest_rank, route.dest_row, window.row_lo, window.rows,
+                      route.dest_rank, route.dest_row, window.row_lo, window.rows, route.chunks,
                       static_cast<const W*>(red.local), static_cast<W*>(y.data),
                       int64_t(row_bytes / sizeof(W)), accumulate,
                       static_cast<const float*>(fan.values.local), static_cast<float*>(values_out));

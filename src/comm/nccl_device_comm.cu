@@ -22,10 +22,10 @@
 //
 // Dispatch and combine work per token, one warp each (top_k <= 32: lane k holds entry k). The
 // lanes find the token's leads in the round's window with one __match_any_sync on the
-// destination rank; the dispatch reads the token row once and stores it into each lead's
-// receive row on its rank, with the fan table entries of the lead's members; the combine pulls
-// one pre-reduced row per lead and sums them in k order. A token picking several experts on one
-// rank thus moves one row each way.
+// destination rank and the lowest window row of each group; the dispatch reads the token row once
+// and stores it into each lead's receive row on its rank, with the fan table entries of the lead's
+// members; the combine pulls one pre-reduced row per lead and sums them in k order. A token picking
+// several experts on one rank thus moves one row each way.
 #include <nccl.h>
 #include <nccl_device.h>
 
@@ -36,6 +36,7 @@
 
 #include "comm/nccl_base.hpp"
 #include "comm/nccl_rows.cuh"
+#include "comm/token_lanes.cuh"
 #include "cuda/common.cuh"
 #include "cuda/warp_copy.cuh"
 #include "moe_echo/error.hpp"
@@ -55,13 +56,15 @@ constexpr ::cuda::memory_order kAcqRel = ::cuda::memory_order_acq_rel;
 
 // A token's entries as its warp sees them: lane k < K holds entry t * K + k (comm.hpp's leads and
 // members). `in`: the entry's receive row lies in the window; `group`: the in-window lanes with
-// the same destination rank, i.e. the members of (token, rank) in k order; `lead`: the lowest
-// lane of its group; `leads`: every lead lane (the same value on every lane).
+// the same destination rank, i.e. the members of (token, rank) in k order; `low`: the lowest
+// window row of the group, the lead's; `lead`: the lane holding it; `leads`: every lead lane
+// (the same value on every lane).
 struct TokenLanes {
   int rank;
   int32_t row;  // window row at `rank`
   bool in, lead;
   unsigned group, leads;
+  int64_t low;
 };
 
 __device__ __forceinline__ TokenLanes token_lanes(int64_t t, int K, int ranks,
@@ -78,22 +81,24 @@ __device__ __forceinline__ TokenLanes token_lanes(int64_t t, int K, int ranks,
   }
   const unsigned in_lanes = __ballot_sync(kFull, e.in);
   e.group = __match_any_sync(kFull, e.in ? e.rank : -1) & in_lanes;
-  e.lead = e.in && (e.group & ((1u << lane) - 1u)) == 0;
+  e.low = cuda::group_low_row(e.row, e.group, K);
+  e.lead = e.in && e.row == e.low;
   e.leads = __ballot_sync(kFull, e.lead);
   return e;
 }
 
-// Dispatch: one warp per token. The lanes find the token's leads in the window; the warp reads
-// the token row once (kInFlight 16-byte words per lane in flight) and stores it into every lead's
-// receive row on its rank, and writes the fan table there: each member's window row and weight
-// into its lead's members/weights rows (k order), -1 padding after the last member, and -1 at
-// members[q][0] of every non-lead row q.
+// Dispatch: one warp per token. The lanes find the token's leads in the window (with chunks,
+// those of the pairs whose lead row is in the call's chunk at its rank); the warp reads the token
+// row once (kInFlight 16-byte words per lane in flight) and stores it into every lead's receive
+// row on its rank, and writes the fan table there: each member's window row and weight into its
+// lead's members/weights rows (the lead first, then k order), -1 padding after the last member,
+// and -1 at members[q][0] of every non-lead row q.
 template <class W, class F>
 __global__ void __launch_bounds__(kThreads)
     dispatch_kernel(ncclDevComm dc, uint32_t bar, ncclWindow_t recv, ncclWindow_t members,
                     ncclWindow_t weights, int64_t tokens, int K, int ranks,
                     const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
-                    const F* __restrict__ weight, int64_t row_lo, int64_t rows,
+                    const F* __restrict__ weight, int64_t row_lo, int64_t rows, RowChunks chunks,
                     const W* __restrict__ src, int64_t row_words) {
   constexpr int kInFlight = 8;
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
@@ -101,14 +106,22 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    const TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    if (chunks.bounds) {  // the pairs whose lead row is in the chunk
+      const bool moves = e.in && cuda::row_chunk(chunks, e.rank, e.low) == chunks.chunk;
+      const unsigned moving = __ballot_sync(kFull, moves);
+      e.in = moves;
+      e.lead = e.lead && moves;
+      e.group &= moving;
+      e.leads &= moving;
+    }
     if (e.leads == 0) continue;  // the same on every lane
-    // Fan table: member j of a group writes slot j of its lead's row.
-    const int32_t lead_row = __shfl_sync(kFull, e.row, e.in ? __ffs(e.group) - 1 : lane);
+    // Fan table: the lead in slot 0 of its row, the other members after it in k order.
+    const int32_t lead_row = int32_t(e.low);
     if (e.in) {
       int32_t* m = static_cast<int32_t*>(ncclGetLsaPointer(members, 0, e.rank));
       F* w = static_cast<F*>(ncclGetLsaPointer(weights, 0, e.rank));
-      const int j = __popc(e.group & ((1u << lane) - 1u));
+      const int j = cuda::member_slot(e.group, e.group & e.leads, lane);
       m[int64_t(lead_row) * K + j] = e.row;
       w[int64_t(lead_row) * K + j] = weight ? weight[t * K + lane] : F(1);
       if (!e.lead) m[int64_t(e.row) * K] = -1;
@@ -138,13 +151,15 @@ __global__ void __launch_bounds__(kThreads)
 
 // Combine: one warp per token. y[t] <- (add ? y[t] : 0) + the red rows of its leads, pulled from
 // their ranks in k order (sum_rows); values_out[i] <- the fan values of every entry in the window.
-// A token without leads keeps y[t] when adding and gets zeros otherwise.
+// A token without leads keeps y[t] when adding and gets zeros otherwise. With chunks, the tokens
+// the call sums only (cuda::combine_sums).
 template <class Y, class W, class F>
 __global__ void __launch_bounds__(kThreads)
     combine_kernel(ncclDevComm dc, uint32_t bar, ncclWindow_t red, ncclWindow_t values,
                    int64_t tokens, int K, int ranks, const int32_t* __restrict__ dest_rank,
                    const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
-                   const int32_t* accumulate, W* y, int64_t row_words, F* values_out) {
+                   RowChunks chunks, const int32_t* accumulate, W* y, int64_t row_words,
+                   F* values_out) {
   Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
   b.sync(Coop(), kAcqRel);
   const bool add = accumulate && *accumulate != 0;
@@ -152,6 +167,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
     const TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
     if (values_out && e.in)
       values_out[t * K + lane] =
           *static_cast<const F*>(ncclGetLsaPointer(values, size_t(e.row) * sizeof(F), e.rank));
@@ -414,7 +430,7 @@ class NcclDeviceComm final : public NcclCommBase {
                         barrier_base(kDispatchBarriers), recv.win, members.win, weights.win,
                         route.n / route.top_k, route.top_k, size(), route.dest_rank, route.dest_row,
                         static_cast<const F*>(route.weight), window.row_lo, window.rows,
-                        static_cast<const W*>(src), int64_t(row_bytes / sizeof(W)));
+                        route.chunks, static_cast<const W*>(src), int64_t(row_bytes / sizeof(W)));
       });
     });
   }
@@ -433,7 +449,7 @@ class NcclDeviceComm final : public NcclCommBase {
                         ctx().dev(), barrier_base(kCombineBarriers), red.win,
                         values ? values->win : static_cast<ncclWindow_t>(nullptr), y.size(0),
                         route.top_k, size(), route.dest_rank, route.dest_row, window.row_lo,
-                        window.rows, accumulate, static_cast<W*>(y.data),
+                        window.rows, route.chunks, accumulate, static_cast<W*>(y.data),
                         int64_t(row_bytes / sizeof(W)), static_cast<F*>(values_out));
       });
     });

@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/host_comm_ops.hpp"
 #include "comm/nccl_base.hpp"
 #include "comm/nccl_rows.cuh"
 #include "cuda/common.cuh"
@@ -80,15 +81,18 @@ __global__ void receive_leads_kernel(int64_t count, int K, const int32_t* __rest
 }
 
 // Baseline, the source side of a combine: y[t] <- (add ? y[t] : 0) + the packed rows of t's
-// leads in k order (token_leads[token_off[t] ..]), as the sync-free combine sums them.
+// leads in k order (token_leads[token_off[t] ..]), as the sync-free combine sums them; with
+// token_sums (chunks), for the tokens where it is 1 only.
 template <class Y, class W>
 __global__ void sum_leads_kernel(int64_t tokens, const int32_t* __restrict__ token_off,
-                                 const int32_t* __restrict__ token_leads, const W* packed,
+                                 const int32_t* __restrict__ token_leads,
+                                 const int32_t* __restrict__ token_sums, const W* packed,
                                  int64_t row_words, const int32_t* accumulate, W* y) {
   const bool add = accumulate && *accumulate != 0;
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < tokens; t += warps) {
+    if (token_sums && !token_sums[t]) continue;
     const int32_t lo = token_off[t], count = token_off[t + 1] - lo;
     if (count == 0 && add) continue;
     const unsigned long long lane_row =
@@ -305,15 +309,18 @@ class NcclHostComm final : public NcclCommBase {
 
  private:
   // This rank's leads of a window (comm.hpp), from the routes copied to the host (one sync),
-  // grouped by destination rank in token order; lead_off_[d] indexes destination d's. h_plan_
-  // holds, as the device wants them:
+  // grouped by destination rank in token order; lead_off_[d] indexes destination d's. With
+  // chunks, a dispatch's (`combine` false) pairs whose lead row is in its chunk, a combine's
+  // tokens that it sums (host_comm's dispatch_moves and combine_sums). h_plan_ holds, as the
+  // device wants them:
   //   dispatch part: lead_token [L], lead_members [L][K] (window rows, lead first, -1 padded);
   //   combine part (at plan_combine_): lead_row [L], token_off [T + 1], token_leads (per token,
   //   the index of each lead in k order) [L], and with `entries` every in-window entry grouped
-  //   by destination (entry_off_): entry_row [Ne], entry_idx [Ne].
+  //   by destination (entry_off_): entry_row [Ne], entry_idx [Ne]; then with chunks, token_sums
+  //   [T] (1 where the combine sums the token).
   // h_weights_ holds each lead's K member weights (bytes of the float dtype) when `weights`.
-  void plan_leads(const RowRoute& route, RoundWindow window, DType fdt, bool weights, bool entries,
-                  cudaStream_t s) {
+  void plan_leads(const RowRoute& route, RoundWindow window, DType fdt, bool combine, bool weights,
+                  bool entries, cudaStream_t s) {
     const size_t n = size_t(route.n), fl = dtype_size(fdt);
     const int K = route.top_k;
     const int64_t T = route.n / K;
@@ -321,6 +328,15 @@ class NcclHostComm final : public NcclCommBase {
     h_row_.reserve(std::max<size_t>(n, 1));
     const bool have_w = weights && route.weight;
     if (have_w) h_weight_in_.reserve(std::max<size_t>(n * fl, 1));
+    const RowChunks& chunks = route.chunks;
+    const size_t bounds = chunks.bounds ? size_t(size()) * size_t(chunks.chunks + 1) : 0;
+    if (bounds) {
+      MOE_ECHO_CHECK(chunks.chunks >= 1 && chunks.chunk >= 0 && chunks.chunk < chunks.chunks,
+                     "chunk " << chunks.chunk << " of " << chunks.chunks << " chunks");
+      h_bounds_.reserve(bounds);
+      MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_bounds_.data, chunks.bounds, bounds * sizeof(int32_t),
+                                          cudaMemcpyDeviceToHost, s));
+    }
     if (n) {
       MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_rank_.data, route.dest_rank, n * sizeof(int32_t),
                                           cudaMemcpyDeviceToHost, s));
@@ -331,16 +347,18 @@ class NcclHostComm final : public NcclCommBase {
             cudaMemcpyAsync(h_weight_in_.data, route.weight, n * fl, cudaMemcpyDeviceToHost, s));
     }
     MOE_ECHO_CUDA_CHECK(cudaStreamSynchronize(s));
+    RowRoute h{h_rank_.data, h_row_.data, have_w ? h_weight_in_.data : nullptr, route.n, K, chunks};
+    if (bounds) h.chunks.bounds = h_bounds_.data;
     auto in = [&](size_t i) {
-      const int64_t row = int64_t(h_row_.data[i]) - window.row_lo;
-      return h_rank_.data[i] >= 0 && row >= 0 && row < window.rows;
+      return h_rank_.data[i] >= 0 && host_comm::in_window(h, window, int64_t(i));
+    };
+    // Whether entry first + k (in the window) is in this call, and whether it is a lead.
+    auto moves = [&](size_t first, int k) {
+      return combine ? host_comm::combine_sums(h, window, int64_t(first))
+                     : host_comm::dispatch_moves(h, window, int64_t(first), k);
     };
     auto is_lead = [&](size_t first, int k) {
-      for (int k2 = 0; k2 < k; ++k2)
-        if (in(first + size_t(k2)) &&
-            h_rank_.data[first + size_t(k2)] == h_rank_.data[first + size_t(k)])
-          return false;
-      return true;
+      return host_comm::lead_entry(h, window, int64_t(first), k) == k;
     };
     // Counts per destination.
     const size_t R = size_t(size());
@@ -349,8 +367,11 @@ class NcclHostComm final : public NcclCommBase {
       if (!in(i)) continue;
       const int d = h_rank_.data[i];
       MOE_ECHO_CHECK(d < size(), "entry " << i << " routed to rank " << d);
+      const size_t first = i - i % size_t(K);
+      const int k = int(i % size_t(K));
+      if (!moves(first, k)) continue;
       ++ents[size_t(d)];
-      leads[size_t(d)] += is_lead(i - i % size_t(K), int(i % size_t(K)));
+      leads[size_t(d)] += is_lead(first, k);
     }
     lead_off_.assign(R + 1, 0);
     entry_off_.assign(R + 1, 0);
@@ -360,8 +381,9 @@ class NcclHostComm final : public NcclCommBase {
     }
     const int64_t L = lead_off_[R], Ne = entry_off_[R];
     plan_combine_ = size_t(L) * size_t(K + 1);
-    h_plan_.reserve(plan_combine_ + size_t(2 * L + T + 1 + 2 * Ne));
+    h_plan_.reserve(plan_combine_ + size_t(2 * L + T + 1 + 2 * Ne + (bounds ? T : 0)));
     if (weights) h_weights_.reserve(std::max<size_t>(size_t(L) * size_t(K) * fl, 1));
+    std::vector<uint8_t> unused_weights(size_t(K) * fl);
     int32_t* lead_token = h_plan_.data;
     int32_t* lead_members = lead_token + L;
     int32_t* lead_row = h_plan_.data + plan_combine_;
@@ -369,15 +391,17 @@ class NcclHostComm final : public NcclCommBase {
     int32_t* token_leads = token_off + T + 1;
     int32_t* entry_row = token_leads + L;
     int32_t* entry_idx = entry_row + Ne;
+    int32_t* token_sums = entry_idx + Ne;
     std::vector<int64_t> at(lead_off_.begin(), lead_off_.end() - 1);
     std::vector<int64_t> eat(entry_off_.begin(), entry_off_.end() - 1);
     int64_t listed = 0;
     for (int64_t t = 0; t < T; ++t) {
       const size_t first = size_t(t) * size_t(K);
       token_off[t] = int32_t(listed);
+      if (bounds) token_sums[t] = !combine || host_comm::combine_sums(h, window, int64_t(first));
       for (int k = 0; k < K; ++k) {
         const size_t i = first + size_t(k);
-        if (!in(i)) continue;
+        if (!in(i) || !moves(first, k)) continue;
         const int d = h_rank_.data[i];
         const int32_t row = int32_t(int64_t(h_row_.data[i]) - window.row_lo);
         if (entries) {
@@ -390,27 +414,9 @@ class NcclHostComm final : public NcclCommBase {
         lead_token[j] = int32_t(t);
         lead_row[j] = row;
         token_leads[listed++] = int32_t(j);
-        int32_t* mem = lead_members + j * K;
-        int m = 0;
-        for (int k2 = k; k2 < K; ++k2) {
-          const size_t i2 = first + size_t(k2);
-          if (!in(i2) || h_rank_.data[i2] != d) continue;
-          mem[m] = int32_t(int64_t(h_row_.data[i2]) - window.row_lo);
-          if (weights) {
-            uint8_t* to = h_weights_.data + (size_t(j) * size_t(K) + size_t(m)) * fl;
-            if (have_w) {
-              std::memcpy(to, h_weight_in_.data + i2 * fl, fl);
-            } else if (fdt == DType::f64) {
-              const double one = 1.0;
-              std::memcpy(to, &one, fl);
-            } else {
-              const float one = 1.0f;
-              std::memcpy(to, &one, fl);
-            }
-          }
-          ++m;
-        }
-        for (; m < K; ++m) mem[m] = -1;
+        char* w = weights ? reinterpret_cast<char*>(h_weights_.data) + size_t(j) * size_t(K) * fl
+                          : reinterpret_cast<char*>(unused_weights.data());
+        host_comm::list_members(h, window, int64_t(first), k, fdt, lead_members + j * K, w);
       }
     }
     token_off[T] = int32_t(listed);
@@ -482,7 +488,7 @@ class NcclHostComm final : public NcclCommBase {
                      cudaStream_t s) override {
     const int K = route.top_k;
     const size_t fl = dtype_size(fdt), R = size_t(size());
-    plan_leads(route, window, fdt, /*weights=*/true, /*entries=*/false, s);
+    plan_leads(route, window, fdt, /*combine=*/false, /*weights=*/true, /*entries=*/false, s);
     exchange_counts(s);
     const int64_t L = lead_off_[R], incoming = recv_lead_off_[R];
     int32_t* ix = static_cast<int32_t*>(
@@ -524,11 +530,13 @@ class NcclHostComm final : public NcclCommBase {
     const size_t R = size_t(size()), fl = dtype_size(fdt);
     const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
     const int64_t T = y.size(0);
-    plan_leads(route, window, fdt, /*weights=*/false, /*entries=*/values_out != nullptr, s);
+    plan_leads(route, window, fdt, /*combine=*/true, /*weights=*/false,
+               /*entries=*/values_out != nullptr, s);
     exchange_counts(s);
     const int64_t L = lead_off_[R], Ne = entry_off_[R];
     const int64_t incoming = recv_lead_off_[R], in_entries = recv_entry_off_[R];
-    const size_t plan_ints = size_t(2 * L + T + 1 + 2 * Ne);
+    const bool chunked = route.chunks.bounds != nullptr;
+    const size_t plan_ints = size_t(2 * L + T + 1 + 2 * Ne + (chunked ? T : 0));
     int32_t* ix = static_cast<int32_t*>(
         indices_.get((plan_ints + size_t(incoming + in_entries) + 1) * sizeof(int32_t)));
     MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(ix, h_plan_.data + plan_combine_,
@@ -538,6 +546,7 @@ class NcclHostComm final : public NcclCommBase {
     const int32_t* token_leads = token_off + T + 1;
     const int32_t* entry_row = token_leads + L;
     const int32_t* entry_idx = entry_row + Ne;
+    const int32_t* token_sums = chunked ? entry_idx + Ne : nullptr;
     int32_t* in_rows = ix + plan_ints;
     int32_t* in_entry_rows = in_rows + incoming;
     void* packed = send_rows_.get(std::max<size_t>(size_t(L) * row_bytes, 1));
@@ -550,7 +559,7 @@ class NcclHostComm final : public NcclCommBase {
       index_copy<W>(incoming, in_rows, red.ptr, nullptr, staged, row_bytes, s);
       exchange(staged, packed, row_bytes, recv_lead_off_, lead_off_, s);
       MOE_ECHO_LAUNCH((sum_leads_kernel<Y, W>), cuda::blocks_for(T, 8, cuda::grid_cap()), 256, 0, s,
-                      T, token_off, token_leads, static_cast<const W*>(packed),
+                      T, token_off, token_leads, token_sums, static_cast<const W*>(packed),
                       int64_t(row_bytes / sizeof(W)), accumulate, static_cast<W*>(y.data));
     });
     if (!values_out) return;
@@ -565,7 +574,7 @@ class NcclHostComm final : public NcclCommBase {
     });
   }
 
-  PinnedVector<int32_t> h_rank_, h_row_, h_plan_, h_counts_;
+  PinnedVector<int32_t> h_rank_, h_row_, h_plan_, h_counts_, h_bounds_;
   PinnedVector<uint8_t> h_weight_in_, h_weights_;
   size_t plan_combine_ = 0;  // where the combine part of h_plan_ starts
   std::vector<int64_t> lead_off_, entry_off_, recv_lead_off_, recv_entry_off_;

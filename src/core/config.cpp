@@ -176,6 +176,8 @@ void validate(const MoeConfig& m) {
     reject("overlap", int(m.overlap), "none or wgrad");
   if (m.overlap_sms < 0 || m.overlap_sms > 1024)
     reject("overlap_sms", m.overlap_sms, "0 <= overlap_sms <= 1024 (and below the GPU's SMs)");
+  if (m.chunks < 1 || m.chunks > kMaxChunks)
+    reject("chunks", m.chunks, range("1", "chunks", std::to_string(kMaxChunks)));
   if (m.in_flight < 1 || m.in_flight > kMaxInFlight)
     reject("in_flight", m.in_flight, range("1", "in_flight", std::to_string(kMaxInFlight)));
   if (m.overlap == Overlap::wgrad && uses_fp8(m, fp8_gemm::fprop1) &&
@@ -184,6 +186,10 @@ void validate(const MoeConfig& m) {
            "'none' when fc1's forward is FP8 and its weight gradient is not (fp8_gemms with fprop1 "
            "and without wgrad1: that weight gradient reads the received rows' values from the "
            "buffer the combine sends)");
+  if (m.chunks > 1 && uses_fp8(m, fp8_gemm::fprop1))
+    reject("chunks", m.chunks,
+           "1 with the FP8 dispatch (precision fp8 with fprop1 in fp8_gemms): its e4m3 rows land "
+           "in the buffer that the chunks' combines read");
   if (int(m.precision) < 0 || int(m.precision) > int(Precision::fp8))
     reject("precision", int(m.precision), "bf16 or fp8");
   if (m.fp8_gemms == 0 || (m.fp8_gemms & ~fp8_gemm::all) != 0)

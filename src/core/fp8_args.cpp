@@ -1,4 +1,5 @@
-// Checks of the FP8 argument structs that every backend makes the same way (backend.hpp).
+// Checks of the FP8 and chunk-plan argument structs that every backend makes the same way
+// (backend.hpp).
 #include "moe_echo/backend.hpp"
 #include "moe_echo/error.hpp"
 
@@ -91,6 +92,21 @@ int64_t check_fp8_fan_args(const Fp8FanArgs& a) {
       "fan_out_fp8: members must be i32 [>= " << rows << ", K], got " << a.members.describe());
   check_window_groups(a.window, "fan_out_fp8");
   return HT;
+}
+
+void check_chunk_plan(const ChunkPlanArgs& a) {
+  check_tensor(a.rank_rows, "chunk_plan rank_rows", DType::i32, {-1});
+  check_tensor(a.group_offsets, "chunk_plan group_offsets", DType::i32, {-1});
+  const int64_t R = a.rank_rows.size(0), G1 = a.group_offsets.size(0);
+  check_tensor(a.bounds, "chunk_plan bounds", DType::i32, {R, -1});
+  const int64_t C = a.bounds.size(1) - 1;
+  MOE_ECHO_CHECK(C >= 1 && C <= kMaxChunks, "chunk_plan: bounds " << a.bounds.describe() << " give "
+                                                                  << C << " chunks; allowed 1 to "
+                                                                  << kMaxChunks);
+  check_tensor(a.offsets, "chunk_plan offsets", DType::i32, {C, G1});
+  MOE_ECHO_CHECK(a.rank >= 0 && a.rank < R, "chunk_plan: rank " << a.rank << " of " << R);
+  MOE_ECHO_CHECK(a.row_lo >= 0 && a.capacity >= 0,
+                 "chunk_plan: row_lo " << a.row_lo << ", capacity " << a.capacity);
 }
 
 }  // namespace moe_echo

@@ -69,6 +69,7 @@ class CpuBackend final : public Backend {
                           plan_view(plan.as<int32_t>(), cfg));
   }
   void layout(const LayoutArgs& a, Stream) override { cpu::layout(a); }
+  void chunk_plan(const ChunkPlanArgs& a, Stream) override { cpu::chunk_plan(a); }
   void gemm_fprop(const GemmArgs& a, Stream) override {
     dispatch([&]<class T>() { cpu::gemm_fprop<T>(a); });
   }

@@ -15,6 +15,7 @@ void router_backward(const RouterBackwardArgs& a);
 template <class T>
 void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate);
 void layout(const LayoutArgs& a);
+void chunk_plan(const ChunkPlanArgs& a);
 template <class T>
 void gemm_fprop(const GemmArgs& a);
 template <class T>

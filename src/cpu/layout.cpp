@@ -97,4 +97,20 @@ void layout(const LayoutArgs& a) {
   }
 }
 
+void chunk_plan(const ChunkPlanArgs& a) {
+  check_chunk_plan(a);
+  const int64_t R = a.rank_rows.size(0), C = a.bounds.size(1) - 1, G1 = a.group_offsets.size(0);
+  int32_t* bounds = a.bounds.as<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n =
+        std::clamp<int64_t>(int64_t(a.rank_rows.as<int32_t>()[r]) - a.row_lo, 0, a.capacity);
+    for (int64_t c = 0; c <= C; ++c) bounds[r * (C + 1) + c] = int32_t(c * n / C);
+  }
+  const int32_t* mine = bounds + int64_t(a.rank) * (C + 1);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t g = 0; g < G1; ++g)
+      a.offsets.as<int32_t>()[c * G1 + g] = int32_t(std::clamp<int64_t>(
+          a.group_offsets.as<int32_t>()[g], a.row_lo + mine[c], a.row_lo + mine[c + 1]));
+}
+
 }  // namespace moe_echo::cpu

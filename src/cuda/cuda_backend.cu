@@ -206,6 +206,7 @@ class CudaBackend final : public Backend {
     const cudaStream_t cs = as_cuda(s);
     cuda::layout(a, scratch(layout_scratch_bytes(a.planner, a.slots, a.topk_idx.numel()), cs), cs);
   }
+  void chunk_plan(const ChunkPlanArgs& a, Stream s) override { cuda::chunk_plan(a, as_cuda(s)); }
   void gemm_fprop(const GemmArgs& a, Stream s) override {
     gemm(a.window.groups, s).fprop(a, as_cuda(s));
   }

@@ -5,7 +5,8 @@
 // rows, one atomic per warp: the list's order varies, what each lead computes does not); the fan
 // kernel's warps, all resident, then take list entries w, w + W, w + 2W, ..., so every warp gets
 // the same number of leads to within one, however the leads lie in the window (a token's lead is
-// its first expert's row, so leads come in runs, and a hot expert's rows are nearly all leads).
+// its lowest member row, so leads come in runs, and a hot expert's rows are nearly all leads).
+// With a chunk (FanArgs::chunk) the list holds that chunk's leads only.
 // The valid-row bound and the list length are read on the device; grids depend on host shapes
 // only. The list lives in the backend's scratch arena (fan_scratch_bytes).
 //
@@ -58,17 +59,42 @@ __device__ __forceinline__ Lead load_lead(const int32_t* __restrict__ members,
   return l;
 }
 
-// The lead rows of the valid prefix into leads[0, *count) (*count zeroed before).
+// The largest member row of lead row p.
+__device__ __forceinline__ int64_t last_member(const int32_t* __restrict__ members, int64_t p,
+                                               int K) {
+  int64_t last = p;
+  for (int m = 0; m < K; ++m) {
+    const int32_t j = members[p * K + m];
+    if (j < 0) break;
+    last = j > last ? j : last;
+  }
+  return last;
+}
+
+// The lead rows of the valid prefix into leads[0, *count) (*count zeroed before); with a chunk
+// (FanArgs::chunk: window rows [lo, hi) = [chunk[0], chunk[1])), those with lo <= p < hi, or
+// with by_last (fan_in) those with p < hi whose last member lies in [lo, hi).
 __global__ void __launch_bounds__(kFanThreads)
     find_leads_kernel(const int32_t* __restrict__ offsets, int groups, int64_t row_lo, int64_t rows,
-                      int K, const int32_t* __restrict__ members, int32_t* __restrict__ count,
-                      int32_t* __restrict__ leads) {
+                      int K, const int32_t* __restrict__ members, const int32_t* __restrict__ chunk,
+                      bool by_last, int32_t* __restrict__ count, int32_t* __restrict__ leads) {
   const int lane = int(threadIdx.x) & 31;
   const int64_t valid = valid_window_rows(offsets, groups, row_lo, rows);
-  for (int64_t p0 = int64_t(blockIdx.x) * blockDim.x; p0 < valid;
+  int64_t lo = 0, hi = valid;
+  const bool by_chunk_last = chunk && by_last;
+  const int64_t last_lo = chunk ? chunk[0] : 0, last_hi = chunk ? chunk[1] : 0;
+  if (chunk) {
+    hi = min(valid, int64_t(chunk[1]));
+    if (!by_last) lo = chunk[0];
+  }
+  for (int64_t p0 = lo + int64_t(blockIdx.x) * blockDim.x; p0 < hi;
        p0 += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = p0 + threadIdx.x;
-    const bool lead = p < valid && members[p * K] == p;
+    bool lead = p < hi && members[p * K] == p;
+    if (lead && by_chunk_last) {
+      const int64_t last = last_member(members, p, K);
+      lead = last >= last_lo && last < last_hi;
+    }
     const unsigned mask = __ballot_sync(0xffffffffu, lead);
     int base = 0;
     if (lane == 0 && mask != 0) base = atomicAdd(count, __popc(mask));
@@ -248,18 +274,18 @@ struct LeadList {
   int32_t* leads;
 };
 
-LeadList list_leads(const GroupWindow& w, const Tensor& members, int K, void* scratch,
-                    cudaStream_t s) {
+LeadList list_leads(const GroupWindow& w, const Tensor& members, int K, const int32_t* chunk,
+                    bool by_last, void* scratch, cudaStream_t s) {
   ScratchCarver c(scratch);
   LeadList l{c.take<int32_t>(1), c.take<int32_t>(w.rows)};
   MOE_ECHO_CUDA_CHECK(cudaMemsetAsync(l.count, 0, sizeof(int32_t), s));
   MOE_ECHO_LAUNCH(find_leads_kernel, blocks_for(w.rows, kFanThreads, grid_cap()), kFanThreads, 0, s,
-                  w.group_offsets, w.groups, w.row_lo, w.rows, K, members.as<int32_t>(), l.count,
-                  l.leads);
+                  w.group_offsets, w.groups, w.row_lo, w.rows, K, members.as<int32_t>(), chunk,
+                  by_last, l.count, l.leads);
   return l;
 }
-LeadList list_leads(const FanArgs& a, int K, void* scratch, cudaStream_t s) {
-  return list_leads(a.window, a.members, K, scratch, s);
+LeadList list_leads(const FanArgs& a, int K, bool by_last, void* scratch, cudaStream_t s) {
+  return list_leads(a.window, a.members, K, a.chunk, by_last, scratch, s);
 }
 
 // Blocks for the fan kernels: what the GPU holds at once, and no more warps than rows.
@@ -312,7 +338,7 @@ void fan_out(const FanArgs& a, void* scratch, cudaStream_t s) {
       !grad || (a.d_weight.dtype == DType::f32 && a.d_weight.numel() >= rows),
       "fan_out: d_weight must be f32 [>= " << rows << "], got " << a.d_weight.describe());
   if (rows == 0 || H == 0) return;
-  const LeadList l = list_leads(a, K, scratch, s);
+  const LeadList l = list_leads(a, K, false, scratch, s);
   const unsigned grid = fan_grid(rows, grad ? kFanGradBlocksPerSm : kFanBlocksPerSm);
   auto run = [&](auto word) {
     using W = decltype(word);
@@ -341,7 +367,7 @@ void fan_in(const FanArgs& a, void* scratch, cudaStream_t s) {
   const int64_t rows = a.window.rows, H = a.src.size(1);
   MOE_ECHO_CHECK(a.dst.data != a.src.data, "fan_in: dst and src must be distinct buffers");
   if (rows == 0 || H == 0) return;
-  const LeadList l = list_leads(a, K, scratch, s);
+  const LeadList l = list_leads(a, K, true, scratch, s);
   const unsigned grid = fan_grid(rows, kFanBlocksPerSm);
   auto run = [&](auto word) {
     using W = decltype(word);
@@ -362,7 +388,7 @@ void fan_out_fp8(const Fp8FanArgs& a, void* scratch, cudaStream_t s) {
   MOE_ECHO_CHECK(K <= kMaxTopK,
                  "fan_out_fp8: members " << a.members.describe() << ", K <= " << kMaxTopK);
   if (rows == 0 || H == 0) return;
-  const LeadList l = list_leads(a.window, a.members, K, scratch, s);
+  const LeadList l = list_leads(a.window, a.members, K, a.chunk, false, scratch, s);
   const unsigned grid = fan_grid(rows, kFanBlocksPerSm);
   const int64_t pitch = fp8_packed_row_bytes(H);
   auto run = [&](auto word) {

@@ -207,7 +207,35 @@ __global__ void place_kernel(int64_t n, int E, int M, int me, const int32_t* __r
   }
 }
 
+// ChunkPlanArgs (backend.hpp), one block: thread r < R writes rank r's bounds, then the threads
+// narrow this rank's group offsets to each chunk.
+__global__ void chunk_plan_kernel(int R, int C, int G1, int rank, int64_t row_lo, int64_t capacity,
+                                  const int32_t* __restrict__ rank_rows,
+                                  const int32_t* __restrict__ group_offsets,
+                                  int32_t* __restrict__ bounds, int32_t* __restrict__ offsets) {
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    const int64_t n = min(max(int64_t(rank_rows[r]) - row_lo, int64_t(0)), capacity);
+    for (int c = 0; c <= C; ++c) bounds[r * (C + 1) + c] = int32_t(int64_t(c) * n / C);
+  }
+  __syncthreads();
+  const int32_t* mine = bounds + int64_t(rank) * (C + 1);
+  for (int i = threadIdx.x; i < C * G1; i += blockDim.x) {
+    const int c = i / G1;
+    const int64_t o = group_offsets[i % G1];
+    offsets[i] = int32_t(min(max(o, row_lo + mine[c]), row_lo + mine[c + 1]));
+  }
+}
+
 }  // namespace
+
+void chunk_plan(const ChunkPlanArgs& a, cudaStream_t s) {
+  check_chunk_plan(a);
+  const int R = int(a.rank_rows.size(0)), C = int(a.bounds.size(1) - 1),
+            G1 = int(a.group_offsets.size(0));
+  MOE_ECHO_LAUNCH(chunk_plan_kernel, 1, 256, 0, s, R, C, G1, a.rank, a.row_lo, a.capacity,
+                  a.rank_rows.as<int32_t>(), a.group_offsets.as<int32_t>(), a.bounds.as<int32_t>(),
+                  a.offsets.as<int32_t>());
+}
 
 size_t layout_scratch_bytes(const PlannerConfig& cfg, int slots, int64_t entries) {
   ScratchCarver c(nullptr);

@@ -32,6 +32,7 @@ void router_bias_update(const Tensor& routing_map, const Tensor& bias, double ra
 // Layout (layout.cu): `entries` = T * K routes of this rank.
 size_t layout_scratch_bytes(const PlannerConfig& cfg, int slots, int64_t entries);
 void layout(const LayoutArgs& a, void* scratch, cudaStream_t s);
+void chunk_plan(const ChunkPlanArgs& a, cudaStream_t s);
 
 // Planner (planner.cu): plan_echo / plan_none of src/echo/planner.cpp on the device.
 size_t planner_scratch_bytes(const PlannerConfig& cfg);

@@ -51,6 +51,9 @@ struct StepPart {
   // Routing.
   Tensor logits, scores, topk_idx, topk_weight, counts, losses;
   Tensor routing_map, plan, assign, dest_rank, dest_row, group_offsets, rank_rows, round_active;
+  // MoeConfig::chunks > 1: round 0's chunks (ChunkPlanArgs: bounds [R, chunks + 1] of every
+  // rank, this rank's group offsets per chunk [chunks, slots + 1]).
+  Tensor chunk_bounds, chunk_offsets;
   // The spare slots (this step's clones, not parameters) are views of the workspace's echo
   // slots, their gradients symmetric there too (their home ranks reduce them).
   SymmetricBuffer dw1_spare_sym, dw2_spare_sym;
@@ -472,6 +475,10 @@ void declare_buffers(MoeLayer::Buffers& b, const BufferShapes& s, const Allocato
   b.group_offsets = dev(DType::i32, {G + 1});
   b.rank_rows = dev(DType::i32, {R});
   b.round_active = dev(DType::i32, {rounds_});
+  if (s.moe.chunks > 1) {
+    b.chunk_bounds = dev(DType::i32, {R, s.moe.chunks + 1});
+    b.chunk_offsets = dev(DType::i32, {s.moe.chunks, G + 1});
+  }
 
   // Round 0's activations that this layer keeps for its backward.
   const Recompute r = s.moe.recompute;
@@ -692,7 +699,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   reservation.ranks = par.ep_size;
   reservation.planner = planner_;
   reservation.fp8 = moe.precision == Precision::fp8;
-  reservation.overlap_sms = moe.overlap == Overlap::wgrad ? moe.overlap_sms : -1;
+  reservation.overlap_sms = moe.overlap == Overlap::wgrad || moe.chunks > 1 ? moe.overlap_sms : -1;
   reservation.lanes = ws_->sets();
   backend.reserve(reservation);
 
@@ -1306,6 +1313,10 @@ void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s, int micro_bat
   const Step& st = fl_->step;
   auto ops = [&](Stream g) {
     forward_dispatch_ops(st, g);
+    if (chunked_forward(st)) {
+      forward_chunks_ops(st, g);
+      return;
+    }
     forward_experts_ops(st, g);
     forward_combine_ops(st, g);
   };
@@ -1338,6 +1349,12 @@ void MoeLayer::enqueue_phase(int phase, const std::function<void(Stream)>& ops, 
 void MoeLayer::forward_dispatch(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
   select_micro_batch(micro_batch, "forward_dispatch");
   check_no_split("forward_dispatch");
+  MOE_ECHO_CHECK(moe_.chunks == 1,
+                 "forward_dispatch: MoeConfig::chunks = "
+                     << moe_.chunks
+                     << " overlaps round 0's dispatch and combine with its GEMMs inside forward(); "
+                        "the split-phase calls leave overlap to the caller's schedule: build the "
+                        "layer with chunks = 1 to use them");
   begin_forward(x, y, true);
   ws_set().split_owner = user();
   fl_->split_phase = SplitPhase::forward_dispatched;
@@ -1448,7 +1465,71 @@ void MoeLayer::forward_dispatch_ops(const Step& st, Stream s) {
           round_combine(r, y, T, spill, bs, false);
         },
         s);
-  dispatch_tokens(0, x, T, s);
+  if (!chunked_forward(st)) dispatch_tokens(0, x, T, s);
+}
+
+bool MoeLayer::chunked_forward(const Step& st) const { return moe_.chunks > 1 && !st.split; }
+
+// Round 0 in chunks (MoeConfig::chunks): chunk c's fan-out and expert GEMMs run on the side
+// stream while the step's stream dispatches chunk c + 1 and combines chunk c - 1:
+//   s:    plan  d0  d1  J F1  c0  d2  J F2  c1  ...  J  c(C-1)
+//   side:           G0        G1            G2  ...
+// (F: fork, J: join of the side stream). The shared experts on the side stream are joined
+// before the chunks take it.
+void MoeLayer::forward_chunks_ops(const Step& st, Stream s) {
+  Buffers& b = *buf_;
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  mark(0, "chunk_plan", s);
+  backend_.chunk_plan(
+      {b.rank_rows, b.group_offsets, b.chunk_bounds, b.chunk_offsets, par_.ep_rank, 0, capacity_},
+      s);
+  if (side && rounds_ == 1) backend_.join_side(s);
+  const int32_t* accumulate = shared        ? b.one.as<int32_t>()
+                              : rounds_ > 1 ? b.round_active.as<int32_t>() + 1
+                                            : nullptr;
+  auto combine = [&](int c) {
+    mark(0, "combine", s);
+    comm_.combine(chunk_route(st.T, c), RoundWindow{0, capacity_}, b.recv_red_sym, st.y, accumulate,
+                  b.fan, nullptr, s);
+  };
+  const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
+  for (int c = 0; c < moe_.chunks; ++c) {
+    mark(0, "dispatch", s);
+    comm_.dispatch(chunk_route(st.T, c), RoundWindow{0, capacity_}, st.x.data, row_bytes,
+                   b.recv_x_sym, b.fan, s);
+    if (c > 0) backend_.join_side(s);
+    backend_.fork_side([&, c](Stream ss) { chunk_experts(c, ss); }, s);
+    if (c > 0) combine(c - 1);
+  }
+  backend_.join_side(s);
+  combine(moe_.chunks - 1);
+}
+
+RowRoute MoeLayer::chunk_route(int64_t T, int chunk) const {
+  RowRoute r = route(T);
+  r.chunks = RowChunks{buf_->chunk_bounds.as<int32_t>(), moe_.chunks, chunk};
+  return r;
+}
+
+void MoeLayer::chunk_experts(int chunk, Stream s) {
+  Buffers& b = *buf_;
+  const int32_t* rows =
+      b.chunk_bounds.as<int32_t>() + int64_t(par_.ep_rank) * (moe_.chunks + 1) + chunk;
+  FanArgs expand = fan_args(0);
+  expand.weights = Tensor();
+  expand.src = b.recv_x;
+  expand.dst = b.recv_x;
+  expand.chunk = rows;
+  mark(0, "fan_out", s);
+  backend_.fan_out(expand, s);
+  FanArgs sum = fan_args(0);
+  sum.src = b.recv_out;
+  sum.dst = b.recv_red;
+  sum.chunk = rows;
+  window_experts(
+      GroupWindow{
+          {0, capacity_}, b.chunk_offsets.as<int32_t>() + int64_t(chunk) * (slots_ + 1), slots_},
+      sum, s);
 }
 
 void MoeLayer::forward_experts_ops(const Step& st, Stream s) {
@@ -1554,7 +1635,15 @@ void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) 
 void MoeLayer::round_experts(int round, Stream s) {
   Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
-  const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
+  FanArgs sum = fan_args(round);
+  sum.src = b.recv_out;
+  sum.dst = b.recv_red;
+  window_experts(GroupWindow{win, b.group_offsets.as<int32_t>(), slots_}, sum, s);
+}
+
+void MoeLayer::window_experts(const GroupWindow& gw, const FanArgs& sum, Stream s) {
+  Buffers& b = *buf_;
+  const int round = int(gw.row_lo / std::max<int64_t>(capacity_, 1));
   mark(round, "fc1", s);
   fc1_forward(gw, s);
   mark(round, "swiglu", s);
@@ -1569,9 +1658,6 @@ void MoeLayer::round_experts(int round, Stream s) {
     mark(round, "fc2", s);
     expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
   }
-  FanArgs sum = fan_args(round);
-  sum.src = b.recv_out;
-  sum.dst = b.recv_red;
   mark(round, "fan_in", s);
   backend_.fan_in(sum, s);
 }

@@ -89,17 +89,21 @@ std::vector<SourceRoutes> make_routes(const Case& c, DType fl, uint64_t seed,
   return routes;
 }
 
-// The k of the lead of entry (t, k) in window [lo, lo + rows): the first of t's entries in the
-// window with the same destination rank; -1 when (t, k) is not in the window.
+// The k of the lead of entry (t, k) in window [lo, lo + rows): of t's entries in the window with
+// the same destination rank, the one with the lowest receive row; -1 when (t, k) is not in the
+// window.
 int lead_k(const SourceRoutes& r, int K, int64_t lo, int64_t rows, int64_t t, int k) {
   auto in = [&](int kk) {
     const int64_t row = r.row[size_t(t * K + kk)] - lo;
     return row >= 0 && row < rows;
   };
   if (!in(k)) return -1;
-  for (int kk = 0; kk < k; ++kk)
-    if (in(kk) && r.rank[size_t(t * K + kk)] == r.rank[size_t(t * K + k)]) return kk;
-  return k;
+  int lead = k;
+  for (int kk = 0; kk < K; ++kk)
+    if (in(kk) && r.rank[size_t(t * K + kk)] == r.rank[size_t(t * K + k)] &&
+        r.row[size_t(t * K + kk)] < r.row[size_t(t * K + lead)])
+      lead = kk;
+  return lead;
 }
 
 // What one rank holds after a round, copied out by its thread.
@@ -245,16 +249,19 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
           ++leads;
           for (int64_t h = 0; h < H; ++h)
             if (sn.recv[size_t(row * H + h)] != x[size_t(s)][size_t(t * H + h)]) ++bad_rows;
-          // Members: this lead's rank's entries of t in the window, in k order, then -1.
+          // Members: the lead, then this lead's rank's other entries of t in the window in k
+          // order, then -1.
           int m = 0;
-          for (int k2 = k; k2 < K; ++k2) {
-            if (lead_k(sr, K, lo, cap, t, k2) != k) continue;
+          auto member = [&](int k2) {
             const size_t at = size_t(row * K + m);
             if (sn.members[at] != sr.row[size_t(t * K + k2)] - lo) ++bad_members;
             const double w = c.weighted ? sr.weight[size_t(t * K + k2)] : 1.0;
             if (sn.weights[at] != w) ++bad_weights;
             ++m;
-          }
+          };
+          member(k);
+          for (int k2 = 0; k2 < K; ++k2)
+            if (k2 != k && lead_k(sr, K, lo, cap, t, k2) == k) member(k2);
           for (; m < K; ++m)
             if (sn.members[size_t(row * K + m)] != -1) ++bad_members;
         }

@@ -94,6 +94,16 @@ TEST(Config, RoutingRules) {
                     m.fp8_gemms = fp8_gemm::fprop1;
                   }),
                   "overlap", "'wgrad'");
+  expect_rejected(with([](MoeConfig& m) { m.chunks = 0; }), "chunks", "0");
+  expect_rejected(with([](MoeConfig& m) { m.chunks = kMaxChunks + 1; }), "chunks",
+                  std::to_string(kMaxChunks + 1));
+  // The FP8 dispatch lands its e4m3 rows in recv_red, which the chunks' combines read.
+  expect_rejected(with([](MoeConfig& m) {
+                    m.chunks = 2;
+                    m.precision = Precision::fp8;
+                    m.hidden = m.ffn = 32;
+                  }),
+                  "chunks", "2");
   EXPECT_EQ(parse_overlap("wgrad"), Overlap::wgrad);
   EXPECT_EQ(parse_overlap("none"), Overlap::none);
   EXPECT_THROW(parse_overlap("chunks"), ConfigError);

@@ -688,6 +688,49 @@ TEST(Layer, OverlapWgradGivesTheSameBits) {
   }
 }
 
+// MoeConfig::chunks: round 0's dispatches, expert GEMMs and combines in chunks give the bits of
+// one chunk: y, and the backward that reads the fan table the chunks' dispatches wrote. With
+// clones, spill rounds, shared experts on the side stream, recompute dispatch, a token's experts
+// on one rank split over chunks (top_k 6), and more chunks than some ranks have rows.
+TEST(Layer, ChunkedForwardGivesTheBitsOfOneChunk) {
+  for (int variant = 0; variant < 5; ++variant) {
+    LayerCase one;
+    one.moe = small_moe(16, variant == 4 ? 6 : 2, 32);
+    one.ranks = 4;
+    one.passes = 2;
+    one.echo.enabled = variant != 1;
+    one.echo.spare_slots_per_rank = 2;
+    one.echo.capacity_factor = variant == 3 ? 0.3 : 4.0;
+    if (variant == 2) {
+      one.moe.shared_experts = 2;
+      one.moe.shared_ffn = 3;
+      one.moe.shared_side_stream = true;
+    }
+    if (variant == 3) one.moe.recompute = Recompute::dispatch;
+    const SkewedInput in = skewed(one, 32, 1.5, 29);
+    const auto g = per_rank(4, 32, 16, 700);
+    const LayerRun a = run_layer(one, in.x, g, in.params);
+    if (variant == 3) {
+      EXPECT_GT(a.stats[0].spill_rounds, 0);
+    }
+    for (int chunks : {2, 3, 16}) {
+      SCOPED_TRACE("variant " + std::to_string(variant) + ", " + std::to_string(chunks) +
+                   " chunks");
+      LayerCase ch = one;
+      ch.moe.chunks = chunks;
+      const LayerRun b = run_layer(ch, in.x, g, in.params);
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(b.y[size_t(r)], a.y[size_t(r)]);
+        EXPECT_EQ(b.dx[size_t(r)], a.dx[size_t(r)]);
+        EXPECT_EQ(b.d_router[size_t(r)], a.d_router[size_t(r)]);
+        EXPECT_EQ(b.d_shared_w1[size_t(r)], a.d_shared_w1[size_t(r)]);
+      }
+      EXPECT_EQ(b.dw1, a.dw1);
+      EXPECT_EQ(b.dw2, a.dw2);
+    }
+  }
+}
+
 template <class F>
 void expect_error(F call, const std::string& what) {
   try {
@@ -1010,6 +1053,28 @@ TEST(Layer, StepPlacementMovesClonesOncePerStep) {
 // Misuse of a step's placement is refused by name, before anything runs: holding clone
 // gradients with a placement per micro-batch, an optimizer step or changed weights while they
 // are held, and the backward of a forward made on an earlier step's placement.
+// A layer built with chunks refuses the split-phase forward by name, and runs forward() after.
+TEST(Layer, ChunksRefuseTheSplitForwardByName) {
+  InProcessWorld world(2);
+  world.run([&](int r) {
+    auto be = make_cpu_backend(DType::f64);
+    MoeConfig m = small_moe(8, 2, 16);
+    m.chunks = 2;
+    std::vector<Tensor> t;
+    for (uint64_t i = 0; i < 2; ++i) {
+      Tensor v(nullptr, DType::f64, {16, 16});
+      v.data = be->allocate(v.bytes());
+      write_tensor(*be, v, random_values(256, 60 + i + 10 * uint64_t(r)));
+      t.push_back(v);
+    }
+    MoeLayer layer(*be, world.communicator(r), m, ParallelConfig{2, r}, EchoConfig{});
+    expect_error([&] { layer.forward_dispatch(t[0], t[1]); },
+                 "forward_dispatch: MoeConfig::chunks = 2 overlaps round 0's dispatch and combine");
+    layer.forward(t[0], t[1]);
+    for (void* p : {t[0].data, t[1].data}) be->deallocate(p);
+  });
+}
+
 TEST(Layer, StepPlacementMisuseIsRefusedByName) {
   InProcessWorld world(2);
   world.run([&](int r) {

@@ -692,6 +692,79 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
   }
 }
 
+// MoeConfig::chunks on the GPU (one rank: the local communicator): round 0 in 3 chunks, each
+// chunk's fan-out and expert GEMMs on the side stream (on all SMs but overlap_sms) beside the next
+// chunk's dispatch and the combine of the one before: the bits of one chunk, in bf16 with a spill
+// round, with the shared experts on the side stream, and in fp8 without the FP8 dispatch (a
+// token's two experts often fall in different chunks); after a first step, enqueued while the
+// stream is held (no host wait), twice (the second from the cached graph).
+TEST(CudaLayerEager, ChunkedForwardGivesTheBitsOfOneChunkAndNeverWaitsOnHost) {
+  MOE_ECHO_SKIP_WITHOUT_GPU();
+  for (int variant = 0; variant < 3; ++variant) {
+    MoeConfig m = spill_test_moe(128, 128);
+    EchoConfig echo;
+    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    const char* name = "spill round";
+    if (variant == 1) {
+      name = "shared experts on the side stream";
+      m.shared_experts = 1;
+      m.shared_ffn = 64;
+      m.shared_side_stream = true;
+      echo.capacity_factor = 1.0;
+    } else if (variant == 2) {
+      name = "fp8 without the FP8 dispatch, spill round";
+      m.precision = Precision::fp8;
+      m.fp8_gemms = fp8_gemm::all & ~fp8_gemm::fprop1;
+    }
+    SCOPED_TRACE(name);
+    const GlobalParams params = rounded_params(m, 43);
+    const int64_t T = m.max_tokens, H = m.hidden;
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    const Stream s = stream;
+    std::vector<double> y_ref, dx_ref, dw1_ref, dw2_ref;
+    {
+      GpuLayer ref(m, echo, 9);
+      ref.set(params);
+      StepTensors t(*ref.be, T, H, 53, 1.0);
+      ref.layer.zero_grad(s);
+      ref.layer.forward(*t.x, *t.y, s);
+      ref.layer.backward(*t.dy, *t.dx, s);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(ref.layer.stats().spill_rounds, m.shared_experts > 0 ? 0 : 1);
+      y_ref = t.y.read();
+      dx_ref = t.dx.read();
+      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
+      dw2_ref = read_tensor(*ref.be, ref.layer.grad(Param::w2));
+    }
+    m.chunks = 3;
+    m.overlap_sms = 20;
+    GpuLayer gl(m, echo, 9);
+    gl.set(params);
+    StepTensors tensors(*gl.be, T, H, 53, 1.0);
+    OwnedTensor &x = tensors.x, &y = tensors.y, &dy = tensors.dy, &dx = tensors.dx;
+    const std::function<void()> step = [&] {
+      gl.layer.zero_grad(s);
+      gl.layer.forward(*x, *y, s);
+      gl.layer.backward(*dy, *dx, s);
+    };
+    step();
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    for (int pass = 0; pass < 2; ++pass) {
+      poison(y);
+      poison(dx);
+      EXPECT_TRUE(returns_while_held(stream, step))
+          << "a step waited for the held stream (a host sync), pass " << pass;
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      EXPECT_EQ(y.read(), y_ref) << "pass " << pass;
+      EXPECT_EQ(dx.read(), dx_ref) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w1)), dw1_ref) << "pass " << pass;
+      EXPECT_EQ(read_tensor(*gl.be, gl.layer.grad(Param::w2)), dw2_ref) << "pass " << pass;
+    }
+    cudaStreamDestroy(stream);
+  }
+}
+
 // Two micro-batches in flight (MoeConfig::in_flight 2), micro-batch 1's forward phases
 // interleaved with micro-batch 0's backward phases on one stream (a combined 1F1B step): the
 // outputs, input gradients and weight gradients of one micro-batch at a time, bit for bit, in

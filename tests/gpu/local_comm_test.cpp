@@ -1,14 +1,14 @@
 // The single-GPU communicator. Dispatch: self-describing rows (every byte names its source token
-// and position) go to each token's lead row only, once per window, and the fan table names the
-// lead's members in k order with their weights; rows that no entry targets keep their sentinel,
-// and so do the other members' rows (the receiver's fan_out fills them). Checked byte for byte:
-// the local dispatch writes nothing else. Row sizes cover every copy width (16, 8, 4, 2 and 1 byte
-// words), top_k 1 to 32. Combine: each token's lead row replaces or is added to y (bf16 and f32
-// rows, against an fp64 reference; plain copies and untouched tokens bit for bit), and the
-// per-entry values come back bit for bit. A round trip through the backend's fan ops checks that
-// the table the dispatch writes is the one they read, forward and backward. The clone kernels run
-// on a hand-made plan that clones within the one rank (the planner never does with one rank, but
-// the kernels must still follow the plan). Skipped without a GPU.
+// and position) go to each token's lead row only (its lowest window row), once per window, and
+// the fan table names the lead, then its other members in k order, with their weights; rows that no
+// entry targets keep their sentinel, and so do the other members' rows (the receiver's fan_out
+// fills them). Checked byte for byte: the local dispatch writes nothing else. Row sizes cover every
+// copy width (16, 8, 4, 2 and 1 byte words), top_k 1 to 32. Combine: each token's lead row replaces
+// or is added to y (bf16 and f32 rows, against an fp64 reference; plain copies and untouched tokens
+// bit for bit), and the per-entry values come back bit for bit. A round trip through the backend's
+// fan ops checks that the table the dispatch writes is the one they read, forward and backward. The
+// clone kernels run on a hand-made plan that clones within the one rank (the planner never does
+// with one rank, but the kernels must still follow the plan). Skipped without a GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -81,6 +81,15 @@ struct Routes {
     return e;
   }
   int64_t window_row(int64_t i, RoundWindow win) const { return row[size_t(i)] - win.row_lo; }
+  // Token t's entries in the window as its lead's fan table lists them: the lead (the lowest
+  // window row) first, then the others in k order.
+  std::vector<int64_t> members(int64_t t, RoundWindow win) const {
+    std::vector<int64_t> e = in_window(t, win);
+    const auto lead = std::min_element(
+        e.begin(), e.end(), [&](int64_t a, int64_t b) { return row[size_t(a)] < row[size_t(b)]; });
+    if (lead != e.end()) std::rotate(e.begin(), lead, lead + 1);
+    return e;
+  }
 };
 
 // The routes on the device.
@@ -160,7 +169,7 @@ TEST(LocalCommunicator, DispatchSendsEachTokenOnceAndWritesTheFanTable) {
               want_members(fan.table.members.bytes, 0xEE),
               want_weights(fan.table.weights.bytes, 0xEE);
           for (int64_t t = 0; t < T; ++t) {
-            const auto e = r.in_window(t, win);
+            const auto e = r.members(t, win);
             if (e.empty()) continue;
             const int64_t p = r.window_row(e[0], win);
             std::memcpy(want_recv.data() + size_t(p) * row_bytes,
@@ -242,7 +251,7 @@ TEST(LocalCommunicator, CombineAddsEachTokensLeadRowAndPullsValues) {
             const auto got = y.read(), got_values = values_out.read();
             std::vector<double> want(size_t(T * H));
             for (int64_t t = 0; t < T; ++t) {
-              const auto e = r.in_window(t, win);
+              const auto e = r.members(t, win);
               for (int64_t h = 0; h < H; ++h) {
                 const size_t at = size_t(t * H + h);
                 const double lead =

@@ -129,10 +129,10 @@ std::vector<RowCase> row_cases(int R) {
 
 // Dispatch and combine on both dispatchers, two spill windows, against the host's reading of
 // comm.hpp: lead rows carry the token row (bytes of source rank, token, position), the fan table
-// holds each lead's members (k order, -1 padded) and weights, non-lead rows get members[q][0] =
-// -1 and keep their receive-row sentinel, untargeted rows keep every sentinel; the combine sums
-// the leads' red rows (values hashed from rank, row, column) onto y (accumulate flag nullptr, 0
-// or 1) against an fp64 sum, pulls values_out per entry, and gives the same bits on both
+// holds each lead's members (the lead, then k order, -1 padded) and weights, non-lead rows get
+// members[q][0] = -1 and keep their receive-row sentinel, untargeted rows keep every sentinel; the
+// combine sums the leads' red rows (values hashed from rank, row, column) onto y (accumulate flag
+// nullptr, 0 or 1) against an fp64 sum, pulls values_out per entry, and gives the same bits on both
 // dispatchers.
 TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
   MOE_ECHO_MULTIGPU_WORLD(w);
@@ -167,9 +167,12 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
       const int64_t q = g.row[size_t(s)][size_t(i)] - win.row_lo;
       return g.rank[size_t(s)][size_t(i)] >= 0 && q >= 0 && q < win.rows;
     };
+    // The lead of a (token, rank) pair: its entry in the window with the lowest receive row.
     auto is_lead = [&](int s, int64_t i, RoundWindow win) {
-      for (int64_t j = i - i % K; j < i; ++j)
-        if (in_window(s, j, win) && g.rank[size_t(s)][size_t(j)] == g.rank[size_t(s)][size_t(i)])
+      for (int64_t j = i - i % K; j < i - i % K + K; ++j)
+        if (j != i && in_window(s, j, win) &&
+            g.rank[size_t(s)][size_t(j)] == g.rank[size_t(s)][size_t(i)] &&
+            g.row[size_t(s)][size_t(j)] < g.row[size_t(s)][size_t(i)])
           return false;
       return true;
     };
@@ -281,13 +284,17 @@ TEST(MultiGpuRows, DispatchAndCombineMoveOneRowPerTokenAndRank) {
             kind[size_t(q)] = 1;
             for (size_t b = 0; b < c.row_bytes; ++b)
               row_bad += got[size_t(q) * c.row_bytes + b] != byte_of(s, i / K, b);
+            // The lead first, then the pair's other members in k order.
             int j = 0;
-            for (int64_t i2 = i; i2 < i - i % K + K; ++i2) {
-              if (!in_window(s, i2, win) || g.rank[size_t(s)][size_t(i2)] != me) continue;
+            auto member = [&](int64_t i2) {
               table_bad += member_at(q, j) != g.row[size_t(s)][size_t(i2)] - win.row_lo;
               table_bad += weight_at(q, j) != weight_of(s, i2);
               ++j;
-            }
+            };
+            member(i);
+            for (int64_t i2 = i - i % K; i2 < i - i % K + K; ++i2)
+              if (i2 != i && in_window(s, i2, win) && g.rank[size_t(s)][size_t(i2)] == me)
+                member(i2);
             for (; j < K; ++j) table_bad += member_at(q, j) != -1;
           }
         int64_t sentinel_bad = 0, nonleads = 0;

@@ -10,6 +10,7 @@
 // - forced overflow (capacity factor 0.3: spill rounds through the conditional path);
 // - both dispatchers (sync-free and baseline);
 // - Overlap::wgrad and the split-phase calls against the whole step without overlap, bit for bit;
+// - the forward in chunks (MoeConfig::chunks) against one chunk, bit for bit;
 // - two micro-batches in flight (MoeConfig::in_flight 2), one's forward phases interleaved with
 //   the other's backward phases: each micro-batch's outputs and input gradients bit for bit,
 //   with a clone placement per micro-batch and one per step (EchoPlacement::step);
@@ -207,6 +208,21 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
       EXPECT_EQ(g3.dw1, gpu.dw1);
       EXPECT_EQ(g3.dw2, gpu.dw2);
     }
+  }
+
+  // The forward in chunks (MoeConfig::chunks 3: a chunk's expert GEMMs beside the next chunk's
+  // dispatch and the one before's combine, on GEMMs that leave 8 SMs to them): the same bits.
+  {
+    SCOPED_TRACE("forward in 3 chunks");
+    LayerCase ch = c;
+    ch.moe.chunks = 3;
+    ch.moe.overlap_sms = 8;
+    const GpuRun g5 = run_gpu(*w, comm, ch, p, xs[size_t(me)], gs[size_t(me)]);
+    EXPECT_EQ(g5.y, gpu.y);
+    EXPECT_EQ(g5.dx, gpu.dx);
+    EXPECT_EQ(g5.d_router, gpu.d_router);
+    EXPECT_EQ(g5.dw1, gpu.dw1);
+    EXPECT_EQ(g5.dw2, gpu.dw2);
   }
 
   // Two micro-batches in flight, interleaved: each gives the whole step's y and dx bits; the

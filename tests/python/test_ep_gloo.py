@@ -2,7 +2,8 @@
 processes (the host-collectives communicator) against one module holding every expert, in
 float64 on the CPU: each rank's y, dx and router gradient equal the single module's on that
 rank's tokens, and each rank's expert gradients the sum over all ranks' tokens of its experts'
-(relative norm 1e-12), with ECHO on and off, skewed routing and spill rounds."""
+(relative norm 1e-12), with ECHO on and off, skewed routing, spill rounds and the forward in
+chunks."""
 
 from __future__ import annotations
 
@@ -63,10 +64,12 @@ def worker(rank, ranks, init_file, out_dir, kw, skew):
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("case", ["echo", "no-echo", "spill"])
+@pytest.mark.parametrize("case", ["echo", "no-echo", "spill", "chunks"])
 def test_ep_over_gloo_equals_one_rank(ranks, case):
     kw = dict(echo=case != "no-echo", spare_slots_per_rank=2,
               capacity_factor=0.3 if case == "spill" else 1.25)
+    if case == "chunks":  # the forward's received rows in 3 chunks (MoE(chunks=...))
+        kw["chunks"] = 3
     skew = 2.0
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(ranks, f"{tmp}/init", tmp, kw, skew), nprocs=ranks, join=True)

@@ -610,3 +610,26 @@ def test_overlap_wgrad_gives_the_bits_of_none():
         make(overlap="chunks")
     with pytest.raises(ValueError, match="overlap_sms"):
         make(overlap="wgrad", overlap_sms=-1)
+
+
+def test_chunks_give_the_bits_of_one():
+    """chunks=3 runs the forward's received rows in three chunks (on the CUDA backend, a chunk's
+    expert GEMMs on a second stream beside the next chunk's dispatch): outputs and every gradient
+    are the bits of chunks=1, with spill rounds and shared experts; bad values are refused by
+    name."""
+    x = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    out = []
+    for chunks in (1, 3):
+        m = make(capacity_factor=0.5, chunks=chunks, shared_experts=1)
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        (y * y).sum().backward()
+        out.append((y.detach(), xi.grad, m.w1.grad, m.w2.grad, m.router_weight.grad))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="chunks = 0 is invalid"):
+        make(chunks=0)
+    with pytest.raises(ValueError, match="chunks = 17 is invalid"):
+        make(chunks=17)
+    with pytest.raises(TypeError, match="chunks = 2.0 is invalid"):
+        make(chunks=2.0)

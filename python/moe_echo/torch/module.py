@@ -75,6 +75,10 @@ class MoE(nn.Module):
         overlap: what the backward runs beside its communication: "none" or "wgrad" (fc1's
             weight-gradient GEMM on a second CUDA stream beside the combine and the router's
             backward, on all SMs but ``overlap_sms``); gradients are the same bits either way.
+        chunks: the forward's received rows in this many chunks (1 to 16; 1: one): a chunk's
+            expert GEMMs run on a second CUDA stream, on all SMs but ``overlap_sms``, while the
+            next chunk is dispatched and the one before combined; the same bits as 1. Not with
+            the FP8 dispatch (precision "fp8" with "fprop1").
         in_flight: how many forwards may await their backward at once (1 to 16), each keeping
             its own routing and activations: a pipeline schedule runs several micro-batches'
             forwards before their backwards. A forward beyond them reuses the state of the
@@ -133,6 +137,7 @@ class MoE(nn.Module):
         overlap_sms: int = 16,
         in_flight: int = 1,
         echo_placement: str = "micro_batch",
+        chunks: int = 1,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
@@ -157,6 +162,7 @@ class MoE(nn.Module):
             ("shared_ffn", shared_ffn),
             ("overlap_sms", overlap_sms),
             ("in_flight", in_flight),
+            ("chunks", chunks),
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
@@ -214,6 +220,7 @@ class MoE(nn.Module):
             overlap_sms=overlap_sms,
             in_flight=in_flight,
             echo_placement=echo_placement,
+            chunks=chunks,
             shared_experts=shared_experts,
             shared_ffn=shared_ffn,
         )
