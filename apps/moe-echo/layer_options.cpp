@@ -91,9 +91,9 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
              "With --overlap wgrad or --chunks above 1, the SMs the side stream's GEMMs leave to "
              "communication (default 16)");
   add_option(cmd, "--chunks", o.chunks,
-             "The forward's received rows in this many chunks (1 to 16, default 1): a chunk's "
-             "expert GEMMs run on a second stream while the next chunk is dispatched and the one "
-             "before combined");
+             "The received rows of the forward and the backward in this many chunks (1 to 16, "
+             "default 1): a chunk's expert GEMMs run on a second stream while the next chunk is "
+             "dispatched and the one before combined");
   add_option(cmd, "--precision", o.precision,
              "The routed experts' GEMMs: bf16 (default) or fp8 (e4m3 with blockwise scales; "
              "hidden and ffn multiples of 16)");

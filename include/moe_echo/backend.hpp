@@ -380,7 +380,8 @@ class Backend {
   // left as it is), or other (the rows are read before they are written).
   virtual void fan_out(const FanArgs& a, Stream s) = 0;
   // For every lead row p: dst[p] = sum over members j of p, in member order, of w_j * src[j],
-  // accumulated in float and rounded once. dst and src are distinct buffers.
+  // accumulated in float and rounded once. dst may be src (each lead row is written after its
+  // members are read; leads have disjoint members).
   virtual void fan_in(const FanArgs& a, Stream s) = 0;
   virtual void fan_out_fp8(const Fp8FanArgs& a, Stream s) = 0;
   virtual void adamw(const AdamWArgs& a, Stream s) = 0;

@@ -133,11 +133,13 @@ struct MoeConfig {
   // GPU's SM count).
   Overlap overlap = Overlap::none;
   int overlap_sms = 16;
-  // Round 0 of the forward in this many chunks of its received rows (1: one, no overlap). Chunk
-  // c's expert GEMMs run on the backend's side stream, on all SMs but overlap_sms, while chunk
-  // c + 1 is dispatched and chunk c - 1 combined on the step's stream; the chunks' rows are
+  // Round 0 of the forward and the backward in this many chunks of its received rows (1: one, no
+  // overlap). Chunk c's expert GEMMs (the backward's dgrads) run on the backend's side stream, on
+  // all SMs but overlap_sms, while chunk c + 1 is dispatched and chunk c - 1 combined on the
+  // step's stream, the backward's weight gradients after the chunks; the chunks' rows are
   // computed on the device from the layout (Backend::chunk_plan, RowChunks), and the results are
-  // the bits of one chunk. forward() only: the split-phase forward calls refuse it.
+  // the bits of one chunk. forward() and backward() only: the split-phase calls refuse it. A
+  // backward with FP8 weight gradients runs whole.
   int chunks = 1;
   // Micro-batches in flight: how many forwards may await their backward at once, each keeping
   // its own routing, plan and kept activations (MoeLayer's micro_batch argument picks one, from

@@ -353,6 +353,7 @@ class MoeLayer {
   void round_combine(int round, const Tensor& y, int64_t T, const int32_t* accumulate, Stream s,
                      bool join_side);
   void round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s);
+  void recompute_round(int round, int64_t T, Stream s);
   void round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into, Stream s,
                               bool delay_wgrad1 = false);
   void round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& into, Stream s);
@@ -379,6 +380,14 @@ class MoeLayer {
   void forward_chunks_ops(const Step& st, Stream s);
   void chunk_experts(int chunk, Stream s);
   RowRoute chunk_route(int64_t T, int chunk) const;
+  const int32_t* chunk_rows(int chunk) const;
+  GroupWindow chunk_window(int chunk) const;
+  // The backward's round 0 in chunks too, with both weight gradients after the chunks.
+  bool chunked_backward(const Step& st) const;
+  void backward_chunks_ops(const Step& st, Stream s);
+  void chunk_backward(int chunk, Stream s);
+  void backward_finish_ops(const Step& st, bool side_open, Stream s);
+  void run_chunks(bool forward, const Step& st, const int32_t* accumulate, Stream s);
   enum class SplitPhase {
     none,
     forward_dispatched,
@@ -412,6 +421,8 @@ class MoeLayer {
   // its workspace set is; with all_micro_batches, when any micro-batch of this layer is.
   void check_no_split(const char* call, bool workspace = true,
                       bool all_micro_batches = false) const;
+  // The split-phase calls of a layer with MoeConfig::chunks > 1 are refused by name.
+  void check_no_chunks(const char* call) const;
   void expect_phase(SplitPhase want, const char* call) const;
   void pull_clones(Stream s);
   GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,

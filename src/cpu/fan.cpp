@@ -84,7 +84,6 @@ template <class T>
 void fan_in(const FanArgs& a) {
   const int64_t H = a.src.size(1), K = a.members.size(1), valid = valid_rows(a.window);
   const bool weighted = a.weights.data != nullptr;
-  MOE_ECHO_CHECK(a.dst.data != a.src.data, "fan_in: dst and src must be distinct buffers");
   std::vector<double> acc(static_cast<size_t>(H));
   const Visit v = visit(a.chunk, valid, true);
   for (int64_t p = v.lo; p < v.hi; ++p) {

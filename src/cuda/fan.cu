@@ -17,7 +17,8 @@
 //   <src[p], other[j]> summed over the warp (a fixed butterfly) and kept by lane m; a lane reads
 //   its words of other[j] before it writes the same words of dst[j], so dst == other is safe.
 //   With dst == src (the unweighted copy) row p itself is not written.
-// - fan_in: the members' chunks are summed in member order in f32 and dst[p] is written once.
+// - fan_in: the members' chunks are summed in member order in f32 and dst[p] is written once
+//   (after its lane read those words of every member, so dst may be src).
 // Every sum has a fixed order: results are bit-identical run to run.
 //
 // Bytes (bf16, L leads of m members): fan_out reads L rows (and L m rows of `other`) and writes
@@ -204,13 +205,13 @@ template <class W>
 __global__ void __launch_bounds__(kFanThreads, kFanBlocksPerSm)
     fan_in_kernel(const int32_t* __restrict__ count, const int32_t* __restrict__ leads, int K,
                   const int32_t* __restrict__ members, const float* __restrict__ weights,
-                  const W* __restrict__ src, W* __restrict__ dst, int64_t row_words) {
+                  const W* src, W* dst, int64_t row_words) {
   using Word = RowWord<W, bf16>;
   constexpr int N = Word::n;
   const int lane = int(threadIdx.x) & 31;
   for_each_lead(count, leads, [&](int64_t p) {
     const Lead lead = load_lead(members, weights, p, K, lane);
-    W* d_row = dst + p * row_words;
+    W* d_row = dst + p * row_words;  // dst may be src: each lane reads its words, then writes them
     for (int64_t c0 = lane; c0 - lane < row_words; c0 += 32 * kInChunk) {
       float acc[kInChunk][N];
 #pragma unroll
@@ -365,7 +366,6 @@ void fan_out(const FanArgs& a, void* scratch, cudaStream_t s) {
 void fan_in(const FanArgs& a, void* scratch, cudaStream_t s) {
   const int K = check_fan(a);
   const int64_t rows = a.window.rows, H = a.src.size(1);
-  MOE_ECHO_CHECK(a.dst.data != a.src.data, "fan_in: dst and src must be distinct buffers");
   if (rows == 0 || H == 0) return;
   const LeadList l = list_leads(a, K, true, scratch, s);
   const unsigned grid = fan_grid(rows, kFanBlocksPerSm);

@@ -1265,6 +1265,14 @@ void MoeLayer::check_no_split(const char* call, bool workspace, bool all_micro_b
               "; the set's receive windows and echo slots are in use until its combine)");
 }
 
+void MoeLayer::check_no_chunks(const char* call) const {
+  MOE_ECHO_CHECK(moe_.chunks == 1,
+                 call << ": MoeConfig::chunks = " << moe_.chunks
+                      << " overlaps round 0's dispatch and combine with its GEMMs inside forward() "
+                         "and backward(); the split-phase calls leave overlap to the caller's "
+                         "schedule: build the layer with chunks = 1 to use them");
+}
+
 void MoeLayer::expect_phase(SplitPhase want, const char* call) const {
   static const char* const calls[] = {"", "forward_dispatch", "forward_experts",
                                       "backward_dispatch", "backward_experts"};
@@ -1349,12 +1357,7 @@ void MoeLayer::enqueue_phase(int phase, const std::function<void(Stream)>& ops, 
 void MoeLayer::forward_dispatch(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
   select_micro_batch(micro_batch, "forward_dispatch");
   check_no_split("forward_dispatch");
-  MOE_ECHO_CHECK(moe_.chunks == 1,
-                 "forward_dispatch: MoeConfig::chunks = "
-                     << moe_.chunks
-                     << " overlaps round 0's dispatch and combine with its GEMMs inside forward(); "
-                        "the split-phase calls leave overlap to the caller's schedule: build the "
-                        "layer with chunks = 1 to use them");
+  check_no_chunks("forward_dispatch");
   begin_forward(x, y, true);
   ws_set().split_owner = user();
   fl_->split_phase = SplitPhase::forward_dispatched;
@@ -1487,22 +1490,56 @@ void MoeLayer::forward_chunks_ops(const Step& st, Stream s) {
   const int32_t* accumulate = shared        ? b.one.as<int32_t>()
                               : rounds_ > 1 ? b.round_active.as<int32_t>() + 1
                                             : nullptr;
-  auto combine = [&](int c) {
-    mark(0, "combine", s);
-    comm_.combine(chunk_route(st.T, c), RoundWindow{0, capacity_}, b.recv_red_sym, st.y, accumulate,
-                  b.fan, nullptr, s);
-  };
+  run_chunks(true, st, accumulate, s);
+}
+
+// The chunks' pipeline of a forward or a backward (MoeConfig::chunks): per chunk c, its dispatch
+// (x into recv_x, or dy into recv_red) on `s`, its expert work (chunk_experts or chunk_backward)
+// forked onto the side stream once chunk c - 1's is joined, then chunk c - 1's combine (into y,
+// or into dx with the combine-weight gradients); after the last chunk's expert work, the
+// backward's weight gradients forked onto the side stream (joined by backward_finish_ops) beside
+// the last combine.
+void MoeLayer::run_chunks(bool forward, const Step& st, const int32_t* accumulate, Stream s) {
+  Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
+  auto combine = [&](int c) {
+    mark(0, forward ? "combine" : "bwd_combine", s);
+    comm_.combine(chunk_route(st.T, c), RoundWindow{0, capacity_}, b.recv_red_sym,
+                  forward ? st.y : st.dx, accumulate, b.fan,
+                  forward ? nullptr : b.d_topk_weight.data, s);
+  };
   for (int c = 0; c < moe_.chunks; ++c) {
-    mark(0, "dispatch", s);
-    comm_.dispatch(chunk_route(st.T, c), RoundWindow{0, capacity_}, st.x.data, row_bytes,
-                   b.recv_x_sym, b.fan, s);
+    mark(0, forward ? "dispatch" : "bwd_dispatch", s);
+    comm_.dispatch(chunk_route(st.T, c), RoundWindow{0, capacity_},
+                   forward ? st.x.data : st.dy.data, row_bytes,
+                   forward ? b.recv_x_sym : b.recv_red_sym, b.fan, s);
     if (c > 0) backend_.join_side(s);
-    backend_.fork_side([&, c](Stream ss) { chunk_experts(c, ss); }, s);
+    backend_.fork_side(
+        [&, c](Stream ss) { forward ? chunk_experts(c, ss) : chunk_backward(c, ss); }, s);
     if (c > 0) combine(c - 1);
   }
   backend_.join_side(s);
+  if (!forward)
+    backend_.fork_side(
+        [&](Stream ss) {
+          const GroupWindow gw{RoundWindow{0, capacity_}, b.group_offsets.as<int32_t>(), slots_};
+          mark(0, "bwd_wgrad_fc2", ss);
+          expert_wgrad(gw, b.a, b.recv_out, 2, st.into.dw2.data ? st.into.dw2 : b.dw2,
+                       st.overwrite_grads, ss);
+          round_wgrad1(0, st.overwrite_grads, st.into, ss);
+        },
+        s);
   combine(moe_.chunks - 1);
+}
+
+// This rank's window rows [lo, hi) of a chunk (FanArgs::chunk), and the chunk's rows as the
+// expert ops' window (its group offsets).
+const int32_t* MoeLayer::chunk_rows(int chunk) const {
+  return buf_->chunk_bounds.as<int32_t>() + int64_t(par_.ep_rank) * (moe_.chunks + 1) + chunk;
+}
+GroupWindow MoeLayer::chunk_window(int chunk) const {
+  return GroupWindow{
+      {0, capacity_}, buf_->chunk_offsets.as<int32_t>() + int64_t(chunk) * (slots_ + 1), slots_};
 }
 
 RowRoute MoeLayer::chunk_route(int64_t T, int chunk) const {
@@ -1513,8 +1550,7 @@ RowRoute MoeLayer::chunk_route(int64_t T, int chunk) const {
 
 void MoeLayer::chunk_experts(int chunk, Stream s) {
   Buffers& b = *buf_;
-  const int32_t* rows =
-      b.chunk_bounds.as<int32_t>() + int64_t(par_.ep_rank) * (moe_.chunks + 1) + chunk;
+  const int32_t* rows = chunk_rows(chunk);
   FanArgs expand = fan_args(0);
   expand.weights = Tensor();
   expand.src = b.recv_x;
@@ -1526,10 +1562,53 @@ void MoeLayer::chunk_experts(int chunk, Stream s) {
   sum.src = b.recv_out;
   sum.dst = b.recv_red;
   sum.chunk = rows;
-  window_experts(
-      GroupWindow{
-          {0, capacity_}, b.chunk_offsets.as<int32_t>() + int64_t(chunk) * (slots_ + 1), slots_},
-      sum, s);
+  window_experts(chunk_window(chunk), sum, s);
+}
+
+bool MoeLayer::chunked_backward(const Step& st) const {
+  // FP8 weight gradients quantize their operands' columns over whole groups, in the dgrads.
+  return moe_.chunks > 1 && !st.split && !uses_fp8(moe_, fp8_gemm::wgrad1 | fp8_gemm::wgrad2);
+}
+
+// Round 0's backward in chunks (MoeConfig::chunks; the forward's chunk plan): chunk c's dy
+// scatter, dgrads and fan-in on the side stream while the step's stream dispatches chunk c + 1's
+// dy and combines chunk c - 1's dx; the dgrad of fc1 writes its dx rows into recv_red (recv_out
+// keeps d_out for fc2's weight gradient) and the fan-in sums them there in place. Both weight
+// gradients run after the last chunk, over the whole window, on the side stream beside the last
+// combine and the router's backward (delayed wgrad).
+void MoeLayer::backward_chunks_ops(const Step& st, Stream s) {
+  Buffers& b = *buf_;
+  const bool shared = b.shared_w1.data != nullptr, side = shared && moe_.shared_side_stream;
+  if (side) backend_.join_side(s);  // the shared experts' backward, before the chunks take it
+  run_chunks(false, st, shared ? b.one.as<int32_t>() : nullptr, s);
+  backward_finish_ops(st, true, s);
+}
+
+void MoeLayer::chunk_backward(int chunk, Stream s) {
+  Buffers& b = *buf_;
+  const int32_t* rows = chunk_rows(chunk);
+  FanArgs scatter = fan_args(0);
+  scatter.src = b.recv_red;
+  scatter.dst = b.recv_out;
+  scatter.other = b.recv_out;
+  scatter.d_weight = b.fan_values;
+  scatter.chunk = rows;
+  mark(0, "bwd_fan_out", s);
+  backend_.fan_out(scatter, s);
+  const GroupWindow gw = chunk_window(chunk);
+  mark(0, "bwd_dgrad_fc2", s);
+  expert_dgrad(gw, b.recv_out, 2, b.da, s);
+  mark(0, "bwd_swiglu", s);
+  backend_.swiglu_backward({gw, b.h, b.a, b.da, b.dh}, s);
+  mark(0, "bwd_dgrad_fc1", s);
+  expert_dgrad(gw, b.dh, 1, b.recv_red, s);
+  FanArgs sum = fan_args(0);
+  sum.weights = Tensor();
+  sum.src = b.recv_red;
+  sum.dst = b.recv_red;
+  sum.chunk = rows;
+  mark(0, "bwd_fan_in", s);
+  backend_.fan_in(sum, s);
 }
 
 void MoeLayer::forward_experts_ops(const Step& st, Stream s) {
@@ -1762,6 +1841,10 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
   const Step& st = fl_->step;
   auto ops = [&](Stream g) {
     backward_dispatch_ops(st, g);
+    if (chunked_backward(st)) {
+      backward_chunks_ops(st, g);
+      return;
+    }
     backward_experts_ops(st, g);
     backward_combine_ops(st, g);
   };
@@ -1781,6 +1864,7 @@ void MoeLayer::backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGra
 void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
   select_micro_batch(micro_batch, "backward_dispatch");
   check_no_split("backward_dispatch");
+  check_no_chunks("backward_dispatch");
   begin_backward(dy, dx, ExpertGrads{}, true);
   ws_set().split_owner = user();
   fl_->split_phase = SplitPhase::backward_dispatched;
@@ -1838,7 +1922,10 @@ void MoeLayer::backward_dispatch_ops(const Step& st, Stream s) {
         [&](Stream ss) { shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, ss); }, s);
   else if (shared && !side)
     shared_backward(st.dy, st.dx, st.T, st.overwrite_shared, s);
-  round_backward_dispatch(0, st.dy, st.T, s);
+  if (chunked_backward(st))
+    recompute_round(0, st.T, s);
+  else
+    round_backward_dispatch(0, st.dy, st.T, s);
 }
 
 void MoeLayer::backward_experts_ops(const Step& st, Stream s) {
@@ -1864,7 +1951,17 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
   if (overlap)
     backend_.fork_side([&](Stream ss) { round_wgrad1(0, st.overwrite_grads, st.into, ss); }, s);
   round_backward_combine(0, dx, T, shared ? b.one.as<int32_t>() : nullptr, s);
-  if (overlap && rounds_ > 1) backend_.join_side(s);
+  backward_finish_ops(st, overlap, s);
+}
+
+// After round 0's combine: the spill rounds, the router's backward, the clone gradients home and
+// the bias update. `side_open`: round 0's work forked onto the side stream, joined before the
+// spill rounds (which reuse its operands) or, without them, after the router's backward.
+void MoeLayer::backward_finish_ops(const Step& st, bool side_open, Stream s) {
+  Buffers& b = *buf_;
+  const int64_t T = st.T;
+  const Tensor& dx = st.dx;
+  if (side_open && rounds_ > 1) backend_.join_side(s);
   for (int r = 1; r < rounds_; ++r)
     backend_.run_if(
         b.round_active.as<int32_t>() + r,
@@ -1883,7 +1980,7 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
   rb.config = router_config(moe_);
   mark("bwd_router", s);
   backend_.router_backward(rb, s);
-  if (overlap && rounds_ == 1) backend_.join_side(s);
+  if (side_open && rounds_ == 1) backend_.join_side(s);
 
   if (st.reduce_clones) {
     mark("bwd_clone_reduce", s);
@@ -1902,21 +1999,13 @@ void MoeLayer::backward_combine_ops(const Step& st, Stream s) {
     backend_.router_bias_update(b.routing_map, b.router_bias, moe_.bias_update_rate, s);
 }
 
-// Recomputes what the forward did not keep (everything for a spill round: round 0 ran last in
-// the forward; for round 0 what MoeConfig::recompute leaves out), then sends the dy rows to the
-// lead rows and, per member, d_weight = <dy, out> and d_out = w * dy, in place.
+// Recomputes what the forward did not keep (recompute_round), then sends the dy rows to the lead
+// rows and, per member, d_weight = <dy, out> and d_out = w * dy, in place.
 void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s) {
   Buffers& b = *buf_;
   const size_t row_bytes = size_t(moe_.hidden) * dtype_size(backend_.activation_dtype());
   const RoundWindow win{round * capacity_, capacity_};
-  const GroupWindow gw{win, b.group_offsets.as<int32_t>(), slots_};
-  const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
-  if (rc != Recompute::none) mark(round, "bwd_recompute", s);
-  if (rc == Recompute::dispatch) dispatch_tokens(round, fl_->last_x, T, s);
-  if (rc == Recompute::dispatch || rc == Recompute::experts) fc1_forward(gw, s);
-  if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
-  if (rc == Recompute::dispatch || rc == Recompute::experts)
-    expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
+  recompute_round(round, T, s);
   mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
   FanArgs scatter = fan_args(round);
@@ -1926,6 +2015,21 @@ void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, S
   scatter.d_weight = b.fan_values;
   mark(round, "bwd_fan_out", s);
   backend_.fan_out(scatter, s);
+}
+
+// What a round's backward needs that its forward did not keep: everything for a spill round
+// (round 0 ran last in the forward), for round 0 what MoeConfig::recompute leaves out.
+void MoeLayer::recompute_round(int round, int64_t T, Stream s) {
+  Buffers& b = *buf_;
+  const GroupWindow gw{RoundWindow{round * capacity_, capacity_}, b.group_offsets.as<int32_t>(),
+                       slots_};
+  const Recompute rc = round > 0 ? Recompute::dispatch : moe_.recompute;
+  if (rc != Recompute::none) mark(round, "bwd_recompute", s);
+  if (rc == Recompute::dispatch) dispatch_tokens(round, fl_->last_x, T, s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts) fc1_forward(gw, s);
+  if (rc != Recompute::none) backend_.swiglu_forward({gw, b.h, b.a, Tensor(), Tensor()}, s);
+  if (rc == Recompute::dispatch || rc == Recompute::experts)
+    expert_rows_gemm(gw, b.a, 2, b.recv_out, false, s);
 }
 
 // fc1's weight gradient from the received rows and dh (dh's columns quantized with its rows by

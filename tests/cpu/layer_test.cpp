@@ -688,14 +688,21 @@ TEST(Layer, OverlapWgradGivesTheSameBits) {
   }
 }
 
-// MoeConfig::chunks: round 0's dispatches, expert GEMMs and combines in chunks give the bits of
-// one chunk: y, and the backward that reads the fan table the chunks' dispatches wrote. With
-// clones, spill rounds, shared experts on the side stream, recompute dispatch, a token's experts
-// on one rank split over chunks (top_k 6), and more chunks than some ranks have rows.
-TEST(Layer, ChunkedForwardGivesTheBitsOfOneChunk) {
-  for (int variant = 0; variant < 5; ++variant) {
+// MoeConfig::chunks: round 0's dispatches, expert GEMMs and combines in chunks, forward and
+// backward (the weight gradients after the chunks), give the bits of one chunk. With clones,
+// spill rounds, shared experts on the side stream, recompute dispatch, a token's experts on one
+// rank split over chunks (top_k 6), more chunks than some ranks have rows, and FP8 GEMMs (without
+// FP8 weight gradients the backward is chunked too, with them it runs whole).
+TEST(Layer, ChunkedForwardAndBackwardGiveTheBitsOfOneChunk) {
+  for (int variant = 0; variant < 7; ++variant) {
     LayerCase one;
     one.moe = small_moe(16, variant == 4 ? 6 : 2, 32);
+    if (variant >= 5) {
+      one.moe.ffn = 16;
+      one.moe.precision = Precision::fp8;
+      one.moe.fp8_gemms = variant == 5 ? fp8_gemm::fprop2 | fp8_gemm::dgrad1 | fp8_gemm::dgrad2
+                                       : fp8_gemm::all & ~fp8_gemm::fprop1;
+    }
     one.ranks = 4;
     one.passes = 2;
     one.echo.enabled = variant != 1;
@@ -1053,25 +1060,31 @@ TEST(Layer, StepPlacementMovesClonesOncePerStep) {
 // Misuse of a step's placement is refused by name, before anything runs: holding clone
 // gradients with a placement per micro-batch, an optimizer step or changed weights while they
 // are held, and the backward of a forward made on an earlier step's placement.
-// A layer built with chunks refuses the split-phase forward by name, and runs forward() after.
-TEST(Layer, ChunksRefuseTheSplitForwardByName) {
+// A layer built with chunks refuses the split-phase calls by name, and runs forward() and
+// backward() after.
+TEST(Layer, ChunksRefuseTheSplitPhasesByName) {
   InProcessWorld world(2);
   world.run([&](int r) {
     auto be = make_cpu_backend(DType::f64);
     MoeConfig m = small_moe(8, 2, 16);
     m.chunks = 2;
     std::vector<Tensor> t;
-    for (uint64_t i = 0; i < 2; ++i) {
+    for (uint64_t i = 0; i < 4; ++i) {
       Tensor v(nullptr, DType::f64, {16, 16});
       v.data = be->allocate(v.bytes());
       write_tensor(*be, v, random_values(256, 60 + i + 10 * uint64_t(r)));
       t.push_back(v);
     }
     MoeLayer layer(*be, world.communicator(r), m, ParallelConfig{2, r}, EchoConfig{});
+    layer.zero_grad();
     expect_error([&] { layer.forward_dispatch(t[0], t[1]); },
                  "forward_dispatch: MoeConfig::chunks = 2 overlaps round 0's dispatch and combine");
     layer.forward(t[0], t[1]);
-    for (void* p : {t[0].data, t[1].data}) be->deallocate(p);
+    expect_error(
+        [&] { layer.backward_dispatch(t[2], t[3]); },
+        "backward_dispatch: MoeConfig::chunks = 2 overlaps round 0's dispatch and combine");
+    layer.backward(t[2], t[3]);
+    for (const Tensor& v : t) be->deallocate(v.data);
   });
 }
 

@@ -608,6 +608,26 @@ void expect_held_passes_give(const OneAtATime& ref, StepTensors& t0, StepTensors
   }
 }
 
+// One whole step (zero_grad, forward, backward; tokens and output gradients from `seed`) of a
+// fresh layer on `stream`: the reference bits of the eager overlap tests, whose layers have one
+// spill round unless they have shared experts.
+struct StepBits {
+  std::vector<double> y, dx, dw1, dw2;
+};
+StepBits whole_step_bits(const MoeConfig& m, const EchoConfig& echo, const GlobalParams& params,
+                         uint64_t seed, cudaStream_t stream) {
+  GpuLayer ref(m, echo, 9);
+  ref.set(params);
+  StepTensors t(*ref.be, m.max_tokens, m.hidden, seed, 1.0);
+  ref.layer.zero_grad(stream);
+  ref.layer.forward(*t.x, *t.y, stream);
+  ref.layer.backward(*t.dy, *t.dx, stream);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(ref.layer.stats().spill_rounds, m.shared_experts > 0 ? 0 : 1);
+  return StepBits{t.y.read(), t.dx.read(), read_tensor(*ref.be, ref.layer.grad(Param::w1)),
+                  read_tensor(*ref.be, ref.layer.grad(Param::w2))};
+}
+
 // The split-phase calls on the GPU (a graph per phase) and Overlap::wgrad (fc1's weight gradient
 // on the side stream beside the combine, on fewer SMs): the bits of the whole step without
 // overlap, with a spill round, with the shared experts on the side stream, in fp8; after a first
@@ -638,20 +658,8 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
     const Stream s = stream;
     // The whole step without overlap: the reference bits.
-    std::vector<double> y_ref, dx_ref, dw1_ref;
-    {
-      GpuLayer ref(m, echo, 9);
-      ref.set(params);
-      StepTensors t(*ref.be, T, H, 51, 1.0);
-      ref.layer.zero_grad(s);
-      ref.layer.forward(*t.x, *t.y, s);
-      ref.layer.backward(*t.dy, *t.dx, s);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      EXPECT_EQ(ref.layer.stats().spill_rounds, m.shared_experts > 0 ? 0 : 1);
-      y_ref = t.y.read();
-      dx_ref = t.dx.read();
-      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
-    }
+    const StepBits ref = whole_step_bits(m, echo, params, 51, stream);
+    const std::vector<double>&y_ref = ref.y, &dx_ref = ref.dx, &dw1_ref = ref.dw1;
     if (variant >= 3) {
       m.overlap = Overlap::wgrad;
       m.overlap_sms = 20;
@@ -692,15 +700,17 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
   }
 }
 
-// MoeConfig::chunks on the GPU (one rank: the local communicator): round 0 in 3 chunks, each
-// chunk's fan-out and expert GEMMs on the side stream (on all SMs but overlap_sms) beside the next
-// chunk's dispatch and the combine of the one before: the bits of one chunk, in bf16 with a spill
-// round, with the shared experts on the side stream, and in fp8 without the FP8 dispatch (a
-// token's two experts often fall in different chunks); after a first step, enqueued while the
-// stream is held (no host wait), twice (the second from the cached graph).
-TEST(CudaLayerEager, ChunkedForwardGivesTheBitsOfOneChunkAndNeverWaitsOnHost) {
+// MoeConfig::chunks on the GPU (one rank: the local communicator): round 0 in 3 chunks, forward
+// and backward, each chunk's fan-out and expert GEMMs (dgrads) on the side stream (on all SMs but
+// overlap_sms) beside the next chunk's dispatch and the combine of the one before, the weight
+// gradients after the chunks: the bits of one chunk, in bf16 with a spill round, with the shared
+// experts on the side stream, and in fp8 without the FP8 dispatch, with and without FP8 weight
+// gradients (with them the backward runs whole); a token's two experts often fall in different
+// chunks. After a first step, enqueued while the stream is held (no host wait), twice (the second
+// from the cached graph).
+TEST(CudaLayerEager, ChunkedForwardAndBackwardGiveTheBitsOfOneChunkAndNeverWaitOnHost) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     MoeConfig m = spill_test_moe(128, 128);
     EchoConfig echo;
     echo.capacity_factor = 0.5;  // round 0 and one spill round
@@ -715,6 +725,10 @@ TEST(CudaLayerEager, ChunkedForwardGivesTheBitsOfOneChunkAndNeverWaitsOnHost) {
       name = "fp8 without the FP8 dispatch, spill round";
       m.precision = Precision::fp8;
       m.fp8_gemms = fp8_gemm::all & ~fp8_gemm::fprop1;
+    } else if (variant == 3) {
+      name = "fp8 fprop2 and dgrads, spill round";
+      m.precision = Precision::fp8;
+      m.fp8_gemms = fp8_gemm::fprop2 | fp8_gemm::dgrad1 | fp8_gemm::dgrad2;
     }
     SCOPED_TRACE(name);
     const GlobalParams params = rounded_params(m, 43);
@@ -722,21 +736,9 @@ TEST(CudaLayerEager, ChunkedForwardGivesTheBitsOfOneChunkAndNeverWaitsOnHost) {
     cudaStream_t stream;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
     const Stream s = stream;
-    std::vector<double> y_ref, dx_ref, dw1_ref, dw2_ref;
-    {
-      GpuLayer ref(m, echo, 9);
-      ref.set(params);
-      StepTensors t(*ref.be, T, H, 53, 1.0);
-      ref.layer.zero_grad(s);
-      ref.layer.forward(*t.x, *t.y, s);
-      ref.layer.backward(*t.dy, *t.dx, s);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      EXPECT_EQ(ref.layer.stats().spill_rounds, m.shared_experts > 0 ? 0 : 1);
-      y_ref = t.y.read();
-      dx_ref = t.dx.read();
-      dw1_ref = read_tensor(*ref.be, ref.layer.grad(Param::w1));
-      dw2_ref = read_tensor(*ref.be, ref.layer.grad(Param::w2));
-    }
+    const StepBits ref = whole_step_bits(m, echo, params, 53, stream);
+    const std::vector<double>&y_ref = ref.y, &dx_ref = ref.dx, &dw1_ref = ref.dw1,
+          &dw2_ref = ref.dw2;
     m.chunks = 3;
     m.overlap_sms = 20;
     GpuLayer gl(m, echo, 9);

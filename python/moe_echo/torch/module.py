@@ -75,10 +75,11 @@ class MoE(nn.Module):
         overlap: what the backward runs beside its communication: "none" or "wgrad" (fc1's
             weight-gradient GEMM on a second CUDA stream beside the combine and the router's
             backward, on all SMs but ``overlap_sms``); gradients are the same bits either way.
-        chunks: the forward's received rows in this many chunks (1 to 16; 1: one): a chunk's
-            expert GEMMs run on a second CUDA stream, on all SMs but ``overlap_sms``, while the
-            next chunk is dispatched and the one before combined; the same bits as 1. Not with
-            the FP8 dispatch (precision "fp8" with "fprop1").
+        chunks: the received rows of the forward and the backward in this many chunks (1 to
+            16; 1: one): a chunk's expert GEMMs run on a second CUDA stream, on all SMs but
+            ``overlap_sms``, while the next chunk is dispatched and the one before combined, the
+            weight gradients after the chunks; the same bits as 1. Not with the FP8 dispatch
+            (precision "fp8" with "fprop1").
         in_flight: how many forwards may await their backward at once (1 to 16), each keeping
             its own routing and activations: a pipeline schedule runs several micro-batches'
             forwards before their backwards. A forward beyond them reuses the state of the
