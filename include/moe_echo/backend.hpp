@@ -417,11 +417,12 @@ class Backend {
   }
   // Enqueues `body` on the backend's side stream, after the work enqueued on `s` so far, and
   // returns; join_side(s) makes the work enqueued on `s` after it wait for all of body's. Only the
-  // grouped GEMMs, the FP8 column quantization and SwiGLU may run in body (the CUDA backend gives
-  // the side stream grouped GEMMs of its own: one group, and, after a reservation with
-  // overlap_sms, more groups on all SMs but those; the other ops share a scratch arena). One fork
-  // at a time, each joined before the next. Capture-safe (the side stream joins the capture). The
-  // CPU backend runs body on `s`.
+  // grouped GEMMs, the FP8 row and column quantization, SwiGLU and the fan ops may run in body
+  // (the CUDA backend gives the side stream grouped GEMMs of its own: one group, and, after a
+  // reservation with overlap_sms, more groups on all SMs but those; the fan ops' lead lists and
+  // the router, planner and layout share one scratch arena, so while body runs fan ops, `s` runs
+  // none of those). One fork at a time, each joined before the next. Capture-safe (the side
+  // stream joins the capture). The CPU backend runs body on `s`.
   virtual void fork_side(const std::function<void(Stream)>& body, Stream s) { body(s); }
   // Which of the reserved lanes (Reservation::lanes) the ops enqueued next use: each lane has
   // its own grouped GEMM arguments, scratch and side stream (on the CUDA backend), so ops of two
