@@ -120,6 +120,33 @@ struct MoeLayer::Buffers : StepPart {
 
 namespace {
 
+// The fan ops of a round (`f`: MoeLayer::fan_args), over the whole window or one chunk's rows
+// (FanArgs::chunk, nullptr: all): the forward's fan-out copies the token rows to their members in
+// recv_x (unweighted, in place); its fan-in sums the members' weighted outputs into their lead
+// rows of recv_red; the backward's scatter writes w dy to every member of recv_out and the
+// combine-weight gradients <dy, out> into the fan values.
+FanArgs expand_args(FanArgs f, const StepPart& b, const int32_t* chunk) {
+  f.weights = Tensor();
+  f.src = b.recv_x;
+  f.dst = b.recv_x;
+  f.chunk = chunk;
+  return f;
+}
+FanArgs sum_args(FanArgs f, const StepPart& b, const int32_t* chunk) {
+  f.src = b.recv_out;
+  f.dst = b.recv_red;
+  f.chunk = chunk;
+  return f;
+}
+FanArgs scatter_args(FanArgs f, const StepPart& b, const int32_t* chunk) {
+  f.src = b.recv_red;
+  f.dst = b.recv_out;
+  f.other = b.recv_out;
+  f.d_weight = b.fan_values;
+  f.chunk = chunk;
+  return f;
+}
+
 // Whether a layer with `spare_slots` echo slots keeps them itself (EchoPlacement::step) rather
 // than in the workspace's pool.
 bool own_echo_slots(const EchoConfig& e, int spare_slots) {
@@ -1551,18 +1578,9 @@ RowRoute MoeLayer::chunk_route(int64_t T, int chunk) const {
 void MoeLayer::chunk_experts(int chunk, Stream s) {
   Buffers& b = *buf_;
   const int32_t* rows = chunk_rows(chunk);
-  FanArgs expand = fan_args(0);
-  expand.weights = Tensor();
-  expand.src = b.recv_x;
-  expand.dst = b.recv_x;
-  expand.chunk = rows;
   mark(0, "fan_out", s);
-  backend_.fan_out(expand, s);
-  FanArgs sum = fan_args(0);
-  sum.src = b.recv_out;
-  sum.dst = b.recv_red;
-  sum.chunk = rows;
-  window_experts(chunk_window(chunk), sum, s);
+  backend_.fan_out(expand_args(fan_args(0), b, rows), s);
+  window_experts(chunk_window(chunk), sum_args(fan_args(0), b, rows), s);
 }
 
 bool MoeLayer::chunked_backward(const Step& st) const {
@@ -1587,14 +1605,8 @@ void MoeLayer::backward_chunks_ops(const Step& st, Stream s) {
 void MoeLayer::chunk_backward(int chunk, Stream s) {
   Buffers& b = *buf_;
   const int32_t* rows = chunk_rows(chunk);
-  FanArgs scatter = fan_args(0);
-  scatter.src = b.recv_red;
-  scatter.dst = b.recv_out;
-  scatter.other = b.recv_out;
-  scatter.d_weight = b.fan_values;
-  scatter.chunk = rows;
   mark(0, "bwd_fan_out", s);
-  backend_.fan_out(scatter, s);
+  backend_.fan_out(scatter_args(fan_args(0), b, rows), s);
   const GroupWindow gw = chunk_window(chunk);
   mark(0, "bwd_dgrad_fc2", s);
   expert_dgrad(gw, b.recv_out, 2, b.da, s);
@@ -1704,20 +1716,14 @@ void MoeLayer::dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s) 
   comm_.dispatch(route(T), RoundWindow{round * capacity_, capacity_}, x.data, row_bytes,
                  b.recv_x_sym, b.fan, s);
   mark(round, "fan_out", s);
-  FanArgs expand = fan_args(round);
-  expand.weights = Tensor();
-  expand.src = b.recv_x;
-  expand.dst = b.recv_x;
-  backend_.fan_out(expand, s);
+  backend_.fan_out(expand_args(fan_args(round), b, nullptr), s);
 }
 
 void MoeLayer::round_experts(int round, Stream s) {
   Buffers& b = *buf_;
   const RoundWindow win{round * capacity_, capacity_};
-  FanArgs sum = fan_args(round);
-  sum.src = b.recv_out;
-  sum.dst = b.recv_red;
-  window_experts(GroupWindow{win, b.group_offsets.as<int32_t>(), slots_}, sum, s);
+  window_experts(GroupWindow{win, b.group_offsets.as<int32_t>(), slots_},
+                 sum_args(fan_args(round), b, nullptr), s);
 }
 
 void MoeLayer::window_experts(const GroupWindow& gw, const FanArgs& sum, Stream s) {
@@ -2008,13 +2014,8 @@ void MoeLayer::round_backward_dispatch(int round, const Tensor& dy, int64_t T, S
   recompute_round(round, T, s);
   mark(round, "bwd_dispatch", s);
   comm_.dispatch(route(T), win, dy.data, row_bytes, b.recv_red_sym, b.fan, s);
-  FanArgs scatter = fan_args(round);
-  scatter.src = b.recv_red;
-  scatter.dst = b.recv_out;
-  scatter.other = b.recv_out;
-  scatter.d_weight = b.fan_values;
   mark(round, "bwd_fan_out", s);
-  backend_.fan_out(scatter, s);
+  backend_.fan_out(scatter_args(fan_args(round), b, nullptr), s);
 }
 
 // What a round's backward needs that its forward did not keep: everything for a spill round
