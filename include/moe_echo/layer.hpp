@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "moe_echo/backend.hpp"
@@ -80,6 +81,7 @@ class PhaseObserver {
 };
 
 class MoeLayer;
+class LayerCore;
 
 // What MoE layers allocate on one rank, by part, in bytes. Each memory_breakdown below fills the
 // parts its memory_bytes counts (a layer's own part leaves workspace and echo slots at 0, a
@@ -153,7 +155,7 @@ class MoeWorkspace {
   };
 
  private:
-  friend class MoeLayer;
+  friend class LayerCore;
   struct Set {
     std::unique_ptr<Buffers> buf;
     User pool_owner;  // the micro-batch whose clones the echo slots hold now
@@ -274,7 +276,7 @@ class MoeLayer {
   // optimizer_step and weights_changed refuse to run while gradients are held.
   void hold_clone_grads(bool hold);
   // Clone gradients of earlier backwards wait in the echo slots (EchoPlacement::step).
-  bool clone_grads_held() const { return clone_grads_held_; }
+  bool clone_grads_held() const;
   Tensor grad(Param p) const;
   // Zeroes the gradients. The next backward then writes the expert gradients of its first round
   // instead of adding to zeros (no read of them); a CUDA graph captured from zero_grad through
@@ -300,7 +302,7 @@ class MoeLayer {
   void refresh_master_weights();
 
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
-  void set_phase_observer(PhaseObserver* observer) { observer_ = observer; }
+  void set_phase_observer(PhaseObserver* observer);
 
   // Statistics of a micro-batch's last forward (-1: of the last forward of any): the losses, the
   // plan's loads and clones, and the rows and rounds the layout computed. Waits for the device
@@ -308,12 +310,12 @@ class MoeLayer {
   // after the step, never inside a capture; the CPU backend has them at once.
   StepStats stats(int micro_batch = -1) const;
 
-  const MoeConfig& moe_config() const { return moe_; }
-  const ParallelConfig& parallel_config() const { return par_; }
-  const EchoConfig& echo_config() const { return echo_; }
-  const PlannerConfig& planner_config() const { return planner_; }
-  int64_t capacity() const { return capacity_; }
-  int slots() const { return slots_; }
+  const MoeConfig& moe_config() const;
+  const ParallelConfig& parallel_config() const;
+  const EchoConfig& echo_config() const;
+  const PlannerConfig& planner_config() const;
+  int64_t capacity() const;
+  int slots() const;
   // Bytes this layer allocated on its rank (parameters, gradients, optimizer state, routing,
   // the activations it keeps for its backward) and those of its workspace when it owns one.
   size_t workspace_bytes() const;
@@ -335,183 +337,25 @@ class MoeLayer {
                                           const EchoConfig& echo, DType activation,
                                           DType float_dtype, bool optimizer_state = true);
 
-  struct Buffers;
-
  private:
-  RowRoute route(int64_t T) const;
-  GroupWindow shared_window(int64_t T) const;
-  void shared_forward(const Tensor& x, const Tensor& y, int64_t T, Stream s);
-  void shared_backward(const Tensor& dy, const Tensor& dx, int64_t T, bool overwrite_grads,
-                       Stream s);
-  FanArgs fan_args(int round) const;
-  void dispatch_tokens(int round, const Tensor& x, int64_t T, Stream s);
-  // One round's parts: dispatch_tokens, then its expert GEMMs up to the fan-in, then the
-  // combine (forward); the same for the backward.
-  void round_experts(int round, Stream s);
-  // The expert GEMMs of a window's rows, up to the fan-in (`sum`: fan_in's arguments).
-  void window_experts(const GroupWindow& gw, const FanArgs& sum, Stream s);
-  void round_combine(int round, const Tensor& y, int64_t T, const int32_t* accumulate, Stream s,
-                     bool join_side);
-  void round_backward_dispatch(int round, const Tensor& dy, int64_t T, Stream s);
-  void recompute_round(int round, int64_t T, Stream s);
-  void round_backward_experts(int round, bool overwrite_grads, const ExpertGrads& into, Stream s,
-                              bool delay_wgrad1 = false);
-  void round_wgrad1(int round, bool overwrite_grads, const ExpertGrads& into, Stream s);
-  void round_backward_combine(int round, const Tensor& dx, int64_t T, const int32_t* accumulate,
-                              Stream s);
-  // A forward or backward's arguments, kept from its first phase to the next ones.
-  struct Step {
-    Tensor x, y, dy, dx;
-    int64_t T = 0;
-    bool quantize_home = false;  // precision fp8: the home weights' e4m3 copies made again
-    bool overwrite_grads = false, overwrite_shared = false, repull = false;
-    // EchoPlacement::step: a forward plans the step's placement and pulls its clones (`place`;
-    // otherwise it splits its rows over the kept one); a backward zeroes its home gradients first
-    // and adds to them (`zero_home`: the clone gradients held add up, so the GEMM adds), zeroes
-    // the clone gradients first (`zero_clones`), and reduces them home (`reduce_clones`). With
-    // EchoPlacement::micro_batch: place, reduce_clones and zero_clones as the step needs.
-    bool place = true, zero_home = false, zero_clones = false, reduce_clones = true;
-    ExpertGrads into;
-    bool split = false;  // enqueued as three phases (shared experts beside the experts phase)
-  };
-  // MoeConfig::chunks: round 0 in chunks after forward_dispatch_ops (chunked_forward); a chunk's
-  // expert GEMMs, fan-out first, on the side stream.
-  bool chunked_forward(const Step& st) const;
-  void forward_chunks_ops(const Step& st, Stream s);
-  void chunk_experts(int chunk, Stream s);
-  RowRoute chunk_route(int64_t T, int chunk) const;
-  const int32_t* chunk_rows(int chunk) const;
-  GroupWindow chunk_window(int chunk) const;
-  // The backward's round 0 in chunks too, with both weight gradients after the chunks.
-  bool chunked_backward(const Step& st) const;
-  void backward_chunks_ops(const Step& st, Stream s);
-  void chunk_backward(int chunk, Stream s);
-  void backward_finish_ops(const Step& st, bool side_open, Stream s);
-  void run_chunks(bool forward, const Step& st, const int32_t* accumulate, Stream s);
-  enum class SplitPhase {
-    none,
-    forward_dispatched,
-    forward_experts_done,
-    backward_dispatched,
-    backward_experts_done
-  };
-  // A split step's shared experts on the side stream beside round 0's experts phase (the
-  // forward's only without spill rounds configured) instead of forked at the step's start.
-  bool shared_beside_experts(const Step& st, bool forward) const;
-  void forward_dispatch_ops(const Step& st, Stream s);
-  void forward_experts_ops(const Step& st, Stream s);
-  void forward_combine_ops(const Step& st, Stream s);
-  void backward_dispatch_ops(const Step& st, Stream s);
-  void backward_experts_ops(const Step& st, Stream s);
-  void backward_combine_ops(const Step& st, Stream s);
-  // Makes micro-batch m's buffers and host state the current ones (buf_'s StepPart, fl_),
-  // checking m first; `call` names the caller in the error.
-  void select_micro_batch(int m, const char* call);
-  MoeWorkspace::User user() const { return {this, cur_}; }
-  // The workspace set (and backend lane) of micro-batch m, and the current micro-batch's set.
-  int set_of(int m) const { return m % ws_->sets(); }
-  MoeWorkspace::Set& ws_set() const { return ws_->sets_[size_t(set_of(cur_))]; }
-  // The checks and bookkeeping of a forward's or backward's start (forward(), backward_impl()
-  // and the split dispatches), filling fl_->step.
-  void begin_forward(const Tensor& x, const Tensor& y, bool split);
-  void begin_backward(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, bool split);
-  // Enqueues one phase (a graph of its own where eager_graphs()) keyed on the step's arguments.
-  void enqueue_phase(int phase, const std::function<void(Stream)>& ops, Stream s);
-  // Throws when the current micro-batch is between split phases, or (workspace) another user of
-  // its workspace set is; with all_micro_batches, when any micro-batch of this layer is.
-  void check_no_split(const char* call, bool workspace = true,
-                      bool all_micro_batches = false) const;
-  // The split-phase calls of a layer with MoeConfig::chunks > 1 are refused by name.
-  void check_no_chunks(const char* call) const;
-  void expect_phase(SplitPhase want, const char* call) const;
-  void pull_clones(Stream s);
-  GemmArgs wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, const Tensor& spare,
-                 const Tensor& home, bool overwrite) const;
-  // The expert GEMMs of fc1 (fc = 1) or fc2 (fc = 2) over a window, in the layer's precision
-  // (MoeConfig::precision): c = a @ w (or a @ w^T with dgrad), and the weight gradient of a^T b
-  // into the home slots (`home`) and the spare slots (fp8: `a` may be e4m3 with its row scales
-  // `a_scale`; `b_quantized`: b's columns are in col_b already, from expert_dgrad).
-  // quantized_rows_gemm: the fp8 GEMM of rows already quantized (q, sc); fc1_forward: h from the
-  // received rows.
-  void expert_rows_gemm(const GroupWindow& gw, const Tensor& a, int fc, const Tensor& c, bool dgrad,
-                        Stream s);
-  bool expert_dgrad(const GroupWindow& gw, const Tensor& d, int fc, const Tensor& c, Stream s);
-  // Whether fc's dgrad quantizes its operand's columns for the wgrad too (both FP8).
-  bool dgrad_quantizes_cols(int fc) const {
-    return fc == 1 ? uses_fp8(moe_, fp8_gemm::dgrad1) && uses_fp8(moe_, fp8_gemm::wgrad1)
-                   : uses_fp8(moe_, fp8_gemm::dgrad2) && uses_fp8(moe_, fp8_gemm::wgrad2);
-  }
-  void quantized_rows_gemm(const GroupWindow& gw, const Tensor& q, const Tensor& sc, int fc,
-                           const Tensor& c, bool dgrad, Stream s);
-  void fc1_forward(const GroupWindow& gw, Stream s);
-  void expert_wgrad(const GroupWindow& gw, const Tensor& a, const Tensor& b, int fc,
-                    const Tensor& home, bool overwrite, Stream s, const Tensor& a_scale = Tensor(),
-                    bool b_quantized = false);
-  // Precision fp8: the e4m3 copies of the home slots' weights (`home`) and of the spare slots'
-  // (`spare`, after the clones were pulled), from the weights as they are now.
-  void quantize_weights(bool home, bool spare, Stream s);
-  // The backward of the current micro-batch (select_micro_batch first).
-  void backward_impl(const Tensor& dy, const Tensor& dx, const ExpertGrads& into, Stream s);
-  // Eager steps run as graphs (no host sync for spill rounds) unless the communicator waits on
-  // the host anyway or a phase observer records events between the ops.
-  bool eager_graphs() const { return observer_ == nullptr && comm_.capturable(); }
-  void init_parameters(uint64_t seed);
-  void mark(const char* phase, Stream s) {
-    if (observer_) observer_->mark(phase, s);
-  }
-  // A phase of round `round`, marked in round 0 only (spill rounds run inside conditional
-  // branches).
-  void mark(int round, const char* phase, Stream s) {
-    if (round == 0) mark(phase, s);
-  }
-
-  Backend& backend_;
-  Communicator& comm_;
-  std::unique_ptr<MoeWorkspace> own_workspace_;
-  MoeWorkspace* ws_ = nullptr;
-  MoeConfig moe_;
-  ParallelConfig par_;
-  EchoConfig echo_;
-  PlannerConfig planner_;
-  int slots_ = 0;
-  int64_t capacity_ = 0;
-  int rounds_ = 0;
-  PhaseObserver* observer_ = nullptr;
-  bool grads_zeroed_ = false;        // zero_grad or discard_grad since the last backward
-  bool expert_grads_stale_ = false;  // the last backward wrote the expert gradients elsewhere
-  // EchoPlacement::step (own_slots_: with spare slots, the layer's own echo slots): whether the
-  // slots hold the clones of this step's placement, which renewal of it is current (a forward
-  // records its epoch; its backward needs the same), and the clone gradients' state.
-  bool own_slots_ = false;
-  mutable bool placement_held_ = false;
-  mutable int64_t placement_epoch_ = 0;
-  // The weights changed (optimizer_step, weights_changed, param of w1 or w2): the next forward
-  // plans a new placement, and backwards of forwards before refuse to run.
-  void drop_placement() const {
-    if (placement_held_) ++placement_epoch_;
-    placement_held_ = false;
-  }
-  bool hold_clone_grads_ = false;
-  bool clone_grads_held_ = false;
-  mutable bool fp8_weights_stale_ = true;  // precision fp8: home weights changed since quantized
-  // A micro-batch's host state (MoeConfig::in_flight of them).
-  struct Flight {
-    bool forward_pending = false;  // a forward whose backward has not run yet
-    std::unique_ptr<GraphCache> forward_graph, backward_graph;
-    std::unique_ptr<GraphCache> phase_graphs[6];  // the split phases, in call order
-    Step step;
-    SplitPhase split_phase = SplitPhase::none;
-    int64_t last_tokens = 0;
-    Tensor last_x;
-    int64_t placement_epoch = 0;  // EchoPlacement::step: the placement its forward used
-    bool placed = true;           // its forward planned a placement and pulled the clones
-  };
-  std::vector<Flight> flights_;
-  int cur_ = 0;           // the current micro-batch
-  int last_forward_ = 0;  // the micro-batch of the last forward
-  Flight* fl_ = nullptr;  // &flights_[cur_]
-  std::unique_ptr<Buffers> buf_;
+  friend class LayerCore;
+  std::unique_ptr<LayerCore> core_;
 };
+
+// The calls describe_step lists: forward() and backward(), or their split phases.
+enum class StepCall { forward, backward, forward_split, backward_split };
+const char* to_string(StepCall c);
+// Parses "forward", "backward", "forward_split" or "backward_split"; throws ConfigError naming
+// `field` otherwise.
+StepCall parse_step_call(const std::string& s, const char* field = "call");
+
+// The ops a call of a layer of these configs enqueues, in order, as text: one op a line, those
+// on the side stream or inside a spill round's device-conditional block indented under their
+// fork or if, a split call's phases named (docs/design.md, "The step schedule"). The forward is
+// a step's first (it plans and pulls its clones, and in fp8 quantizes the home weights); the
+// backward follows zero_grad. Throws ConfigError on invalid configs.
+std::string describe_step(const MoeConfig& moe, const ParallelConfig& par, const EchoConfig& echo,
+                          StepCall call);
 
 // The MoE layers of one model on one rank: L layers (each layer's output feeds the next, in the
 // caller's hands) sharing one MoeWorkspace, one communicator and one pool of
