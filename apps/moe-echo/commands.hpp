@@ -106,5 +106,6 @@ void add_train(CLI::App& app, Runner& run);
 void add_simulate(CLI::App& app, Runner& run);
 void add_plan(CLI::App& app, Runner& run);
 void add_launch(CLI::App& app, Runner& run);
+void add_schedule(CLI::App& app, Runner& run);
 
 }  // namespace moe_echo::cli

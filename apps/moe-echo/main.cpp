@@ -1,4 +1,4 @@
-// moe-echo: benchmark, train, simulate and plan MoE layers with ECHO load balancing.
+// moe-echo: benchmark, train, simulate and plan MoE layers, and list a layer's step schedule with ECHO load balancing.
 // Exit codes: 0 success, 1 runtime failure, 2 invalid arguments or configuration. Every invalid
 // argument, the option parser's findings included, is reported in the library's form
 // "X = V is invalid: allowed ...".
@@ -26,14 +26,14 @@ std::string parse_message(const CLI::App& app, const CLI::ParseError& e, int arg
   if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
     if (cmd.empty())
       return "command = '" + after_colon(what) +
-             "' is invalid: allowed bench, train, simulate, plan or launch";
+             "' is invalid: allowed bench, train, simulate, plan, schedule or launch";
     return "argument = '" + after_colon(what) + "' is invalid: allowed the options that " + help +
            " lists";
   }
   if (dynamic_cast<const CLI::RequiredError*>(&e)) {
     if (cmd.empty())
       return "command = " + (argc > 1 ? "'" + std::string(argv[1]) + "'" : "(none)") +
-             " is invalid: allowed bench, train, simulate, plan or launch";
+             " is invalid: allowed bench, train, simulate, plan, schedule or launch";
     const std::string name = what.substr(0, what.find(' '));
     return moe_echo::cli::parameter_name(name) + " = (none) is invalid: allowed a value; " + name +
            " is required (" + help + ")";
@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
   moe_echo::cli::add_simulate(app, run);
   moe_echo::cli::add_plan(app, run);
   moe_echo::cli::add_launch(app, run);
+  moe_echo::cli::add_schedule(app, run);
   try {
     try {
       app.parse(argc, argv);
