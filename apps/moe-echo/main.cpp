@@ -1,4 +1,5 @@
-// moe-echo: benchmark, train, simulate and plan MoE layers, and list a layer's step schedule with ECHO load balancing.
+// moe-echo: benchmark, train, simulate and plan MoE layers with ECHO load balancing, and list a
+// layer's step schedule.
 // Exit codes: 0 success, 1 runtime failure, 2 invalid arguments or configuration. Every invalid
 // argument, the option parser's findings included, is reported in the library's form
 // "X = V is invalid: allowed ...".
