@@ -9,7 +9,8 @@
 #   speed   layer_bench before, after, before, after (one graph per step each), and with 2 GPUs
 #           `moe-echo bench --ep 2` of both, interleaved; a table and $OUT/before_after.json
 # Logs under $OUT (default out/before_after). Needs third_party/ (scripts/gpu_deps.sh).
-# Usage: STAGE=build bash bench/before_after_round.sh   (STAGES="tests bits speed" for several)
+# Usage: STAGES="build tests bits" bash bench/before_after_round.sh, then STAGES="build speed"
+# (the build stage is quick when the build dirs are there; a machine given back loses them).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out/before_after}
@@ -53,11 +54,11 @@ for stage in $stages; do
       ;;
     tests)
       for t in cuda_layer_test cuda_stack_test local_comm_test; do
-        timeout 300 "$after/$t" >"$OUT/$t.log" 2>&1
+        timeout 300 "$after/tests/gpu/$t" >"$OUT/$t.log" 2>&1
         echo "$t: rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$OUT/$t.log" | tr '\n' ' ')"
       done
       if [ "$gpus" -ge 2 ]; then
-        PREBUILT=$after RANKS=2 OUT=$OUT/multigpu timeout 420 bash tests/gpu/run_multigpu.sh \
+        RANKS=2 OUT=$OUT/multigpu timeout 420 bash tests/gpu/run_multigpu.sh \
           >"$OUT/multigpu.log" 2>&1
         echo "multigpu: rc=$?"
         tail -12 "$OUT/multigpu.log"

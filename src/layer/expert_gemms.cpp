@@ -5,20 +5,16 @@
 
 namespace moe_echo {
 
-namespace {
-// The first `rows` rows of an e4m3 [R, W] buffer (or its [R, tiles(W)] scales) viewed as
-// [rows, cols] (a contiguous prefix: the FP8 operands of one GEMM, packed).
-Tensor packed(const Tensor& buffer, int64_t rows, int64_t cols) {
+Tensor fp8_operand(const Tensor& buffer, int64_t rows, int64_t cols) {
   Tensor t(buffer.data, buffer.dtype, {rows, cols});
   MOE_ECHO_CHECK(t.bytes() <= buffer.bytes(),
                  "fp8 buffer " << buffer.describe() << " for " << t.describe());
   return t;
 }
-Tensor packed(const Tensor& buffer, int64_t n) {
-  Tensor t(buffer.data, buffer.dtype, {n});
-  MOE_ECHO_CHECK(t.bytes() <= buffer.bytes(),
-                 "fp8 buffer " << buffer.describe() << " for " << t.describe());
-  return t;
+
+namespace {
+Tensor fp8_scales(const Tensor& buffer, int64_t n) {  // a [n] prefix
+  return Tensor(fp8_operand(buffer, n, 1).data, buffer.dtype, {n});
 }
 }  // namespace
 
@@ -27,12 +23,7 @@ void ExpertGemms::rows(const GroupWindow& gw, int fc, step::Pass pass, step::For
   using step::Form;
   const bool dgrad = pass == step::Pass::dgrad;
   if (form == Form::plain) {
-    GemmArgs g;
-    g.window = gw;
-    g.a = a;
-    g.b = fc == 1 ? p.w1_spare : p.w2_spare;
-    g.b_home = fc == 1 ? w.w1 : w.w2;
-    g.c = c;
+    const GemmArgs g{gw, a, fc == 1 ? p.w1_spare : p.w2_spare, c, true, 0, fc == 1 ? w.w1 : w.w2};
     if (dgrad)
       backend.gemm_dgrad(g, s);
     else
@@ -44,14 +35,20 @@ void ExpertGemms::rows(const GroupWindow& gw, int fc, step::Pass pass, step::For
     return;
   }
   const int64_t n = a.size(0), k = a.size(1);
-  const Tensor q = packed(p.row_q, n, k), sc = packed(p.row_s, n, fp8_tiles(k));
+  const Tensor q = fp8_operand(p.row_q, n, k), sc = fp8_operand(p.row_s, n, fp8_tiles(k));
   if (form == Form::quantize) {
     backend.quantize_fp8_rows({a, q, sc, {}, gw}, s);
   } else if (form == Form::with_cols) {
     const int64_t P = p.col_b.size(1);
-    backend.quantize_fp8_cols(
-        {gw, a, packed(p.col_b, k, P), packed(p.col_bs, k * P / kFp8Tile), p.col_po2, {}, q, sc},
-        s);
+    backend.quantize_fp8_cols({gw,
+                               a,
+                               fp8_operand(p.col_b, k, P),
+                               fp8_scales(p.col_bs, k * P / kFp8Tile),
+                               p.col_po2,
+                               {},
+                               q,
+                               sc},
+                              s);
   }  // Form::quantized: SwiGLU wrote them
   fp8_rows(gw, fc, pass, q, sc, c, s);
 }
@@ -77,26 +74,19 @@ void ExpertGemms::fp8_rows(const GroupWindow& gw, int fc, step::Pass pass, const
 
 void ExpertGemms::wgrad(const GroupWindow& gw, int fc, step::Form form, const Tensor& a,
                         const Tensor& a_scale, const Tensor& bt, const Tensor& home, bool overwrite,
-                        Stream s) const {
+                        bool zero_clone_slots, Stream s) const {
   const Tensor& spare = fc == 1 ? p.dw1_spare : p.dw2_spare;
   const bool accumulate = !overwrite;
-  const int zero_below = overwrite ? zero_empty_below : 0;
+  const int zero_below = !overwrite ? 0 : zero_clone_slots ? slots : home_slots;
   if (form == step::Form::plain) {
     MOE_ECHO_CHECK(a_scale.data == nullptr, "expert wgrad: e4m3 rows for a bf16 weight gradient");
-    GemmArgs g;
-    g.window = gw;
-    g.a = a;
-    g.b = bt;
-    g.c = spare;
-    g.c_home = home;
-    g.accumulate = accumulate;
-    g.zero_empty_below = zero_below;
-    backend.gemm_wgrad(g, s);
+    backend.gemm_wgrad({gw, a, bt, spare, accumulate, zero_below, {}, home}, s);
     return;
   }
   const int64_t ka = a.size(1), nb = bt.size(1), P = p.col_a.size(1);
-  const Tensor qa = packed(p.col_a, ka, P), qb = packed(p.col_b, nb, P);
-  const Tensor sa = packed(p.col_as, ka * P / kFp8Tile), sb = packed(p.col_bs, nb * P / kFp8Tile);
+  const Tensor qa = fp8_operand(p.col_a, ka, P), qb = fp8_operand(p.col_b, nb, P);
+  const Tensor sa = fp8_scales(p.col_as, ka * P / kFp8Tile),
+               sb = fp8_scales(p.col_bs, nb * P / kFp8Tile);
   backend.quantize_fp8_cols({gw, a, qa, sa, p.col_po, a_scale}, s);
   if (form != step::Form::cols_ready) backend.quantize_fp8_cols({gw, bt, qb, sb, p.col_po2}, s);
   Fp8GemmArgs g;

@@ -2,6 +2,9 @@
 // bf16 or FP8 as the schedule's op says (step::Form: which operands are quantized here, which
 // were quantized before), home slots from the layer's weights and spare slots (clones) from the
 // echo slots, with the e4m3 copies of both in FP8.
+//
+// fp8_operand: the first `rows` rows of an e4m3 [R, W] buffer (or its [R, tiles(W)] scales)
+// viewed as [rows, cols] (a contiguous prefix: the FP8 operands of one GEMM, packed).
 #pragma once
 
 #include "layer/buffers.hpp"
@@ -10,13 +13,13 @@
 
 namespace moe_echo {
 
+Tensor fp8_operand(const Tensor& buffer, int64_t rows, int64_t cols);
+
 struct ExpertGemms {
   Backend& backend;
   const LayerTensors& w;
   const StepPart& p;
-  // Writing weight gradients, slots below this with no rows are zeroed (the home slots; with
-  // EchoPlacement::step all, clones too: the step's clone may get rows in a later backward).
-  int zero_empty_below;
+  int home_slots, slots;  // experts per rank, and with the echo slots
 
   // c = a @ w (fprop) or a @ w^T (dgrad) of fc (1 or 2). `form`: plain; quantize (a's rows
   // first); quantized (a's rows in the row operand already); received (a is recv_xq with
@@ -24,10 +27,12 @@ struct ExpertGemms {
   void rows(const GroupWindow& gw, int fc, step::Pass pass, step::Form form, const Tensor& a,
             const Tensor& a_scale, const Tensor& c, Stream s) const;
   // fc's weight gradient a^T b over the window into `home` (the home slots) and the echo slots'
-  // gradients, written or added. `form`: plain; quantize (both operands' columns first; a may
-  // be e4m3 with its row scales a_scale); cols_ready (b's columns from the dgrad's with_cols).
+  // gradients, written or added (writing, home slots with no rows are zeroed, and with
+  // `zero_clone_slots` clone slots too). `form`: plain; quantize (both operands' columns first; a
+  // may be e4m3 with its row scales a_scale); cols_ready (b's columns from the dgrad's with_cols).
   void wgrad(const GroupWindow& gw, int fc, step::Form form, const Tensor& a, const Tensor& a_scale,
-             const Tensor& b, const Tensor& home, bool overwrite, Stream s) const;
+             const Tensor& b, const Tensor& home, bool overwrite, bool zero_clone_slots,
+             Stream s) const;
 
  private:
   void fp8_rows(const GroupWindow& gw, int fc, step::Pass pass, const Tensor& q, const Tensor& sc,

@@ -8,17 +8,10 @@
 namespace moe_echo {
 
 const char* to_string(FlightCall c) {
-  switch (c) {
-    case FlightCall::forward: return "forward";
-    case FlightCall::forward_dispatch: return "forward_dispatch";
-    case FlightCall::forward_experts: return "forward_experts";
-    case FlightCall::forward_combine: return "forward_combine";
-    case FlightCall::backward: return "backward";
-    case FlightCall::backward_dispatch: return "backward_dispatch";
-    case FlightCall::backward_experts: return "backward_experts";
-    case FlightCall::backward_combine: return "backward_combine";
-  }
-  return "?";
+  static const char* const names[] = {"forward",          "forward_dispatch", "forward_experts",
+                                      "forward_combine",  "backward",         "backward_dispatch",
+                                      "backward_experts", "backward_combine"};
+  return names[int(c)];
 }
 
 bool in_split(FlightState s) {

@@ -32,7 +32,12 @@ class LayerCore {
             MoeWorkspace* workspace);
   ~LayerCore();
 
-  // Call bookkeeping (moe_layer.cpp).
+  // Call bookkeeping (moe_layer.cpp). `call` runs a forward, a backward or a split phase of
+  // micro-batch m; a and b: x and y of a forward, dy and dx of a backward (with `into`:
+  // backward_into's gradients), nothing for a later split phase; `name`: the public call's, for
+  // errors (the call's own by default).
+  void call(FlightCall c, int m, Stream s, const Tensor& a = {}, const Tensor& b = {},
+            const MoeLayer::ExpertGrads& into = {}, const char* name = nullptr);
   void select_micro_batch(int m, const char* call);
   // Moves the current micro-batch by `call` (throws when the table does not allow it, or the
   // workspace set is held by another user's split), returning the state it moves to.

@@ -13,25 +13,14 @@
 namespace moe_echo {
 
 const char* to_string(Param p) {
-  switch (p) {
-    case Param::router_weight: return "router_weight";
-    case Param::router_bias: return "router_bias";
-    case Param::w1: return "w1";
-    case Param::w2: return "w2";
-    case Param::shared_w1: return "shared_w1";
-    case Param::shared_w2: return "shared_w2";
-  }
-  return "?";
+  static const char* const names[] = {"router_weight", "router_bias", "w1", "w2",
+                                      "shared_w1",     "shared_w2"};
+  return names[int(p)];
 }
 
 const char* to_string(StepCall c) {
-  switch (c) {
-    case StepCall::forward: return "forward";
-    case StepCall::backward: return "backward";
-    case StepCall::forward_split: return "forward_split";
-    case StepCall::backward_split: return "backward_split";
-  }
-  return "?";
+  static const char* const names[] = {"forward", "backward", "forward_split", "backward_split"};
+  return names[int(c)];
 }
 
 StepCall parse_step_call(const std::string& s, const char* field) {
@@ -199,68 +188,68 @@ void LayerCore::enqueue(std::unique_ptr<GraphCache>& cache, int phase, Stream s)
 
 // ---- Forward and backward -----------------------------------------------------------------
 
+// A call: its checks and the micro-batch's move (flight.hpp), its flags and schedule (a
+// starting call), then its slice of the schedule enqueued; a split's dispatch holds the
+// workspace set until its combine, and a starting call leaves its clones in the echo slots.
+void LayerCore::call(FlightCall c, int m, Stream s, const Tensor& a, const Tensor& b,
+                     const MoeLayer::ExpertGrads& into, const char* name) {
+  select_micro_batch(m, name ? name : to_string(c));
+  const FlightState next = begin_call(c);
+  const bool forward = c <= FlightCall::forward_combine;
+  const int first =
+      forward ? int(FlightCall::forward_dispatch) : int(FlightCall::backward_dispatch);
+  const bool whole = c == FlightCall::forward || c == FlightCall::backward;
+  const int phase = whole ? -1 : int(c) - first;  // the split phase, 0 to 2
+  if (phase <= 0) {
+    if (forward)
+      begin_forward(a, b, !whole);
+    else
+      begin_backward(a, b, into, !whole);
+  }
+  if (phase == 0) ws_set().split_owner = user();
+  std::unique_ptr<GraphCache>& cache = whole ? (forward ? fl_->forward_graph : fl_->backward_graph)
+                                             : fl_->phase_graphs[size_t((forward ? 0 : 3) + phase)];
+  enqueue(cache, phase, s);
+  fl_->state = next;
+  if (phase == 2) ws_set().split_owner = {};
+  if (phase <= 0) {
+    if (forward && fl_->step.flags.quantize_home) fp8_weights_stale_ = false;
+    ws_set().pool_owner = user();  // this micro-batch's clones are in the echo slots
+  }
+}
+
 void MoeLayer::forward(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "forward");
-  const FlightState next = l.begin_call(FlightCall::forward);
-  l.begin_forward(x, y, false);
-  l.fl_->state = next;
-  l.enqueue(l.fl_->forward_graph, -1, s);
-  if (l.fl_->step.flags.quantize_home) l.fp8_weights_stale_ = false;
-  l.ws_set().pool_owner = l.user();  // the forward pulled this micro-batch's clones
+  core_->call(FlightCall::forward, micro_batch, s, x, y);
 }
-
 void MoeLayer::forward_dispatch(const Tensor& x, const Tensor& y, Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "forward_dispatch");
-  const FlightState next = l.begin_call(FlightCall::forward_dispatch);
-  l.begin_forward(x, y, true);
-  l.fl_->state = next;
-  l.ws_set().split_owner = l.user();
-  l.enqueue(l.fl_->phase_graphs[0], 0, s);
-  if (l.fl_->step.flags.quantize_home) l.fp8_weights_stale_ = false;
-  l.ws_set().pool_owner = l.user();
+  core_->call(FlightCall::forward_dispatch, micro_batch, s, x, y);
 }
+void MoeLayer::forward_experts(Stream s, int m) { core_->call(FlightCall::forward_experts, m, s); }
+void MoeLayer::forward_combine(Stream s, int m) { core_->call(FlightCall::forward_combine, m, s); }
 
-void MoeLayer::forward_experts(Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "forward_experts");
-  l.fl_->state = l.begin_call(FlightCall::forward_experts);
-  l.enqueue(l.fl_->phase_graphs[1], 1, s);
+// The backward's split phases; backward(dy, dx) below.
+void MoeLayer::backward_experts(Stream s, int m) {
+  core_->call(FlightCall::backward_experts, m, s);
 }
-
-void MoeLayer::forward_combine(Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "forward_combine");
-  const FlightState next = l.begin_call(FlightCall::forward_combine);
-  l.enqueue(l.fl_->phase_graphs[2], 2, s);
-  l.fl_->state = next;
-  l.ws_set().split_owner = {};
+void MoeLayer::backward_combine(Stream s, int m) {
+  core_->call(FlightCall::backward_combine, m, s);
 }
-
-namespace {
-void backward_call(LayerCore& l, const Tensor& dy, const Tensor& dx,
-                   const MoeLayer::ExpertGrads& into, Stream s) {
-  const FlightState next = l.begin_call(FlightCall::backward);
-  l.begin_backward(dy, dx, into, false);
-  l.fl_->state = next;
-  l.enqueue(l.fl_->backward_graph, -1, s);
-  l.ws_set().pool_owner = l.user();
+void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
+  core_->call(FlightCall::backward_dispatch, micro_batch, s, dy, dx);
 }
-}  // namespace
-
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
-  core_->select_micro_batch(micro_batch, "backward");
-  backward_call(*core_, dy, dx, ExpertGrads{}, s);
+  core_->call(FlightCall::backward, micro_batch, s, dy, dx);
 }
 
+// backward() and backward_into() with x given again: its shape checked, then kept as the one the
+// router's backward and the recompute read.
 void MoeLayer::backward(const Tensor& x, const Tensor& dy, const Tensor& dx, Stream s,
                         int micro_batch) {
   LayerCore& l = *core_;
   l.select_micro_batch(micro_batch, "backward");
   check_tensor(x, "x", l.backend_.activation_dtype(), {l.fl_->last_tokens, l.moe_.hidden});
   l.fl_->last_x = x;
-  backward_call(l, dy, dx, ExpertGrads{}, s);
+  l.call(FlightCall::backward, micro_batch, s, dy, dx);
 }
 
 void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx,
@@ -276,34 +265,7 @@ void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx
                  "backward_into: dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
                                           << " must be 16-byte aligned");
   l.fl_->last_x = x;
-  backward_call(l, dy, dx, into, s);
-}
-
-void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "backward_dispatch");
-  const FlightState next = l.begin_call(FlightCall::backward_dispatch);
-  l.begin_backward(dy, dx, ExpertGrads{}, true);
-  l.fl_->state = next;
-  l.ws_set().split_owner = l.user();
-  l.enqueue(l.fl_->phase_graphs[3], 0, s);
-  l.ws_set().pool_owner = l.user();
-}
-
-void MoeLayer::backward_experts(Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "backward_experts");
-  l.fl_->state = l.begin_call(FlightCall::backward_experts);
-  l.enqueue(l.fl_->phase_graphs[4], 1, s);
-}
-
-void MoeLayer::backward_combine(Stream s, int micro_batch) {
-  LayerCore& l = *core_;
-  l.select_micro_batch(micro_batch, "backward_combine");
-  const FlightState next = l.begin_call(FlightCall::backward_combine);
-  l.enqueue(l.fl_->phase_graphs[5], 2, s);
-  l.fl_->state = next;
-  l.ws_set().split_owner = {};
+  l.call(FlightCall::backward, micro_batch, s, dy, dx, into, "backward_into");
 }
 
 // ---- Parameters, gradients and the optimizer ----------------------------------------------

@@ -138,6 +138,7 @@ class Builder {
   void wgrad(Window w, int fc, Buf a, Buf b, bool overwrite, bool cols_ready) {
     StepOp& o = emit(Op::wgrad, w);
     o.fc = fc, o.a = a, o.b = b, o.c = fc == 1 ? Buf::dw1 : Buf::dw2, o.overwrite = overwrite;
+    o.zero_clone_slots = overwrite && m_.own_slots;
     const bool fp8 = m_.uses(fc == 1 ? fp8_gemm::wgrad1 : fp8_gemm::wgrad2);
     o.form = !fp8 ? Form::plain : cols_ready ? Form::cols_ready : Form::quantize;
   }

@@ -126,11 +126,14 @@ struct StepOp {
   Acc acc = Acc::write;
   bool home = false, spare = false;  // quantize_weights
   bool overwrite = false;            // wgrad, shared_backward: write instead of add
-  bool weighted = false;             // fan_in
-  bool quantize_out = false;         // swiglu
-  bool step_plan = false;            // reduce_clone_grads: the step's placement's clones
-  const char* mark = nullptr;        // marked on the op's stream before it runs
-  int end = -1;                      // fork, if_round: the index of the matching end op
+  // wgrad writing: clone slots with no rows are zeroed too, not only home slots
+  // (EchoPlacement::step: the step's clone may get rows in a later backward).
+  bool zero_clone_slots = false;
+  bool weighted = false;       // fan_in
+  bool quantize_out = false;   // swiglu
+  bool step_plan = false;      // reduce_clone_grads: the step's placement's clones
+  const char* mark = nullptr;  // marked on the op's stream before it runs
+  int end = -1;                // fork, if_round: the index of the matching end op
 };
 
 // A layer's modes (fixed when it is built).

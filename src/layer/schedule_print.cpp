@@ -8,78 +8,56 @@
 namespace moe_echo::step {
 
 const char* to_string(Buf b) {
-  switch (b) {
-    case Buf::none: return "-";
-    case Buf::x: return "x";
-    case Buf::y: return "y";
-    case Buf::dy: return "dy";
-    case Buf::dx: return "dx";
-    case Buf::x_packed: return "x_packed";
-    case Buf::recv_x: return "recv_x";
-    case Buf::recv_xq: return "recv_xq";
-    case Buf::recv_red: return "recv_red";
-    case Buf::recv_out: return "recv_out";
-    case Buf::h: return "h";
-    case Buf::a: return "a";
-    case Buf::da: return "da";
-    case Buf::dh: return "dh";
-    case Buf::dw1: return "dw1";
-    case Buf::dw2: return "dw2";
-  }
-  return "?";
+  static const char* const names[] = {"-",      "x",       "y",        "dy",       "dx", "x_packed",
+                                      "recv_x", "recv_xq", "recv_red", "recv_out", "h",  "a",
+                                      "da",     "dh",      "dw1",      "dw2"};
+  return names[int(b)];
 }
 
 const char* to_string(Op op) {
-  switch (op) {
-    case Op::fork: return "fork";
-    case Op::end_fork: return "end_fork";
-    case Op::join: return "join";
-    case Op::if_round: return "if_round";
-    case Op::end_if: return "end_if";
-    case Op::mark: return "mark";
-    case Op::router: return "router";
-    case Op::count_gather: return "count_gather";
-    case Op::plan: return "plan";
-    case Op::plan_placed: return "plan_placed";
-    case Op::keep_placement: return "keep_placement";
-    case Op::layout: return "layout";
-    case Op::chunk_plan: return "chunk_plan";
-    case Op::pull_clones: return "pull_clones";
-    case Op::quantize_weights: return "quantize_weights";
-    case Op::zero_clone_grads: return "zero_clone_grads";
-    case Op::zero_home_grads: return "zero_home_grads";
-    case Op::router_backward: return "router_backward";
-    case Op::reduce_clone_grads: return "reduce_clone_grads";
-    case Op::bias_update: return "bias_update";
-    case Op::shared_forward: return "shared_forward";
-    case Op::shared_backward: return "shared_backward";
-    case Op::zero_y: return "zero_y";
-    case Op::quantize_x: return "quantize_x";
-    case Op::dispatch: return "dispatch";
-    case Op::fan_out: return "fan_out";
-    case Op::fan_out_fp8: return "fan_out_fp8";
-    case Op::scatter: return "scatter";
-    case Op::fan_in: return "fan_in";
-    case Op::combine: return "combine";
-    case Op::gemm: return "gemm";
-    case Op::wgrad: return "wgrad";
-    case Op::swiglu: return "swiglu";
-    case Op::swiglu_backward: return "swiglu_backward";
-    case Op::dequantize_x: return "dequantize_x";
-  }
-  return "?";
+  static const char* const names[] = {"fork",
+                                      "end_fork",
+                                      "join",
+                                      "if_round",
+                                      "end_if",
+                                      "mark",
+                                      "router",
+                                      "count_gather",
+                                      "plan",
+                                      "plan_placed",
+                                      "keep_placement",
+                                      "layout",
+                                      "chunk_plan",
+                                      "pull_clones",
+                                      "quantize_weights",
+                                      "zero_clone_grads",
+                                      "zero_home_grads",
+                                      "router_backward",
+                                      "reduce_clone_grads",
+                                      "bias_update",
+                                      "shared_forward",
+                                      "shared_backward",
+                                      "zero_y",
+                                      "quantize_x",
+                                      "dispatch",
+                                      "fan_out",
+                                      "fan_out_fp8",
+                                      "scatter",
+                                      "fan_in",
+                                      "combine",
+                                      "gemm",
+                                      "wgrad",
+                                      "swiglu",
+                                      "swiglu_backward",
+                                      "dequantize_x"};
+  return names[int(op)];
 }
 
+// The forms as the listing shows them (schedule.hpp says what each means).
 const char* to_string(Form f) {
-  switch (f) {
-    case Form::plain: return "plain";
-    case Form::quantize: return "fp8";
-    case Form::quantized: return "fp8 rows from swiglu";
-    case Form::received: return "fp8 rows received";
-    case Form::with_cols: return "fp8 with the wgrad's columns";
-    case Form::cols_ready: return "fp8 b's columns from the dgrad";
-  }
-  return "?";
+  static const char* const names[] = {"plain",    "fp8",       "fp8:swiglu-rows",
+                                      "fp8:recv", "fp8:+cols", "fp8:cols-ready"};
+  return names[int(f)];
 }
 
 namespace {
@@ -141,8 +119,9 @@ std::string line(const StepOp& o) {
       break;
     case Op::wgrad:
       os << " fc" << o.fc << " " << window(o.win) << " " << to_string(o.a) << ", " << to_string(o.b)
-         << " -> " << to_string(o.c) << (o.overwrite ? " write" : " add") << " ["
-         << to_string(o.form) << "]";
+         << " -> " << to_string(o.c) << (o.overwrite ? " write" : " add")
+         << (o.zero_clone_slots ? " (empty clone slots zeroed)" : "") << " [" << to_string(o.form)
+         << "]";
       break;
     case Op::mark: os << " " << o.mark; break;
     default: break;

@@ -48,13 +48,6 @@ void LayerCore::run(const Step& st, size_t begin, size_t end, Stream s) {
 
 namespace {
 
-Tensor packed_rows(const Tensor& buffer, int64_t rows, int64_t cols) {
-  Tensor t(buffer.data, buffer.dtype, {rows, cols});
-  MOE_ECHO_CHECK(t.bytes() <= buffer.bytes(),
-                 "fp8 buffer " << buffer.describe() << " for " << t.describe());
-  return t;
-}
-
 // The router's tensors for T tokens of x: the forward writes them, the backward reads them.
 RouterTensors router_tensors(const LayerTensors& w, const StepPart& p, const Tensor& x, int64_t T) {
   return RouterTensors{x,
@@ -103,7 +96,7 @@ void LayerCore::exec(const StepOp& op, const Step& st, Stream s) {
       case Buf::y: return st.y;
       case Buf::dy: return st.dy;
       case Buf::dx: return st.dx;
-      case Buf::x_packed: return packed_rows(p.x_send, T, fp8_packed_row_bytes(H));
+      case Buf::x_packed: return fp8_operand(p.x_send, T, fp8_packed_row_bytes(H));
       case Buf::recv_x: return p.recv_x;
       case Buf::recv_xq: return p.recv_xq;
       case Buf::recv_red: return p.recv_red;
@@ -118,7 +111,7 @@ void LayerCore::exec(const StepOp& op, const Step& st, Stream s) {
     }
     return {};
   };
-  const ExpertGemms gemms{backend_, w_, p, own_slots() ? slots_ : int(moe_.experts / par_.ep_size)};
+  const ExpertGemms gemms{backend_, w_, p, int(moe_.experts / par_.ep_size), slots_};
   switch (op.op) {
     case Op::fork:
     case Op::end_fork:
@@ -303,13 +296,13 @@ void LayerCore::exec(const StepOp& op, const Step& st, Stream s) {
       return;
     case Op::wgrad:
       gemms.wgrad(gw, op.fc, op.form, tensor(op.a), op.a == Buf::recv_xq ? p.recv_xs : Tensor(),
-                  tensor(op.b), tensor(op.c), op.overwrite, s);
+                  tensor(op.b), tensor(op.c), op.overwrite, op.zero_clone_slots, s);
       return;
     case Op::swiglu:
       if (op.quantize_out) {  // a's FP8 rows for fc2 written by SwiGLU itself
         const int64_t rows = p.a.size(0), F = p.a.size(1);
-        backend_.swiglu_forward({gw, p.h, p.a, Tensor(), Tensor(), packed_rows(p.row_q, rows, F),
-                                 packed_rows(p.row_s, rows, fp8_tiles(F))},
+        backend_.swiglu_forward({gw, p.h, p.a, Tensor(), Tensor(), fp8_operand(p.row_q, rows, F),
+                                 fp8_operand(p.row_s, rows, fp8_tiles(F))},
                                 s);
       } else {
         backend_.swiglu_forward({gw, p.h, p.a, Tensor(), Tensor()}, s);
