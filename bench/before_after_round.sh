@@ -5,6 +5,7 @@
 # side (build-before/, build-gpu/), then, by STAGE:
 #   build   both builds (moe-echo, layer_bench, and for the working tree the GPU tests too)
 #   tests   the working tree's GPU layer tests, and the multi-GPU tests when 2 GPUs are visible
+#   python  the Python package's tests on the working tree (tests/gpu/run_python.sh)
 #   bits    layer_bench's outputs (y, dx, gradients of its small cases) before and after: cmp
 #   speed   layer_bench before, after, before, after (one graph per step each), and with 2 GPUs
 #           `moe-echo bench --ep 2` of both, interleaved; a table and $OUT/before_after.json
@@ -63,6 +64,12 @@ for stage in $stages; do
         echo "multigpu: rc=$?"
         tail -12 "$OUT/multigpu.log"
       fi
+      ;;
+    python)  # the package's GPU and NCCL EP tests and the example at EP 2, on the working tree
+      BUILD_DIR=build-py OUT=$OUT/python timeout 560 bash tests/gpu/run_python.sh \
+        >"$OUT/python.log" 2>&1
+      echo "python: rc=$?"
+      tail -15 "$OUT/python.log"
       ;;
     bits)
       for b in "$before" "$after"; do
