@@ -11,6 +11,8 @@
 #           `moe-echo bench --ep 2` of both, interleaved; a table and $OUT/before_after.json
 # Logs under $OUT (default out/before_after). Needs third_party/ (scripts/gpu_deps.sh).
 # Usage: STAGES="build tests bits" bash bench/before_after_round.sh, then STAGES="build speed"
+# (REPS=N repeats the speed runs, interleaved; EP2_RUNS="preset:skew:echo ..." picks the EP 2
+# runs; AFTER_TARGETS="" builds only moe-echo and layer_bench of the working tree)
 # (the build stage is quick when the build dirs are there; a machine given back loses them).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -42,8 +44,8 @@ for stage in $stages; do
         cmake --build "$before" -j "$jobs" --target moe-echo layer_bench \
           >>"$OUT/build_before.log" 2>&1; echo $? >"$OUT/build_before.rc") &
       (configure . "$after" >"$OUT/build_after.log" 2>&1 &&
-        cmake --build "$after" -j "$jobs" --target moe-echo layer_bench cuda_layer_test \
-          cuda_stack_test local_comm_test multigpu_test >>"$OUT/build_after.log" 2>&1
+        cmake --build "$after" -j "$jobs" --target moe-echo layer_bench ${AFTER_TARGETS-cuda_layer_test \
+          cuda_stack_test local_comm_test multigpu_test} >>"$OUT/build_after.log" 2>&1
         echo $? >"$OUT/build_after.rc") &
       wait
       echo "build: before rc=$(cat "$OUT/build_before.rc") after rc=$(cat "$OUT/build_after.rc")" \
@@ -85,33 +87,33 @@ for stage in $stages; do
       done
       echo "bits: $same files equal, $differ differ"
       ;;
-    speed)
-      mkdir -p /tmp/speed_dump
-      for rep in 1 2; do
+    speed)  # logs and per-run JSON under /tmp/ba (few files come back from a GPU machine)
+      mkdir -p /tmp/speed_dump /tmp/ba
+      for rep in $(seq "${REPS:-1}"); do
         for b in "$before" "$after"; do
-          timeout 240 "$b/layer_bench" --dump /tmp/speed_dump --out "$OUT/speed_${b}_$rep.json" \
-            >"$OUT/speed_${b}_$rep.log" 2>&1
+          timeout 240 "$b/layer_bench" --dump /tmp/speed_dump --out "/tmp/ba/speed_${b}_$rep.json" \
+            >"/tmp/ba/speed_${b}_$rep.log" 2>&1
           echo "layer_bench $b rep $rep: rc=$?"
         done
       done
       if [ "$gpus" -ge 2 ]; then
-        for rep in 1 2; do
+        for rep in $(seq "${REPS:-1}"); do
           for b in "$before" "$after"; do
-            for run in qwen3-30b-a3b:uniform:off qwen3-30b-a3b:zipf:1.2:on \
-                       deepseek-v3:zipf:1.2:on mixtral-8x7b:zipf:1.2:on; do
+            for run in ${EP2_RUNS:-qwen3-30b-a3b:uniform:off qwen3-30b-a3b:zipf:1.2:on \
+                       deepseek-v3:zipf:1.2:on mixtral-8x7b:zipf:1.2:on}; do
               preset=${run%%:*} rest=${run#*:} echo_on=${run##*:} skew=${rest%:*}
               name="ep2_${b}_${rep}_${preset}_${skew/:/}_$echo_on"
               timeout 120 "$b/moe-echo" launch -n 2 --master-port 0 --timeout 110 -- \
                 "$b/moe-echo" bench --preset "$preset" --ep 2 --skew "$skew" --echo "$echo_on" \
-                --spare-slots 2 --capture on --steps 8 --warmup 2 --json "$OUT/$name.json" \
-                >"$OUT/$name.log" 2>&1 || echo "$name: failed"
+                --spare-slots 2 --capture on --steps 8 --warmup 2 --json "/tmp/ba/$name.json" \
+                >"/tmp/ba/$name.log" 2>&1 || echo "$name: failed"
             done
           done
         done
       fi
-      python3 - "$OUT" "$before" "$after" <<'EOF'
+      python3 - /tmp/ba "$before" "$after" "$OUT" <<'EOF' | tee "$OUT/speed.txt"
 import glob, json, os, sys
-out, before, after = sys.argv[1:4]
+out, before, after, dest = sys.argv[1:5]
 def load(p):
     try: return json.load(open(p))
     except Exception: return None
@@ -137,7 +139,7 @@ for k, v in rows.items():
     bm, am = min(v[before]), min(v[after])
     table.append({"case": k, "before_ms": v[before], "after_ms": v[after], "ratio_of_best": am / bm})
     print(f"{k:55s} {bm:10.3f} {am:10.3f} {am / bm:12.3f}")
-json.dump({"before": "third_party/before.tar.gz", "rows": table}, open(f"{out}/before_after.json", "w"), indent=1)
+json.dump({"before": "third_party/before.tar.gz", "rows": table}, open(f"{dest}/before_after.json", "w"), indent=1)
 EOF
       ;;
   esac
