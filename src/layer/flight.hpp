@@ -49,7 +49,7 @@ struct Step {
   int64_t T = 0;
   MoeLayer::ExpertGrads into;  // backward_into's gradients, or empty
   step::Flags flags;
-  step::Schedule schedule;
+  const step::Schedule* schedule = nullptr;  // the layer's, for these flags (LayerCore::schedule)
   // Everything the call's work depends on that may change between calls: the graph key of
   // Backend::enqueue_as_graph (the schedule is a function of the flags and the layer's modes).
   std::vector<uint64_t> key() const;

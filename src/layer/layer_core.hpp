@@ -5,6 +5,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -45,6 +46,8 @@ class LayerCore {
   void begin_forward(const Tensor& x, const Tensor& y, bool split);
   void begin_backward(const Tensor& dy, const Tensor& dx, const MoeLayer::ExpertGrads& into,
                       bool split);
+  // The schedule of a call with these flags: built once per distinct flags, then kept.
+  const step::Schedule& schedule(const step::Flags& f);
   // Enqueues phase `phase` of the current call's schedule (-1: all of it) on `s`, as a graph of
   // its own where eager steps run as graphs.
   void enqueue(std::unique_ptr<GraphCache>& cache, int phase, Stream s);
@@ -99,6 +102,7 @@ class LayerCore {
   bool hold_clone_grads_ = false;
   bool clone_grads_held_ = false;
   bool fp8_weights_stale_ = true;  // precision fp8: home weights changed since quantized
+  std::map<uint64_t, step::Schedule> schedules_;  // by Flags::bits
   std::vector<Flight> flights_;
   int cur_ = 0;           // the current micro-batch
   int last_forward_ = 0;  // the micro-batch of the last forward

@@ -126,7 +126,7 @@ void LayerCore::begin_forward(const Tensor& x, const Tensor& y, bool split) {
   st.flags.split = split;
   st.flags.place = place;
   st.flags.quantize_home = fp8_weight_bits() != 0 && fp8_weights_stale_;
-  st.schedule = step::build_schedule(modes_, st.flags);
+  st.schedule = &schedule(st.flags);
   fl_->placed = place;
   if (own_slots()) placement_held_ = true;
   fl_->placement_epoch = placement_epoch_;
@@ -172,13 +172,20 @@ void LayerCore::begin_backward(const Tensor& dy, const Tensor& dx,
   f.zero_clones = slots_ > moe_.experts / par_.ep_size && !f.overwrite_grads && !clone_grads_held_;
   f.reduce_clones = modes_.spare_slots && !(own_slots() && hold_clone_grads_);
   clone_grads_held_ = own_slots() && hold_clone_grads_;
-  st.schedule = step::build_schedule(modes_, f);
+  st.schedule = &schedule(f);
+}
+
+const step::Schedule& LayerCore::schedule(const step::Flags& f) {
+  auto it = schedules_.find(f.bits());
+  if (it == schedules_.end())
+    it = schedules_.emplace(f.bits(), step::build_schedule(modes_, f)).first;
+  return it->second;
 }
 
 void LayerCore::enqueue(std::unique_ptr<GraphCache>& cache, int phase, Stream s) {
   const Step& st = fl_->step;
-  const size_t begin = phase < 0 ? 0 : st.schedule.phase[size_t(phase)];
-  const size_t end = phase < 0 ? st.schedule.ops.size() : st.schedule.phase[size_t(phase) + 1];
+  const size_t begin = phase < 0 ? 0 : st.schedule->phase[size_t(phase)];
+  const size_t end = phase < 0 ? st.schedule->ops.size() : st.schedule->phase[size_t(phase) + 1];
   auto ops = [&](Stream g) { run(st, begin, end, g); };
   if (eager_graphs())
     backend_.enqueue_as_graph(cache, st.key(), ops, s);

@@ -28,7 +28,7 @@ using step::Op;
 using step::StepOp;
 
 void LayerCore::run(const Step& st, size_t begin, size_t end, Stream s) {
-  const std::vector<StepOp>& ops = st.schedule.ops;
+  const std::vector<StepOp>& ops = st.schedule->ops;
   for (size_t i = begin; i < end; ++i) {
     const StepOp& op = ops[i];
     if (op.mark && observer_) observer_->mark(op.mark, s);
