@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "moe_echo/config.hpp"
+#include "moe_echo/planner.hpp"
 #include "moe_echo/presets.hpp"
 #include "offline/cost_model.hpp"
 #include "offline/trace.hpp"

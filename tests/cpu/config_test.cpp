@@ -8,6 +8,7 @@
 #include "core/synthetic.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/planner.hpp"
 
 namespace moe_echo {
 namespace {
