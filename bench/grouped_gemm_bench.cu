@@ -24,7 +24,7 @@
 #include <memory>
 #include <vector>
 
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
 
 namespace gg_bench {
 using moe_echo::cuda::gemm_detail::GemmOp;
@@ -45,7 +45,7 @@ bool add_variant(const Variant& v);
 
 #if defined(MOE_ECHO_GG_VARIANT)
 // ---- one alternative kernel configuration -----------------------------------------------------
-#include "cuda/grouped_gemm_cutlass.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace gg_bench {
 namespace {
@@ -202,8 +202,8 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 #include <stdexcept>
 #include <string>
 
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/grouped_gemm_fp8.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm_fp8.hpp"
 #include "cuda/ops.hpp"
 #include "moe_echo/backend.hpp"
 #include "moe_echo/presets.hpp"

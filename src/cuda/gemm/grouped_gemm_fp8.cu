@@ -5,8 +5,8 @@
 #include <algorithm>
 
 #include "cuda/cuda_check.hpp"
-#include "cuda/grouped_gemm_detail.hpp"
-#include "cuda/grouped_gemm_fp8.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm_fp8.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {

@@ -15,8 +15,8 @@
 #include <algorithm>
 
 #include "cuda/cuda_check.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {

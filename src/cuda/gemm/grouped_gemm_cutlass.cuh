@@ -16,8 +16,8 @@
 #include <type_traits>
 
 #include "cuda/cuda_check.hpp"
-#include "cuda/fp8_overlap_mainloop.cuh"
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/fp8_overlap_mainloop.cuh"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
