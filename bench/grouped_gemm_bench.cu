@@ -18,6 +18,12 @@
 // CMake options MOE_ECHO_GEMM_VARIANTS for bf16, MOE_ECHO_GEMM_FP8_VARIANTS for FP8): each such
 // object instantiates one alternative CUTLASS configuration and registers it; the main program
 // (no MOE_ECHO_GG_VARIANT) times them all (the FP8 ones with --fp8).
+//
+// Internal headers on purpose: this is a kernel probe, not a user of the library. It times the
+// CUTLASS kernels below the Backend interface (src/cuda/gemm: the runners, their tile orders and
+// alternative configurations swapped in through GroupedGemmFp8::replace_kernel) and the FP8
+// quantizers (src/cuda/ops.hpp), none of which the public headers expose. Every other benchmark
+// and the CLI include only include/moe_echo/.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

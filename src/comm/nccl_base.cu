@@ -7,9 +7,9 @@
 #include <sstream>
 
 #include "cuda/common.cuh"
-#include "cuda/nccl_check.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/nccl_check.hpp"
 
 namespace moe_echo {
 

@@ -17,9 +17,9 @@
 #include "comm/nccl_base.hpp"
 #include "comm/nccl_rows.cuh"
 #include "cuda/common.cuh"
-#include "cuda/nccl_check.hpp"
 #include "cuda/warp_copy.cuh"
 #include "moe_echo/error.hpp"
+#include "moe_echo/nccl_check.hpp"
 
 namespace moe_echo::nccl {
 namespace {

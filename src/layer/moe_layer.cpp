@@ -25,9 +25,9 @@
 #include <functional>
 #include <memory>
 
-#include "core/random.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
+#include "moe_echo/random.hpp"
 
 namespace moe_echo {
 

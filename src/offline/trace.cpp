@@ -4,7 +4,7 @@
 #pragma GCC diagnostic ignored "-Wrestrict"
 #endif
 
-#include "offline/trace.hpp"
+#include "moe_echo/trace.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -15,8 +15,8 @@
 #include <numeric>
 #include <sstream>
 
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
-#include "offline/cost_model.hpp"
 
 namespace moe_echo::offline {
 

@@ -14,9 +14,9 @@
 //   extents (gemm_detail::raster_index).
 #include <algorithm>
 
-#include "cuda/cuda_check.hpp"
 #include "cuda/gemm/grouped_gemm.hpp"
 #include "cuda/gemm/grouped_gemm_detail.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {

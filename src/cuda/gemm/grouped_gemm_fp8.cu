@@ -4,9 +4,9 @@
 // per call even for an empty window, the tile order chosen from host-known extents.
 #include <algorithm>
 
-#include "cuda/cuda_check.hpp"
 #include "cuda/gemm/grouped_gemm_detail.hpp"
 #include "cuda/gemm/grouped_gemm_fp8.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {

@@ -1,6 +1,7 @@
 // Error checks for CUDA runtime calls: MOE_ECHO_CUDA_CHECK(call) throws moe_echo::Error naming
 // the failed call, the error code's name and its description, with file and line. Usable from
-// .cpp and .cu files; library code never exits on a CUDA error.
+// .cpp and .cu files of builds with the CUDA backend (MOE_ECHO_WITH_CUDA); library code never
+// exits on a CUDA error.
 #pragma once
 
 #include <cuda_runtime.h>
