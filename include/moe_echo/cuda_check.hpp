@@ -14,10 +14,6 @@ namespace moe_echo::cuda::detail {
 
 }  // namespace moe_echo::cuda::detail
 
-#define MOE_ECHO_CUDA_CHECK(call)                                                        \
-  do {                                                                                   \
-    const cudaError_t moe_echo_cuda_status_ = (call);                                    \
-    if (moe_echo_cuda_status_ != cudaSuccess)                                            \
-      ::moe_echo::cuda::detail::throw_cuda_error(moe_echo_cuda_status_, #call, __FILE__, \
-                                                 __LINE__);                              \
-  } while (0)
+#define MOE_ECHO_CUDA_CHECK(call)                                                             \
+  MOE_ECHO_STATUS_CHECK(cudaError_t, cudaSuccess, ::moe_echo::cuda::detail::throw_cuda_error, \
+                        call, #call)
