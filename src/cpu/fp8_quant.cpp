@@ -119,13 +119,9 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
   if (a.row_q.data) quantize_fp8_rows<T>({a.x, a.row_q, a.row_scale, {}, w});
 }
 
-template void quantize_fp8_rows<float>(const Fp8RowArgs&);
-template void quantize_fp8_rows<double>(const Fp8RowArgs&);
-template void dequantize_fp8_rows<float>(const Fp8RowArgs&);
-template void dequantize_fp8_rows<double>(const Fp8RowArgs&);
-template void quantize_fp8_blocks<float>(const Fp8BlockArgs&);
-template void quantize_fp8_blocks<double>(const Fp8BlockArgs&);
-template void quantize_fp8_cols<float>(const Fp8ColArgs&);
-template void quantize_fp8_cols<double>(const Fp8ColArgs&);
+MOE_ECHO_CPU_INSTANTIATE(quantize_fp8_rows, Fp8RowArgs);
+MOE_ECHO_CPU_INSTANTIATE(dequantize_fp8_rows, Fp8RowArgs);
+MOE_ECHO_CPU_INSTANTIATE(quantize_fp8_blocks, Fp8BlockArgs);
+MOE_ECHO_CPU_INSTANTIATE(quantize_fp8_cols, Fp8ColArgs);
 
 }  // namespace moe_echo::cpu
