@@ -18,13 +18,19 @@
 // CMake options MOE_ECHO_GEMM_VARIANTS for bf16, MOE_ECHO_GEMM_FP8_VARIANTS for FP8): each such
 // object instantiates one alternative CUTLASS configuration and registers it; the main program
 // (no MOE_ECHO_GG_VARIANT) times them all (the FP8 ones with --fp8).
+//
+// Internal headers on purpose: this is a kernel probe, not a user of the library. It times the
+// CUTLASS kernels below the Backend interface (src/cuda/gemm: the runners, their tile orders and
+// alternative configurations swapped in through GroupedGemmFp8::replace_kernel) and the FP8
+// quantizers (src/cuda/ops.hpp), none of which the public headers expose. Every other benchmark
+// and the CLI include only include/moe_echo/.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <memory>
 #include <vector>
 
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
 
 namespace gg_bench {
 using moe_echo::cuda::gemm_detail::GemmOp;
@@ -45,7 +51,7 @@ bool add_variant(const Variant& v);
 
 #if defined(MOE_ECHO_GG_VARIANT)
 // ---- one alternative kernel configuration -----------------------------------------------------
-#include "cuda/grouped_gemm_cutlass.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace gg_bench {
 namespace {
@@ -202,8 +208,8 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 #include <stdexcept>
 #include <string>
 
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/grouped_gemm_fp8.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm_fp8.hpp"
 #include "cuda/ops.hpp"
 #include "moe_echo/backend.hpp"
 #include "moe_echo/presets.hpp"

@@ -23,12 +23,13 @@
 #include <string>
 #include <vector>
 
-#include "core/random.hpp"
-#include "core/synthetic.hpp"
-#include "cuda/cuda_backend.hpp"
+#include "moe_echo/backends.hpp"
+#include "moe_echo/cuda.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
+#include "moe_echo/random.hpp"
+#include "moe_echo/synthetic.hpp"
 
 using namespace moe_echo;
 
@@ -126,7 +127,7 @@ int main(int argc, char** argv) {
     if (!only.empty() && ("," + only + ",").find("," + c.name + ",") == std::string::npos) continue;
     // One layer per config (its expert weights take a while to draw on the host); each skew
     // writes its own router weight and tokens.
-    auto be = cuda::make_cuda_backend();
+    auto be = make_backend("cuda");
     auto comm = cuda::make_local_communicator();
     MoeConfig m;
     m.hidden = c.hidden;

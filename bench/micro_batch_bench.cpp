@@ -34,13 +34,14 @@
 #include <string>
 #include <vector>
 
-#include "core/random.hpp"
-#include "core/synthetic.hpp"
-#include "cuda/cuda_backend.hpp"
+#include "moe_echo/backends.hpp"
+#include "moe_echo/cuda.hpp"
 #include "moe_echo/dist.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
+#include "moe_echo/random.hpp"
+#include "moe_echo/synthetic.hpp"
 #ifdef MOE_ECHO_WITH_NCCL
 #include "moe_echo/nccl.hpp"
 #endif
@@ -123,7 +124,7 @@ int main(int argc, char** argv) {
   if (R > 1) {
 #ifdef MOE_ECHO_WITH_NCCL
     select_device(env);
-    be = cuda::make_cuda_backend();
+    be = make_backend("cuda");
     rv = std::make_unique<Rendezvous>(env);
     comm = make_nccl_communicator(*rv);
 #else
@@ -131,7 +132,7 @@ int main(int argc, char** argv) {
     return 2;
 #endif
   } else {
-    be = cuda::make_cuda_backend();
+    be = make_backend("cuda");
     comm = cuda::make_local_communicator();
   }
   // The slowest rank's value of each entry.

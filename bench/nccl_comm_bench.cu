@@ -35,12 +35,12 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_backend.hpp"
-#include "cuda/cuda_check.hpp"
-#include "cuda/nccl_check.hpp"
 #include "moe_echo/backends.hpp"
+#include "moe_echo/cuda.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/nccl.hpp"
+#include "moe_echo/nccl_check.hpp"
 #include "moe_echo/presets.hpp"
 
 using namespace moe_echo;
@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
       return 2;
     }
     select_device(env);
-    auto be = cuda::make_cuda_backend();
+    auto be = make_backend("cuda");
     Rendezvous rv(env);
     cudaDeviceProp prop{};
     MOE_ECHO_CUDA_CHECK(cudaGetDeviceProperties(&prop, env.local_rank));

@@ -41,16 +41,17 @@
 #include <thread>
 #include <vector>
 
-#include "core/random.hpp"
-#include "core/stats.hpp"
-#include "core/synthetic.hpp"
-#include "cuda/cuda_backend.hpp"
-#include "cuda/cuda_check.hpp"
 #include "moe_echo/backend.hpp"
+#include "moe_echo/backends.hpp"
+#include "moe_echo/cost_model.hpp"
+#include "moe_echo/cuda.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
 #include "moe_echo/presets.hpp"
-#include "offline/cost_model.hpp"
+#include "moe_echo/random.hpp"
+#include "moe_echo/stats.hpp"
+#include "moe_echo/synthetic.hpp"
 
 using namespace moe_echo;
 
@@ -329,7 +330,7 @@ int run(const Options& o, const std::string& command) {
     cases.push_back(model_case(*p, p->ep));
   for (int r : {8, 16, 32, 64}) cases.push_back(model_case(kDeepSeekV3, r));
 
-  auto be = cuda::make_cuda_backend();
+  auto be = make_backend("cuda");
   cudaStream_t s = nullptr;
   MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   struct StreamGuard {

@@ -21,11 +21,11 @@
 #include <string>
 #include <vector>
 
-#include "core/random.hpp"
-#include "cuda/cuda_backend.hpp"
 #include "moe_echo/backends.hpp"
+#include "moe_echo/cuda.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/presets.hpp"
+#include "moe_echo/random.hpp"
 
 using namespace moe_echo;
 
@@ -168,7 +168,7 @@ int main(int argc, char** argv) {
       {"deepseek_v3_seq_aux", grouped(GroupScore::top2_sum, p.routed_scaling_factor, 1e-4)},
   };
 
-  auto gpu = cuda::make_cuda_backend();
+  auto gpu = make_backend("cuda");
   auto cpu = make_cpu_backend(DType::f32);
   Rig g(*gpu, T, H, E, K);
   const int64_t C = std::min<int64_t>(check, T);

@@ -17,9 +17,6 @@
 #include <vector>
 
 #include "commands.hpp"
-#include "core/random.hpp"
-#include "core/stats.hpp"
-#include "core/synthetic.hpp"
 #include "layer_options.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
@@ -27,14 +24,17 @@
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
+#include "moe_echo/random.hpp"
+#include "moe_echo/stats.hpp"
+#include "moe_echo/synthetic.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
 #include <cuda_runtime.h>
 
 #include <future>
 
-#include "cuda/cuda_backend.hpp"
-#include "cuda/cuda_check.hpp"
+#include "moe_echo/cuda.hpp"
+#include "moe_echo/cuda_check.hpp"
 #endif
 #ifdef MOE_ECHO_WITH_NCCL
 #include "moe_echo/nccl.hpp"

@@ -9,14 +9,14 @@
 #include "moe_echo/layer.hpp"
 
 #include "commands.hpp"
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/presets.hpp"
-#include "offline/cost_model.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
 #include <cuda_runtime.h>
 
-#include "cuda/cuda_backend.hpp"
+#include "moe_echo/cuda.hpp"
 #endif
 
 namespace moe_echo::cli {

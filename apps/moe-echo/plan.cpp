@@ -13,12 +13,12 @@
 
 #include "commands.hpp"
 #include "layer_options.hpp"
+#include "moe_echo/capacity_plan.hpp"
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/presets.hpp"
-#include "offline/capacity_plan.hpp"
-#include "offline/cost_model.hpp"
-#include "offline/simulator.hpp"
-#include "offline/trace.hpp"
+#include "moe_echo/simulator.hpp"
+#include "moe_echo/trace.hpp"
 
 namespace moe_echo::cli {
 namespace {

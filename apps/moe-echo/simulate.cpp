@@ -14,11 +14,11 @@
 
 #include "commands.hpp"
 #include "layer_options.hpp"
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
-#include "offline/cost_model.hpp"
-#include "offline/simulator.hpp"
-#include "offline/svg_plot.hpp"
-#include "offline/trace.hpp"
+#include "moe_echo/simulator.hpp"
+#include "moe_echo/svg_plot.hpp"
+#include "moe_echo/trace.hpp"
 
 namespace moe_echo::cli {
 namespace {

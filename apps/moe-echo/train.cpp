@@ -13,13 +13,13 @@
 #include <vector>
 
 #include "commands.hpp"
-#include "core/random.hpp"
 #include "layer_options.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
+#include "moe_echo/random.hpp"
 
 namespace moe_echo::cli {
 namespace {

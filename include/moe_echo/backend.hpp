@@ -269,6 +269,10 @@ int64_t check_fp8_col_args(const Fp8ColArgs& a, DType x_dtype);
 // The same for Fp8RowArgs (returns the tiles per row) and Fp8FanArgs (returns the scales per row).
 int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype);
 int64_t check_fp8_fan_args(const Fp8FanArgs& a);
+// dequantize_fp8_rows' Fp8RowArgs: q and scale, not packed rows (returns the tiles per row).
+int64_t check_fp8_dequant_args(const Fp8RowArgs& a, DType x_dtype);
+// Fp8BlockArgs, w of dtype `w_dtype`.
+void check_fp8_block_args(const Fp8BlockArgs& a, DType w_dtype);
 // ChunkPlanArgs's shapes (bounds [R, chunks + 1], offsets [chunks, slots + 1]) and rank.
 void check_chunk_plan(const ChunkPlanArgs& a);
 // Columns q_t needs for a window of `rows` rows in `groups` groups (every group padded to 128).

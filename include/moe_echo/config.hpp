@@ -8,8 +8,6 @@
 #include <cstdint>
 #include <string>
 
-#include "moe_echo/planner.hpp"
-
 namespace moe_echo {
 
 inline constexpr int kVersionMajor = 0;
@@ -213,8 +211,5 @@ int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig
 int64_t capacity_rows(const MoeConfig& m, const EchoConfig& e);
 // Upper bound on rounds (first round plus spill rounds) for any routing.
 int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
-// The planner's config of a layer: its ranks and experts, and ECHO's spare slots, clone limit and
-// clone cost (no spare slots and no clones when ECHO is off).
-PlannerConfig planner_config(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
 
 }  // namespace moe_echo

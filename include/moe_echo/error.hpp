@@ -52,3 +52,12 @@ namespace detail {
       ::moe_echo::detail::fail(__FILE__, __LINE__, moe_echo_check_stream_.str()); \
     }                                                                             \
   } while (0)
+
+// The body of the checks of a library's status codes (MOE_ECHO_CUDA_CHECK in cuda_check.hpp,
+// MOE_ECHO_NCCL_CHECK in nccl_check.hpp): evaluates `call` once and, unless it returns `ok`, calls
+// `thrower(status, what, __FILE__, __LINE__)`, which names the code and throws moe_echo::Error.
+#define MOE_ECHO_STATUS_CHECK(Status, ok, thrower, call, what)                         \
+  do {                                                                                 \
+    const Status moe_echo_status_ = (call);                                            \
+    if (moe_echo_status_ != (ok)) thrower(moe_echo_status_, what, __FILE__, __LINE__); \
+  } while (0)

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe_echo/config.hpp"
+
 namespace moe_echo {
 
 struct PlannerConfig {
@@ -33,6 +35,10 @@ struct PlannerConfig {
   int home_rank(int e) const { return e / experts_per_rank(); }
   int home_slot(int e) const { return e % experts_per_rank(); }
 };
+
+// The planner's config of a layer: its ranks and experts, and ECHO's spare slots, clone limit and
+// clone cost (no spare slots and no clones when ECHO is off).
+PlannerConfig planner_config(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
 
 // Non-owning view of a plan stored as int32 arrays. Replica j of expert e: j = 0 is the home
 // replica, j >= 1 are its clones in ascending (rank, spare slot) order; unused entries hold -1

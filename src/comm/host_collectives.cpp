@@ -19,13 +19,12 @@
 #include <string>
 #include <vector>
 
+#include "comm/comm_args.hpp"
 #include "comm/host_comm_ops.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
 namespace {
-
-using host_comm::float_size;
 
 size_t round_up8(size_t v) { return (v + 7) / 8 * 8; }
 
@@ -198,8 +197,7 @@ class HostCollectivesCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(const Tensor& t, Stream) override {
-    MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
-                   "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
+    comm_args::check_sum_dtype("all_reduce_sum", t.dtype);
     const size_t bytes = t.bytes();
     send_.resize(bytes);
     recv_.resize(bytes * size_t(size_));
@@ -214,10 +212,11 @@ class HostCollectivesCommunicator final : public Communicator {
 
   void dispatch(const RowRoute& route, RoundWindow win, const void* src, size_t row_bytes,
                 const SymmetricBuffer& recv, const FanTable& fan, Stream) override {
-    const RowRoute h = host_route(route, fan, /*weights=*/true);
+    comm_args::check_route("dispatch", route, win, fan, {DType::f32, DType::f64});
     check_window(win, recv, row_bytes, fan, "dispatch");
+    const RowRoute h = host_route(route, fan, /*weights=*/true);
     const int K = route.top_k;
-    const size_t R = size_t(size_), fl = float_size(fan.float_dtype), rows = size_t(win.rows);
+    const size_t R = size_t(size_), fl = dtype_size(fan.float_dtype), rows = size_t(win.rows);
     // A record: members [K] i32, weights [K] float, the row; padded to 8 bytes.
     const size_t members_row = size_t(K) * sizeof(int32_t), weights_at = members_row;
     const size_t row_at = weights_at + size_t(K) * fl;
@@ -272,15 +271,12 @@ class HostCollectivesCommunicator final : public Communicator {
 
   void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red, const Tensor& y,
                const int32_t* accumulate, const FanTable& fan, void* values_out, Stream) override {
-    MOE_ECHO_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32 || y.dtype == DType::f64,
-                   "combine: rows of bf16, f32 or f64, not " << to_string(y.dtype));
-    const RowRoute h = host_route(route, fan, /*weights=*/false);
-    MOE_ECHO_CHECK(
-        y.ndim == 2 && y.size(0) * route.top_k == route.n,
-        "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
+    comm_args::check_route("combine", route, win, fan, {DType::f32, DType::f64});
+    comm_args::check_combine_rows(route, y, {DType::bf16, DType::f32, DType::f64});
     const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
     check_window(win, red, row_bytes, fan, "combine");
-    const size_t R = size_t(size_), fl = float_size(fan.float_dtype), rows = size_t(win.rows);
+    const RowRoute h = host_route(route, fan, /*weights=*/false);
+    const size_t R = size_t(size_), fl = dtype_size(fan.float_dtype), rows = size_t(win.rows);
     const size_t n = size_t(route.n);
 
     // Requests per destination: the window rows of its leads, then of every entry (values_out).
@@ -374,7 +370,7 @@ class HostCollectivesCommunicator final : public Communicator {
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& home, void* spare, size_t slot_bytes,
                           Stream) override {
-    check_plan(cfg);
+    comm_args::check_plan("pull_clone_weights", cfg, size_);
     const int S = cfg.spare_slots, EPR = cfg.experts_per_rank();
     const size_t R = size_t(size_), home_limit = size_t(EPR) * slot_bytes,
                  spare_limit = size_t(S) * slot_bytes;
@@ -416,9 +412,8 @@ class HostCollectivesCommunicator final : public Communicator {
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
-    check_plan(cfg);
-    MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
-                   "clone gradient reduction supports f32 and f64, not " << to_string(dtype));
+    comm_args::check_plan("reduce_clone_grads", cfg, size_);
+    comm_args::check_sum_dtype("reduce_clone_grads", dtype);
     MOE_ECHO_CHECK(slot_elems >= 0, "reduce_clone_grads: slots of " << slot_elems << " elements");
     const int S = cfg.spare_slots, EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
     const int E = cfg.experts;
@@ -502,21 +497,12 @@ class HostCollectivesCommunicator final : public Communicator {
                    op << ": " << need << " bytes into a symmetric buffer of " << have);
   }
 
+  // The window's buffers are live buffers of this communicator, and the window fits them.
   void check_window(RoundWindow win, const SymmetricBuffer& rows_buf, size_t row_bytes,
                     const FanTable& fan, const char* op) const {
     for (const SymmetricBuffer* b : {&rows_buf, &fan.members, &fan.weights, &fan.values})
       live(*b, op);
-    MOE_ECHO_CHECK(win.rows >= 0 && win.row_lo >= 0,
-                   op << ": window of rows " << win.row_lo << " + " << win.rows);
-    host_comm::check_window(win, rows_buf, row_bytes, fan);
-  }
-
-  void check_plan(const PlannerConfig& cfg) const {
-    MOE_ECHO_CHECK(cfg.ranks == size_ && cfg.experts >= size_ && cfg.experts % size_ == 0 &&
-                       cfg.spare_slots >= 0 && cfg.max_clones >= 0,
-                   "plan of " << cfg.ranks << " ranks, " << cfg.experts << " experts, "
-                              << cfg.spare_slots << " spare slots, " << cfg.max_clones
-                              << " clones on a communicator of " << size_ << " ranks");
+    comm_args::check_window_fits(op, win, rows_buf, row_bytes, fan);
   }
 
   // The clone ops' exchange: the slots pieces_ lists (in the order of their destinations) are read
@@ -534,15 +520,10 @@ class HostCollectivesCommunicator final : public Communicator {
     return at;
   }
 
-  // The route on the host (this communicator's copies), with weights when asked and given.
+  // The route on the host (this communicator's copies), with weights when asked and given;
+  // comm_args::check_route has checked it.
   RowRoute host_route(const RowRoute& route, const FanTable& fan, bool weights) {
-    MOE_ECHO_CHECK(
-        route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 && route.n % route.top_k == 0,
-        "route of " << route.n << " entries, top_k " << route.top_k << " (1.." << kMaxTopK
-                    << ", dividing the entries)");
-    MOE_ECHO_CHECK(fan.top_k == route.top_k,
-                   "fan table of top_k " << fan.top_k << " for a route of top_k " << route.top_k);
-    const size_t n = size_t(route.n), fl = float_size(fan.float_dtype);
+    const size_t n = size_t(route.n), fl = dtype_size(fan.float_dtype);
     dest_rank_.resize(n);
     dest_row_.resize(n);
     backend_.copy_to_host(dest_rank_.data(), route.dest_rank, n * sizeof(int32_t));
@@ -550,8 +531,6 @@ class HostCollectivesCommunicator final : public Communicator {
     RowRoute h{dest_rank_.data(), dest_row_.data(), nullptr, route.n, route.top_k, route.chunks};
     if (route.chunks.bounds) {
       const RowChunks& c = route.chunks;
-      MOE_ECHO_CHECK(c.chunks >= 1 && c.chunk >= 0 && c.chunk < c.chunks,
-                     "chunk " << c.chunk << " of " << c.chunks << " chunks");
       chunk_bounds_.resize(size_t(size_) * size_t(c.chunks + 1));
       backend_.copy_to_host(chunk_bounds_.data(), c.bounds, chunk_bounds_.size() * sizeof(int32_t));
       h.chunks.bounds = chunk_bounds_.data();

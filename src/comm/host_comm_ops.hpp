@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "moe_echo/comm.hpp"
-#include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 
 namespace moe_echo::host_comm {
@@ -74,12 +73,6 @@ inline bool combine_sums(const RowRoute& route, RoundWindow win, int64_t first) 
   return last == route.chunks.chunk;
 }
 
-inline size_t float_size(DType dt) {
-  MOE_ECHO_CHECK(dt == DType::f32 || dt == DType::f64,
-                 "fan table float dtype must be f32 or f64, not " << to_string(dt));
-  return dtype_size(dt);
-}
-
 // Writes 1 at p, which may be unaligned (a weight inside a byte buffer of rows).
 inline void write_one(void* p, DType dt) {
   const float one_f = 1.0f;
@@ -92,12 +85,12 @@ inline void write_one(void* p, DType dt) {
 
 // The fan table row of the lead entry first + k (destination d): members[0..K) gets the window
 // rows of (token, d)'s entries in the window, the lead first, then the others in k order, then
-// -1 padding; weights (float_dtype bytes each) gets each member's route weight (1 without
-// weights), members only. Returns the member count.
+// -1 padding; weights (float_dtype bytes each, f32 or f64) gets each member's route weight (1
+// without weights), members only. Returns the member count.
 inline int list_members(const RowRoute& route, RoundWindow win, int64_t first, int k,
                         DType float_dtype, int32_t* members, char* weights) {
   const int K = route.top_k, d = route.dest_rank[first + k];
-  const size_t fl = float_size(float_dtype);
+  const size_t fl = dtype_size(float_dtype);
   int m = 0;
   auto add = [&](int64_t j) {
     members[m] = int32_t(route.dest_row[j] - win.row_lo);
@@ -117,23 +110,10 @@ inline int list_members(const RowRoute& route, RoundWindow win, int64_t first, i
   return m;
 }
 
-// The window's rows fit the row buffer (row_bytes each) and the fan table.
-inline void check_window(RoundWindow win, const SymmetricBuffer& rows_buf, size_t row_bytes,
-                         const FanTable& fan) {
-  const size_t rows = size_t(win.rows);
-  MOE_ECHO_CHECK(rows * row_bytes <= rows_buf.bytes &&
-                     rows * size_t(fan.top_k) * sizeof(int32_t) <= fan.members.bytes &&
-                     rows * size_t(fan.top_k) * float_size(fan.float_dtype) <= fan.weights.bytes &&
-                     rows * float_size(fan.float_dtype) <= fan.values.bytes,
-                 "a window of " << win.rows << " rows does not fit the symmetric buffers");
-}
-
 // all_reduce_sum: sum[i] = 0 + parts[0][i] + parts[1][i] + ... in rank order, in double, for
-// parts of dtype f32 or f64; store_sum rounds it into `out` once.
+// parts of dtype f32 or f64 (comm_args::check_sum_dtype); store_sum rounds it into `out` once.
 inline std::vector<double> rank_order_sum(const std::vector<const void*>& parts, DType dtype,
                                           int64_t n) {
-  MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
-                 "all_reduce_sum supports f32 and f64, not " << to_string(dtype));
   std::vector<double> sum(static_cast<size_t>(n), 0.0);
   for (const void* p : parts)
     for (int64_t i = 0; i < n; ++i)

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/comm_args.hpp"
 #include "comm/host_comm_ops.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/dist.hpp"
@@ -77,8 +78,6 @@ struct InProcessWorld::State {
 namespace {
 
 using host_comm::add_into;
-using host_comm::check_window;
-using host_comm::float_size;
 using host_comm::in_window;
 using host_comm::lead_entry;
 using host_comm::row_ptr;
@@ -131,8 +130,7 @@ class InProcessCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(const Tensor& t, Stream) override {
-    MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
-                   "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
+    comm_args::check_sum_dtype("all_reduce_sum", t.dtype);
     w_.staging[size_t(rank_)] = t.data;
     w_.barrier(rank_);
     const std::vector<double> sum = host_comm::rank_order_sum(w_.staging, t.dtype, t.numel());
@@ -142,9 +140,10 @@ class InProcessCommunicator final : public Communicator {
 
   void dispatch(const RowRoute& route, RoundWindow win, const void* src, size_t row_bytes,
                 const SymmetricBuffer& recv, const FanTable& fan, Stream) override {
+    comm_args::check_route("dispatch", route, win, fan, {DType::f32, DType::f64});
+    comm_args::check_window_fits("dispatch", win, recv, row_bytes, fan);
     const int K = route.top_k;
-    const size_t fl = float_size(fan.float_dtype);
-    check_window(win, recv, row_bytes, fan);
+    const size_t fl = dtype_size(fan.float_dtype);
     w_.barrier(rank_);
     for (int64_t t = 0; t < route.n / K; ++t) {
       const int64_t first = t * K;
@@ -169,12 +168,9 @@ class InProcessCommunicator final : public Communicator {
 
   void combine(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red, const Tensor& y,
                const int32_t* accumulate, const FanTable& fan, void* values_out, Stream) override {
-    MOE_ECHO_CHECK(y.dtype == DType::f32 || y.dtype == DType::f64,
-                   "in-process combine supports f32 and f64 rows, not " << to_string(y.dtype));
-    MOE_ECHO_CHECK(
-        y.ndim == 2 && y.size(0) * route.top_k == route.n,
-        "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
-    check_window(win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
+    comm_args::check_route("combine", route, win, fan, {DType::f32, DType::f64});
+    comm_args::check_combine_rows(route, y, {DType::f32, DType::f64});
+    comm_args::check_window_fits("combine", win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
     w_.barrier(rank_);
     const bool add = accumulate && *accumulate != 0;
     if (y.dtype == DType::f32)
@@ -187,6 +183,7 @@ class InProcessCommunicator final : public Communicator {
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& home, void* spare, size_t slot_bytes,
                           Stream) override {
+    comm_args::check_plan("pull_clone_weights", cfg, w_.ranks);
     w_.barrier(rank_);
     for (int s = 0; s < cfg.spare_slots; ++s) {
       const int e = plan.spare_expert[rank_ * cfg.spare_slots + s];
@@ -201,6 +198,8 @@ class InProcessCommunicator final : public Communicator {
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream) override {
+    comm_args::check_plan("reduce_clone_grads", cfg, w_.ranks);
+    comm_args::check_sum_dtype("reduce_clone_grads", dtype);
     w_.barrier(rank_);
     const int EPR = cfg.experts_per_rank(), M = cfg.max_replicas();
     const size_t slot_bytes = size_t(slot_elems) * dtype_size(dtype);
@@ -215,11 +214,8 @@ class InProcessCommunicator final : public Communicator {
         void* dst = row_ptr(home, j, slot_bytes);
         if (dtype == DType::f32)
           add_into<float>(dst, src, slot_elems);
-        else if (dtype == DType::f64)
-          add_into<double>(dst, src, slot_elems);
         else
-          MOE_ECHO_CHECK(false, "in-process gradient reduction supports f32 and f64, not "
-                                    << to_string(dtype));
+          add_into<double>(dst, src, slot_elems);
       }
     }
     w_.barrier(rank_);
@@ -234,7 +230,7 @@ class InProcessCommunicator final : public Communicator {
   template <class T>
   void combine_rows(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
                     const Tensor& y, bool add, const FanTable& fan, void* values_out) const {
-    const size_t row_bytes = size_t(y.size(1)) * sizeof(T), fl = float_size(fan.float_dtype);
+    const size_t row_bytes = size_t(y.size(1)) * sizeof(T), fl = dtype_size(fan.float_dtype);
     auto row_of = [&](int64_t i) {
       return reinterpret_cast<const T*>(
           row_ptr(peer(red, route.dest_rank[i]), route.dest_row[i] - win.row_lo, row_bytes));

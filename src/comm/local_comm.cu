@@ -11,6 +11,7 @@
 // entries in the window. Entries whose rank is not 0 (-1: unrouted) are in no window. With chunks
 // (RowRoute::chunks) a dispatch moves the tokens whose lead row is in its chunk, a combine sums
 // those whose last entry row is.
+#include "comm/comm_args.hpp"
 #include "comm/token_lanes.cuh"
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.hpp"
@@ -175,26 +176,6 @@ __global__ void reduce_clones_kernel(const int32_t* __restrict__ replica_rank,
   }
 }
 
-// Checks what both per-step row ops need: a route of whole tokens of at most kMaxTopK entries,
-// a window that fits the receive rows and the fan table, the CUDA backend's f32 fan table.
-void check_route(const RowRoute& route, RoundWindow win, size_t row_bytes,
-                 const SymmetricBuffer& rows_buf, const FanTable& fan) {
-  MOE_ECHO_CHECK(
-      route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 && route.n % route.top_k == 0,
-      "route of " << route.n << " entries with top_k " << route.top_k << " (1 to " << kMaxTopK
-                  << ", whole tokens)");
-  MOE_ECHO_CHECK(fan.top_k == route.top_k && fan.float_dtype == DType::f32,
-                 "fan table of top_k " << fan.top_k << " and " << to_string(fan.float_dtype)
-                                       << " weights for a route of top_k " << route.top_k
-                                       << " (the CUDA backend's fan table is f32)");
-  const size_t rows = size_t(win.rows), K = size_t(route.top_k);
-  MOE_ECHO_CHECK(win.rows >= 0 && rows * row_bytes <= rows_buf.bytes &&
-                     rows * K * sizeof(int32_t) <= fan.members.bytes &&
-                     rows * K * sizeof(float) <= fan.weights.bytes &&
-                     rows * sizeof(float) <= fan.values.bytes,
-                 "a window of " << win.rows << " rows does not fit the symmetric buffers");
-}
-
 class LocalCommunicator final : public Communicator {
  public:
   int rank() const override { return 0; }
@@ -220,12 +201,12 @@ class LocalCommunicator final : public Communicator {
                                           cudaMemcpyDeviceToDevice, as_cuda(s)));
   }
   void all_reduce_sum(const Tensor& t, Stream) override {
-    MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
-                   "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
+    comm_args::check_sum_dtype("all_reduce_sum", t.dtype);
   }
   void dispatch(const RowRoute& route, RoundWindow window, const void* src, size_t row_bytes,
                 const SymmetricBuffer& recv, const FanTable& fan, Stream s) override {
-    check_route(route, window, row_bytes, recv, fan);
+    comm_args::check_route("dispatch", route, window, fan, {DType::f32});  // CUDA's f32 fan table
+    comm_args::check_window_fits("dispatch", window, recv, row_bytes, fan);
     const int64_t tokens = route.n / route.top_k;
     if (tokens == 0 || window.rows == 0 || row_bytes == 0) return;
     with_word(word_size(row_bytes, {src, recv.local}), [&](auto word) {
@@ -241,12 +222,10 @@ class LocalCommunicator final : public Communicator {
   void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
                const Tensor& y, const int32_t* accumulate, const FanTable& fan, void* values_out,
                Stream s) override {
-    MOE_ECHO_CHECK((y.dtype == DType::bf16 || y.dtype == DType::f32) && y.ndim == 2 &&
-                       y.size(0) * route.top_k == route.n,
-                   "combine: y must be bf16 or f32 [" << route.n << " / " << route.top_k
-                                                      << ", H], got " << y.describe());
+    comm_args::check_route("combine", route, window, fan, {DType::f32});
+    comm_args::check_combine_rows(route, y, {DType::bf16, DType::f32});
     const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
-    check_route(route, window, row_bytes, red, fan);
+    comm_args::check_window_fits("combine", window, red, row_bytes, fan);
     const int64_t tokens = y.size(0);
     if (tokens == 0) return;
     const unsigned grid = blocks_for(tokens, kRowThreads / 32, grid_cap());
@@ -275,7 +254,7 @@ class LocalCommunicator final : public Communicator {
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& home, void* spare, size_t slot_bytes,
                           Stream s) override {
-    MOE_ECHO_CHECK(cfg.ranks == 1, "the local communicator has one rank, the plan " << cfg.ranks);
+    comm_args::check_plan("pull_clone_weights", cfg, 1);
     if (cfg.spare_slots == 0 || slot_bytes == 0) return;
     with_word(word_size(slot_bytes, {home.local, spare}), [&](auto word) {
       using W = decltype(word);
@@ -289,7 +268,8 @@ class LocalCommunicator final : public Communicator {
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
                           const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
                           Stream s) override {
-    MOE_ECHO_CHECK(cfg.ranks == 1, "the local communicator has one rank, the plan " << cfg.ranks);
+    comm_args::check_plan("reduce_clone_grads", cfg, 1);
+    comm_args::check_sum_dtype("reduce_clone_grads", dtype);
     if (cfg.spare_slots == 0 || cfg.max_replicas() == 1 || slot_elems == 0) return;
     const unsigned grid = blocks_for(slot_elems, 256, grid_cap());
     if (dtype == DType::f32)
@@ -297,14 +277,11 @@ class LocalCommunicator final : public Communicator {
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
                       static_cast<const float*>(spare.local), static_cast<float*>(home),
                       slot_elems);
-    else if (dtype == DType::f64)
+    else
       MOE_ECHO_LAUNCH(reduce_clones_kernel<double>, grid, 256, 0, as_cuda(s), plan.replica_rank,
                       plan.replica_slot, cfg.max_replicas(), cfg.experts_per_rank(),
                       static_cast<const double*>(spare.local), static_cast<double*>(home),
                       slot_elems);
-    else
-      MOE_ECHO_CHECK(false,
-                     "clone gradient reduction supports f32 and f64, not " << to_string(dtype));
   }
 
  private:

@@ -1,15 +1,16 @@
 // What the NCCL communicator types share (nccl_base.hpp): the bootstrap, window memory, the
-// symmetric buffers and every op's argument checks.
+// symmetric buffers and every op's argument checks (comm_args.hpp's, and the windows' own).
 #include "comm/nccl_base.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <sstream>
 
+#include "comm/comm_args.hpp"
 #include "cuda/common.cuh"
-#include "cuda/nccl_check.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/nccl_check.hpp"
 
 namespace moe_echo {
 
@@ -186,31 +187,15 @@ void NcclCommBase::all_gather_i32(const int32_t* local, int32_t* all, int64_t n,
 }
 
 void NcclCommBase::all_reduce_sum(const Tensor& t, Stream s) {
-  MOE_ECHO_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
-                 "all_reduce_sum supports f32 and f64, not " << to_string(t.dtype));
+  comm_args::check_sum_dtype("all_reduce_sum", t.dtype);
   if (t.numel() == 0) return;
   ops_->all_reduce_sum(t, cuda::as_cuda(s));
 }
 
-namespace {
-
-void check_route(const RowRoute& route, const FanTable& fan) {
-  MOE_ECHO_CHECK(
-      route.top_k >= 1 && route.top_k <= kMaxTopK && route.n >= 0 && route.n % route.top_k == 0,
-      "route of " << route.n << " entries, top_k " << route.top_k << " (1.." << kMaxTopK
-                  << ", dividing the entries)");
-  MOE_ECHO_CHECK(fan.top_k == route.top_k,
-                 "fan table of top_k " << fan.top_k << " for a route of top_k " << route.top_k);
-  MOE_ECHO_CHECK(fan.float_dtype == DType::f32 || fan.float_dtype == DType::f64,
-                 "fan table float dtype f32 or f64, not " << to_string(fan.float_dtype));
-}
-
-}  // namespace
-
 void NcclCommBase::dispatch(const RowRoute& route, RoundWindow window, const void* src,
                             size_t row_bytes, const SymmetricBuffer& recv, const FanTable& fan,
                             Stream s) {
-  check_route(route, fan);
+  comm_args::check_route("dispatch", route, window, fan, {DType::f32, DType::f64});
   const size_t rows = size_t(std::max<int64_t>(window.rows, 0)), K = size_t(route.top_k);
   const Window& w = window_of(recv, rows * row_bytes, "dispatch");
   const Window& m = window_of(fan.members, rows * K * sizeof(int32_t), "dispatch (fan members)");
@@ -222,12 +207,8 @@ void NcclCommBase::dispatch(const RowRoute& route, RoundWindow window, const voi
 void NcclCommBase::combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
                            const Tensor& y, const int32_t* accumulate, const FanTable& fan,
                            void* values_out, Stream s) {
-  check_route(route, fan);
-  MOE_ECHO_CHECK(y.dtype == DType::bf16 || y.dtype == DType::f32 || y.dtype == DType::f64,
-                 "combine: rows of bf16, f32 or f64, not " << to_string(y.dtype));
-  MOE_ECHO_CHECK(
-      y.ndim == 2 && y.size(0) * route.top_k == route.n,
-      "combine: y " << y.describe() << " for " << route.n << " entries of top_k " << route.top_k);
+  comm_args::check_route("combine", route, window, fan, {DType::f32, DType::f64});
+  comm_args::check_combine_rows(route, y, {DType::bf16, DType::f32, DType::f64});
   const size_t rows = size_t(std::max<int64_t>(window.rows, 0));
   const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
   const Window& r = window_of(red, rows * row_bytes, "combine");
@@ -240,7 +221,7 @@ void NcclCommBase::combine(const RowRoute& route, RoundWindow window, const Symm
 void NcclCommBase::pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                                       const SymmetricBuffer& home, void* spare, size_t slot_bytes,
                                       Stream s) {
-  MOE_ECHO_CHECK(cfg.ranks == size(), "plan for " << cfg.ranks << " ranks on " << size());
+  comm_args::check_plan("pull_clone_weights", cfg, size());
   if (cfg.spare_slots == 0 || slot_bytes == 0) return;  // the same on every rank
   const Window& w =
       window_of(home, size_t(cfg.experts_per_rank()) * slot_bytes, "pull_clone_weights");
@@ -251,9 +232,8 @@ void NcclCommBase::pull_clone_weights(const PlanView& plan, const PlannerConfig&
 void NcclCommBase::reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
                                       const SymmetricBuffer& spare, void* home, int64_t slot_elems,
                                       DType dtype, Stream s) {
-  MOE_ECHO_CHECK(cfg.ranks == size(), "plan for " << cfg.ranks << " ranks on " << size());
-  MOE_ECHO_CHECK(dtype == DType::f32 || dtype == DType::f64,
-                 "clone gradient reduction supports f32 and f64, not " << to_string(dtype));
+  comm_args::check_plan("reduce_clone_grads", cfg, size());
+  comm_args::check_sum_dtype("reduce_clone_grads", dtype);
   const int M = cfg.max_replicas();
   MOE_ECHO_CHECK(M <= kMaxReplicas, "max_replicas " << M << " > " << kMaxReplicas);
   if (cfg.spare_slots == 0 || M == 1 || slot_elems == 0) return;  // no clones on any rank

@@ -16,7 +16,7 @@
 #include <utility>
 
 #include "comm/nccl_base.hpp"
-#include "cuda/cuda_check.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/nccl.hpp"
 

@@ -17,9 +17,9 @@
 #include "comm/nccl_base.hpp"
 #include "comm/nccl_rows.cuh"
 #include "cuda/common.cuh"
-#include "cuda/nccl_check.hpp"
 #include "cuda/warp_copy.cuh"
 #include "moe_echo/error.hpp"
+#include "moe_echo/nccl_check.hpp"
 
 namespace moe_echo::nccl {
 namespace {
@@ -330,9 +330,7 @@ class NcclHostComm final : public NcclCommBase {
     if (have_w) h_weight_in_.reserve(std::max<size_t>(n * fl, 1));
     const RowChunks& chunks = route.chunks;
     const size_t bounds = chunks.bounds ? size_t(size()) * size_t(chunks.chunks + 1) : 0;
-    if (bounds) {
-      MOE_ECHO_CHECK(chunks.chunks >= 1 && chunks.chunk >= 0 && chunks.chunk < chunks.chunks,
-                     "chunk " << chunks.chunk << " of " << chunks.chunks << " chunks");
+    if (bounds) {  // chunks checked by comm_args::check_route (NcclCommBase)
       h_bounds_.reserve(bounds);
       MOE_ECHO_CUDA_CHECK(cudaMemcpyAsync(h_bounds_.data, chunks.bounds, bounds * sizeof(int32_t),
                                           cudaMemcpyDeviceToHost, s));

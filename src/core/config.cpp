@@ -279,16 +279,6 @@ int64_t capacity_rows(const MoeConfig& m, const EchoConfig& e) {
   return std::max<int64_t>(1, int64_t(cap));
 }
 
-PlannerConfig planner_config(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
-  PlannerConfig c;
-  c.ranks = p.ep_size;
-  c.experts = m.experts;
-  c.spare_slots = e.enabled ? e.spare_slots_per_rank : 0;
-  c.max_clones = e.enabled ? e.max_clones_per_expert : 0;
-  c.clone_cost_rows = e.clone_cost_rows;
-  return c;
-}
-
 int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
   const int64_t worst = int64_t(m.max_tokens) * m.top_k * p.ep_size;  // every row to one rank
   const int64_t cap = capacity_rows(m, e);

@@ -1,12 +1,12 @@
-#include "core/synthetic.hpp"
+#include "moe_echo/synthetic.hpp"
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <sstream>
 
-#include "core/random.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/random.hpp"
 
 namespace moe_echo {
 

@@ -33,7 +33,6 @@ void adamw(const AdamWArgs& a) {
   }
 }
 
-template void adamw<float>(const AdamWArgs&);
-template void adamw<double>(const AdamWArgs&);
+MOE_ECHO_CPU_INSTANTIATE(adamw, AdamWArgs);
 
 }  // namespace moe_echo::cpu

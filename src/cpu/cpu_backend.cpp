@@ -43,12 +43,14 @@ class CpuBackend final : public Backend {
                    "copy " << src.describe() << " into " << dst.describe());
     if (src.bytes()) std::memmove(dst.data, src.data, src.bytes());
   }
-  void router_forward(const RouterForwardArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::router_forward<T>(a); });
+  // Every op of MOE_ECHO_CPU_TYPED_OPS (cpu_ops.hpp) runs its template in the backend's dtype.
+#define MOE_ECHO_CPU_OVERRIDE(op, Args)          \
+  void op(const Args& a, Stream) override {      \
+    dispatch([&]<class T>() { cpu::op<T>(a); }); \
   }
-  void router_backward(const RouterBackwardArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::router_backward<T>(a); });
-  }
+  MOE_ECHO_CPU_TYPED_OPS(MOE_ECHO_CPU_OVERRIDE)
+#undef MOE_ECHO_CPU_OVERRIDE
+
   void router_bias_update(const Tensor& routing_map, const Tensor& bias, double rate,
                           Stream) override {
     dispatch([&]<class T>() { cpu::router_bias_update<T>(routing_map, bias, rate); });
@@ -70,52 +72,7 @@ class CpuBackend final : public Backend {
   }
   void layout(const LayoutArgs& a, Stream) override { cpu::layout(a); }
   void chunk_plan(const ChunkPlanArgs& a, Stream) override { cpu::chunk_plan(a); }
-  void gemm_fprop(const GemmArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::gemm_fprop<T>(a); });
-  }
-  void gemm_dgrad(const GemmArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::gemm_dgrad<T>(a); });
-  }
-  void gemm_wgrad(const GemmArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::gemm_wgrad<T>(a); });
-  }
-  void swiglu_forward(const SwigluArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::swiglu_forward<T>(a); });
-  }
-  void swiglu_backward(const SwigluArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::swiglu_backward<T>(a); });
-  }
-  void fan_out(const FanArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::fan_out<T>(a); });
-  }
-  void fan_in(const FanArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::fan_in<T>(a); });
-  }
-  void adamw(const AdamWArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::adamw<T>(a); });
-  }
   void fan_out_fp8(const Fp8FanArgs& a, Stream) override { cpu::fan_out_fp8(a); }
-  void quantize_fp8_rows(const Fp8RowArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::quantize_fp8_rows<T>(a); });
-  }
-  void dequantize_fp8_rows(const Fp8RowArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::dequantize_fp8_rows<T>(a); });
-  }
-  void quantize_fp8_blocks(const Fp8BlockArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::quantize_fp8_blocks<T>(a); });
-  }
-  void quantize_fp8_cols(const Fp8ColArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::quantize_fp8_cols<T>(a); });
-  }
-  void gemm_fp8_fprop(const Fp8GemmArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::gemm_fp8_fprop<T>(a); });
-  }
-  void gemm_fp8_dgrad(const Fp8GemmArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::gemm_fp8_dgrad<T>(a); });
-  }
-  void gemm_fp8_wgrad(const Fp8GemmArgs& a, Stream) override {
-    dispatch([&]<class T>() { cpu::gemm_fp8_wgrad<T>(a); });
-  }
   void add_i32(const Tensor& t, int32_t value, Stream) override {
     MOE_ECHO_CHECK(t.dtype == DType::i32, "add_i32 on " << t.describe());
     for (int64_t i = 0; i < t.numel(); ++i) t.as<int32_t>()[i] += value;

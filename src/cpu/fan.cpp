@@ -121,9 +121,7 @@ void fan_out_fp8(const Fp8FanArgs& a) {
   }
 }
 
-template void fan_out<float>(const FanArgs&);
-template void fan_out<double>(const FanArgs&);
-template void fan_in<float>(const FanArgs&);
-template void fan_in<double>(const FanArgs&);
+MOE_ECHO_CPU_INSTANTIATE(fan_out, FanArgs);
+MOE_ECHO_CPU_INSTANTIATE(fan_in, FanArgs);
 
 }  // namespace moe_echo::cpu

@@ -155,11 +155,8 @@ void gemm_fp8_wgrad(const Fp8GemmArgs& a) {  // c[g] (+)= x_g^T dy_g over the pa
   }
 }
 
-template void gemm_fp8_fprop<float>(const Fp8GemmArgs&);
-template void gemm_fp8_fprop<double>(const Fp8GemmArgs&);
-template void gemm_fp8_dgrad<float>(const Fp8GemmArgs&);
-template void gemm_fp8_dgrad<double>(const Fp8GemmArgs&);
-template void gemm_fp8_wgrad<float>(const Fp8GemmArgs&);
-template void gemm_fp8_wgrad<double>(const Fp8GemmArgs&);
+MOE_ECHO_CPU_INSTANTIATE(gemm_fp8_fprop, Fp8GemmArgs);
+MOE_ECHO_CPU_INSTANTIATE(gemm_fp8_dgrad, Fp8GemmArgs);
+MOE_ECHO_CPU_INSTANTIATE(gemm_fp8_wgrad, Fp8GemmArgs);
 
 }  // namespace moe_echo::cpu

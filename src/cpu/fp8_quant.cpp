@@ -49,9 +49,7 @@ void quantize_fp8_rows(const Fp8RowArgs& a) {
 
 template <class T>
 void dequantize_fp8_rows(const Fp8RowArgs& a) {
-  MOE_ECHO_CHECK(a.packed.data == nullptr,
-                 "dequantize_fp8_rows reads q and scale, not packed rows");
-  const int64_t KT = check_fp8_row_args(a, a.x.dtype), K = a.x.size(1);
+  const int64_t KT = check_fp8_dequant_args(a, a.x.dtype), K = a.x.size(1);
   const int64_t rows = a.window.group_offsets ? valid_rows(a.window) : a.x.size(0);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < K; ++k)
@@ -61,13 +59,9 @@ void dequantize_fp8_rows(const Fp8RowArgs& a) {
 
 template <class T>
 void quantize_fp8_blocks(const Fp8BlockArgs& a) {
+  check_fp8_block_args(a, a.w.dtype);
   const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = fp8_tiles(K),
                 NT = fp8_tiles(N);
-  check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
-  if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
-  if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
-  if (a.scale_t.data)
-    check_tensor(a.scale_t, "quantize_fp8_blocks scale_t", DType::f32, {G, NT, KT});
   const T* w = a.w.as<T>();
   for (int64_t g = 0; g < G; ++g)
     for (int64_t kt = 0; kt < KT; ++kt)
@@ -125,13 +119,9 @@ void quantize_fp8_cols(const Fp8ColArgs& a) {
   if (a.row_q.data) quantize_fp8_rows<T>({a.x, a.row_q, a.row_scale, {}, w});
 }
 
-template void quantize_fp8_rows<float>(const Fp8RowArgs&);
-template void quantize_fp8_rows<double>(const Fp8RowArgs&);
-template void dequantize_fp8_rows<float>(const Fp8RowArgs&);
-template void dequantize_fp8_rows<double>(const Fp8RowArgs&);
-template void quantize_fp8_blocks<float>(const Fp8BlockArgs&);
-template void quantize_fp8_blocks<double>(const Fp8BlockArgs&);
-template void quantize_fp8_cols<float>(const Fp8ColArgs&);
-template void quantize_fp8_cols<double>(const Fp8ColArgs&);
+MOE_ECHO_CPU_INSTANTIATE(quantize_fp8_rows, Fp8RowArgs);
+MOE_ECHO_CPU_INSTANTIATE(dequantize_fp8_rows, Fp8RowArgs);
+MOE_ECHO_CPU_INSTANTIATE(quantize_fp8_blocks, Fp8BlockArgs);
+MOE_ECHO_CPU_INSTANTIATE(quantize_fp8_cols, Fp8ColArgs);
 
 }  // namespace moe_echo::cpu

@@ -113,11 +113,8 @@ void gemm_wgrad(const GemmArgs& a) {  // c[g] (+)= a[rows of g]^T @ b[rows of g]
   }
 }
 
-template void gemm_fprop<float>(const GemmArgs&);
-template void gemm_fprop<double>(const GemmArgs&);
-template void gemm_dgrad<float>(const GemmArgs&);
-template void gemm_dgrad<double>(const GemmArgs&);
-template void gemm_wgrad<float>(const GemmArgs&);
-template void gemm_wgrad<double>(const GemmArgs&);
+MOE_ECHO_CPU_INSTANTIATE(gemm_fprop, GemmArgs);
+MOE_ECHO_CPU_INSTANTIATE(gemm_dgrad, GemmArgs);
+MOE_ECHO_CPU_INSTANTIATE(gemm_wgrad, GemmArgs);
 
 }  // namespace moe_echo::cpu

@@ -278,10 +278,8 @@ void router_bias_update(const Tensor& routing_map, const Tensor& bias, double ra
   }
 }
 
-template void router_forward<float>(const RouterForwardArgs&);
-template void router_forward<double>(const RouterForwardArgs&);
-template void router_backward<float>(const RouterBackwardArgs&);
-template void router_backward<double>(const RouterBackwardArgs&);
+MOE_ECHO_CPU_INSTANTIATE(router_forward, RouterForwardArgs);
+MOE_ECHO_CPU_INSTANTIATE(router_backward, RouterBackwardArgs);
 template void router_bias_update<float>(const Tensor&, const Tensor&, double);
 template void router_bias_update<double>(const Tensor&, const Tensor&, double);
 

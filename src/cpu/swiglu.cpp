@@ -40,9 +40,7 @@ void swiglu_backward(const SwigluArgs& a) {
   }
 }
 
-template void swiglu_forward<float>(const SwigluArgs&);
-template void swiglu_forward<double>(const SwigluArgs&);
-template void swiglu_backward<float>(const SwigluArgs&);
-template void swiglu_backward<double>(const SwigluArgs&);
+MOE_ECHO_CPU_INSTANTIATE(swiglu_forward, SwigluArgs);
+MOE_ECHO_CPU_INSTANTIATE(swiglu_backward, SwigluArgs);
 
 }  // namespace moe_echo::cpu

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "cuda/cuda_check.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/tensor.hpp"
 
 namespace moe_echo::cuda {

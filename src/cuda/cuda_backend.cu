@@ -8,8 +8,8 @@
 
 #include "cuda/common.cuh"
 #include "cuda/cuda_backend.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/grouped_gemm_fp8.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm_fp8.hpp"
 #include "cuda/ops.hpp"
 #include "moe_echo/error.hpp"
 

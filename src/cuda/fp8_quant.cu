@@ -462,9 +462,7 @@ void quantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
 }
 
 void dequantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
-  MOE_ECHO_CHECK(a.packed.data == nullptr,
-                 "dequantize_fp8_rows reads q and scale, not packed rows");
-  const int64_t KT = check_fp8_row_args(a, DType::bf16), K = a.x.size(1);
+  const int64_t KT = check_fp8_dequant_args(a, DType::bf16), K = a.x.size(1);
   const GroupWindow& w = a.window;
   const int64_t rows = w.group_offsets ? w.rows : a.x.size(0);
   if (rows == 0 || K == 0) return;
@@ -478,14 +476,9 @@ void dequantize_fp8_rows(const Fp8RowArgs& a, cudaStream_t s) {
 }
 
 void quantize_fp8_blocks(const Fp8BlockArgs& a, cudaStream_t s) {
-  check_tensor(a.w, "quantize_fp8_blocks w", DType::bf16, {-1, -1, -1});
+  check_fp8_block_args(a, DType::bf16);
   const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = fp8_tiles(K),
                 NT = fp8_tiles(N);
-  check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
-  if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
-  if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
-  if (a.scale_t.data)
-    check_tensor(a.scale_t, "quantize_fp8_blocks scale_t", DType::f32, {G, NT, KT});
   MOE_ECHO_CHECK(G * KT * NT <= INT32_MAX, "quantize_fp8_blocks: " << G * KT * NT << " blocks");
   const bool vec = N % 8 == 0 && reinterpret_cast<uintptr_t>(a.w.data) % 16 == 0 &&
                    reinterpret_cast<uintptr_t>(a.q.data) % 8 == 0;

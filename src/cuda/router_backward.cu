@@ -64,13 +64,7 @@ __global__ void router_dlogits_kernel(int64_t T, int E, int K, const float* __re
     }
     double lse = 0, zc = 0;
     if (z_coeff != 0) {
-      double mx = -INFINITY;
-      for (int e = lane; e < E; e += 32) mx = fmax(mx, double(l[e]));
-      mx = warp_max(mx);
-      double se = 0;
-      for (int e = lane; e < E; e += 32) se += exp(double(l[e]) - mx);
-      se = warp_sum(se);
-      lse = mx + log(se);
+      lse = warp_logsumexp(l, lane, E);
       zc = z_coeff * 2.0 * lse / double(T);
     }
     for (int e = lane; e < E; e += 32) {

@@ -133,6 +133,16 @@ __device__ __forceinline__ double warp_logsumexp(const double (&l)[P], int lane,
   return mx + log(warp_sum(sum_exp));
 }
 
+// The same over a token's f32 logits l[0, E) in memory, lane j reading experts j, j + 32, ...
+__device__ __forceinline__ double warp_logsumexp(const float* l, int lane, int E) {
+  double mx = -INFINITY;
+  for (int e = lane; e < E; e += 32) mx = fmax(mx, double(l[e]));
+  mx = warp_max(mx);
+  double sum_exp = 0;
+  for (int e = lane; e < E; e += 32) sum_exp += exp(double(l[e]) - mx);
+  return mx + log(warp_sum(sum_exp));
+}
+
 // The products (router_products.cu), each on the fastest path the shapes allow: on tensor cores
 // when `gemm` is given (see router_products.cu), else the FFMA kernels, else the tiled GEMM.
 // logits [T, E] = x W^T.

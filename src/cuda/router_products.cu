@@ -23,9 +23,9 @@
 #include <algorithm>
 #include <initializer_list>
 
-#include "cuda/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/tiled_gemm.cuh"
 #include "cuda/router_detail.cuh"
-#include "cuda/tiled_gemm.cuh"
 
 namespace moe_echo::cuda::router_detail {
 namespace {

@@ -94,13 +94,7 @@ __global__ void router_topk_kernel(int64_t T, int E, int K, const float* __restr
   for (int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; t < T; t += warps) {
     const float* l = logits + t * E;
     float* s = scores + t * E;
-    double mx = -INFINITY;
-    for (int e = lane; e < E; e += 32) mx = fmax(mx, double(l[e]));
-    mx = warp_max(mx);
-    double sum_exp = 0;
-    for (int e = lane; e < E; e += 32) sum_exp += exp(double(l[e]) - mx);
-    sum_exp = warp_sum(sum_exp);
-    const double lse = mx + log(sum_exp);
+    const double lse = warp_logsumexp(l, lane, E);
     double total = 0;
     for (int e = lane; e < E; e += 32) {
       const double v = sigmoid ? 1.0 / (1.0 + exp(-double(l[e]))) : exp(double(l[e]) - lse);

@@ -15,6 +15,15 @@ namespace {
 
 __device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + expf(-v)); }
 
+// The scalar kernels' gate and up of column f of row r of h = gate | up (F columns each), in f32.
+struct GateUp {
+  float gate, up;
+};
+__device__ __forceinline__ GateUp load_gate_up(const bf16* __restrict__ h, int64_t r, int64_t F,
+                                               int64_t f) {
+  return {__bfloat162float(h[r * 2 * F + f]), __bfloat162float(h[r * 2 * F + F + f])};
+}
+
 // One thread per 8 consecutive f of one row (F8 = F / 8 words per row of a, 2 F8 of h).
 __global__ void swiglu_forward_vec_kernel(const int32_t* __restrict__ offsets, int groups,
                                           int64_t row_lo, int64_t rows, int64_t F8,
@@ -104,8 +113,7 @@ __global__ void swiglu_forward_kernel(const int32_t* __restrict__ offsets, int g
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / F, f = i - r * F;
-    const float gate = __bfloat162float(h[r * 2 * F + f]),
-                up = __bfloat162float(h[r * 2 * F + F + f]);
+    const auto [gate, up] = load_gate_up(h, r, F, f);
     a[i] = __float2bfloat16_rn(gate * sigmoidf_(gate) * up);
   }
 }
@@ -118,8 +126,7 @@ __global__ void swiglu_backward_kernel(const int32_t* __restrict__ offsets, int 
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / F, f = i - r * F;
-    const float gate = __bfloat162float(h[r * 2 * F + f]),
-                up = __bfloat162float(h[r * 2 * F + F + f]);
+    const auto [gate, up] = load_gate_up(h, r, F, f);
     const float sg = sigmoidf_(gate), d = __bfloat162float(da[i]);
     dh[r * 2 * F + f] = __float2bfloat16_rn(d * up * sg * (1.f + gate * (1.f - sg)));
     dh[r * 2 * F + F + f] = __float2bfloat16_rn(d * gate * sg);

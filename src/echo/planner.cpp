@@ -156,6 +156,16 @@ PlanView plan_view(int32_t* base, const PlannerConfig& cfg) {
   return v;
 }
 
+PlannerConfig planner_config(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
+  PlannerConfig c;
+  c.ranks = p.ep_size;
+  c.experts = m.experts;
+  c.spare_slots = e.enabled ? e.spare_slots_per_rank : 0;
+  c.max_clones = e.enabled ? e.max_clones_per_expert : 0;
+  c.clone_cost_rows = e.clone_cost_rows;
+  return c;
+}
+
 int32_t Plan::max_load_after() const {
   const int64_t R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, M = cfg.max_replicas();
   const int32_t* p = storage.data() + R * S + 3 * E * M + R;

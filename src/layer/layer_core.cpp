@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "core/random.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
+#include "moe_echo/random.hpp"
 
 namespace moe_echo {
 

@@ -10,6 +10,7 @@
 #include "layer/schedule.hpp"
 
 #include "moe_echo/error.hpp"
+#include "moe_echo/planner.hpp"
 
 namespace moe_echo::step {
 

@@ -4,7 +4,7 @@
 #pragma GCC diagnostic ignored "-Wrestrict"
 #endif
 
-#include "offline/capacity_plan.hpp"
+#include "moe_echo/capacity_plan.hpp"
 
 #include <algorithm>
 #include <cctype>

@@ -1,4 +1,4 @@
-#include "offline/cost_model.hpp"
+#include "moe_echo/cost_model.hpp"
 
 #include <algorithm>
 #include <cctype>

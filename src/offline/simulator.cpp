@@ -1,4 +1,4 @@
-#include "offline/simulator.hpp"
+#include "moe_echo/simulator.hpp"
 
 #include <algorithm>
 #include <atomic>

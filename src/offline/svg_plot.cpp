@@ -1,4 +1,4 @@
-#include "offline/svg_plot.hpp"
+#include "moe_echo/svg_plot.hpp"
 
 #include <algorithm>
 #include <cmath>

@@ -4,7 +4,7 @@
 #pragma GCC diagnostic ignored "-Wrestrict"
 #endif
 
-#include "offline/trace.hpp"
+#include "moe_echo/trace.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -15,8 +15,8 @@
 #include <numeric>
 #include <sstream>
 
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
-#include "offline/cost_model.hpp"
 
 namespace moe_echo::offline {
 
@@ -263,6 +263,18 @@ namespace {
   throw ConfigError("trace", origin + ": " + msg);
 }
 
+// The counts of a file's table, [steps][layers][max(1, source_ranks)][experts], within
+// kMaxTraceCells.
+size_t table_cells(const std::string& origin, int steps, int layers, int source_ranks,
+                   int experts) {
+  const size_t srcs = size_t(std::max(1, source_ranks));
+  const size_t cells = size_t(steps) * size_t(layers) * srcs * size_t(experts);
+  if (cells > kMaxTraceCells)
+    file_error(origin, "too large: steps x layers x sources x experts = " + std::to_string(cells) +
+                           " counts (at most 2^26, a 256 MiB table)");
+  return cells;
+}
+
 std::string trim(std::string_view s) {
   size_t a = 0, b = s.size();
   while (a < b && (s[a] == ' ' || s[a] == '\t' || s[a] == '\r')) ++a;
@@ -415,10 +427,7 @@ TraceFile TraceFile::parse_csv(const std::string& text, const std::string& origi
   tf.experts_ =
       long_form ? (experts > 0 ? experts : int(max_expert + 1)) : int(expert_columns.size());
   const size_t srcs = size_t(std::max(1, tf.source_ranks_));
-  const size_t cells = size_t(tf.steps_) * size_t(tf.layers_) * srcs * size_t(tf.experts_);
-  if (cells > kMaxTraceCells)
-    file_error(origin, "too large: steps x layers x sources x experts = " + std::to_string(cells) +
-                           " counts (at most 2^26, a 256 MiB table)");
+  const size_t cells = table_cells(origin, tf.steps_, tf.layers_, tf.source_ranks_, tf.experts_);
   tf.counts_.assign(cells, 0);
   std::vector<uint8_t> seen(long_form ? cells : size_t(tf.steps_) * tf.layers_ * srcs, 0);
   std::vector<uint8_t> step_layer(size_t(tf.steps_) * size_t(tf.layers_), 0);
@@ -503,10 +512,7 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
                "missing array \"counts\" ([step][layer][expert] or [step][layer][src][expert])");
   const nlohmann::json& counts = doc["counts"];
   const size_t srcs = size_t(std::max(1, tf.source_ranks_));
-  const size_t cells = size_t(tf.steps_) * size_t(tf.layers_) * srcs * size_t(tf.experts_);
-  if (cells > kMaxTraceCells)
-    file_error(origin, "too large: steps x layers x sources x experts = " + std::to_string(cells) +
-                           " counts (at most 2^26, a 256 MiB table)");
+  const size_t cells = table_cells(origin, tf.steps_, tf.layers_, tf.source_ranks_, tf.experts_);
   tf.counts_.assign(cells, 0);
   auto expect_array = [&](const nlohmann::json& j, size_t n, const std::string& path,
                           const char* what) {

@@ -2,7 +2,7 @@
 // allowed; warnings name the parameter), the memory and time formulas against hand computation,
 // the memory against what a built MoeStack allocates, which wall binds, and the simulator's
 // suggestion of spare slots and capacity factor.
-#include "offline/capacity_plan.hpp"
+#include "moe_echo/capacity_plan.hpp"
 
 #include <gtest/gtest.h>
 

@@ -5,9 +5,10 @@
 #include <functional>
 #include <limits>
 
-#include "core/synthetic.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/planner.hpp"
+#include "moe_echo/synthetic.hpp"
 
 namespace moe_echo {
 namespace {

@@ -2,9 +2,9 @@
 
 #include <mutex>
 
-#include "core/synthetic.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
+#include "moe_echo/synthetic.hpp"
 
 namespace moe_echo::test {
 

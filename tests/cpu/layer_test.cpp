@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "core/random.hpp"
 #include "layer_harness.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
+#include "moe_echo/random.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo::test {

@@ -1,7 +1,7 @@
 // The cost model (formulas, presets, measured-results files), the load-balance simulator (every
 // policy against a direct computation on the same maps, determinism across threads, the EPLB
 // re-placement schedule) and the SVG plot.
-#include "offline/simulator.hpp"
+#include "moe_echo/simulator.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -17,11 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/planner.hpp"
-#include "offline/cost_model.hpp"
-#include "offline/svg_plot.hpp"
-#include "offline/trace.hpp"
+#include "moe_echo/svg_plot.hpp"
+#include "moe_echo/trace.hpp"
 
 namespace moe_echo::offline {
 namespace {

@@ -1,7 +1,7 @@
 // The routing trace generator against its parameters (row sums, the per-token cap, Zipf exponent,
 // multinomial spread, drift, domain switches, the DeepSeek-R1 calibration), and the trace file
 // reader and writer (formats, round trips, and errors that name the file and the line).
-#include "offline/trace.hpp"
+#include "moe_echo/trace.hpp"
 #include "test_util.hpp"
 
 #include <gtest/gtest.h>

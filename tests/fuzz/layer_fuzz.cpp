@@ -12,13 +12,13 @@
 #include <limits>
 #include <vector>
 
-#include "core/random.hpp"
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
+#include "moe_echo/random.hpp"
 
 namespace {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "moe_echo/error.hpp"
-#include "offline/trace.hpp"
+#include "moe_echo/trace.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;

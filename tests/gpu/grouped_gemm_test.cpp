@@ -8,7 +8,7 @@
 // (row_lo > 0), 255/256/257 rows, 0 and 1 row, K and N multiples of 8 but not of 16, fewer
 // groups than max_groups after a call with more, both tile orders, and a CUDA graph replayed with
 // group sizes changed on the device between replays. Skipped where no GPU is visible.
-#include "cuda/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
 
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>

@@ -2,7 +2,7 @@
 // with beta 1, c += ...: the epilogue reads C = D).
 // CUTLASS view: A RowMajor (K-major), B RowMajor (N-major), bf16 D. 128x256x64 tiles, cluster
 // 2x1, cooperative: the configuration torch._grouped_mm takes for large bf16 problems.
-#include "cuda/grouped_gemm_cutlass.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace moe_echo::cuda::gemm_detail {
 

@@ -5,7 +5,7 @@
 // fp32 D with C = D and beta = 1. 128x128x64 tiles, cluster 2x1, ping-pong: one warp group's
 // fp32 epilogue (a read and a write of C) overlaps the other's main loop. Measured on an H200
 // (bench/results): 2-8% faster than 128x256x64 cooperative at the ANCHORS.md shapes.
-#include "cuda/grouped_gemm_cutlass.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace moe_echo::cuda::gemm_detail {
 

@@ -35,6 +35,8 @@
 //   redundant expert) must pull the expert's weights and push back its gradient every step,
 //   because the optimizer changes the weights every step. EPLB's periodic re-placement also moves
 //   masters (with their optimizer state) between ranks; those bytes are counted apart.
+//
+// Part of the offline tools: library moe_echo_offline (CPU only), src/offline/simulator.cpp.
 #pragma once
 
 #include <cstdint>
@@ -42,9 +44,10 @@
 #include <vector>
 
 #include "moe_echo/config.hpp"
+#include "moe_echo/cost_model.hpp"
+#include "moe_echo/planner.hpp"
 #include "moe_echo/presets.hpp"
-#include "offline/cost_model.hpp"
-#include "offline/trace.hpp"
+#include "moe_echo/trace.hpp"
 
 namespace moe_echo::offline {
 

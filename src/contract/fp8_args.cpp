@@ -77,6 +77,23 @@ int64_t check_fp8_row_args(const Fp8RowArgs& a, DType x_dtype) {
   return KT;
 }
 
+int64_t check_fp8_dequant_args(const Fp8RowArgs& a, DType x_dtype) {
+  MOE_ECHO_CHECK(a.packed.data == nullptr,
+                 "dequantize_fp8_rows reads q and scale, not packed rows");
+  return check_fp8_row_args(a, x_dtype);
+}
+
+void check_fp8_block_args(const Fp8BlockArgs& a, DType w_dtype) {
+  check_tensor(a.w, "quantize_fp8_blocks w", w_dtype, {-1, -1, -1});
+  const int64_t G = a.w.size(0), K = a.w.size(1), N = a.w.size(2), KT = fp8_tiles(K),
+                NT = fp8_tiles(N);
+  check_tensor(a.scale, "quantize_fp8_blocks scale", DType::f32, {G, KT, NT});
+  if (a.q.data) check_tensor(a.q, "quantize_fp8_blocks q", DType::e4m3, {G, K, N});
+  if (a.q_t.data) check_tensor(a.q_t, "quantize_fp8_blocks q_t", DType::e4m3, {G, N, K});
+  if (a.scale_t.data)
+    check_tensor(a.scale_t, "quantize_fp8_blocks scale_t", DType::f32, {G, NT, KT});
+}
+
 int64_t check_fp8_fan_args(const Fp8FanArgs& a) {
   check_tensor(a.q, "fan_out_fp8 q", DType::e4m3, {-1, -1});
   const int64_t rows = a.window.rows, H = a.q.size(1), HT = fp8_tiles(H);

@@ -1,7 +1,7 @@
 // The FP8 blockwise wgrad kernel (grouped_gemm_detail.hpp): CUTLASS 4.2's ptr-array
 // FP8BlockScaledAccum kernel with our Fp8OverlapMainloop consumer, 128x128x128 tiles, cluster 2x1,
 // cooperative, fp32 D.
-#include "cuda/grouped_gemm_cutlass.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace moe_echo::cuda::gemm_detail {
 

@@ -16,7 +16,7 @@
 
 #include <memory>
 
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
 #include "moe_echo/backend.hpp"
 
 namespace moe_echo::cuda {

@@ -10,6 +10,8 @@
 // token t is x_t = Q^T l_t + (I - Q^T Q) n_t with target logits l_t[e] = log p_e + g_{t,e},
 // g Gumbel noise and n Gaussian noise. The router's top-k of x_t is then the Gumbel-top-k of p:
 // each token draws K distinct experts with probabilities proportional to p, without replacement.
+//
+// Implementation: src/core/synthetic.cpp (library moe_echo).
 #pragma once
 
 #include <cstdint>

@@ -10,6 +10,8 @@
 //   stream keyed by (seed, layer, step, source)).
 // - Generator: every source sends exactly T*K rows per step and at most T rows to one expert
 //   (a token picks K distinct experts).
+//
+// Part of the offline tools: library moe_echo_offline (CPU only), src/offline/trace.cpp.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "core/random.hpp"
 #include "moe_echo/presets.hpp"
+#include "moe_echo/random.hpp"
 
 namespace moe_echo::offline {
 

@@ -13,16 +13,18 @@
 //   T = seq_len * micro_batch tokens per micro-batch to each MoE layer.
 // - Memory is that of the first pipeline stage (the one holding the most micro-batches).
 // - Every number is per GPU; times are per MoE layer and micro-batch, forward + backward.
+//
+// Part of the offline tools: library moe_echo_offline (CPU only), src/offline/capacity_plan.cpp.
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "moe_echo/config.hpp"
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
-#include "offline/cost_model.hpp"
-#include "offline/simulator.hpp"
+#include "moe_echo/simulator.hpp"
 
 namespace moe_echo::offline {
 

@@ -117,12 +117,90 @@ int device_sm_count();
 // `sms` bounded by the device's SM count; 0: all of them.
 int bounded_sm_count(int sms);
 
+// The launch options of a kernel on sm_count SMs in one tile order (0: M fastest, 1: N fastest).
+inline RunnerOptions runner_options(int sm_count, int along_n) {
+  RunnerOptions o;
+  o.sm_count = sm_count;
+  o.raster_along_n = along_n == 1;
+  return o;
+}
+
+// A kernel factory as GroupedGemm and GroupedGemmFp8 use it: make(op, p, max_groups, options,
+// other) is op's kernel over p or, with `other`, its kernel of the other beta (null where the op
+// has none).
+using MakeKernel = std::unique_ptr<KernelRunner> (*)(GemmOp, const ProblemArrays&, int,
+                                                     const RunnerOptions&, bool);
+
+// One op's problem arrays and kernels, in both tile orders: `runner` and, where the op has one,
+// `alt` with its other beta (bf16 fprop adding, wgrad writing).
+struct OpKernels {
+  OpKernels(GemmOp o, int max_groups, int sm_count, MakeKernel make) : op(o), buffers(max_groups) {
+    for (int along_n = 0; along_n < 2; ++along_n) {
+      const RunnerOptions opt = runner_options(sm_count, along_n);
+      runner[along_n] = make(o, buffers.arrays(), max_groups, opt, false);
+      alt[along_n] = make(o, buffers.arrays(), max_groups, opt, true);
+    }
+  }
+  // The kernel whose tile order suits a call over `w` with the weights' K and N (raster_index);
+  // `other`: the one of the other beta.
+  KernelRunner& pick(const GroupWindow& w, int64_t k, int64_t n, bool other) {
+    const int along_n = raster_index(op, w, k, n, *runner[0]);
+    return other ? *alt[along_n] : *runner[along_n];
+  }
+  GemmOp op;
+  ProblemBuffers buffers;
+  std::unique_ptr<KernelRunner> runner[2];  // M fastest, N fastest
+  std::unique_ptr<KernelRunner> alt[2];
+};
+
+// What GroupedGemm and GroupedGemmFp8 (`owner`, for the messages) hold: their group bound, the SMs
+// their kernels use (bounded_sm_count) and each op's kernels.
+struct GemmKernels {
+  GemmKernels(const char* owner, int groups, int sms, MakeKernel make)
+      : max_groups(checked_max_groups(owner, groups)),
+        sm_count(bounded_sm_count(sms)),
+        fprop(GemmOp::fprop, max_groups, sm_count, make),
+        dgrad(GemmOp::dgrad, max_groups, sm_count, make),
+        wgrad(GemmOp::wgrad, max_groups, sm_count, make) {}
+  OpKernels& of(GemmOp op) {
+    return op == GemmOp::fprop ? fprop : op == GemmOp::dgrad ? dgrad : wgrad;
+  }
+  static int checked_max_groups(const char* owner, int groups);
+
+  int max_groups;
+  int sm_count;
+  OpKernels fprop, dgrad, wgrad;
+};
+
+#ifdef __CUDACC__
+// The prep kernels' view of group g in a window (GroupWindow's rule): m rows from window row r;
+// m = 0 (and r = 0) for a group at or beyond `groups` or with no row in the window.
+struct WindowGroupRows {
+  int64_t m, r;
+};
+__device__ __forceinline__ WindowGroupRows window_group_rows(const int32_t* __restrict__ offsets,
+                                                             int g, int groups, int64_t row_lo,
+                                                             int64_t rows) {
+  int64_t lo = 0, hi = 0;
+  if (g < groups) {
+    const int64_t begin = offsets[g], end = offsets[g + 1];
+    lo = begin > row_lo ? begin : row_lo;
+    hi = end < row_lo + rows ? end : row_lo + rows;
+  }
+  const int64_t m = hi > lo ? hi - lo : 0;
+  return {m, m > 0 ? lo - row_lo : 0};
+}
+#endif
+
 // Extents of one call, after checking the tensors against the op (dtypes, shapes, alignment).
 struct GemmDims {
   int64_t k = 0;  // the K of GemmArgs ([G, K, N] weights)
   int64_t n = 0;
 };
 GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups);
+// The window's groups (0 to max_groups, with offsets) and rows (from row_lo >= 0, below 2^31), for
+// the op `name` ("grouped_gemm fprop", "grouped_gemm fp8 wgrad", ...).
+void check_window(const char* name, const GroupWindow& w, int max_groups);
 // Zeroes the f32 slab c[g] of every group g with rows, none in the window (wgrad writing).
 void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t s);
 

@@ -14,9 +14,9 @@
 //   extents (gemm_detail::raster_index).
 #include <algorithm>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/grouped_gemm.hpp"
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {
@@ -42,16 +42,9 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
                             int64_t K, int64_t N, ProblemArrays p) {
   constexpr int64_t kBf16 = 2, kF32 = 4;
   for (int g = int(threadIdx.x); g < max_groups; g += int(blockDim.x)) {
-    int64_t lo = 0, hi = 0;
-    if (g < groups) {
-      const int64_t begin = offsets[g], end = offsets[g + 1];
-      lo = begin > row_lo ? begin : row_lo;
-      hi = end < row_lo + rows ? end : row_lo + rows;
-    }
-    const int64_t m = hi > lo ? hi - lo : 0;
-    const int64_t r = m > 0 ? lo - row_lo : 0;  // first window row of the group
-    int32_t shape[3] = {0, 0, 0};               // (M, N, K) of the CUTLASS problem
-    const int gw = g < groups ? g : 0;          // weight slab of an empty trailing group
+    const auto [m, r] = window_group_rows(offsets, g, groups, row_lo, rows);  // r: first row
+    int32_t shape[3] = {0, 0, 0};       // (M, N, K) of the CUTLASS problem
+    const int gw = g < groups ? g : 0;  // weight slab of an empty trailing group
     // Home split (GemmArgs::b_home / c_home): home groups in their own slabs, the others from 0.
     const char* wb = gw < n_home ? b_home + gw * K * N * kBf16 : b + (gw - n_home) * K * N * kBf16;
     switch (op) {
@@ -162,17 +155,23 @@ void check_weights(const GemmArgs& a, const char* b_name, const char* home_name,
   }
 }
 
-GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
-  const char* name = to_string(op);
-  const GroupWindow& w = a.window;
-  MOE_ECHO_CHECK(w.groups >= 0 && w.groups <= max_groups,
-                 "grouped_gemm " << name << ": window.groups " << w.groups
-                                 << " outside [0, max_groups = " << max_groups << "]");
+void check_window(const char* name, const GroupWindow& w, int max_groups) {
+  MOE_ECHO_CHECK(
+      w.groups >= 0 && w.groups <= max_groups,
+      name << ": window.groups " << w.groups << " outside [0, max_groups = " << max_groups << "]");
   MOE_ECHO_CHECK(w.groups == 0 || w.group_offsets != nullptr,
-                 "grouped_gemm " << name << ": window.group_offsets is null");
+                 name << ": window.group_offsets is null");
   MOE_ECHO_CHECK(w.row_lo >= 0 && w.rows >= 0 && w.rows <= INT32_MAX,
-                 "grouped_gemm " << name << ": window rows [" << w.row_lo << ", +" << w.rows
-                                 << ") must be non-negative and below 2^31");
+                 name << ": window rows [" << w.row_lo << ", +" << w.rows
+                      << ") must be non-negative and below 2^31");
+}
+
+GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
+  const char* name = op == GemmOp::fprop   ? "grouped_gemm fprop"
+                     : op == GemmOp::dgrad ? "grouped_gemm dgrad"
+                                           : "grouped_gemm wgrad";
+  const GroupWindow& w = a.window;
+  check_window(name, w, max_groups);
   GemmDims d;
   switch (op) {
     case GemmOp::fprop:  // a [rows, K], b [G, K, N], c [rows, N]
@@ -216,19 +215,17 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
   // TMA moves 16-byte aligned boxes: every row of every operand must start 16-byte aligned.
   MOE_ECHO_CHECK(
       d.k > 0 && d.n > 0 && d.k % 8 == 0 && d.n % 8 == 0 && d.k <= INT32_MAX && d.n <= INT32_MAX,
-      "grouped_gemm " << name << ": K = " << d.k << " and N = " << d.n
-                      << " must be positive multiples of 8 (16-byte rows for TMA)");
+      name << ": K = " << d.k << " and N = " << d.n
+           << " must be positive multiples of 8 (16-byte rows for TMA)");
   // b (wgrad: c) may be null when a home tensor holds every group.
   const bool b_needed = !(op != GemmOp::wgrad && a.b_home.data),
              c_needed = !(op == GemmOp::wgrad && a.c_home.data);
   MOE_ECHO_CHECK(aligned16(a.a.data) && aligned16(a.b.data) && aligned16(a.c.data) &&
                      aligned16(a.b_home.data) && a.a.data && (a.b.data || !b_needed) &&
                      (a.c.data || !c_needed),
-                 "grouped_gemm " << name
-                                 << ": a, b, b_home and c must be 16-byte aligned and a, b and c "
-                                    "non-null ("
-                                 << a.a.data << ", " << a.b.data << ", " << a.b_home.data << ", "
-                                 << a.c.data << ")");
+                 name << ": a, b, b_home and c must be 16-byte aligned and a, b and c non-null ("
+                      << a.a.data << ", " << a.b.data << ", " << a.b_home.data << ", " << a.c.data
+                      << ")");
   return d;
 }
 
@@ -278,63 +275,52 @@ void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemA
 
 using gemm_detail::GemmOp;
 
-struct GroupedGemm::Impl {
-  struct Op {
-    Op(GemmOp o, int max_groups, int sm_count) : op(o), buffers(max_groups) {
-      for (int along_n = 0; along_n < 2; ++along_n) {
-        gemm_detail::RunnerOptions opt;
-        opt.sm_count = sm_count;
-        opt.raster_along_n = along_n == 1;
-        switch (o) {
-          case GemmOp::fprop:
-            runner[along_n] = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt);
-            alt[along_n] = gemm_detail::make_fprop_runner(buffers.arrays(), max_groups, opt, 1.0f);
-            break;
-          case GemmOp::dgrad:
-            runner[along_n] = gemm_detail::make_dgrad_runner(buffers.arrays(), max_groups, opt);
-            break;
-          case GemmOp::wgrad:
-            runner[along_n] = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt);
-            alt[along_n] = gemm_detail::make_wgrad_runner(buffers.arrays(), max_groups, opt, 0.0f);
-            break;
-        }
-      }
-    }
-    // The kernel whose tile order suits this call's (estimated) CUTLASS problem.
-    // `other`: the op's other beta (fprop adds, wgrad writes).
-    gemm_detail::KernelRunner& pick(const GemmArgs& a, const gemm_detail::GemmDims& d, bool other) {
-      const int along_n = gemm_detail::raster_index(op, a.window, d.k, d.n, *runner[0]);
-      return other ? *alt[along_n] : *runner[along_n];
-    }
-    GemmOp op;
-    gemm_detail::ProblemBuffers buffers;
-    std::unique_ptr<gemm_detail::KernelRunner> runner[2];  // M fastest, N fastest
-    std::unique_ptr<gemm_detail::KernelRunner> alt[2];     // fprop beta 1, wgrad beta 0
-  };
+namespace {
 
-  Impl(int groups, int sms)
-      : max_groups(groups),
-        sm_count(gemm_detail::bounded_sm_count(sms)),
-        fprop(GemmOp::fprop, groups, sm_count),
-        dgrad(GemmOp::dgrad, groups, sm_count),
-        wgrad(GemmOp::wgrad, groups, sm_count) {}
+// The bf16 kernels of `op` (grouped_gemm_{fprop,dgrad,wgrad}.cu); `other`: fprop adding (beta 1),
+// wgrad writing (beta 0), none for dgrad.
+std::unique_ptr<gemm_detail::KernelRunner> make_kernel(GemmOp op,
+                                                       const gemm_detail::ProblemArrays& p,
+                                                       int max_groups,
+                                                       const gemm_detail::RunnerOptions& o,
+                                                       bool other) {
+  switch (op) {
+    case GemmOp::fprop:
+      return other ? gemm_detail::make_fprop_runner(p, max_groups, o, 1.0f)
+                   : gemm_detail::make_fprop_runner(p, max_groups, o);
+    case GemmOp::dgrad: return other ? nullptr : gemm_detail::make_dgrad_runner(p, max_groups, o);
+    case GemmOp::wgrad:
+      return other ? gemm_detail::make_wgrad_runner(p, max_groups, o, 0.0f)
+                   : gemm_detail::make_wgrad_runner(p, max_groups, o);
+  }
+  return nullptr;
+}
 
-  void call(Op& op, const GemmArgs& a, cudaStream_t s, bool other = false) {
+}  // namespace
+
+namespace gemm_detail {
+
+int GemmKernels::checked_max_groups(const char* owner, int groups) {
+  MOE_ECHO_CHECK(groups >= 1, owner << ": max_groups " << groups << " must be >= 1");
+  return groups;
+}
+
+}  // namespace gemm_detail
+
+struct GroupedGemm::Impl : gemm_detail::GemmKernels {
+  Impl(int groups, int sms) : GemmKernels("GroupedGemm", groups, sms, make_kernel) {}
+
+  // `other`: the op's other beta (fprop adds, wgrad writes).
+  void call(gemm_detail::OpKernels& op, const GemmArgs& a, cudaStream_t s, bool other = false) {
     const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);
     gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
-    op.pick(a, d, other).run(s);
+    op.pick(a.window, d.k, d.n, other).run(s);
     if (op.op == GemmOp::wgrad && other) gemm_detail::launch_zero_empty_groups(a, d, s);
   }
-
-  int max_groups;
-  int sm_count;
-  Op fprop, dgrad, wgrad;
 };
 
-GroupedGemm::GroupedGemm(int max_groups, int sm_count) {
-  MOE_ECHO_CHECK(max_groups >= 1, "GroupedGemm: max_groups " << max_groups << " must be >= 1");
-  impl_ = std::make_unique<Impl>(max_groups, sm_count);
-}
+GroupedGemm::GroupedGemm(int max_groups, int sm_count)
+    : impl_(std::make_unique<Impl>(max_groups, sm_count)) {}
 
 GroupedGemm::~GroupedGemm() = default;
 

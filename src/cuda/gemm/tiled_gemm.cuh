@@ -17,6 +17,21 @@ namespace moe_echo::cuda {
 constexpr int kGemmBM = 64, kGemmBN = 64, kGemmBK = 16, kGemmTM = 4, kGemmTN = 4;
 constexpr int kGemmThreads = (kGemmBM / kGemmTM) * (kGemmBN / kGemmTN);  // 256
 
+// One operand's BK x BX tile into shared memory: tile[kk][xx] = load(x0 + xx, k0 + kk), 0 outside
+// x < X and k < k_end; kContigK: consecutive threads walk k (the index contiguous in memory).
+template <int BX, bool kContigK, class Load>
+__device__ __forceinline__ void load_tile(float (&tile)[kGemmBK][BX + 4], int tid, int64_t x0,
+                                          int64_t X, int64_t k0, int64_t k_end, const Load& load) {
+#pragma unroll
+  for (int r = 0; r < (BX * kGemmBK) / kGemmThreads; ++r) {
+    const int l = tid + r * kGemmThreads;
+    const int xx = kContigK ? l / kGemmBK : l % BX;
+    const int kk = kContigK ? l % kGemmBK : l / BX;
+    const int64_t x = x0 + xx, k = k0 + kk;
+    tile[kk][xx] = (x < X && k < k_end) ? load(x, k) : 0.f;
+  }
+}
+
 // Split-K: blockIdx.z takes k-tiles [z * k_tiles_per_split, ...). With one split the epilogue
 // runs here; with several, each split writes its partial tile to partial[z][M][N] and
 // tiled_gemm_reduce_kernel adds the splits in z order, so the result stays deterministic.
@@ -33,23 +48,10 @@ __global__ void __launch_bounds__(kGemmThreads)
   const int tm = tid / (kGemmBN / kGemmTN), tn = tid % (kGemmBN / kGemmTN);
   float acc[kGemmTM][kGemmTN] = {};
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kGemmBK) {
-    // A tile: BM x BK = 1024 elements, 4 per thread.
-#pragma unroll
-    for (int r = 0; r < (kGemmBM * kGemmBK) / kGemmThreads; ++r) {
-      const int l = tid + r * kGemmThreads;
-      const int mm = kAContigK ? l / kGemmBK : l % kGemmBM;
-      const int kk = kAContigK ? l % kGemmBK : l / kGemmBM;
-      const int64_t m = m0 + mm, k = k0 + kk;
-      As[kk][mm] = (m < M && k < k_end) ? load_a(m, k) : 0.f;
-    }
-#pragma unroll
-    for (int r = 0; r < (kGemmBN * kGemmBK) / kGemmThreads; ++r) {
-      const int l = tid + r * kGemmThreads;
-      const int nn = kBContigK ? l / kGemmBK : l % kGemmBN;
-      const int kk = kBContigK ? l % kGemmBK : l / kGemmBN;
-      const int64_t n = n0 + nn, k = k0 + kk;
-      Bs[kk][nn] = (n < N && k < k_end) ? load_b(k, n) : 0.f;
-    }
+    // Tiles of BM x BK and BN x BK = 1024 elements, 4 per thread.
+    load_tile<kGemmBM, kAContigK>(As, tid, m0, M, k0, k_end, load_a);
+    load_tile<kGemmBN, kBContigK>(Bs, tid, n0, N, k0, k_end,
+                                  [&](int64_t n, int64_t k) { return load_b(k, n); });
     __syncthreads();
 #pragma unroll
     for (int kk = 0; kk < kGemmBK; ++kk) {

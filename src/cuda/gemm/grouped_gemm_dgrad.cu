@@ -1,7 +1,7 @@
 // dgrad kernel: per group, c[rows, K] = a[rows, N] @ b[g]^T with b[g] a row-major [K, N] slab.
 // CUTLASS view: A RowMajor (K-major), B = b[g] read as a ColumnMajor (N x K) matrix (K-major),
 // bf16 D. 128x256x64 tiles, cluster 2x1, cooperative.
-#include "cuda/grouped_gemm_cutlass.cuh"
+#include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace moe_echo::cuda::gemm_detail {
 

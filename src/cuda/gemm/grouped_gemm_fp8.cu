@@ -4,9 +4,9 @@
 // per call even for an empty window, the tile order chosen from host-known extents.
 #include <algorithm>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/grouped_gemm_detail.hpp"
-#include "cuda/grouped_gemm_fp8.hpp"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
+#include "cuda/gemm/grouped_gemm_fp8.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda {
@@ -39,14 +39,7 @@ __global__ void fp8_prep_kernel(GemmOp op, const int32_t* __restrict__ offsets,
                                 int64_t N, int64_t P, ProblemArrays p) {
   const int64_t KT = (K + kTile - 1) / kTile, NT = (N + kTile - 1) / kTile;
   for (int g = int(threadIdx.x); g < max_groups; g += int(blockDim.x)) {
-    int64_t lo = 0, hi = 0;
-    if (g < groups) {
-      const int64_t begin = offsets[g], end = offsets[g + 1];
-      lo = begin > row_lo ? begin : row_lo;
-      hi = end < row_lo + rows ? end : row_lo + rows;
-    }
-    const int64_t m = hi > lo ? hi - lo : 0;
-    const int64_t r = m > 0 ? lo - row_lo : 0;
+    const auto [m, r] = gemm_detail::window_group_rows(offsets, g, groups, row_lo, rows);
     const int gw = g < groups ? g : 0;
     const bool home = gw < n_home;
     const int64_t slab = home ? gw : gw - n_home;
@@ -110,14 +103,7 @@ Dims check_args(GemmOp op, const Fp8GemmArgs& a, int max_groups) {
   const char* name = op_name(op);
   const std::string n = name;
   const GroupWindow& w = a.window;
-  MOE_ECHO_CHECK(
-      w.groups >= 0 && w.groups <= max_groups,
-      name << ": window.groups " << w.groups << " outside [0, max_groups = " << max_groups << "]");
-  MOE_ECHO_CHECK(w.groups == 0 || w.group_offsets != nullptr,
-                 name << ": window.group_offsets is null");
-  MOE_ECHO_CHECK(w.row_lo >= 0 && w.rows >= 0 && w.rows <= INT32_MAX,
-                 name << ": window rows [" << w.row_lo << ", +" << w.rows
-                      << ") must be non-negative and below 2^31");
+  gemm_detail::check_window(name, w, max_groups);
   const int64_t slabs = gemm_home_groups(a.b_home) + (a.b.data ? a.b.size(0) : 0);
   Dims d;
   switch (op) {
@@ -180,51 +166,22 @@ Dims check_args(GemmOp op, const Fp8GemmArgs& a, int max_groups) {
   return d;
 }
 
+// The FP8 kernels of `op` (grouped_gemm_fp8_{fprop,wgrad}.cu: fprop and dgrad share one); `other`:
+// wgrad writing (beta 0), none for fprop and dgrad.
+std::unique_ptr<KernelRunner> make_kernel(GemmOp op, const ProblemArrays& p, int max_groups,
+                                          const gemm_detail::RunnerOptions& o, bool other) {
+  if (op == GemmOp::wgrad)
+    return other ? gemm_detail::make_fp8_wgrad_runner(p, max_groups, o, 0.0f)
+                 : gemm_detail::make_fp8_wgrad_runner(p, max_groups, o);
+  return other ? nullptr : gemm_detail::make_fp8_runner(p, max_groups, o);
+}
+
 }  // namespace
 
-struct GroupedGemmFp8::Impl {
-  struct Op {
-    Op(GemmOp o, int max_groups, int sm_count) : op(o), buffers(max_groups) {
-      for (int along_n = 0; along_n < 2; ++along_n) {
-        gemm_detail::RunnerOptions opt;
-        opt.sm_count = sm_count;
-        opt.raster_along_n = along_n == 1;
-        if (o == GemmOp::wgrad) {
-          runner[along_n] = gemm_detail::make_fp8_wgrad_runner(buffers.arrays(), max_groups, opt);
-          alt[along_n] =
-              gemm_detail::make_fp8_wgrad_runner(buffers.arrays(), max_groups, opt, 0.0f);
-        } else {
-          runner[along_n] = gemm_detail::make_fp8_runner(buffers.arrays(), max_groups, opt);
-        }
-      }
-    }
-    void replace(int max_groups, int sm_count, RunnerFactory make) {
-      for (int along_n = 0; along_n < 2; ++along_n) {
-        gemm_detail::RunnerOptions opt;
-        opt.sm_count = sm_count;
-        opt.raster_along_n = along_n == 1;
-        runner[along_n] = make(buffers.arrays(), max_groups, opt);
-      }
-    }
-    // The tile order that suits this call (gemm_detail::raster_index).
-    KernelRunner& pick(const Fp8GemmArgs& a, const Dims& d, bool overwrite) {
-      const int along_n = gemm_detail::raster_index(op, a.window, d.k, d.n, *runner[0]);
-      return overwrite ? *alt[along_n] : *runner[along_n];
-    }
-    GemmOp op;
-    gemm_detail::ProblemBuffers buffers;
-    std::unique_ptr<KernelRunner> runner[2];  // M fastest, N fastest
-    std::unique_ptr<KernelRunner> alt[2];     // wgrad writing (beta 0)
-  };
+struct GroupedGemmFp8::Impl : gemm_detail::GemmKernels {
+  Impl(int groups, int sms) : GemmKernels("GroupedGemmFp8", groups, sms, make_kernel) {}
 
-  Impl(int groups, int sms)
-      : max_groups(groups),
-        sm_count(gemm_detail::bounded_sm_count(sms)),
-        fprop(GemmOp::fprop, groups, sm_count),
-        dgrad(GemmOp::dgrad, groups, sm_count),
-        wgrad(GemmOp::wgrad, groups, sm_count) {}
-
-  void call(Op& op, const Fp8GemmArgs& a, cudaStream_t s) {
+  void call(gemm_detail::OpKernels& op, const Fp8GemmArgs& a, cudaStream_t s) {
     const Dims d = check_args(op.op, a, max_groups);
     const int n_home =
         int(op.op == GemmOp::wgrad ? gemm_home_groups(a.c_home) : gemm_home_groups(a.b_home));
@@ -237,7 +194,7 @@ struct GroupedGemmFp8::Impl {
         op.buffers.arrays());
     MOE_ECHO_CUDA_CHECK(cudaGetLastError());
     const bool overwrite = op.op == GemmOp::wgrad && !a.accumulate;
-    op.pick(a, d, overwrite).run(s);
+    op.pick(a.window, d.k, d.n, overwrite).run(s);
     if (overwrite) {  // slabs of groups with no rows in the window: as the bf16 wgrad
       GemmArgs z;
       z.window = a.window;
@@ -247,16 +204,10 @@ struct GroupedGemmFp8::Impl {
       gemm_detail::launch_zero_empty_groups(z, gemm_detail::GemmDims{d.k, d.n}, s);
     }
   }
-
-  int max_groups;
-  int sm_count;
-  Op fprop, dgrad, wgrad;
 };
 
-GroupedGemmFp8::GroupedGemmFp8(int max_groups, int sm_count) {
-  MOE_ECHO_CHECK(max_groups >= 1, "GroupedGemmFp8: max_groups " << max_groups << " must be >= 1");
-  impl_ = std::make_unique<Impl>(max_groups, sm_count);
-}
+GroupedGemmFp8::GroupedGemmFp8(int max_groups, int sm_count)
+    : impl_(std::make_unique<Impl>(max_groups, sm_count)) {}
 
 GroupedGemmFp8::~GroupedGemmFp8() = default;
 
@@ -271,10 +222,10 @@ void GroupedGemmFp8::wgrad(const Fp8GemmArgs& a, cudaStream_t s) {
   impl_->call(impl_->wgrad, a, s);
 }
 void GroupedGemmFp8::replace_kernel(GemmOp op, RunnerFactory make) {
-  Impl::Op& o = op == GemmOp::fprop   ? impl_->fprop
-                : op == GemmOp::dgrad ? impl_->dgrad
-                                      : impl_->wgrad;
-  o.replace(impl_->max_groups, impl_->sm_count, make);
+  gemm_detail::OpKernels& o = impl_->of(op);
+  for (int along_n = 0; along_n < 2; ++along_n)
+    o.runner[along_n] = make(o.buffers.arrays(), impl_->max_groups,
+                             gemm_detail::runner_options(impl_->sm_count, along_n));
 }
 
 }  // namespace moe_echo::cuda

@@ -15,10 +15,6 @@ namespace moe_echo::nccl::detail {
 
 }  // namespace moe_echo::nccl::detail
 
-#define MOE_ECHO_NCCL_CHECK(call)                                                        \
-  do {                                                                                   \
-    const ncclResult_t moe_echo_nccl_status_ = (call);                                   \
-    if (moe_echo_nccl_status_ != ncclSuccess)                                            \
-      ::moe_echo::nccl::detail::throw_nccl_error(moe_echo_nccl_status_, #call, __FILE__, \
-                                                 __LINE__);                              \
-  } while (0)
+#define MOE_ECHO_NCCL_CHECK(call)                                                              \
+  MOE_ECHO_STATUS_CHECK(ncclResult_t, ncclSuccess, ::moe_echo::nccl::detail::throw_nccl_error, \
+                        call, #call)

@@ -11,6 +11,22 @@
 
 namespace moe_echo {
 
+namespace {
+
+// One element of type T at p, which may be unaligned (a staging buffer of any dtype).
+template <class T>
+T load(const unsigned char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class T>
+void store(unsigned char* p, T v) {
+  std::memcpy(p, &v, sizeof v);
+}
+
+}  // namespace
+
 std::vector<double> read_tensor(Backend& backend, const Tensor& t) {
   const int64_t n = t.numel();
   std::vector<unsigned char> raw(t.bytes());
@@ -19,32 +35,13 @@ std::vector<double> read_tensor(Backend& backend, const Tensor& t) {
   std::vector<double> out(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const unsigned char* p = raw.data() + size_t(i) * dtype_size(t.dtype);
+    double& v = out[size_t(i)];
     switch (t.dtype) {
-      case DType::f32: {
-        float v;
-        std::memcpy(&v, p, 4);
-        out[size_t(i)] = v;
-        break;
-      }
-      case DType::f64: {
-        double v;
-        std::memcpy(&v, p, 8);
-        out[size_t(i)] = v;
-        break;
-      }
-      case DType::bf16: {
-        uint16_t v;
-        std::memcpy(&v, p, 2);
-        out[size_t(i)] = from_bf16(v);
-        break;
-      }
-      case DType::i32: {
-        int32_t v;
-        std::memcpy(&v, p, 4);
-        out[size_t(i)] = v;
-        break;
-      }
-      case DType::e4m3: out[size_t(i)] = from_e4m3(*p); break;
+      case DType::f32: v = load<float>(p); break;
+      case DType::f64: v = load<double>(p); break;
+      case DType::bf16: v = from_bf16(load<uint16_t>(p)); break;
+      case DType::i32: v = load<int32_t>(p); break;
+      case DType::e4m3: v = from_e4m3(*p); break;
     }
   }
   return out;
@@ -56,27 +53,13 @@ void write_tensor(Backend& backend, const Tensor& t, const std::vector<double>& 
   std::vector<unsigned char> raw(t.bytes());
   for (size_t i = 0; i < values.size(); ++i) {
     unsigned char* p = raw.data() + i * dtype_size(t.dtype);
+    const double v = values[i];
     switch (t.dtype) {
-      case DType::f32: {
-        const float v = float(values[i]);
-        std::memcpy(p, &v, 4);
-        break;
-      }
-      case DType::f64: {
-        std::memcpy(p, &values[i], 8);
-        break;
-      }
-      case DType::bf16: {
-        const uint16_t v = to_bf16(float(values[i]));
-        std::memcpy(p, &v, 2);
-        break;
-      }
-      case DType::i32: {
-        const int32_t v = int32_t(values[i]);
-        std::memcpy(p, &v, 4);
-        break;
-      }
-      case DType::e4m3: *p = to_e4m3(float(values[i])); break;
+      case DType::f32: store(p, float(v)); break;
+      case DType::f64: store(p, v); break;
+      case DType::bf16: store(p, to_bf16(float(v))); break;
+      case DType::i32: store(p, int32_t(v)); break;
+      case DType::e4m3: *p = to_e4m3(float(v)); break;
     }
   }
   backend.copy_from_host(t.data, raw.data(), raw.size());

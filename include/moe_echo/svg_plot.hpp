@@ -3,6 +3,8 @@
 //
 // Invariants: the output is a standalone SVG 1.1 document; non-finite points are skipped; the y
 // range always includes the values of every series (and y_min when given).
+//
+// Part of the offline tools: library moe_echo_offline (CPU only), src/offline/svg_plot.cpp.
 #pragma once
 
 #include <limits>

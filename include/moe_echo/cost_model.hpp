@@ -8,6 +8,8 @@
 // - Units are in the names: `_tflops` 1e12 FLOP/s, `_gbps` 1e9 bytes/s (GB/s, not Gbit/s),
 //   `_tbps` 1e12 bytes/s, `_gb` 1e9 bytes, `_us` / `_ms` time. Every function returns ms.
 // - Pure functions of their inputs: no clock, no state.
+//
+// Part of the offline tools: library moe_echo_offline (CPU only), src/offline/cost_model.cpp.
 #pragma once
 
 #include <cstdint>

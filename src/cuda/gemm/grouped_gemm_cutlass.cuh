@@ -15,9 +15,8 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/cuda_check.hpp"
-#include "cuda/fp8_overlap_mainloop.cuh"
-#include "cuda/grouped_gemm_detail.hpp"
+#include "cuda/gemm/fp8_overlap_mainloop.cuh"
+#include "cuda/gemm/grouped_gemm_detail.hpp"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/detail/blockwise_scale_layout.hpp"
@@ -29,6 +28,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/kernel_hardware_info.h"
 #include "cutlass/util/packed_stride.hpp"
+#include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cuda::gemm_detail {
