@@ -74,7 +74,7 @@ void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   add_option(cmd, "--capacity-factor", o.capacity_factor,
              "Receive buffer rows = ceil(factor * T * K); rows beyond it run in spill "
              "rounds, never dropped (" +
-                 default_is(kEcho.capacity_factor) + ")");
+                 default_is(MoeConfig{}.capacity_factor) + ")");
   add_option(cmd, "--clone-cost-rows", o.clone_cost_rows,
              "Cost of one clone link in rows: ECHO minimises the busiest rank's load plus this "
              "per clone link of the busiest-linked rank (default: on the GPU, the H200 cost "
@@ -159,7 +159,7 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.echo.enabled = o.echo == "on";
   r.echo.spare_slots_per_rank = o.spare_slots.value_or(kEcho.spare_slots_per_rank);
   r.echo.max_clones_per_expert = o.max_clones.value_or(kEcho.max_clones_per_expert);
-  r.echo.capacity_factor = o.capacity_factor.value_or(kEcho.capacity_factor);
+  r.moe.capacity_factor = o.capacity_factor.value_or(MoeConfig{}.capacity_factor);
   // On a GPU a clone costs its weights in and its gradient out over NVLink; the cost model turns
   // that into rows of expert work (bf16 weights, fp32 gradients). Ranks simulated in one CPU
   // process pay a memory copy, so cloning is free there.

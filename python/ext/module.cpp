@@ -282,9 +282,8 @@ NB_MODULE(_ext, m) {
     MoeConfig moe;
     moe.max_tokens = max_tokens;
     moe.top_k = top_k;
-    EchoConfig echo;
-    echo.capacity_factor = capacity_factor;
-    return capacity_rows(moe, echo);
+    moe.capacity_factor = capacity_factor;
+    return capacity_rows(moe);
   });
 
   nb::class_<Layer>(m, "Layer")
@@ -328,10 +327,10 @@ NB_MODULE(_ext, m) {
             moe.overlap_sms = overlap_sms;
             moe.in_flight = in_flight;
             moe.chunks = chunks;
+            moe.capacity_factor = capacity_factor;
             EchoConfig e;
             e.enabled = echo;
             e.spare_slots_per_rank = spare_slots;
-            e.capacity_factor = capacity_factor;
             e.max_clones_per_expert = max_clones;
             e.clone_cost_rows = clone_cost_rows;
             e.placement = parse_echo_placement(echo_placement, "echo_placement");

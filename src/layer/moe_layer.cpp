@@ -170,7 +170,7 @@ bool keeps(Recompute r, Act act) {
 struct ActShapes {
   int64_t cap, H, F, K, S;  // S: spare slots
   ActShapes(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e)
-      : cap(capacity_rows(m, e)),
+      : cap(capacity_rows(m)),
         H(m.hidden),
         F(m.ffn),
         K(m.top_k),
@@ -677,7 +677,7 @@ MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
   planner_ = moe_echo::planner_config(moe, par, echo);
   validate(planner_);
   slots_ = slots_per_rank(moe, par, echo);
-  capacity_ = capacity_rows(moe, echo);
+  capacity_ = capacity_rows(moe);
   rounds_ = max_rounds(moe, par, echo);
   own_slots_ = own_echo_slots(echo, planner_.spare_slots);
   if (workspace) {
@@ -988,7 +988,7 @@ MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelC
   Buffers b;
   MoeMemory memory;
   declare_buffers(b,
-                  {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe, echo),
+                  {moe, par, planner, slots_per_rank(moe, par, echo), capacity_rows(moe),
                    max_rounds(moe, par, echo), activation, float_dtype, optimizer_state,
                    own_echo_slots(echo, planner.spare_slots)},
                   counting_allocator(memory));

@@ -128,12 +128,12 @@ StageLayers stage_layers(const WallsInput& in, Recompute recompute) {
   c.recompute = recompute;
   c.precision = parse_precision(in.train.precision, "precision");
   c.fp8_gemms = parse_fp8_gemms(in.train.fp8_gemms, "fp8_gemms");
+  c.capacity_factor = in.train.capacity_factor * l.etp;
   StageLayers s;
   s.layers.assign(size_t(m.layers / l.pp), c);
   s.par = ParallelConfig{l.ep, 0};
   s.echo.spare_slots_per_rank = in.train.spare_slots;
   s.echo.max_clones_per_expert = in.train.max_clones;
-  s.echo.capacity_factor = in.train.capacity_factor * l.etp;
   s.activation = m.dtype == "fp32" ? DType::f32 : DType::bf16;
   s.float_dtype = DType::f32;
   return s;
@@ -423,7 +423,7 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   LayerTimes& lt = r.layer;
   lt.tokens = int64_t(m.seq_len) * m.micro_batch;
   const double T = double(lt.tokens);
-  lt.capacity_rows = capacity_rows(stage.layers.front(), stage.echo);
+  lt.capacity_rows = capacity_rows(stage.layers.front());
 
   // Communication of the busiest rank: it receives imbalance x the mean rows. A token's row
   // crosses once to each rank it picks (the receiver fans it out to the experts there and sums

@@ -53,9 +53,9 @@ struct LayoutSpec {
 };
 
 struct TrainingSpec {
-  // ECHO, with the library's defaults (EchoConfig): receive window rows = ceil(capacity_factor *
-  // T * K) (* etp), S spare slots per rank, clones per expert per step.
-  double capacity_factor = EchoConfig{}.capacity_factor;
+  // The library's defaults (MoeConfig, EchoConfig): receive window rows = ceil(capacity_factor *
+  // T * K) (* etp); ECHO's S spare slots per rank and clones per expert per step.
+  double capacity_factor = MoeConfig{}.capacity_factor;
   int spare_slots = EchoConfig{}.spare_slots_per_rank;
   int max_clones = EchoConfig{}.max_clones_per_expert;
   bool overlap = false;  // overlap dispatch/combine with expert computation

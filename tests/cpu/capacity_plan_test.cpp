@@ -355,7 +355,7 @@ TEST(WallsModel, MoeMemoryIsWhatABuiltStackAllocates) {
   in.layout.etp = 2;
   const StageLayers sharded = stage_layers(in);
   EXPECT_EQ(sharded.layers[0].ffn, 24);
-  EXPECT_DOUBLE_EQ(sharded.echo.capacity_factor, 2 * in.train.capacity_factor);
+  EXPECT_DOUBLE_EQ(sharded.layers[0].capacity_factor, 2 * in.train.capacity_factor);
 }
 
 TEST(WallsModel, TimesMatchTheCostModel) {
