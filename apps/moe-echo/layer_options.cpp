@@ -88,6 +88,10 @@ CLI::Option* add_field_option(CLI::App* cmd, const ConfigField& f, const std::st
 
 }  // namespace
 
+const ConfigField& moe_field(std::string_view name) {
+  return moe_config_fields()[field_index(name)];
+}
+
 std::string field_flag(const ConfigField& f) {
   std::string flag = "--" + std::string(f.name);
   for (char& c : flag)

@@ -33,6 +33,8 @@ struct LayerOptions {
 // The flag of a MoeConfig field's option: "--top-k" for top_k. A few fields also take an older,
 // shorter spelling ("--tokens" for max_tokens; layer_options.cpp, kOlderFlags).
 std::string field_flag(const ConfigField& f);
+// The MoeConfig field `name` of the list.
+const ConfigField& moe_field(std::string_view name);
 // "<Help> (<allowed>; default <default>)": the help of a field's option.
 std::string field_help(const ConfigField& f, const std::string& default_text);
 

@@ -1,5 +1,5 @@
-// Model presets: the shape of one MoE layer of each model that the CLI (`--preset`, `--model`),
-// the offline tools (simulator, capacity plan) and the benchmarks name, in one table.
+// Model presets: the shape of one MoE layer of each model that the CLI (`--preset`), the offline
+// tools (simulator, capacity plan) and the benchmarks name, in one table.
 //
 // Invariants:
 // - Every number of a model's shape lives here once; users read the table (the Python and shell
