@@ -138,8 +138,8 @@ int main(int argc, char** argv) {
     m.shared_experts = c.shared_experts;
     m.shared_side_stream = c.side_stream;
     EchoConfig echo;
-    echo.enabled = false;        // one GPU: nothing to balance
-    echo.capacity_factor = 1.0;  // one rank receives exactly T * K rows
+    echo.enabled = false;     // one GPU: nothing to balance
+    m.capacity_factor = 1.0;  // one rank receives exactly T * K rows
     MoeLayer layer(*be, *comm, m, ParallelConfig{1, 0}, echo, 1, /*optimizer_state=*/false);
     for (const std::string skew_name : {"uniform", "zipf:1.2"}) {
       if (profile && skew_name != "uniform") continue;

@@ -205,7 +205,7 @@ struct Report {
         "EP %d, ECHO %s (spare slots %d, max clones %d), capacity factor %.2f, skew %s\n",
         L.preset.c_str(), backend, moe.hidden, moe.ffn, moe.experts, moe.top_k,
         to_string(moe.score_function), moe.max_tokens, L.ep, L.echo.enabled ? "on" : "off",
-        L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.echo.capacity_factor,
+        L.echo.spare_slots_per_rank, L.echo.max_clones_per_expert, L.moe.capacity_factor,
         o.skew.c_str());
     if (moe.expert_groups > 1 || moe.routed_scaling_factor != 1.0 || moe.seq_aux_loss_coeff > 0 ||
         moe.shared_experts > 0)
@@ -364,7 +364,7 @@ void Report::summary() const {
   std::printf("  ranks a token's rows go to (rank 0's tokens): mean %.2f, at most %d\n",
               mean(reach), reach_max);
   std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
-              (long long)capacity_rows(moe, L.echo), (long long)overflow, spill_steps);
+              (long long)capacity_rows(moe), (long long)overflow, spill_steps);
   if (!phase_names.empty()) {
     std::printf(
         "\n  phases (ms, median over timed steps; a phase ends where the next starts; comm\n"
@@ -400,8 +400,8 @@ void Report::summary() const {
                  {"echo", L.echo.enabled},
                  {"spare_slots", L.echo.spare_slots_per_rank},
                  {"max_clones", L.echo.max_clones_per_expert},
-                 {"capacity_factor", L.echo.capacity_factor},
-                 {"capacity_rows", capacity_rows(moe, L.echo)},
+                 {"capacity_factor", L.moe.capacity_factor},
+                 {"capacity_rows", capacity_rows(moe)},
                  {"clone_cost_rows", L.echo.clone_cost_rows},
                  {"skew", o.skew},
                  {"steps", o.steps},

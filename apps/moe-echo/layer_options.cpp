@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 
 #include "moe_echo/layer.hpp"
@@ -28,79 +29,114 @@ constexpr int kCpuPresetTokens = 64;
 // The ECHO flags' defaults: the library's.
 const EchoConfig kEcho;
 
+// Older spellings of some fields' options, kept working beside the field's own (listed apart by
+// --help); a message names the spelling given ("tokens = '1.5' is invalid").
+struct OlderFlag {
+  const char* field;
+  const char* flag;
+};
+constexpr OlderFlag kOlderFlags[] = {{"max_tokens", "--tokens"},
+                                     {"score_function", "--score"},
+                                     {"aux_loss_coeff", "--aux-loss"},
+                                     {"z_loss_coeff", "--z-loss"},
+                                     {"routed_scaling_factor", "--routed-scaling"},
+                                     {"seq_aux_loss_coeff", "--seq-aux-loss"}};
+
+const char* older_flag(std::string_view field) {
+  for (const OlderFlag& o : kOlderFlags)
+    if (field == o.field) return o.flag;
+  return nullptr;
+}
+
+// Whether some preset sets field `name` to another value than the library's default.
+bool preset_sets(const char* name) {
+  const std::string library = field_text(MoeConfig{}, name);
+  for (const ModelPreset* p : kModelPresets)
+    if (field_text(moe_config(*p), name) != library) return true;
+  return false;
+}
+
+size_t field_index(std::string_view name) {
+  const std::vector<ConfigField>& fields = moe_config_fields();
+  for (size_t i = 0; i < fields.size(); ++i)
+    if (name == fields[i].name) return i;
+  throw Error("no MoeConfig field " + std::string(name));
+}
+
+// The option `flag` of field `f` into `value`, its text checked when it is parsed (a value of the
+// field's type, or exit 2 naming the flag's parameter; ranges are validate()'s, in resolve).
+CLI::Option* add_field_option(CLI::App* cmd, const ConfigField& f, const std::string& flag,
+                              std::optional<std::string>& value, const std::string& help) {
+  CLI::Option* opt = nullptr;
+  if (std::string_view(f.type) == "bool") {  // --x, --x=true or --x=false
+    opt = cmd->add_flag(flag, value, help);
+  } else {
+    opt = cmd->add_option(flag, value, help);
+    const std::string_view type = f.type;
+    opt->type_name(type == "str" ? "TEXT" : type == "int" ? "INT" : "FLOAT");
+  }
+  const std::string name = f.name, param = parameter_name(flag);
+  opt->check(CLI::Validator(
+      [name, param](std::string& text) {
+        MoeConfig scratch;
+        set_field(scratch, name, text, param);
+        return std::string();
+      },
+      "", "field"));
+  return opt;
+}
+
 }  // namespace
+
+const ConfigField& moe_field(std::string_view name) {
+  return moe_config_fields()[field_index(name)];
+}
+
+std::string field_flag(const ConfigField& f) {
+  std::string flag = "--" + std::string(f.name);
+  for (char& c : flag)
+    if (c == '_') c = '-';
+  return flag;
+}
+
+std::string field_help(const ConfigField& f, const std::string& default_text) {
+  std::string h = f.help;
+  h[0] = char(std::toupper(static_cast<unsigned char>(h[0])));
+  const std::string allowed =
+      std::string_view(f.type) == "bool" ? "a flag, =false to turn it off" : f.allowed;
+  return h + " (" + allowed + "; default " + default_text + ")";
+}
 
 void add_layer_options(CLI::App* cmd, LayerOptions& o) {
   add_option(cmd, "--preset", o.preset,
              "Layer shape: " + model_preset_names(false) + " (default " + o.preset +
                  ", seconds on a CPU). Explicit flags below override it.");
   add_option(cmd, "--backend", o.backend, "auto (the GPU when there is one, else the CPU) or cpu");
-  add_option(cmd, "--hidden", o.hidden, "Hidden size H");
-  add_option(cmd, "--ffn", o.ffn, "Expert FFN size F (SwiGLU: fc1 H x 2F, fc2 F x H)");
-  add_option(cmd, "--experts", o.experts, "Routed experts E (a multiple of --ep)");
-  add_option(cmd, "--top-k", o.top_k, "Experts per token K (1 <= K <= E)");
-  add_option(cmd, "--tokens", o.tokens, "Tokens per rank per step T");
   add_option(cmd, "--ep", o.ep,
              "Expert-parallel ranks R (CPU: simulated as threads; GPU: one process per GPU, "
              "started by moe-echo launch -n R, and the default is WORLD_SIZE)");
-  add_option(cmd, "--score", o.score, "Router score function: softmax or sigmoid");
-  add_option(cmd, "--expert-groups", o.expert_groups,
-             "Group-limited top-k: experts in G groups of E/G (1 <= G <= " +
-                 std::to_string(kMaxExpertGroups) + "; preset's, 1 = no limit)");
-  add_option(cmd, "--topk-groups", o.topk_groups,
-             "Groups each token picks its experts from (1 <= n <= G; preset's)");
-  add_option(cmd, "--group-score", o.group_score,
-             "How a group is scored: top2_sum (sum of its two best keys, DeepSeek-V3) or max");
-  add_option(cmd, "--routed-scaling", o.routed_scaling,
-             "Combine weights times this factor after normalisation (preset's, 1 = none)");
-  add_option(cmd, "--shared-experts", o.shared_experts,
-             "Dense SwiGLU experts of size F every token goes through (preset's)");
-  cmd->add_flag("--shared-side-stream", o.shared_side_stream,
-                "Run the shared experts on a second stream beside the router and dispatch");
-  add_option(cmd, "--seq-aux-loss", o.seq_aux_loss_coeff,
-             "Sequence-level aux loss coefficient (default 0; needs --seq-len)");
-  add_option(cmd, "--seq-len", o.seq_len,
-             "Tokens per sequence of the sequence-level aux loss (consecutive tokens)");
-  add_option(cmd, "--aux-loss", o.aux_loss_coeff,
-             "Aux load-balancing loss coefficient (default 0)");
-  add_option(cmd, "--z-loss", o.z_loss_coeff, "Router z-loss coefficient (default 0)");
-  cmd->add_flag("--bias-update", o.bias_update, "Aux-loss-free balancing bias updates");
+  // One option per MoeConfig field.
+  const std::vector<ConfigField>& fields = moe_config_fields();
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const ConfigField& f = fields[i];
+    std::string help = field_help(f, preset_sets(f.name) ? "the preset's" : f.default_text);
+    add_field_option(cmd, f, field_flag(f), o.moe[i], help);
+    if (const char* older = older_flag(f.name))
+      add_field_option(cmd, f, older, o.moe[i], "The same as " + field_flag(f))
+          ->group("Older spellings");
+  }
   add_option(cmd, "--echo", o.echo, "ECHO cloning of hot experts: on (default) or off");
   add_option(
       cmd, "--spare-slots", o.spare_slots,
       "Spare expert slots per rank for clones (" + default_is(kEcho.spare_slots_per_rank) + ")");
   add_option(cmd, "--max-clones", o.max_clones,
              "Clones per expert per step (" + default_is(kEcho.max_clones_per_expert) + ")");
-  add_option(cmd, "--capacity-factor", o.capacity_factor,
-             "Receive buffer rows = ceil(factor * T * K); rows beyond it run in spill "
-             "rounds, never dropped (" +
-                 default_is(kEcho.capacity_factor) + ")");
   add_option(cmd, "--clone-cost-rows", o.clone_cost_rows,
              "Cost of one clone link in rows: ECHO minimises the busiest rank's load plus this "
              "per clone link of the busiest-linked rank (default: on the GPU, the H200 cost "
              "model's clone traffic time over one row's expert time, ~2200 rows; 0 on the CPU "
              "backend)");
   add_option(cmd, "--seed", o.seed, "Seed of weights and synthetic data (default 1)");
-  add_option(cmd, "--recompute", o.recompute,
-             "What each layer keeps for its backward: none (default), moe_act (redo SwiGLU), "
-             "experts (redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)");
-  add_option(cmd, "--overlap", o.overlap,
-             "What the backward runs beside its communication: none (default) or wgrad (fc1's "
-             "weight-gradient GEMM on a second stream beside the combine)");
-  add_option(cmd, "--overlap-sms", o.overlap_sms,
-             "With --overlap wgrad or --chunks above 1, the SMs the side stream's GEMMs leave to "
-             "communication (default 16)");
-  add_option(cmd, "--chunks", o.chunks,
-             "The received rows of the forward and the backward in this many chunks (1 to 16, "
-             "default 1): a chunk's expert GEMMs run on a second stream while the next chunk is "
-             "dispatched and the one before combined");
-  add_option(cmd, "--precision", o.precision,
-             "The routed experts' GEMMs: bf16 (default) or fp8 (e4m3 with blockwise scales; "
-             "hidden and ffn multiples of 16)");
-  add_option(cmd, "--fp8-gemms", o.fp8_gemms,
-             "With --precision fp8, which expert GEMMs run in FP8 (the rest in bf16): all "
-             "(default) or a comma-separated list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, "
-             "wgrad2, fprop, dgrad, wgrad (fprop1 also sends the tokens in e4m3)");
 }
 
 bool is_cuda(const Backend& backend) { return std::string(backend.name()) == "cuda"; }
@@ -113,37 +149,22 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   ResolvedLayer r;
   r.preset = o.preset;
   r.gpu = !cpu_backend;
-  r.moe.hidden = o.hidden.value_or(p.hidden);
-  r.moe.ffn = o.ffn.value_or(p.ffn);
-  r.moe.experts = o.experts.value_or(p.experts);
-  r.moe.top_k = o.top_k.value_or(p.top_k);
-  r.moe.max_tokens = o.tokens.value_or(p.tokens);
-  if (!o.tokens && cpu_backend && p.moe_layers > 0) {
+  auto given = [&](std::string_view name) -> const std::optional<std::string>& {
+    return o.moe[field_index(name)];
+  };
+  r.moe = moe_config(p);
+  if (!given("max_tokens") && cpu_backend && p.moe_layers > 0) {
     r.moe.max_tokens = kCpuPresetTokens;
     r.tokens_reduced_for_cpu = true;
   }
-  r.moe.score_function = o.score ? parse_score_function(*o.score, "score") : p.score;
-  r.moe.normalize_topk = p.normalize_topk;
-  r.moe.expert_groups = o.expert_groups.value_or(p.expert_groups);
-  r.moe.topk_groups = o.topk_groups.value_or(o.expert_groups ? r.moe.expert_groups : p.topk_groups);
-  r.moe.group_score =
-      o.group_score ? parse_group_score(*o.group_score, "group_score") : p.group_score;
-  r.moe.routed_scaling_factor = o.routed_scaling.value_or(p.routed_scaling_factor);
-  r.moe.shared_experts = o.shared_experts.value_or(p.shared_experts);
-  r.moe.shared_side_stream = o.shared_side_stream;
-  r.moe.seq_aux_loss_coeff = o.seq_aux_loss_coeff;
-  r.moe.seq_len = o.seq_len;
-  r.moe.aux_loss_coeff = o.aux_loss_coeff;
-  r.moe.z_loss_coeff = o.z_loss_coeff;
-  r.moe.bias_update = o.bias_update;
-  r.moe.recompute = parse_recompute(o.recompute, "recompute");
-  r.moe.overlap = parse_overlap(o.overlap, "overlap");
-  r.moe.overlap_sms = o.overlap_sms;
-  r.moe.chunks = o.chunks;
-  r.moe.precision = parse_precision(o.precision, "precision");
-  r.moe.fp8_gemms = parse_fp8_gemms(o.fp8_gemms, "fp8-gemms");
-  if (r.moe.precision != Precision::fp8 && o.fp8_gemms != "all")
-    reject("fp8-gemms", "'" + o.fp8_gemms + "'", "all (the default) unless --precision fp8");
+  const std::vector<ConfigField>& fields = moe_config_fields();
+  for (size_t i = 0; i < fields.size(); ++i)
+    if (o.moe[i]) set_field(r.moe, fields[i].name, *o.moe[i], fields[i].name);
+  // Other expert groups without --topk-groups: a token may pick from all of them.
+  if (given("expert_groups") && !given("topk_groups")) r.moe.topk_groups = r.moe.expert_groups;
+  const std::optional<std::string>& fp8_gemms = given("fp8_gemms");
+  if (r.moe.precision != Precision::fp8 && fp8_gemms && *fp8_gemms != "all")
+    reject("fp8_gemms", "'" + *fp8_gemms + "'", "all (the default) unless --precision fp8");
   r.ep = o.ep.value_or(cpu_backend ? p.ep : world_size);
   if (!cpu_backend && r.ep != world_size)
     reject("ep", r.ep,
@@ -159,7 +180,6 @@ ResolvedLayer resolve(const LayerOptions& o, const Backend& backend, int world_s
   r.echo.enabled = o.echo == "on";
   r.echo.spare_slots_per_rank = o.spare_slots.value_or(kEcho.spare_slots_per_rank);
   r.echo.max_clones_per_expert = o.max_clones.value_or(kEcho.max_clones_per_expert);
-  r.echo.capacity_factor = o.capacity_factor.value_or(kEcho.capacity_factor);
   // On a GPU a clone costs its weights in and its gradient out over NVLink; the cost model turns
   // that into rows of expert work (bf16 weights, fp32 gradients). Ranks simulated in one CPU
   // process pay a memory copy, so cloning is free there.

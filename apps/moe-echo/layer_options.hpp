@@ -1,4 +1,6 @@
 // Options shared by `bench` and `train`: a preset plus explicit overrides, resolved into configs.
+// Every MoeConfig field has its option, made from the field list (moe_echo/config_fields.hpp):
+// `--<name with dashes>` (`--top-k`), its help, what it allows and its default.
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -18,25 +20,23 @@ namespace moe_echo::cli {
 struct LayerOptions {
   std::string preset{kTinyLayer.name};
   std::string backend = "auto";
-  std::optional<int> hidden, ffn, experts, top_k, tokens, ep, spare_slots, max_clones;
-  std::optional<double> capacity_factor;
-  std::optional<std::string> score, group_score;
-  std::optional<int> expert_groups, topk_groups, shared_experts;
-  std::optional<double> routed_scaling;
-  double seq_aux_loss_coeff = 0.0;
-  int seq_len = 0;
+  // The MoeConfig fields given on the command line, as text, in moe_config_fields() order; the
+  // others are the preset's or the library's defaults.
+  std::vector<std::optional<std::string>> moe =
+      std::vector<std::optional<std::string>>(moe_config_fields().size());
+  std::optional<int> ep, spare_slots, max_clones;
   std::string echo = "on";
-  double aux_loss_coeff = 0.0, z_loss_coeff = 0.0;
-  bool bias_update = false, shared_side_stream = false;
   std::optional<int64_t> clone_cost_rows;
   uint64_t seed = 1;
-  std::string recompute = "none";
-  std::string precision = "bf16";
-  std::string fp8_gemms = "all";
-  std::string overlap = "none";
-  int overlap_sms = 16;
-  int chunks = 1;
 };
+
+// The flag of a MoeConfig field's option: "--top-k" for top_k. A few fields also take an older,
+// shorter spelling ("--tokens" for max_tokens; layer_options.cpp, kOlderFlags).
+std::string field_flag(const ConfigField& f);
+// The MoeConfig field `name` of the list.
+const ConfigField& moe_field(std::string_view name);
+// "<Help> (<allowed>; default <default>)": the help of a field's option.
+std::string field_help(const ConfigField& f, const std::string& default_text);
 
 struct ResolvedLayer {
   MoeConfig moe;

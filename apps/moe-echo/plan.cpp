@@ -26,7 +26,9 @@ namespace {
 using namespace moe_echo::offline;
 
 struct PlanOptions {
-  std::string model{ModelSpec{}.name};
+  std::string preset{ModelSpec{}.name};
+  std::optional<std::string> model;  // --model, the older spelling of --preset
+  std::string overlap = "none";      // MoeConfig::overlap, or the older on/off of --comm-overlap
   std::optional<int> hidden, ffn, experts, top_k, layers, expert_groups, topk_groups;
   int seq_len = 4096, micro_batch = 1;
   std::string dtype = "bf16";
@@ -50,7 +52,8 @@ const char* severity(Severity s) { return s == Severity::error ? "error" : "warn
 
 int run_plan(const PlanOptions& o) {
   WallsInput in;
-  in.model = model_preset(o.model);
+  if (o.model) std::cerr << "moe-echo: warning: --model is deprecated: use --preset\n";
+  in.model = o.model ? model_preset(*o.model, "model") : model_preset(o.preset, "preset");
   if (o.hidden) in.model.hidden = *o.hidden;
   if (o.ffn) in.model.ffn = *o.ffn;
   if (o.experts) in.model.experts = *o.experts;
@@ -65,6 +68,14 @@ int run_plan(const PlanOptions& o) {
   in.model.dtype = o.dtype;
   in.layout = o.layout;
   in.train = o.train;
+  if (o.overlap == "on" || o.overlap == "off") {  // before --overlap took none or wgrad
+    std::cerr << "moe-echo: warning: --overlap " << o.overlap
+              << " is deprecated: use --comm-overlap " << o.overlap
+              << " (--overlap is the layer's: none or wgrad)\n";
+    in.train.comm_overlap = in.train.comm_overlap || o.overlap == "on";
+  } else {
+    in.train.overlap = o.overlap;
+  }
   in.gpu = gpu_preset(o.gpu);
   if (!o.measured.empty()) apply_measured_file(in.gpu, o.measured);
   if (o.memory_gb) in.gpu.memory_gb = *o.memory_gb;
@@ -189,11 +200,14 @@ int run_plan(const PlanOptions& o) {
                 "  dispatch/combine %.3f ms, clones %.3f ms, expert GEMM %.3f ms, shared experts "
                 "%.3f ms, launches %.3f ms -> %.3f ms per layer%s\n",
                 lt.comm_ms, lt.clone_ms, lt.gemm_ms, lt.shared_ms, lt.host_ms, lt.layer_ms,
-                in.train.overlap                 ? " (overlapped)"
+                in.train.comm_overlap            ? " (overlapped)"
                 : in.train.shared_expert_overlap ? " (shared experts beside dispatch/combine)"
                                                  : "");
-  out << line << "  MoE time of one micro-batch on one stage: " << fmt(rep.stage_ms, 2)
-      << " ms\n\n";
+  out << line;
+  if (lt.wgrad_hidden_ms > 0)
+    out << "  overlap wgrad: fc1's weight-gradient GEMM hides " << fmt(lt.wgrad_hidden_ms, 3)
+        << " ms of the backward's combine\n";
+  out << "  MoE time of one micro-batch on one stage: " << fmt(rep.stage_ms, 2) << " ms\n\n";
   out << "binding wall: " << rep.binding_wall << " (" << rep.reason << ")\n";
   for (const std::string& a : rep.advice) out << "  - " << a << "\n";
   if (simulated) {
@@ -227,6 +241,7 @@ int run_plan(const PlanOptions& o) {
                      {"spare_slots", t.spare_slots},
                      {"max_clones", t.max_clones},
                      {"overlap", t.overlap},
+                     {"comm_overlap", t.comm_overlap},
                      {"shared_expert_overlap", t.shared_expert_overlap},
                      {"distributed_optimizer", t.distributed_optimizer},
                      {"recompute", t.recompute},
@@ -290,6 +305,7 @@ int run_plan(const PlanOptions& o) {
                   {"gemm_ms", lt.gemm_ms},
                   {"host_ms", lt.host_ms},
                   {"exposed_comm_ms", lt.exposed_comm_ms},
+                  {"wgrad_hidden_ms", lt.wgrad_hidden_ms},
                   {"layer_ms", lt.layer_ms}};
     j["stage_ms"] = rep.stage_ms;
     j["binding_wall"] = rep.binding_wall;
@@ -330,8 +346,10 @@ void add_plan(CLI::App& app, Runner& run) {
       "Memory, communication and compute of the MoE layers per GPU for a model, parallel layout "
       "and GPU: which wall binds, validation of the combination, and a capacity factor and "
       "spare-slot count from the simulator (docs/plan.md)");
-  add_option(cmd, "--model", o->model, "preset: " + model_preset_names(true))
+  add_option(cmd, "--preset", o->preset, "preset: " + model_preset_names(true))
       ->capture_default_str();
+  add_option(cmd, "--model", o->model, "The same as --preset (deprecated)")
+      ->group("Older spellings");
   add_option(cmd, "--hidden", o->hidden, "hidden size H (overrides the preset)");
   add_option(cmd, "--ffn", o->ffn, "expert FFN size F");
   add_option(cmd, "--experts", o->experts, "routed experts E");
@@ -365,9 +383,14 @@ void add_plan(CLI::App& app, Runner& run) {
       ->capture_default_str();
   add_option(cmd, "--shared-expert-overlap", o->train.shared_expert_overlap,
              "run the model's shared experts beside dispatch/combine (on/off; not with "
-             "--overlap)");
-  add_option(cmd, "--overlap", o->train.overlap,
-             "overlap dispatch/combine with computation (on/off)")
+             "--comm-overlap)");
+  add_option(cmd, "--overlap", o->overlap,
+             field_help(moe_field("overlap"), "none") +
+                 "; priced as the combine's time hidden, up to fc1's weight-gradient GEMM's");
+  add_option(cmd, "--comm-overlap", o->train.comm_overlap,
+             "price dispatch/combine hidden under the expert GEMMs, as a framework's EP "
+             "communication overlap does (on/off; the layer's own overlaps are --overlap wgrad and "
+             "chunks)")
       ->capture_default_str();
   add_option(cmd, "--distributed-optimizer", o->train.distributed_optimizer,
              "shard optimizer state over dp (on/off)")

@@ -43,8 +43,8 @@ struct ModelSpec {  // defaults: DeepSeek-V3
   std::string dtype = "bf16";  // bf16, fp16 or fp32 (weights and activations)
 };
 // The model preset named `name` (moe_echo/presets.hpp, models only, any case); throws
-// ConfigError naming `model` otherwise.
-ModelSpec model_preset(const std::string& name);
+// ConfigError naming `field` otherwise.
+ModelSpec model_preset(const std::string& name, const char* field = "model");
 
 struct LayoutSpec {
   int ep = 8;   // expert parallel size
@@ -55,14 +55,19 @@ struct LayoutSpec {
 };
 
 struct TrainingSpec {
-  // ECHO, with the library's defaults (EchoConfig): receive window rows = ceil(capacity_factor *
-  // T * K) (* etp), S spare slots per rank, clones per expert per step.
-  double capacity_factor = EchoConfig{}.capacity_factor;
+  // The library's defaults (MoeConfig, EchoConfig): receive window rows = ceil(capacity_factor *
+  // T * K) (* etp); ECHO's S spare slots per rank and clones per expert per step.
+  double capacity_factor = MoeConfig{}.capacity_factor;
   int spare_slots = EchoConfig{}.spare_slots_per_rank;
   int max_clones = EchoConfig{}.max_clones_per_expert;
-  bool overlap = false;  // overlap dispatch/combine with expert computation
-  // Run the shared experts beside dispatch/combine (on a side stream); conflicts with overlap,
-  // which claims the same stream beside the expert GEMMs.
+  // What the layer's backward runs beside its communication (MoeConfig::overlap): none, or wgrad
+  // (fc1's weight-gradient GEMM beside the backward's combine).
+  std::string overlap = "none";
+  // Price dispatch/combine hidden under the expert GEMMs, as a framework's EP communication
+  // overlap does (the layer itself does not: its overlaps are `overlap` and MoeConfig::chunks).
+  bool comm_overlap = false;
+  // Run the shared experts beside dispatch/combine (on a side stream); conflicts with
+  // comm_overlap, which claims the same stream beside the expert GEMMs.
   bool shared_expert_overlap = false;
   bool distributed_optimizer = true;  // optimizer state sharded over dp
   std::string recompute = "none";     // what a layer keeps: none, moe_act, experts, dispatch
@@ -165,8 +170,10 @@ struct LayerTimes {
   // (comm_ms includes the dispatch again with recompute dispatch)
   double shared_ms = 0;  // shared experts' GEMMs forward + backward (all T tokens)
   double host_ms = 0;    // kernel launch overhead
-  double layer_ms = 0;   // max(gpu time, host time); gpu = overlap ? max : sum
+  double layer_ms = 0;   // max(gpu time, host time); gpu = comm_overlap ? max : sum
   double exposed_comm_ms = 0;
+  // overlap wgrad: the backward's combine beside fc1's weight-gradient GEMM, the shorter hidden
+  double wgrad_hidden_ms = 0;
 };
 
 struct SpareSlotOption {

@@ -1,12 +1,19 @@
 // Configuration of one MoE layer, its expert-parallel placement and ECHO.
 //
-// Configs are plain structs that grow by appending fields. `validate()` checks every field and
-// every combination; a violation throws moe_echo::ConfigError whose message names the field, the
-// value given and what is allowed. Everything a layer allocates is sized from these structs.
+// Configs are plain structs that grow by appending fields. MoeConfig's and EchoConfig's fields
+// are declared from their lists in config_fields.hpp (type, name, default, allowed values, help:
+// read them there); the CLI and the Python binding take the fields from the same lists.
+// `validate()` checks every field and every combination; a violation throws moe_echo::ConfigError
+// whose message names the field, the value given and what is allowed. Everything a layer
+// allocates is sized from these structs.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
+
+#include "moe_echo/config_fields.hpp"
 
 namespace moe_echo {
 
@@ -14,7 +21,16 @@ inline constexpr int kVersionMajor = 0;
 inline constexpr int kVersionMinor = 1;
 inline constexpr int kVersionPatch = 0;
 
+// The names of an enum's values, in the order of the values: to_string, the parsers, the CLI and
+// the Python binding read them here.
+template <class E>
+struct EnumNames;
+
 enum class ScoreFunction { softmax, sigmoid };
+template <>
+struct EnumNames<ScoreFunction> {
+  static constexpr const char* names[] = {"softmax", "sigmoid"};
+};
 
 const char* to_string(ScoreFunction f);
 // Parses "softmax" or "sigmoid"; throws ConfigError naming `field` otherwise.
@@ -23,6 +39,10 @@ ScoreFunction parse_score_function(const std::string& s, const char* field = "sc
 // How group-limited routing scores a group of experts from its experts' selection keys (score +
 // bias): top2_sum, the sum of its two largest keys (DeepSeek-V3); max, its largest key.
 enum class GroupScore { top2_sum, max };
+template <>
+struct EnumNames<GroupScore> {
+  static constexpr const char* names[] = {"top2_sum", "max"};
+};
 
 const char* to_string(GroupScore g);
 // Parses "top2_sum" or "max"; throws ConfigError naming `field` otherwise.
@@ -36,6 +56,10 @@ enum class Recompute {
   experts,   // keep the received rows; redo fc1, SwiGLU and fc2
   dispatch,  // keep only the routing (and the caller's x): redo the dispatch and the experts
 };
+template <>
+struct EnumNames<Recompute> {
+  static constexpr const char* names[] = {"none", "moe_act", "experts", "dispatch"};
+};
 
 const char* to_string(Recompute r);
 // Parses "none", "moe_act", "experts" or "dispatch"; throws ConfigError naming `field` otherwise.
@@ -46,6 +70,10 @@ enum class Overlap {
   none,   // every op in turn on the caller's stream
   wgrad,  // round 0's fc1 weight-gradient GEMM on a second stream (Backend::fork_side) beside
           // round 0's combine and the router's backward, on all SMs but overlap_sms
+};
+template <>
+struct EnumNames<Overlap> {
+  static constexpr const char* names[] = {"none", "wgrad"};
 };
 const char* to_string(Overlap o);
 // Parses "none" or "wgrad"; throws ConfigError naming `field` otherwise.
@@ -59,6 +87,10 @@ enum class Precision {
   fp8,   // e4m3 operands with blockwise fp32 scales (1 x 128 tiles of activations and gradients,
          // 128 x 128 blocks of weights: backend.hpp, Fp8GemmArgs), quantized before each GEMM;
          // needs hidden and ffn multiples of 16
+};
+template <>
+struct EnumNames<Precision> {
+  static constexpr const char* names[] = {"bf16", "fp8"};
 };
 const char* to_string(Precision p);
 // Parses "bf16" or "fp8"; throws ConfigError naming `field` otherwise.
@@ -81,6 +113,10 @@ inline constexpr uint32_t all = 63;
 // `field` for anything else or an empty set.
 std::string fp8_gemms_to_string(uint32_t gemms);
 uint32_t parse_fp8_gemms(const std::string& s, const char* field = "fp8_gemms");
+// What parse_fp8_gemms takes, in words.
+inline constexpr const char* kFp8GemmsAllowed =
+    "all, or a comma-separated list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, wgrad2, fprop, "
+    "dgrad, wgrad";
 
 // The largest top_k a layer takes: one warp handles a token's entries in dispatch and combine.
 inline constexpr int kMaxTopK = 32;
@@ -90,68 +126,15 @@ inline constexpr int kMaxExpertGroups = 32;
 inline constexpr int kMaxInFlight = 16;
 // The most chunks of a forward's received rows (MoeConfig::chunks).
 inline constexpr int kMaxChunks = 16;
+// The largest loss coefficient or rate (aux, z and sequence aux losses, bias updates, routed
+// scaling): beyond it the float losses and gradients would overflow (no training uses more than a
+// few units).
+inline constexpr double kMaxCoeff = 1e6;
 
+// One MoE layer: the fields of MOE_ECHO_MOE_CONFIG_FIELDS (config_fields.hpp), in its order.
 struct MoeConfig {
-  int hidden = 0;      // H
-  int ffn = 0;         // F: fc1 is H x 2F (gate | up), fc2 is F x H
-  int experts = 0;     // E, routed experts of the layer (all ranks together)
-  int top_k = 0;       // K, experts chosen per token
-  int max_tokens = 0;  // T, the most tokens one rank feeds the layer in one step
-  ScoreFunction score_function = ScoreFunction::softmax;
-  bool normalize_topk = true;   // rescale the K chosen weights to sum to 1
-  double aux_loss_coeff = 0.0;  // Switch-style load-balancing loss: coeff * E * sum_e f_e P_e
-  double z_loss_coeff = 0.0;    // coeff * mean_t logsumexp(logits_t)^2
-  bool bias_update = false;     // aux-loss-free balancing: b_e += rate * sign(mean - count_e)
-  double bias_update_rate = 1e-3;
-  // Group-limited top-k: experts [g E/G, (g + 1) E/G) form group g of G = expert_groups; a token
-  // picks its topk_groups best groups by group_score, then its top_k experts inside them. Groups
-  // that align to EP ranks bound the ranks a token's rows go to. 1 and 1: no group limit.
-  int expert_groups = 1;
-  int topk_groups = 1;
-  GroupScore group_score = GroupScore::top2_sum;
-  // Combine weights times this constant, after normalisation (DeepSeek-V3's 2.5).
-  double routed_scaling_factor = 1.0;
-  // Sequence-level aux loss: the aux loss's formula over each run of seq_len consecutive tokens
-  // (the last run may be shorter), averaged over the runs: coeff * mean_s E sum_e f_se P_se.
-  double seq_aux_loss_coeff = 0.0;
-  int seq_len = 0;  // tokens per sequence; 0 with seq_aux_loss_coeff 0
-  // Shared experts: dense SwiGLU experts every token goes through, their output added to the
-  // routed experts'. Together they are one SwiGLU of width shared_experts * shared_ffn (0: ffn),
-  // replicated on every EP rank, run by the expert GEMM kernels as one group.
-  int shared_experts = 0;
-  int shared_ffn = 0;
-  // Run the shared experts on a second stream (Backend::fork_side), beside the router, the plan,
-  // the layout and (without spill rounds configured) round 0's dispatch and expert GEMMs; joined
-  // before the first combine that adds into y (forward) or dx (backward).
-  bool shared_side_stream = false;
-  // What the forward keeps for the backward (see Recompute).
-  Recompute recompute = Recompute::none;
-  // What the backward runs beside its communication (see Overlap), and with Overlap::wgrad the
-  // SMs the weight-gradient GEMM leaves to the communication kernels (CUDA backend; less than the
-  // GPU's SM count).
-  Overlap overlap = Overlap::none;
-  int overlap_sms = 16;
-  // Round 0 of the forward and the backward in this many chunks of its received rows (1: one, no
-  // overlap). Chunk c's expert GEMMs (the backward's dgrads) run on the backend's side stream, on
-  // all SMs but overlap_sms, while chunk c + 1 is dispatched and chunk c - 1 combined on the
-  // step's stream, the backward's weight gradients after the chunks; the chunks' rows are
-  // computed on the device from the layout (Backend::chunk_plan, RowChunks), and the results are
-  // the bits of one chunk. forward() and backward() only: the split-phase calls refuse it. A
-  // backward with FP8 weight gradients runs whole.
-  int chunks = 1;
-  // Micro-batches in flight: how many forwards may await their backward at once, each keeping
-  // its own routing, plan and kept activations (MoeLayer's micro_batch argument picks one, from
-  // 0 to in_flight - 1). With 2 or more, two micro-batches' split phases may also interleave:
-  // micro-batch m uses set m % 2 of the workspace's receive windows, temporaries and echo slots.
-  int in_flight = 1;
-  // Float master copies of the expert and shared-expert weights (with optimizer state): AdamW
-  // updates the masters and writes the weights the GEMMs read (bf16 on CUDA) as their rounding,
-  // so updates below a bf16 ulp are not lost. The router weight is float already.
-  bool master_weights = false;
-  // The routed experts' GEMMs (see Precision), and with fp8 which of them (fp8_gemm bits; the
-  // rest in the activation dtype).
-  Precision precision = Precision::bf16;
-  uint32_t fp8_gemms = fp8_gemm::all;
+#define MOE_ECHO_DECLARE_FIELD(type, name, default_value, rule, help) type name = default_value;
+  MOE_ECHO_MOE_CONFIG_FIELDS(MOE_ECHO_DECLARE_FIELD)
 };
 // Whether GEMM `g` (an fp8_gemm bit) of a layer with this config runs in FP8.
 inline bool uses_fp8(const MoeConfig& m, uint32_t g) {
@@ -179,20 +162,18 @@ enum class EchoPlacement {
   // reduced home once by the step's last backward (MoeLayer::hold_clone_grads).
   step,
 };
+template <>
+struct EnumNames<EchoPlacement> {
+  static constexpr const char* names[] = {"micro_batch", "step"};
+};
 const char* to_string(EchoPlacement p);
 // Parses "micro_batch" or "step"; throws ConfigError naming `field` otherwise.
 EchoPlacement parse_echo_placement(const std::string& s, const char* field = "placement");
 
+// ECHO: the fields of MOE_ECHO_ECHO_CONFIG_FIELDS (config_fields.hpp), in its order.
 struct EchoConfig {
-  bool enabled = true;
-  int spare_slots_per_rank = 1;   // S: slots per rank that may hold a clone for one step
-  double capacity_factor = 1.25;  // receive buffer rows = ceil(capacity_factor * T * K)
-  int max_clones_per_expert = 2;  // clones of one expert in one step (replicas = 1 + clones)
-  // Cost of one clone (weights in, gradient out) in routed rows of expert work, per clone link
-  // of the busiest-linked rank (a rank's links: clones it hosts + clones of its home experts):
-  // the planner minimises the busiest rank's load plus this per such link (planner.hpp).
-  int64_t clone_cost_rows = 0;
-  EchoPlacement placement = EchoPlacement::micro_batch;  // see EchoPlacement
+  MOE_ECHO_ECHO_CONFIG_FIELDS(MOE_ECHO_DECLARE_FIELD)
+#undef MOE_ECHO_DECLARE_FIELD
 };
 
 // Throws ConfigError on the first invalid field or combination.
@@ -207,9 +188,39 @@ inline int experts_per_rank(const MoeConfig& m, const ParallelConfig& p) {
 }
 // Expert slots on every rank: home slots then spare slots.
 int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
-// Rows a rank's receive buffer holds in one round: ceil(capacity_factor * T * K).
-int64_t capacity_rows(const MoeConfig& m, const EchoConfig& e);
-// Upper bound on rounds (first round plus spill rounds) for any routing.
-int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e);
+// Rows a rank's receive buffer holds in one round: ceil(capacity_factor * T * K), at least 1.
+int64_t capacity_rows(const MoeConfig& m);
+// Upper bound on rounds (first round plus spill rounds) for any routing. The EchoConfig does not
+// enter (ECHO moves rows between ranks, not past the capacity); the overload keeps its callers.
+int max_rounds(const MoeConfig& m, const ParallelConfig& p);
+inline int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig&) {
+  return max_rounds(m, p);
+}
+
+// The fields by name, as text: what the CLI's options and the Python binding's keywords are
+// made of. A field's text is what its option takes: a number ("1.25", "16"), "true" or "false",
+// an enum's name ("softmax") or, for fp8_gemms, "all" or a list ("fprop1,wgrad1").
+struct ConfigField {
+  const char* name;
+  const char* type;                  // as text and in Python: "int", "float", "bool" or "str"
+  std::string default_text;          // the struct's default, as text
+  std::string allowed;               // what validate() allows, in words ("1 <= chunks <= 16")
+  std::vector<std::string> choices;  // the names a "str" field takes (none for fp8_gemms)
+  const char* help;
+};
+// The entries of MOE_ECHO_MOE_CONFIG_FIELDS and MOE_ECHO_ECHO_CONFIG_FIELDS, in order.
+const std::vector<ConfigField>& moe_config_fields();
+const std::vector<ConfigField>& echo_config_fields();
+// The value of field `name` as text. Throws ConfigError for a name that is no field.
+std::string field_text(const MoeConfig& m, std::string_view name);
+std::string field_text(const EchoConfig& e, std::string_view name);
+// Sets field `name` from its text. Throws ConfigError naming `param` (the field as the caller
+// spells it, such as a CLI flag's "tokens") when the text is no value of the field's type ("x"
+// for an int, 99999999999 for an int, "relu" for the score function); ranges and combinations
+// are validate()'s.
+void set_field(MoeConfig& m, std::string_view name, const std::string& text,
+               const std::string& param);
+void set_field(EchoConfig& e, std::string_view name, const std::string& text,
+               const std::string& param);
 
 }  // namespace moe_echo

@@ -1,5 +1,5 @@
-// Model presets: the shape of one MoE layer of each model that the CLI (`--preset`, `--model`),
-// the offline tools (simulator, capacity plan) and the benchmarks name, in one table.
+// Model presets: the shape of one MoE layer of each model that the CLI (`--preset`), the offline
+// tools (simulator, capacity plan) and the benchmarks name, in one table.
 //
 // Invariants:
 // - Every number of a model's shape lives here once; users read the table (the Python and shell
@@ -82,6 +82,10 @@ inline constexpr ModelPreset kMixtral8x7B{.name = "mixtral-8x7b",
 
 inline constexpr const ModelPreset* kModelPresets[] = {&kTinyLayer, &kDeepSeekV3, &kQwen3_30B_A3B,
                                                        &kQwen3_235B_A22B, &kMixtral8x7B};
+
+// The MoeConfig of the preset's layer: its shape and routing, max_tokens = tokens, the library's
+// defaults for the rest.
+MoeConfig moe_config(const ModelPreset& p);
 
 // The preset named `name` (exactly), or nullptr.
 const ModelPreset* find_model_preset(std::string_view name);

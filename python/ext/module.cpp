@@ -3,8 +3,12 @@
 // handles as ints. Buffers the layer owns come back as DLPack tensors (torch views, kept alive by
 // the Layer object), so Python reads and writes them in place without a copy.
 //
+// The layer's MoeConfig and EchoConfig cross as dicts of fields named as in the field lists
+// (moe_echo/config_fields.hpp), which moe_config_fields() and echo_config_fields() give to
+// Python: the PyTorch module's keywords are those fields (tests/python/test_config_fields.py).
+//
 // Errors: moe_echo::ConfigError becomes ValueError (a parameter out of range, message naming it),
-// any other moe_echo::Error RuntimeError.
+// a field's value of another Python type TypeError, any other moe_echo::Error RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -237,6 +241,81 @@ class Layer {
   std::unique_ptr<MoeLayer> layer_;
 };
 
+// The text of field `f`'s Python value (set_field reads it), or TypeError naming `keyword` when
+// the value is of another type than the field's: an int (not a bool) for "int", an int or a
+// float for "float", a bool or an int for "bool", a str for "str".
+std::string field_text_of(nb::handle value, const ConfigField& f, const std::string& keyword) {
+  const std::string type = f.type;
+  PyObject* v = value.ptr();
+  const bool is_bool = PyBool_Check(v), is_int = PyLong_Check(v) && !is_bool;
+  bool ok = false;
+  std::string text;
+  if (type == "int" && is_int) {
+    ok = true, text = nb::cast<std::string>(nb::str(value));
+  } else if (type == "float" && (is_int || PyFloat_Check(v))) {
+    // repr of the float: the shortest text that reads back to the same double
+    ok = true, text = nb::cast<std::string>(nb::repr(nb::float_(value)));
+  } else if (type == "bool" && (is_bool || is_int)) {
+    ok = true, text = PyObject_IsTrue(v) ? "true" : "false";
+  } else if (type == "str" && PyUnicode_Check(v)) {
+    ok = true, text = nb::cast<std::string>(value);
+  }
+  if (!ok) {
+    const char* allowed = type == "int"     ? "an int"
+                          : type == "float" ? "a float"
+                          : type == "bool"  ? "a bool"
+                                            : "a str";
+    throw nb::type_error((keyword + " = " + nb::cast<std::string>(nb::repr(value)) +
+                          " is invalid: allowed " + allowed)
+                             .c_str());
+  }
+  return text;
+}
+
+// Config from a dict {field name: Python value}; the fields not in it keep their defaults.
+// `keywords` renames fields for messages (the PyTorch module's echo_placement for placement).
+template <class Config>
+Config config_from(const nb::dict& values, const std::vector<ConfigField>& fields,
+                   const nb::dict& keywords) {
+  Config c;
+  for (auto [key, value] : values) {
+    const std::string name = nb::cast<std::string>(key);
+    const std::string keyword =
+        keywords.contains(key) ? nb::cast<std::string>(keywords[key]) : name;
+    const ConfigField* field = nullptr;
+    for (const ConfigField& f : fields)
+      if (name == f.name) field = &f;
+    // A name of no field: set_field refuses it, naming the fields there are.
+    set_field(c, name, field ? field_text_of(value, *field, keyword) : std::string(), keyword);
+  }
+  return c;
+}
+
+// The fields of a list for Python: name, type, default (a Python value of the type), allowed (in
+// words), choices (the names a str field takes, or None) and help.
+nb::list fields_for_python(const std::vector<ConfigField>& fields) {
+  nb::list out;
+  for (const ConfigField& f : fields) {
+    nb::dict d;
+    const std::string type = f.type;
+    d["name"] = f.name;
+    d["type"] = type;
+    if (type == "int")
+      d["default"] = nb::int_(nb::str(f.default_text.c_str()));
+    else if (type == "float")
+      d["default"] = nb::float_(nb::str(f.default_text.c_str()));
+    else if (type == "bool")
+      d["default"] = nb::bool_(f.default_text == "true");
+    else
+      d["default"] = f.default_text;
+    d["allowed"] = f.allowed;
+    d["choices"] = f.choices.empty() ? nb::none() : nb::cast(f.choices);
+    d["help"] = f.help;
+    out.append(d);
+  }
+  return out;
+}
+
 Param parse_param(const std::string& name) {
   if (name == "router_weight") return Param::router_weight;
   if (name == "router_bias") return Param::router_bias;
@@ -282,71 +361,42 @@ NB_MODULE(_ext, m) {
     MoeConfig moe;
     moe.max_tokens = max_tokens;
     moe.top_k = top_k;
-    EchoConfig echo;
-    echo.capacity_factor = capacity_factor;
-    return capacity_rows(moe, echo);
+    moe.capacity_factor = capacity_factor;
+    return capacity_rows(moe);
   });
+
+  m.def(
+      "moe_config_fields", [] { return fields_for_python(moe_config_fields()); },
+      "MoeConfig's fields, in order: dicts of name, type, default, allowed, choices, help");
+  m.def(
+      "echo_config_fields", [] { return fields_for_python(echo_config_fields()); },
+      "EchoConfig's fields, in order: dicts of name, type, default, allowed, choices, help");
+  m.def(
+      "check_fields",
+      [](const nb::dict& moe, const nb::dict& echo, const nb::dict& keywords) {
+        config_from<MoeConfig>(moe, moe_config_fields(), keywords);
+        config_from<EchoConfig>(echo, echo_config_fields(), keywords);
+      },
+      "moe"_a, "echo"_a, "keywords"_a = nb::dict(),
+      "TypeError or ValueError when a value is none of its field's (ranges are checked when a "
+      "Layer is built)");
 
   nb::class_<Layer>(m, "Layer")
       .def(
           "__init__",
-          [](Layer* self, const std::string& backend, const std::string& dtype, int hidden, int ffn,
-             int experts, int top_k, int max_tokens, const std::string& score_function,
-             bool normalize_topk, double aux_loss_coeff, double z_loss_coeff, bool bias_update,
-             double bias_update_rate, bool echo, int spare_slots, double capacity_factor,
-             int max_clones, int64_t clone_cost_rows, uint64_t seed, nb::object collectives,
-             const std::string& transport, int expert_groups, int topk_groups,
-             const std::string& group_score, double routed_scaling_factor,
-             double seq_aux_loss_coeff, int seq_len, const std::string& recompute,
-             int shared_experts, int shared_ffn, const std::string& precision,
-             const std::string& fp8_gemms, const std::string& overlap, int overlap_sms,
-             int in_flight, const std::string& echo_placement, int chunks) {
-            MoeConfig moe;
-            moe.hidden = hidden;
-            moe.ffn = ffn;
-            moe.experts = experts;
-            moe.top_k = top_k;
-            moe.max_tokens = max_tokens;
-            moe.score_function = parse_score_function(score_function);
-            moe.normalize_topk = normalize_topk;
-            moe.aux_loss_coeff = aux_loss_coeff;
-            moe.z_loss_coeff = z_loss_coeff;
-            moe.bias_update = bias_update;
-            moe.bias_update_rate = bias_update_rate;
-            moe.expert_groups = expert_groups;
-            moe.topk_groups = topk_groups;
-            moe.group_score = parse_group_score(group_score);
-            moe.routed_scaling_factor = routed_scaling_factor;
-            moe.seq_aux_loss_coeff = seq_aux_loss_coeff;
-            moe.seq_len = seq_len;
-            moe.recompute = parse_recompute(recompute);
-            moe.shared_experts = shared_experts;
-            moe.shared_ffn = shared_ffn;
-            moe.precision = parse_precision(precision);
-            moe.fp8_gemms = parse_fp8_gemms(fp8_gemms);
-            moe.overlap = parse_overlap(overlap);
-            moe.overlap_sms = overlap_sms;
-            moe.in_flight = in_flight;
-            moe.chunks = chunks;
-            EchoConfig e;
-            e.enabled = echo;
-            e.spare_slots_per_rank = spare_slots;
-            e.capacity_factor = capacity_factor;
-            e.max_clones_per_expert = max_clones;
-            e.clone_cost_rows = clone_cost_rows;
-            e.placement = parse_echo_placement(echo_placement, "echo_placement");
-            new (self) Layer(backend, dtype, moe, e, seed, std::move(collectives), transport);
+          [](Layer* self, const std::string& backend, const std::string& dtype, const nb::dict& moe,
+             const nb::dict& echo, uint64_t seed, nb::object collectives,
+             const std::string& transport, const nb::dict& keywords) {
+            new (self)
+                Layer(backend, dtype, config_from<MoeConfig>(moe, moe_config_fields(), keywords),
+                      config_from<EchoConfig>(echo, echo_config_fields(), keywords), seed,
+                      std::move(collectives), transport);
           },
-          "backend"_a, "dtype"_a, "hidden"_a, "ffn"_a, "experts"_a, "top_k"_a, "max_tokens"_a,
-          "score_function"_a, "normalize_topk"_a, "aux_loss_coeff"_a, "z_loss_coeff"_a,
-          "bias_update"_a, "bias_update_rate"_a, "echo"_a, "spare_slots"_a, "capacity_factor"_a,
-          "max_clones"_a, "clone_cost_rows"_a, "seed"_a, "collectives"_a = nb::none(),
-          "transport"_a = "host", "expert_groups"_a = 1, "topk_groups"_a = 1,
-          "group_score"_a = "top2_sum", "routed_scaling_factor"_a = 1.0,
-          "seq_aux_loss_coeff"_a = 0.0, "seq_len"_a = 0, "recompute"_a = "none",
-          "shared_experts"_a = 0, "shared_ffn"_a = 0, "precision"_a = "bf16", "fp8_gemms"_a = "all",
-          "overlap"_a = "none", "overlap_sms"_a = 16, "in_flight"_a = 1,
-          "echo_placement"_a = "micro_batch", "chunks"_a = 1)
+          "backend"_a, "dtype"_a, "moe"_a, "echo"_a, "seed"_a, "collectives"_a = nb::none(),
+          "transport"_a = "host", "keywords"_a = nb::dict(),
+          "a layer of MoeConfig `moe` and EchoConfig `echo`, dicts of fields (moe_config_fields(), "
+          "echo_config_fields(); the others keep their defaults); `keywords` renames fields in "
+          "messages")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,

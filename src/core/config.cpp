@@ -1,10 +1,14 @@
+// The configs' enum names, validate()'s checks of the fields' combinations (the per-field rules
+// of the lists run first, core/field_checks.hpp) and the sizes derived from a config.
 #include "moe_echo/config.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <sstream>
 
+#include "core/field_checks.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
@@ -21,64 +25,50 @@ constexpr int64_t kMaxElements = int64_t(1) << 40;
 // Rank-by-expert tables (routing counts, the planner's loads) hold at most this many entries.
 constexpr int64_t kMaxRankExperts = int64_t(1) << 28;
 
+// The name of `v` (EnumNames), or "?" for a value outside the enum.
+template <class E>
+const char* enum_name(E v) {
+  const int i = int(v);
+  return i >= 0 && i < int(std::size(EnumNames<E>::names)) ? EnumNames<E>::names[i] : "?";
+}
+
+// The value named `s`; throws ConfigError naming `field` with every name otherwise.
+template <class E>
+E parse_enum(const std::string& s, const char* field) {
+  const int n = int(std::size(EnumNames<E>::names));
+  std::string allowed;
+  for (int i = 0; i < n; ++i) {
+    if (s == EnumNames<E>::names[i]) return E(i);
+    allowed += std::string(i == 0 ? "" : i + 1 == n ? " or " : ", ") + EnumNames<E>::names[i];
+  }
+  reject(field, "'" + s + "'", allowed);
+}
+
 }  // namespace
 
-const char* to_string(ScoreFunction f) {
-  return f == ScoreFunction::softmax ? "softmax" : "sigmoid";
-}
-
+const char* to_string(ScoreFunction f) { return enum_name(f); }
 ScoreFunction parse_score_function(const std::string& s, const char* field) {
-  if (s == "softmax") return ScoreFunction::softmax;
-  if (s == "sigmoid") return ScoreFunction::sigmoid;
-  reject(field, "'" + s + "'", "softmax or sigmoid");
+  return parse_enum<ScoreFunction>(s, field);
 }
-
-const char* to_string(GroupScore g) { return g == GroupScore::top2_sum ? "top2_sum" : "max"; }
-
+const char* to_string(GroupScore g) { return enum_name(g); }
 GroupScore parse_group_score(const std::string& s, const char* field) {
-  if (s == "top2_sum") return GroupScore::top2_sum;
-  if (s == "max") return GroupScore::max;
-  reject(field, "'" + s + "'", "top2_sum or max");
+  return parse_enum<GroupScore>(s, field);
 }
-
-const char* to_string(Recompute r) {
-  switch (r) {
-    case Recompute::none: return "none";
-    case Recompute::moe_act: return "moe_act";
-    case Recompute::experts: return "experts";
-    case Recompute::dispatch: return "dispatch";
-  }
-  return "?";
-}
-
+const char* to_string(Recompute r) { return enum_name(r); }
 Recompute parse_recompute(const std::string& s, const char* field) {
-  for (Recompute r : {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch})
-    if (s == to_string(r)) return r;
-  reject(field, "'" + s + "'", "none, moe_act, experts or dispatch");
+  return parse_enum<Recompute>(s, field);
 }
-
-const char* to_string(Overlap o) { return o == Overlap::wgrad ? "wgrad" : "none"; }
-
+const char* to_string(Overlap o) { return enum_name(o); }
 Overlap parse_overlap(const std::string& s, const char* field) {
-  for (Overlap o : {Overlap::none, Overlap::wgrad})
-    if (s == to_string(o)) return o;
-  reject(field, "'" + s + "'", "none or wgrad");
+  return parse_enum<Overlap>(s, field);
 }
-
-const char* to_string(EchoPlacement p) { return p == EchoPlacement::step ? "step" : "micro_batch"; }
-
+const char* to_string(EchoPlacement p) { return enum_name(p); }
 EchoPlacement parse_echo_placement(const std::string& s, const char* field) {
-  for (EchoPlacement p : {EchoPlacement::micro_batch, EchoPlacement::step})
-    if (s == to_string(p)) return p;
-  reject(field, "'" + s + "'", "micro_batch or step");
+  return parse_enum<EchoPlacement>(s, field);
 }
-
-const char* to_string(Precision p) { return p == Precision::fp8 ? "fp8" : "bf16"; }
-
+const char* to_string(Precision p) { return enum_name(p); }
 Precision parse_precision(const std::string& s, const char* field) {
-  for (Precision p : {Precision::bf16, Precision::fp8})
-    if (s == to_string(p)) return p;
-  reject(field, "'" + s + "'", "bf16 or fp8");
+  return parse_enum<Precision>(s, field);
 }
 
 namespace {
@@ -96,9 +86,6 @@ constexpr Fp8GemmName kFp8GemmNames[] = {{"fprop1", fp8_gemm::fprop1},
                                          {"dgrad", fp8_gemm::dgrad1 | fp8_gemm::dgrad2},
                                          {"wgrad", fp8_gemm::wgrad1 | fp8_gemm::wgrad2},
                                          {"all", fp8_gemm::all}};
-constexpr const char* kFp8GemmsAllowed =
-    "all, or a comma-separated list of fprop1, fprop2, dgrad1, dgrad2, wgrad1, wgrad2, fprop, "
-    "dgrad, wgrad";
 }  // namespace
 
 std::string fp8_gemms_to_string(uint32_t gemms) {
@@ -125,35 +112,23 @@ uint32_t parse_fp8_gemms(const std::string& s, const char* field) {
   return bits;
 }
 
-constexpr double kMaxCoeff = 1e6;
-
+// The per-field rules (check_fields) first, then the combinations, each naming the field it
+// refuses.
 void validate(const MoeConfig& m) {
-  if (m.hidden < 1) reject("hidden", m.hidden, "hidden >= 1");
-  if (m.ffn < 1) reject("ffn", m.ffn, "ffn >= 1");
-  if (m.experts < 1) reject("experts", m.experts, "experts >= 1");
+  check_fields(m);
   if (m.top_k < 1 || m.top_k > m.experts)
     reject("top_k", m.top_k, range("1", "top_k", "experts (" + std::to_string(m.experts) + ")"));
   if (m.top_k > kMaxTopK)
     reject("top_k", m.top_k,
            "top_k <= " + std::to_string(kMaxTopK) + " (a token's entries are handled by one warp)");
-  if (m.max_tokens < 1) reject("max_tokens", m.max_tokens, "max_tokens >= 1");
   if (int64_t(m.max_tokens) * m.top_k > kMaxRows)
     reject("max_tokens", m.max_tokens,
            "max_tokens * top_k <= 2^31-1 (top_k = " + std::to_string(m.top_k) + ")");
-  // Coefficients and rates beyond kMaxCoeff would overflow the float losses and gradients (no
-  // training uses more than a few units).
-  if (!std::isfinite(m.aux_loss_coeff) || m.aux_loss_coeff < 0 || m.aux_loss_coeff > kMaxCoeff)
-    reject("aux_loss_coeff", m.aux_loss_coeff, "a finite value in [0, 1e6]");
-  if (!std::isfinite(m.z_loss_coeff) || m.z_loss_coeff < 0 || m.z_loss_coeff > kMaxCoeff)
-    reject("z_loss_coeff", m.z_loss_coeff, "a finite value in [0, 1e6]");
-  if (!std::isfinite(m.bias_update_rate) || m.bias_update_rate < 0 ||
-      m.bias_update_rate > kMaxCoeff)
-    reject("bias_update_rate", m.bias_update_rate, "a finite value in [0, 1e6]");
-  if (m.expert_groups < 1 || m.expert_groups > kMaxExpertGroups || m.experts % m.expert_groups != 0)
+  if (m.experts % m.expert_groups != 0)
     reject("expert_groups", m.expert_groups,
            range("1", "expert_groups", std::to_string(kMaxExpertGroups)) + ", dividing experts (" +
                std::to_string(m.experts) + ")");
-  if (m.topk_groups < 1 || m.topk_groups > m.expert_groups)
+  if (m.topk_groups > m.expert_groups)
     reject("topk_groups", m.topk_groups,
            range("1", "topk_groups", "expert_groups (" + std::to_string(m.expert_groups) + ")"));
   const int64_t selectable = int64_t(m.topk_groups) * (m.experts / m.expert_groups);
@@ -165,21 +140,6 @@ void validate(const MoeConfig& m) {
       m.experts / m.expert_groups < 2)
     reject("group_score", to_string(m.group_score),
            "max when a group holds one expert (experts / expert_groups = 1)");
-  if (!std::isfinite(m.routed_scaling_factor) || m.routed_scaling_factor <= 0 ||
-      m.routed_scaling_factor > kMaxCoeff)
-    reject("routed_scaling_factor", m.routed_scaling_factor, "a finite value in (0, 1e6]");
-  if (m.shared_experts < 0) reject("shared_experts", m.shared_experts, "shared_experts >= 0");
-  if (m.shared_ffn < 0) reject("shared_ffn", m.shared_ffn, "shared_ffn >= 0 (0: ffn)");
-  if (int(m.recompute) < 0 || int(m.recompute) > int(Recompute::dispatch))
-    reject("recompute", int(m.recompute), "none, moe_act, experts or dispatch");
-  if (int(m.overlap) < 0 || int(m.overlap) > int(Overlap::wgrad))
-    reject("overlap", int(m.overlap), "none or wgrad");
-  if (m.overlap_sms < 0 || m.overlap_sms > 1024)
-    reject("overlap_sms", m.overlap_sms, "0 <= overlap_sms <= 1024 (and below the GPU's SMs)");
-  if (m.chunks < 1 || m.chunks > kMaxChunks)
-    reject("chunks", m.chunks, range("1", "chunks", std::to_string(kMaxChunks)));
-  if (m.in_flight < 1 || m.in_flight > kMaxInFlight)
-    reject("in_flight", m.in_flight, range("1", "in_flight", std::to_string(kMaxInFlight)));
   if (m.overlap == Overlap::wgrad && uses_fp8(m, fp8_gemm::fprop1) &&
       !uses_fp8(m, fp8_gemm::wgrad1))
     reject("overlap", "'wgrad'",
@@ -190,11 +150,6 @@ void validate(const MoeConfig& m) {
     reject("chunks", m.chunks,
            "1 with the FP8 dispatch (precision fp8 with fprop1 in fp8_gemms): its e4m3 rows land "
            "in the buffer that the chunks' combines read");
-  if (int(m.precision) < 0 || int(m.precision) > int(Precision::fp8))
-    reject("precision", int(m.precision), "bf16 or fp8");
-  if (m.fp8_gemms == 0 || (m.fp8_gemms & ~fp8_gemm::all) != 0)
-    reject("fp8_gemms", m.fp8_gemms,
-           "a non-empty set of the six fp8_gemm bits (1 to 63; 'all' or a list in text)");
   if (m.precision == Precision::fp8 && (m.hidden % 16 != 0 || m.ffn % 16 != 0))
     reject(m.hidden % 16 != 0 ? "hidden" : "ffn", m.hidden % 16 != 0 ? m.hidden : m.ffn,
            "a multiple of 16 with precision fp8 (16-byte e4m3 rows for the FP8 GEMMs)");
@@ -202,12 +157,8 @@ void validate(const MoeConfig& m) {
     reject("shared_side_stream", "true", "false without shared experts (shared_experts = 0)");
   if (int64_t(m.shared_experts) * (m.shared_ffn > 0 ? m.shared_ffn : m.ffn) > kMaxRows)
     reject("shared_experts", m.shared_experts, "shared_experts * shared_ffn <= 2^31-1");
-  if (!std::isfinite(m.seq_aux_loss_coeff) || m.seq_aux_loss_coeff < 0 ||
-      m.seq_aux_loss_coeff > kMaxCoeff)
-    reject("seq_aux_loss_coeff", m.seq_aux_loss_coeff, "a finite value in [0, 1e6]");
-  if (m.seq_len < 0 || (m.seq_aux_loss_coeff > 0 && m.seq_len < 1))
-    reject("seq_len", m.seq_len,
-           m.seq_aux_loss_coeff > 0 ? "seq_len >= 1 with seq_aux_loss_coeff > 0" : "seq_len >= 0");
+  if (m.seq_aux_loss_coeff > 0 && m.seq_len < 1)
+    reject("seq_len", m.seq_len, "seq_len >= 1 with seq_aux_loss_coeff > 0");
 }
 
 void validate(const ParallelConfig& p, const MoeConfig& m) {
@@ -225,15 +176,7 @@ void validate(const ParallelConfig& p, const MoeConfig& m) {
 }
 
 void validate(const EchoConfig& e, const ParallelConfig& p) {
-  if (e.spare_slots_per_rank < 0)
-    reject("spare_slots_per_rank", e.spare_slots_per_rank, "spare_slots_per_rank >= 0");
-  if (!std::isfinite(e.capacity_factor) || e.capacity_factor <= 0)
-    reject("capacity_factor", e.capacity_factor, "a finite value > 0");
-  if (e.max_clones_per_expert < 0)
-    reject("max_clones_per_expert", e.max_clones_per_expert, "max_clones_per_expert >= 0");
-  if (e.clone_cost_rows < 0) reject("clone_cost_rows", e.clone_cost_rows, "clone_cost_rows >= 0");
-  if (e.placement != EchoPlacement::micro_batch && e.placement != EchoPlacement::step)
-    reject("placement", int(e.placement), "micro_batch (0) or step (1)");
+  check_fields(e);
   // Each clone of an expert sits on a rank other than the expert's, one per rank: more than
   // ep_size - 1 clones cannot be placed. The library default (2) is accepted on any ep_size.
   const int useful_clones = std::max(p.ep_size - 1, EchoConfig{}.max_clones_per_expert);
@@ -247,9 +190,9 @@ void validate(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) 
   validate(m);
   validate(p, m);
   validate(e, p);
-  const double cap = std::ceil(e.capacity_factor * double(m.max_tokens) * m.top_k);
+  const double cap = std::ceil(m.capacity_factor * double(m.max_tokens) * m.top_k);
   if (cap > double(kMaxRows))
-    reject("capacity_factor", e.capacity_factor, "capacity_factor * max_tokens * top_k <= 2^31-1");
+    reject("capacity_factor", m.capacity_factor, "capacity_factor * max_tokens * top_k <= 2^31-1");
   if (int64_t(m.experts) / p.ep_size + e.spare_slots_per_rank > 1 << 20)
     reject("spare_slots_per_rank", e.spare_slots_per_rank,
            "experts / ep_size + spare slots <= 2^20");
@@ -265,7 +208,7 @@ void validate(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) 
            "3 * hidden * ffn * slots per rank <= 2^40 (hidden = " + std::to_string(m.hidden) +
                ", " + std::to_string(slots) + " slots per rank)");
   if (cap * 2.0 * std::max(m.hidden, m.ffn) > double(kMaxElements))
-    reject("capacity_factor", e.capacity_factor,
+    reject("capacity_factor", m.capacity_factor,
            "capacity_factor * max_tokens * top_k * 2 * max(hidden, ffn) <= 2^40 (the receive "
            "buffers)");
 }
@@ -274,14 +217,14 @@ int slots_per_rank(const MoeConfig& m, const ParallelConfig& p, const EchoConfig
   return experts_per_rank(m, p) + (e.enabled ? e.spare_slots_per_rank : 0);
 }
 
-int64_t capacity_rows(const MoeConfig& m, const EchoConfig& e) {
-  const double cap = std::ceil(e.capacity_factor * double(m.max_tokens) * m.top_k);
+int64_t capacity_rows(const MoeConfig& m) {
+  const double cap = std::ceil(m.capacity_factor * double(m.max_tokens) * m.top_k);
   return std::max<int64_t>(1, int64_t(cap));
 }
 
-int max_rounds(const MoeConfig& m, const ParallelConfig& p, const EchoConfig& e) {
+int max_rounds(const MoeConfig& m, const ParallelConfig& p) {
   const int64_t worst = int64_t(m.max_tokens) * m.top_k * p.ep_size;  // every row to one rank
-  const int64_t cap = capacity_rows(m, e);
+  const int64_t cap = capacity_rows(m);
   return int((worst + cap - 1) / cap);
 }
 

@@ -5,6 +5,23 @@
 
 namespace moe_echo {
 
+MoeConfig moe_config(const ModelPreset& p) {
+  MoeConfig m;
+  m.hidden = p.hidden;
+  m.ffn = p.ffn;
+  m.experts = p.experts;
+  m.top_k = p.top_k;
+  m.max_tokens = p.tokens;
+  m.score_function = p.score;
+  m.normalize_topk = p.normalize_topk;
+  m.expert_groups = p.expert_groups;
+  m.topk_groups = p.topk_groups;
+  m.group_score = p.group_score;
+  m.routed_scaling_factor = p.routed_scaling_factor;
+  m.shared_experts = p.shared_experts;
+  return m;
+}
+
 const ModelPreset* find_model_preset(std::string_view name) {
   for (const ModelPreset* p : kModelPresets)
     if (p->name == name) return p;

@@ -139,7 +139,7 @@ BufferDims::BufferDims(const MoeConfig& m, const ParallelConfig& par, const Echo
   T = m.max_tokens, H = m.hidden, F = m.ffn, E = m.experts, K = m.top_k;
   R = par.ep_size, EPR = E / R;
   G = slots_per_rank(m, par, echo);
-  cap = capacity_rows(m, echo);
+  cap = capacity_rows(m);
   SP = planner.spare_slots;
   S = shared_width(m);
   rounds = max_rounds(m, par, echo);

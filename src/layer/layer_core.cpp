@@ -128,7 +128,7 @@ LayerCore::LayerCore(MoeLayer& self, Backend& backend, Communicator& comm, const
   validate(planner_);
   modes_ = step::modes_of(moe, par, echo);
   slots_ = slots_per_rank(moe, par, echo);
-  capacity_ = capacity_rows(moe, echo);
+  capacity_ = capacity_rows(moe);
   rounds_ = max_rounds(moe, par, echo);
   const BufferDims dims(moe, par, echo, backend.activation_dtype(), backend.float_dtype(),
                         optimizer_state);

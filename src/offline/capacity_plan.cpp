@@ -128,12 +128,13 @@ StageLayers stage_layers(const WallsInput& in, Recompute recompute) {
   c.recompute = recompute;
   c.precision = parse_precision(in.train.precision, "precision");
   c.fp8_gemms = parse_fp8_gemms(in.train.fp8_gemms, "fp8_gemms");
+  c.capacity_factor = in.train.capacity_factor * l.etp;
+  c.overlap = parse_overlap(in.train.overlap, "overlap");
   StageLayers s;
   s.layers.assign(size_t(m.layers / l.pp), c);
   s.par = ParallelConfig{l.ep, 0};
   s.echo.spare_slots_per_rank = in.train.spare_slots;
   s.echo.max_clones_per_expert = in.train.max_clones;
-  s.echo.capacity_factor = in.train.capacity_factor * l.etp;
   s.activation = m.dtype == "fp32" ? DType::f32 : DType::bf16;
   s.float_dtype = DType::f32;
   return s;
@@ -144,9 +145,9 @@ MoeMemory StageLayers::memory() const {
                                     /*optimizer_state=*/true);
 }
 
-ModelSpec model_preset(const std::string& name) {
+ModelSpec model_preset(const std::string& name, const char* field) {
   const ModelPreset* p = find_model_preset(lower(name));
-  if (!p || p->moe_layers == 0) reject("model", "'" + name + "'", model_preset_names(true, " or "));
+  if (!p || p->moe_layers == 0) reject(field, "'" + name + "'", model_preset_names(true, " or "));
   ModelSpec m;
   m.name = p->name;
   m.hidden = p->hidden;
@@ -218,6 +219,11 @@ std::vector<Finding> check(const WallsInput& in) {
   } catch (const ConfigError& e) {
     error(e.field(), e.what());
   }
+  try {
+    parse_overlap(t.overlap, "overlap");
+  } catch (const ConfigError& e) {
+    error(e.field(), e.what());
+  }
   if (t.recompute != "none" && t.recompute != "moe_act" && t.recompute != "experts" &&
       t.recompute != "dispatch")
     error("recompute",
@@ -267,25 +273,25 @@ std::vector<Finding> check(const WallsInput& in) {
                              std::to_string(m.layers / l.pp) + ")"));
   if (m.shared_experts < 0)
     error("shared_experts", invalid("shared_experts", m.shared_experts, "shared_experts >= 0"));
-  if (t.shared_expert_overlap && t.overlap)
+  if (t.shared_expert_overlap && t.comm_overlap)
     error("shared_expert_overlap",
           invalid("shared_expert_overlap", "true",
-                  "false with overlap (both put work on the one stream beside the expert "
+                  "false with comm_overlap (both put work on the one stream beside the expert "
                   "GEMMs: the shared experts or the dispatch/combine)"));
   if (t.shared_expert_overlap && m.shared_experts == 0)
     error("shared_expert_overlap",
           invalid("shared_expert_overlap", "true", "false without shared experts"));
-  if (t.overlap && l.ep == 1)
-    error("overlap", invalid("overlap", "true",
-                             "only with ep > 1 (ep = 1 has no dispatch or "
-                             "combine to overlap)"));
-  if (t.overlap && m.dtype == "fp32")
+  if (t.comm_overlap && l.ep == 1)
+    error("comm_overlap", invalid("comm_overlap", "true",
+                                  "only with ep > 1 (ep = 1 has no dispatch or "
+                                  "combine to overlap)"));
+  if (t.comm_overlap && m.dtype == "fp32")
     error("dtype", invalid("dtype", "fp32",
-                           "bf16 or fp16 with overlap (the overlapped "
+                           "bf16 or fp16 with comm_overlap (the overlapped "
                            "dispatch/combine kernels move 16-bit rows)"));
-  if (t.overlap && l.pp > 1 && l.vpp == 1)
+  if (t.comm_overlap && l.pp > 1 && l.vpp == 1)
     error("vpp", invalid("vpp", 1,
-                         "vpp >= 2 with overlap and pp = " + std::to_string(l.pp) +
+                         "vpp >= 2 with comm_overlap and pp = " + std::to_string(l.pp) +
                              " (the overlap interleaves one virtual stage's "
                              "communication with another's computation)"));
   const int64_t rows = int64_t(m.seq_len) * m.micro_batch * m.top_k * l.etp;
@@ -338,9 +344,9 @@ std::vector<Finding> check(const WallsInput& in) {
     warning("micro_batch", "about " + fmt(rows_per_expert, 0) +
                                " rows per local expert per micro-batch: grouped GEMM tiles "
                                "(128 rows) run mostly empty; raise micro_batch or seq_len");
-  if (t.overlap && !t.cuda_graphs)
+  if (t.comm_overlap && !t.cuda_graphs)
     warning("cuda_graphs",
-            "overlap without CUDA graphs: the host launches both streams' kernels "
+            "comm_overlap without CUDA graphs: the host launches both streams' kernels "
             "every step, and the host-overhead wall comes closer");
   return f;
 }
@@ -423,7 +429,7 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   LayerTimes& lt = r.layer;
   lt.tokens = int64_t(m.seq_len) * m.micro_batch;
   const double T = double(lt.tokens);
-  lt.capacity_rows = capacity_rows(stage.layers.front(), stage.echo);
+  lt.capacity_rows = capacity_rows(stage.layers.front());
 
   // Communication of the busiest rank: it receives imbalance x the mean rows. A token's row
   // crosses once to each rank it picks (the receiver fans it out to the experts there and sums
@@ -470,22 +476,31 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
                {fp8_gemm::wgrad1, 4.0},
                {fp8_gemm::wgrad2, 2.0}};
   lt.gemm_ms = 0;
+  double wgrad1_ms = 0;
   for (const auto& g : gemms) {
     const double flops = g.hf * busiest_rows * H * F / l.etp;
-    lt.gemm_ms += uses_fp8(lc, g.gemm) ? cost.fp8_gemm_ms(flops) : cost.gemm_ms(flops);
+    const double ms = uses_fp8(lc, g.gemm) ? cost.fp8_gemm_ms(flops) : cost.gemm_ms(flops);
+    lt.gemm_ms += ms;
+    if (g.gemm == fp8_gemm::wgrad1) wgrad1_ms = ms;
   }
+  // overlap wgrad: the backward's combine (dx's all-to-all) runs beside fc1's weight-gradient
+  // GEMM; the shorter of the two is hidden (the GEMM priced at the full GPU's rate).
+  lt.wgrad_hidden_ms = lc.overlap == Overlap::wgrad ? std::min(a2a, wgrad1_ms) : 0.0;
   lt.shared_ms =
       cost.gemm_ms(CostModel::train_flops(T, m.hidden, m.shared_experts * m.ffn) / l.etp);
   lt.host_ms = cost.launch_ms(t.kernels_per_layer, t.cuda_graphs);
   const double comm = lt.comm_ms + lt.clone_ms;
+  // The communication left on the step's stream beside the GEMMs: all of it but what overlap
+  // wgrad hides.
+  const double open_comm = comm - lt.wgrad_hidden_ms;
   double gpu_ms = 0;
   if (t.shared_expert_overlap) {  // the shared experts beside dispatch/combine
-    gpu_ms = lt.gemm_ms + std::max(lt.shared_ms, comm);
-    lt.exposed_comm_ms = std::max(0.0, comm - lt.shared_ms);
+    gpu_ms = lt.gemm_ms + std::max(lt.shared_ms, open_comm);
+    lt.exposed_comm_ms = std::max(0.0, open_comm - lt.shared_ms);
   } else {
     const double gemm = lt.gemm_ms + lt.shared_ms;
-    gpu_ms = t.overlap ? std::max(gemm, comm) : gemm + comm;
-    lt.exposed_comm_ms = t.overlap ? std::max(0.0, comm - gemm) : comm;
+    gpu_ms = t.comm_overlap ? std::max(gemm, comm) : gemm + open_comm;
+    lt.exposed_comm_ms = t.comm_overlap ? std::max(0.0, comm - gemm) : open_comm;
   }
   lt.layer_ms = std::max(gpu_ms, lt.host_ms);
   r.stage_ms = Lp * lt.layer_ms;
@@ -534,12 +549,17 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
     r.advice.push_back("raise micro_batch: GPU work grows with tokens, launches do not");
   } else if (comm > lt.gemm_ms) {
     r.binding_wall = "communication";
-    r.reason = "dispatch/combine + clones take " + fmt(comm, 3) + " ms per layer, expert GEMMs " +
-               fmt(lt.gemm_ms, 3) + " ms" +
-               (t.overlap ? " (overlapped: " + fmt(lt.exposed_comm_ms, 3) + " ms exposed)" : "");
-    if (!t.overlap && l.ep > 1)
-      r.advice.push_back("--overlap hides up to " + fmt(std::min(comm, lt.gemm_ms), 3) +
-                         " ms per layer");
+    r.reason =
+        "dispatch/combine + clones take " + fmt(comm, 3) + " ms per layer, expert GEMMs " +
+        fmt(lt.gemm_ms, 3) + " ms" +
+        (t.comm_overlap ? " (overlapped: " + fmt(lt.exposed_comm_ms, 3) + " ms exposed)" : "");
+    if (lc.overlap == Overlap::none && l.ep > 1)
+      r.advice.push_back("--overlap wgrad hides " + fmt(std::min(a2a, wgrad1_ms), 3) +
+                         " ms per layer (the backward's combine beside fc1's weight-gradient "
+                         "GEMM)");
+    if (!t.comm_overlap && l.ep > 1)
+      r.advice.push_back("a framework's EP communication overlap (--comm-overlap) hides up to " +
+                         fmt(std::min(comm, lt.gemm_ms), 3) + " ms per layer");
     if (int64_t(l.ep) * l.etp > in.gpu.gpus_per_node)
       r.advice.push_back("keep ep * etp within one NVLink domain (" +
                          std::to_string(in.gpu.gpus_per_node) + " GPUs): network is " +

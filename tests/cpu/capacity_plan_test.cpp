@@ -104,24 +104,33 @@ TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
          i.layout.vpp = 5;
        },
        "vpp", "vpp = 5 is invalid: allowed a divisor of the layers per pipeline stage (12)"},
-      {"overlap needs ep > 1",
+      {"comm_overlap needs ep > 1",
        [](WallsInput& i) {
          i.layout.ep = 1;
-         i.train.overlap = true;
+         i.train.comm_overlap = true;
        },
-       "overlap", "overlap = true is invalid: allowed only with ep > 1"},
-      {"overlap needs 16-bit",
+       "comm_overlap", "comm_overlap = true is invalid: allowed only with ep > 1"},
+      {"comm_overlap needs 16-bit",
        [](WallsInput& i) {
          i.model.dtype = "fp32";
-         i.train.overlap = true;
+         i.train.comm_overlap = true;
        },
-       "dtype", "dtype = fp32 is invalid: allowed bf16 or fp16 with overlap"},
-      {"overlap with pp needs vpp",
+       "dtype", "dtype = fp32 is invalid: allowed bf16 or fp16 with comm_overlap"},
+      {"comm_overlap with pp needs vpp",
        [](WallsInput& i) {
          i.layout.pp = 4;
-         i.train.overlap = true;
+         i.train.comm_overlap = true;
        },
-       "vpp", "vpp = 1 is invalid: allowed vpp >= 2 with overlap and pp = 4"},
+       "vpp", "vpp = 1 is invalid: allowed vpp >= 2 with comm_overlap and pp = 4"},
+      {"overlap is the layer's", [](WallsInput& i) { i.train.overlap = "on"; }, "overlap",
+       "overlap = 'on' is invalid: allowed none or wgrad"},
+      {"overlap wgrad beside an FP8 dispatch needs an FP8 fc1 weight gradient",
+       [](WallsInput& i) {
+         i.train.overlap = "wgrad";
+         i.train.precision = "fp8";
+         i.train.fp8_gemms = "fprop1";
+       },
+       "overlap", "overlap = 'wgrad' is invalid: allowed 'none' when fc1's forward is FP8"},
       {"rows fit int32", [](WallsInput& i) { i.model.micro_batch = 100000; }, "micro_batch",
        "micro_batch = 100000 is invalid: allowed seq_len * micro_batch * top_k * etp <= 2^31-1"},
       {"capacity fits int32",
@@ -164,12 +173,12 @@ TEST(WallsValidation, EveryWarningRuleNamesTheParameter) {
        "ep * etp = 32 GPUs spans 4 nodes: 75% of dispatch/combine traffic crosses the network"},
       {"few rows per expert", [](WallsInput& i) { i.model.seq_len = 128; }, "micro_batch",
        "rows per local expert per micro-batch"},
-      {"overlap without graphs",
+      {"comm_overlap without graphs",
        [](WallsInput& i) {
-         i.train.overlap = true;
+         i.train.comm_overlap = true;
          i.train.cuda_graphs = false;
        },
-       "cuda_graphs", "overlap without CUDA graphs"},
+       "cuda_graphs", "comm_overlap without CUDA graphs"},
   };
   for (const Rule& r : rules) {
     WallsInput in = base();
@@ -355,7 +364,7 @@ TEST(WallsModel, MoeMemoryIsWhatABuiltStackAllocates) {
   in.layout.etp = 2;
   const StageLayers sharded = stage_layers(in);
   EXPECT_EQ(sharded.layers[0].ffn, 24);
-  EXPECT_DOUBLE_EQ(sharded.echo.capacity_factor, 2 * in.train.capacity_factor);
+  EXPECT_DOUBLE_EQ(sharded.layers[0].capacity_factor, 2 * in.train.capacity_factor);
 }
 
 TEST(WallsModel, TimesMatchTheCostModel) {
@@ -419,7 +428,19 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   EXPECT_DOUBLE_EQ(q1.layer.dispatch_bytes, q.layer.dispatch_bytes);
   f8.train.fp8_gemms = "dgrad,wgrad";
   EXPECT_DOUBLE_EQ(estimate_walls(f8, imb).layer.dispatch_bytes, r.layer.dispatch_bytes);
-  in.train.overlap = true;
+  // overlap wgrad: the backward's combine (one all-to-all of the combine's rows) beside fc1's
+  // weight-gradient GEMM (4 H F per row), the shorter hidden.
+  WallsInput ov = in;
+  ov.train.overlap = "wgrad";
+  const WallsReport w = estimate_walls(ov, imb);
+  const double combine_ms = cost.all_to_all_ms(r.layer.combine_bytes * 1.2, 8);
+  const double wgrad1_ms = cost.gemm_ms(4 * T * K * 1.2 * H * F);
+  EXPECT_GT(w.layer.wgrad_hidden_ms, 0);
+  EXPECT_NEAR(w.layer.wgrad_hidden_ms, std::min(combine_ms, wgrad1_ms), 1e-12);
+  EXPECT_NEAR(w.layer.layer_ms, r.layer.layer_ms - w.layer.wgrad_hidden_ms, 1e-12);
+  EXPECT_NEAR(w.layer.exposed_comm_ms, r.layer.exposed_comm_ms - w.layer.wgrad_hidden_ms, 1e-12);
+  EXPECT_EQ(r.layer.wgrad_hidden_ms, 0);
+  in.train.comm_overlap = true;
   const WallsReport o = estimate_walls(in, imb);
   EXPECT_NEAR(o.layer.layer_ms, std::max(o.layer.gemm_ms, o.layer.comm_ms + o.layer.clone_ms),
               1e-12);
@@ -442,8 +463,8 @@ TEST(WallsModel, DispatchBytesCountOneRowPerTokenAndRank) {
 }
 
 // DeepSeek-V3's shared expert: its GEMMs add to the layer's time on the step's stream, or run
-// beside dispatch/combine with shared_expert_overlap, which refuses overlap; group-limited routing
-// bounds the ranks a token's row goes to by topk_groups.
+// beside dispatch/combine with shared_expert_overlap, which refuses comm_overlap; group-limited
+// routing bounds the ranks a token's row goes to by topk_groups.
 TEST(WallsModel, SharedExpertsAndGroupLimits) {
   Imbalance imb;
   WallsInput in;
@@ -465,12 +486,12 @@ TEST(WallsModel, SharedExpertsAndGroupLimits) {
       std::max(side.layer.gemm_ms + std::max(side.layer.shared_ms, comm), side.layer.host_ms),
       1e-12);
   EXPECT_LT(side.layer.layer_ms, plain.layer.layer_ms);
-  in.train.overlap = true;
+  in.train.comm_overlap = true;
   EXPECT_EQ(test::config_error([&] { validate(in); }),
-            "shared_expert_overlap = true is invalid: allowed false with overlap (both put work "
-            "on the one stream beside the expert GEMMs: the shared experts or the "
+            "shared_expert_overlap = true is invalid: allowed false with comm_overlap (both put "
+            "work on the one stream beside the expert GEMMs: the shared experts or the "
             "dispatch/combine)");
-  in.train.overlap = false;
+  in.train.comm_overlap = false;
   in.model.shared_experts = 0;
   EXPECT_NE(test::config_error([&] { validate(in); }).find("shared_expert_overlap"),
             std::string::npos);

@@ -4,6 +4,9 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
+#include <stdexcept>
+#include <vector>
 
 #include "moe_echo/config.hpp"
 #include "moe_echo/error.hpp"
@@ -156,6 +159,10 @@ TEST(Config, MoeFields) {
       "z_loss_coeff", "inf");
   expect_rejected(with([](MoeConfig& m) { m.bias_update_rate = -0.5; }), "bias_update_rate",
                   "-0.5");
+  expect_rejected(with([](MoeConfig& m) { m.capacity_factor = 0; }), "capacity_factor", "0");
+  expect_rejected(with([](MoeConfig& m) { m.capacity_factor = -2; }), "capacity_factor", "-2");
+  expect_rejected(with([](MoeConfig& m) { m.capacity_factor = std::nan(""); }), "capacity_factor",
+                  "nan");
 }
 
 TEST(Config, TopKMessageNamesTheBound) {
@@ -193,10 +200,6 @@ TEST(Config, EchoFields) {
   };
   expect_rejected(with([](EchoConfig& e) { e.spare_slots_per_rank = -1; }), "spare_slots_per_rank",
                   "-1");
-  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = 0; }), "capacity_factor", "0");
-  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = -2; }), "capacity_factor", "-2");
-  expect_rejected(with([](EchoConfig& e) { e.capacity_factor = std::nan(""); }), "capacity_factor",
-                  "nan");
   expect_rejected(with([](EchoConfig& e) { e.max_clones_per_expert = -1; }),
                   "max_clones_per_expert", "-1");
   expect_rejected(with([](EchoConfig& e) { e.clone_cost_rows = -5; }), "clone_cost_rows", "-5");
@@ -205,9 +208,9 @@ TEST(Config, EchoFields) {
 TEST(Config, DerivedSizes) {
   MoeConfig m = good_moe();
   EchoConfig e;
-  e.capacity_factor = 1.25;
+  m.capacity_factor = 1.25;
   e.spare_slots_per_rank = 3;
-  EXPECT_EQ(capacity_rows(m, e), 640);  // ceil(1.25 * 256 * 2)
+  EXPECT_EQ(capacity_rows(m), 640);  // ceil(1.25 * 256 * 2)
   EXPECT_EQ(slots_per_rank(m, ParallelConfig{4, 0}, e), 7);
   e.enabled = false;
   EXPECT_EQ(slots_per_rank(m, ParallelConfig{4, 0}, e), 4);
@@ -241,6 +244,153 @@ TEST(Config, ScoreFunctionAndSkewParsing) {
   expect_rejected([] { parse_skew("zipf:-1"); }, "skew", "'zipf:-1'");
   expect_rejected([] { parse_skew("zipf:"); }, "skew", "'zipf:'");
   expect_rejected([] { parse_skew("pareto"); }, "skew", "'pareto'");
+}
+
+// The field lists (config_fields.hpp): each field's text round-trips, its default is the
+// struct's, and a bad value of each field is refused by the field's name. A field added to a
+// list fails FieldListsRefuseABadValueOfEveryFieldByName until kBadValues names a bad value of it.
+TEST(ConfigFields, TextRoundTripsAndDefaultsAreTheStructs) {
+  MoeConfig m = good_moe();
+  m.score_function = ScoreFunction::sigmoid;
+  m.aux_loss_coeff = 0.0123;
+  m.bias_update = true;
+  m.recompute = Recompute::experts;
+  m.precision = Precision::fp8;
+  m.fp8_gemms = fp8_gemm::fprop1 | fp8_gemm::wgrad2;
+  m.capacity_factor = 1.0 / 3.0;
+  MoeConfig copy;
+  for (const ConfigField& f : moe_config_fields()) {
+    SCOPED_TRACE(f.name);
+    EXPECT_EQ(field_text(MoeConfig{}, f.name), f.default_text);
+    set_field(copy, f.name, field_text(m, f.name), f.name);
+    EXPECT_EQ(field_text(copy, f.name), field_text(m, f.name));
+  }
+  EXPECT_DOUBLE_EQ(copy.capacity_factor, 1.0 / 3.0);  // the shortest text that reads back exactly
+  EXPECT_EQ(copy.fp8_gemms, fp8_gemm::fprop1 | fp8_gemm::wgrad2);
+  EXPECT_EQ(field_text(m, "fp8_gemms"), "fprop1,wgrad2");
+  EchoConfig e;
+  e.placement = EchoPlacement::step;
+  e.clone_cost_rows = int64_t(1) << 40;
+  EchoConfig echo_copy;
+  for (const ConfigField& f : echo_config_fields()) {
+    SCOPED_TRACE(f.name);
+    EXPECT_EQ(field_text(EchoConfig{}, f.name), f.default_text);
+    set_field(echo_copy, f.name, field_text(e, f.name), f.name);
+  }
+  EXPECT_EQ(echo_copy.placement, EchoPlacement::step);
+  EXPECT_EQ(echo_copy.clone_cost_rows, int64_t(1) << 40);
+}
+
+TEST(ConfigFields, EveryFieldIsDescribed) {
+  for (const auto* list : {&moe_config_fields(), &echo_config_fields()})
+    for (const ConfigField& f : *list) {
+      SCOPED_TRACE(f.name);
+      const std::string type = f.type;
+      EXPECT_TRUE(type == "int" || type == "float" || type == "bool" || type == "str");
+      EXPECT_FALSE(std::string(f.help).empty());
+      EXPECT_FALSE(f.allowed.empty());
+      for (const std::string& c : f.choices) EXPECT_NE(f.allowed.find(c), std::string::npos);
+    }
+  auto field = [](const char* name) {
+    for (const ConfigField& f : moe_config_fields())
+      if (std::string(f.name) == name) return f;
+    throw std::runtime_error(std::string("no field ") + name);
+  };
+  EXPECT_EQ(field("chunks").allowed, "1 <= chunks <= 16");
+  EXPECT_EQ(field("hidden").allowed, "hidden >= 1");
+  EXPECT_EQ(field("aux_loss_coeff").allowed, "a finite value in [0, 1e6]");
+  EXPECT_EQ(field("routed_scaling_factor").allowed, "a finite value in (0, 1e6]");
+  EXPECT_EQ(field("capacity_factor").allowed, "a finite value > 0");
+  EXPECT_EQ(field("overlap").allowed, "none or wgrad");
+  EXPECT_EQ(field("overlap").choices, (std::vector<std::string>{"none", "wgrad"}));
+  EXPECT_EQ(field("capacity_factor").default_text, "1.25");
+  EXPECT_EQ(std::string(field("fp8_gemms").type), "str");
+  EXPECT_TRUE(field("fp8_gemms").choices.empty());  // a list of names, not one of them
+}
+
+// Per field, a text that set_field or validate() refuses.
+const std::map<std::string, std::string> kBadValues = {
+    {"hidden", "0"},
+    {"ffn", "-1"},
+    {"experts", "0"},
+    {"top_k", "0"},
+    {"max_tokens", "99999999999"},
+    {"score_function", "relu"},
+    {"normalize_topk", "maybe"},
+    {"aux_loss_coeff", "2e6"},
+    {"z_loss_coeff", "nan"},
+    {"bias_update", "yes"},
+    {"bias_update_rate", "-1"},
+    {"expert_groups", "3"},
+    {"topk_groups", "0"},
+    {"group_score", "mean"},
+    {"routed_scaling_factor", "0"},
+    {"seq_aux_loss_coeff", "-0.5"},
+    {"seq_len", "-2"},
+    {"shared_experts", "-1"},
+    {"shared_ffn", "-4"},
+    {"shared_side_stream", "true"},  // without shared experts
+    {"recompute", "swiglu"},
+    {"overlap", "chunks"},
+    {"overlap_sms", "5000"},
+    {"chunks", "0"},
+    {"in_flight", "17"},
+    {"master_weights", "2"},
+    {"precision", "fp16"},
+    {"fp8_gemms", "fprop3"},
+    {"capacity_factor", "0"},
+    // EchoConfig
+    {"enabled", "maybe"},
+    {"spare_slots_per_rank", "-1"},
+    {"max_clones_per_expert", "-1"},
+    {"clone_cost_rows", "-5"},
+    {"placement", "once"},
+};
+
+TEST(ConfigFields, FieldListsRefuseABadValueOfEveryFieldByName) {
+  auto refused = [](const std::string& name, const std::function<void()>& apply) {
+    try {
+      apply();
+      ADD_FAILURE() << name << " = '" << kBadValues.at(name) << "' is accepted";
+    } catch (const ConfigError& err) {
+      EXPECT_EQ(err.field(), name) << err.what();
+      EXPECT_NE(std::string(err.what()).find(name + " = "), std::string::npos) << err.what();
+    }
+  };
+  size_t listed = 0;
+  for (const ConfigField& f : moe_config_fields()) {
+    ++listed;
+    ASSERT_TRUE(kBadValues.count(f.name)) << "kBadValues has no bad value of field " << f.name;
+    refused(f.name, [&] {
+      MoeConfig m = good_moe();
+      set_field(m, f.name, kBadValues.at(f.name), f.name);
+      validate(m, ParallelConfig{4, 0}, EchoConfig{});
+    });
+  }
+  for (const ConfigField& f : echo_config_fields()) {
+    ++listed;
+    ASSERT_TRUE(kBadValues.count(f.name)) << "kBadValues has no bad value of field " << f.name;
+    refused(f.name, [&] {
+      EchoConfig e;
+      set_field(e, f.name, kBadValues.at(f.name), f.name);
+      validate(good_moe(), ParallelConfig{4, 0}, e);
+    });
+  }
+  EXPECT_EQ(listed, kBadValues.size()) << "kBadValues names a field that no list has";
+}
+
+TEST(ConfigFields, AFieldOfAnotherNameIsRefused) {
+  MoeConfig m;
+  try {
+    set_field(m, "capacity", "1.5", "capacity");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.field(), "field");
+    EXPECT_NE(std::string(e.what()).find("capacity_factor"), std::string::npos) << e.what();
+  }
+  // capacity_factor is MoeConfig's, with ECHO on or off.
+  EXPECT_THROW(field_text(EchoConfig{}, "capacity_factor"), ConfigError);
+  EXPECT_EQ(field_text(MoeConfig{}, "capacity_factor"), "1.25");
 }
 
 }  // namespace

@@ -59,7 +59,7 @@ TEST(Fp8Layer, CloseToTheUnquantizedLayer) {
     fp8.ranks = R;
     fp8.echo.enabled = true;
     fp8.echo.spare_slots_per_rank = 1;
-    fp8.echo.capacity_factor = 0.7;  // spill rounds
+    fp8.moe.capacity_factor = 0.7;  // spill rounds
     LayerCase exact = fp8;
     exact.moe.precision = Precision::bf16;
     const SkewedInput in = skewed(fp8, 40, 1.2, 21);
@@ -92,7 +92,7 @@ LayerCase echo_case(int ranks) {
   c.echo.enabled = true;
   c.echo.spare_slots_per_rank = 2;
   c.echo.max_clones_per_expert = 2;
-  c.echo.capacity_factor = 0.8;
+  c.moe.capacity_factor = 0.8;
   return c;
 }
 
@@ -212,7 +212,7 @@ TEST(Fp8Layer, MemoryEstimateCountsTheFp8Copies) {
   EXPECT_EQ(none.fp8, 0u);
   EXPECT_GT(parts.fp8, 0u);
   // The received rows are kept as e4m3 values and their scales instead of activations.
-  const int64_t cap = capacity_rows(m, e), H = m.hidden, HT = (H + kFp8Tile - 1) / kFp8Tile;
+  const int64_t cap = capacity_rows(m), H = m.hidden, HT = (H + kFp8Tile - 1) / kFp8Tile;
   const size_t saved = size_t(cap * H) * sizeof(float) - size_t(cap * (H + 4 * HT));
   EXPECT_EQ(parts.activations + saved, none.activations);
   EXPECT_EQ(parts.total() + saved, none.total() + parts.fp8);

@@ -554,8 +554,8 @@ TEST(HostCollectivesLayer, EqualsInProcessLayerBitForBit) {
         c.echo.enabled = true;
         c.echo.spare_slots_per_rank = 2;
         c.echo.max_clones_per_expert = 2;
-        c.echo.capacity_factor = spill ? 0.3 : 1.25;  // spill rounds on busy ranks
-        c.passes = spill ? 2 : 1;                     // gradients accumulate over spill rounds
+        c.moe.capacity_factor = spill ? 0.3 : 1.25;  // spill rounds on busy ranks
+        c.passes = spill ? 2 : 1;                    // gradients accumulate over spill rounds
         SCOPED_TRACE("R = " + std::to_string(R) + (spill ? " spill" : " skewed") + " " +
                      to_string(dt));
         const test::SkewedInput in = test::skewed(c, 32, 1.5, 11 + uint64_t(R));

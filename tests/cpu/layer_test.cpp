@@ -61,7 +61,7 @@ TEST(Layer, RRanksEqualOneRankHoldingAllExperts) {
       multi.ranks = R;
       multi.echo.enabled = echo;
       multi.echo.spare_slots_per_rank = 1;
-      multi.echo.capacity_factor = 0.6;  // forces spill rounds on busy ranks
+      multi.moe.capacity_factor = 0.6;  // forces spill rounds on busy ranks
       LayerCase single = multi;
       single.ranks = 1;
       single.moe.max_tokens = multi.moe.max_tokens * R;
@@ -119,7 +119,7 @@ TEST(Layer, BackwardsAfterOneZeroGradAccumulate) {
       c.moe = small_moe(8, 2, 32);
       c.ranks = 4;
       c.echo.enabled = echo;
-      c.echo.capacity_factor = cf;
+      c.moe.capacity_factor = cf;
       const SkewedInput in = skewed(c, 32, 1.5, 9);
       const auto g = per_rank(4, 32, 16, 700);
       SCOPED_TRACE("capacity factor " + std::to_string(cf) + (echo ? " echo" : ""));
@@ -150,7 +150,7 @@ TEST(Layer, BackwardIntoWritesTheGradientsBackwardWould) {
         c.ranks = R;
         c.echo.enabled = echo;
         c.echo.spare_slots_per_rank = 2;
-        c.echo.capacity_factor = cf;
+        c.moe.capacity_factor = cf;
         const SkewedInput in = skewed(c, 32, 1.5, 13);
         const auto g = per_rank(R, 32, 16, 900);
         SCOPED_TRACE("R = " + std::to_string(R) + ", capacity factor " + std::to_string(cf) +
@@ -180,18 +180,18 @@ TEST(Layer, ForcedOverflowIsExactAndCounted) {
   roomy.moe = small_moe(8, 2, 32);
   roomy.ranks = 4;
   roomy.echo.enabled = false;
-  roomy.echo.capacity_factor = 4.0;  // never overflows
+  roomy.moe.capacity_factor = 4.0;  // never overflows
   const SkewedInput in = skewed(roomy, 32, 1.5, 5);
   const auto g = per_rank(4, 32, 16, 400);
   const LayerRun ref = run_layer(roomy, in.x, g, in.params);
   for (double cf : {0.05, 0.3, 1.0}) {
     for (bool echo : {false, true}) {
       LayerCase tight = roomy;
-      tight.echo.capacity_factor = cf;
+      tight.moe.capacity_factor = cf;
       tight.echo.enabled = echo;
       const LayerRun t = run_layer(tight, in.x, g, in.params);
       SCOPED_TRACE("capacity factor " + std::to_string(cf) + (echo ? " echo" : ""));
-      const int64_t cap = capacity_rows(tight.moe, tight.echo);
+      const int64_t cap = capacity_rows(tight.moe);
       int64_t expected_overflow = 0, max_rows = 0;
       for (int32_t rows : t.stats[0].load_after) {
         expected_overflow += std::max<int64_t>(0, rows - cap);
@@ -227,12 +227,12 @@ TEST(Layer, MembersOnOneRankTogetherOrSplitAcrossSpillRounds) {
       multi.ranks = 2;
       multi.echo.enabled = echo;
       multi.echo.spare_slots_per_rank = 1;
-      multi.echo.capacity_factor = cf;
+      multi.moe.capacity_factor = cf;
       LayerCase single = multi;
       single.ranks = 1;
       single.moe.max_tokens = 12;
       single.echo.enabled = false;
-      single.echo.capacity_factor = 4.0;
+      single.moe.capacity_factor = 4.0;
       const auto x = per_rank(2, 6, 16, 500);
       const auto g = per_rank(2, 6, 16, 600);
       const LayerRun m = run_layer(multi, x, g);
@@ -278,7 +278,7 @@ TEST(Layer, AllTokensOnOneExpert) {
   c.ranks = 4;
   c.echo.spare_slots_per_rank = 2;
   c.echo.max_clones_per_expert = 3;
-  c.echo.capacity_factor = 1.0;
+  c.moe.capacity_factor = 1.0;
   const auto x = per_rank(4, 16, 16, 50);
   const auto g = per_rank(4, 16, 16, 60);
   GlobalParams p = run_layer(c, x, g).params;
@@ -308,7 +308,7 @@ TEST(Layer, OddShapes) {
   c.moe.max_tokens = 9;
   c.ranks = 3;
   c.echo.spare_slots_per_rank = 1;
-  c.echo.capacity_factor = 0.7;
+  c.moe.capacity_factor = 0.7;
   const auto x = per_rank(3, 9, 13, 70);
   const auto g = per_rank(3, 9, 13, 80);
   const LayerRun m = run_layer(c, x, g);
@@ -358,7 +358,7 @@ TEST(Layer, SharedExpertsEqualTheLayerWithoutPlusADenseSwiGLU) {
     with.moe.shared_ffn = 3;
     with.ranks = 2;
     with.passes = 2;
-    with.echo.capacity_factor = 0.3;  // spill rounds on busy ranks
+    with.moe.capacity_factor = 0.3;  // spill rounds on busy ranks
     LayerCase without = with;
     without.moe.shared_experts = 0;
     SCOPED_TRACE("rank 1 tokens " + std::to_string(T1));
@@ -464,7 +464,7 @@ TEST(Layer, GradientsMatchFiniteDifferences) {
     }
     c.ranks = 2;
     c.echo.spare_slots_per_rank = 1;
-    c.echo.capacity_factor = 0.5;
+    c.moe.capacity_factor = 0.5;
     const auto x = per_rank(2, 6, 8, 90);
     const auto g = per_rank(2, 6, 8, 91);
     const LayerRun base = run_layer(c, x, g);
@@ -570,14 +570,14 @@ TEST(Layer, SplitPhasesEqualTheWholeForwardAndBackward) {
          c.echo.enabled = true;
          c.echo.spare_slots_per_rank = 2;
          c.echo.max_clones_per_expert = 2;
-         c.echo.capacity_factor = 4.0;
+         c.moe.capacity_factor = 4.0;
        },
        false, true},
       {"echo and spill rounds",
        [](LayerCase& c) {
          c.echo.enabled = true;
          c.echo.spare_slots_per_rank = 1;
-         c.echo.capacity_factor = 0.3;
+         c.moe.capacity_factor = 0.3;
        },
        true, true},
       {"shared experts on the side stream",
@@ -585,7 +585,7 @@ TEST(Layer, SplitPhasesEqualTheWholeForwardAndBackward) {
          c.moe.shared_experts = 2;
          c.moe.shared_ffn = 3;
          c.moe.shared_side_stream = true;
-         c.echo.capacity_factor = 4.0;
+         c.moe.capacity_factor = 4.0;
        },
        false, false},
       {"shared experts on the side stream, spill rounds",
@@ -593,26 +593,26 @@ TEST(Layer, SplitPhasesEqualTheWholeForwardAndBackward) {
          c.moe.shared_experts = 2;
          c.moe.shared_ffn = 3;
          c.moe.shared_side_stream = true;
-         c.echo.capacity_factor = 0.3;
+         c.moe.capacity_factor = 0.3;
        },
        true, false},
       {"shared experts in line",
        [](LayerCase& c) {
          c.moe.shared_experts = 1;
          c.moe.shared_ffn = 4;
-         c.echo.capacity_factor = 0.3;
+         c.moe.capacity_factor = 0.3;
        },
        true, false},
       {"recompute dispatch",
        [](LayerCase& c) {
          c.moe.recompute = Recompute::dispatch;
-         c.echo.capacity_factor = 0.3;
+         c.moe.capacity_factor = 0.3;
        },
        true, false},
       {"recompute experts",
        [](LayerCase& c) {
          c.moe.recompute = Recompute::experts;
-         c.echo.capacity_factor = 4.0;
+         c.moe.capacity_factor = 4.0;
        },
        false, false},
       {"recompute moe_act, spill rounds",
@@ -660,7 +660,7 @@ TEST(Layer, OverlapWgradGivesTheSameBits) {
     none.passes = 2;
     none.echo.enabled = variant != 1;
     none.echo.spare_slots_per_rank = 2;
-    none.echo.capacity_factor = variant == 0 ? 4.0 : 0.3;
+    none.moe.capacity_factor = variant == 0 ? 4.0 : 0.3;
     if (variant == 2) {
       none.moe.shared_experts = 2;
       none.moe.shared_ffn = 3;
@@ -707,7 +707,7 @@ TEST(Layer, ChunkedForwardAndBackwardGiveTheBitsOfOneChunk) {
     one.passes = 2;
     one.echo.enabled = variant != 1;
     one.echo.spare_slots_per_rank = 2;
-    one.echo.capacity_factor = variant == 3 ? 0.3 : 4.0;
+    one.moe.capacity_factor = variant == 3 ? 0.3 : 4.0;
     if (variant == 2) {
       one.moe.shared_experts = 2;
       one.moe.shared_ffn = 3;
@@ -913,12 +913,12 @@ TEST(Layer, MicroBatchesInFlightGiveTheBitsOfOneAtATime) {
     bool spill;
   };
   const std::vector<Case> cases = {
-      {"clones and spill rounds", [](LayerCase& c) { c.echo.capacity_factor = 0.4; }, true},
+      {"clones and spill rounds", [](LayerCase& c) { c.moe.capacity_factor = 0.4; }, true},
       {"shared experts on the side stream, overlap wgrad", shared_beside_overlap, false},
       {"recompute dispatch, spill rounds",
        [](LayerCase& c) {
          c.moe.recompute = Recompute::dispatch;
-         c.echo.capacity_factor = 0.4;
+         c.moe.capacity_factor = 0.4;
        },
        true},
   };
@@ -970,7 +970,7 @@ TEST(Layer, StepPlacementMovesClonesOncePerStep) {
     std::function<void(LayerCase&)> set;
   };
   const std::vector<Case> cases = {
-      {"clones and spill rounds", [](LayerCase& c) { c.echo.capacity_factor = 0.4; }},
+      {"clones and spill rounds", [](LayerCase& c) { c.moe.capacity_factor = 0.4; }},
       {"shared experts on the side stream, overlap wgrad", shared_beside_overlap},
       {"recompute dispatch", [](LayerCase& c) { c.moe.recompute = Recompute::dispatch; }},
   };

@@ -33,6 +33,7 @@ MoeConfig layer_config(int ffn, int experts, int top_k) {
   m.max_tokens = 48;
   m.aux_loss_coeff = 0.01;
   m.z_loss_coeff = 0.001;
+  m.capacity_factor = 0.85;
   return m;
 }
 
@@ -50,7 +51,6 @@ std::vector<MoeConfig> four_layers(Recompute r = Recompute::none) {
 EchoConfig echo_config() {
   EchoConfig e;
   e.spare_slots_per_rank = 2;
-  e.capacity_factor = 0.85;
   e.max_clones_per_expert = 2;
   return e;
 }
@@ -431,7 +431,7 @@ TEST(Stack, MemoryBreakdownAddsUpToTheBytesAllocated) {
     e.enabled = false;
     return e;
   }();
-  const int64_t cap = capacity_rows(m, echo);
+  const int64_t cap = capacity_rows(m);
   const size_t row = 8 * size_t(cap);
   const size_t kept[] = {row * (H + 2 * 24 + 24 + H), row * (H + 2 * 24 + H), row * H, 0};
   const Recompute options[] = {Recompute::none, Recompute::moe_act, Recompute::experts,

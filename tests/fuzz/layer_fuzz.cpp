@@ -62,7 +62,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   EchoConfig echo;
   echo.enabled = in.ConsumeBool();
   echo.spare_slots_per_rank = size_in(in, 0, 4);
-  echo.capacity_factor = value_in(in, 0.05, 3);
+  moe.capacity_factor = value_in(in, 0.05, 3);
   echo.max_clones_per_expert = size_in(in, 0, 4);
   echo.clone_cost_rows = in.ConsumeIntegralInRange<int>(0, 3) == 0
                              ? in.ConsumeIntegral<int64_t>()

@@ -100,7 +100,7 @@ TEST_P(CudaLayerTest, ForwardBackwardMatchCpuLayer) {
   c.moe.score_function = lp.sf;
   c.moe.aux_loss_coeff = lp.aux_z ? 0.01 : 0.0;
   c.moe.z_loss_coeff = lp.aux_z ? 0.001 : 0.0;
-  c.echo.capacity_factor = lp.capacity_factor;
+  c.moe.capacity_factor = lp.capacity_factor;
   c.moe.expert_groups = lp.groups;
   c.moe.topk_groups = lp.topk_groups;
   c.moe.routed_scaling_factor = lp.scale;
@@ -255,7 +255,7 @@ TEST(CudaLayerGraph, CapturedStepReplaysMatchCpuLayer) {
   m.bias_update = true;
   m.bias_update_rate = 1e-3;
   EchoConfig echo;
-  echo.capacity_factor = 0.4;          // capacity 52 rows, 3 rounds configured
+  m.capacity_factor = 0.4;             // capacity 52 rows, 3 rounds configured
   const int64_t T = 48, H = m.hidden;  // 96 rows: rounds 0 and 1 run, round 2 stays idle
   // The optimizer step lives on the device, so every replay advances the bias correction. A large
   // eps keeps the update a smooth function of g (with a tiny eps the first steps are close to
@@ -483,7 +483,7 @@ TEST(CudaLayerEager, StepNeverWaitsOnHost) {
   m.max_tokens = 128;
   m.aux_loss_coeff = 0.01;
   EchoConfig echo;
-  echo.capacity_factor = 0.5;  // 128 receive rows for 256: round 0 and one spill round
+  m.capacity_factor = 0.5;  // 128 receive rows for 256: round 0 and one spill round
   GpuLayer gl(m, echo, 9);
   gl.set(rounded_params(m, 41));
   const int64_t T = m.max_tokens, H = m.hidden;
@@ -638,7 +638,7 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
   for (int variant = 0; variant < 5; ++variant) {
     MoeConfig m = spill_test_moe(128, 128);
     EchoConfig echo;
-    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    m.capacity_factor = 0.5;  // round 0 and one spill round
     const char* name = "spill round";
     if (variant == 1 || variant == 3) {
       name = variant == 1 ? "shared experts on the side stream"
@@ -646,7 +646,7 @@ TEST(CudaLayerEager, SplitPhasesAndOverlapGiveTheWholeStepsBitsAndNeverWaitOnHos
       m.shared_experts = 1;
       m.shared_ffn = 64;
       m.shared_side_stream = true;
-      echo.capacity_factor = 1.0;
+      m.capacity_factor = 1.0;
     } else if (variant == 2 || variant == 4) {
       name = variant == 2 ? "fp8, spill round" : "fp8, spill round, overlap wgrad";
       m.precision = Precision::fp8;
@@ -713,14 +713,14 @@ TEST(CudaLayerEager, ChunkedForwardAndBackwardGiveTheBitsOfOneChunkAndNeverWaitO
   for (int variant = 0; variant < 4; ++variant) {
     MoeConfig m = spill_test_moe(128, 128);
     EchoConfig echo;
-    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    m.capacity_factor = 0.5;  // round 0 and one spill round
     const char* name = "spill round";
     if (variant == 1) {
       name = "shared experts on the side stream";
       m.shared_experts = 1;
       m.shared_ffn = 64;
       m.shared_side_stream = true;
-      echo.capacity_factor = 1.0;
+      m.capacity_factor = 1.0;
     } else if (variant == 2) {
       name = "fp8 without the FP8 dispatch, spill round";
       m.precision = Precision::fp8;
@@ -777,7 +777,7 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
   for (int variant = 0; variant < 3; ++variant) {
     MoeConfig m = spill_test_moe(128, 128);
     EchoConfig echo;
-    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    m.capacity_factor = 0.5;  // round 0 and one spill round
     const char* name = "bf16, spill round";
     if (variant == 1) {
       name = "fp8, spill round, overlap wgrad";
@@ -789,7 +789,7 @@ TEST(CudaLayerEager, MicroBatchesInFlightInterleavedGiveTheBitsOfOneAtATime) {
       m.shared_experts = 1;
       m.shared_ffn = 64;
       m.shared_side_stream = true;
-      echo.capacity_factor = 1.0;
+      m.capacity_factor = 1.0;
     }
     SCOPED_TRACE(name);
     const GlobalParams params = rounded_params(m, 43);
@@ -831,7 +831,7 @@ TEST(CudaLayerEager, StepPlacementGivesTheBitsOfAPlacementPerMicroBatch) {
     MoeConfig m = spill_test_moe(128, 128);
     if (fp8) m.precision = Precision::fp8;
     EchoConfig echo;
-    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    m.capacity_factor = 0.5;  // round 0 and one spill round
     SCOPED_TRACE(fp8 ? "fp8, spill round" : "bf16, spill round");
     const GlobalParams params = rounded_params(m, 45);
     const int64_t T = m.max_tokens, H = m.hidden;
@@ -873,7 +873,7 @@ TEST(CudaLayerEager, MicroBatchesOnTwoStreamsGiveTheBitsOfOneAtATime) {
   for (int variant = 0; variant < 2; ++variant) {
     MoeConfig m = spill_test_moe(256, 512);
     EchoConfig echo;
-    echo.capacity_factor = 0.5;  // round 0 and one spill round
+    m.capacity_factor = 0.5;  // round 0 and one spill round
     if (variant == 1) {
       m.precision = Precision::fp8;
       m.shared_experts = 1;

@@ -32,6 +32,7 @@ MoeConfig layer_config(int ffn, int experts, int top_k, Recompute r) {
   m.aux_loss_coeff = 0.01;
   m.z_loss_coeff = 0.001;
   m.recompute = r;
+  m.capacity_factor = 0.4;
   return m;
 }
 
@@ -45,7 +46,6 @@ std::vector<MoeConfig> four_layers(Recompute r = Recompute::none) {
 EchoConfig echo_config() {
   EchoConfig e;
   e.spare_slots_per_rank = 2;
-  e.capacity_factor = 0.4;
   return e;
 }
 

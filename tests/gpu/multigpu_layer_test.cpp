@@ -146,7 +146,7 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
   c.echo.enabled = lp.echo;
   c.echo.spare_slots_per_rank = 2;
   c.echo.max_clones_per_expert = 2;
-  c.echo.capacity_factor = lp.capacity_factor;
+  c.moe.capacity_factor = lp.capacity_factor;
   c.ranks = R;
   c.dtype = DType::f32;
   const uint64_t seed = uint64_t(lp.H + lp.experts_per_rank * 3 + lp.T * 7 + lp.K + R);
@@ -321,7 +321,7 @@ TEST(MultiGpuGraph, CapturedTrainingStepReplaysMatchCpuLayers) {
   echo.enabled = true;
   echo.spare_slots_per_rank = 2;
   echo.max_clones_per_expert = 2;
-  echo.capacity_factor = 0.7;
+  m.capacity_factor = 0.7;
   // Capacity ceil(0.7 * max_tokens 64 * K 2) = 90 rows a round, below the mean load of 48 tokens
   // (96 rows): every replay runs spill round 1 (ECHO balances the loads, so a capacity at or
   // above the mean would never spill); the IF nodes of the later rounds stay off.

@@ -26,6 +26,8 @@ namespace {
 
 constexpr int64_t H = 64;
 
+// Capacity ceil(0.6 * 64 * K) rows a round against about 46 K rows per rank: spill rounds even
+// after ECHO has balanced the loads.
 MoeConfig layer_config(int ffn, int experts, int top_k, Recompute r) {
   MoeConfig m;
   m.hidden = int(H);
@@ -36,6 +38,7 @@ MoeConfig layer_config(int ffn, int experts, int top_k, Recompute r) {
   m.aux_loss_coeff = 0.01;
   m.z_loss_coeff = 0.001;
   m.recompute = r;
+  m.capacity_factor = 0.6;
   return m;
 }
 
@@ -44,14 +47,11 @@ std::vector<MoeConfig> three_layers(int R, Recompute r = Recompute::none) {
           layer_config(64, 4 * R, 2, r)};
 }
 
-// Capacity ceil(0.6 * 64 * K) rows a round against about 46 K rows per rank: spill rounds even
-// after ECHO has balanced the loads.
 EchoConfig echo_config() {
   EchoConfig e;
   e.enabled = true;
   e.spare_slots_per_rank = 2;
   e.max_clones_per_expert = 2;
-  e.capacity_factor = 0.6;
   return e;
 }
 

@@ -37,14 +37,62 @@ def _param_views(h: _ops.LayerHandle) -> tuple[tuple[str, Tensor], ...]:
     return views
 
 
+# The C++ layer's MoeConfig and EchoConfig fields (moe_echo/config_fields.hpp, exported by
+# _ext.moe_config_fields() and _ext.echo_config_fields()) are MoE's keywords, in the lists'
+# order, with the lists' defaults; tests/python/test_config_fields.py holds the signature and the
+# docstring to the lists. Two EchoConfig fields take another keyword here:
+_ECHO_KEYWORDS = {"enabled": "echo", "placement": "echo_placement"}
+# and one MoeConfig field is not a keyword, with the reason:
+_NOT_KEYWORDS = {
+    "master_weights": "float masters for the layer's own AdamW; the module's parameters are "
+    "stepped by a torch optimizer, which keeps them in the parameters' dtype",
+}
+
+
+def _or(words: list[str]) -> str:
+    """ "a", "a or b", "a, b or c"."""
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _config_dicts(given: dict) -> tuple[dict, dict]:
+    """The MoeConfig and EchoConfig fields of MoE's keyword values `given`, as the dicts the C++
+    layer takes: each value checked against its field (its type and, for names, its choices
+    here; its range when the layer is built) and made a value of the field's Python type."""
+    cast = {"int": int, "float": float, "bool": bool, "str": str}
+    configs = []
+    for fields in (_ext.moe_config_fields(), _ext.echo_config_fields()):
+        config = {}
+        for f in fields:
+            keyword = _ECHO_KEYWORDS.get(f["name"], f["name"])
+            if keyword not in given:  # _NOT_KEYWORDS, or a field MoE does not take yet
+                continue
+            value = given[keyword]
+            if f["choices"] and isinstance(value, str) and value not in f["choices"]:
+                allowed = _or([repr(c) for c in f["choices"]])
+                raise ValueError(f"{keyword} = {value!r} is invalid: allowed {allowed}")
+            config[f["name"]] = value
+        configs.append(config)
+    _ext.check_fields(configs[0], configs[1], _ECHO_KEYWORDS)  # TypeError naming the keyword
+    for fields, config in zip((_ext.moe_config_fields(), _ext.echo_config_fields()), configs):
+        for f in fields:
+            if f["name"] in config:
+                config[f["name"]] = cast[f["type"]](config[f["name"]])
+    return configs[0], configs[1]
+
+
 class MoE(nn.Module):
     """A dropless MoE layer (router, SwiGLU experts, ECHO load balancing) on one rank.
 
-    Args (the C++ layer's ``MoeConfig`` and ``EchoConfig``; see docs/python.md):
+    Args (the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields, in their order; see
+    docs/python.md):
         hidden, ffn, experts, top_k: H, F (per expert: fc1 is H x 2F as gate | up, fc2 F x H),
             E routed experts, K experts per token.
         max_tokens: the most tokens one forward takes (buffers are sized for it up front).
-        score_function: "softmax" or "sigmoid"; normalize_topk rescales the K weights to sum 1.
+        score_function, normalize_topk: "softmax" or "sigmoid"; normalize_topk rescales the K
+            weights to sum 1.
+        aux_loss_coeff, z_loss_coeff: load-balancing and z losses (enter the backward on their
+            own, see the module docstring).
+        bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
         expert_groups, topk_groups, group_score: group-limited top-k: experts in expert_groups
             groups of E/G consecutive experts; a token picks its topk_groups best groups
             ("top2_sum": by the sum of each group's two best selection keys, as DeepSeek-V3;
@@ -52,29 +100,20 @@ class MoE(nn.Module):
         routed_scaling_factor: the combine weights times this factor after normalisation.
         seq_aux_loss_coeff, seq_len: the aux loss over each run of seq_len consecutive tokens,
             averaged over the runs (DeepSeek-V3's sequence-wise balance loss).
-        aux_loss_coeff, z_loss_coeff: load-balancing and z losses (enter the backward on their
-            own, see the module docstring).
-        bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
-        echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
-        echo_placement: how long ECHO's clone placement holds: "micro_batch" (every forward
-            plans clones for its own routing and pulls their weights; every backward sends their
-            gradients home) or "step" (the first forward after the expert weights changed plans
-            the placement, the step's other forwards split their rows over it and pull nothing,
-            in echo slots of the module's own; backwards inside ``hold_clone_grads()`` keep
-            their clone gradients, and the step's last backward sends them home once).
-        capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
-            rows beyond it run in extra (spill) rounds, never dropped.
         shared_experts, shared_ffn: dense SwiGLU experts every token goes through, added to the
             routed output (DeepSeek-V3, Qwen2-MoE): together one SwiGLU of width
             shared_experts * shared_ffn (0: ffn), parameters ``shared_w1`` [H, 2S] (gate | up) and
             ``shared_w2`` [S, H], replicated on every EP rank like the router.
+        shared_side_stream: run the shared experts on a second CUDA stream beside the router and
+            the dispatch (needs shared_experts); the same bits.
         recompute: what the forward keeps for the backward: "none" (received rows, fc1 and SwiGLU
             outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
             redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
             dispatch and the experts). Gradients are the same bits whichever is chosen.
-        overlap: what the backward runs beside its communication: "none" or "wgrad" (fc1's
-            weight-gradient GEMM on a second CUDA stream beside the combine and the router's
-            backward, on all SMs but ``overlap_sms``); gradients are the same bits either way.
+        overlap, overlap_sms: what the backward runs beside its communication: "none" or "wgrad"
+            (fc1's weight-gradient GEMM on a second CUDA stream beside the combine and the
+            router's backward, on all SMs but ``overlap_sms``); gradients are the same bits either
+            way.
         chunks: the received rows of the forward and the backward in this many chunks (1 to
             16; 1: one): a chunk's expert GEMMs run on a second CUDA stream, on all SMs but
             ``overlap_sms``, while the next chunk is dispatched and the one before combined, the
@@ -93,6 +132,15 @@ class MoE(nn.Module):
             "all" or a comma-separated list of "fprop1", "fprop2", "dgrad1", "dgrad2", "wgrad1",
             "wgrad2" (or the pairs "fprop", "dgrad", "wgrad"); with "fprop1" the tokens also
             cross in e4m3.
+        capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
+            rows beyond it run in extra (spill) rounds, never dropped (ECHO on or off).
+        echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
+        echo_placement: how long ECHO's clone placement holds: "micro_batch" (every forward
+            plans clones for its own routing and pulls their weights; every backward sends their
+            gradients home) or "step" (the first forward after the expert weights changed plans
+            the placement, the step's other forwards split their rows over it and pull nothing,
+            in echo slots of the module's own; backwards inside ``hold_clone_grads()`` keep
+            their clone gradients, and the step's last backward sends them home once).
         device, dtype: where the parameters live and their dtype.
         seed: the initial weights (per global expert, so any layout of the same seed agrees).
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
@@ -124,61 +172,35 @@ class MoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         seq_aux_loss_coeff: float = 0.0,
         seq_len: int = 0,
-        echo: bool = True,
-        spare_slots_per_rank: int = 1,
-        capacity_factor: float = 1.25,
-        max_clones_per_expert: int = 2,
-        clone_cost_rows: int = 0,
         shared_experts: int = 0,
         shared_ffn: int = 0,
+        shared_side_stream: bool = False,
         recompute: str = "none",
-        precision: str = "bf16",
-        fp8_gemms: str = "all",
         overlap: str = "none",
         overlap_sms: int = 16,
-        in_flight: int = 1,
-        echo_placement: str = "micro_batch",
         chunks: int = 1,
+        in_flight: int = 1,
+        precision: str = "bf16",
+        fp8_gemms: str = "all",
+        capacity_factor: float = 1.25,
+        echo: bool = True,
+        spare_slots_per_rank: int = 1,
+        max_clones_per_expert: int = 2,
+        clone_cost_rows: int = 0,
+        echo_placement: str = "micro_batch",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
         ep_group=None,
         ep_transport: str = "auto",
     ):
+        given = dict(locals())  # the keywords, read by field name in _config_dicts
         super().__init__()
-        for name, value in (
-            ("hidden", hidden),
-            ("ffn", ffn),
-            ("experts", experts),
-            ("top_k", top_k),
-            ("max_tokens", max_tokens),
-            ("spare_slots_per_rank", spare_slots_per_rank),
-            ("max_clones_per_expert", max_clones_per_expert),
-            ("clone_cost_rows", clone_cost_rows),
-            ("seed", seed),
-            ("expert_groups", expert_groups),
-            ("topk_groups", topk_groups),
-            ("seq_len", seq_len),
-            ("shared_experts", shared_experts),
-            ("shared_ffn", shared_ffn),
-            ("overlap_sms", overlap_sms),
-            ("in_flight", in_flight),
-            ("chunks", chunks),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} = {value!r} is invalid: allowed an int")
+        moe, echo_fields = _config_dicts(given)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed = {seed!r} is invalid: allowed an int")
         if seed < 0:
             raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
-        if precision not in ("bf16", "fp8"):
-            raise ValueError(f"precision = {precision!r} is invalid: allowed 'bf16' or 'fp8'")
-        if echo_placement not in ("micro_batch", "step"):
-            raise ValueError(
-                f"echo_placement = {echo_placement!r} is invalid: allowed 'micro_batch' or 'step'"
-            )
-        if overlap not in ("none", "wgrad"):
-            raise ValueError(f"overlap = {overlap!r} is invalid: allowed 'none' or 'wgrad'")
-        if not isinstance(fp8_gemms, str):
-            raise TypeError(f"fp8_gemms = {fp8_gemms!r} is invalid: allowed a str")
         if precision != "fp8" and fp8_gemms != "all":
             raise ValueError(
                 f"fp8_gemms = {fp8_gemms!r} is invalid: allowed 'all' (the default) unless "
@@ -190,41 +212,8 @@ class MoE(nn.Module):
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         if not dtype.is_floating_point:
             raise TypeError(f"dtype = {dtype} is invalid: allowed a floating dtype")
-        self._config = dict(
-            hidden=hidden,
-            ffn=ffn,
-            experts=experts,
-            top_k=top_k,
-            max_tokens=max_tokens,
-            score_function=score_function,
-            normalize_topk=bool(normalize_topk),
-            aux_loss_coeff=float(aux_loss_coeff),
-            z_loss_coeff=float(z_loss_coeff),
-            bias_update=bool(bias_update),
-            bias_update_rate=float(bias_update_rate),
-            expert_groups=expert_groups,
-            topk_groups=topk_groups,
-            group_score=group_score,
-            routed_scaling_factor=float(routed_scaling_factor),
-            seq_aux_loss_coeff=float(seq_aux_loss_coeff),
-            seq_len=seq_len,
-            echo=bool(echo),
-            spare_slots=spare_slots_per_rank,
-            capacity_factor=float(capacity_factor),
-            max_clones=max_clones_per_expert,
-            clone_cost_rows=clone_cost_rows,
-            seed=seed,
-            recompute=recompute,
-            precision=precision,
-            fp8_gemms=fp8_gemms,
-            overlap=overlap,
-            overlap_sms=overlap_sms,
-            in_flight=in_flight,
-            echo_placement=echo_placement,
-            chunks=chunks,
-            shared_experts=shared_experts,
-            shared_ffn=shared_ffn,
-        )
+        self._config, self._echo_config = moe, echo_fields
+        self._seed = seed
         self.shared_width = shared_experts * (shared_ffn if shared_ffn > 0 else ffn)
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
@@ -282,7 +271,8 @@ class MoE(nn.Module):
         """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`. With an
         ep_group this is collective: every rank of the group builds at the same point."""
         backend, compute = _compute_dtypes(device, dtype)
-        cfg = dict(self._config)
+        cfg = dict(moe=self._config, echo=self._echo_config, seed=self._seed,
+                   keywords=_ECHO_KEYWORDS)
         if self._collectives is not None:
             cfg.update(collectives=self._collectives, transport=self._transport(backend))
         if backend == "cuda":
@@ -453,6 +443,6 @@ class MoE(nn.Module):
         return (
             f"hidden={c['hidden']}, ffn={c['ffn']}, experts={c['experts']}, top_k={c['top_k']}, "
             f"max_tokens={c['max_tokens']}, score_function={c['score_function']!r}, "
-            f"echo={c['echo']}, ep_size={self.ep_size}"
+            f"echo={self._echo_config['enabled']}, ep_size={self.ep_size}"
         )
 
