@@ -163,22 +163,15 @@ LayerCore::LayerCore(MoeLayer& self, Backend& backend, Communicator& comm, const
     ws_ = own_workspace_.get();
   }
 
-  Reservation reservation;
-  reservation.max_groups = slots_;
-  // The shared experts' GEMMs take up to T rows in one window.
-  reservation.max_rows =
+  // The backend's per-layer resources. The shared experts' GEMMs take up to T rows in one
+  // window; the side stream's GEMMs leave overlap_sms to the communication (overlap wgrad and
+  // chunks).
+  const int64_t max_rows =
       shared_width(moe) > 0 ? std::max<int64_t>(capacity_, moe.max_tokens) : capacity_;
-  reservation.max_tokens = moe.max_tokens;
-  reservation.hidden = moe.hidden;
-  reservation.ffn = moe.ffn;
-  reservation.experts = moe.experts;
-  reservation.top_k = moe.top_k;
-  reservation.ranks = par.ep_size;
-  reservation.planner = planner_;
-  reservation.fp8 = moe.precision == Precision::fp8;
-  reservation.overlap_sms = moe.overlap == Overlap::wgrad || moe.chunks > 1 ? moe.overlap_sms : -1;
-  reservation.lanes = ws_->sets();
-  backend.reserve(reservation);
+  const bool side_gemms = moe.overlap == Overlap::wgrad || moe.chunks > 1;
+  backend.reserve(Reservation{slots_, max_rows, moe.max_tokens, moe.hidden, moe.ffn, moe.experts,
+                              moe.top_k, par.ep_size, planner_, moe.precision == Precision::fp8,
+                              side_gemms ? moe.overlap_sms : -1, ws_->sets()});
 
   // The table once per micro-batch: the layer's own buffers allocated with micro-batch 0 (the
   // others copy their views), each micro-batch's own, the workspace's slots of its set viewed.
