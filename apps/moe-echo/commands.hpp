@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "moe_echo/config_fields.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo::cli {
@@ -48,19 +49,6 @@ template <class T>
 struct OptionValue<std::vector<T>> {
   using type = T;
 };
-
-// What a number of type T may be, for messages.
-template <class T>
-std::string number_kind() {
-  if constexpr (std::is_floating_point_v<T>) {
-    return "a finite number";
-  } else {
-    std::ostringstream s;
-    s << "an integer from " << +std::numeric_limits<T>::min() << " to "
-      << +std::numeric_limits<T>::max();
-    return s.str();
-  }
-}
 
 // Checks one command-line value of an option holding T before CLI11 converts it: a number must
 // be written whole (no trailing characters), fit T (no wrapping: "-1" is not an unsigned value),

@@ -25,8 +25,24 @@
 #pragma once
 
 #include <limits>
+#include <sstream>
+#include <string>
+#include <type_traits>
 
 namespace moe_echo {
+
+// What a number of type T may be, for messages (the field checks' and the CLI's).
+template <class T>
+std::string number_kind() {
+  if constexpr (std::is_floating_point_v<T>) {
+    return "a finite number";
+  } else {
+    std::ostringstream s;
+    s << "an integer from " << +std::numeric_limits<T>::min() << " to "
+      << +std::numeric_limits<T>::max();
+    return s.str();
+  }
+}
 
 // What values one field allows (see the rule column above).
 struct FieldRule {

@@ -88,19 +88,6 @@ std::string allowed_text(const char* name, const FieldRule& r) {
   }
 }
 
-// What a text of type T may be, when it is none.
-template <class T>
-std::string number_kind() {
-  if constexpr (std::is_floating_point_v<T>) {
-    return "a finite number";
-  } else {
-    std::ostringstream s;
-    s << "an integer from " << +std::numeric_limits<T>::min() << " to "
-      << +std::numeric_limits<T>::max();
-    return s.str();
-  }
-}
-
 template <class T>
 std::string to_text(const T& v, const FieldRule& r) {
   if constexpr (std::is_same_v<T, bool>) {
