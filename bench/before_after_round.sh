@@ -11,8 +11,10 @@
 #           `moe-echo bench --ep 2` of both, interleaved; a table and $OUT/before_after.json
 # Logs under $OUT (default out/before_after). Needs third_party/ (scripts/gpu_deps.sh).
 # Usage: STAGES="build tests bits" bash bench/before_after_round.sh, then STAGES="build speed"
-# (REPS=N repeats the speed runs, interleaved; EP2_RUNS="preset:skew:echo ..." picks the EP 2
-# runs; AFTER_TARGETS="" builds only moe-echo and layer_bench of the working tree)
+# (REPS=N repeats the speed runs, interleaved, before first in odd reps and after first in even
+# ones; LAYER_CONFIG=NAME[,NAME] picks layer_bench's configs; EP2_RUNS="preset:skew:echo ..."
+# picks the EP 2 runs, EP2_RUNS="" none; AFTER_TARGETS="" builds only moe-echo and layer_bench of
+# the working tree)
 # (the build stage is quick when the build dirs are there; a machine given back loses them).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -89,17 +91,21 @@ for stage in $stages; do
       ;;
     speed)  # logs and per-run JSON under /tmp/ba (few files come back from a GPU machine)
       mkdir -p /tmp/speed_dump /tmp/ba
+      # Before first in odd reps, after first in even ones (a GPU that warms up over the first run
+      # then favours neither); LAYER_CONFIG picks layer_bench's configs (--config).
       for rep in $(seq "${REPS:-1}"); do
-        for b in "$before" "$after"; do
+        order="$before $after"
+        [ $((rep % 2)) = 0 ] && order="$after $before"
+        for b in $order; do
           timeout 240 "$b/layer_bench" --dump /tmp/speed_dump --out "/tmp/ba/speed_${b}_$rep.json" \
-            >"/tmp/ba/speed_${b}_$rep.log" 2>&1
+            ${LAYER_CONFIG:+--config "$LAYER_CONFIG"} >"/tmp/ba/speed_${b}_$rep.log" 2>&1
           echo "layer_bench $b rep $rep: rc=$?"
         done
       done
       if [ "$gpus" -ge 2 ]; then
         for rep in $(seq "${REPS:-1}"); do
           for b in "$before" "$after"; do
-            for run in ${EP2_RUNS:-qwen3-30b-a3b:uniform:off qwen3-30b-a3b:zipf:1.2:on \
+            for run in ${EP2_RUNS-qwen3-30b-a3b:uniform:off qwen3-30b-a3b:zipf:1.2:on \
                        deepseek-v3:zipf:1.2:on mixtral-8x7b:zipf:1.2:on}; do
               preset=${run%%:*} rest=${run#*:} echo_on=${run##*:} skew=${rest%:*}
               name="ep2_${b}_${rep}_${preset}_${skew/:/}_$echo_on"
@@ -138,7 +144,8 @@ for k, v in rows.items():
     if before not in v or after not in v: continue
     bm, am = min(v[before]), min(v[after])
     table.append({"case": k, "before_ms": v[before], "after_ms": v[after], "ratio_of_best": am / bm})
-    print(f"{k:55s} {bm:10.3f} {am:10.3f} {am / bm:12.3f}")
+    print(f"{k:55s} {bm:10.3f} {am:10.3f} {am / bm:12.3f}   reps: "
+          f"{' '.join(f'{x:.3f}' for x in v[before])} | {' '.join(f'{x:.3f}' for x in v[after])}")
 json.dump({"before": "third_party/before.tar.gz", "rows": table}, open(f"{dest}/before_after.json", "w"), indent=1)
 EOF
       ;;

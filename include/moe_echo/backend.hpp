@@ -407,13 +407,13 @@ class Backend {
                       Stream s) = 0;
   // Enqueues on `s` what `body` enqueues on the stream it is given, so that nothing in it waits
   // on the host, run_if included. The CUDA backend, when `s` is not capturing already, captures
-  // the body on a stream of its own, updates the graph held in `cache` from the last call with
-  // it (or instantiates a new one when the work's shape changed), and launches the graph on `s`;
+  // the body on a stream of its own into a graph it keeps in `cache` (up to 8 per cache, the
+  // least recently launched updated or replaced beyond that) and launches the graph on `s`;
   // while `s` is capturing, and on the CPU backend, the body runs on `s` directly. The body must
   // be capture-safe. One `cache` serves one call site; it is created on first use. `key` holds
   // everything the body's work depends on that may change between calls (pointers, sizes,
-  // flags): when it equals the last call's, the cached graph is launched again as it is, with
-  // no capture (the body would capture the same work).
+  // flags): when it equals an earlier call's whose graph is kept, that graph is launched again
+  // as it is, with no capture (the body would capture the same work).
   virtual void enqueue_as_graph(std::unique_ptr<GraphCache>& cache,
                                 const std::vector<uint64_t>& key,
                                 const std::function<void(Stream)>& body, Stream s) {

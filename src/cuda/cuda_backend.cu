@@ -4,6 +4,7 @@
 // capturing (and a host read of its flag otherwise), enqueue_as_graph as a capture on a stream of
 // the backend's launched as a graph. Op semantics are those of the CPU reference (src/cpu); see
 // ops.hpp for the kernels.
+#include <algorithm>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -328,7 +329,8 @@ class CudaBackend final : public Backend {
 
   // Not capturing: the body is captured on capture_stream_ (never the caller's stream, which may
   // be the legacy default stream, which cannot capture) and the graph launched on `s`, so the
-  // work runs in `s`'s order. The cached executable graph is updated in place when the new
+  // work runs in `s`'s order. A key seen before relaunches its graph; a new one is instantiated,
+  // or with the cache full updated into the least recently launched graph in place when the new
   // capture has the same topology (new pointers, sizes, grids), re-instantiated otherwise.
   // cudaGraphExecUpdate leaves launches already enqueued as they were.
   void enqueue_as_graph(std::unique_ptr<GraphCache>& cache, const std::vector<uint64_t>& key,
@@ -338,38 +340,47 @@ class CudaBackend final : public Backend {
       body(stream);
       return;
     }
-    if (cache) {
-      auto& c = static_cast<ExecCache&>(*cache);
-      if (c.exec && c.key == key) {
-        MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(c.exec, s));
+    if (!cache) cache = std::make_unique<ExecCache>();
+    auto& c = static_cast<ExecCache&>(*cache);
+    ++c.clock;
+    for (ExecCache::Entry& e : c.entries)
+      if (e.key == key) {
+        e.used = c.clock;
+        MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(e.exec, s));
         return;
       }
-    }
     if (!capture_stream_)
       MOE_ECHO_CUDA_CHECK(cudaStreamCreateWithFlags(&capture_stream_, cudaStreamNonBlocking));
     cudaGraph_t graph = capture_graph(capture_stream_, [&] { body(capture_stream_); });
-    if (!cache) cache = std::make_unique<ExecCache>();
-    auto& exec = static_cast<ExecCache&>(*cache).exec;
-    static_cast<ExecCache&>(*cache).key.clear();  // until the new graph is in place
-    if (exec) {
+    // A new key gets its own graph until the cache holds kMaxGraphs; then the least recently
+    // launched one is updated to it (or replaced when its topology differs).
+    ExecCache::Entry* e = nullptr;
+    if (c.entries.size() < ExecCache::kMaxGraphs) {
+      e = &c.entries.emplace_back();
+    } else {
+      e = &*std::min_element(c.entries.begin(), c.entries.end(),
+                             [](const auto& a, const auto& b) { return a.used < b.used; });
+      e->key.clear();  // until the new graph is in place
       cudaGraphExecUpdateResultInfo info{};
-      if (cudaGraphExecUpdate(exec, graph, &info) != cudaSuccess) {
+      if (cudaGraphExecUpdate(e->exec, graph, &info) != cudaSuccess) {
         (void)cudaGetLastError();
-        retire(exec);
-        exec = nullptr;
+        retire(e->exec);
+        e->exec = nullptr;
       }
     }
-    if (!exec) {
-      const cudaError_t rc = cudaGraphInstantiate(&exec, graph, 0);
+    if (!e->exec) {
+      const cudaError_t rc = cudaGraphInstantiate(&e->exec, graph, 0);
       if (rc != cudaSuccess) {
         (void)cudaGraphDestroy(graph);
-        exec = nullptr;
+        e->exec = nullptr;
+        if (e->key.empty()) c.entries.erase(c.entries.begin() + (e - c.entries.data()));
         MOE_ECHO_CUDA_CHECK(rc);
       }
     }
     (void)cudaGraphDestroy(graph);
-    static_cast<ExecCache&>(*cache).key = key;
-    MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    e->key = key;
+    e->used = c.clock;
+    MOE_ECHO_CUDA_CHECK(cudaGraphLaunch(e->exec, s));
   }
 
  private:
@@ -449,11 +460,21 @@ class CudaBackend final : public Backend {
     L().arena_bytes = bytes;
   }
 
+  // The graphs of one call site, one per key (the call whose work it holds), at most
+  // kMaxGraphs: a training loop that alternates calls (a first micro-batch's backward writes the
+  // gradients, the next ones add to them) relaunches each without capturing it again.
   struct ExecCache final : GraphCache {
-    cudaGraphExec_t exec = nullptr;
-    std::vector<uint64_t> key;  // the call whose work exec holds (empty: none)
+    static constexpr size_t kMaxGraphs = 8;
+    struct Entry {
+      std::vector<uint64_t> key;  // empty: none yet
+      cudaGraphExec_t exec = nullptr;
+      uint64_t used = 0;  // the clock at its last launch
+    };
+    std::vector<Entry> entries;
+    uint64_t clock = 0;
     ~ExecCache() override {
-      if (exec) (void)cudaGraphExecDestroy(exec);
+      for (Entry& e : entries)
+        if (e.exec) (void)cudaGraphExecDestroy(e.exec);
     }
   };
 

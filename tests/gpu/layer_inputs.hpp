@@ -126,6 +126,29 @@ inline ::testing::AssertionResult close(const std::vector<double>& got,
   return ::testing::AssertionSuccess() << what << ": rel error " << err;
 }
 
+// `got` and `want` bit for bit; on a difference, how many values differ, the first and the
+// largest difference (a few ulps of reordered sums read differently from a wrong row).
+inline ::testing::AssertionResult same_bits(const std::vector<double>& got,
+                                            const std::vector<double>& want,
+                                            const std::string& what) {
+  if (got.size() != want.size())
+    return ::testing::AssertionFailure()
+           << what << ": sizes " << got.size() << " vs " << want.size();
+  size_t differ = 0, first = got.size(), worst = 0;
+  double max_abs = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] == want[i] || (std::isnan(got[i]) && std::isnan(want[i]))) continue;
+    if (differ++ == 0) first = i;
+    const double d = std::abs(got[i] - want[i]);
+    if (!(d <= max_abs)) max_abs = d, worst = i;
+  }
+  if (differ == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << what << ": " << differ << " of " << got.size() << " values differ; first at " << first
+         << " (" << got[first] << " vs " << want[first] << "), largest at " << worst << " ("
+         << got[worst] << " vs " << want[worst] << "), rel error " << rel_error(got, want);
+}
+
 // Routing statistics must match exactly; losses within 1e-4 relative.
 inline void expect_stats_equal(const StepStats& g, const StepStats& c) {
   EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-4 * std::abs(c.aux_loss) + 1e-9);

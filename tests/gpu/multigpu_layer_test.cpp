@@ -12,8 +12,9 @@
 // - Overlap::wgrad and the split-phase calls against the whole step without overlap, bit for bit;
 // - the forward in chunks (MoeConfig::chunks) against one chunk, bit for bit;
 // - two micro-batches in flight (MoeConfig::in_flight 2), one's forward phases interleaved with
-//   the other's backward phases: each micro-batch's outputs and input gradients bit for bit,
-//   with a clone placement per micro-batch and one per step (EchoPlacement::step);
+//   the other's backward phases: each micro-batch's outputs and input gradients bit for bit
+//   with a clone placement per micro-batch; with one per step (EchoPlacement::step) the second
+//   micro-batch's within a reordered sum's error;
 // - a whole training step (forward, backward, router-gradient all-reduce, AdamW) captured in ONE
 //   CUDA graph per rank and replayed 6 times with new tokens written on the device, routing
 //   changing (a replay with every token on one expert: overflow, spill round, clones), every
@@ -36,6 +37,9 @@
 
 namespace moe_echo::test {
 namespace {
+
+// Relative error of bf16 outputs whose sums ran in another order (one ulp is 2^-8 relative).
+constexpr double kReorderTol = 2e-3;
 
 std::vector<double> slice(const std::vector<double>& v, size_t part, size_t parts) {
   const size_t n = v.size() / parts;
@@ -202,11 +206,11 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
     for (bool split : {false, true}) {
       SCOPED_TRACE(split ? "overlap wgrad, split phases" : "overlap wgrad");
       const GpuRun g3 = run_gpu(*w, comm, ov, p, xs[size_t(me)], gs[size_t(me)], split);
-      EXPECT_EQ(g3.y, gpu.y);
-      EXPECT_EQ(g3.dx, gpu.dx);
-      EXPECT_EQ(g3.d_router, gpu.d_router);
-      EXPECT_EQ(g3.dw1, gpu.dw1);
-      EXPECT_EQ(g3.dw2, gpu.dw2);
+      EXPECT_TRUE(same_bits(g3.y, gpu.y, "y, overlap wgrad"));
+      EXPECT_TRUE(same_bits(g3.dx, gpu.dx, "dx, overlap wgrad"));
+      EXPECT_TRUE(same_bits(g3.d_router, gpu.d_router, "d_router, overlap wgrad"));
+      EXPECT_TRUE(same_bits(g3.dw1, gpu.dw1, "dw1, overlap wgrad"));
+      EXPECT_TRUE(same_bits(g3.dw2, gpu.dw2, "dw2, overlap wgrad"));
     }
   }
 
@@ -218,16 +222,20 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
     ch.moe.chunks = 3;
     ch.moe.overlap_sms = 8;
     const GpuRun g5 = run_gpu(*w, comm, ch, p, xs[size_t(me)], gs[size_t(me)]);
-    EXPECT_EQ(g5.y, gpu.y);
-    EXPECT_EQ(g5.dx, gpu.dx);
-    EXPECT_EQ(g5.d_router, gpu.d_router);
-    EXPECT_EQ(g5.dw1, gpu.dw1);
-    EXPECT_EQ(g5.dw2, gpu.dw2);
+    EXPECT_TRUE(same_bits(g5.y, gpu.y, "y, 3 chunks"));
+    EXPECT_TRUE(same_bits(g5.dx, gpu.dx, "dx, 3 chunks"));
+    EXPECT_TRUE(same_bits(g5.d_router, gpu.d_router, "d_router, 3 chunks"));
+    EXPECT_TRUE(same_bits(g5.dw1, gpu.dw1, "dw1, 3 chunks"));
+    EXPECT_TRUE(same_bits(g5.dw2, gpu.dw2, "dw2, 3 chunks"));
   }
 
   // Two micro-batches in flight, interleaved: each gives the whole step's y and dx bits; the
   // gradients are the two backwards' sum. With a placement per step too (the second forward
-  // keeps the first's clones, the clone gradients go home once).
+  // keeps the first's clones, the clone gradients go home once): micro-batch 0 makes the
+  // placement as the whole step does (the same bits); micro-batch 1 splits its rows over it, which
+  // can give a clone no rows and sum a token's experts in another order (as the CPU layer test
+  // StepPlacementMovesClonesOncePerStep says: 1e-13 in f64), so its y and dx are within
+  // kReorderTol of the whole step's (a few values one bf16 ulp apart: 4.3e-4 at most on 4 H200s).
   for (EchoPlacement placement : {EchoPlacement::micro_batch, EchoPlacement::step}) {
     SCOPED_TRACE(std::string("two micro-batches, placement ") + to_string(placement));
     LayerCase two = c;
@@ -235,10 +243,18 @@ TEST_P(MultiGpuLayer, MatchesCpuLayersOnRanksAndOnOneRank) {
     two.echo.placement = placement;
     Interleaved other;
     const GpuRun g4 = run_gpu(*w, comm, two, p, xs[size_t(me)], gs[size_t(me)], false, &other);
-    EXPECT_EQ(g4.y, gpu.y);
-    EXPECT_EQ(g4.dx, gpu.dx);
-    EXPECT_EQ(other.y2, gpu.y);
-    EXPECT_EQ(other.dx2, gpu.dx);
+    SCOPED_TRACE("clones: the whole step " + std::to_string(gpu.stats.clones) + ", micro-batch 1 " +
+                 std::to_string(g4.stats.clones) + ", rank " + std::to_string(me));
+    if (placement == EchoPlacement::micro_batch) {
+      EXPECT_TRUE(same_bits(g4.y, gpu.y, "y of micro-batch 1"));
+      EXPECT_TRUE(same_bits(g4.dx, gpu.dx, "dx of micro-batch 1"));
+    } else {
+      EXPECT_LE(g4.stats.clones, gpu.stats.clones);  // those given rows
+      EXPECT_TRUE(close(g4.y, gpu.y, kReorderTol, "y of micro-batch 1"));
+      EXPECT_TRUE(close(g4.dx, gpu.dx, kReorderTol, "dx of micro-batch 1"));
+    }
+    EXPECT_TRUE(same_bits(other.y2, gpu.y, "y of micro-batch 0"));
+    EXPECT_TRUE(same_bits(other.dx2, gpu.dx, "dx of micro-batch 0"));
     auto twice = [](std::vector<double> v) {
       for (double& e : v) e *= 2;
       return v;

@@ -4,10 +4,10 @@
 # no-host-sync test included) and the whole pytest suite (CPU and GPU tests) against the build
 # tree's package (PYTHONPATH=$BUILD_DIR/python; PYTEST_FILES picks files, default tests/python).
 # With 2 GPUs or more, test_ep_nccl.py's EP runs take part, and the example model trains with its
-# experts over 2 GPUs (--ep 2, NCCL, the whole step in one CUDA graph) on the global batch of a
-# one-GPU run, whose loss curve it must equal (10-step means within 0.02 nats, bf16 autocast),
-# then again with each rank's batch in 2 micro-batches and one ECHO clone placement per step
-# (--micro-batches 2 --echo-placement step).
+# experts over 2 GPUs, and over 4 when there are 4 (EP_SIZES picks; NCCL, the whole step in one
+# CUDA graph) on the global batch of a one-GPU run, whose loss curve it must equal (10-step means
+# within 0.02 nats, bf16 autocast); at the largest size again with the host transport, and with
+# each rank's batch in 2 micro-batches and one ECHO clone placement per step.
 # Logs go to $OUT (or out/python); a summary last. Needs third_party/ (scripts/gpu_deps.sh).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -33,23 +33,36 @@ PYTHONPATH="$PWD/$build/python" timeout 600 python3 -m pytest -q -rs ${PYTEST_FI
 py_rc=$?
 tail -25 "$out/pytest.log"
 gpus=$(nvidia-smi -L | grep -c "^GPU")
-ex_rc=skipped
-ex_step_rc=skipped
+ex_rows=()
 if [ "$gpus" -ge 2 ]; then
-  ex=(examples/moe_lm/train.py --steps 60 --warmup 5 --cuda-graph --amp --aux-loss-coeff 0
+  ex=(examples/moe_lm/train.py --steps 60 --warmup 5 --amp --aux-loss-coeff 0
       --tolerance 0.02 --smooth 10)
-  PYTHONPATH="$PWD/$build/python" timeout 300 python3 "${ex[@]}" --batch 16 \
-    --json "$out/moe_lm_one_gpu.json" >"$out/moe_lm_one_gpu.log" 2>&1 &&
-    PYTHONPATH="$PWD/$build/python" timeout 300 torchrun --standalone --nproc-per-node 2 \
-      "${ex[@]}" --ep 2 --batch 8 --reference "$out/moe_lm_one_gpu.json" \
-      --json "$out/moe_lm_ep2.json" >"$out/moe_lm_ep2.log" 2>&1
-  ex_rc=$?
-  PYTHONPATH="$PWD/$build/python" timeout 300 torchrun --standalone --nproc-per-node 2 \
-    "${ex[@]}" --ep 2 --batch 8 --micro-batches 2 --echo-placement step \
-    --reference "$out/moe_lm_one_gpu.json" --json "$out/moe_lm_ep2_step.json" \
-    >"$out/moe_lm_ep2_step.log" 2>&1
-  ex_step_rc=$?
-  tail -n 3 "$out/moe_lm_one_gpu.log" "$out/moe_lm_ep2.log" "$out/moe_lm_ep2_step.log"
+  PYTHONPATH="$PWD/$build/python" timeout 300 python3 "${ex[@]}" --cuda-graph --batch 16 \
+    --json "$out/moe_lm_one_gpu.json" >"$out/moe_lm_one_gpu.log" 2>&1
+  ex_rows+=("$(printf '%-30s rc %s' "example, one GPU" "$?")")
+  # The same global batch of 16 sequences over N ranks: the sync-free NCCL transport with the
+  # whole step in one graph; at the largest N also the host transport (torch.distributed
+  # collectives, host-synchronised, no graph) and micro-batches with one placement a step.
+  sizes=${EP_SIZES:-2}
+  [ -z "${EP_SIZES:-}" ] && [ "$gpus" -ge 4 ] && sizes="2 4"
+  for n in $sizes; do
+    [ "$gpus" -lt "$n" ] && continue
+    variants=(nccl)
+    [ "$n" = "${sizes##* }" ] && variants=(nccl host step)
+    for v in "${variants[@]}"; do
+      case $v in
+        nccl) extra=(--cuda-graph) ;;
+        host) extra=(--ep-transport host) ;;
+        step) extra=(--cuda-graph --micro-batches 2 --echo-placement step) ;;
+      esac
+      PYTHONPATH="$PWD/$build/python" timeout 300 torchrun --standalone --nproc-per-node "$n" \
+        "${ex[@]}" "${extra[@]}" --ep "$n" --batch $((16 / n)) \
+        --reference "$out/moe_lm_one_gpu.json" --json "$out/moe_lm_ep${n}_$v.json" \
+        >"$out/moe_lm_ep${n}_$v.log" 2>&1
+      ex_rows+=("$(printf '%-30s rc %s' "example, EP $n $v" "$?")")
+      tail -n 2 "$out/moe_lm_ep${n}_$v.log"
+    done
+  done
 fi
 echo
 echo "== summary"
@@ -57,6 +70,5 @@ printf "%-22s %s\n" "build" "rc $build_rc (${build_s} s)"
 printf "%-22s %s\n" "cuda_layer_test" "rc $layer_rc: $(grep -E '^\[  PASSED|^\[  FAILED' "$out/cuda_layer_test.log" | tr '\n' ' ')"
 printf "%-22s %s\n" "pytest" "rc $py_rc: $(tail -1 "$out/pytest.log")"
 printf "%-22s %s\n" "GPUs" "$gpus"
-printf "%-22s %s\n" "example --ep 2 = 1 GPU" "rc $ex_rc"
-printf "%-22s %s\n" "... placement a step" "rc $ex_step_rc"
+for row in "${ex_rows[@]}"; do echo "$row"; done
 printf "%-22s %s\n" "time" "$((SECONDS - t1)) s of tests"
