@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 import moe_echo.torch
+from moe_echo.torch import Workspace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import Batches, MoeLM, load_corpus  # noqa: E402
@@ -77,6 +78,13 @@ def parse_args(argv=None):
                          "(MoE(overlap=...): wgrad puts fc1's weight gradient on a second stream)")
     ap.add_argument("--overlap-sms", type=int, default=16,
                     help="with --overlap wgrad, the SMs that GEMM leaves to communication")
+    ap.add_argument("--workspace", action="store_true",
+                    help="bind every MoE block to one moe_echo.torch.Workspace (receive windows, "
+                         "temporaries and echo slots shared by the layers; the same bits)")
+    ap.add_argument("--recompute", choices=["none", "moe_act", "experts", "dispatch"],
+                    default="none",
+                    help="what each MoE block keeps for its backward (MoE(recompute=...)); with "
+                         "--workspace, dispatch keeps nothing at capacity size")
     ap.add_argument("--compare", choices=["none", "torch", "echo-off"], default="none",
                     help="also train this model on the same seed and data and compare curves")
     ap.add_argument("--tolerance", type=float, default=0.02,
@@ -163,12 +171,15 @@ def build(args, moe: str, echo: bool) -> MoeLM:
                                 aux_loss_coeff=aux, z_loss_coeff=z,
                                 capacity_factor=args.capacity_factor,
                                 overlap=args.overlap, overlap_sms=args.overlap_sms,
+                                recompute=args.recompute,
                                 ep_group=dist.group.WORLD if args.ep > 1 else None,
                                 ep_transport=args.ep_transport)
                   if moe == "echo" else
                   dict(aux_loss_coeff=aux, z_loss_coeff=z),
                   device=device, dtype=dtype)
     model.reset_parameters(args.seed)
+    if moe == "echo" and args.workspace:
+        Workspace(model)  # every MoE block on one workspace (the same bits)
     return model
 
 
@@ -283,6 +294,11 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
     if moe == "echo":
         st = model.blocks[0].moe.stats(as_numbers=True)
         record["layer0_stats"] = st
+        # The MoE layers' memory beside torch's allocator (peak_memory_bytes does not hold it).
+        ws = model.blocks[0].moe.workspace
+        record["moe_layer_bytes"] = (
+            ws.bytes + ws.layer_bytes if ws is not None
+            else sum(b.moe._handle.layer.workspace_bytes for b in model.blocks))
     return record
 
 

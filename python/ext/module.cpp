@@ -111,65 +111,127 @@ class PyCollectives final : public HostCollectives {
   int rank_, size_;
 };
 
-// One MoE layer on one rank with the backend and communicator it runs on: without collectives,
-// EP size 1 (the in-process communicator on the CPU, the single-GPU communicator on CUDA); with
-// them, the ranks of `collectives`, over `transport`: "host" (the host-collectives
-// communicator: every byte through the collectives) or, on the CUDA backend of a build with
-// NCCL, "nccl" (the sync-free NCCL communicator, bootstrapped through the collectives).
-class Layer {
- public:
-  Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
-        const EchoConfig& echo, uint64_t seed, nb::object collectives,
-        const std::string& transport) {
+// The backend and communicator layers run on: without collectives, EP size 1 (the in-process
+// communicator on the CPU, the single-GPU communicator on CUDA); with them, the ranks of
+// `collectives`, over `transport`: "host" (the host-collectives communicator: every byte through
+// the collectives) or, on the CUDA backend of a build with NCCL, "nccl" (the sync-free NCCL
+// communicator, bootstrapped through the collectives). A Layer built alone has its own; the
+// layers of a Workspace share the workspace's.
+struct Runtime {
+  std::unique_ptr<Backend> backend;
+  std::unique_ptr<InProcessWorld> world;
+  std::unique_ptr<PyCollectives> collectives;  // before the communicator that uses it
+  std::unique_ptr<Communicator> owned_comm;
+  Communicator* comm = nullptr;
+  ParallelConfig par;
+  std::string backend_name, dtype;
+
+  Runtime(const std::string& backend_name_, const std::string& dtype_, nb::object py_collectives,
+          const std::string& transport)
+      : backend_name(backend_name_), dtype(dtype_) {
     if (transport != "host" && transport != "nccl")
       reject("transport", "'" + transport + "'", "host or nccl");
-    if (backend == "cpu") {
+    if (backend_name == "cpu") {
       const DType dt = parse_dtype(dtype, "dtype");
       if (dt != DType::f32 && dt != DType::f64)
         reject("dtype", "'" + dtype + "'", "float32 or float64 on the CPU backend");
-      backend_ = make_cpu_backend(dt);
-      world_ = std::make_unique<InProcessWorld>(1);
-      comm_ = &world_->communicator(0);
-    } else if (backend == "cuda") {
+      backend = make_cpu_backend(dt);
+      world = std::make_unique<InProcessWorld>(1);
+      comm = &world->communicator(0);
+    } else if (backend_name == "cuda") {
 #ifdef MOE_ECHO_WITH_CUDA
       if (dtype != "bfloat16") reject("dtype", "'" + dtype + "'", "bfloat16 on the CUDA backend");
-      backend_ = make_backend("cuda");
-      owned_comm_ = cuda::make_local_communicator();
-      comm_ = owned_comm_.get();
+      backend = make_backend("cuda");
+      owned_comm = cuda::make_local_communicator();
+      comm = owned_comm.get();
 #else
       reject("backend", "'cuda'", "cpu: this build of moe_echo has no CUDA backend");
 #endif
     } else {
-      reject("backend", "'" + backend + "'", "cpu or cuda");
+      reject("backend", "'" + backend_name + "'", "cpu or cuda");
     }
-    ParallelConfig par;
-    if (!collectives.is_none()) {
-      collectives_ = std::make_unique<PyCollectives>(std::move(collectives));
+    if (!py_collectives.is_none()) {
+      collectives = std::make_unique<PyCollectives>(std::move(py_collectives));
       if (transport == "nccl") {
 #ifdef MOE_ECHO_WITH_NCCL
-        if (backend != "cuda")
-          reject("transport", "'nccl'", "host with the " + backend + " backend (nccl needs cuda)");
-        owned_comm_ = make_nccl_communicator(*collectives_);
+        if (backend_name != "cuda")
+          reject("transport", "'nccl'",
+                 "host with the " + backend_name + " backend (nccl needs cuda)");
+        owned_comm = make_nccl_communicator(*collectives);
 #else
         reject("transport", "'nccl'", "host: this build of moe_echo has no NCCL communicator");
 #endif
       } else {
-        owned_comm_ = make_host_collectives_communicator(*collectives_, *backend_);
+        owned_comm = make_host_collectives_communicator(*collectives, *backend);
       }
-      comm_ = owned_comm_.get();
-      par.ep_size = collectives_->size();
-      par.ep_rank = collectives_->rank();
+      comm = owned_comm.get();
+      par.ep_size = collectives->size();
+      par.ep_rank = collectives->rank();
     }
-    layer_ = std::make_unique<MoeLayer>(*backend_, *comm_, moe, par, echo, seed,
-                                        /*optimizer_state=*/false);
+  }
+  ~Runtime() {
+    owned_comm.reset();  // before the collectives and the backend it uses
+  }
+};
+
+// One workspace for several layers (MoeWorkspace): their receive windows, temporaries and echo
+// slots, sized for the largest of the configs it is built for, with the backend and
+// communicator they all run on.
+class Workspace {
+ public:
+  Workspace(const std::string& backend, const std::string& dtype,
+            const std::vector<MoeConfig>& layers, const EchoConfig& echo, nb::object collectives,
+            const std::string& transport)
+      : rt_(std::make_shared<Runtime>(backend, dtype, std::move(collectives), transport)),
+        layers_(layers) {
+    ws_ = std::make_unique<MoeWorkspace>(*rt_->backend, *rt_->comm, layers, rt_->par, echo);
+  }
+  ~Workspace() {
+    ws_.reset();  // before the runtime
+  }
+  const std::shared_ptr<Runtime>& runtime() const { return rt_; }
+  MoeWorkspace& workspace() { return *ws_; }
+  const std::vector<MoeConfig>& layers() const { return layers_; }
+
+ private:
+  std::shared_ptr<Runtime> rt_;
+  std::vector<MoeConfig> layers_;
+  std::unique_ptr<MoeWorkspace> ws_;
+};
+
+// One MoE layer on one rank: on a runtime of its own, or on a workspace's (`workspace` not None:
+// the layer's receive windows, temporaries and echo slots are the workspace's, and it runs on
+// the workspace's backend and communicator; the workspace is kept alive by the layer).
+class Layer {
+ public:
+  Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
+        const EchoConfig& echo, uint64_t seed, nb::object collectives, const std::string& transport,
+        nb::object workspace) {
+    MoeWorkspace* ws = nullptr;
+    if (workspace.is_none()) {
+      rt_ = std::make_shared<Runtime>(backend, dtype, std::move(collectives), transport);
+    } else {
+      Workspace& w = nb::cast<Workspace&>(workspace);
+      rt_ = w.runtime();
+      if (rt_->backend_name != backend || rt_->dtype != dtype)
+        reject("workspace", "one on backend " + rt_->backend_name + " (" + rt_->dtype + ")",
+               "a workspace on the layer's backend " + backend + " (" + dtype + ")");
+      if (!collectives.is_none())
+        reject("collectives", "given with a workspace",
+               "None: the layer runs on the workspace's communicator");
+      workspace_ = std::move(workspace);
+      ws = &w.workspace();
+    }
+    layer_ = std::make_unique<MoeLayer>(*rt_->backend, *rt_->comm, moe, rt_->par, echo, seed,
+                                        /*optimizer_state=*/false, ws);
   }
 
   ~Layer() {
-    layer_.reset();  // before the communicator and backend it uses
+    layer_.reset();  // before the workspace and the runtime it uses
   }
 
   void forward(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream, int micro_batch) {
-    const DType act = backend_->activation_dtype();
+    const DType act = backend().activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->forward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(y), act, {tokens, H}),
                     as_stream(stream), micro_batch);
@@ -177,7 +239,7 @@ class Layer {
 
   void backward(uintptr_t x, uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
                 int micro_batch) {
-    const DType act = backend_->activation_dtype();
+    const DType act = backend().activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->backward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
                      Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
@@ -185,7 +247,7 @@ class Layer {
 
   void backward_into(uintptr_t x, uintptr_t dy, uintptr_t dx, uintptr_t dw1, uintptr_t dw2,
                      int64_t tokens, uintptr_t stream, int micro_batch) {
-    const DType act = backend_->activation_dtype(), fl = backend_->float_dtype();
+    const DType act = backend().activation_dtype(), fl = backend().float_dtype();
     const MoeConfig& m = layer_->moe_config();
     const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / layer_->parallel_config().ep_size;
     const MoeLayer::ExpertGrads into{Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}),
@@ -198,14 +260,14 @@ class Layer {
   // The split-phase forward and backward (MoeLayer::forward_dispatch ...).
   void forward_dispatch(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream,
                         int micro_batch) {
-    const DType act = backend_->activation_dtype();
+    const DType act = backend().activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->forward_dispatch(Tensor(as_ptr(x), act, {tokens, H}),
                              Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream), micro_batch);
   }
   void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
                          int micro_batch) {
-    const DType act = backend_->activation_dtype();
+    const DType act = backend().activation_dtype();
     const int64_t H = layer_->moe_config().hidden;
     layer_->backward_dispatch(Tensor(as_ptr(dy), act, {tokens, H}),
                               Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
@@ -218,7 +280,7 @@ class Layer {
   nb::object view(const Tensor& t, nb::handle self) const {
     std::vector<size_t> shape;
     for (int d = 0; d < t.ndim; ++d) shape.push_back(size_t(t.size(d)));
-    const bool cuda = std::string(backend_->name()) == "cuda";
+    const bool cuda = std::string(backend().name()) == "cuda";
     int device_id = 0;
 #ifdef MOE_ECHO_WITH_CUDA
     if (cuda) device_id = cuda::current_device();
@@ -230,14 +292,11 @@ class Layer {
   }
 
   MoeLayer& layer() { return *layer_; }
-  const Backend& backend() const { return *backend_; }
+  const Backend& backend() const { return *rt_->backend; }
 
  private:
-  std::unique_ptr<Backend> backend_;
-  std::unique_ptr<InProcessWorld> world_;
-  std::unique_ptr<PyCollectives> collectives_;  // before the communicator that uses it
-  std::unique_ptr<Communicator> owned_comm_;
-  Communicator* comm_ = nullptr;
+  std::shared_ptr<Runtime> rt_;
+  nb::object workspace_;  // the Workspace whose buffers the layer uses, or None
   std::unique_ptr<MoeLayer> layer_;
 };
 
@@ -381,22 +440,69 @@ NB_MODULE(_ext, m) {
       "TypeError or ValueError when a value is none of its field's (ranges are checked when a "
       "Layer is built)");
 
+  m.def(
+      "stack_memory_bytes",
+      [](const std::vector<nb::dict>& moe, const nb::dict& echo, int ranks,
+         const std::string& activation, const std::string& float_dtype, const nb::dict& keywords) {
+        std::vector<MoeConfig> layers;
+        for (const nb::dict& d : moe)
+          layers.push_back(config_from<MoeConfig>(d, moe_config_fields(), keywords));
+        ParallelConfig par;
+        par.ep_size = ranks;
+        return MoeStack::memory_bytes(
+            layers, par, config_from<EchoConfig>(echo, echo_config_fields(), keywords),
+            parse_dtype(activation, "activation"), parse_dtype(float_dtype, "float_dtype"),
+            /*optimizer_state=*/false);
+      },
+      "moe"_a, "echo"_a, "ranks"_a, "activation"_a, "float_dtype"_a, "keywords"_a = nb::dict(),
+      "bytes on one rank of layers of the MoeConfig dicts `moe` on one workspace (MoeStack), "
+      "without optimizer state, before building");
+
+  nb::class_<Workspace>(m, "Workspace")
+      .def(
+          "__init__",
+          [](Workspace* self, const std::string& backend, const std::string& dtype,
+             const std::vector<nb::dict>& moe, const nb::dict& echo, nb::object collectives,
+             const std::string& transport, const nb::dict& keywords) {
+            std::vector<MoeConfig> layers;
+            for (const nb::dict& d : moe)
+              layers.push_back(config_from<MoeConfig>(d, moe_config_fields(), keywords));
+            new (self) Workspace(backend, dtype, layers,
+                                 config_from<EchoConfig>(echo, echo_config_fields(), keywords),
+                                 std::move(collectives), transport);
+          },
+          "backend"_a, "dtype"_a, "moe"_a, "echo"_a, "collectives"_a = nb::none(),
+          "transport"_a = "host", "keywords"_a = nb::dict(),
+          "one workspace (receive windows, temporaries, echo slots) for layers of the MoeConfig "
+          "dicts `moe` and the EchoConfig `echo`, with the backend and communicator they share")
+      .def_prop_ro("bytes", [](Workspace& w) { return w.workspace().bytes(); })
+      .def_prop_ro("sets", [](Workspace& w) { return w.workspace().sets(); })
+      .def_prop_ro("ranks", [](Workspace& w) { return w.runtime()->par.ep_size; })
+      .def_prop_ro("rank", [](Workspace& w) { return w.runtime()->par.ep_rank; })
+      .def_prop_ro("backend", [](Workspace& w) { return w.runtime()->backend_name; })
+      .def_prop_ro("dtype", [](Workspace& w) { return w.runtime()->dtype; })
+      .def_prop_ro("layers", [](Workspace& w) { return w.layers().size(); });
+
   nb::class_<Layer>(m, "Layer")
       .def(
           "__init__",
           [](Layer* self, const std::string& backend, const std::string& dtype, const nb::dict& moe,
              const nb::dict& echo, uint64_t seed, nb::object collectives,
-             const std::string& transport, const nb::dict& keywords) {
+             const std::string& transport, const nb::dict& keywords, nb::object workspace) {
+            if (!workspace.is_none() && !nb::isinstance<Workspace>(workspace))
+              throw nb::type_error(
+                  "workspace is invalid: allowed a moe_echo._ext.Workspace or None");
             new (self)
                 Layer(backend, dtype, config_from<MoeConfig>(moe, moe_config_fields(), keywords),
                       config_from<EchoConfig>(echo, echo_config_fields(), keywords), seed,
-                      std::move(collectives), transport);
+                      std::move(collectives), transport, std::move(workspace));
           },
           "backend"_a, "dtype"_a, "moe"_a, "echo"_a, "seed"_a, "collectives"_a = nb::none(),
-          "transport"_a = "host", "keywords"_a = nb::dict(),
+          "transport"_a = "host", "keywords"_a = nb::dict(), "workspace"_a = nb::none(),
           "a layer of MoeConfig `moe` and EchoConfig `echo`, dicts of fields (moe_config_fields(), "
           "echo_config_fields(); the others keep their defaults); `keywords` renames fields in "
-          "messages")
+          "messages; with `workspace` (a Workspace built for this config among others) the "
+          "layer uses its buffers, backend and communicator")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -497,6 +603,7 @@ NB_MODULE(_ext, m) {
       .def_prop_ro("ranks", [](Layer& l) { return l.layer().parallel_config().ep_size; })
       .def_prop_ro("rank", [](Layer& l) { return l.layer().parallel_config().ep_rank; })
       .def_prop_ro("workspace_bytes", [](Layer& l) { return l.layer().workspace_bytes(); })
+      .def_prop_ro("layer_bytes", [](Layer& l) { return l.layer().layer_bytes(); })
       .def_prop_ro("plan_layout", [](Layer& l) {
         // Offsets (in int32 entries) of the PlanView arrays in plan_buffer.
         const PlannerConfig& cfg = l.layer().planner_config();

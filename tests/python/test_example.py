@@ -53,6 +53,19 @@ def test_overlap_wgrad_trains_the_same_curve(tmp_path):
     assert rec2["runs"][0]["losses"] == rec["runs"][0]["losses"]
 
 
+def test_one_workspace_trains_the_same_curve_in_less_memory(tmp_path):
+    # --workspace binds the MoE blocks to one moe_echo.torch.Workspace: the same losses.
+    rc, rec = run(tmp_path, "--steps", "4", "--layers", "3", "--recompute", "dispatch")
+    assert rc == 0
+    ref = tmp_path / "apart.json"
+    (tmp_path / "record.json").rename(ref)
+    rc, rec2 = run(tmp_path, "--steps", "4", "--layers", "3", "--recompute", "dispatch",
+                   "--workspace", "--reference", str(ref), "--tolerance", "0", "--smooth", "1")
+    assert rc == 0
+    assert rec2["runs"][0]["losses"] == rec["runs"][0]["losses"]
+    assert rec2["runs"][0]["moe_layer_bytes"] < rec["runs"][0]["moe_layer_bytes"]
+
+
 def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--experts", "0"])

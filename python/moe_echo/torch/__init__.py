@@ -1,7 +1,9 @@
-"""MoE Echo for PyTorch: the ``MoE`` module, its custom ops, and Hugging Face weight loading."""
+"""MoE Echo for PyTorch: the ``MoE`` module, the model-wide ``Workspace``, the custom ops, and
+Hugging Face weight loading."""
 
 from moe_echo.torch._ops import hold_clone_grads
 from moe_echo.torch.hf import export_hf_moe, load_hf_moe
 from moe_echo.torch.module import MoE
+from moe_echo.torch.workspace import Workspace
 
-__all__ = ["MoE", "hold_clone_grads", "load_hf_moe", "export_hf_moe"]
+__all__ = ["MoE", "Workspace", "hold_clone_grads", "load_hf_moe", "export_hf_moe"]

@@ -241,6 +241,7 @@ class MoE(nn.Module):
                 )
         self._layer_id: int | None = None
         self._handle: _ops.LayerHandle | None = None
+        self._workspace = None  # the moe_echo.torch.Workspace the layer uses, or None
         self._layer_key = None
         self.last_losses: Tensor | None = None
 
@@ -267,13 +268,20 @@ class MoE(nn.Module):
             )
         return self.ep_transport
 
-    def _build(self, device: torch.device, dtype: torch.dtype) -> _ops.LayerHandle:
-        """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`. With an
-        ep_group this is collective: every rank of the group builds at the same point."""
+    def _group(self):
+        """The ep_group's process group, or None."""
+        return None if self._collectives is None else self._collectives.group
+
+    def _build(self, device: torch.device, dtype: torch.dtype, workspace=None) -> _ops.LayerHandle:
+        """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`, on
+        `workspace` (a moe_echo.torch.Workspace) or with buffers of its own. With an ep_group
+        this is collective: every rank of the group builds at the same point."""
         backend, compute = _compute_dtypes(device, dtype)
         cfg = dict(moe=self._config, echo=self._echo_config, seed=self._seed,
                    keywords=_ECHO_KEYWORDS)
-        if self._collectives is not None:
+        if workspace is not None:
+            cfg.update(workspace=workspace._ext)
+        elif self._collectives is not None:
             cfg.update(collectives=self._collectives, transport=self._transport(backend))
         if backend == "cuda":
             with torch.cuda.device(device):
@@ -318,17 +326,39 @@ class MoE(nn.Module):
             raise ValueError("MoE parameters on different devices: allowed one device for all")
         key = (device, _compute_dtypes(device, dtype)[1])
         if key != self._layer_key:
-            h = self._build(device, dtype)
-            if bias.device.type != "meta":
-                h.router_bias.copy_(bias)
-            self._buffers["router_bias"] = h.router_bias
-            with torch.no_grad():  # parameters of the new layer's dtype become its buffers
-                for name, view in _param_views(h):
-                    p = self._parameters[name]
-                    if p.dtype == view.dtype:
-                        view.copy_(p)
-                        p.data = view
+            if self._workspace is not None:
+                raise ValueError(
+                    f"MoE moved to {key[0]} ({key[1]}), which is invalid: the module is bound to "
+                    f"a workspace on {self._layer_key[0]} ({self._layer_key[1]}); allowed: move "
+                    "the model first, then build its Workspace"
+                )
+            self._rebuild(device, dtype, bias)
         return self
+
+    def _rebuild(self, device: torch.device, dtype: torch.dtype, bias: Tensor,
+                 workspace=None) -> None:
+        """A new C++ layer (on `workspace`, or with buffers of its own) holding the module's
+        parameters and router bias."""
+        h = self._build(device, dtype, workspace)
+        if bias.device.type != "meta":
+            h.router_bias.copy_(bias)
+        self._buffers["router_bias"] = h.router_bias
+        with torch.no_grad():  # parameters of the new layer's dtype become its buffers
+            for name, view in _param_views(h):
+                p = self._parameters[name]
+                if p.dtype == view.dtype:
+                    view.copy_(p)
+                    p.data = view
+
+    def _bind_workspace(self, workspace) -> None:
+        """The layer rebuilt on `workspace` (moe_echo.torch.Workspace calls this)."""
+        self._rebuild(self.w1.device, self.w1.dtype, self._buffers["router_bias"], workspace)
+        self._workspace = workspace
+
+    @property
+    def workspace(self):
+        """The moe_echo.torch.Workspace the module is bound to, or None (buffers of its own)."""
+        return self._workspace
 
     def bound_parameters(self) -> list[str]:
         """Names of the parameters that are the layer's own buffers (read in place by the
