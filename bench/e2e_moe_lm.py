@@ -25,8 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "moe_lm"))
 from cuda_timing import time_calls  # noqa: E402 (bench/, this script's folder)
 from model import Batches, MoeLM, load_corpus  # noqa: E402
-
-from moe_echo.torch import MoE  # noqa: E402
+from moe_echo.torch import MoE, Workspace  # noqa: E402
 
 
 def profile_kernels(run, label, top):
@@ -57,10 +56,18 @@ def run_model(args, moe: str, variant: str, batches):
     model = MoeLM(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                   top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
                   max_tokens=args.batch * args.seq_len, moe=moe,
-                  moe_args=dict(echo=False, aux_loss_coeff=1e-2) if moe == "echo" else
-                  dict(aux_loss_coeff=1e-2), device="cuda",
+                  moe_args=dict(echo=False, aux_loss_coeff=1e-2, recompute=args.recompute,
+                                precision=args.precision)
+                  if moe == "echo" else dict(aux_loss_coeff=1e-2), device="cuda",
                   dtype=getattr(torch, args.param_dtype))
     model.reset_parameters(0)
+    moe_bytes = 0
+    if moe == "echo":
+        if args.workspace:
+            ws = Workspace(model)
+            moe_bytes = ws.bytes + ws.layer_bytes
+        else:
+            moe_bytes = sum(b.moe._handle.layer.workspace_bytes for b in model.blocks)
     graph = variant.endswith("graph")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graph)
     fwd = torch.compile(model, fullgraph=True) if variant.startswith("compile") else model
@@ -108,6 +115,8 @@ def run_model(args, moe: str, variant: str, batches):
     out = dict(moe=moe, variant=variant, step_ms=ms, step_ms_all=times,
                tokens_per_s=tokens / (ms * 1e-3),
                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
+               moe_layer_gib=moe_bytes / 2**30,  # the MoE layers' own buffers, beside torch's
+               peak_with_moe_gib=(torch.cuda.max_memory_allocated() + moe_bytes) / 2**30,
                first_step_and_setup_s=setup_s,
                loss_first=float(losses[0]), loss_last=float(losses[-1]))
     if profile:
@@ -169,6 +178,13 @@ def main():
     ap.add_argument("--profile", type=int, default=0,
                     help="print the N kernels that take the most CUDA time per step")
     ap.add_argument("--layer-json", default=None, help="layer_bench's JSON: also time the module")
+    ap.add_argument("--workspace", action="store_true",
+                    help="bind the MoE Echo blocks to one moe_echo.torch.Workspace")
+    ap.add_argument("--recompute", default="none",
+                    choices=["none", "moe_act", "experts", "dispatch"],
+                    help="what each MoE Echo block keeps for its backward (MoE(recompute=...))")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
+                    help="the MoE Echo blocks' expert GEMMs (MoE(precision=...))")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     batches = Batches(load_corpus(ROOT / "examples" / "data" / "shakespeare.txt"), args.batch,
@@ -179,7 +195,9 @@ def main():
         try:
             r = run_model(args, moe, variant, batches)
         except Exception as e:  # a variant that cannot run is recorded, not fatal
-            r = dict(moe=moe, variant=variant, error=f"{type(e).__name__}: {e}"[:500])
+            r = dict(moe=moe, variant=variant, error=f"{type(e).__name__}: {e}"[:500],
+                     out_of_memory=isinstance(e, torch.OutOfMemoryError))
+            torch.cuda.empty_cache()
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "step_ms_all"}), flush=True)
     module_rows = []

@@ -28,6 +28,14 @@ class ConfigError : public Error {
   std::string field_;
 };
 
+// The device (or host) could not give a buffer: `what()` says how many bytes were asked for and
+// how many were free. The Python binding raises MemoryError for it (the PyTorch module
+// torch.OutOfMemoryError).
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
 // Throws ConfigError(field, "<field> = <value> is invalid: allowed <allowed>"). Quote string
 // values by passing them as "'" + s + "'".
 template <class V>

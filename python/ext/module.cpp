@@ -8,7 +8,8 @@
 // Python: the PyTorch module's keywords are those fields (tests/python/test_config_fields.py).
 //
 // Errors: moe_echo::ConfigError becomes ValueError (a parameter out of range, message naming it),
-// a field's value of another Python type TypeError, any other moe_echo::Error RuntimeError.
+// a field's value of another Python type TypeError, moe_echo::OutOfMemoryError MemoryError, any
+// other moe_echo::Error RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -397,6 +398,8 @@ NB_MODULE(_ext, m) {
       std::rethrow_exception(p);
     } catch (const ConfigError& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const OutOfMemoryError& e) {
+      PyErr_SetString(PyExc_MemoryError, e.what());
     }
   });
 

@@ -5,6 +5,7 @@
 // the backend's launched as a graph. Op semantics are those of the CPU reference (src/cpu); see
 // ops.hpp for the kernels.
 #include <algorithm>
+#include <sstream>
 #include <vector>
 
 #include "cuda/common.cuh"
@@ -73,7 +74,18 @@ class CudaBackend final : public Backend {
 
   void* allocate(size_t bytes) override {
     void* p = nullptr;
-    MOE_ECHO_CUDA_CHECK(cudaMalloc(&p, bytes == 0 ? 256 : bytes));
+    const cudaError_t rc = cudaMalloc(&p, bytes == 0 ? 256 : bytes);
+    if (rc == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();
+      size_t free_bytes = 0, total_bytes = 0;
+      (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+      std::ostringstream m;
+      m << "out of GPU memory: a buffer of " << bytes << " bytes (" << (bytes >> 20)
+        << " MiB) with " << (free_bytes >> 20) << " MiB of " << (total_bytes >> 20)
+        << " MiB free on device " << device_;
+      throw OutOfMemoryError(m.str());
+    }
+    MOE_ECHO_CUDA_CHECK(rc);
     return p;
   }
   void deallocate(void* p) override {

@@ -214,3 +214,71 @@ def test_pipeline_micro_batches_in_flight_give_the_bits_of_one_at_a_time():
     (ya, dxa, ga), (yb, dxb, gb) = out
     for a, b in zip(ya + dxa + ga, yb + dxb + gb):
         assert torch.equal(a, b)
+
+
+def test_workspace_gives_the_bits_of_separate_modules_in_one_graph():
+    """Three MoE layers of different shapes on one moe_echo.torch.Workspace: the eager step and a
+    whole training step captured in one CUDA graph give the bits of the same layers with buffers
+    of their own, and the eager step never waits on the host."""
+    from moe_echo.torch import Workspace
+
+    def layers():
+        torch.manual_seed(5)
+        return torch.nn.ModuleList(
+            MoE(256, f, e, k, max_tokens=512, capacity_factor=0.5, recompute="dispatch",
+                seed=1 + i, device="cuda")
+            for i, (f, e, k) in enumerate([(128, 16, 4), (256, 16, 2), (128, 32, 8)]))
+
+    a, b = layers(), layers()
+    ws = Workspace(a)
+    assert ws.bytes + ws.layer_bytes < sum(m._handle.layer.workspace_bytes for m in b)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+
+    def run(net):
+        net.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        h = xx
+        for m in net:
+            h = h + m(h)
+        h.float().square().sum().backward()
+        return [h.detach(), xx.grad] + [p.grad.clone() for p in net.parameters()]
+
+    for u, v in zip(run(a), run(b)):
+        assert torch.equal(u, v)
+    eager = run(a)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(3e9))  # the step enqueues while the GPU is held: no host sync
+    t0 = time.perf_counter()
+    run(a)
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert host_s < 0.5, f"the eager step took {host_s:.2f} s on the host"
+    static_x = x.clone().requires_grad_(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run(a)
+    torch.cuda.current_stream().wait_stream(s)
+    a.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h = static_x
+        for m in a:
+            h = h + m(h)
+        h.float().square().sum().backward()
+    for _ in range(2):
+        for p in a.parameters():
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        for u, v in zip([h.detach()] + [p.grad for p in a.parameters()],
+                        [eager[0]] + eager[2:]):
+            assert torch.equal(u, v)
+
+
+def test_a_layer_that_does_not_fit_raises_torch_out_of_memory():
+    # w1 alone: 1024 experts x 4096 x 2 * 8192 bf16 = 128 GiB, more than is free beside the rest.
+    with pytest.raises(torch.OutOfMemoryError, match="out of GPU memory"):
+        MoE(4096, 8192, 1024, 8, max_tokens=1024, device="cuda")
+    m = MoE(256, 128, 16, 4, max_tokens=512, device="cuda")  # the GPU is usable after
+    m(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()

@@ -13,6 +13,8 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -27,6 +29,16 @@ def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str
     if device.type == "cpu":
         return "cpu", "float64" if param_dtype == torch.float64 else "float32"
     raise ValueError(f"device = {device} is invalid: allowed cpu or cuda")
+
+
+@contextlib.contextmanager
+def _out_of_memory_as_torch():
+    """The C++ layer's MemoryError (a buffer the device could not give, with the bytes asked for
+    and free) as torch.OutOfMemoryError, which trainers catch."""
+    try:
+        yield
+    except MemoryError as e:
+        raise torch.OutOfMemoryError(str(e)) from None
 
 
 def _param_views(h: _ops.LayerHandle) -> tuple[tuple[str, Tensor], ...]:
@@ -283,11 +295,12 @@ class MoE(nn.Module):
             cfg.update(workspace=workspace._ext)
         elif self._collectives is not None:
             cfg.update(collectives=self._collectives, transport=self._transport(backend))
-        if backend == "cuda":
-            with torch.cuda.device(device):
+        with _out_of_memory_as_torch():
+            if backend == "cuda":
+                with torch.cuda.device(device):
+                    layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
+            else:
                 layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
-        else:
-            layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
         old = self._layer_id
         self._handle = _ops.LayerHandle(
             layer, device, shared=self.shared_width > 0, fp8=self._config["precision"] == "fp8"

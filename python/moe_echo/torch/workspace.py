@@ -35,7 +35,7 @@ class Workspace:
     ``ep_group`` (every rank binds the same modules in the same order)."""
 
     def __init__(self, modules):
-        from moe_echo.torch.module import MoE, _ECHO_KEYWORDS
+        from moe_echo.torch.module import _ECHO_KEYWORDS, MoE, _out_of_memory_as_torch
 
         if isinstance(modules, nn.Module):
             found = [m for m in modules.modules() if isinstance(m, MoE)]
@@ -90,15 +90,17 @@ class Workspace:
         )
         if first._collectives is not None:
             cfg.update(collectives=first._collectives, transport=first._transport(backend))
-        if backend == "cuda":
-            with torch.cuda.device(device):
+        with _out_of_memory_as_torch():
+            if backend == "cuda":
+                with torch.cuda.device(device):
+                    self._ext = _ext.Workspace(backend=backend, dtype=compute, **cfg)
+            else:
                 self._ext = _ext.Workspace(backend=backend, dtype=compute, **cfg)
-        else:
-            self._ext = _ext.Workspace(backend=backend, dtype=compute, **cfg)
         self.device = device
-        self._modules = [weakref.ref(m) for m in found]
-        for m in found:
+        self._modules = []
+        for m in found:  # on an error (out of memory, say), the modules bound so far stay bound
             m._bind_workspace(self)
+            self._modules.append(weakref.ref(m))
 
     @property
     def modules(self) -> list:
