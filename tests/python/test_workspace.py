@@ -236,3 +236,37 @@ def test_ep_over_gloo_gives_the_bits_of_separate_modules(tmp_path):
         bound, separate = got["out"]
         same(bound, separate)
         assert sum(got["clones"]) >= 2, got["clones"]  # clones in more than one layer
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_split_forward_and_backward_give_the_bits_of_autograd(bound):
+    """MoE.split_forward: the three forward calls and the three backward calls, with other
+    modules' whole steps between them, give the bits of forward and its autograd backward."""
+    a, b = model(recompute="experts", in_flight=2), model(recompute="experts", in_flight=2)
+    if bound:
+        Workspace(a)
+    x, g = tokens(48, 8), tokens(48, 9)
+    ref = []
+    for net in (b,):
+        xx = x.clone().requires_grad_(True)
+        y = net[1].moe(xx)
+        (y * g).sum().backward()
+        ref = [y.detach(), xx.grad] + grads(net)
+    m = a[1].moe
+    s = m.split_forward(x)
+    with pytest.raises(RuntimeError, match=r"combine\(\) is invalid after split_forward\(\): "
+                                           r"allowed experts\(\)"):
+        s.combine()
+    s.experts()
+    y = s.combine()
+    a[0].moe(tokens(48, 10)).sum().backward()  # another layer's step in between
+    s.backward_dispatch(g)
+    s.backward_experts()
+    dx = s.backward_combine()
+    a[0].moe.zero_grad(set_to_none=True)
+    for p in a[0].parameters():
+        p.grad = None
+    got = [y, dx] + grads(a)
+    same([u for u in got if u is not None], [u for u in ref if u is not None])
+    with pytest.raises(RuntimeError, match="allowed nothing: the step is done"):
+        s.backward_combine()

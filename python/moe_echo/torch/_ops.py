@@ -108,6 +108,13 @@ class LayerHandle:
             return free[0]
         return min(range(self.in_flight), key=lambda m: self.pending[m])
 
+    def start(self, slot: int) -> int:
+        """A forward began in `slot`: its serial number."""
+        self.serial += 1
+        self.pending[slot] = self.serial
+        self.last_slot = slot
+        return self.serial
+
 
 def register(handle: LayerHandle) -> int:
     layer_id = next(_next_id)
@@ -145,6 +152,17 @@ def moe_forward(
     """y, losses [aux, z, sequence aux], token of the layer on x [T, H] (the layer's activation
     dtype). shared_w1, shared_w2: the shared experts' weights, or empty tensors without."""
     h = handle(layer_id)
+    prepare_forward(h, router_weight, w1, w2, shared_w1, shared_w2)
+    y = torch.empty_like(x)
+    slot = h.take_slot()
+    h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device), slot)
+    serial = h.start(slot)
+    return y, h.losses[slot].clone(), torch.tensor([serial], dtype=torch.int64)
+
+
+def prepare_forward(h: LayerHandle, router_weight, w1, w2, shared_w1, shared_w2) -> None:
+    """Before a forward: parameters not bound to the layer's buffers copied in, and the layer
+    told when the expert weights changed (fp8 copies, a step's clone placement)."""
     pairs = [(router_weight, h.router_weight), (w1, h.w1), (w2, h.w2)]
     if h.shared_w1 is not None:
         pairs += [(shared_w1, h.shared_w1), (shared_w2, h.shared_w2)]
@@ -158,13 +176,21 @@ def moe_forward(
             h.weights_version = version
     elif h.fp8:  # the e4m3 copies follow the weights, which the optimizer changes in place
         h.layer.weights_changed()
-    y = torch.empty_like(x)
-    slot = h.take_slot()
-    h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device), slot)
-    h.serial += 1
-    h.pending[slot] = h.serial
-    h.last_slot = slot
-    return y, h.losses[slot].clone(), torch.tensor([h.serial], dtype=torch.int64)
+
+
+def finish_backward(h: LayerHandle, serial: int) -> int:
+    """The in-flight slot of the forward `serial`, freed for a later forward; raises when its
+    state is gone."""
+    if serial not in h.pending:
+        raise RuntimeError(
+            f"moe_echo: backward of forward {serial} of this MoE module, whose state is gone "
+            f"(the module's last forward is {h.serial}): either its backward already ran, or "
+            f"more than in_flight = {h.in_flight} forwards ran before it and a later one took "
+            "its slot; build the module with a larger in_flight for such a schedule"
+        )
+    slot = h.pending.index(serial)
+    h.pending[slot] = None
+    return slot
 
 
 @moe_forward.register_fake
@@ -191,16 +217,7 @@ def moe_backward(
     """dx, d router_weight, d w1, d w2, d shared_w1, d shared_w2 (in the given dtypes; the last
     two empty without shared experts) of the forward that returned `token`."""
     h = handle(layer_id)
-    serial = int(token[0])  # a CPU tensor: no device sync
-    if serial not in h.pending:
-        raise RuntimeError(
-            f"moe_echo: backward of forward {serial} of this MoE module, whose state is gone "
-            f"(the module's last forward is {h.serial}): either its backward already ran, or "
-            f"more than in_flight = {h.in_flight} forwards ran before it and a later one took "
-            "its slot; build the module with a larger in_flight for such a schedule"
-        )
-    slot = h.pending.index(serial)
-    h.pending[slot] = None
+    slot = finish_backward(h, int(token[0]))  # a CPU tensor: no device sync
     dx = torch.empty_like(dy)
     stream = _stream(dy.device)
     if h.step_placement:

@@ -389,6 +389,30 @@ class MoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """y = MoE(x) for x of shape [..., hidden]; y has x's shape and dtype."""
+        h = self._check_input(x)
+        tokens = x.numel() // self.hidden
+        xc = x.reshape(tokens, self.hidden).to(h.activation_dtype).contiguous()
+        if self.shared_width > 0:
+            shared = (self.shared_w1, self.shared_w2)
+        else:
+            shared = (x.new_empty((0,), dtype=h.activation_dtype),) * 2
+        y, losses, _ = _ops.moe_forward(
+            xc, self.router_weight, self.w1, self.w2, *shared, self._layer_id
+        )
+        self.last_losses = losses
+        return y.to(x.dtype).reshape(x.shape)
+
+    def split_forward(self, x: Tensor):
+        """The forward and its backward as three calls each, outside autograd, for a framework
+        that runs other work between them: returns a ``moe_echo.torch.split.SplitStep`` whose
+        dispatch is enqueued (see there); the same bits as ``forward`` and its backward."""
+        from moe_echo.torch.split import SplitStep
+
+        self._check_input(x)
+        return SplitStep(self, x)
+
+    def _check_input(self, x: Tensor) -> _ops.LayerHandle:
+        """The layer's handle, after x's checks (type, shape, device, dtype, tokens)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x = {type(x).__name__} is invalid: allowed a torch.Tensor")
         h = self._handle
@@ -409,16 +433,7 @@ class MoE(nn.Module):
                 f"x has {tokens} tokens, which is invalid: allowed at most "
                 f"max_tokens = {self.max_tokens}"
             )
-        xc = x.reshape(tokens, self.hidden).to(h.activation_dtype).contiguous()
-        if self.shared_width > 0:
-            shared = (self.shared_w1, self.shared_w2)
-        else:
-            shared = (x.new_empty((0,), dtype=h.activation_dtype),) * 2
-        y, losses, _ = _ops.moe_forward(
-            xc, self.router_weight, self.w1, self.w2, *shared, self._layer_id
-        )
-        self.last_losses = losses
-        return y.to(x.dtype).reshape(x.shape)
+        return h
 
     # ---- what the last forward saw ------------------------------------------------------------
 
