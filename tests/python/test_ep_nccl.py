@@ -140,3 +140,48 @@ def test_ddp_over_the_expert_data_parallel_group_nccl():
         for name in ("dw1", "dw2"):  # DDP averages over the 2 data-parallel replicas
             want = sum(ref[s][name][half] for s in range(4)) / 2
             assert rel(got[r][name], want) < TOL, (r, name)
+
+
+def workspace_worker(rank, ranks, port, out_dir):
+    from moe_echo.torch import Workspace
+
+    setenv(rank, ranks, port)
+    try:
+        def layers():
+            torch.manual_seed(7)
+            ms = torch.nn.ModuleList(
+                MoE(H, F, E, K, device="cuda", ep_group=dist.group.WORLD, ep_transport="nccl",
+                    seed=1 + i, recompute="dispatch", **config()) for i in range(3))
+            with torch.no_grad():
+                for i, m in enumerate(ms):
+                    m.router_weight[i].add_(2.0)  # a hot expert per layer: clones
+            return ms
+
+        a, b = layers(), layers()
+        Workspace(a)
+        x, g = inputs(rank, "cuda")
+        out = []
+        for net in (a, b):
+            xx = x.clone().requires_grad_(True)
+            h = xx
+            for m in net:
+                h = h + m(h)
+            (h.float() * g).sum().backward()
+            out.append([h.detach().float().cpu(), xx.grad.float().cpu()] +
+                       [p.grad.float().cpu() for p in net.parameters()])
+        clones = [m.stats(as_numbers=True)["clones"] for m in a]
+        torch.save(dict(out=out, clones=clones), Path(out_dir) / f"ws{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ranks", [r for r in (2, 4) if r <= GPUS] or [2])
+def test_workspace_over_nccl_gives_the_bits_of_separate_modules(ranks):
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(workspace_worker, args=(ranks, free_port(), tmp), nprocs=ranks, join=True)
+        for r in range(ranks):
+            got = torch.load(Path(tmp) / f"ws{r}.pt")
+            bound, separate = got["out"]
+            for u, v in zip(bound, separate):
+                assert torch.equal(u, v), r
+            assert sum(got["clones"]) >= 2, got["clones"]
