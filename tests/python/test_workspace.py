@@ -270,3 +270,16 @@ def test_split_forward_and_backward_give_the_bits_of_autograd(bound):
     same([u for u in got if u is not None], [u for u in ref if u is not None])
     with pytest.raises(RuntimeError, match="allowed nothing: the step is done"):
         s.backward_combine()
+
+
+def test_meta_construction_then_binding():
+    metas = nn.ModuleList(MoE(H, 12, 8, 2, max_tokens=32, device="meta", dtype=torch.float64)
+                          for _ in range(2))
+    metas.to_empty(device="cpu")
+    ref = nn.ModuleList(MoE(H, 12, 8, 2, max_tokens=32, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        for p, q in zip(metas.parameters(), ref.parameters()):
+            p.copy_(q)
+    Workspace(metas)
+    x = tokens(32, 11)
+    same(train_step(nn.Sequential(*metas), [x]), train_step(nn.Sequential(*ref), [x]))
