@@ -31,13 +31,14 @@ if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && [ 
   rm -rf "$tmp"
 fi
 
-# The Python package's build and test requirements (PyTorch pinned to the GPU machines' 2.11).
-python_packages=("torch==2.11.0" "nanobind>=2.0" "scikit-build-core>=0.10" "pytest" "numpy"
-                 "matplotlib")
+# The Python package's build and test requirements (PyTorch and transformers pinned to the GPU
+# machines' 2.11 and 5.17; transformers for moe_echo.torch.swap_moe and its tests).
+python_packages=("torch==2.11.0" "transformers==5.17.0" "nanobind>=2.0" "scikit-build-core>=0.10"
+                 "pytest" "numpy" "matplotlib")
 if ! python3 - <<'PY' >/dev/null 2>&1
 import importlib.metadata as m, sys
-need = {"torch": "2.11.", "nanobind": "", "scikit-build-core": "", "pytest": "", "numpy": "",
-        "matplotlib": ""}
+need = {"torch": "2.11.", "transformers": "5.17.", "nanobind": "", "scikit-build-core": "",
+        "pytest": "", "numpy": "", "matplotlib": ""}
 sys.exit(any(not m.version(k).startswith(v) for k, v in need.items()))
 PY
 then

@@ -2,8 +2,10 @@
 Hugging Face weight loading."""
 
 from moe_echo.torch._ops import hold_clone_grads
-from moe_echo.torch.hf import export_hf_moe, load_hf_moe
+from moe_echo.torch.hf import HFMoE, export_hf_moe, load_hf_moe, swap_moe
 from moe_echo.torch.module import MoE
 from moe_echo.torch.workspace import Workspace
 
-__all__ = ["MoE", "Workspace", "hold_clone_grads", "load_hf_moe", "export_hf_moe"]
+__all__ = [
+    "MoE", "Workspace", "hold_clone_grads", "load_hf_moe", "export_hf_moe", "swap_moe", "HFMoE",
+]
