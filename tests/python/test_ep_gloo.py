@@ -239,3 +239,63 @@ def test_group_released_after_destroy():
     for g in got:
         assert g["held"] > 0
         assert not g["alive"], "the process group outlived destroy_process_group"
+
+
+class Net(torch.nn.Module):
+    """A dense layer, then an MoE layer (experts over ep_group when given)."""
+
+    def __init__(self, ep_group=None):
+        super().__init__()
+        torch.manual_seed(11)
+        self.lin = torch.nn.Linear(H, H, dtype=torch.float64)
+        self.moe = MoE(H, F, E, K, ep_group=ep_group,
+                       **config(max_tokens=4 * T, aux_loss_coeff=0.0, z_loss_coeff=0.0))
+
+    def forward(self, x):
+        return self.moe(self.lin(x))
+
+
+def dp_worker(rank, init_file, out_dir):
+    from moe_echo.torch.dist import data_parallel
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=4)
+    try:
+        ep_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        net = Net(ep_group=ep_groups[rank // 2])
+        model = data_parallel(net, ep_group=ep_groups[rank // 2], dp_group=dp_groups[rank % 2])
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        for _ in range(2):  # two steps, the second after the first update
+            opt.zero_grad()
+            with model.no_sync():  # gradient accumulation: nothing reduced for this one
+                (model(tokens(rank)) * upstream(rank)).sum().mul(0.5 / T).backward()
+            (model(tokens(rank)) * upstream(rank)).sum().mul(0.5 / T).backward()
+            opt.step()
+        torch.save({k: v.detach() for k, v in net.named_parameters()}, f"{out_dir}/dp{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_data_parallel_over_expert_parallel_equals_one_process(tmp_path):
+    """EP 2 x DP 2 over gloo (4 processes) through moe_echo.torch.dist.data_parallel: after two
+    steps with gradient accumulation every parameter equals one process training the mean of
+    the 4 ranks' losses with all experts."""
+    mp.spawn(dp_worker, args=(f"{tmp_path}/init", str(tmp_path)), nprocs=4, join=True)
+    ref = Net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        for _ in range(2):
+            y = ref(torch.cat([tokens(r) for r in range(4)]))  # all ranks' tokens at once
+            up = torch.cat([upstream(r) for r in range(4)])
+            ((y * up).sum() / T / 4 * 0.5).backward()
+        opt.step()
+    want = dict(ref.named_parameters())
+    per = E // 2
+    for rank in range(4):
+        got = torch.load(tmp_path / f"dp{rank}.pt")
+        for name, v in got.items():
+            w = want[name].detach()
+            if name in ("moe.w1", "moe.w2"):
+                w = w[(rank % 2) * per:(rank % 2 + 1) * per]
+            assert rel(v, w) < 1e-10, (rank, name)

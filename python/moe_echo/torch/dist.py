@@ -80,3 +80,65 @@ class TorchCollectives:
 
     def barrier(self) -> None:
         self._run(dist.barrier(group=self.group, async_op=True))
+
+
+def expert_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters of `model` that hold a share of experts over an ep_group (``w1``
+    and ``w2`` of every ``MoE`` built with one): each EP rank holds different ones."""
+    from moe_echo.torch.module import MoE
+
+    names = []
+    for prefix, m in model.named_modules():
+        if isinstance(m, MoE) and m.ep_size > 1:
+            names += [f"{prefix}.{p}" if prefix else p for p in ("w1", "w2")]
+    return names
+
+
+def data_parallel(model: torch.nn.Module, ep_group=None, dp_group=None, **ddp_kwargs):
+    """Data parallelism over a model whose MoE layers split their experts over `ep_group`
+    (expert parallelism x data parallelism): returns the model wrapped in
+    ``DistributedDataParallel`` over every rank of both groups (the default group when they make
+    it up) for the parameters every rank holds alike (attention, norms, routers, shared experts:
+    averaged over all ranks), with the expert parameters left out of DDP and reduced on their
+    own, in their gradient hooks, over `dp_group` (the ranks that hold the same experts), summed
+    and divided by the number of all ranks. So the step is the one of the mean of every rank's
+    loss, as one process training on all ranks' tokens takes (tests/python/test_ep_gloo.py):
+    each rank's expert gradients already hold every EP rank's tokens, which averaging them over
+    the EP ranks as well (as DDP over all ranks would) gets wrong. Inside ``no_sync()`` neither
+    kind is reduced (gradient accumulation). ``ddp_kwargs`` go to DDP (``broadcast_buffers``
+    defaults to False: the router bias is the layer's own)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if not dist.is_initialized():
+        raise RuntimeError("data_parallel needs torch.distributed initialised first")
+    world = dist.get_world_size()
+    ep = dist.get_world_size(ep_group) if ep_group is not None else 1
+    dp = dist.get_world_size(dp_group) if dp_group is not None else world
+    if ep * dp != world:
+        raise ValueError(
+            f"ep_group and dp_group of {ep} and {dp} ranks are invalid: allowed groups whose "
+            f"sizes multiply to the world's {world} ranks"
+        )
+    experts = expert_parameters(model)
+    for name in experts:
+        sizes = [m.ep_size for m in model.modules() if getattr(m, "ep_size", 1) > 1]
+        if any(s != ep for s in sizes):
+            raise ValueError(
+                f"{name} is split over {sizes[0]} ranks, which is invalid: allowed the "
+                f"ep_group's {ep}"
+            )
+    DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
+    ddp_kwargs.setdefault("broadcast_buffers", False)
+    wrapped = DDP(model, **ddp_kwargs)
+    params = dict(model.named_parameters())
+
+    def reduce(p: torch.Tensor) -> None:
+        if not wrapped.require_backward_grad_sync:  # inside no_sync()
+            return
+        if dp > 1:
+            dist.all_reduce(p.grad, group=dp_group)
+        p.grad.div_(world)
+
+    for name in experts:
+        params[name].register_post_accumulate_grad_hook(reduce)
+    return wrapped
