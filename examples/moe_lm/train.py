@@ -19,7 +19,11 @@ with a recorded one the same way, e.g. experts over 2 GPUs against one GPU on th
 (the ranks split one global batch, so --ep N --batch B trains on the data of --batch N*B; the
 aux and z losses are per-rank terms, so set them to 0 for the closest match). In float32 two runs drift apart slowly step by
 step (different summation orders, amplified by training), so single steps are compared only with
---smooth 1.
+--smooth 1. --compare works with --ep N too (the plain PyTorch block then trains data-parallel on
+the same global batch). With --ep N the progress line, the record and the plot carry the busiest
+rank's rows over the mean, without and with ECHO (the mean over the MoE layers, per step).
+--workspace binds the MoE blocks to one moe_echo.torch.Workspace (with --recompute dispatch, the
+least memory), the same losses.
 """
 
 from __future__ import annotations
@@ -135,8 +139,6 @@ def parse_args(argv=None):
         ap.error("--cuda-graph with --ep > 1 and --ep-transport host is invalid: the host "
                  "transport runs host-synchronised collectives; allowed with --ep-transport nccl "
                  "or auto")
-    if args.ep > 1 and args.compare != "none":
-        ap.error("--compare with --ep > 1 is invalid: allowed with --ep 1")
     if args.cuda_graph and not args.device.startswith("cuda"):
         ap.error(f"--cuda-graph with --device = {args.device} is invalid: allowed with cuda only")
     if args.reference and args.compare != "none":
@@ -201,7 +203,18 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
     # The ranks split one global batch: --ep N --batch B trains on the data of --batch N*B.
     batches = Batches(load_corpus(args.corpus), args.batch, args.seq_len, args.seed, rank, args.ep)
     tokens_per_step = args.batch * args.seq_len * args.ep
-    experts = {id(b.moe.w1) for b in model.blocks} | {id(b.moe.w2) for b in model.blocks}
+    # Expert parameters split over the ranks (MoE Echo with --ep > 1); the plain PyTorch block
+    # holds every expert on every rank: data parallel like the rest.
+    experts = ({id(b.moe.w1) for b in model.blocks} | {id(b.moe.w2) for b in model.blocks}
+               if moe == "echo" else set())
+    # The busiest rank's rows over the mean, without and with ECHO, averaged over the layers, a
+    # device scalar per step (read at the end: no sync per step).
+    balance: list[torch.Tensor] = []
+
+    def busiest_over_mean():
+        st = [b.moe.stats() for b in model.blocks]
+        return torch.stack([torch.stack([s["max_over_mean_before"] for s in st]).mean(),
+                            torch.stack([s["max_over_mean_after"] for s in st]).mean()])
 
     def average_gradients(loss):
         # Each rank's loss is the mean over its own tokens; the step follows their mean. Expert
@@ -270,6 +283,8 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
             opt.zero_grad(set_to_none=True)
             loss = step(ids, targets)
         losses.append(loss.detach().clone())  # read back at the end: no sync per step
+        if moe == "echo" and args.ep > 1:
+            balance.append(busiest_over_mean())
         if args.log_every and rank == 0 and ((i + 1) % args.log_every == 0 or i + 1 == args.steps):
             value = losses[-1].item()
             rate = ""
@@ -277,6 +292,10 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
                 sync(device)
                 done = i + 1 - args.warmup
                 rate = f"  {done * tokens_per_step / (time.perf_counter() - t_start):,.0f} tok/s"
+            if balance:
+                before, after = balance[-1].tolist()
+                rate += f"  busiest/mean {before:.2f} -> {after:.2f} with ECHO" if echo else \
+                    f"  busiest/mean {before:.2f}"
             bar = "#" * int(30 * (i + 1) / args.steps)
             end = "\r" if sys.stdout.isatty() and i + 1 < args.steps else "\n"
             print(f"[{label:>8s}] [{bar:<30s}] step {i + 1}/{args.steps}  loss {value:.4f}{rate}",
@@ -291,6 +310,10 @@ def train(args, moe: str, echo: bool, label: str) -> dict:
         step_ms=1e3 * elapsed / timed_steps if timed_steps > 0 else None,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     )
+    if balance:
+        b = torch.stack(balance).cpu()
+        record["busiest_over_mean_without_echo"] = [float(v) for v in b[:, 0]]
+        record["busiest_over_mean_with_echo"] = [float(v) for v in b[:, 1]] if echo else None
     if moe == "echo":
         st = model.blocks[0].moe.stats(as_numbers=True)
         record["layer0_stats"] = st
@@ -311,7 +334,10 @@ def plot(records, path):
     except ImportError:
         print(f"plot: matplotlib is not installed, {path} not written", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    balanced = [r for r in records if r.get("busiest_over_mean_without_echo")]
+    fig, axes = plt.subplots(2 if balanced else 1, 1, figsize=(7, 6.5 if balanced else 4),
+                             squeeze=False)
+    ax = axes[0][0]
     for r in records:
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=r["label"], linewidth=1.2)
     ax.set_xlabel("step")
@@ -319,6 +345,17 @@ def plot(records, path):
     ax.set_title("MoE LM on " + Path(records[0]["corpus"]).name)
     ax.legend()
     ax.grid(alpha=0.3)
+    if balanced:  # expert parallelism: the busiest rank's rows over the mean, per step
+        bx = axes[1][0]
+        r = balanced[0]
+        steps = range(1, len(r["busiest_over_mean_without_echo"]) + 1)
+        bx.plot(steps, r["busiest_over_mean_without_echo"], label="without ECHO", linewidth=1.2)
+        if r.get("busiest_over_mean_with_echo"):
+            bx.plot(steps, r["busiest_over_mean_with_echo"], label="with ECHO", linewidth=1.2)
+        bx.set_xlabel("step")
+        bx.set_ylabel("busiest rank's rows / mean")
+        bx.legend()
+        bx.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")

@@ -130,6 +130,39 @@ def test_expert_parallel_training_over_gloo_equals_one_process(tmp_path, extra):
     assert len(rec["runs"][0]["layer0_stats"]["load_after"]) == 2
 
 
+def compare_worker(rank, port, out, plot):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rc = train.main(SMALL + EP_RUN + ["--ep", "2", "--json", out, "--compare", "torch",
+                                      "--plot", plot, "--log-every", "10"])
+    assert rc == 0
+
+
+def test_expert_parallel_compare_and_balance(tmp_path, capsys):
+    # --compare at EP 2: the plain PyTorch block trains data-parallel on the same global batch
+    # and its curve agrees; the record, the progress line and the plot carry the busiest rank's
+    # rows over the mean without and with ECHO, per step.
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
+    mp.spawn(compare_worker, args=(port, str(out), str(png)), nprocs=2, join=True)
+    rec = json.loads(out.read_text())
+    assert rec["curves_agree"], rec["max_abs_smoothed_loss_diff"]
+    echo, plain = rec["runs"]
+    before, after = echo["busiest_over_mean_without_echo"], echo["busiest_over_mean_with_echo"]
+    assert len(before) == len(after) == 30
+    assert all(a <= b + 1e-9 for a, b in zip(after, before)) and min(before) >= 1.0
+    assert "busiest_over_mean_without_echo" not in plain
+    assert png.exists() and png.stat().st_size > 0
+
+
 def test_reference_must_match_the_run(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"runs": [{"losses": [1.0, 2.0]}]}))
