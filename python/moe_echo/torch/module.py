@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_echo import _ext
-from moe_echo.torch import _ops
+from moe_echo.torch import _keywords, _ops
 
 
 def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str, str]:
@@ -49,111 +49,49 @@ def _param_views(h: _ops.LayerHandle) -> tuple[tuple[str, Tensor], ...]:
     return views
 
 
-# The C++ layer's MoeConfig and EchoConfig fields (moe_echo/config_fields.hpp, exported by
-# _ext.moe_config_fields() and _ext.echo_config_fields()) are MoE's keywords, in the lists'
-# order, with the lists' defaults; tests/python/test_config_fields.py holds the signature and the
-# docstring to the lists. Two EchoConfig fields take another keyword here:
-_ECHO_KEYWORDS = {"enabled": "echo", "placement": "echo_placement"}
-# and one MoeConfig field is not a keyword, with the reason:
-_NOT_KEYWORDS = {
-    "master_weights": "float masters for the layer's own AdamW; the module's parameters are "
-    "stepped by a torch optimizer, which keeps them in the parameters' dtype",
-}
-
-
-def _or(words: list[str]) -> str:
-    """ "a", "a or b", "a, b or c"."""
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+# The C++ layer's MoeConfig and EchoConfig fields (moe_echo/config_fields.hpp) are MoE's
+# keywords, in the lists' order, with the lists' defaults (_keywords.py makes them, the signature
+# and the docstring's entries). Two EchoConfig fields take another keyword, one MoeConfig field is
+# not a keyword:
+_ECHO_KEYWORDS = _keywords.ECHO_KEYWORDS
+_NOT_KEYWORDS = _keywords.NOT_KEYWORDS
+# MoE's keywords that are not config fields (after them in the signature).
+_OWN_KEYWORDS = ("device", "dtype", "seed", "ep_group", "ep_transport")
 
 
 def _config_dicts(given: dict) -> tuple[dict, dict]:
-    """The MoeConfig and EchoConfig fields of MoE's keyword values `given`, as the dicts the C++
-    layer takes: each value checked against its field (its type and, for names, its choices
-    here; its range when the layer is built) and made a value of the field's Python type."""
+    """The MoeConfig and EchoConfig fields of MoE's keyword values `given` (every keyword's), as
+    the dicts the C++ layer takes: each value checked against its field (its type and, for names,
+    its choices here; its range when the layer is built) and made a value of the field's Python
+    type."""
     cast = {"int": int, "float": float, "bool": bool, "str": str}
-    configs = []
-    for fields in (_ext.moe_config_fields(), _ext.echo_config_fields()):
-        config = {}
-        for f in fields:
-            keyword = _ECHO_KEYWORDS.get(f["name"], f["name"])
-            if keyword not in given:  # _NOT_KEYWORDS, or a field MoE does not take yet
-                continue
-            value = given[keyword]
-            if f["choices"] and isinstance(value, str) and value not in f["choices"]:
-                allowed = _or([repr(c) for c in f["choices"]])
-                raise ValueError(f"{keyword} = {value!r} is invalid: allowed {allowed}")
-            config[f["name"]] = value
-        configs.append(config)
-    _ext.check_fields(configs[0], configs[1], _ECHO_KEYWORDS)  # TypeError naming the keyword
-    for fields, config in zip((_ext.moe_config_fields(), _ext.echo_config_fields()), configs):
-        for f in fields:
-            if f["name"] in config:
-                config[f["name"]] = cast[f["type"]](config[f["name"]])
-    return configs[0], configs[1]
+    configs = {"moe": {}, "echo": {}}
+    for k in _keywords.keywords():
+        value, f = given[k.name], k.field
+        if f["choices"] and isinstance(value, str) and value not in f["choices"]:
+            allowed = _keywords._or([repr(c) for c in f["choices"]])
+            raise ValueError(f"{k.name} = {value!r} is invalid: allowed {allowed}")
+        configs[k.config][f["name"]] = value
+    _ext.check_fields(configs["moe"], configs["echo"], _ECHO_KEYWORDS)  # TypeError naming it
+    for k in _keywords.keywords():
+        config = configs[k.config]
+        config[k.field["name"]] = cast[k.field["type"]](config[k.field["name"]])
+    return configs["moe"], configs["echo"]
 
 
 class MoE(nn.Module):
     """A dropless MoE layer (router, SwiGLU experts, ECHO load balancing) on one rank.
 
-    Args (the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields, in their order; see
-    docs/python.md):
-        hidden, ffn, experts, top_k: H, F (per expert: fc1 is H x 2F as gate | up, fc2 F x H),
-            E routed experts, K experts per token.
-        max_tokens: the most tokens one forward takes (buffers are sized for it up front).
-        score_function, normalize_topk: "softmax" or "sigmoid"; normalize_topk rescales the K
-            weights to sum 1.
-        aux_loss_coeff, z_loss_coeff: load-balancing and z losses (enter the backward on their
-            own, see the module docstring).
-        bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
-        expert_groups, topk_groups, group_score: group-limited top-k: experts in expert_groups
-            groups of E/G consecutive experts; a token picks its topk_groups best groups
-            ("top2_sum": by the sum of each group's two best selection keys, as DeepSeek-V3;
-            "max": by its best key), then its K experts inside them. 1, 1: no limit.
-        routed_scaling_factor: the combine weights times this factor after normalisation.
-        seq_aux_loss_coeff, seq_len: the aux loss over each run of seq_len consecutive tokens,
-            averaged over the runs (DeepSeek-V3's sequence-wise balance loss).
-        shared_experts, shared_ffn: dense SwiGLU experts every token goes through, added to the
-            routed output (DeepSeek-V3, Qwen2-MoE): together one SwiGLU of width
-            shared_experts * shared_ffn (0: ffn), parameters ``shared_w1`` [H, 2S] (gate | up) and
-            ``shared_w2`` [S, H], replicated on every EP rank like the router.
-        shared_side_stream: run the shared experts on a second CUDA stream beside the router and
-            the dispatch (needs shared_experts); the same bits.
-        recompute: what the forward keeps for the backward: "none" (received rows, fc1 and SwiGLU
-            outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
-            redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
-            dispatch and the experts). Gradients are the same bits whichever is chosen.
-        overlap, overlap_sms: what the backward runs beside its communication: "none" or "wgrad"
-            (fc1's weight-gradient GEMM on a second CUDA stream beside the combine and the
-            router's backward, on all SMs but ``overlap_sms``); gradients are the same bits either
-            way.
-        chunks: the received rows of the forward and the backward in this many chunks (1 to
-            16; 1: one): a chunk's expert GEMMs run on a second CUDA stream, on all SMs but
-            ``overlap_sms``, while the next chunk is dispatched and the one before combined, the
-            weight gradients after the chunks; the same bits as 1. Not with the FP8 dispatch
-            (precision "fp8" with "fprop1").
-        in_flight: how many forwards may await their backward at once (1 to 16), each keeping
-            its own routing and activations: a pipeline schedule runs several micro-batches'
-            forwards before their backwards. A forward beyond them reuses the state of the
-            oldest forward still awaiting its backward, whose backward then raises.
-        precision: the routed experts' GEMMs: "bf16" or "fp8" (e4m3 operands with blockwise
-            scales: 1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights; the
-            router, the shared experts and the parameters keep their dtypes). With "fp8" every
-            forward quantizes the expert weights again (an optimizer may have changed them);
-            hidden and ffn must be multiples of 16.
-        fp8_gemms: with precision "fp8", which expert GEMMs run in FP8, the others unquantized:
-            "all" or a comma-separated list of "fprop1", "fprop2", "dgrad1", "dgrad2", "wgrad1",
-            "wgrad2" (or the pairs "fprop", "dgrad", "wgrad"); with "fprop1" the tokens also
-            cross in e4m3.
-        capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
-            rows beyond it run in extra (spill) rounds, never dropped (ECHO on or off).
-        echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
-        echo_placement: how long ECHO's clone placement holds: "micro_batch" (every forward
-            plans clones for its own routing and pulls their weights; every backward sends their
-            gradients home) or "step" (the first forward after the expert weights changed plans
-            the placement, the step's other forwards split their rows over it and pull nothing,
-            in echo slots of the module's own; backwards inside ``hold_clone_grads()`` keep
-            their clone gradients, and the step's last backward sends them home once).
-        device, dtype: where the parameters live and their dtype.
+    Parameters: ``router_weight`` [E, H], ``w1`` [E/R, H, 2F] (gate | up), ``w2`` [E/R, F, H], and
+    with shared experts ``shared_w1`` [H, 2S], ``shared_w2`` [S, H]; buffer ``router_bias`` [E].
+    See docs/python.md. The keywords are the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields,
+    in their order and with their defaults (``moe_echo.moe_config_fields()``,
+    ``echo_config_fields()``), then the module's own.
+
+    Args:
+        <config fields>
+        device, dtype: where the parameters live and their dtype (default: the CPU and torch's
+            default dtype).
         seed: the initial weights (per global expert, so any layout of the same seed agrees).
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
             parallelism): this rank holds experts [rank * E/R, (rank + 1) * E/R) in w1 and w2, the
@@ -162,6 +100,8 @@ class MoE(nn.Module):
             sync-free NCCL communicator, its NCCL id shared through ``ep_group``; no host sync in
             a step, capturable), "host" (``ep_group``'s own collectives, every op host-synced:
             any backend, the CPU's included), or "auto" (nccl on CUDA when built, host otherwise).
+
+    A keyword that is none of these raises TypeError naming it and the keywords close to it.
     """
 
     def __init__(
@@ -172,50 +112,27 @@ class MoE(nn.Module):
         top_k: int,
         *,
         max_tokens: int,
-        score_function: str = "softmax",
-        normalize_topk: bool = True,
-        aux_loss_coeff: float = 0.0,
-        z_loss_coeff: float = 0.0,
-        bias_update: bool = False,
-        bias_update_rate: float = 1e-3,
-        expert_groups: int = 1,
-        topk_groups: int = 1,
-        group_score: str = "top2_sum",
-        routed_scaling_factor: float = 1.0,
-        seq_aux_loss_coeff: float = 0.0,
-        seq_len: int = 0,
-        shared_experts: int = 0,
-        shared_ffn: int = 0,
-        shared_side_stream: bool = False,
-        recompute: str = "none",
-        overlap: str = "none",
-        overlap_sms: int = 16,
-        chunks: int = 1,
-        in_flight: int = 1,
-        precision: str = "bf16",
-        fp8_gemms: str = "all",
-        capacity_factor: float = 1.25,
-        echo: bool = True,
-        spare_slots_per_rank: int = 1,
-        max_clones_per_expert: int = 2,
-        clone_cost_rows: int = 0,
-        echo_placement: str = "micro_batch",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         seed: int = 1,
         ep_group=None,
         ep_transport: str = "auto",
+        **config,
     ):
-        given = dict(locals())  # the keywords, read by field name in _config_dicts
+        # The config fields' keywords, checked by name, and the lists' defaults for the others.
+        given = _keywords.values(
+            dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, max_tokens=max_tokens),
+            config, others=_OWN_KEYWORDS,
+        )
         super().__init__()
         moe, echo_fields = _config_dicts(given)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed = {seed!r} is invalid: allowed an int")
         if seed < 0:
             raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
-        if precision != "fp8" and fp8_gemms != "all":
+        if moe["precision"] != "fp8" and moe["fp8_gemms"] != "all":
             raise ValueError(
-                f"fp8_gemms = {fp8_gemms!r} is invalid: allowed 'all' (the default) unless "
+                f"fp8_gemms = {moe['fp8_gemms']!r} is invalid: allowed 'all' (the default) unless "
                 "precision is 'fp8'"
             )
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -226,7 +143,8 @@ class MoE(nn.Module):
             raise TypeError(f"dtype = {dtype} is invalid: allowed a floating dtype")
         self._config, self._echo_config = moe, echo_fields
         self._seed = seed
-        self.shared_width = shared_experts * (shared_ffn if shared_ffn > 0 else ffn)
+        shared_ffn = moe["shared_ffn"] if moe["shared_ffn"] > 0 else moe["ffn"]
+        self.shared_width = moe["shared_experts"] * shared_ffn
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
         if ep_transport not in ("auto", "nccl", "host"):
@@ -504,3 +422,7 @@ class MoE(nn.Module):
             f"echo={self._echo_config['enabled']}, ep_size={self.ep_size}"
         )
 
+
+# The signature and the docstring's Args entries of the config fields, from the lists.
+MoE.__doc__ = _keywords.document(MoE.__doc__)
+MoE.__init__.__signature__ = _keywords.signature(MoE.__init__)
