@@ -566,6 +566,11 @@ NB_MODULE(_ext, m) {
           "split backward, last phase: dx, spill rounds, router, clone gradients home")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
       .def(
+          "reset_parameters", [](Layer& l, uint64_t seed) { l.layer().reset_parameters(seed); },
+          "seed"_a,
+          "the parameters set again as a layer built with `seed` has them (per global expert), "
+          "the router bias zeroed; waits for the device")
+      .def(
           "weights_changed", [](Layer& l) { l.layer().weights_changed(); },
           "the expert weights changed: the next forward quantizes them again (fp8) and plans a "
           "new clone placement (echo_placement 'step')")

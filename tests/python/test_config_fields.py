@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # first four are also positional.
 REQUIRED = ("hidden", "ffn", "experts", "top_k", "max_tokens")
 # MoE's keywords that are not config fields, after them, with their defaults.
-OTHERS = {"device": None, "dtype": None, "seed": 1, "ep_group": None, "ep_transport": "auto"}
+OTHERS = {"device": None, "dtype": None, "seed": None, "ep_group": None, "ep_transport": "auto"}
 
 
 def keyword_fields():

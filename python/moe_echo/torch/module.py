@@ -9,11 +9,18 @@ The aux, z and sequence aux losses enter the backward by themselves, with gradie
 Megatron's ``MoEAuxLossAutoScaler`` does): do not add them to the loss. ``module.aux_loss``,
 ``module.z_loss`` and ``module.seq_aux_loss`` give their last values for logging, as device
 tensors.
+
+Initialization: without ``seed`` the weights are drawn from torch's default generator (one draw
+per module; ``torch.manual_seed`` repeats it), per global expert, so any EP layout holds the same
+experts; ``reset_parameters()`` sets them again the same way. A module built on the meta device
+holds parameter shells only; ``to_empty()`` builds its C++ layer, ``reset_parameters()`` then sets
+the weights.
 """
 
 from __future__ import annotations
 
 import contextlib
+import struct
 
 import torch
 from torch import Tensor, nn
@@ -91,8 +98,12 @@ class MoE(nn.Module):
     Args:
         <config fields>
         device, dtype: where the parameters live and their dtype (default: the CPU and torch's
-            default dtype).
-        seed: the initial weights (per global expert, so any layout of the same seed agrees).
+            default dtype). device "meta" builds parameter shells only: ``to_empty()`` builds
+            the C++ layer, ``reset_parameters()`` then sets the weights.
+        seed: the initial weights, drawn per global expert (any EP layout of the same seed holds
+            the same experts). None (the default): a seed drawn from torch's default generator,
+            so modules built in a row differ and ``torch.manual_seed`` repeats them; with an
+            ep_group, the group's first rank's draw. An int: the same weights every time.
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
             parallelism): this rank holds experts [rank * E/R, (rank + 1) * E/R) in w1 and w2, the
             router weight is replicated. None: one rank holds all experts.
@@ -114,7 +125,7 @@ class MoE(nn.Module):
         max_tokens: int,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        seed: int = 1,
+        seed: int | None = None,
         ep_group=None,
         ep_transport: str = "auto",
         **config,
@@ -126,10 +137,11 @@ class MoE(nn.Module):
         )
         super().__init__()
         moe, echo_fields = _config_dicts(given)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed = {seed!r} is invalid: allowed an int")
-        if seed < 0:
-            raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed = {seed!r} is invalid: allowed an int or None")
+            if not 0 <= seed < 2**64:
+                raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64 or None")
         if moe["precision"] != "fp8" and moe["fp8_gemms"] != "all":
             raise ValueError(
                 f"fp8_gemms = {moe['fp8_gemms']!r} is invalid: allowed 'all' (the default) unless "
@@ -178,12 +190,43 @@ class MoE(nn.Module):
         if device.type == "meta":
             self._build_meta(dtype)
         else:
-            h = self._build(device, dtype)
+            h = self._build(device, dtype, seed=self._initial_seed())
             # A parameter of the layer's dtype is its buffer (no copy per forward); others are
             # copies, cast into the layer by each forward.
             for name, view in _param_views(h):
                 setattr(self, name, nn.Parameter(view if view.dtype == dtype else view.to(dtype)))
             self.register_buffer("router_bias", h.router_bias, persistent=True)
+
+    # ---- initialization -----------------------------------------------------------------------
+
+    def _initial_seed(self) -> int:
+        """The seed of the initial weights: ``seed`` when one was given; otherwise one draw from
+        torch's default generator, the ep_group's first rank's on every rank of it (collective)."""
+        if self._seed is not None:
+            return self._seed
+        seed = int(torch.randint(2**63 - 1, ()))
+        if self._collectives is not None:
+            seed = struct.unpack("<Q", self._collectives.all_gather(struct.pack("<Q", seed))[:8])[0]
+        return seed
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Sets every parameter again as the constructor does (router, experts per global expert,
+        shared experts, from ``seed`` or a new draw from torch's default generator) and zeroes the
+        router bias. On the meta device it does nothing (``to_empty()`` first). With an ep_group
+        and no ``seed`` it is collective: every rank of the group calls it at the same point."""
+        h = self._handle
+        if h is None:
+            return
+        h.layer.reset_parameters(self._initial_seed())  # the layer's buffers, router bias zeroed
+        for name, view in _param_views(h):
+            p = self._parameters[name]
+            if p.data_ptr() != view.data_ptr():  # not the layer's buffer: a copy of another dtype
+                p.copy_(view)
+        bias = self._buffers["router_bias"]
+        if bias.data_ptr() != h.router_bias.data_ptr():
+            bias.zero_()
+        h.weights_version = None  # the next forward tells the layer the weights changed
 
     # ---- the C++ layer behind the module ----------------------------------------------------
 
@@ -202,13 +245,15 @@ class MoE(nn.Module):
         """The ep_group's process group, or None."""
         return None if self._collectives is None else self._collectives.group
 
-    def _build(self, device: torch.device, dtype: torch.dtype, workspace=None) -> _ops.LayerHandle:
+    def _build(self, device: torch.device, dtype: torch.dtype, workspace=None,
+               seed: int | None = None) -> _ops.LayerHandle:
         """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`, on
-        `workspace` (a moe_echo.torch.Workspace) or with buffers of its own. With an ep_group
-        this is collective: every rank of the group builds at the same point."""
+        `workspace` (a moe_echo.torch.Workspace) or with buffers of its own, its weights from
+        `seed` (None: any, the caller writes them). With an ep_group this is collective: every
+        rank of the group builds at the same point."""
         backend, compute = _compute_dtypes(device, dtype)
-        cfg = dict(moe=self._config, echo=self._echo_config, seed=self._seed,
-                   keywords=_ECHO_KEYWORDS)
+        seed = seed if seed is not None else (self._seed or 0)
+        cfg = dict(moe=self._config, echo=self._echo_config, seed=seed, keywords=_ECHO_KEYWORDS)
         if workspace is not None:
             cfg.update(workspace=workspace._ext)
         elif self._collectives is not None:
