@@ -1,6 +1,6 @@
 """The interpreter exits cleanly: a program that ends with modules, optimizers and outputs still
-alive (README's snippet, docs/python.md's, and one holding a workspace and a graph) prints
-nothing on stderr, in particular no nanobind leak warnings ("leaked 1 instances")."""
+alive (README's snippet, docs/python.md's, and one holding a workspace, a copy and a graph)
+prints nothing on stderr, in particular no nanobind leak warnings ("leaked 1 instances")."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ import moe_echo
 ROOT = Path(__file__).resolve().parents[2]
 
 HELD_AT_EXIT = """
+import copy
 import torch
 from torch import nn
 from moe_echo.torch import MoE, Workspace
 
 layers = nn.ModuleList(MoE(32, 16, 8, 2, max_tokens=64) for _ in range(2))
 ws = Workspace(layers)
-twin = MoE(32, 16, 8, 2, max_tokens=64)
+twin = copy.deepcopy(layers[0])
 opt = torch.optim.AdamW([*layers.parameters(), *twin.parameters()], lr=1e-3)
 x = torch.randn(64, 32, requires_grad=True)
 y = twin(layers[1](layers[0](x)))  # its graph, alive at exit, holds every parameter

@@ -15,12 +15,18 @@ per module; ``torch.manual_seed`` repeats it), per global expert, so any EP layo
 experts; ``reset_parameters()`` sets them again the same way. A module built on the meta device
 holds parameter shells only; ``to_empty()`` builds its C++ layer, ``reset_parameters()`` then sets
 the weights.
+
+Copies: ``copy.deepcopy``, ``torch.save``/``torch.load`` and pickling give an independent module
+with the same config, weights and router bias on a C++ layer of its own (built again from the
+config); a module with an ``ep_group`` is refused (a process group cannot be copied).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import struct
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 from torch import Tensor, nn
@@ -348,6 +354,40 @@ class MoE(nn.Module):
         if getattr(self, "_layer_id", None) is not None:
             _ops.unregister(self._layer_id)
 
+    # ---- copies: deepcopy, torch.save / torch.load, pickling ----------------------------------
+
+    # What belongs to the C++ layer, not to a copy: a copy builds a layer of its own from the
+    # config (unbound from any workspace) and gets the weights and the router bias.
+    _LAYER_STATE = ("_handle", "_layer_id", "_layer_key", "_workspace", "last_losses")
+
+    def _copy_state(self) -> dict:
+        """The module's __dict__ without the C++ layer's state."""
+        if self._collectives is not None:
+            raise TypeError(
+                "MoE with an ep_group cannot be copied or pickled: its process group and "
+                "communicator exist only in this process; build MoE(..., ep_group=...) on every "
+                "rank of the group and load the weights with load_state_dict"
+            )
+        state = super().__getstate__()
+        for name in self._LAYER_STATE:
+            state[name] = None
+        return state
+
+    def __getstate__(self) -> dict:
+        return self._copy_state()
+
+    def __deepcopy__(self, memo: dict) -> "MoE":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self._copy_state(), memo))
+        return new
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        w1 = self._parameters["w1"]
+        if w1.device.type != "meta":  # a layer of its own, holding the copied weights
+            self._rebuild(w1.device, w1.dtype, self._buffers["router_bias"])
+
     # ---- the step ---------------------------------------------------------------------------
 
     def forward(self, x: Tensor) -> Tensor:
@@ -467,6 +507,49 @@ class MoE(nn.Module):
             f"echo={self._echo_config['enabled']}, ep_size={self.ep_size}"
         )
 
+
+class _HostCopy:
+    """Pickles as a copy of a tensor's bytes (rebuilt on its device): multiprocessing's pickler
+    would otherwise move a tensor's storage into shared memory in place, and the layer's own
+    memory must stay the layer's."""
+
+    def __init__(self, t: Tensor, parameter: bool):
+        self.args = (t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+                     t.dtype, tuple(t.shape), str(t.device), t.requires_grad, parameter)
+
+    def __reduce__(self):
+        return _tensor_from_bytes, self.args
+
+
+def _tensor_from_bytes(data: bytes, dtype, shape, device, requires_grad, parameter):
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape).to(device)
+    return nn.Parameter(t, requires_grad) if parameter else t
+
+
+def _moe_from_state(cls, state: dict) -> MoE:
+    m = cls.__new__(cls)
+    m.__setstate__(state)
+    return m
+
+
+def _reduce_for_multiprocessing(m: MoE):
+    """MoE through multiprocessing's pickler (torch.multiprocessing, a Queue, a spawned
+    process's arguments): as pickle does, but the parameters and the router bias that are the
+    layer's memory as copies of their bytes (the others are shared as torch shares tensors)."""
+    state = m._copy_state()
+    h = m._handle
+    if h is not None:
+        owned = {v.data_ptr() for _, v in _param_views(h)}
+        params, buffers = dict(state["_parameters"]), dict(state["_buffers"])
+        for name, p in params.items():
+            if p is not None and p.data_ptr() in owned:
+                params[name] = _HostCopy(p, parameter=True)
+        buffers["router_bias"] = _HostCopy(buffers["router_bias"], parameter=False)
+        state["_parameters"], state["_buffers"] = params, buffers
+    return _moe_from_state, (type(m), state)
+
+
+ForkingPickler.register(MoE, _reduce_for_multiprocessing)
 
 # The signature and the docstring's Args entries of the config fields, from the lists.
 MoE.__doc__ = _keywords.document(MoE.__doc__)
