@@ -300,6 +300,10 @@ class MoeLayer {
   // With master weights: sets every master to its weight's current value (after the weights were
   // written from outside, e.g. loaded from a checkpoint). Waits for the device.
   void refresh_master_weights();
+  // The parameters set again as the constructor sets them from `seed` (per global expert, so
+  // any EP layout of the same seed holds the same weights), the router bias zeroed, the masters
+  // refreshed, and weights_changed(). Not collective; waits for the device.
+  void reset_parameters(uint64_t seed);
 
   // Marks phases on `observer` from the next call on (nullptr: none); not owned.
   void set_phase_observer(PhaseObserver* observer);

@@ -1,7 +1,8 @@
 // moe_echo._ext: the C++ layer for Python (nanobind). It knows nothing of torch: tensors cross as
 // data pointers (int), shapes are checked by the Python side, and streams are cudaStream_t
-// handles as ints. Buffers the layer owns come back as DLPack tensors (torch views, kept alive by
-// the Layer object), so Python reads and writes them in place without a copy.
+// handles as ints. Buffers the layer owns come back as DLPack tensors (torch views that share the
+// layer's C++ state, not the Layer object: see LayerState), so Python reads and writes them in
+// place without a copy.
 //
 // The layer's MoeConfig and EchoConfig cross as dicts of fields named as in the field lists
 // (moe_echo/config_fields.hpp), which moe_config_fields() and echo_config_fields() give to
@@ -177,27 +178,43 @@ struct Runtime {
 
 // One workspace for several layers (MoeWorkspace): their receive windows, temporaries and echo
 // slots, sized for the largest of the configs it is built for, with the backend and
-// communicator they all run on.
+// communicator they all run on. The C++ objects live in a shared WorkspaceState, which the
+// layers built on it share, so that a layer never keeps the Python Workspace object alive.
+struct WorkspaceState {
+  std::shared_ptr<Runtime> rt;
+  std::vector<MoeConfig> layers;
+  std::unique_ptr<MoeWorkspace> ws;  // destroyed first: before the runtime it uses
+};
+
 class Workspace {
  public:
   Workspace(const std::string& backend, const std::string& dtype,
             const std::vector<MoeConfig>& layers, const EchoConfig& echo, nb::object collectives,
             const std::string& transport)
-      : rt_(std::make_shared<Runtime>(backend, dtype, std::move(collectives), transport)),
-        layers_(layers) {
-    ws_ = std::make_unique<MoeWorkspace>(*rt_->backend, *rt_->comm, layers, rt_->par, echo);
+      : s_(std::make_shared<WorkspaceState>()) {
+    s_->rt = std::make_shared<Runtime>(backend, dtype, std::move(collectives), transport);
+    s_->layers = layers;
+    s_->ws =
+        std::make_unique<MoeWorkspace>(*s_->rt->backend, *s_->rt->comm, layers, s_->rt->par, echo);
   }
-  ~Workspace() {
-    ws_.reset();  // before the runtime
-  }
-  const std::shared_ptr<Runtime>& runtime() const { return rt_; }
-  MoeWorkspace& workspace() { return *ws_; }
-  const std::vector<MoeConfig>& layers() const { return layers_; }
+  const std::shared_ptr<WorkspaceState>& state() const { return s_; }
+  const std::shared_ptr<Runtime>& runtime() const { return s_->rt; }
+  MoeWorkspace& workspace() { return *s_->ws; }
+  const std::vector<MoeConfig>& layers() const { return s_->layers; }
 
  private:
-  std::shared_ptr<Runtime> rt_;
-  std::vector<MoeConfig> layers_;
-  std::unique_ptr<MoeWorkspace> ws_;
+  std::shared_ptr<WorkspaceState> s_;
+};
+
+// What a layer's memory needs: the MoeLayer, and the workspace and runtime it uses. Shared by
+// the Layer object and by every torch view of the layer's buffers (through a capsule, see
+// Layer::view), so the memory lives while a view does, and a view never keeps a Python object of
+// this extension alive: tensors that torch still holds when the interpreter exits (a global
+// optimizer's parameters, an output whose graph reaches them) leave no nanobind instance behind.
+struct LayerState {
+  std::shared_ptr<Runtime> rt;
+  std::shared_ptr<WorkspaceState> ws;  // the workspace whose buffers the layer uses, or null
+  std::unique_ptr<MoeLayer> layer;     // destroyed first: before the workspace and the runtime
 };
 
 // One MoE layer on one rank: on a runtime of its own, or on a workspace's (`workspace` not None:
@@ -207,78 +224,77 @@ class Layer {
  public:
   Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
         const EchoConfig& echo, uint64_t seed, nb::object collectives, const std::string& transport,
-        nb::object workspace) {
+        nb::object workspace)
+      : s_(std::make_shared<LayerState>()) {
     MoeWorkspace* ws = nullptr;
     if (workspace.is_none()) {
-      rt_ = std::make_shared<Runtime>(backend, dtype, std::move(collectives), transport);
+      s_->rt = std::make_shared<Runtime>(backend, dtype, std::move(collectives), transport);
     } else {
       Workspace& w = nb::cast<Workspace&>(workspace);
-      rt_ = w.runtime();
-      if (rt_->backend_name != backend || rt_->dtype != dtype)
-        reject("workspace", "one on backend " + rt_->backend_name + " (" + rt_->dtype + ")",
+      s_->rt = w.runtime();
+      if (s_->rt->backend_name != backend || s_->rt->dtype != dtype)
+        reject("workspace", "one on backend " + s_->rt->backend_name + " (" + s_->rt->dtype + ")",
                "a workspace on the layer's backend " + backend + " (" + dtype + ")");
       if (!collectives.is_none())
         reject("collectives", "given with a workspace",
                "None: the layer runs on the workspace's communicator");
-      workspace_ = std::move(workspace);
+      s_->ws = w.state();
       ws = &w.workspace();
     }
-    layer_ = std::make_unique<MoeLayer>(*rt_->backend, *rt_->comm, moe, rt_->par, echo, seed,
-                                        /*optimizer_state=*/false, ws);
-  }
-
-  ~Layer() {
-    layer_.reset();  // before the workspace and the runtime it uses
+    s_->layer = std::make_unique<MoeLayer>(*s_->rt->backend, *s_->rt->comm, moe, s_->rt->par, echo,
+                                           seed, /*optimizer_state=*/false, ws);
   }
 
   void forward(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream, int micro_batch) {
     const DType act = backend().activation_dtype();
-    const int64_t H = layer_->moe_config().hidden;
-    layer_->forward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(y), act, {tokens, H}),
-                    as_stream(stream), micro_batch);
+    const int64_t H = s_->layer->moe_config().hidden;
+    s_->layer->forward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(y), act, {tokens, H}),
+                       as_stream(stream), micro_batch);
   }
 
   void backward(uintptr_t x, uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
                 int micro_batch) {
     const DType act = backend().activation_dtype();
-    const int64_t H = layer_->moe_config().hidden;
-    layer_->backward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
-                     Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
+    const int64_t H = s_->layer->moe_config().hidden;
+    s_->layer->backward(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
+                        Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
   }
 
   void backward_into(uintptr_t x, uintptr_t dy, uintptr_t dx, uintptr_t dw1, uintptr_t dw2,
                      int64_t tokens, uintptr_t stream, int micro_batch) {
     const DType act = backend().activation_dtype(), fl = backend().float_dtype();
-    const MoeConfig& m = layer_->moe_config();
-    const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / layer_->parallel_config().ep_size;
+    const MoeConfig& m = s_->layer->moe_config();
+    const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / s_->layer->parallel_config().ep_size;
     const MoeLayer::ExpertGrads into{Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}),
                                      Tensor(as_ptr(dw2), fl, {EPR, F, H})};
-    layer_->backward_into(Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
-                          Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream),
-                          micro_batch);
+    s_->layer->backward_into(
+        Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
+        Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream), micro_batch);
   }
 
   // The split-phase forward and backward (MoeLayer::forward_dispatch ...).
   void forward_dispatch(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream,
                         int micro_batch) {
     const DType act = backend().activation_dtype();
-    const int64_t H = layer_->moe_config().hidden;
-    layer_->forward_dispatch(Tensor(as_ptr(x), act, {tokens, H}),
-                             Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream), micro_batch);
+    const int64_t H = s_->layer->moe_config().hidden;
+    s_->layer->forward_dispatch(Tensor(as_ptr(x), act, {tokens, H}),
+                                Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream),
+                                micro_batch);
   }
   void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
                          int micro_batch) {
     const DType act = backend().activation_dtype();
-    const int64_t H = layer_->moe_config().hidden;
-    layer_->backward_dispatch(Tensor(as_ptr(dy), act, {tokens, H}),
-                              Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream), micro_batch);
+    const int64_t H = s_->layer->moe_config().hidden;
+    s_->layer->backward_dispatch(Tensor(as_ptr(dy), act, {tokens, H}),
+                                 Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream),
+                                 micro_batch);
   }
 
-  void zero_grad(uintptr_t stream) { layer_->zero_grad(as_stream(stream)); }
-  void discard_grad(uintptr_t stream) { layer_->discard_grad(as_stream(stream)); }
+  void zero_grad(uintptr_t stream) { s_->layer->zero_grad(as_stream(stream)); }
+  void discard_grad(uintptr_t stream) { s_->layer->discard_grad(as_stream(stream)); }
 
-  // A DLPack view of a buffer of the layer, owned by `self`.
-  nb::object view(const Tensor& t, nb::handle self) const {
+  // A DLPack view of a buffer of the layer, owned by a capsule that shares the layer's state.
+  nb::object view(const Tensor& t) const {
     std::vector<size_t> shape;
     for (int d = 0; d < t.ndim; ++d) shape.push_back(size_t(t.size(d)));
     const bool cuda = std::string(backend().name()) == "cuda";
@@ -286,19 +302,20 @@ class Layer {
 #ifdef MOE_ECHO_WITH_CUDA
     if (cuda) device_id = cuda::current_device();
 #endif
-    nb::ndarray<nb::pytorch> a(t.data, size_t(t.ndim), shape.data(), self, nullptr,
+    nb::capsule owner(new std::shared_ptr<LayerState>(s_), [](void* p) noexcept {
+      delete static_cast<std::shared_ptr<LayerState>*>(p);
+    });
+    nb::ndarray<nb::pytorch> a(t.data, size_t(t.ndim), shape.data(), owner, nullptr,
                                dlpack_dtype(t.dtype),
                                cuda ? nb::device::cuda::value : nb::device::cpu::value, device_id);
     return nb::cast(a, nb::rv_policy::reference);
   }
 
-  MoeLayer& layer() { return *layer_; }
-  const Backend& backend() const { return *rt_->backend; }
+  MoeLayer& layer() { return *s_->layer; }
+  const Backend& backend() const { return *s_->rt->backend; }
 
  private:
-  std::shared_ptr<Runtime> rt_;
-  nb::object workspace_;  // the Workspace whose buffers the layer uses, or None
-  std::unique_ptr<MoeLayer> layer_;
+  std::shared_ptr<LayerState> s_;
 };
 
 // The text of field `f`'s Python value (set_field reads it), or TypeError naming `keyword` when
@@ -549,6 +566,11 @@ NB_MODULE(_ext, m) {
           "split backward, last phase: dx, spill rounds, router, clone gradients home")
       .def("zero_grad", &Layer::zero_grad, "stream"_a)
       .def(
+          "reset_parameters", [](Layer& l, uint64_t seed) { l.layer().reset_parameters(seed); },
+          "seed"_a,
+          "the parameters set again as a layer built with `seed` has them (per global expert), "
+          "the router bias zeroed; waits for the device")
+      .def(
           "weights_changed", [](Layer& l) { l.layer().weights_changed(); },
           "the expert weights changed: the next forward quantizes them again (fp8) and plans a "
           "new clone placement (echo_placement 'step')")
@@ -565,32 +587,22 @@ NB_MODULE(_ext, m) {
            "the next backward writes the gradients without zeroing them first")
       .def(
           "param",
-          [](nb::handle self, const std::string& name) {
-            Layer& l = nb::cast<Layer&>(self);
-            return l.view(l.layer().param(parse_param(name)), self);
+          [](Layer& l, const std::string& name) {
+            return l.view(l.layer().param(parse_param(name)));
           },
           "name"_a, "the layer's own buffer of a parameter, as a torch view")
       .def(
           "grad",
-          [](nb::handle self, const std::string& name) {
-            Layer& l = nb::cast<Layer&>(self);
-            return l.view(l.layer().grad(parse_param(name)), self);
+          [](Layer& l, const std::string& name) {
+            return l.view(l.layer().grad(parse_param(name)));
           },
           "name"_a, "the layer's gradient buffer of a parameter, as a torch view")
       .def(
-          "plan_buffer",
-          [](nb::handle self, int m) {
-            Layer& l = nb::cast<Layer&>(self);
-            return l.view(l.layer().plan_buffer(m), self);
-          },
+          "plan_buffer", [](Layer& l, int m) { return l.view(l.layer().plan_buffer(m)); },
           "micro_batch"_a = 0,
           "the micro-batch's last forward's plan (int32, PlanView layout), as a torch view")
       .def(
-          "losses",
-          [](nb::handle self, int m) {
-            Layer& l = nb::cast<Layer&>(self);
-            return l.view(l.layer().losses(m), self);
-          },
+          "losses", [](Layer& l, int m) { return l.view(l.layer().losses(m)); },
           "micro_batch"_a = 0,
           "the micro-batch's last forward's [aux, z, sequence aux] losses, as a torch view")
       .def_prop_ro(

@@ -391,6 +391,16 @@ void MoeLayer::optimizer_step(const AdamWConfig& cfg, Stream s) {
 
 void MoeLayer::refresh_master_weights() { core_->refresh_master_weights(); }
 
+void MoeLayer::reset_parameters(uint64_t seed) {
+  LayerCore& l = *core_;
+  l.backend_.synchronize();  // no step of the layer still reads the weights
+  l.init_parameters(seed);
+  l.backend_.fill_zero(l.w_.router_bias, nullptr);
+  l.refresh_master_weights();
+  weights_changed();
+  l.backend_.synchronize();
+}
+
 void MoeLayer::set_phase_observer(PhaseObserver* observer) { core_->observer_ = observer; }
 
 // ---- What the layer holds -----------------------------------------------------------------

@@ -3,7 +3,8 @@ processes (the host-collectives communicator) against one module holding every e
 float64 on the CPU: each rank's y, dx and router gradient equal the single module's on that
 rank's tokens, and each rank's expert gradients the sum over all ranks' tokens of its experts'
 (relative norm 1e-12), with ECHO on and off, skewed routing, spill rounds and the forward in
-chunks."""
+chunks; and without seed, the ranks hold the experts of the one-rank module built after the same
+torch.manual_seed (the group's first rank's draw)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ H, F, E, K, T = 16, 16, 8, 2, 40  # multiples of 8, as the CUDA GEMMs need
 
 
 def config(**kw):
-    base = dict(max_tokens=64, aux_loss_coeff=0.01, z_loss_coeff=0.001, dtype=torch.float64)
+    # seed 1: every module of a test, any layout, holds the same weights
+    base = dict(max_tokens=64, aux_loss_coeff=0.01, z_loss_coeff=0.001, dtype=torch.float64,
+                seed=1)
     base.update(kw)
     return base
 
@@ -276,6 +279,21 @@ def dp_worker(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
+def init_worker(rank, init_file, out_dir):
+    # Each rank seeds torch's generator differently: the group's first rank's draw serves all.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(21 if rank == 0 else 1000 + rank)
+        kw = {**config(shared_experts=1), "seed": None}
+        m = MoE(H, F, E, K, ep_group=dist.group.WORLD, **kw)
+        built = {k: v.clone() for k, v in m.state_dict().items()}
+        torch.manual_seed(22 if rank == 0 else 2000 + rank)
+        m.reset_parameters()  # collective
+        torch.save(dict(built=built, reset=m.state_dict()), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_data_parallel_over_expert_parallel_equals_one_process(tmp_path):
     """EP 2 x DP 2 over gloo (4 processes) through moe_echo.torch.dist.data_parallel: after two
     steps with gradient accumulation every parameter equals one process training the mean of
@@ -299,3 +317,19 @@ def test_data_parallel_over_expert_parallel_equals_one_process(tmp_path):
             if name in ("moe.w1", "moe.w2"):
                 w = w[(rank % 2) * per:(rank % 2 + 1) * per]
             assert rel(v, w) < 1e-10, (rank, name)
+
+
+def test_ep_layouts_of_one_draw_hold_the_same_experts():
+    # Without seed, the EP module's weights are those of the one-rank module built after the same
+    # torch.manual_seed: the experts per global expert, the router and shared experts replicated.
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(init_worker, args=(f"{tmp}/init", tmp), nprocs=2, join=True)
+        got = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
+    per = E // 2
+    for key, torch_seed in (("built", 21), ("reset", 22)):
+        torch.manual_seed(torch_seed)
+        one = MoE(H, F, E, K, **{**config(shared_experts=1), "seed": None}).state_dict()
+        for r in range(2):
+            for name, value in got[r][key].items():
+                want = one[name][r * per:(r + 1) * per] if name in ("w1", "w2") else one[name]
+                assert torch.equal(value, want), (key, r, name)

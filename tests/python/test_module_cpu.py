@@ -13,8 +13,9 @@ from reference import reference_moe, rel
 TOL = 1e-10  # relative norm, float64 both sides (the CPU backend accumulates in double)
 
 
-def make(hidden=16, ffn=12, experts=8, top_k=2, max_tokens=64, dtype=torch.float64, **kw):
-    return MoE(hidden, ffn, experts, top_k, max_tokens=max_tokens, dtype=dtype, **kw)
+def make(hidden=16, ffn=12, experts=8, top_k=2, max_tokens=64, dtype=torch.float64, seed=1, **kw):
+    """A module of seed 1 unless told: the modules a test compares hold the same weights."""
+    return MoE(hidden, ffn, experts, top_k, max_tokens=max_tokens, dtype=dtype, seed=seed, **kw)
 
 
 def check_against_reference(m, x, skew=0.0, tol=TOL):

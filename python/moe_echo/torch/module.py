@@ -9,17 +9,30 @@ The aux, z and sequence aux losses enter the backward by themselves, with gradie
 Megatron's ``MoEAuxLossAutoScaler`` does): do not add them to the loss. ``module.aux_loss``,
 ``module.z_loss`` and ``module.seq_aux_loss`` give their last values for logging, as device
 tensors.
+
+Initialization: without ``seed`` the weights are drawn from torch's default generator (one draw
+per module; ``torch.manual_seed`` repeats it), per global expert, so any EP layout holds the same
+experts; ``reset_parameters()`` sets them again the same way. A module built on the meta device
+holds parameter shells only; ``to_empty()`` builds its C++ layer, ``reset_parameters()`` then sets
+the weights.
+
+Copies: ``copy.deepcopy``, ``torch.save``/``torch.load`` and pickling give an independent module
+with the same config, weights and router bias on a C++ layer of its own (built again from the
+config); a module with an ``ep_group`` is refused (a process group cannot be copied).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import struct
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 from torch import Tensor, nn
 
 from moe_echo import _ext
-from moe_echo.torch import _ops
+from moe_echo.torch import _keywords, _ops
 
 
 def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str, str]:
@@ -49,112 +62,54 @@ def _param_views(h: _ops.LayerHandle) -> tuple[tuple[str, Tensor], ...]:
     return views
 
 
-# The C++ layer's MoeConfig and EchoConfig fields (moe_echo/config_fields.hpp, exported by
-# _ext.moe_config_fields() and _ext.echo_config_fields()) are MoE's keywords, in the lists'
-# order, with the lists' defaults; tests/python/test_config_fields.py holds the signature and the
-# docstring to the lists. Two EchoConfig fields take another keyword here:
-_ECHO_KEYWORDS = {"enabled": "echo", "placement": "echo_placement"}
-# and one MoeConfig field is not a keyword, with the reason:
-_NOT_KEYWORDS = {
-    "master_weights": "float masters for the layer's own AdamW; the module's parameters are "
-    "stepped by a torch optimizer, which keeps them in the parameters' dtype",
-}
-
-
-def _or(words: list[str]) -> str:
-    """ "a", "a or b", "a, b or c"."""
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+# The C++ layer's MoeConfig and EchoConfig fields (moe_echo/config_fields.hpp) are MoE's
+# keywords, in the lists' order, with the lists' defaults (_keywords.py makes them, the signature
+# and the docstring's entries). Two EchoConfig fields take another keyword, one MoeConfig field is
+# not a keyword:
+_ECHO_KEYWORDS = _keywords.ECHO_KEYWORDS
+_NOT_KEYWORDS = _keywords.NOT_KEYWORDS
+# MoE's keywords that are not config fields (after them in the signature).
+_OWN_KEYWORDS = ("device", "dtype", "seed", "ep_group", "ep_transport")
 
 
 def _config_dicts(given: dict) -> tuple[dict, dict]:
-    """The MoeConfig and EchoConfig fields of MoE's keyword values `given`, as the dicts the C++
-    layer takes: each value checked against its field (its type and, for names, its choices
-    here; its range when the layer is built) and made a value of the field's Python type."""
+    """The MoeConfig and EchoConfig fields of MoE's keyword values `given` (every keyword's), as
+    the dicts the C++ layer takes: each value checked against its field (its type and, for names,
+    its choices here; its range when the layer is built) and made a value of the field's Python
+    type."""
     cast = {"int": int, "float": float, "bool": bool, "str": str}
-    configs = []
-    for fields in (_ext.moe_config_fields(), _ext.echo_config_fields()):
-        config = {}
-        for f in fields:
-            keyword = _ECHO_KEYWORDS.get(f["name"], f["name"])
-            if keyword not in given:  # _NOT_KEYWORDS, or a field MoE does not take yet
-                continue
-            value = given[keyword]
-            if f["choices"] and isinstance(value, str) and value not in f["choices"]:
-                allowed = _or([repr(c) for c in f["choices"]])
-                raise ValueError(f"{keyword} = {value!r} is invalid: allowed {allowed}")
-            config[f["name"]] = value
-        configs.append(config)
-    _ext.check_fields(configs[0], configs[1], _ECHO_KEYWORDS)  # TypeError naming the keyword
-    for fields, config in zip((_ext.moe_config_fields(), _ext.echo_config_fields()), configs):
-        for f in fields:
-            if f["name"] in config:
-                config[f["name"]] = cast[f["type"]](config[f["name"]])
-    return configs[0], configs[1]
+    configs = {"moe": {}, "echo": {}}
+    for k in _keywords.keywords():
+        value, f = given[k.name], k.field
+        if f["choices"] and isinstance(value, str) and value not in f["choices"]:
+            allowed = _keywords._or([repr(c) for c in f["choices"]])
+            raise ValueError(f"{k.name} = {value!r} is invalid: allowed {allowed}")
+        configs[k.config][f["name"]] = value
+    _ext.check_fields(configs["moe"], configs["echo"], _ECHO_KEYWORDS)  # TypeError naming it
+    for k in _keywords.keywords():
+        config = configs[k.config]
+        config[k.field["name"]] = cast[k.field["type"]](config[k.field["name"]])
+    return configs["moe"], configs["echo"]
 
 
 class MoE(nn.Module):
     """A dropless MoE layer (router, SwiGLU experts, ECHO load balancing) on one rank.
 
-    Args (the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields, in their order; see
-    docs/python.md):
-        hidden, ffn, experts, top_k: H, F (per expert: fc1 is H x 2F as gate | up, fc2 F x H),
-            E routed experts, K experts per token.
-        max_tokens: the most tokens one forward takes (buffers are sized for it up front).
-        score_function, normalize_topk: "softmax" or "sigmoid"; normalize_topk rescales the K
-            weights to sum 1.
-        aux_loss_coeff, z_loss_coeff: load-balancing and z losses (enter the backward on their
-            own, see the module docstring).
-        bias_update, bias_update_rate: aux-loss-free balancing (the ``router_bias`` buffer).
-        expert_groups, topk_groups, group_score: group-limited top-k: experts in expert_groups
-            groups of E/G consecutive experts; a token picks its topk_groups best groups
-            ("top2_sum": by the sum of each group's two best selection keys, as DeepSeek-V3;
-            "max": by its best key), then its K experts inside them. 1, 1: no limit.
-        routed_scaling_factor: the combine weights times this factor after normalisation.
-        seq_aux_loss_coeff, seq_len: the aux loss over each run of seq_len consecutive tokens,
-            averaged over the runs (DeepSeek-V3's sequence-wise balance loss).
-        shared_experts, shared_ffn: dense SwiGLU experts every token goes through, added to the
-            routed output (DeepSeek-V3, Qwen2-MoE): together one SwiGLU of width
-            shared_experts * shared_ffn (0: ffn), parameters ``shared_w1`` [H, 2S] (gate | up) and
-            ``shared_w2`` [S, H], replicated on every EP rank like the router.
-        shared_side_stream: run the shared experts on a second CUDA stream beside the router and
-            the dispatch (needs shared_experts); the same bits.
-        recompute: what the forward keeps for the backward: "none" (received rows, fc1 and SwiGLU
-            outputs, expert outputs), "moe_act" (redo SwiGLU), "experts" (keep the received rows,
-            redo fc1, SwiGLU and fc2) or "dispatch" (keep nothing at capacity size: redo the
-            dispatch and the experts). Gradients are the same bits whichever is chosen.
-        overlap, overlap_sms: what the backward runs beside its communication: "none" or "wgrad"
-            (fc1's weight-gradient GEMM on a second CUDA stream beside the combine and the
-            router's backward, on all SMs but ``overlap_sms``); gradients are the same bits either
-            way.
-        chunks: the received rows of the forward and the backward in this many chunks (1 to
-            16; 1: one): a chunk's expert GEMMs run on a second CUDA stream, on all SMs but
-            ``overlap_sms``, while the next chunk is dispatched and the one before combined, the
-            weight gradients after the chunks; the same bits as 1. Not with the FP8 dispatch
-            (precision "fp8" with "fprop1").
-        in_flight: how many forwards may await their backward at once (1 to 16), each keeping
-            its own routing and activations: a pipeline schedule runs several micro-batches'
-            forwards before their backwards. A forward beyond them reuses the state of the
-            oldest forward still awaiting its backward, whose backward then raises.
-        precision: the routed experts' GEMMs: "bf16" or "fp8" (e4m3 operands with blockwise
-            scales: 1 x 128 tiles of activations and gradients, 128 x 128 blocks of weights; the
-            router, the shared experts and the parameters keep their dtypes). With "fp8" every
-            forward quantizes the expert weights again (an optimizer may have changed them);
-            hidden and ffn must be multiples of 16.
-        fp8_gemms: with precision "fp8", which expert GEMMs run in FP8, the others unquantized:
-            "all" or a comma-separated list of "fprop1", "fprop2", "dgrad1", "dgrad2", "wgrad1",
-            "wgrad2" (or the pairs "fprop", "dgrad", "wgrad"); with "fprop1" the tokens also
-            cross in e4m3.
-        capacity_factor: receive buffer rows = ceil(capacity_factor * max_tokens * top_k);
-            rows beyond it run in extra (spill) rounds, never dropped (ECHO on or off).
-        echo, spare_slots_per_rank, max_clones_per_expert, clone_cost_rows: ECHO.
-        echo_placement: how long ECHO's clone placement holds: "micro_batch" (every forward
-            plans clones for its own routing and pulls their weights; every backward sends their
-            gradients home) or "step" (the first forward after the expert weights changed plans
-            the placement, the step's other forwards split their rows over it and pull nothing,
-            in echo slots of the module's own; backwards inside ``hold_clone_grads()`` keep
-            their clone gradients, and the step's last backward sends them home once).
-        device, dtype: where the parameters live and their dtype.
-        seed: the initial weights (per global expert, so any layout of the same seed agrees).
+    Parameters: ``router_weight`` [E, H], ``w1`` [E/R, H, 2F] (gate | up), ``w2`` [E/R, F, H], and
+    with shared experts ``shared_w1`` [H, 2S], ``shared_w2`` [S, H]; buffer ``router_bias`` [E].
+    See docs/python.md. The keywords are the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields,
+    in their order and with their defaults (``moe_echo.moe_config_fields()``,
+    ``echo_config_fields()``), then the module's own.
+
+    Args:
+        <config fields>
+        device, dtype: where the parameters live and their dtype (default: the CPU and torch's
+            default dtype). device "meta" builds parameter shells only: ``to_empty()`` builds
+            the C++ layer, ``reset_parameters()`` then sets the weights.
+        seed: the initial weights, drawn per global expert (any EP layout of the same seed holds
+            the same experts). None (the default): a seed drawn from torch's default generator,
+            so modules built in a row differ and ``torch.manual_seed`` repeats them; with an
+            ep_group, the group's first rank's draw. An int: the same weights every time.
         ep_group: a torch.distributed process group whose R ranks share the experts (expert
             parallelism): this rank holds experts [rank * E/R, (rank + 1) * E/R) in w1 and w2, the
             router weight is replicated. None: one rank holds all experts.
@@ -162,6 +117,8 @@ class MoE(nn.Module):
             sync-free NCCL communicator, its NCCL id shared through ``ep_group``; no host sync in
             a step, capturable), "host" (``ep_group``'s own collectives, every op host-synced:
             any backend, the CPU's included), or "auto" (nccl on CUDA when built, host otherwise).
+
+    A keyword that is none of these raises TypeError naming it and the keywords close to it.
     """
 
     def __init__(
@@ -172,50 +129,28 @@ class MoE(nn.Module):
         top_k: int,
         *,
         max_tokens: int,
-        score_function: str = "softmax",
-        normalize_topk: bool = True,
-        aux_loss_coeff: float = 0.0,
-        z_loss_coeff: float = 0.0,
-        bias_update: bool = False,
-        bias_update_rate: float = 1e-3,
-        expert_groups: int = 1,
-        topk_groups: int = 1,
-        group_score: str = "top2_sum",
-        routed_scaling_factor: float = 1.0,
-        seq_aux_loss_coeff: float = 0.0,
-        seq_len: int = 0,
-        shared_experts: int = 0,
-        shared_ffn: int = 0,
-        shared_side_stream: bool = False,
-        recompute: str = "none",
-        overlap: str = "none",
-        overlap_sms: int = 16,
-        chunks: int = 1,
-        in_flight: int = 1,
-        precision: str = "bf16",
-        fp8_gemms: str = "all",
-        capacity_factor: float = 1.25,
-        echo: bool = True,
-        spare_slots_per_rank: int = 1,
-        max_clones_per_expert: int = 2,
-        clone_cost_rows: int = 0,
-        echo_placement: str = "micro_batch",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        seed: int = 1,
+        seed: int | None = None,
         ep_group=None,
         ep_transport: str = "auto",
+        **config,
     ):
-        given = dict(locals())  # the keywords, read by field name in _config_dicts
+        # The config fields' keywords, checked by name, and the lists' defaults for the others.
+        given = _keywords.values(
+            dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, max_tokens=max_tokens),
+            config, others=_OWN_KEYWORDS,
+        )
         super().__init__()
         moe, echo_fields = _config_dicts(given)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed = {seed!r} is invalid: allowed an int")
-        if seed < 0:
-            raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64")
-        if precision != "fp8" and fp8_gemms != "all":
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, int):
+                raise TypeError(f"seed = {seed!r} is invalid: allowed an int or None")
+            if not 0 <= seed < 2**64:
+                raise ValueError(f"seed = {seed} is invalid: allowed 0 <= seed < 2**64 or None")
+        if moe["precision"] != "fp8" and moe["fp8_gemms"] != "all":
             raise ValueError(
-                f"fp8_gemms = {fp8_gemms!r} is invalid: allowed 'all' (the default) unless "
+                f"fp8_gemms = {moe['fp8_gemms']!r} is invalid: allowed 'all' (the default) unless "
                 "precision is 'fp8'"
             )
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -226,7 +161,8 @@ class MoE(nn.Module):
             raise TypeError(f"dtype = {dtype} is invalid: allowed a floating dtype")
         self._config, self._echo_config = moe, echo_fields
         self._seed = seed
-        self.shared_width = shared_experts * (shared_ffn if shared_ffn > 0 else ffn)
+        shared_ffn = moe["shared_ffn"] if moe["shared_ffn"] > 0 else moe["ffn"]
+        self.shared_width = moe["shared_experts"] * shared_ffn
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.max_tokens = max_tokens
         if ep_transport not in ("auto", "nccl", "host"):
@@ -260,12 +196,43 @@ class MoE(nn.Module):
         if device.type == "meta":
             self._build_meta(dtype)
         else:
-            h = self._build(device, dtype)
+            h = self._build(device, dtype, seed=self._initial_seed())
             # A parameter of the layer's dtype is its buffer (no copy per forward); others are
             # copies, cast into the layer by each forward.
             for name, view in _param_views(h):
                 setattr(self, name, nn.Parameter(view if view.dtype == dtype else view.to(dtype)))
             self.register_buffer("router_bias", h.router_bias, persistent=True)
+
+    # ---- initialization -----------------------------------------------------------------------
+
+    def _initial_seed(self) -> int:
+        """The seed of the initial weights: ``seed`` when one was given; otherwise one draw from
+        torch's default generator, the ep_group's first rank's on every rank of it (collective)."""
+        if self._seed is not None:
+            return self._seed
+        seed = int(torch.randint(2**63 - 1, ()))
+        if self._collectives is not None:
+            seed = struct.unpack("<Q", self._collectives.all_gather(struct.pack("<Q", seed))[:8])[0]
+        return seed
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Sets every parameter again as the constructor does (router, experts per global expert,
+        shared experts, from ``seed`` or a new draw from torch's default generator) and zeroes the
+        router bias. On the meta device it does nothing (``to_empty()`` first). With an ep_group
+        and no ``seed`` it is collective: every rank of the group calls it at the same point."""
+        h = self._handle
+        if h is None:
+            return
+        h.layer.reset_parameters(self._initial_seed())  # the layer's buffers, router bias zeroed
+        for name, view in _param_views(h):
+            p = self._parameters[name]
+            if p.data_ptr() != view.data_ptr():  # not the layer's buffer: a copy of another dtype
+                p.copy_(view)
+        bias = self._buffers["router_bias"]
+        if bias.data_ptr() != h.router_bias.data_ptr():
+            bias.zero_()
+        h.weights_version = None  # the next forward tells the layer the weights changed
 
     # ---- the C++ layer behind the module ----------------------------------------------------
 
@@ -284,13 +251,15 @@ class MoE(nn.Module):
         """The ep_group's process group, or None."""
         return None if self._collectives is None else self._collectives.group
 
-    def _build(self, device: torch.device, dtype: torch.dtype, workspace=None) -> _ops.LayerHandle:
+    def _build(self, device: torch.device, dtype: torch.dtype, workspace=None,
+               seed: int | None = None) -> _ops.LayerHandle:
         """Builds (or rebuilds) the C++ layer for parameters of `dtype` on `device`, on
-        `workspace` (a moe_echo.torch.Workspace) or with buffers of its own. With an ep_group
-        this is collective: every rank of the group builds at the same point."""
+        `workspace` (a moe_echo.torch.Workspace) or with buffers of its own, its weights from
+        `seed` (None: any, the caller writes them). With an ep_group this is collective: every
+        rank of the group builds at the same point."""
         backend, compute = _compute_dtypes(device, dtype)
-        cfg = dict(moe=self._config, echo=self._echo_config, seed=self._seed,
-                   keywords=_ECHO_KEYWORDS)
+        seed = seed if seed is not None else (self._seed or 0)
+        cfg = dict(moe=self._config, echo=self._echo_config, seed=seed, keywords=_ECHO_KEYWORDS)
         if workspace is not None:
             cfg.update(workspace=workspace._ext)
         elif self._collectives is not None:
@@ -384,6 +353,40 @@ class MoE(nn.Module):
     def __del__(self):
         if getattr(self, "_layer_id", None) is not None:
             _ops.unregister(self._layer_id)
+
+    # ---- copies: deepcopy, torch.save / torch.load, pickling ----------------------------------
+
+    # What belongs to the C++ layer, not to a copy: a copy builds a layer of its own from the
+    # config (unbound from any workspace) and gets the weights and the router bias.
+    _LAYER_STATE = ("_handle", "_layer_id", "_layer_key", "_workspace", "last_losses")
+
+    def _copy_state(self) -> dict:
+        """The module's __dict__ without the C++ layer's state."""
+        if self._collectives is not None:
+            raise TypeError(
+                "MoE with an ep_group cannot be copied or pickled: its process group and "
+                "communicator exist only in this process; build MoE(..., ep_group=...) on every "
+                "rank of the group and load the weights with load_state_dict"
+            )
+        state = super().__getstate__()
+        for name in self._LAYER_STATE:
+            state[name] = None
+        return state
+
+    def __getstate__(self) -> dict:
+        return self._copy_state()
+
+    def __deepcopy__(self, memo: dict) -> "MoE":
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self._copy_state(), memo))
+        return new
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        w1 = self._parameters["w1"]
+        if w1.device.type != "meta":  # a layer of its own, holding the copied weights
+            self._rebuild(w1.device, w1.dtype, self._buffers["router_bias"])
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -504,3 +507,50 @@ class MoE(nn.Module):
             f"echo={self._echo_config['enabled']}, ep_size={self.ep_size}"
         )
 
+
+class _HostCopy:
+    """Pickles as a copy of a tensor's bytes (rebuilt on its device): multiprocessing's pickler
+    would otherwise move a tensor's storage into shared memory in place, and the layer's own
+    memory must stay the layer's."""
+
+    def __init__(self, t: Tensor, parameter: bool):
+        self.args = (t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(),
+                     t.dtype, tuple(t.shape), str(t.device), t.requires_grad, parameter)
+
+    def __reduce__(self):
+        return _tensor_from_bytes, self.args
+
+
+def _tensor_from_bytes(data: bytes, dtype, shape, device, requires_grad, parameter):
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape).to(device)
+    return nn.Parameter(t, requires_grad) if parameter else t
+
+
+def _moe_from_state(cls, state: dict) -> MoE:
+    m = cls.__new__(cls)
+    m.__setstate__(state)
+    return m
+
+
+def _reduce_for_multiprocessing(m: MoE):
+    """MoE through multiprocessing's pickler (torch.multiprocessing, a Queue, a spawned
+    process's arguments): as pickle does, but the parameters and the router bias that are the
+    layer's memory as copies of their bytes (the others are shared as torch shares tensors)."""
+    state = m._copy_state()
+    h = m._handle
+    if h is not None:
+        owned = {v.data_ptr() for _, v in _param_views(h)}
+        params, buffers = dict(state["_parameters"]), dict(state["_buffers"])
+        for name, p in params.items():
+            if p is not None and p.data_ptr() in owned:
+                params[name] = _HostCopy(p, parameter=True)
+        buffers["router_bias"] = _HostCopy(buffers["router_bias"], parameter=False)
+        state["_parameters"], state["_buffers"] = params, buffers
+    return _moe_from_state, (type(m), state)
+
+
+ForkingPickler.register(MoE, _reduce_for_multiprocessing)
+
+# The signature and the docstring's Args entries of the config fields, from the lists.
+MoE.__doc__ = _keywords.document(MoE.__doc__)
+MoE.__init__.__signature__ = _keywords.signature(MoE.__init__)
