@@ -199,6 +199,7 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -212,6 +213,7 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 #include "cuda/gemm/grouped_gemm_fp8.hpp"
 #include "cuda/ops.hpp"
 #include "moe_echo/backend.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/presets.hpp"
 
 namespace gg_bench {
@@ -701,6 +703,22 @@ std::string json_escape(const std::string& s) {
   return o;
 }
 
+// printf-style text appended to `s` (the results file, written at once by write_file).
+__attribute__((format(printf, 2, 3))) void appendf(std::string& s, const char* fmt, ...) {
+  va_list a, b;
+  va_start(a, fmt);
+  va_copy(b, a);
+  const int n = std::vsnprintf(nullptr, 0, fmt, a);
+  va_end(a);
+  if (n > 0) {
+    const size_t at = s.size();
+    s.resize(at + size_t(n) + 1);
+    std::vsnprintf(s.data() + at, size_t(n) + 1, fmt, b);
+    s.resize(at + size_t(n));
+  }
+  va_end(b);
+}
+
 }  // namespace
 }  // namespace gg_bench
 
@@ -738,6 +756,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    moe_echo::check_output_path("out", out);  // before any GPU time
     int dev = 0;
     CK(cudaGetDevice(&dev));
     cudaDeviceProp prop;
@@ -763,42 +782,39 @@ int main(int argc, char** argv) {
     const std::time_t now = std::time(nullptr);
     char date[32];
     std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-    FILE* f = std::fopen(out.c_str(), "w");
-    if (!f) throw std::runtime_error("cannot write " + out);
-    std::fprintf(f, "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"date\": \"%s\",\n",
-                 json_escape(prop.name).c_str(), prop.multiProcessorCount, date);
-    std::fprintf(f, "  \"git_commit\": \"%s\",\n", json_escape(commit).c_str());
-    std::fprintf(
-        f,
-        "  \"config\": {\"dtype\": \"bf16 in, fp32 accumulate; fprop/dgrad bf16 out, "
-        "wgrad fp32 +=\", \"groups\": \"balanced\", \"inputs\": \"uniform [-1, 1) bf16\", "
-        "\"timing\": \"CUDA events per call (prep + GEMM); pre-heat %.0f ms per (shape, op), "
-        "then %d rounds interleaving the kernels, each >= %.0f ms and >= 20 calls; "
-        "ms_median = median of round medians\", \"flop\": \"2 * rows * K * N\"},\n",
-        preheat_ms, rounds, block_ms);
-    std::fprintf(f, "  \"shapes\": [\n");
+    std::string doc;
+    appendf(doc, "{\n  \"device\": \"%s\",\n  \"sm_count\": %d,\n  \"date\": \"%s\",\n",
+            json_escape(prop.name).c_str(), prop.multiProcessorCount, date);
+    appendf(doc, "  \"git_commit\": \"%s\",\n", json_escape(commit).c_str());
+    appendf(doc,
+            "  \"config\": {\"dtype\": \"bf16 in, fp32 accumulate; fprop/dgrad bf16 out, "
+            "wgrad fp32 +=\", \"groups\": \"balanced\", \"inputs\": \"uniform [-1, 1) bf16\", "
+            "\"timing\": \"CUDA events per call (prep + GEMM); pre-heat %.0f ms per (shape, op), "
+            "then %d rounds interleaving the kernels, each >= %.0f ms and >= 20 calls; "
+            "ms_median = median of round medians\", \"flop\": \"2 * rows * K * N\"},\n",
+            preheat_ms, rounds, block_ms);
+    appendf(doc, "  \"shapes\": [\n");
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)
-      std::fprintf(
-          f,
+      appendf(
+          doc,
           "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": %lld}%s\n",
           shapes[i].name.c_str(), shapes[i].experts, (long long)shapes[i].rows,
           (long long)shapes[i].K, (long long)shapes[i].N,
           i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
-    std::fprintf(f, "  ],\n  \"results\": [\n");
+    appendf(doc, "  ],\n  \"results\": [\n");
     const auto& rs = bench.results();
     for (size_t i = 0; i < rs.size(); ++i) {
       const Result& r = rs[i];
-      std::fprintf(
-          f,
-          "    {\"shape\": \"%s\", \"op\": \"%s\", \"kernel\": \"%s\", \"ms_median\": %.5f, "
-          "\"ms_min\": %.5f, \"ms_round_min\": %.5f, \"ms_round_max\": %.5f, \"tflops\": %.2f, "
-          "\"sampled_rel_err\": %.3e, \"calls\": %d}%s\n",
-          r.shape.c_str(), r.op.c_str(), json_escape(r.kernel).c_str(), r.ms_median, r.ms_min,
-          r.ms_min_round, r.ms_max_round, r.tflops, r.rel_err, r.calls,
-          i + 1 < rs.size() ? "," : "");
+      appendf(doc,
+              "    {\"shape\": \"%s\", \"op\": \"%s\", \"kernel\": \"%s\", \"ms_median\": %.5f, "
+              "\"ms_min\": %.5f, \"ms_round_min\": %.5f, \"ms_round_max\": %.5f, \"tflops\": %.2f, "
+              "\"sampled_rel_err\": %.3e, \"calls\": %d}%s\n",
+              r.shape.c_str(), r.op.c_str(), json_escape(r.kernel).c_str(), r.ms_median, r.ms_min,
+              r.ms_min_round, r.ms_max_round, r.tflops, r.rel_err, r.calls,
+              i + 1 < rs.size() ? "," : "");
     }
-    std::fprintf(f, "  ]\n}\n");
-    std::fclose(f);
+    appendf(doc, "  ]\n}\n");
+    moe_echo::write_file(out, doc);  // FileError names the path and the reason
     std::printf("wrote %s\n", out.c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "grouped_gemm_bench: %s\n", e.what());

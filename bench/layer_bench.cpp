@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -62,7 +61,7 @@ void dump(Backend& be, const Tensor& t, const std::string& path) {
   std::vector<char> host(t.bytes());
   be.synchronize();
   be.copy_to_host(host.data(), t.data, host.size());
-  std::ofstream(path, std::ios::binary).write(host.data(), std::streamsize(host.size()));
+  write_file(path, std::string_view(host.data(), host.size()));  // FileError names the path
 }
 
 double median(std::vector<double> v) {
@@ -72,7 +71,7 @@ double median(std::vector<double> v) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string dump_dir = "/tmp/moe_echo_layer", out = "layer_bench.json", only;
   int iters = 20, warmup = 5, tokens = 8192;
   bool profile = false, shared = false;
@@ -99,6 +98,9 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  // Before any GPU time: the folder every case dumps into, and the results file.
+  check_output_dir("dump", dump_dir);
+  if (!profile) check_output_path("out", out);
   const std::vector<Case> cases = {
       slice(kQwen3_30B_A3B, 16, true),
       slice(kDeepSeekV3, 32, false),
@@ -248,6 +250,21 @@ int main(int argc, char** argv) {
                         {"iters", iters},
                         {"warmup", warmup},
                         {"results", results}};
-  std::ofstream(out) << doc.dump(2) << "\n";
+  write_file(out, doc.dump(2) + "\n");
   return 0;
+}
+
+// A file that cannot be written (a --dump folder or --out path that does not exist) or any other
+// failure: its message on stderr and exit code 1 (2 for an invalid --dump or --out, before the
+// run).
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const moe_echo::ConfigError& e) {
+    std::fprintf(stderr, "layer_bench: error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "layer_bench: error: %s\n", e.what());
+    return 1;
+  }
 }

@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -89,7 +88,7 @@ struct MicroBatches {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
   std::string out = "micro_batch_bench.json", only, precision = "bf16";
   int iters = 20, warmup = 5, tokens = 8192;
@@ -112,6 +111,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  check_output_path("out", out);  // before any GPU time
   if (precision != "bf16" && precision != "fp8") {
     std::fprintf(stderr, "--precision %s is invalid: allowed bf16 or fp8\n", precision.c_str());
     return 2;
@@ -333,9 +333,23 @@ int main(int argc, char** argv) {
                         {"iters", iters},
                         {"warmup", warmup},
                         {"results", results}};
-  if (rank == 0) std::ofstream(out) << doc.dump(2) << "\n";
+  if (rank == 0) write_file(out, doc.dump(2) + "\n");
   bool ok = true;
   for (const auto& r : results)
     ok = ok && r["interleaved_bits_equal"].get<bool>() && r["two_streams_bits_equal"].get<bool>();
   return ok ? 0 : 1;
+}
+
+// A results file that cannot be written, or any other failure: its message on stderr and exit
+// code 1 (2 for an invalid --out, before the run).
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const moe_echo::ConfigError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "micro_batch_bench", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "micro_batch_bench", e.what());
+    return 1;
+  }
 }

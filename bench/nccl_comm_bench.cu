@@ -25,7 +25,6 @@
 #include <bit>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -39,6 +38,7 @@
 #include "moe_echo/cuda.hpp"
 #include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/nccl.hpp"
 #include "moe_echo/nccl_check.hpp"
 #include "moe_echo/presets.hpp"
@@ -133,6 +133,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    check_output_path("json", json_path);  // every rank, before the run: none waits on a failed one
     const DistEnv env = DistEnv::from_env();
     const int R = env.world_size, me = env.rank;
     if (R < 2) {
@@ -411,7 +412,7 @@ int main(int argc, char** argv) {
       j["reps"] = reps;
       j["timing"] = "median of reps CUDA-graph replays per op, CUDA events, slowest rank";
       j["results"] = results;
-      std::ofstream(json_path) << j.dump(2) << "\n";
+      write_file(json_path, j.dump(2) + "\n");  // FileError names the path and the reason
       std::printf("wrote %s\n", json_path.c_str());
     }
     rv.barrier();

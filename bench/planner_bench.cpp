@@ -47,6 +47,7 @@
 #include "moe_echo/cuda.hpp"
 #include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/planner.hpp"
 #include "moe_echo/presets.hpp"
 #include "moe_echo/random.hpp"
@@ -504,12 +505,7 @@ int run(const Options& o, const std::string& command) {
         {"plans_differ", plans_differ},
         {"gate_timeouts", gate_timeouts},
         {"results", results}};
-    std::ofstream f(o.out);
-    f << doc.dump(1) << "\n";
-    if (!f) {
-      std::fprintf(stderr, "planner_bench: cannot write %s\n", o.out.c_str());
-      return 2;
-    }
+    write_file(o.out, doc.dump(1) + "\n");  // FileError: the path and the reason, exit 1
   }
 
   if (gate_timeouts)
@@ -578,7 +574,11 @@ int main(int argc, char** argv) {
     }
   }
   try {
+    check_output_path("out", o.out);  // before any timing
     return run(o, command);
+  } catch (const moe_echo::FileError& e) {
+    std::fprintf(stderr, "planner_bench: error: %s\n", e.what());
+    return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "planner_bench: error: %s\n", e.what());
     return 2;

@@ -16,7 +16,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -128,7 +127,7 @@ double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   std::string out = "router_bench.json";
   int iters = 50, warmup = 10, tokens = kDeepSeekV3.tokens, check = 256;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -148,6 +147,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  check_output_path("out", out);  // before any GPU time
   const ModelPreset& p = kDeepSeekV3;
   const int64_t T = tokens, H = p.hidden, E = p.experts, K = p.top_k;
   auto grouped = [&](GroupScore rule, double scale, double seq) {
@@ -280,7 +280,21 @@ int main(int argc, char** argv) {
                               {"warmup", warmup},
                               {"target_over_plain", 1.2},
                               {"results", results}};
-  std::ofstream(out) << doc.dump(2) << "\n";
+  write_file(out, doc.dump(2) + "\n");
   CHECK_CUDA(cudaStreamDestroy(s));
   return failures == 0 ? 0 : 1;
+}
+
+// A results file that cannot be written, or any other failure: its message on stderr and exit
+// code 1 (2 for an invalid --out, before the run).
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const moe_echo::ConfigError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "router_bench", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", "router_bench", e.what());
+    return 1;
+  }
 }

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -27,6 +26,7 @@
 #include "moe_echo/random.hpp"
 #include "moe_echo/stats.hpp"
 #include "moe_echo/synthetic.hpp"
+#include "progress.hpp"
 
 #ifdef MOE_ECHO_WITH_CUDA
 #include <cuda_runtime.h>
@@ -60,6 +60,10 @@ struct BenchOptions {
 
 // The most layers one bench step runs.
 constexpr int kMaxLayers = 4096;
+// The most steps of a run, and of steps times layers: the table keeps every step's statistics of
+// every layer (about 100 bytes each) for the summary and --json.
+constexpr int kMaxSteps = 1000000;
+constexpr int64_t kMaxStepLayers = 10000000;
 
 // One layer's statistics of a step (rank 0's view, as StepStats).
 struct LayerRow {
@@ -510,14 +514,17 @@ void Report::summary() const {
     s["phases"] = ph;
   }
   j["summary"] = s;
-  std::ofstream out(o.json);
-  if (!out) throw Error("cannot write --json file '" + o.json + "'");
-  out << j.dump(2) << "\n";
+  write_file(o.json, j.dump(2) + "\n");
   std::printf("wrote %s\n", o.json.c_str());
 }
 
 int check_steps(BenchOptions& o) {
-  if (o.steps < 1) reject("steps", o.steps, "steps >= 1");
+  if (o.steps < 1 || o.steps > kMaxSteps)
+    reject("steps", o.steps, "1 <= steps <= " + std::to_string(kMaxSteps));
+  if (int64_t(o.steps) * o.layers > kMaxStepLayers)
+    reject("steps", o.steps,
+           "steps * layers <= " + std::to_string(kMaxStepLayers) + " (layers " +
+               std::to_string(o.layers) + "; every layer's statistics of every step are kept)");
   if (!o.warmup) o.warmup = std::min(1, o.steps - 1);
   if (*o.warmup < 0 || *o.warmup >= o.steps)
     reject("warmup", *o.warmup, "0 <= warmup < steps (" + std::to_string(o.steps) + ")");
@@ -589,15 +596,21 @@ int run_bench(const BenchOptions& opts) {
   report.memory.estimate = moe_bytes_per_rank(L, *probe, NL, !o.separate, false);
   report.memory.parts = moe_memory_per_rank(L, *probe, NL, !o.separate, false);
   report.header();
+  std::fflush(stdout);
+  warn_if_slow_on_cpu("bench", L, NL, o.steps);
 
   std::vector<std::vector<double>> fwd(size_t(R), std::vector<double>(size_t(o.steps))), bwd = fwd;
   const auto start = std::chrono::steady_clock::now();
+  // A line on stderr whenever the run is quiet for 5 s (GPU-sized layers on the CPU).
+  Heartbeat heartbeat("bench", o.steps);
+  heartbeat.stage("building the layers");
   InProcessWorld world(R);
   world.run([&](int rank) {
     auto backend = make_backend(o.layer.backend);
     std::unique_ptr<Communicator> comm_holder;
     Communicator& comm = rank_communicator(*backend, world, rank, comm_holder);
     BenchLayers layers(*backend, comm, L, NL, o.separate, rank, o.layer.seed, o.split_phases);
+    if (rank == 0) layers.set_phase_observer(&heartbeat);
     for (int l = 0; l < NL; ++l)
       write_tensor(*backend, layers.layer(l).param(Param::router_weight), synth.router_weight());
     if (rank == 0) {
@@ -607,12 +620,14 @@ int run_bench(const BenchOptions& opts) {
       report.memory.estimate = estimate;
       report.memory.parts = parts;
       report.table_header();
+      heartbeat.printed();
     }
     RankTensors alloc(*backend);
     std::vector<Tensor> acts, grads;  // acts[0] = x, acts[L] = y; grads[L] = dy, grads[0] = dx
     for (int l = 0; l <= NL; ++l) acts.push_back(alloc({T, H})), grads.push_back(alloc({T, H}));
     std::vector<double> dy_host(size_t(T) * size_t(H));
     for (int step = 0; step < o.steps; ++step) {
+      if (rank == 0) heartbeat.step(step);
       write_tensor(*backend, acts[0], synth.tokens(step, rank, T));
       Rng rng(o.layer.seed ^ 0xd1ull, uint64_t(step), uint64_t(rank));
       for (auto& v : dy_host) v = rng.normal() / double(T);
@@ -620,9 +635,11 @@ int run_bench(const BenchOptions& opts) {
       layers.zero_grad();
       comm.barrier();
       const auto t0 = std::chrono::steady_clock::now();
+      if (rank == 0) heartbeat.stage("forward");
       layers.forward(acts);
       backend->synchronize();
       const auto t1 = std::chrono::steady_clock::now();
+      if (rank == 0) heartbeat.stage("backward");
       layers.backward(grads);
       backend->synchronize();
       const auto t2 = std::chrono::steady_clock::now();
@@ -643,6 +660,7 @@ int run_bench(const BenchOptions& opts) {
       if (elapsed > 3.0 && step + 1 < o.steps)
         std::fprintf(stderr, "[bench] step %d/%d, %.1f s elapsed, about %.0f s left\n", step + 1,
                      o.steps, elapsed, elapsed / (step + 1) * (o.steps - step - 1));
+      heartbeat.printed();
     }
   });
 

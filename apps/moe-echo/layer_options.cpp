@@ -1,6 +1,5 @@
 #include "layer_options.hpp"
 
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -267,23 +266,6 @@ void check_memory(const ResolvedLayer& L, const Backend& backend, int layers, bo
                   need / (1 << 30), L.ep, what, per_rank / (1 << 30), have / (1 << 30), lower);
     throw ConfigError("memory", msg);
   }
-}
-
-void check_output_path(const std::string& field, const std::string& path) {
-  if (path.empty()) return;
-  struct stat st {};
-  if (::stat(path.c_str(), &st) == 0) {
-    if (S_ISDIR(st.st_mode)) reject(field, "'" + path + "'", "a file path, not a folder");
-    if (::access(path.c_str(), W_OK) != 0)
-      reject(field, "'" + path + "'", "a file this user may write (it is read-only)");
-    return;
-  }
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash + 1);
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    reject(field, "'" + path + "'", "a path in an existing folder ('" + dir + "' is none)");
-  if (::access(dir.c_str(), W_OK) != 0)
-    reject(field, "'" + path + "'", "a path in a folder this user may write ('" + dir + "')");
 }
 
 Communicator& rank_communicator(const Backend& backend, InProcessWorld& world, int rank,

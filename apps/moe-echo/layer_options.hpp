@@ -12,6 +12,7 @@
 #include "moe_echo/backend.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
+#include "moe_echo/host_io.hpp"  // check_output_path: the --json, --plot and --write-trace files
 #include "moe_echo/layer.hpp"
 #include "moe_echo/presets.hpp"
 
@@ -73,10 +74,6 @@ void check_memory(const ResolvedLayer& L, const Backend& backend, int layers, bo
 
 // Physical memory of this machine in bytes (0 when unknown).
 double physical_memory_bytes();
-
-// Checks before a run that `path` (a --json, --plot or --write-trace file) can be written: its
-// folder exists and is writable, and the path is not a folder. Throws ConfigError naming `field`.
-void check_output_path(const std::string& field, const std::string& path);
 
 // Tensors of one rank's run in the backend's activation dtype, freed when it ends (an exception
 // included). Declare it after the backend, which must outlive it.

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,6 +15,7 @@
 #include "moe_echo/capacity_plan.hpp"
 #include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/presets.hpp"
 #include "moe_echo/simulator.hpp"
 #include "moe_echo/trace.hpp"
@@ -329,10 +329,7 @@ int run_plan(const PlanOptions& o) {
                                             {"clones_per_step", s.clones_per_step},
                                             {"memory_gb", s.memory_gb}});
     }
-    std::ofstream f(o.json);
-    if (!f) throw Error(o.json + ": cannot open for writing");
-    f << j.dump(1) << "\n";
-    if (!f) throw Error(o.json + ": write failed");
+    write_file(o.json, j.dump(1) + "\n");
   }
   return 0;
 }

@@ -4,7 +4,6 @@
 // docs/simulate.md documents every flag, the trace formats and the JSON fields.
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,6 +15,7 @@
 #include "layer_options.hpp"
 #include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 #include "moe_echo/simulator.hpp"
 #include "moe_echo/svg_plot.hpp"
 #include "moe_echo/trace.hpp"
@@ -238,10 +238,7 @@ int run_simulate(const SimulateOptions& o) {
     j["policies"] = nlohmann::json::object();
     for (const PolicyStats& p : res.policies) j["policies"][to_string(p.policy)] = policy_json(p);
     j["elapsed_s"] = res.elapsed_s;
-    std::ofstream f(o.json);
-    if (!f) throw Error(o.json + ": cannot open for writing");
-    f << j.dump(1) << "\n";
-    if (!f) throw Error(o.json + ": write failed");
+    write_file(o.json, j.dump(1) + "\n");
   }
   if (!o.plot.empty()) {
     LinePlot plot;

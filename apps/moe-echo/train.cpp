@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -20,6 +19,7 @@
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/layer.hpp"
 #include "moe_echo/random.hpp"
+#include "progress.hpp"
 
 namespace moe_echo::cli {
 namespace {
@@ -37,6 +37,29 @@ struct TrainOptions {
 // Steps are bounded so that the loss curves stay small.
 constexpr int kMaxSteps = 1000000;
 
+// The settings that can make a run diverge, as "--lr (0.01)" or "--lr (1e+10), --weight-decay
+// (5) or --aux-loss-coeff (1e+06)": the learning rate, and those set above their defaults.
+std::string divergence_knobs(const TrainOptions& o, const MoeConfig& m) {
+  const MoeConfig d;
+  std::vector<std::pair<const char*, double>> knobs = {{"--lr", o.lr}};
+  if (o.weight_decay > 0) knobs.emplace_back("--weight-decay", o.weight_decay);
+  if (m.aux_loss_coeff > d.aux_loss_coeff) knobs.emplace_back("--aux-loss-coeff", m.aux_loss_coeff);
+  if (m.z_loss_coeff > d.z_loss_coeff) knobs.emplace_back("--z-loss-coeff", m.z_loss_coeff);
+  if (m.seq_aux_loss_coeff > d.seq_aux_loss_coeff)
+    knobs.emplace_back("--seq-aux-loss-coeff", m.seq_aux_loss_coeff);
+  if (m.routed_scaling_factor > d.routed_scaling_factor)
+    knobs.emplace_back("--routed-scaling-factor", m.routed_scaling_factor);
+  if (m.bias_update && m.bias_update_rate > d.bias_update_rate)
+    knobs.emplace_back("--bias-update-rate", m.bias_update_rate);
+  std::ostringstream s;
+  for (size_t i = 0; i < knobs.size(); ++i)
+    s << (i == 0                  ? ""
+          : i + 1 == knobs.size() ? " or "
+                                  : ", ")
+      << knobs[i].first << " (" << knobs[i].second << ")";
+  return s.str();
+}
+
 // Loss per step of one training run. Teacher and student share EP layout and data.
 std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bool echo_on) {
   const MoeConfig& moe = L.moe;
@@ -47,6 +70,9 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
   teacher_echo.enabled = false;
   std::vector<double> losses(size_t(o.steps), 0.0);
   std::vector<double> rank_loss(size_t(R), 0.0);
+  // A line on stderr whenever the run is quiet for 5 s (train prints its table at the end).
+  Heartbeat heartbeat(echo_on ? "train, ECHO on" : "train, ECHO off", o.steps);
+  heartbeat.stage("building the layers");
   InProcessWorld world(R);
   world.run([&](int rank) {
     auto backend = make_backend(o.layer.backend);
@@ -55,6 +81,7 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
     MoeLayer teacher(*backend, comm, moe, ParallelConfig{R, rank}, teacher_echo,
                      o.layer.seed + 7919);
     MoeLayer student(*backend, comm, moe, ParallelConfig{R, rank}, student_echo, o.layer.seed);
+    if (rank == 0) student.set_phase_observer(&heartbeat);
     // The teacher routes like the student at initialisation (its experts are its own), so the
     // student can reach it: it must learn the teacher's experts and keep the routing.
     write_tensor(*backend, teacher.param(Param::router_weight),
@@ -67,6 +94,7 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
     adam.lr = o.lr;
     adam.weight_decay = o.weight_decay;
     for (int step = 0; step < o.steps; ++step) {
+      if (rank == 0) heartbeat.step(step);
       Rng rng(o.layer.seed ^ 0x7a11ull, uint64_t(step), uint64_t(rank));
       for (auto& v : xh) v = rng.normal();
       write_tensor(*backend, x, xh);
@@ -100,7 +128,7 @@ std::vector<double> train_once(const TrainOptions& o, const ResolvedLayer& L, bo
       if (!std::isfinite(total)) {
         std::ostringstream m;
         m << "train (ECHO " << (echo_on ? "on" : "off") << "): the loss of step " << step << " is "
-          << total << " (not finite): the run diverged; lower --lr (" << o.lr << ")";
+          << total << " (not finite): the run diverged; lower " << divergence_knobs(o, moe);
         throw Error(m.str());
       }
     }
@@ -131,6 +159,10 @@ int run_train(const TrainOptions& o) {
       "E %d, top-%d, %d tokens/rank, EP %d, AdamW lr %g\n",
       L.preset.c_str(), probe->name(), L.moe.hidden, L.moe.ffn, L.moe.experts, L.moe.top_k,
       L.moe.max_tokens, L.ep, o.lr);
+  std::fflush(stdout);
+  // Per step: the teacher's forward and the student's forward and backward, about a step of one
+  // layer and a forward; twice with --echo both.
+  warn_if_slow_on_cpu("train", L, 1, o.steps, o.compare == "both" ? 2 : 1);
 
   std::vector<double> on, off;
   if (o.compare != "off") on = train_once(o, L, true);
@@ -188,9 +220,7 @@ int run_train(const TrainOptions& o) {
                         {"loss_falls", falls},
                         {"compared", compared},
                         {"curves_agree", compared ? nlohmann::json(agree) : nlohmann::json()}};
-    std::ofstream out(o.json);
-    if (!out) throw Error("cannot write --json file '" + o.json + "'");
-    out << j.dump(2) << "\n";
+    write_file(o.json, j.dump(2) + "\n");
   }
   return falls && (agree || !compared) ? 0 : 1;
 }

@@ -28,6 +28,10 @@
 
 namespace moe_echo::offline {
 
+// The most MoE layers of a model `plan` takes (real models have tens; the plan keeps one layer
+// config per layer of a pipeline stage).
+inline constexpr int kMaxPlanLayers = 100000;
+
 struct ModelSpec {  // defaults: DeepSeek-V3
   std::string name{kDeepSeekV3.name};
   int hidden = kDeepSeekV3.hidden;                // H

@@ -130,6 +130,10 @@ inline constexpr int kMaxChunks = 16;
 // scaling): beyond it the float losses and gradients would overflow (no training uses more than a
 // few units).
 inline constexpr double kMaxCoeff = 1e6;
+// The largest clone cost (EchoConfig::clone_cost_rows), 2^31-1 rows: a step's routed rows fit
+// int32 (validate() bounds ep * max_tokens * top_k), so at this cost no clone ever pays for
+// itself and a larger one would change no plan (the planner caps costs at 2^31 in any case).
+inline constexpr int64_t kMaxCloneCostRows = 2147483647;
 
 // One MoE layer: the fields of MOE_ECHO_MOE_CONFIG_FIELDS (config_fields.hpp), in its order.
 struct MoeConfig {

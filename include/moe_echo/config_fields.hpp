@@ -168,7 +168,7 @@ constexpr FieldRule by_hand(const char* text) {
   /* Per clone link of the busiest-linked rank (a rank's links: clones it hosts + clones of */    \
   /* its home experts): the planner minimises the busiest rank's load plus this per such link */  \
   /* (planner.hpp). */                                                                            \
-  X(int64_t, clone_cost_rows, 0, at_least(0),                                                     \
+  X(int64_t, clone_cost_rows, 0, in_range(0, kMaxCloneCostRows),                                  \
     "the cost of one clone (weights in, gradient out) in routed rows of expert work")             \
   X(EchoPlacement, placement, EchoPlacement::micro_batch, choice(),                               \
     "how long a clone placement holds: one forward (micro_batch) or a step (step, in echo slots " \

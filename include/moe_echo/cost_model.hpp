@@ -89,6 +89,7 @@ struct CostModel {
   // clone's saving with.
   double row_ms(int hidden, int ffn) const;
   double clone_ms(int hidden, int ffn, int grad_bytes) const;
+  // clone_ms / row_ms rounded up, at most kMaxCloneCostRows (2^31-1, where no clone pays).
   int64_t clone_cost_rows(int hidden, int ffn, int grad_bytes) const;
 };
 

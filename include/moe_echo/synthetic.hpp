@@ -26,15 +26,25 @@ struct SkewSpec {
   int drift_period = 200;  // P, steps
 };
 
-// "uniform" or "zipf:S" (S >= 0). Throws ConfigError naming `field` otherwise.
+// The steepest Zipf exponent of a skew. At S = 100 the hottest expert is already 2^100 times as
+// popular as the next one (a log-popularity gap of 69, beyond reach of the Gumbel noise), and the
+// synthetic logits grow as S log E: larger exponents change no route worth measuring and only
+// push the tokens toward the limits of the activation dtype.
+constexpr double kMaxZipfExponent = 100;
+
+// "uniform" or "zipf:S" (0 <= S <= kMaxZipfExponent). Throws ConfigError naming `field`
+// otherwise (NaN and infinities included).
 SkewSpec parse_skew(const std::string& s, const char* field = "skew");
 std::string to_string(const SkewSpec& s);
 
 class SyntheticTokens {
  public:
   SyntheticTokens(int experts, int hidden, const SkewSpec& skew, uint64_t seed);
-  // Expected share of each expert at `step` (normalised p).
+  // Expected share of each expert at `step` (normalised p; a share below ~1e-308 is 0).
   std::vector<double> popularity(int step) const;
+  // log p of each expert at `step`, computed in the log domain: finite for every exponent the
+  // parser allows, even where p itself underflows to 0.
+  std::vector<double> log_popularity(int step) const;
   // Router weight [E, H] that makes the tokens route as described (orthonormal rows).
   const std::vector<double>& router_weight() const { return q_; }
   // Tokens [T, H] for (step, rank), reproducible.

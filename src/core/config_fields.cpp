@@ -35,11 +35,14 @@ std::string or_list(const std::vector<std::string>& names) {
   return s;
 }
 
-// A bound in a message: "0", "1024", "1e6".
+// A bound in a message: "0", "1024", "1e6", "2147483647" (an integer the short form would round
+// is written whole).
 std::string bound_text(double v) {
   std::ostringstream s;
   s << v;
   const std::string t = s.str();  // "1e+06": the exponent without its sign (when +) and zeros
+  if (std::stod(t) != v && v == std::floor(v) && std::fabs(v) < 9e15)
+    return std::to_string(int64_t(v));
   const size_t e = t.find('e');
   if (e == std::string::npos) return t;
   size_t digits = e + 1;

@@ -21,11 +21,14 @@ SkewSpec parse_skew(const std::string& s, const char* field) {
     try {
       size_t used = 0;
       spec.exponent = std::stod(s.substr(5), &used);
-      if (used == s.size() - 5 && std::isfinite(spec.exponent) && spec.exponent >= 0) return spec;
+      if (used == s.size() - 5 && spec.exponent >= 0 && spec.exponent <= kMaxZipfExponent)
+        return spec;  // NaN fails both comparisons
     } catch (const std::exception&) {
     }
   }
-  reject(field, "'" + s + "'", "uniform or zipf:S with S >= 0 (e.g. zipf:1.2)");
+  reject(field, "'" + s + "'",
+         "uniform or zipf:S with 0 <= S <= " + std::to_string(int(kMaxZipfExponent)) +
+             " (e.g. zipf:1.2)");
 }
 
 std::string to_string(const SkewSpec& s) {
@@ -66,25 +69,34 @@ SyntheticTokens::SyntheticTokens(int experts, int hidden, const SkewSpec& skew, 
   }
 }
 
-std::vector<double> SyntheticTokens::popularity(int step) const {
-  std::vector<double> p(static_cast<size_t>(experts_));
-  double sum = 0;
+std::vector<double> SyntheticTokens::log_popularity(int step) const {
+  std::vector<double> w(static_cast<size_t>(experts_));
   for (int e = 0; e < experts_; ++e) {
     const double drift =
         skew_.drift *
         std::sin(6.283185307179586 * step / std::max(1, skew_.drift_period) + phase_[size_t(e)]);
-    p[size_t(e)] = std::exp(-skew_.exponent * std::log(zipf_rank_[size_t(e)] + 1.0) + drift);
-    sum += p[size_t(e)];
+    w[size_t(e)] = -skew_.exponent * std::log(zipf_rank_[size_t(e)] + 1.0) + drift;
   }
-  for (auto& v : p) v /= sum;
+  // log p = w - logsumexp(w), with the largest w taken out first: no exp overflows and the
+  // hottest expert's term is 1, so the sum is in [1, E] and every log p is finite.
+  const double top = *std::max_element(w.begin(), w.end());
+  double sum = 0;
+  for (double v : w) sum += std::exp(v - top);
+  const double log_sum = top + std::log(sum);
+  for (double& v : w) v -= log_sum;
+  return w;
+}
+
+std::vector<double> SyntheticTokens::popularity(int step) const {
+  std::vector<double> p = log_popularity(step);
+  for (double& v : p) v = std::exp(v);
   return p;
 }
 
 std::vector<double> SyntheticTokens::tokens(int step, int rank, int count) const {
   const size_t H = size_t(hidden_), E = size_t(experts_);
-  const std::vector<double> p = popularity(step);
-  std::vector<double> logp(E), x(size_t(count) * H), l(E), coef(E);
-  for (size_t e = 0; e < E; ++e) logp[e] = std::log(p[e]);
+  const std::vector<double> logp = log_popularity(step);
+  std::vector<double> x(size_t(count) * H), coef(E);
   Rng rng(seed_ ^ 0x70c3e5ull, uint64_t(step) + 1, uint64_t(rank) + 1);
   for (int t = 0; t < count; ++t) {
     double* xt = x.data() + size_t(t) * H;

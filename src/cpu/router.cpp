@@ -20,6 +20,17 @@
 namespace moe_echo::cpu {
 namespace {
 
+// The selection order of experts and groups: the larger key first, ties to the lower index; a NaN
+// key after every number, NaN keys by index. A strict total order, as std::partial_sort needs (a
+// NaN compared with > alone is not one, and can send the sort out of range): a NaN score is never
+// picked over a number, and the K picks are always K distinct experts in [0, E). The GPU's
+// ranks_before (src/cuda/router_select.cu) is the same order.
+bool rank_before(double ka, int a, double kb, int b) {
+  const bool na = std::isnan(ka), nb = std::isnan(kb);
+  if (na || nb) return na == nb ? a < b : nb;
+  return ka > kb || (ka == kb && a < b);
+}
+
 double logsumexp(const double* l, int n) {
   double m = -INFINITY;
   for (int i = 0; i < n; ++i) m = std::max(m, l[i]);
@@ -55,7 +66,7 @@ void eligible_experts(const RouterConfig& cfg, const std::vector<double>& key,
   std::vector<int> order(static_cast<size_t>(G));
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + cfg.topk_groups, order.end(), [&](int p, int q) {
-    return group[size_t(p)] > group[size_t(q)] || (group[size_t(p)] == group[size_t(q)] && p < q);
+    return rank_before(group[size_t(p)], p, group[size_t(q)], q);
   });
   std::sort(order.begin(), order.begin() + cfg.topk_groups);
   for (int i = 0; i < cfg.topk_groups; ++i)
@@ -120,11 +131,10 @@ void router_forward(const RouterForwardArgs& a) {
     if (S > 0)
       for (int64_t e = 0; e < E; ++e)
         seq_prob[size_t(t / cfg.seq_len * E + e)] += s[size_t(e)] / s_total;
-    // Top-k by score + bias among the eligible experts, ties to the lower expert index.
+    // Top-k by score + bias among the eligible experts, ties to the lower expert index, NaN keys
+    // last (rank_before).
     eligible_experts(cfg, key, order);
-    auto better = [&](int p, int q) {
-      return key[size_t(p)] > key[size_t(q)] || (key[size_t(p)] == key[size_t(q)] && p < q);
-    };
+    auto better = [&](int p, int q) { return rank_before(key[size_t(p)], p, key[size_t(q)], q); };
     std::partial_sort(order.begin(), order.begin() + K, order.end(), better);
     double sel_sum = 0;
     for (int64_t k = 0; k < K; ++k) sel_sum += double(T(s[size_t(order[size_t(k)])]));

@@ -14,8 +14,12 @@
 namespace moe_echo::cuda::router_detail {
 namespace {
 
-// (key, index) order of the selection: larger key first, then the lower index.
+// (key, index) order of the selection: larger key first, then the lower index; a NaN key after
+// every number, NaN keys by index (the CPU's rank_before in src/cpu/router.cpp). A total order, so
+// every lane's butterfly ends on the same pick and K picks are K distinct experts.
 __device__ __forceinline__ bool ranks_before(double ka, int a, double kb, int b) {
+  const bool na = isnan(ka), nb = isnan(kb);
+  if (na || nb) return na == nb ? a < b : nb;
   return ka > kb || (ka == kb && a < b);
 }
 
@@ -138,7 +142,7 @@ __global__ void router_topk_kernel(int64_t T, int E, int K, const float* __restr
           best = oi;
         }
       }
-      if (best == INT_MAX) best = 0;  // only when every key is NaN
+      if (best == INT_MAX) best = 0;  // only when no allowed expert is left (K > allowed)
       prev_key = best_key;
       prev = best;
       sel_sum += double(s[best]);
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(kSelectWarps * 32)
           best_score = os;
         }
       }
-      // Lane 0's pick for every lane (they agree unless keys are NaN); every key NaN: expert 0.
+      // Lane 0's pick for every lane (they agree: the order is total); none left: expert 0.
       const float score0 = __shfl_sync(0xffffffffu, sf[0], 0);
       best_key = __shfl_sync(0xffffffffu, best_key, 0);
       best = __shfl_sync(0xffffffffu, best, 0);

@@ -187,6 +187,11 @@ std::vector<Finding> check(const WallsInput& in) {
       {"pp", l.pp},         {"vpp", l.vpp},         {"kernels_per_layer", t.kernels_per_layer}};
   for (const auto& [field, v] : positive)
     if (v < 1) error(field, invalid(field, v, std::string(field) + " >= 1"));
+  // The model counts a pipeline stage's layers one MoeConfig each (MoeStack::memory_breakdown).
+  if (m.layers > kMaxPlanLayers)
+    error("layers", invalid("layers", m.layers,
+                            "1 <= layers <= " + std::to_string(kMaxPlanLayers) +
+                                " (MoE layers of one model; DeepSeek-V3 has 58)"));
   if (!f.empty()) return f;  // the rules below divide by these
   if (m.top_k < 1 || m.top_k > m.experts)
     error("top_k",

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
+
+#include "moe_echo/config.hpp"
+#include "moe_echo/host_io.hpp"
 
 namespace moe_echo::offline {
 namespace {
@@ -114,13 +116,14 @@ void apply_measured_json(GpuSpec& g, const std::string& text, const std::string&
 }
 
 void apply_measured_file(GpuSpec& g, const std::string& path) {
-  std::ifstream in(path);
-  if (!in)
+  std::string text;
+  try {
+    text = read_file(path);
+  } catch (const FileError& e) {
     reject("measured", "'" + path + "'",
-           "a measured-results JSON file this user can read (cannot open it)");
-  std::stringstream s;
-  s << in.rdbuf();
-  apply_measured_json(g, s.str(), path);
+           "a measured-results JSON file this user can read (cannot open it: " + e.reason() + ")");
+  }
+  apply_measured_json(g, text, path);
 }
 
 double intra_node_fraction(int ep, int etp, int gpus_per_node) {
@@ -160,7 +163,12 @@ double CostModel::clone_ms(int hidden, int ffn, int grad_bytes) const {
 }
 
 int64_t CostModel::clone_cost_rows(int hidden, int ffn, int grad_bytes) const {
-  return int64_t(std::ceil(clone_ms(hidden, ffn, grad_bytes) / row_ms(hidden, ffn)));
+  // Capped at kMaxCloneCostRows, the cost at which no clone pays for itself: extreme GPU numbers
+  // (a GEMM rate near the largest double, a link near 0 GB/s) make the ratio overflow int64 or
+  // the row time vanish.
+  const double rows = std::ceil(clone_ms(hidden, ffn, grad_bytes) / row_ms(hidden, ffn));
+  if (rows >= 0 && rows < double(kMaxCloneCostRows)) return int64_t(rows);
+  return rows < 0 ? 0 : kMaxCloneCostRows;  // NaN (0 / 0) and above: the cap
 }
 
 double ranks_per_token(double E, double ep, double K) {

@@ -52,9 +52,10 @@ void validate(const SimulatorConfig& c) {
   if (c.layers < 0) reject("layers", c.layers, "layers >= 1 (or 0: every layer of the trace)");
   if (c.spare_slots < 0) reject("spare_slots", c.spare_slots, "spare_slots >= 0");
   if (c.max_clones < 0) reject("max_clones", c.max_clones, "max_clones >= 0");
-  if (c.clone_cost_rows < -1)
+  if (c.clone_cost_rows < -1 || c.clone_cost_rows > kMaxCloneCostRows)
     reject("clone_cost_rows", c.clone_cost_rows,
-           "clone_cost_rows >= 0 (or -1: from the cost model)");
+           "0 <= clone_cost_rows <= " + std::to_string(kMaxCloneCostRows) +
+               " (or -1: from the cost model; at the largest no clone pays for itself)");
   // Sense: clones and slots beyond what can be placed (one replica of an expert per rank, on
   // ranks other than its home) never help; the library defaults pass on any layout.
   const int useful_clones = std::max(c.ranks - 1, EchoConfig{}.max_clones_per_expert);

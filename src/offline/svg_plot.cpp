@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <sstream>
 
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 
 namespace moe_echo::offline {
 namespace {
@@ -141,10 +141,7 @@ std::string render_svg(const LinePlot& plot) {
 }
 
 void write_svg(const LinePlot& plot, const std::string& path) {
-  std::ofstream out(path);
-  if (!out) throw Error(path + ": cannot open for writing");
-  out << render_svg(plot);
-  if (!out) throw Error(path + ": write failed");
+  write_file(path, render_svg(plot));
 }
 
 }  // namespace moe_echo::offline

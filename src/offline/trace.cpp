@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -17,6 +16,7 @@
 
 #include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
+#include "moe_echo/host_io.hpp"
 
 namespace moe_echo::offline {
 
@@ -552,12 +552,14 @@ TraceFile TraceFile::parse_json(const std::string& text, const std::string& orig
 }
 
 TraceFile TraceFile::read(const std::string& path, int experts) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) file_error(path, "cannot open the file");
-  std::stringstream s;
-  s << in.rdbuf();
+  std::string text;
+  try {
+    text = read_file(path);
+  } catch (const FileError& e) {
+    file_error(path, "cannot open the file: " + e.reason());
+  }
   const bool json = path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0;
-  return json ? parse_json(s.str(), path, experts) : parse_csv(s.str(), path, experts);
+  return json ? parse_json(text, path, experts) : parse_csv(text, path, experts);
 }
 
 TraceFile TraceFile::totals_of(const TraceSource& source, int ranks) {
@@ -628,8 +630,8 @@ std::unique_ptr<LayerStream> TraceFile::open_layer(int layer, int ranks) const {
 
 void write_trace_csv(const TraceSource& source, int ranks, bool per_source,
                      const std::string& path) {
-  std::ofstream out(path);
-  if (!out) throw Error(path + ": cannot open for writing");
+  OutputFile file(path);   // every failure names the path and the reason
+  std::ostringstream out;  // one step's lines, then written
   const int E = source.experts(), L = source.layers();
   out << "# moe-echo routing trace: " << source.describe() << "\n";
   out << "# "
@@ -661,8 +663,11 @@ void write_trace_csv(const TraceSource& source, int ranks, bool per_source,
         out << '\n';
       }
     }
+    file.write(out.str());
+    out.str("");
   }
-  if (!out) throw Error(path + ": write failed");
+  file.write(out.str());  // the header of a trace without steps
+  file.close();
 }
 
 }  // namespace moe_echo::offline

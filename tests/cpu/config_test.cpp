@@ -1,6 +1,7 @@
 // Every validation rule: the error names the field, the value and what is allowed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -244,6 +245,81 @@ TEST(Config, ScoreFunctionAndSkewParsing) {
   expect_rejected([] { parse_skew("zipf:-1"); }, "skew", "'zipf:-1'");
   expect_rejected([] { parse_skew("zipf:"); }, "skew", "'zipf:'");
   expect_rejected([] { parse_skew("pareto"); }, "skew", "'pareto'");
+}
+
+// The Zipf exponent at its extremes: 0 and kMaxZipfExponent are skews; NaN, infinities, negative
+// and larger exponents are refused by name, with what is allowed.
+TEST(Config, SkewExponentExtremes) {
+  EXPECT_EQ(parse_skew("zipf:0").exponent, 0.0);
+  EXPECT_EQ(parse_skew("zipf:100").exponent, kMaxZipfExponent);
+  EXPECT_EQ(parse_skew("zipf:1e-300").exponent, 1e-300);
+  for (const char* s : {"zipf:nan", "zipf:inf", "zipf:-inf", "zipf:1e308", "zipf:1e6", "zipf:100.5",
+                        "zipf:-1", "zipf:-0.5", "zipf:1e999", "zipf:1.2x"}) {
+    SCOPED_TRACE(s);
+    try {
+      parse_skew(s);
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.field(), "skew");
+      EXPECT_NE(std::string(e.what()).find(std::string("'") + s + "'"), std::string::npos);
+      EXPECT_NE(std::string(e.what()).find("0 <= S <= 100"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// At the steepest exponent the synthetic tokens stay finite (log-popularity in the log domain:
+// exp(-100 ln 64) underflows, its log does not), the popularity sums to 1 with the hottest expert
+// holding almost all of it, and the uniform skew is flat.
+TEST(Synthetic, SteepestSkewGivesFiniteTokens) {
+  const int E = 64, H = 64, T = 32;
+  for (double s : {0.0, 1.2, 50.0, kMaxZipfExponent}) {
+    SCOPED_TRACE(s);
+    SkewSpec spec;
+    spec.exponent = s;
+    SyntheticTokens synth(E, H, spec, 7);
+    for (int step : {0, 57}) {
+      const std::vector<double> p = synth.popularity(step), logp = synth.log_popularity(step);
+      double sum = 0, top = 0;
+      for (int e = 0; e < E; ++e) {
+        ASSERT_TRUE(std::isfinite(logp[size_t(e)])) << "expert " << e;
+        ASSERT_LE(logp[size_t(e)], 0.0);
+        sum += p[size_t(e)];
+        top = std::max(top, p[size_t(e)]);
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-12);
+      if (s >= 50) {
+        EXPECT_GT(top, 1.0 - 1e-12);
+      }
+      for (double v : synth.tokens(step, 1, T)) ASSERT_TRUE(std::isfinite(v));
+    }
+  }
+}
+
+// The clone cost at its extremes: 0 and 2^31-1 rows (no clone pays for itself) are costs; more,
+// or a negative cost, is refused by name with the bound.
+TEST(Config, CloneCostRowsBound) {
+  const MoeConfig m = good_moe();
+  const ParallelConfig par{4, 0};
+  for (int64_t cost : {int64_t(0), int64_t(1), kMaxCloneCostRows}) {
+    EchoConfig e;
+    e.clone_cost_rows = cost;
+    EXPECT_NO_THROW(validate(m, par, e)) << cost;
+  }
+  for (int64_t cost : {kMaxCloneCostRows + 1, std::numeric_limits<int64_t>::max(), int64_t(-1),
+                       std::numeric_limits<int64_t>::min()}) {
+    SCOPED_TRACE(cost);
+    EchoConfig e;
+    e.clone_cost_rows = cost;
+    try {
+      validate(m, par, e);
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& err) {
+      EXPECT_EQ(err.field(), "clone_cost_rows");
+      EXPECT_NE(std::string(err.what()).find("0 <= clone_cost_rows <= 2147483647"),
+                std::string::npos)
+          << err.what();
+    }
+  }
 }
 
 // The field lists (config_fields.hpp): each field's text round-trips, its default is the

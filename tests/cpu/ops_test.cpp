@@ -692,6 +692,101 @@ TEST(RouterRules, TiedGroupsGoToLowerIndex) {
     }
 }
 
+// A NaN selection key ranks after every number, NaN keys by index (docs/design.md, the router):
+// experts whose weight row is NaN (a NaN sigmoid score) are never picked over finite ones, and
+// when fewer than K keys are numbers the picks go on with the NaN experts in index order; the K
+// picks are always distinct and in range. The same with the group limit (every group scored by
+// its finite keys, a group of NaN keys last).
+TEST(RouterForward, NanKeysRankLastAndPicksStayDistinct) {
+  for (DType dt : {DType::f64, DType::f32})
+    for (int groups : {1, 4}) {
+      SCOPED_TRACE(dtype_name(dt) + " groups " + std::to_string(groups));
+      auto be = make_cpu_backend(dt);
+      const int64_t T = 7, H = 5, E = 8, K = 3;
+      RouterRig rig(*be, {T, H, E, K});
+      put_random(*be, rig.x, 71);
+      put(*be, rig.bias, std::vector<double>(size_t(E), 0.0));
+      const RouterConfig cfg =
+          groups > 1 ? grouped(ScoreFunction::sigmoid, true, groups, groups, GroupScore::max, 1.0)
+                     : RouterConfig{ScoreFunction::sigmoid, true, 0.0, 0.0};
+      for (const std::vector<int>& nan_experts :
+           {std::vector<int>{1, 4}, std::vector<int>{0, 2, 3, 5, 6, 7},
+            std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}}) {
+        auto w = test::random_values(size_t(E * H), 72, -0.5, 0.5);
+        for (int e : nan_experts)
+          for (int64_t h = 0; h < H; ++h) w[size_t(e * H + h)] = std::nan("");
+        put(*be, rig.weight, w);
+        rig.poison_outputs();
+        be->router_forward(rig.args(cfg), nullptr);
+        const auto idx = as_ints(get(*be, rig.topk_idx));
+        const auto scores = get(*be, rig.scores);
+        const int64_t finite = E - int64_t(nan_experts.size());
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int32_t> picks(idx.begin() + t * K, idx.begin() + (t + 1) * K);
+          std::vector<int32_t> sorted = picks;
+          std::sort(sorted.begin(), sorted.end());
+          EXPECT_EQ(std::adjacent_find(sorted.begin(), sorted.end()), sorted.end())
+              << "token " << t << ": an expert picked twice";
+          for (int64_t k = 0; k < K; ++k) {
+            const int32_t e = picks[size_t(k)];
+            ASSERT_TRUE(e >= 0 && e < E) << "token " << t << " pick " << k << ": " << e;
+            // The first min(K, finite) picks are finite-scored; the rest NaN ones by index.
+            EXPECT_EQ(std::isnan(scores[size_t(t * E + e)]), k >= finite) << "token " << t;
+          }
+          // The NaN picks come in index order, after the finite ones.
+          for (int64_t k = std::max<int64_t>(finite, 0) + 1; k < K; ++k)
+            EXPECT_LT(picks[size_t(k - 1)], picks[size_t(k)]) << "token " << t;
+        }
+        EXPECT_TRUE(rig.arena.guards_intact());
+      }
+    }
+}
+
+// A NaN or infinite value in one token's x makes its logits non-finite and every softmax score
+// NaN: the token goes to experts 0 .. K-1 with NaN combine weights, the losses are NaN (reported,
+// not hidden), and every other token routes exactly as without it.
+TEST(RouterForward, NonFiniteTokenRoutesToLowestExpertsWithNanWeights) {
+  for (DType dt : {DType::f64, DType::f32})
+    for (double bad : {std::nan(""), std::numeric_limits<double>::infinity(),
+                       -std::numeric_limits<double>::infinity()}) {
+      SCOPED_TRACE(dtype_name(dt) + " x = " + std::to_string(bad));
+      auto be = make_cpu_backend(dt);
+      const int64_t T = 6, H = 4, E = 8, K = 2, bad_token = 2;
+      RouterRig rig(*be, {T, H, E, K});
+      auto x = test::random_values(size_t(T * H), 81);
+      put(*be, rig.x, x);
+      put_random(*be, rig.weight, 82);
+      put(*be, rig.bias, std::vector<double>(size_t(E), 0.0));
+      be->router_forward(rig.args(ScoreFunction::softmax, true, 0.1, 0.1), nullptr);
+      const auto clean_idx = as_ints(get(*be, rig.topk_idx));
+      const auto clean_w = get(*be, rig.topk_weight);
+      x[size_t(bad_token * H + 1)] = bad;
+      put(*be, rig.x, x);
+      rig.poison_outputs();
+      be->router_forward(rig.args(ScoreFunction::softmax, true, 0.1, 0.1), nullptr);
+      const auto idx = as_ints(get(*be, rig.topk_idx));
+      const auto tw = get(*be, rig.topk_weight);
+      const auto losses = get(*be, rig.losses);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t k = 0; k < K; ++k) {
+          const size_t i = size_t(t * K + k);
+          if (t == bad_token) {
+            EXPECT_EQ(idx[i], k);
+            EXPECT_TRUE(std::isnan(tw[i]));
+          } else {
+            EXPECT_EQ(idx[i], clean_idx[i]) << "token " << t;
+            EXPECT_EQ(tw[i], clean_w[i]) << "token " << t;
+          }
+        }
+      EXPECT_TRUE(std::isnan(losses[0])) << "aux loss " << losses[0];
+      EXPECT_TRUE(std::isnan(losses[1])) << "z loss " << losses[1];
+      int64_t routes = 0;
+      for (int32_t c : as_ints(get(*be, rig.counts))) routes += c;
+      EXPECT_EQ(routes, T * K);
+      EXPECT_TRUE(rig.arena.guards_intact());
+    }
+}
+
 // The gradients with groups, routed scaling and the sequence aux loss (plus both batch losses)
 // against central differences; sequences of 4 over 9 tokens leave a short last one.
 TEST(RouterRules, GradientsMatchFiniteDifferences) {
