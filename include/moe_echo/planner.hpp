@@ -9,6 +9,8 @@
 // - A plan never raises the busiest rank's load above the no-clone load, and with a clone cost
 //   its cost (busiest load + clone_cost_rows per clone link of the busiest-linked rank) never
 //   exceeds the no-clone busiest load.
+// - With row_block B > 1, every replica of an expert takes a multiple of B rows but the last one
+//   with rows (in replica order), which takes the rest.
 // - The plan is a flat array of int32 (`plan_ints()` entries) so a device kernel can write it.
 #pragma once
 
@@ -29,6 +31,15 @@ struct PlannerConfig {
   // this per clone link of its busiest-linked rank (clones it hosts + clones of its home experts
   // elsewhere). 0: clones are free, and any clone that lowers the busiest load is made.
   int64_t clone_cost_rows = 0;
+  // The rows of an expert with clones are split between its replicas in whole blocks of this
+  // many rows of the expert's row order (sources in rank order, each source's rows in (token, k)
+  // order, as one slot would receive them with no clones): the replicas take consecutive runs of
+  // that order in replica order (compute_assignment), and each run but the last starts and ends
+  // on a block boundary. 1: any split, and a source's rows go first to a replica on its own rank.
+  // planner_config sets kFp8Tile (128) when a weight-gradient GEMM runs in FP8: its operands are
+  // quantized in tiles of 128 of an expert's rows from the start of each replica's rows, so whole
+  // blocks give every tile the same rows with ECHO on and off.
+  int row_block = 1;
 
   int experts_per_rank() const { return experts / ranks; }
   int max_replicas() const { return 1 + max_clones; }
@@ -88,8 +99,11 @@ void plan_placed(const int32_t* routing_map, const PlannerConfig& cfg, const int
 void plan_none(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out);
 
 // Rows source rank src sends to replica j of expert e: assign[(src * E + e) * M + j].
-// Locality first: a source first fills a replica on its own rank, then the replicas in replica
-// order, each up to its remaining quota; sources are served in rank order. Deterministic.
+// With row_block 1, locality first: a source first fills a replica on its own rank, then the
+// replicas in replica order, each up to its remaining quota; sources are served in rank order.
+// With row_block > 1, in order: sources in rank order fill the replicas in replica order, so
+// replica j takes the expert's rows [sum of rows of replicas < j, + its rows) in the expert's row
+// order (see row_block). Deterministic.
 void compute_assignment(const int32_t* routing_map, const PlannerConfig& cfg, const PlanView& plan,
                         int32_t* assign);
 

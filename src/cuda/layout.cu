@@ -78,8 +78,8 @@ __global__ void __launch_bounds__(kChunk)
 
 // (2) One block: assignment, slot offsets, round flags, first rows, chunk prefixes.
 __global__ void __launch_bounds__(kTableThreads)
-    plan_tables_kernel(int R, int E, int M, int EPR, int slots, int me, int64_t chunks,
-                       int64_t capacity, int rounds, const int32_t* __restrict__ C,
+    plan_tables_kernel(int R, int E, int M, int EPR, int slots, int me, int row_block,
+                       int64_t chunks, int64_t capacity, int rounds, const int32_t* __restrict__ C,
                        const int32_t* __restrict__ replica_rank,
                        const int32_t* __restrict__ replica_slot,
                        const int32_t* __restrict__ replica_rows, int32_t* assign, LayoutScratch sc,
@@ -101,10 +101,12 @@ __global__ void __launch_bounds__(kTableThreads)
       continue;
     }
     for (int j = 0; j < M; ++j) quota[j] = j < nrep ? rrows[j] : 0;
-    // Pass 1: a source keeps its rows on its own rank, up to that replica's quota.
+    // Pass 1: a source keeps its rows on its own rank, up to that replica's quota (row_block 1:
+    // with whole blocks the replicas take the expert's rows in order, pass 2 alone).
     for (int src = 0; src < R; ++src) {
       int32_t* a = assign + (int64_t(src) * E + e) * M;
       for (int j = 0; j < M; ++j) a[j] = 0;
+      if (row_block > 1) continue;
       const int32_t rows = C[int64_t(src) * E + e];
       for (int j = 0; j < nrep; ++j) {
         if (rrank[j] != src) continue;
@@ -258,11 +260,11 @@ void layout(const LayoutArgs& a, void* scratch, cudaStream_t s) {
         rank_in_chunk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   MOE_ECHO_LAUNCH(rank_in_chunk_kernel, unsigned(chunks), kChunk, smem, s, n, E,
                   a.topk_idx.as<int32_t>(), a.dest_row.as<int32_t>(), sc.hist);
-  MOE_ECHO_LAUNCH(plan_tables_kernel, 1, kTableThreads, 0, s, R, E, M, EPR, a.slots, a.rank, chunks,
-                  a.capacity, int(a.round_active.size(0)), a.routing_map.as<int32_t>(),
-                  plan.replica_rank, plan.replica_slot, plan.replica_rows, a.assign.as<int32_t>(),
-                  sc, a.group_offsets.as<int32_t>(), a.rank_rows.as<int32_t>(),
-                  a.round_active.as<int32_t>());
+  MOE_ECHO_LAUNCH(plan_tables_kernel, 1, kTableThreads, 0, s, R, E, M, EPR, a.slots, a.rank,
+                  cfg.row_block, chunks, a.capacity, int(a.round_active.size(0)),
+                  a.routing_map.as<int32_t>(), plan.replica_rank, plan.replica_slot,
+                  plan.replica_rows, a.assign.as<int32_t>(), sc, a.group_offsets.as<int32_t>(),
+                  a.rank_rows.as<int32_t>(), a.round_active.as<int32_t>());
   MOE_ECHO_LAUNCH(place_kernel, blocks_for(n, 256, grid_cap()), 256, 0, s, n, E, M, a.rank,
                   a.topk_idx.as<int32_t>(), a.assign.as<int32_t>(), plan.replica_rank, sc.hist,
                   sc.first_row, a.dest_rank.as<int32_t>(), a.dest_row.as<int32_t>());

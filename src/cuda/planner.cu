@@ -3,7 +3,8 @@
 // (and placement), by running the same
 // code (src/echo/planner_core.hpp, with the warp code of src/echo/planner_warp.hpp) in one block:
 // the expert loads and the initial state over all threads, then placement and refinement on
-// warp 0, then the plan over all threads again. The greedy loop's state changes are sequential by
+// warp 0 (and the whole blocks of align_blocks on its lane 0), then the plan over all threads
+// again. The greedy loop's state changes are sequential by
 // nature and run on lane 0 (integer work over a few arrays of E and R entries, kept in shared
 // memory); its searches over ranks and experts (the busiest rank, the targets, the candidates and
 // their order) run on the whole warp.
@@ -80,6 +81,8 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
         if (placement[i] >= 0) core.add_clone(placement[i], i / S);
     w.sync();
     core.refine_warp(w);
+    if (tid == 0) core.align_blocks(cfg.clone_cost_rows);  // whole blocks, row_block > 1
+    w.sync();
   }
   __syncthreads();
   const int32_t mine = core.write_part(out, tid, threads);

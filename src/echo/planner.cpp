@@ -34,7 +34,12 @@
 //    pays only over several clones) and drops clones that do not lower the busiest rank.
 // 3. Refinement: water-fill every cloned expert in expert order, pass after pass, until nothing
 //    moves (bounded): descends the sum of squared loads towards the min-max split.
-// 4. The plan: clones in ascending (rank, spare slot) order after the home replica; a clone left
+// 4. Whole blocks (row_block B > 1, FP8 weight gradients): every cloned expert's rows, in expert
+//    order, re-split over its replicas in whole blocks of B rows of its row order, the partial
+//    last block on the last replica with rows (a water-fill in blocks, trying each replica as
+//    that last one). When the aligned plan costs more than the no-clone plan's busiest load, the
+//    plan has no clones.
+// 5. The plan: clones in ascending (rank, spare slot) order after the home replica; a clone left
 //    with no rows is dropped.
 //
 // Invariants:
@@ -47,7 +52,9 @@
 //   below the largest load among them before, and a return to a kept plan restores it exactly,
 //   so the busiest load never rises above the no-clone plan's. With clone_cost_rows > 0 the
 //   plan's cost (as in step 2) is at most the no-clone busiest load: no clones is a plan run b
-//   compares, refinement only lowers loads, and a dropped clone only removes links.
+//   compares, refinement only lowers loads, and a dropped clone only removes links. Whole
+//   blocks (step 4) may raise a load by up to a block per cloned expert; the aligned plan is
+//   kept only when it still meets both bounds, otherwise the plan has no clones.
 // - At most one replica of an expert per rank, at most S clones per rank, at most
 //   min(max_clones, R - 1) clones per expert; an expert's replica rows sum to its rows.
 //
@@ -70,6 +77,7 @@
 #include <string>
 
 #include "echo/planner_core.hpp"
+#include "moe_echo/backend.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
@@ -114,9 +122,11 @@ void run_planner(const int32_t* routing_map, const PlannerConfig& cfg, bool echo
         core.add_clone(placement[i], r);
       }
     core.refine();
+    core.align_blocks(cfg.clone_cost_rows);
   } else if (echo) {
     core.place_clones(cfg.clone_cost_rows);
     core.refine();
+    core.align_blocks(cfg.clone_cost_rows);
   }
   core.write(out);
   if (!placement) return;
@@ -163,6 +173,8 @@ PlannerConfig planner_config(const MoeConfig& m, const ParallelConfig& p, const 
   c.spare_slots = e.enabled ? e.spare_slots_per_rank : 0;
   c.max_clones = e.enabled ? e.max_clones_per_expert : 0;
   c.clone_cost_rows = e.clone_cost_rows;
+  // FP8 weight gradients quantize their operands in 1 x 128 tiles along an expert's rows.
+  if (uses_fp8(m, fp8_gemm::wgrad1) || uses_fp8(m, fp8_gemm::wgrad2)) c.row_block = int(kFp8Tile);
   return c;
 }
 
@@ -191,6 +203,7 @@ void validate(const PlannerConfig& cfg) {
     reject("max_clones", cfg.max_clones, "3 * experts * (1 + max_clones) <= 2^31-1");
   if (cfg.clone_cost_rows < 0)
     reject("clone_cost_rows", cfg.clone_cost_rows, "clone_cost_rows >= 0");
+  if (cfg.row_block < 1) reject("row_block", cfg.row_block, "row_block >= 1");
 }
 
 void plan_none(const int32_t* routing_map, const PlannerConfig& cfg, PlanView out) {
@@ -244,11 +257,13 @@ void compute_assignment(const int32_t* routing_map, const PlannerConfig& cfg, co
       continue;
     }
     for (int j = 0; j < M; ++j) quota[j] = j < n ? rrows[j] : 0;
-    // Pass 1: a source keeps its rows on its own rank, up to that replica's quota.
+    // Pass 1: a source keeps its rows on its own rank, up to that replica's quota (row_block 1:
+    // with whole blocks the replicas take the expert's rows in order, pass 2 alone).
     for (int src = 0; src < R; ++src) {
       int32_t* a = assign + (int64_t(src) * E + e) * M;
       for (int j = 0; j < M; ++j) a[j] = 0;
       left[src] = routing_map[int64_t(src) * E + e];
+      if (cfg.row_block > 1) continue;
       for (int j = 0; j < n; ++j) {
         if (rrank[j] != src) continue;
         const int32_t take = std::min(left[src], quota[j]);

@@ -6,13 +6,13 @@
 // scratch buffer (PlannerCore::bytes(cfg) bytes, 8-byte aligned) bound by bind().
 //
 // The host runs init_experts, init_ranks, place_clones (its greedy runs, with reset_experts and
-// init_ranks between them), refine and write on one thread: this file is the sequential
-// specification. The device makes the same state changes in the same order but
-// spreads the scans over threads: the initialisation and the plan over a whole block
-// (init_experts / init_ranks / write_part over disjoint indices, a barrier between them), and
-// placement and refinement on one warp with the warp-parallel twins of the searches in
-// planner_warp.hpp (PlannerWarp), which change the state only through the functions here (its
-// re-splits in registers, resplit_regs: the same split as water_fill, found without sorting).
+// init_ranks between them), refine, align_blocks and write on one thread: this file is the
+// sequential specification. The device makes the same state changes in the same order but spreads
+// the scans over threads: the initialisation and the plan over a whole block (init_experts /
+// init_ranks / write_part over disjoint indices, a barrier between them), and placement and
+// refinement on one warp with the warp-parallel twins of the searches in planner_warp.hpp
+// (PlannerWarp), which change the state only through the functions here (its re-splits in
+// registers, resplit_regs: the same split as water_fill, found without sorting).
 #pragma once
 
 #include <cstddef>
@@ -144,7 +144,7 @@ MOE_ECHO_HD inline int bit_count(uint32_t v) {
 // Working state of one planning run, in flat arrays. Replicas of expert e are kept sorted by rank
 // in rep_rank[e*M .. e*M + nrep[e]); the home replica is the one on home_rank(e).
 struct PlannerCore {
-  int R = 0, E = 0, S = 0, M = 0, epr = 0, clone_limit = 0, max_resplits = 0;
+  int R = 0, E = 0, S = 0, M = 0, epr = 0, clone_limit = 0, max_resplits = 0, row_block = 1;
   int64_t *w = nullptr, *load = nullptr, *rep_rows = nullptr;
   int32_t *rep_rank = nullptr, *nrep = nullptr, *spare = nullptr, *spare_used = nullptr;
   // Clone links per rank: the clones it hosts plus the clones of its home experts elsewhere (each
@@ -201,6 +201,7 @@ struct PlannerCore {
     epr = cfg.experts / cfg.ranks;
     clone_limit = min_of(cfg.max_clones, cfg.ranks - 1);
     max_resplits = 2 * M + 16;
+    row_block = cfg.row_block;
     size_t at = 0;
     char* b = static_cast<char*>(base);
     auto take = [&](auto& p, int64_t n) { take_array(p, n, b, at); };
@@ -833,7 +834,111 @@ struct PlannerCore {
     }
   }
 
-  // Step 4: writes the plan on one thread (the device runs write_part over a block and takes
+  // Step 4, with row_block B > 1: the rows of every cloned expert in whole blocks (PlannerConfig::
+  // row_block), one expert after another in expert order, each against the loads the others
+  // leave: align_expert. Then, should the aligned plan cost more than the no-clone plan's
+  // busiest load (its busiest load plus clone_cost_rows per link of the busiest-linked rank, the
+  // links counted as placed), every expert goes home: the invariants of planner.cpp hold for the
+  // aligned plan too. One thread (the device runs it on lane 0).
+  MOE_ECHO_HD void align_blocks(int64_t clone_cost_rows) {
+    if (row_block <= 1) return;
+    for (int e = 0; e < E; ++e)
+      if (nrep[e] > 1) align_expert(e);
+    int64_t before = 0, after = 0;
+    int32_t most_links = 0;
+    for (int r = 0; r < R; ++r) {
+      int64_t home = 0;
+      for (int e = r * epr; e < (r + 1) * epr; ++e) home += w[e];
+      before = max_of(before, home);
+      after = max_of(after, load[r]);
+      most_links = max_of(most_links, links[r]);
+    }
+    if (after + capped(clone_cost_rows) * most_links <= before) return;
+    reset_experts(0, 1);
+    init_ranks(0, 1);
+    max_links = 0;
+  }
+
+  // Expert e's rows over its replicas in whole blocks of B = row_block rows. The replicas in
+  // replica order (home, then the clones by rank; `order` holds their indices), with bases (their
+  // ranks' loads without e's rows) in sc_base. The w[e] % B rows of the last, partial block go to
+  // the last replica with rows, h: for each h (only the last replica when w[e] % B == 0) the
+  // replicas up to h take the w[e] / B whole blocks by fill_blocks and the replicas after h none;
+  // the h with the lowest busiest load among e's ranks stays, ties to the lowest h (fewer clones
+  // with rows). A clone left with no rows stays placed (write drops it).
+  MOE_ECHO_HD void align_expert(int e) {
+    const int64_t at = int64_t(e) * M;
+    const int k = nrep[e], home = e / epr;
+    int n = 0;
+    for (int j = 0; j < k; ++j)
+      if (rep_rank[at + j] == home) order[n++] = j;
+    for (int j = 0; j < k; ++j)
+      if (rep_rank[at + j] != home) order[n++] = j;
+    for (int i = 0; i < k; ++i)
+      sc_base[i] = load[rep_rank[at + order[i]]] - rep_rows[at + order[i]];
+    const int64_t blocks = w[e] / row_block, rest = w[e] % row_block;
+    int best = k - 1;
+    int64_t best_max = 0;
+    for (int h = rest == 0 ? k - 1 : 0; h < k; ++h) {
+      const int64_t top = fill_blocks(k, h, blocks, rest);
+      if (h == (rest == 0 ? k - 1 : 0) || top < best_max) {
+        best = h;
+        best_max = top;
+      }
+    }
+    fill_blocks(k, best, blocks, rest);
+    for (int i = 0; i < k; ++i) {
+      const int j = order[i];
+      rep_rows[at + j] = sc_rows[i];
+      load[rep_rank[at + j]] = sc_base[i] + sc_rows[i];
+    }
+  }
+
+  // Integer water-filling in whole blocks: `blocks` blocks of row_block rows over the replicas
+  // 0..h of sc_base (replica order), replica h holding the `rest` rows of the partial block
+  // first, the replicas after h nothing. The largest level L whose fill, each replica i <= h
+  // topped up to L in whole blocks (ceil((L - base_i) / B) of them when base_i < L), needs at
+  // most `blocks`; then each block left (fewer than h + 1) to the replica with the lowest total,
+  // ties to the lowest index. Rows into sc_rows[0..k); returns the largest base + rows.
+  MOE_ECHO_HD int64_t fill_blocks(int k, int h, int64_t blocks, int64_t rest) {
+    const int64_t B = row_block;
+    auto start = [&](int i) { return sc_base[i] + (i == h ? rest : 0); };
+    auto need = [&](int64_t level) {
+      int64_t sum = 0;
+      for (int i = 0; i <= h; ++i)
+        if (start(i) < level) sum += (level - start(i) + B - 1) / B;
+      return sum;
+    };
+    int64_t lo = start(0);
+    for (int i = 1; i <= h; ++i) lo = min_of(lo, start(i));
+    int64_t hi = lo + (blocks + 1) * B;  // need(lo) = 0 <= blocks < need(hi)
+    while (hi - lo > 1) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (need(mid) <= blocks)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    int64_t left = blocks;
+    for (int i = 0; i < k; ++i) {
+      sc_rows[i] = i <= h && start(i) < lo ? (lo - start(i) + B - 1) / B * B : 0;
+      left -= sc_rows[i] / B;
+    }
+    for (; left > 0; --left) {
+      int low = 0;
+      for (int i = 1; i <= h; ++i)
+        if (start(i) + sc_rows[i] < start(low) + sc_rows[low]) low = i;
+      sc_rows[low] += B;
+    }
+    int64_t top = 0;
+    for (int i = 0; i < k; ++i) {
+      if (i == h) sc_rows[i] += rest;
+      top = max_of(top, sc_base[i] + sc_rows[i]);
+    }
+    return top;
+  }
+
+  // Step 5: writes the plan on one thread (the device runs write_part over a block and takes
   // load_before from init_ranks).
   MOE_ECHO_HD void write(PlanView out) const {
     for (int r = 0; r < R; ++r) {

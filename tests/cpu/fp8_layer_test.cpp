@@ -5,8 +5,10 @@
 //   quantization happened);
 // - ECHO on against off under skew, with spill rounds: y and dx bit for bit (rows are quantized
 //   per row, and a clone's weights quantize as its home expert's); the expert gradients both
-//   within kFp8LayerTol of the unquantized layer's (a clone's rows form tiles of their own in the
-//   transposed quantization of wgrad, so the two differ by about e4m3's error);
+//   within kFp8LayerTol of the unquantized layer's (a spill round's boundary cuts an expert's rows
+//   at another row with ECHO on than off, and the transposed quantization of wgrad starts its
+//   tiles there, so the two differ by about e4m3's error; without spill rounds they are equal up
+//   to the order of sums: fp8_echo_test.cpp);
 // - every recompute option against none, bit for bit;
 // - what the layer allocates against MoeLayer::memory_bytes, with the fp8 part counted;
 // - hidden or ffn not a multiple of 16 refused by name.
@@ -109,8 +111,9 @@ TEST(Fp8Layer, EchoOnEqualsOffAndRecomputeEqualsNone) {
     EXPECT_EQ(a.y[size_t(r)], b.y[size_t(r)]) << "y, rank " << r;
     EXPECT_EQ(a.dx[size_t(r)], b.dx[size_t(r)]) << "dx, rank " << r;
   }
-  // The weight gradients differ by about e4m3's own error (a group of a few rows is one partial
-  // tile, with a scale of its own): both within kFp8LayerTol of the unquantized layer's.
+  // The weight gradients differ by about e4m3's own error (the spill rounds cut the experts' rows
+  // at other rows, and wgrad's tiles start there): both within kFp8LayerTol of the unquantized
+  // layer's.
   LayerCase exact = off;
   exact.moe.precision = Precision::bf16;
   const LayerRun e = run_layer(exact, in.x, g, in.params);

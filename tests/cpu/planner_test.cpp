@@ -69,6 +69,35 @@ std::vector<int64_t> expert_rows(const RoutingMap& C, const PlannerConfig& cfg) 
   return w;
 }
 
+// With row_block B > 1, expert e's rows in its row order (sources in rank order) are split in
+// whole blocks: replica j takes the run [sum of the rows of replicas < j, + its rows) of that
+// order, and every run but the last with rows ends on a multiple of B.
+void check_whole_blocks(const RoutingMap& C, const PlannerConfig& cfg, const PlanView& v,
+                        const std::vector<int32_t>& assign, int e) {
+  const int R = cfg.ranks, E = cfg.experts, M = cfg.max_replicas();
+  int last = 0;
+  for (int j = 0; j < M; ++j)
+    if (v.replica_rank[e * M + j] >= 0 && v.replica_rows[e * M + j] > 0) last = j;
+  int64_t run_start = 0;
+  for (int j = 0; j < M; ++j) {
+    const int64_t rows = v.replica_rows[e * M + j];
+    if (j < last) {
+      EXPECT_EQ(rows % cfg.row_block, 0) << "expert " << e << " replica " << j << " of " << last;
+    }
+    // The rows source src sends to replica j: its run of the expert's order cut by the run.
+    int64_t src_start = 0;
+    for (int src = 0; src < R; ++src) {
+      const int64_t c = C[size_t(src) * E + e];
+      const int64_t lo = std::max(src_start, run_start),
+                    hi = std::min(src_start + c, run_start + rows);
+      EXPECT_EQ(assign[(size_t(src) * E + e) * M + j], std::max<int64_t>(0, hi - lo))
+          << "source " << src << " expert " << e << " replica " << j;
+      src_start += c;
+    }
+    run_start += rows;
+  }
+}
+
 // Checks every invariant of a plan and of its assignment; returns the plan's busiest load.
 // `balancing`: the plan must not raise the busiest load (ECHO's promise; EPLB's even split over a
 // fixed placement may raise it).
@@ -162,7 +191,7 @@ int64_t check_plan(const RoutingMap& C, const PlannerConfig& cfg, Plan& plan,
       }
       const int32_t c = C[size_t(src) * E + e];
       EXPECT_EQ(sum, c) << "source " << src << " expert " << e;
-      for (int j = 0; j < M; ++j) {
+      for (int j = 0; j < M && cfg.row_block == 1; ++j) {
         if (v.replica_rank[e * M + j] == src) {
           EXPECT_EQ(a[j], std::min(c, v.replica_rows[e * M + j]))
               << "source " << src << " does not keep its rows of expert " << e << " local";
@@ -170,6 +199,7 @@ int64_t check_plan(const RoutingMap& C, const PlannerConfig& cfg, Plan& plan,
       }
     }
     for (int j = 0; j < M; ++j) EXPECT_EQ(quota[size_t(j)], v.replica_rows[e * M + j]);
+    if (cfg.row_block > 1) check_whole_blocks(C, cfg, v, assign, e);
   }
   return plan.max_load_after();
 }
@@ -420,6 +450,81 @@ TEST(Planner, PricedPlanNeverCostsMoreThanNoClones) {
     cloned += p.view().num_clones[0] > 0;
   }
   EXPECT_GT(cloned, 150) << "too few plans with clones for the test to mean much";
+}
+
+TEST(Planner, WholeBlocksInTheExpertsRowOrder) {
+  // row_block (FP8 weight gradients): random configs, maps and costs; every plan keeps every
+  // invariant (never above the no-clone busiest load, and with a clone cost never dearer), each
+  // cloned expert's replicas but the last take whole blocks, and the assignment gives each
+  // replica its run of the expert's rows in order (check_plan, check_whole_blocks). The same
+  // maps with row_block 1 give plans with the same clones or better loads.
+  std::mt19937_64 rng(4711);
+  int cloned = 0, partial = 0;
+  int64_t busiest_blocks = 0, busiest_rows = 0;
+  for (int it = 0; it < 300; ++it) {
+    const int R = 2 + int(rng() % 15), epr = 1 + int(rng() % 6);
+    const int S = 1 + int(rng() % 3), mc = 1 + int(rng() % 4);
+    const int E = R * epr;
+    const RoutingMap C = it % 3 == 0   ? uniform_map(R, E, 300, rng())
+                         : it % 3 == 1 ? zipf_map(R, E, 0.6 + double(rng() % 12) / 10, 4096, rng())
+                                       : zipf_map(R, E, 1.5, 300, rng());
+    int64_t total = 0;
+    for (int32_t c : C) total += c;
+    const int64_t mean = std::max<int64_t>(1, total / R);
+    const int64_t cost = it % 4 == 0 ? 0 : 1 + mean * int64_t(rng() % 30) / 200;
+    auto cfg = make_cfg(R, E, S, mc, cost);
+    cfg.row_block = it % 2 == 0 ? 128 : 16;
+    SCOPED_TRACE("case " + std::to_string(it) + " R=" + std::to_string(R) +
+                 " E=" + std::to_string(E) + " S=" + std::to_string(S) +
+                 " cost=" + std::to_string(cost) + " row_block=" + std::to_string(cfg.row_block));
+    Plan p = run_echo(C, cfg);
+    check_plan(C, cfg, p);
+    EXPECT_LE(plan_cost(cfg, p), p.max_load_before());
+    cloned += p.view().num_clones[0] > 0;
+    // The same placement kept (plan_placed) splits in whole blocks too.
+    const std::vector<int32_t> placement(p.view().spare_expert, p.view().spare_expert + R * S);
+    Plan kept(cfg);
+    plan_placed(C.data(), cfg, placement.data(), kept.view());
+    check_plan(C, cfg, kept);
+    const PlanView v = p.view();
+    const int M = cfg.max_replicas();
+    for (int e = 0; e < E; ++e)
+      for (int j = 1; j < M; ++j)
+        partial += v.replica_rank[e * M + j] >= 0 && v.replica_rows[e * M + j] % cfg.row_block;
+    auto free_cfg = cfg;
+    free_cfg.row_block = 1;
+    Plan q = run_echo(C, free_cfg);
+    busiest_blocks += p.max_load_after();
+    busiest_rows += q.max_load_after();
+  }
+  EXPECT_GT(cloned, 150) << "too few plans with clones for the test to mean much";
+  EXPECT_GT(partial, 50) << "too few clones holding an expert's partial last block";
+  std::printf(
+      "[ whole blocks ] busiest load, summed over the cases: %lld in blocks, %lld in rows\n",
+      static_cast<long long>(busiest_blocks), static_cast<long long>(busiest_rows));
+}
+
+TEST(Planner, WholeBlocksOfAnExpertSmallerThanABlock) {
+  // Expert 0 holds 100 rows (less than a block of 128), alone on rank 0: its rows cannot be split,
+  // so they all go to one replica. The home keeps them on a tie (no clone with rows).
+  auto cfg = make_cfg(2, 2, 1, 1);
+  cfg.row_block = 128;
+  const RoutingMap C = {60, 0, 40, 0};
+  Plan p = run_echo(C, cfg);
+  check_plan(C, cfg, p);
+  EXPECT_EQ(p.view().num_clones[0], 0);
+  EXPECT_EQ(p.max_load_after(), 100);
+  // 300 rows: two whole blocks and 44 rows; the clone on the empty rank 1 takes one block and
+  // the partial block (172), the home one block (128); without blocks 150 and 150.
+  const RoutingMap D = {200, 0, 100, 0};
+  Plan q = run_echo(D, cfg);
+  check_plan(D, cfg, q);
+  EXPECT_EQ(q.view().replica_rows[0], 128);
+  EXPECT_EQ(q.view().replica_rows[1], 172);
+  cfg.row_block = 1;
+  Plan r = run_echo(D, cfg);
+  EXPECT_EQ(r.view().replica_rows[0], 150);
+  EXPECT_EQ(r.view().replica_rows[1], 150);
 }
 
 TEST(Planner, NearPricedBruteForceOptimum) {
@@ -774,6 +879,9 @@ TEST(Planner, ValidateNamesTheField) {
   EXPECT_EQ(field_of(make_cfg(4, 8, -1, 1)), "spare_slots");
   EXPECT_EQ(field_of(make_cfg(4, 8, 1, -1)), "max_clones");
   EXPECT_EQ(field_of(make_cfg(4, 8, 1, 1, -5)), "clone_cost_rows");
+  auto no_rows = make_cfg(4, 8, 1, 1);
+  no_rows.row_block = 0;
+  EXPECT_EQ(field_of(no_rows), "row_block");
   const auto bad = make_cfg(4, 6, 1, 1);
   RoutingMap C(24, 1);
   Plan p(make_cfg(4, 8, 1, 1));

@@ -1,10 +1,10 @@
-// The device planner's warp code (planner_warp.hpp: place_clones_warp, refine_warp; write_part
-// over a block) run on the host, each lane a thread and the warp's shuffles, ballots and syncs
-// emulated with a barrier, against the host planner (plan_echo): the whole plan storage must be
-// equal element for element, for random, Zipf-skewed, one-hot and sparse routing maps over many
-// configs and 1, 4, 8 and 32 lanes. The GPU runs the same templates with real warp intrinsics
-// (tests/gpu/cuda_planner_test.cpp checks it there); this test keeps their logic covered where
-// there is no GPU.
+// The device planner's warp code (planner_warp.hpp: place_clones_warp, refine_warp; align_blocks
+// on lane 0; write_part over a block) run on the host, each lane a thread and the warp's shuffles,
+// ballots and syncs emulated with a barrier, against the host planner (plan_echo): the whole plan
+// storage must be equal element for element, for random, Zipf-skewed, one-hot and sparse routing
+// maps over many configs and 1, 4, 8 and 32 lanes. The GPU runs the same templates with real warp
+// intrinsics (tests/gpu/cuda_planner_test.cpp checks it there); this test keeps their logic covered
+// where there is no GPU.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -88,6 +88,8 @@ std::vector<int32_t> plan_on_emulated_warp(const std::vector<int32_t>& map,
       const EmulatedWarp<L> w{lane, &shared};
       core.place_clones_warp(w, cfg.clone_cost_rows);
       core.refine_warp(w);
+      if (lane == 0) core.align_blocks(cfg.clone_cost_rows);
+      w.sync();
       shared.barrier.arrive_and_wait();
       clones += core.write_part(out, lane, L);
       shared.barrier.arrive_and_wait();
@@ -98,7 +100,7 @@ std::vector<int32_t> plan_on_emulated_warp(const std::vector<int32_t>& map,
 }
 
 template <int L>
-void check_shapes(int modes_per_shape, uint64_t seed) {
+void check_shapes(int modes_per_shape, uint64_t seed, int row_block = 1) {
   struct Shape {
     int R, EPR, S, clones;
   };
@@ -117,10 +119,11 @@ void check_shapes(int modes_per_shape, uint64_t seed) {
           cfg.spare_slots = sh.S;
           cfg.max_clones = sh.clones;
           cfg.clone_cost_rows = cost;
+          cfg.row_block = row_block;
           SCOPED_TRACE("lanes " + std::to_string(L) + " R " + std::to_string(sh.R) + " E " +
                        std::to_string(cfg.experts) + " S " + std::to_string(sh.S) + " clones " +
                        std::to_string(sh.clones) + " mode " + std::to_string(mode) + " cost " +
-                       std::to_string(cost));
+                       std::to_string(cost) + " row_block " + std::to_string(row_block));
           const std::vector<int32_t> map = planner_routing_map(sh.R, cfg.experts, mode, rng);
           Plan host(cfg);
           plan_echo(map.data(), cfg, host.view());
@@ -136,6 +139,12 @@ TEST(PlannerWarp, OneLaneEqualsTheHostPlanner) { check_shapes<1>(1, 11); }
 TEST(PlannerWarp, FourLanesEqualTheHostPlanner) { check_shapes<4>(2, 12); }
 TEST(PlannerWarp, EightLanesEqualTheHostPlanner) { check_shapes<8>(1, 13); }
 TEST(PlannerWarp, ThirtyTwoLanesEqualTheHostPlanner) { check_shapes<32>(1, 14); }
+// Whole blocks of an expert's rows (FP8 weight gradients): align_blocks on lane 0 after the warp's
+// refinement, as the kernel runs it.
+TEST(PlannerWarp, WholeBlocksEqualTheHostPlanner) {
+  check_shapes<4>(1, 15, 128);
+  check_shapes<4>(1, 16, 16);
+}
 
 }  // namespace
 }  // namespace moe_echo::test

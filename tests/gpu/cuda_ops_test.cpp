@@ -402,6 +402,7 @@ std::vector<int32_t> random_routes(int64_t T, int K, int E, bool hot, std::mt199
 struct LayoutCase {
   int R, EPR, K, S, max_clones;
   bool echo;
+  int row_block = 1;  // PlannerConfig::row_block: whole blocks in order (FP8 weight gradients)
 };
 
 class LayoutTest : public ::testing::TestWithParam<LayoutCase> {};
@@ -416,6 +417,7 @@ TEST_P(LayoutTest, MatchesCpuExactly) {
   cfg.experts = E;
   cfg.spare_slots = lc.S;
   cfg.max_clones = lc.max_clones;
+  cfg.row_block = lc.row_block;
   const int slots = lc.EPR + lc.S, M = cfg.max_replicas();
   uint64_t seed = uint64_t(R * 1000 + E * 10 + K);
   for (int64_t T :
@@ -488,6 +490,7 @@ std::string layout_name(const ::testing::TestParamInfo<LayoutCase>& p) {
   std::ostringstream s;
   s << "R" << c.R << "_EPR" << c.EPR << "_K" << c.K << "_S" << c.S << "_C" << c.max_clones
     << (c.echo ? "_echo" : "_none");
+  if (c.row_block > 1) s << "_B" << c.row_block;
   return s.str();
 }
 
@@ -496,7 +499,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(LayoutCase{1, 8, 2, 1, 2, true}, LayoutCase{1, 1, 1, 0, 0, false},
                       LayoutCase{1, 64, 8, 0, 0, false}, LayoutCase{2, 4, 2, 1, 1, true},
                       LayoutCase{4, 2, 3, 2, 2, true}, LayoutCase{4, 8, 4, 1, 3, true},
-                      LayoutCase{8, 32, 8, 2, 2, true}, LayoutCase{3, 5, 2, 0, 0, false}),
+                      LayoutCase{8, 32, 8, 2, 2, true}, LayoutCase{3, 5, 2, 0, 0, false},
+                      LayoutCase{4, 8, 4, 1, 3, true, 128}, LayoutCase{8, 32, 8, 2, 2, true, 16}),
     layout_name);
 
 // =================================================================================================
