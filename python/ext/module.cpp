@@ -368,6 +368,15 @@ Config config_from(const nb::dict& values, const std::vector<ConfigField>& field
   return c;
 }
 
+// The MoeConfig of each dict of `moe` (one per layer of a workspace or stack).
+std::vector<MoeConfig> moe_configs_from(const std::vector<nb::dict>& moe,
+                                        const nb::dict& keywords) {
+  std::vector<MoeConfig> layers;
+  for (const nb::dict& d : moe)
+    layers.push_back(config_from<MoeConfig>(d, moe_config_fields(), keywords));
+  return layers;
+}
+
 // The fields of a list for Python: name, type, default (a Python value of the type), allowed (in
 // words), choices (the names a str field takes, or None) and help.
 nb::list fields_for_python(const std::vector<ConfigField>& fields) {
@@ -464,9 +473,7 @@ NB_MODULE(_ext, m) {
       "stack_memory_bytes",
       [](const std::vector<nb::dict>& moe, const nb::dict& echo, int ranks,
          const std::string& activation, const std::string& float_dtype, const nb::dict& keywords) {
-        std::vector<MoeConfig> layers;
-        for (const nb::dict& d : moe)
-          layers.push_back(config_from<MoeConfig>(d, moe_config_fields(), keywords));
+        const std::vector<MoeConfig> layers = moe_configs_from(moe, keywords);
         ParallelConfig par;
         par.ep_size = ranks;
         return MoeStack::memory_bytes(
@@ -484,10 +491,7 @@ NB_MODULE(_ext, m) {
           [](Workspace* self, const std::string& backend, const std::string& dtype,
              const std::vector<nb::dict>& moe, const nb::dict& echo, nb::object collectives,
              const std::string& transport, const nb::dict& keywords) {
-            std::vector<MoeConfig> layers;
-            for (const nb::dict& d : moe)
-              layers.push_back(config_from<MoeConfig>(d, moe_config_fields(), keywords));
-            new (self) Workspace(backend, dtype, layers,
+            new (self) Workspace(backend, dtype, moe_configs_from(moe, keywords),
                                  config_from<EchoConfig>(echo, echo_config_fields(), keywords),
                                  std::move(collectives), transport);
           },

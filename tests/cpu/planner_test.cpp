@@ -424,6 +424,20 @@ TEST(Planner, NoCloneThatLeavesTheBusiestLoad) {
   EXPECT_EQ(brute_force_min_cost(C.data(), cfg), 90);
 }
 
+// Case `it` of a randomized test: uniform, Zipf of a random exponent, or Zipf 1.5 maps in turn.
+RoutingMap random_map(int it, int R, int E, std::mt19937_64& rng) {
+  return it % 3 == 0   ? uniform_map(R, E, 300, rng())
+         : it % 3 == 1 ? zipf_map(R, E, 0.6 + double(rng() % 12) / 10, 4096, rng())
+                       : zipf_map(R, E, 1.5, 300, rng());
+}
+
+// The mean rows per rank of a map (at least 1).
+int64_t mean_load(const RoutingMap& C, int R) {
+  int64_t total = 0;
+  for (int32_t c : C) total += c;
+  return std::max<int64_t>(1, total / R);
+}
+
 TEST(Planner, PricedPlanNeverCostsMoreThanNoClones) {
   // With a clone cost, the busiest load plus the links' cost never exceeds the busiest load
   // without clones (the planner compares its plans with no clones), on random configs, maps
@@ -434,12 +448,8 @@ TEST(Planner, PricedPlanNeverCostsMoreThanNoClones) {
     const int R = 1 + int(rng() % 40), epr = 1 + int(rng() % 6);
     const int S = 1 + int(rng() % 3), mc = 1 + int(rng() % 4);
     const int E = R * epr;
-    const RoutingMap C = it % 3 == 0   ? uniform_map(R, E, 300, rng())
-                         : it % 3 == 1 ? zipf_map(R, E, 0.6 + double(rng() % 12) / 10, 4096, rng())
-                                       : zipf_map(R, E, 1.5, 300, rng());
-    int64_t total = 0;
-    for (int32_t c : C) total += c;
-    const int64_t mean = std::max<int64_t>(1, total / R);
+    const RoutingMap C = random_map(it, R, E, rng);
+    const int64_t mean = mean_load(C, R);
     const int64_t cost = it % 10 == 9 ? (int64_t(1) << 40) : 1 + mean * int64_t(rng() % 30) / 200;
     const auto cfg = make_cfg(R, E, S, mc, cost);
     SCOPED_TRACE("case " + std::to_string(it) + " R=" + std::to_string(R) + " E=" +
@@ -465,12 +475,8 @@ TEST(Planner, WholeBlocksInTheExpertsRowOrder) {
     const int R = 2 + int(rng() % 15), epr = 1 + int(rng() % 6);
     const int S = 1 + int(rng() % 3), mc = 1 + int(rng() % 4);
     const int E = R * epr;
-    const RoutingMap C = it % 3 == 0   ? uniform_map(R, E, 300, rng())
-                         : it % 3 == 1 ? zipf_map(R, E, 0.6 + double(rng() % 12) / 10, 4096, rng())
-                                       : zipf_map(R, E, 1.5, 300, rng());
-    int64_t total = 0;
-    for (int32_t c : C) total += c;
-    const int64_t mean = std::max<int64_t>(1, total / R);
+    const RoutingMap C = random_map(it, R, E, rng);
+    const int64_t mean = mean_load(C, R);
     const int64_t cost = it % 4 == 0 ? 0 : 1 + mean * int64_t(rng() % 30) / 200;
     auto cfg = make_cfg(R, E, S, mc, cost);
     cfg.row_block = it % 2 == 0 ? 128 : 16;

@@ -119,14 +119,15 @@ def data_parallel(model: torch.nn.Module, ep_group=None, dp_group=None, **ddp_kw
             f"ep_group and dp_group of {ep} and {dp} ranks are invalid: allowed groups whose "
             f"sizes multiply to the world's {world} ranks"
         )
-    experts = expert_parameters(model)
-    for name in experts:
-        sizes = [m.ep_size for m in model.modules() if getattr(m, "ep_size", 1) > 1]
-        if any(s != ep for s in sizes):
+    from moe_echo.torch.module import MoE
+
+    for prefix, m in model.named_modules():
+        if isinstance(m, MoE) and m.ep_size > 1 and m.ep_size != ep:
             raise ValueError(
-                f"{name} is split over {sizes[0]} ranks, which is invalid: allowed the "
-                f"ep_group's {ep}"
+                f"{prefix or 'model'} splits its experts over {m.ep_size} ranks, which is "
+                f"invalid: allowed the ep_group's {ep}"
             )
+    experts = expert_parameters(model)
     DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
     ddp_kwargs.setdefault("broadcast_buffers", False)
     wrapped = DDP(model, **ddp_kwargs)

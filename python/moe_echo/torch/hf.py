@@ -56,6 +56,11 @@ def _local_experts(module) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
+def _fc1(gate: Tensor, up: Tensor) -> Tensor:
+    """The module's fc1 of one expert, [H, 2F] = [gate^T | up^T], from HF's [F, H] weights."""
+    return torch.cat([gate.t(), up.t()], dim=1)
+
+
 @torch.no_grad()
 def load_hf_moe(module, state_dict: Mapping[str, Tensor], prefix: str = "", style: str = "auto"):
     """Copies a Hugging Face MoE block's router and experts (under `prefix`, e.g.
@@ -69,7 +74,7 @@ def load_hf_moe(module, state_dict: Mapping[str, Tensor], prefix: str = "", styl
         gate = _get(state_dict, f"{base}{gate_n}.weight", (F, H))
         up = _get(state_dict, f"{base}{up_n}.weight", (F, H))
         down = _get(state_dict, f"{base}{down_n}.weight", (H, F))
-        module.w1[j].copy_(torch.cat([gate.t(), up.t()], dim=1))
+        module.w1[j].copy_(_fc1(gate, up))
         module.w2[j].copy_(down.t())
     return module
 
@@ -221,7 +226,7 @@ def _from_hf_names(module: HFMoE, state_dict, prefix: str, local_metadata, stric
                 base = f"{prefix}experts.{e}."
                 gate = state_dict.pop(f"{base}{gate_n}.weight")
                 up = state_dict.pop(f"{base}{up_n}.weight")
-                w1.append(torch.cat([gate.t(), up.t()], dim=1))
+                w1.append(_fc1(gate, up))
                 w2.append(state_dict.pop(f"{base}{down_n}.weight").t())
             state_dict[prefix + "moe.w1"] = torch.stack(w1)
             state_dict[prefix + "moe.w2"] = torch.stack(w2)
@@ -237,7 +242,7 @@ def _from_hf_names(module: HFMoE, state_dict, prefix: str, local_metadata, stric
         if s + "gate_proj.weight" in state_dict:
             gate = state_dict.pop(s + "gate_proj.weight")
             up = state_dict.pop(s + "up_proj.weight")
-            state_dict[prefix + "moe.shared_w1"] = torch.cat([gate.t(), up.t()], dim=1)
+            state_dict[prefix + "moe.shared_w1"] = _fc1(gate, up)
             state_dict[prefix + "moe.shared_w2"] = state_dict.pop(s + "down_proj.weight").t()
 
 
