@@ -262,6 +262,8 @@ std::vector<Finding> check(const WallsInput& in) {
     error("ep", invalid("ep", l.ep,
                         "ep * experts <= 2^28 (experts = " + std::to_string(m.experts) +
                             "): the simulator's rank-by-expert tables"));
+  if (double(l.etp) * l.ep * l.dp * l.pp > std::numeric_limits<int32_t>::max())
+    error("dp", invalid("dp", l.dp, "etp * ep * dp * pp <= 2^31-1 (the world size)"));
   if (m.ffn % l.etp != 0)
     error("etp", invalid("etp", l.etp,
                          "a divisor of ffn (" + std::to_string(m.ffn) +
@@ -299,7 +301,8 @@ std::vector<Finding> check(const WallsInput& in) {
                          "vpp >= 2 with comm_overlap and pp = " + std::to_string(l.pp) +
                              " (the overlap interleaves one virtual stage's "
                              "communication with another's computation)"));
-  const int64_t rows = int64_t(m.seq_len) * m.micro_batch * m.top_k * l.etp;
+  // In double: seq_len * micro_batch * top_k * etp can pass 2^63 at extreme values.
+  const double rows = double(m.seq_len) * m.micro_batch * m.top_k * l.etp;
   if (rows > std::numeric_limits<int32_t>::max())
     error("micro_batch",
           invalid("micro_batch", m.micro_batch, "seq_len * micro_batch * top_k * etp <= 2^31-1"));

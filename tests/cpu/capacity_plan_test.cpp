@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -133,6 +134,15 @@ TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
        "overlap", "overlap = 'wgrad' is invalid: allowed 'none' when fc1's forward is FP8"},
       {"rows fit int32", [](WallsInput& i) { i.model.micro_batch = 100000; }, "micro_batch",
        "micro_batch = 100000 is invalid: allowed seq_len * micro_batch * top_k * etp <= 2^31-1"},
+      {"rows past int64",
+       [](WallsInput& i) {
+         i.model.seq_len = std::numeric_limits<int>::max();
+         i.model.micro_batch = std::numeric_limits<int>::max();
+       },
+       "micro_batch", "allowed seq_len * micro_batch * top_k * etp <= 2^31-1"},
+      {"world size fits int32",
+       [](WallsInput& i) { i.layout.dp = std::numeric_limits<int>::max(); }, "dp",
+       "allowed etp * ep * dp * pp <= 2^31-1"},
       {"capacity fits int32",
        [](WallsInput& i) {
          i.model.micro_batch = 60000;
