@@ -143,3 +143,77 @@ def data_parallel(model: torch.nn.Module, ep_group=None, dp_group=None, **ddp_kw
     for name in experts:
         params[name].register_post_accumulate_grad_hook(reduce)
     return wrapped
+
+
+# ---- Distributed checkpoints -----------------------------------------------------------------
+
+# Wrapper modules whose names torch.distributed.checkpoint leaves out of a parameter's name (DDP,
+# torch.compile, activation checkpointing).
+_WRAPPER_NAMES = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _expert_names(model: torch.nn.Module):
+    """(name as torch.distributed.checkpoint spells it, MoE module, parameter name) of each expert
+    weight of `model` split over an ep_group."""
+    from moe_echo.torch.module import EXPERT_PARAMS, MoE
+
+    for prefix, m in model.named_modules():
+        if isinstance(m, MoE) and m._collectives is not None:
+            parts = [p for p in prefix.split(".") if p and p not in _WRAPPER_NAMES]
+            for name in EXPERT_PARAMS:
+                yield ".".join([*parts, name]), m, name
+
+
+def _map_optimizer_state(optim_state_dict: dict, fqn: str, fn) -> None:
+    """Each per-parameter optimizer state value v of parameter `fqn` replaced by fn(v), in the
+    nested ({"state": {fqn: {...}}}) or flattened ("state.fqn.key") form; a nested entry is
+    replaced by a new dict (torch's may be the optimizer's own)."""
+    states = optim_state_dict.get("state")
+    if isinstance(states, dict) and isinstance(states.get(fqn), dict):
+        states[fqn] = {k: fn(v) for k, v in states[fqn].items()}
+    flat = f"state.{fqn}."
+    for key in [k for k in optim_state_dict if isinstance(k, str) and k.startswith(flat)]:
+        optim_state_dict[key] = fn(optim_state_dict[key])
+
+
+def get_state_dict(model: torch.nn.Module, optimizers, **kwargs):
+    """``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizers, **kwargs)``
+    with the optimizer's state of every expert weight split over an ep_group (Adam's moments of
+    ``w1`` and ``w2``) as DTensors of every expert, like the weights in ``model.state_dict()``:
+    a distributed checkpoint then holds each expert's state once and loads at another EP size
+    (``set_state_dict``). Collective over the model's process groups, like torch's."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+
+    model_sd, optim_sd = dcp_state_dict.get_state_dict(model, optimizers, **kwargs)
+    for fqn, m, name in _expert_names(model):
+        local_shape = m._parameters[name].shape
+
+        def to_dtensor(v, m=m, local_shape=local_shape):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape == local_shape:
+                return m.expert_dtensor(v)
+            return v
+
+        _map_optimizer_state(optim_sd, fqn, to_dtensor)
+    return model_sd, optim_sd
+
+
+def set_state_dict(model: torch.nn.Module, optimizers, *, model_state_dict, optim_state_dict,
+                   **kwargs):
+    """``torch.distributed.checkpoint.state_dict.set_state_dict`` for state dicts of
+    ``get_state_dict`` above, saved at any EP size: each expert weight's optimizer state (a
+    DTensor of every expert, or a plain tensor of every expert) becomes this rank's rows."""
+    from torch.distributed.checkpoint import state_dict as dcp_state_dict
+    from torch.distributed.tensor import DTensor
+
+    for fqn, m, name in _expert_names(model):
+        whole = (m.experts, *m._parameters[name].shape[1:])
+
+        def to_rows(v, m=m, name=name, whole=whole):
+            if isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and
+                                          tuple(v.shape) == whole):
+                return m.expert_rows(v, name)
+            return v
+
+        _map_optimizer_state(optim_state_dict, fqn, to_rows)
+    return dcp_state_dict.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+                                         optim_state_dict=optim_state_dict, **kwargs)

@@ -34,6 +34,9 @@ from torch import Tensor, nn
 from moe_echo import _ext
 from moe_echo.torch import _keywords, _ops
 
+# The parameters that hold a share of the experts over an ep_group (rows of dim 0).
+EXPERT_PARAMS = ("w1", "w2")
+
 
 def _compute_dtypes(device: torch.device, param_dtype: torch.dtype) -> tuple[str, str]:
     """(backend, dtype) of the C++ layer for parameters of `param_dtype` on `device`."""
@@ -97,7 +100,10 @@ class MoE(nn.Module):
 
     Parameters: ``router_weight`` [E, H], ``w1`` [E/R, H, 2F] (gate | up), ``w2`` [E/R, F, H], and
     with shared experts ``shared_w1`` [H, 2S], ``shared_w2`` [S, H]; buffer ``router_bias`` [E].
-    See docs/python.md. The keywords are the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields,
+    With an ep_group, ``state_dict()`` holds ``w1`` and ``w2`` as DTensors of every expert
+    (``Shard(0)`` over the group's device mesh), which torch.distributed.checkpoint saves once and
+    loads at any EP size; ``load_state_dict`` takes such DTensors or plain tensors of every
+    expert. See docs/python.md. The keywords are the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields,
     in their order and with their defaults (``moe_echo.moe_config_fields()``,
     ``echo_config_fields()``), then the module's own.
 
@@ -176,6 +182,7 @@ class MoE(nn.Module):
             )
         self.ep_transport = ep_transport
         self._collectives = None
+        self._meshes: dict = {}  # device type -> the ep_group's DeviceMesh (expert_dtensor)
         self.ep_size, self.ep_rank = 1, 0
         if ep_group is not None:
             from moe_echo.torch.dist import TorchCollectives
@@ -202,6 +209,9 @@ class MoE(nn.Module):
             for name, view in _param_views(h):
                 setattr(self, name, nn.Parameter(view if view.dtype == dtype else view.to(dtype)))
             self.register_buffer("router_bias", h.router_bias, persistent=True)
+        if self._collectives is not None:
+            self.register_state_dict_post_hook(_experts_as_dtensors)
+            self.register_load_state_dict_pre_hook(_experts_from_any_layout)
 
     # ---- initialization -----------------------------------------------------------------------
 
@@ -250,6 +260,43 @@ class MoE(nn.Module):
     def _group(self):
         """The ep_group's process group, or None."""
         return None if self._collectives is None else self._collectives.group
+
+    def expert_dtensor(self, local: Tensor) -> Tensor:
+        """`local`, a tensor of this rank's experts (w1 or w2, its gradient, an optimizer's moment
+        of it: E/R rows), as a DTensor of every expert: ``Shard(0)`` over a one-dimensional
+        DeviceMesh of the ep_group, sharing `local`'s memory."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        if self._collectives is None:
+            raise ValueError("expert_dtensor is invalid on a module without an ep_group: its w1 "
+                             "and w2 hold every expert")
+        kind = local.device.type
+        mesh = self._meshes.get(kind)
+        if mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = self._meshes[kind] = DeviceMesh.from_group(self._group(), kind)
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+    def expert_rows(self, t: Tensor, name: str = "w1") -> Tensor:
+        """This rank's rows of `t`, a tensor of every expert (a DTensor of any layout, or a plain
+        tensor of w1's or w2's global shape), checked against parameter `name`."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        p = self._parameters[name]
+        whole = (self.experts, *p.shape[1:])
+        if isinstance(t, DTensor):
+            if t.placements == (Shard(0),) and t.device_mesh.size() == self.ep_size and \
+                    tuple(t.shape) == whole:
+                return t.to_local()  # already this layout's share
+            t = t.full_tensor()
+        if tuple(t.shape) != whole:
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} is invalid: allowed every expert, {whole} "
+                f"(a DTensor, or a plain tensor of all {self.experts} experts)"
+            )
+        per = self.experts // self.ep_size
+        return t[self.ep_rank * per:(self.ep_rank + 1) * per]
 
     def _build(self, device: torch.device, dtype: torch.dtype, workspace=None,
                seed: int | None = None) -> _ops.LayerHandle:
@@ -350,9 +397,11 @@ class MoE(nn.Module):
             return []
         return [n for n, v in _param_views(h) if self._parameters[n].data_ptr() == v.data_ptr()]
 
-    def __del__(self):
+    def __del__(self, _registry=_ops._registry):
+        # The registry is bound at definition: a module alive until the interpreter's last
+        # clean-up outlives the globals of moe_echo's modules.
         if getattr(self, "_layer_id", None) is not None:
-            _ops.unregister(self._layer_id)
+            _registry.pop(self._layer_id, None)
 
     # ---- copies: deepcopy, torch.save / torch.load, pickling ----------------------------------
 
@@ -506,6 +555,28 @@ class MoE(nn.Module):
             f"max_tokens={c['max_tokens']}, score_function={c['score_function']!r}, "
             f"echo={self._echo_config['enabled']}, ep_size={self.ep_size}"
         )
+
+
+def _experts_as_dtensors(module: MoE, state_dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook of a module with an ep_group: w1 and w2 as DTensors of every expert
+    (this rank's rows, sharing the parameters' memory), so that a distributed checkpoint holds
+    each expert once, with its place."""
+    for name in EXPERT_PARAMS:
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = module.expert_dtensor(state_dict[key].detach())
+
+
+def _experts_from_any_layout(module: MoE, state_dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook of a module with an ep_group: w1 and w2 of every expert (DTensors
+    of any EP layout, or plain tensors of one process's module) as this rank's rows."""
+    for name in EXPERT_PARAMS:
+        key = prefix + name
+        if key in state_dict:
+            try:
+                state_dict[key] = module.expert_rows(state_dict[key], name)
+            except ValueError as e:
+                raise ValueError(f"{prefix}{e}") from None
 
 
 class _HostCopy:
