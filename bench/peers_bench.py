@@ -387,6 +387,7 @@ def main(argv=None) -> dict:
               f"{'worst err':>9s} {'(of)':8s} {'check':8s} routing", flush=True)
     stop = False
     for s in slices:
+        torch._dynamo.reset()  # compiled peers: graphs of the last slice's shapes are done with
         for r in routings:
             case = cases.make_case(s, shapes[s], r, tokens, device=device, dtype=dtype,
                                    seed=args.seed, ep_size=world, ep_rank=rank)

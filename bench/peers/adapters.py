@@ -77,7 +77,7 @@ def _maybe_compile(fn, ctx: Ctx, info: dict):
     if not ctx.compile:
         info["compiled"] = False
         return fn
-    compiled = torch.compile(fn)
+    compiled = torch.compile(fn, dynamic=False)  # one graph per slice's shapes
     state = {"fn": compiled}
     info["compiled"] = True
 
