@@ -171,6 +171,11 @@ def measure_memory(built, x, case) -> dict:
 
 
 def run_peer(peer, case, ref, local_ref, ctx: Ctx, args) -> dict:
+    with peer.context(ctx):
+        return _run_peer(peer, case, ref, local_ref, ctx, args)
+
+
+def _run_peer(peer, case, ref, local_ref, ctx: Ctx, args) -> dict:
     rec = dict(peer=peer.name, precision=peer.precision)
     t0 = time.perf_counter()
     built = peer.build(case, ctx)
@@ -225,9 +230,12 @@ def setup(args):
         if "RANK" not in os.environ:
             raise SystemExit("--ep needs torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the environment)")
         local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", timeout=dt.timedelta(seconds=args.dist_timeout_s),
-                                device_id=torch.device("cuda", local))
+        timeout = dt.timedelta(seconds=args.dist_timeout_s)
+        if args.device == "cuda":
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", local))
+        else:  # the CPU (--tiny): gloo, MoE Echo over its host transport
+            dist.init_process_group("gloo", timeout=timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != args.ep:
             raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, got {world}")

@@ -65,6 +65,9 @@ class Peer:
     devices: tuple = ("cuda",)
     ep: bool = False                # runs with the experts split over EP ranks
     exact_on_cpu: bool = False      # computes in the case's dtype on the CPU (else bf16 inside)
+    # entered around everything the driver does with the peer (build, check, time)
+    context: Callable[[Ctx], contextlib.AbstractContextManager] = lambda ctx: (
+        contextlib.nullcontext())
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:
@@ -301,8 +304,9 @@ def teardown() -> None:
 @contextlib.contextmanager
 def _megatron_on_cpu(ctx: Ctx):
     """Megatron-Core is written for CUDA: its router moves its weight to
-    torch.cuda.current_device() in every forward. For the CPU (--tiny) runs, that device is the
-    CPU for the duration of Megatron's calls; on the GPU nothing is changed."""
+    torch.cuda.current_device() in every forward, its collectives' backward allocate there. For
+    the CPU (--tiny) runs that device is the CPU while the driver works with the peer; on the GPU
+    nothing is changed."""
     if ctx.device.type == "cuda":
         yield
         return
@@ -341,9 +345,7 @@ def build_megatron(case: Case, ctx: Ctx) -> Built:
         params_dtype=ctx.dtype, bf16=ctx.dtype == torch.bfloat16,
         use_cpu_initialization=ctx.device.type != "cuda", perform_initialization=False,
         expert_model_parallel_size=ctx.ep_size, sequence_parallel=False)
-    with _megatron_on_cpu(ctx):
-        layer = get_moe_module_spec(use_te=use_te, num_experts=E, moe_grouped_gemm=use_te)(
-            config=cfg)
+    layer = get_moe_module_spec(use_te=use_te, num_experts=E, moe_grouped_gemm=use_te)(config=cfg)
     layer.to(ctx.device)
     w1, w2 = case.local(case.w1), case.local(case.w2)
     if use_te:
@@ -369,9 +371,7 @@ def build_megatron(case: Case, ctx: Ctx) -> Built:
     layer.router.routing = routing_spy
 
     def forward(x):
-        with _megatron_on_cpu(ctx):
-            y = layer(x.view(case.tokens, 1, H))[0]
-        return y.view(case.tokens, H)
+        return layer(x.view(case.tokens, 1, H))[0].view(case.tokens, H)
 
     def grads():
         return dict(w1=torch.stack([w.grad.t() for w in fc1_w]),
@@ -548,7 +548,7 @@ PEERS = {p.name: p for p in [
     Peer("megatron", "Megatron-Core 0.19 MoELayer, alltoall dispatcher, TEGroupedMLP when "
          "transformer-engine loads, else SequentialMLP",
          (("megatron.core", "megatron-core==0.19.2"),), build_megatron,
-         devices=("cuda", "cpu"), ep=True, exact_on_cpu=True),
+         devices=("cuda", "cpu"), ep=True, exact_on_cpu=True, context=_megatron_on_cpu),
     Peer("te-grouped-linear", "Transformer Engine 2.20 GroupedLinear fc1/fc2 (device-side "
          "split sizes) in the script's torch block", (
              ("transformer_engine.pytorch", "transformer-engine[pytorch]==2.20.2"),),

@@ -153,3 +153,28 @@ def test_table_gives_each_ratio_against_its_target():
     assert "0.75 (met, <= 0.85)" in row           # and not the best bf16 peer (30 / 40)
     assert "0.80 (met, <= 0.9)" in row            # FP8: 20 / 25
     assert "1.25 (not met, <= 1.0)" in row        # activation memory: 100 / 80
+
+
+def test_expert_parallel_over_two_processes_agrees_with_the_reference(tmp_path):
+    """--ep 2 over gloo: each rank its own tokens and half the experts; the expert gradients
+    against the reference's summed over both ranks' tokens."""
+    import os
+    import subprocess
+
+    out = tmp_path / "ep2.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "bench" / "peers_bench.py"), "--device", "cpu", "--tiny", "--ep", "2",
+           "--out", str(out), "--slices", "mixtral-8x7b", "--routings", "zipf:1.2", "--peers",
+           "moe-echo,megatron"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    recs = {r["peer"]: r for r in doc["results"]}
+    assert "moe-echo" in recs
+    for r in recs.values():
+        assert r["ep_size"] == 2 and len(r["ranks"]) == 2
+        assert r["status"] == "ok" and r["agrees"], r
+        # the two ranks' tokens differ, so must their outputs' errors (each rank was checked)
+        assert r["ranks"][0]["rel_err"] != r["ranks"][1]["rel_err"]
