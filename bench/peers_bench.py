@@ -500,6 +500,18 @@ def summarize(docs: list) -> str:
         lines.append("| " + " | ".join([str(s), str(r), str(ep)] + [cell(recs.get(p)) for p in
                                                                       peers]
                                        + [bf16, fp8, act, ep2]) + " |")
+    # Peers that did not run in any of these files, with the package and the error.
+    ran = {p for doc in docs for p, d in doc.get("peers", {}).items()
+           if d.get("status") == "importable"}
+    missing = {}
+    for doc in docs:
+        for p, d in doc.get("peers", {}).items():
+            if p not in ran and d.get("status") != "importable":
+                missing.setdefault(p, d)
+    for p, d in missing.items():
+        why = d.get("error") or d.get("reason") or ""
+        lines.append(f"{p}: {d.get('status')}" + (f" ({d['package']})" if d.get("package") else "")
+                     + f": {why.splitlines()[0][:200] if why else ''}")
     return "\n".join(lines)
 
 

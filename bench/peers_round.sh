@@ -23,7 +23,8 @@
 # which peer is missing and why, and the others run.
 # Env: SLICES, ROUTINGS (default all three slices, uniform and zipf:1.2), PEERS (a stage's peer
 # list), CALL_S (the call's limit, default 570 s: peers stop starting in time to pack the logs),
-# ITERS, WARMUP, MOE_ECHO_COMMIT (the commit, for the JSON, where the copy has no .git).
+# ITERS, WARMUP, MOE_ECHO_COMMIT (the commit, for the JSON, where the copy has no .git),
+# BENCH_ARGS (more peers_bench.py options; "--device cpu --tiny" tries the round on a CPU).
 # Usage (device call): STAGES=main MOE_ECHO_COMMIT=<sha> bash bench/peers_round.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -137,6 +138,7 @@ run_peers() {  # run_peers NAME PEERS "ARGS" LAUNCHER...: peers_bench.py ARGS in
     bench/peers_bench.py --out "$json" --peers "$peers" --budget-s "$left" $args \
     --slices "${SLICES:-qwen3-30b-a3b,deepseek-v3,mixtral-8x7b}" \
     --routings "${ROUTINGS:-uniform,zipf:1.2}" --iters "${ITERS:-10}" --warmup "${WARMUP:-3}" \
+    ${BENCH_ARGS:-} \
     2>&1 | tee "$L/peers_$name.log" | grep -v -E "Warning|warn\(" | tail -n 60
   echo "== $name: rc ${PIPESTATUS[0]}, $((SECONDS - t_start)) s into the call"
 }
