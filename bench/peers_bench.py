@@ -228,7 +228,8 @@ def setup(args):
 
         import torch.distributed as dist
         if "RANK" not in os.environ:
-            raise SystemExit("--ep needs torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the environment)")
+            raise SystemExit("--ep needs torchrun (RANK, WORLD_SIZE, LOCAL_RANK in the "
+                             "environment)")
         local = int(os.environ.get("LOCAL_RANK", 0))
         timeout = dt.timedelta(seconds=args.dist_timeout_s)
         if args.device == "cuda":
@@ -366,8 +367,9 @@ def main(argv=None) -> dict:
     ctx = Ctx(device=device, dtype=dtype, compile=compile_on, ep_group=ep_group, ep_size=world,
               ep_rank=rank)
     doc = dict(what="MoE layer peers side by side: checked against one fp32 reference, then "
-               "forward + backward timed and memory measured", date=datetime.date.today()
-               .isoformat(), commit=commit(), host=platform.node(), python=platform.python_version(),
+               "forward + backward timed and memory measured",
+               date=datetime.date.today().isoformat(), commit=commit(), host=platform.node(),
+               python=platform.python_version(),
                device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                cuda=torch.version.cuda, versions=versions(), environ=environ_note(),
                config=dict(vars(args), tokens=tokens, compile=compile_on, dtype=str(dtype),

@@ -148,7 +148,8 @@ for stage in $stages; do
     main)
       install_group base
       build_ours
-      run_peers main "${PEERS:-moe-echo,moe-echo-fp8,torchtitan,megatron,hf-grouped_mm,torchao-fp8,te-grouped-linear}" "" python3
+      main_peers=moe-echo,moe-echo-fp8,torchtitan,megatron,hf-grouped_mm,torchao-fp8
+      run_peers main "${PEERS:-$main_peers,te-grouped-linear}" "" python3
       ;;
     sonic)
       install_group sonic

@@ -283,10 +283,10 @@ def _megatron_parallel_state(ctx: Ctx):
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
             expert_model_parallel_size=ctx.ep_size)
-        if ctx.device.type == "cuda":
+        _MEGATRON["initialized"] = True
+        if ctx.device.type == "cuda":  # the RNG states Megatron's CUDA modules ask for
             from megatron.core import tensor_parallel
             tensor_parallel.model_parallel_cuda_manual_seed(1)
-        _MEGATRON["initialized"] = True
 
 
 def teardown() -> None:

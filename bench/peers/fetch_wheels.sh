@@ -5,19 +5,16 @@
 # tracked tree is about 5 MiB, so a group is at most 56 MiB). Run it in the root of the checkout
 # the device calls are made from. Needs pip and network here; installs nothing.
 #
-#   group   carry                     what                                            which call
-#   base    third_party/wheels/base   torchtitan 0.3.0 (+ spmd_types, tyro,           peers_round.sh main
-#                                     docstring-parser, typeguard), megatron-core     (with third_party/cutlass)
-#                                     0.19.2, torchao 0.18.0
-#   sonic   third_party/wheels/sonic  sonic-moe 0.1.2.post1, nvidia-cutlass-dsl 4.4.2 peers_round.sh sonic
-#                                     (its 71 MiB libs-base wheel repacked as .tar.xz,
-#                                     50 MiB), quack-kernels 0.4.1, apache-tvm-ffi,
-#                                     torch-c-dlpack-ext
-#   te1..5  third_party/wheels/teN    transformer-engine 2.20.2: the 264 MiB           peers_round.sh te-stash N
-#                                     transformer_engine_cu13 wheel, the torch         (1..4), te (5); only if
-#                                     extension's sdist (built there), cudnn-frontend  device time allows
-#                                     headers, pydantic, nvdlfw-inspect: one tar in
-#                                     5 parts, joined there
+#   base   (carry third_party/wheels/base, in the call of peers_round.sh's main stage, with
+#          third_party/cutlass): torchtitan 0.3.0 with spmd_types, tyro, docstring-parser and
+#          typeguard; megatron-core 0.19.2; torchao 0.18.0
+#   sonic  (third_party/wheels/sonic, the sonic stage): sonic-moe 0.1.2.post1,
+#          nvidia-cutlass-dsl 4.4.2 (its 71 MiB libs-base wheel repacked as .tar.xz, 50 MiB),
+#          quack-kernels 0.4.1, apache-tvm-ffi, torch-c-dlpack-ext
+#   te1..5 (third_party/wheels/teN, the te-stash stage for N = 1..4 and the te stage for 5, one
+#          call each on a machine kept warm; only if device time allows): transformer-engine
+#          2.20.2 (the 264 MiB transformer_engine_cu13 wheel, the torch extension's sdist,
+#          built there), cudnn-frontend headers, pydantic, nvdlfw-inspect: one tar in 5 parts
 #
 # WHEEL_GROUPS="base sonic" (default "base sonic te") picks groups. Each group's files, sizes and
 # sha256 are written to third_party/wheels/MANIFEST.txt; a group over 56 MiB fails the script.
