@@ -28,6 +28,7 @@ usage:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import importlib
@@ -171,8 +172,19 @@ def measure_memory(built, x, case) -> dict:
 
 
 def run_peer(peer, case, ref, local_ref, ctx: Ctx, args) -> dict:
+    """One peer on one case. A compiled peer that fails (its backward is compiled at the first
+    backward, past the forward's own fallback) runs again eager, with the compile error kept."""
     with peer.context(ctx):
-        return _run_peer(peer, case, ref, local_ref, ctx, args)
+        if not (ctx.compile and peer.compiled):
+            return _run_peer(peer, case, ref, local_ref, ctx, args)
+        try:
+            return _run_peer(peer, case, ref, local_ref, ctx, args)
+        except Exception as e:  # noqa: BLE001
+            error = f"{type(e).__name__}: {e}"[:1000]
+        gc.collect()
+        rec = _run_peer(peer, case, ref, local_ref, dataclasses.replace(ctx, compile=False), args)
+        rec["info"].update(compiled=False, compile_error=error)
+        return rec
 
 
 def _run_peer(peer, case, ref, local_ref, ctx: Ctx, args) -> dict:

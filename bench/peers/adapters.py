@@ -65,6 +65,7 @@ class Peer:
     devices: tuple = ("cuda",)
     ep: bool = False                # runs with the experts split over EP ranks
     exact_on_cpu: bool = False      # computes in the case's dtype on the CPU (else bf16 inside)
+    compiled: bool = False          # torch.compile'd when the run compiles
     # entered around everything the driver does with the peer (build, check, time)
     context: Callable[[Ctx], contextlib.AbstractContextManager] = lambda ctx: (
         contextlib.nullcontext())
@@ -544,7 +545,7 @@ PEERS = {p.name: p for p in [
          lambda c, x: build_moe_echo(c, x, "fp8"), precision="fp8", ep=True),
     Peer("torchtitan", "torchtitan 0.3.0 models.common.moe.MoE (grouped_mm experts, "
          "LocalTokenDispatcher), torch.compile'd", (("torchtitan", "torchtitan==0.3.0"),),
-         build_torchtitan, devices=("cuda", "cpu")),
+         build_torchtitan, devices=("cuda", "cpu"), compiled=True),
     Peer("megatron", "Megatron-Core 0.19 MoELayer, alltoall dispatcher, TEGroupedMLP when "
          "transformer-engine loads, else SequentialMLP",
          (("megatron.core", "megatron-core==0.19.2"),), build_megatron,
@@ -566,10 +567,10 @@ PEERS = {p.name: p for p in [
     Peer("torchao-fp8", "torchao 0.18 FP8 rowwise MoE training grouped GEMM "
          "(_to_fp8_rowwise_then_scaled_grouped_mm) in the script's torch block, "
          "torch.compile'd", (("torchao.prototype.moe_training", "torchao==0.18.0"),),
-         build_torchao_fp8, precision="fp8"),
+         build_torchao_fp8, precision="fp8", compiled=True),
     Peer("torch-compiled", "the script's plain torch block (torch._grouped_mm), "
          "torch.compile'd", (("torch", "torch"),), build_torch_compiled,
-         devices=("cuda", "cpu"), exact_on_cpu=True),
+         devices=("cuda", "cpu"), exact_on_cpu=True, compiled=True),
 ]}
 
 DEFAULT_PEERS = ["moe-echo", "moe-echo-fp8", "torchtitan", "megatron", "te-grouped-linear",
