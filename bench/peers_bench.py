@@ -324,7 +324,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true",
                     help="small H and F (each slice's E and top-k), few tokens: the CPU mode")
-    ap.add_argument("--cpu-dtype", default="float32", choices=["float32", "float64"])
+    ap.add_argument("--cpu-dtype", default="float32", choices=["float32", "float64", "bfloat16"],
+                    help="--device cpu: the dtype of the case and the peers (bfloat16: the GPU's)")
     ap.add_argument("--slices", default=",".join(cases.SLICES))
     ap.add_argument("--routings", default=",".join(cases.ROUTINGS))
     ap.add_argument("--peers", default=None,
@@ -397,7 +398,9 @@ def main(argv=None) -> dict:
             doc["peers"][n].update(status="not run", reason="no EP variant here")
         else:
             missing = importable(p)
-            doc["peers"][n].update(missing or dict(status="importable"))
+            why = None if missing else p.unsupported(ctx)
+            doc["peers"][n].update(missing or (dict(status="not run", reason=why) if why else
+                                               dict(status="importable")))
     runnable = [n for n in names if doc["peers"][n]["status"] == "importable"]
     if rank == 0:
         for n in names:

@@ -66,6 +66,8 @@ class Peer:
     ep: bool = False                # runs with the experts split over EP ranks
     exact_on_cpu: bool = False      # computes in the case's dtype on the CPU (else bf16 inside)
     compiled: bool = False          # torch.compile'd when the run compiles
+    # why it cannot run in this run (its packages imported), or None
+    unsupported: Callable[[Ctx], str | None] = lambda ctx: None
     # entered around everything the driver does with the peer (build, check, time)
     context: Callable[[Ctx], contextlib.AbstractContextManager] = lambda ctx: (
         contextlib.nullcontext())
@@ -205,13 +207,26 @@ def build_moe_echo(case: Case, ctx: Ctx, precision: str = "bf16") -> Built:
 # ---- torchtitan -------------------------------------------------------------------------------
 
 
-def build_torchtitan(case: Case, ctx: Ctx) -> Built:
-    from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import (MoE, GroupedExperts, RoutedExperts,
-                                              TokenChoiceTopKRouter)
-    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-
+def _torchtitan_moe(case: Case):
+    """torchtitan's MoE layer of the case's shape, softmax routing with route_norm, no shared
+    experts, no load-balancing bias: (module, gate, names of the [gate, up, down] expert
+    weights, api).
+    0.3.x builds it from configs (models.common.moe); 0.2.x from MoEArgs (models.moe), where the
+    scores must multiply the experts' outputs (score_before_experts=False), as in 0.3.x."""
     E, K, H, Fh = case.experts, case.top_k, case.hidden, case.ffn
+    try:
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import (MoE, GroupedExperts, RoutedExperts,
+                                                  TokenChoiceTopKRouter)
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    except ImportError:
+        from torchtitan.models.moe.moe import MoE as MoE02
+        from torchtitan.models.moe.moe import MoEArgs
+
+        moe = MoE02(MoEArgs(num_experts=E, num_shared_experts=0, score_func="softmax",
+                            route_norm=True, top_k=K, load_balance_coeff=None,
+                            score_before_experts=False), dim=H, hidden_dim=Fh)
+        return moe, moe.router.gate, ["w1", "w3", "w2"], "models.moe (0.2)"
     cfg = MoE.Config(
         num_experts=E, load_balance_coeff=None,
         routed_experts=RoutedExperts.Config(
@@ -220,19 +235,37 @@ def build_torchtitan(case: Case, ctx: Ctx) -> Built:
         router=TokenChoiceTopKRouter.Config(
             num_experts=E, gate=Linear.Config(in_features=H, out_features=E), top_k=K,
             score_func="softmax", route_norm=True))
+    moe = cfg.build()
+    return moe, moe.router.gate, ["w1_EFD", "w3_EFD", "w2_EDF"], "models.common.moe (0.3)"
+
+
+def _torchtitan_unsupported(ctx: Ctx) -> str | None:
+    if ctx.device.type != "cpu":
+        return None
+    try:
+        import torchtitan.models.common.moe  # noqa: F401 (0.3: runs on the CPU)
+        return None
+    except ImportError:
+        return ("torchtitan 0.2's router counts tokens with torch.histc on int64, which has no "
+                "CPU kernel (runs on CUDA)")
+
+
+def build_torchtitan(case: Case, ctx: Ctx) -> Built:
+    K, H, Fh = case.top_k, case.hidden, case.ffn
     with torch.device(ctx.device):
-        moe = cfg.build()
+        moe, gate, names, api = _torchtitan_moe(case)
     moe.to(ctx.device, ctx.dtype)
-    # torchtitan computes the gate under autocast to fp32; its weight is kept in fp32 and its
-    # input cast too, so it routes in fp32 also where autocast to fp32 is not supported (CPU).
-    moe.router.gate.float()
-    moe.router.gate.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
-    ex = moe.routed_experts.inner_experts
+    # torchtitan computes the gate under autocast to fp32 (0.3) or in the input's dtype (0.2);
+    # its weight is kept in fp32 and its input cast, so that it routes in fp32 either way.
+    gate.float()
+    gate.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    ex = moe.routed_experts.inner_experts if hasattr(moe, "routed_experts") else moe.experts
+    w_gate, w_up, w_down = (getattr(ex, n) for n in names)
     with torch.no_grad():
-        moe.router.gate.weight.copy_(case.router)
-        ex.w1_EFD.copy_(case.w1[:, :, :Fh].transpose(1, 2))  # gate [E, F, H]
-        ex.w3_EFD.copy_(case.w1[:, :, Fh:].transpose(1, 2))  # up
-        ex.w2_EDF.copy_(case.w2.transpose(1, 2))            # [E, H, F]
+        gate.weight.copy_(case.router)
+        w_gate.copy_(case.w1[:, :, :Fh].transpose(1, 2))  # [E, F, H]
+        w_up.copy_(case.w1[:, :, Fh:].transpose(1, 2))
+        w_down.copy_(case.w2.transpose(1, 2))             # [E, H, F]
     last = {}
     router_forward = moe.router.forward
 
@@ -241,7 +274,7 @@ def build_torchtitan(case: Case, ctx: Ctx) -> Built:
         last["top_i"] = out[1]
         return out
 
-    info = dict(score_func="softmax", route_norm=True, dispatcher="LocalTokenDispatcher",
+    info = dict(api=api, score_func="softmax", route_norm=True,
                 router="gate in fp32 (input cast)")
     if not ctx.compile:
         moe.router.forward = router_spy
@@ -251,8 +284,8 @@ def build_torchtitan(case: Case, ctx: Ctx) -> Built:
         return run(x.view(1, case.tokens, H)).view(case.tokens, H)
 
     def grads():
-        g1 = torch.cat([ex.w1_EFD.grad.transpose(1, 2), ex.w3_EFD.grad.transpose(1, 2)], dim=-1)
-        return dict(w1=g1, w2=ex.w2_EDF.grad.transpose(1, 2), router=moe.router.gate.weight.grad)
+        g1 = torch.cat([w_gate.grad.transpose(1, 2), w_up.grad.transpose(1, 2)], dim=-1)
+        return dict(w1=g1, w2=w_down.grad.transpose(1, 2), router=gate.weight.grad)
 
     top = lambda: (last["top_i"].reshape(case.tokens, K) if "top_i" in last else None)  # noqa
     return Built(forward, grads, list(moe.parameters()), top_i=top, info=info)
@@ -545,7 +578,8 @@ PEERS = {p.name: p for p in [
          lambda c, x: build_moe_echo(c, x, "fp8"), precision="fp8", ep=True),
     Peer("torchtitan", "torchtitan 0.3.0 models.common.moe.MoE (grouped_mm experts, "
          "LocalTokenDispatcher), torch.compile'd", (("torchtitan", "torchtitan==0.3.0"),),
-         build_torchtitan, devices=("cuda", "cpu"), compiled=True),
+         build_torchtitan, devices=("cuda", "cpu"), compiled=True,
+         unsupported=_torchtitan_unsupported),
     Peer("megatron", "Megatron-Core 0.19 MoELayer, alltoall dispatcher, TEGroupedMLP when "
          "transformer-engine loads, else SequentialMLP",
          (("megatron.core", "megatron-core==0.19.2"),), build_megatron,

@@ -80,7 +80,7 @@ def test_synthetic_routing_draws_from_its_law(routing):
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("peers") / "tiny.json"
     doc = peers_bench.main(["--device", "cpu", "--tiny", "--out", str(out), "--routings",
-                            "zipf:1.2", "--slices", "qwen3-30b-a3b,mixtral-8x7b", "--peers",
+                            "uniform,zipf:1.2", "--slices", "qwen3-30b-a3b", "--peers",
                             ",".join(PEERS_ON_CPU)])
     assert json.loads(out.read_text())["results"] == json.loads(json.dumps(doc["results"],
                                                                            default=str))
@@ -103,12 +103,25 @@ def test_installed_peers_agree_with_the_reference(tiny_run):
     assert max(max(r["rel_err"].values()) for r in ours) < 1e-4
 
 
-def test_peers_not_installed_are_named_with_their_error(tiny_run):
+def test_in_bf16_the_installed_peers_agree_and_route_alike(tmp_path):
+    """The GPU's dtype on the CPU: every peer's bf16 path (transformers' fp32 gate beside bf16
+    experts, Megatron's bf16 config, torchtitan's casts) within the bf16 tolerance."""
+    doc = peers_bench.main(["--device", "cpu", "--tiny", "--cpu-dtype", "bfloat16", "--out",
+                            str(tmp_path / "bf16.json"), "--slices", "mixtral-8x7b",
+                            "--routings", "zipf:1.2", "--peers", ",".join(PEERS_ON_CPU)])
+    assert {r["peer"] for r in doc["results"]} >= set(ALWAYS)
+    for rec in doc["results"]:
+        assert rec["status"] == "ok" and rec["agrees"] and rec["tol"] == 3e-2, rec
+        assert rec.get("routing_agreement", 1.0) == 1.0, rec
+
+
+def test_peers_that_do_not_run_say_why(tiny_run):
     for n in PEERS_ON_CPU:
         d = tiny_run["peers"][n]
-        if d["status"] != "importable":
-            assert d["status"] == "not installed"
+        if d["status"] == "not installed":
             assert d["package"] and d["error"]
+        elif d["status"] != "importable":  # imported, but cannot run here (and says why)
+            assert d["status"] == "not run" and d["reason"]
 
 
 def _swapped_gate_up(case, ctx):
