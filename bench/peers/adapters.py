@@ -109,7 +109,9 @@ def permute(x: torch.Tensor, top_i: torch.Tensor, experts: int):
     is token order[j] // K, routed to expert top_i.flatten()[order[j]]."""
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    # (not bincount, whose output size depends on the data: a graph break under torch.compile)
+    counts = torch.zeros(experts, dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     return x[order // top_i.shape[1]], order, counts
 
 
