@@ -135,6 +135,35 @@ def test_token_counts(tokens):
     check_against_reference(m, torch.randn(tokens, 16, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("echo", [True, False])
+def test_tokens_per_expert_counts_the_routing(echo):
+    """tokens_per_expert: the last forward's routed rows per expert (the reference's top-k counts),
+    from forward, compiled forward and split_forward alike; group-limited routing included."""
+    m = make(experts=8, top_k=3, echo=echo, score_function="sigmoid", expert_groups=4,
+             topk_groups=2, capacity_factor=0.3)
+    assert m.tokens_per_expert is None
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        m.router_bias.copy_(torch.randn(8, generator=gen, dtype=torch.float64) * 0.1)
+    for i, run in enumerate([m, torch.compile(m, fullgraph=True, backend="eager"), "split"]):
+        x = torch.randn(40 + i, 16, dtype=torch.float64, generator=gen)
+        if run == "split":
+            s = m.split_forward(x)
+            s.experts()
+            s.combine()
+        else:
+            run(x)
+        # The reference routing: sigmoid scores plus the bias, the best 2 of 4 groups (by the sum
+        # of their two best keys), the top 3 experts among them.
+        key = torch.sigmoid(x @ m.router_weight.detach().T) + m.router_bias
+        groups = key.view(-1, 4, 2).topk(2, dim=-1).values.sum(-1).topk(2, dim=-1).indices
+        mask = torch.zeros(x.shape[0], 4, dtype=torch.bool).scatter_(1, groups, True)
+        idx = key.masked_fill(~mask.repeat_interleave(2, dim=1), -float("inf")).topk(3).indices
+        want = torch.bincount(idx.flatten(), minlength=8)
+        got = m.tokens_per_expert
+        assert got.dtype == torch.int64 and torch.equal(got, want), (got, want)
+
+
 def test_echo_on_equals_off():
     x = torch.randn(48, 16, dtype=torch.float64)
     outs = []

@@ -69,7 +69,8 @@ def hold_clone_grads():
 class LayerHandle:
     """A C++ layer, views of its buffers, and the host state of its forward/backward pairing."""
 
-    def __init__(self, layer, device: torch.device, shared: bool = False, fp8: bool = False):
+    def __init__(self, layer, device: torch.device, shared: bool = False, fp8: bool = False,
+                 replicas: int = 1):
         self.layer = layer
         self.fp8 = fp8
         self.device = device
@@ -92,6 +93,12 @@ class LayerHandle:
         self.plans = [layer.plan_buffer(m) for m in range(self.in_flight)]
         self.last_slot = 0  # the slot of the last forward
         self.plan_layout = layer.plan_layout
+        # The plan's replica_rows [E, replicas] (the rows each replica of each expert takes; 1 +
+        # max_clones_per_expert replicas with ECHO on, else 1) end where load_before starts.
+        self.replicas = replicas
+        self.experts = self.router_weight.shape[0]
+        self.rows_span = (self.plan_layout["load_before"] - self.experts * replicas,
+                          self.plan_layout["load_before"])
         self.activation_dtype = getattr(torch, layer.activation_dtype)
         self.float_dtype = getattr(torch, layer.float_dtype)
         self.serial = 0
@@ -107,6 +114,12 @@ class LayerHandle:
         if free:
             return free[0]
         return min(range(self.in_flight), key=lambda m: self.pending[m])
+
+    def tokens_per_expert(self, slot: int) -> Tensor:
+        """The routed rows of each expert [E] (int64, all EP ranks' tokens) of the forward in
+        `slot`, from its plan: a new device tensor, no host sync."""
+        a, b = self.rows_span
+        return self.plans[slot][a:b].view(-1, self.replicas).sum(1)
 
     def start(self, slot: int) -> int:
         """A forward began in `slot`: its serial number."""
@@ -148,16 +161,18 @@ def moe_forward(
     shared_w1: Tensor,
     shared_w2: Tensor,
     layer_id: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """y, losses [aux, z, sequence aux], token of the layer on x [T, H] (the layer's activation
-    dtype). shared_w1, shared_w2: the shared experts' weights, or empty tensors without."""
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """y, losses [aux, z, sequence aux], token, tokens per expert [E] (int64: the rows routed to
+    each expert, every EP rank's tokens) of the layer on x [T, H] (the layer's activation dtype).
+    shared_w1, shared_w2: the shared experts' weights, or empty tensors without."""
     h = handle(layer_id)
     prepare_forward(h, router_weight, w1, w2, shared_w1, shared_w2)
     y = torch.empty_like(x)
     slot = h.take_slot()
     h.layer.forward(x.data_ptr(), y.data_ptr(), x.shape[0], _stream(x.device), slot)
     serial = h.start(slot)
-    return y, h.losses[slot].clone(), torch.tensor([serial], dtype=torch.int64)
+    return (y, h.losses[slot].clone(), torch.tensor([serial], dtype=torch.int64),
+            h.tokens_per_expert(slot))
 
 
 def prepare_forward(h: LayerHandle, router_weight, w1, w2, shared_w1, shared_w2) -> None:
@@ -200,6 +215,7 @@ def _(x, router_weight, w1, w2, shared_w1, shared_w2, layer_id):
         torch.empty_like(x),
         x.new_empty((3,), dtype=h.float_dtype),
         torch.empty((1,), dtype=torch.int64, device="cpu"),
+        x.new_empty((h.experts,), dtype=torch.int64),
     )
 
 
@@ -259,15 +275,15 @@ def _(dy, x, token, layer_id, router_dtype, w1_dtype, w2_dtype, shared_dtype):
 
 def _setup_context(ctx, inputs, output):
     x, router_weight, w1, w2, shared_w1, shared_w2, layer_id = inputs
-    _, losses, token = output
+    _, losses, token, counts = output
     ctx.save_for_backward(x, token)
     ctx.layer_id = layer_id
     ctx.shared = shared_w1.numel() > 0
     ctx.dtypes = (router_weight.dtype, w1.dtype, w2.dtype, shared_w1.dtype)
-    ctx.mark_non_differentiable(losses, token)
+    ctx.mark_non_differentiable(losses, token, counts)
 
 
-def _backward(ctx, dy, dlosses, dtoken):
+def _backward(ctx, dy, dlosses, dtoken, dcounts):
     x, token = ctx.saved_tensors
     dx, d_router, dw1, dw2, dsw1, dsw2 = moe_backward(
         dy.contiguous(), x, token, ctx.layer_id, *ctx.dtypes

@@ -199,6 +199,7 @@ class MoE(nn.Module):
         self._workspace = None  # the moe_echo.torch.Workspace the layer uses, or None
         self._layer_key = None
         self.last_losses: Tensor | None = None
+        self.last_tokens_per_expert: Tensor | None = None
 
         if device.type == "meta":
             self._build_meta(dtype)
@@ -318,8 +319,10 @@ class MoE(nn.Module):
             else:
                 layer = _ext.Layer(backend=backend, dtype=compute, **cfg)
         old = self._layer_id
+        echo = self._echo_config
         self._handle = _ops.LayerHandle(
-            layer, device, shared=self.shared_width > 0, fp8=self._config["precision"] == "fp8"
+            layer, device, shared=self.shared_width > 0, fp8=self._config["precision"] == "fp8",
+            replicas=1 + (echo["max_clones_per_expert"] if echo["enabled"] else 0),
         )
         self._layer_id = _ops.register(self._handle)
         self._layer_key = (device, compute)
@@ -407,7 +410,8 @@ class MoE(nn.Module):
 
     # What belongs to the C++ layer, not to a copy: a copy builds a layer of its own from the
     # config (unbound from any workspace) and gets the weights and the router bias.
-    _LAYER_STATE = ("_handle", "_layer_id", "_layer_key", "_workspace", "last_losses")
+    _LAYER_STATE = ("_handle", "_layer_id", "_layer_key", "_workspace", "last_losses",
+                    "last_tokens_per_expert")
 
     def _copy_state(self) -> dict:
         """The module's __dict__ without the C++ layer's state."""
@@ -448,10 +452,11 @@ class MoE(nn.Module):
             shared = (self.shared_w1, self.shared_w2)
         else:
             shared = (x.new_empty((0,), dtype=h.activation_dtype),) * 2
-        y, losses, _ = _ops.moe_forward(
+        y, losses, _, counts = _ops.moe_forward(
             xc, self.router_weight, self.w1, self.w2, *shared, self._layer_id
         )
         self.last_losses = losses
+        self.last_tokens_per_expert = counts
         return y.to(x.dtype).reshape(x.shape)
 
     def split_forward(self, x: Tensor):
@@ -505,6 +510,12 @@ class MoE(nn.Module):
         """The last forward's sequence-level aux loss (coefficient applied), a device tensor;
         already in the backward: for logging only."""
         return None if self.last_losses is None else self.last_losses[2]
+
+    @property
+    def tokens_per_expert(self) -> Tensor | None:
+        """The last forward's routed rows per expert [E] (int64 device tensor; with an ep_group,
+        every EP rank's tokens), made without a host sync: for logging and load balancing."""
+        return self.last_tokens_per_expert
 
     @property
     def capacity(self) -> int:

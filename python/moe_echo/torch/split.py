@@ -76,6 +76,7 @@ class SplitStep:
         self._next("combine")
         self._h.layer.forward_combine(self._stream(), self._slot)
         self._module.last_losses = self._h.losses[self._slot].clone()
+        self._module.last_tokens_per_expert = self._h.tokens_per_expert(self._slot)
         return self._y.to(self._dtype).reshape(self._shape)
 
     def backward_dispatch(self, dy: Tensor) -> None:
