@@ -32,13 +32,15 @@ if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } && [ 
 fi
 
 # The Python package's build and test requirements (PyTorch and transformers pinned to the GPU
-# machines' 2.11 and 5.17; transformers for moe_echo.torch.swap_moe and its tests).
-python_packages=("torch==2.11.0" "transformers==5.17.0" "nanobind>=2.0" "scikit-build-core>=0.10"
-                 "pytest" "numpy" "matplotlib")
+# machines' 2.11 and 5.17; transformers for moe_echo.torch.swap_moe and its tests; torchtitan
+# 0.2.2 for moe_echo.torch.swap_titan_moe and its tests: the newest torchtitan that runs on torch
+# 2.11, as 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims of a later torch).
+python_packages=("torch==2.11.0" "transformers==5.17.0" "torchtitan==0.2.2" "nanobind>=2.0"
+                 "scikit-build-core>=0.10" "pytest" "numpy" "matplotlib")
 if ! python3 - <<'PY' >/dev/null 2>&1
 import importlib.metadata as m, sys
-need = {"torch": "2.11.", "transformers": "5.17.", "nanobind": "", "scikit-build-core": "",
-        "pytest": "", "numpy": "", "matplotlib": ""}
+need = {"torch": "2.11.", "transformers": "5.17.", "torchtitan": "0.2.2", "nanobind": "",
+        "scikit-build-core": "", "pytest": "", "numpy": "", "matplotlib": ""}
 sys.exit(any(not m.version(k).startswith(v) for k, v in need.items()))
 PY
 then

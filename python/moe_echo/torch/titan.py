@@ -123,6 +123,38 @@ class TitanMoE(nn.Module):
                 {k: v.detach() for k, v in block.state_dict().items()}, strict=True
             )
 
+    # torchtitan's attribute paths of its state-dict keys (``experts.w1``, ``router.gate.weight``,
+    # ...): torch.distributed.checkpoint, which torchtitan's trainer saves and loads with, walks
+    # them with getattr; each leaf is a view of the MoE Echo parameter in torchtitan's layout.
+    _PATHS = ("experts", "router", "shared_experts")
+
+    def __getattr__(self, name: str):
+        if name in TitanMoE._PATHS:
+            return _TitanPath(self, (name,))
+        return super().__getattr__(name)
+
+    def _titan_leaf(self, path: tuple[str, ...]):
+        """The view at torchtitan's attribute `path`, a _TitanPath on the way to one, or None."""
+        m = self.moe
+        F, S = m.ffn, m.shared_width
+        leaves = {
+            ("experts", "w1"): lambda: m.w1[:, :, :F].transpose(1, 2),
+            ("experts", "w3"): lambda: m.w1[:, :, F:].transpose(1, 2),
+            ("experts", "w2"): lambda: m.w2.transpose(1, 2),
+            ("router", "gate", "weight"): lambda: m.router_weight,
+        }
+        if self.has_shared:
+            leaves.update({
+                ("shared_experts", "w1", "weight"): lambda: m.shared_w1[:, :S].t(),
+                ("shared_experts", "w3", "weight"): lambda: m.shared_w1[:, S:].t(),
+                ("shared_experts", "w2", "weight"): lambda: m.shared_w2.t(),
+            })
+        if path in leaves:
+            return leaves[path]()
+        if any(k[: len(path)] == path for k in leaves):
+            return _TitanPath(self, path)
+        return None
+
     # torchtitan's optimizer pre-hook reads and updates these.
     @property
     def expert_bias(self) -> Tensor | None:
@@ -176,6 +208,22 @@ class TitanMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"load_balance_coeff={self.load_balance_coeff}"
+
+
+class _TitanPath:
+    """A point on torchtitan's attribute path of a swapped block (``moe.experts``,
+    ``moe.router.gate``, ...), for getattr walks to its state-dict keys."""
+
+    def __init__(self, owner: TitanMoE, path: tuple[str, ...]):
+        self._owner, self._path = owner, path
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        found = self._owner._titan_leaf(self._path + (name,))
+        if found is None:
+            raise AttributeError(f"{'.'.join(self._path)} of a swapped block has no {name!r}")
+        return found
 
 
 def _titan_names(module: TitanMoE, state_dict, prefix: str, local_metadata) -> None:

@@ -16,8 +16,6 @@ torchtitan's job config. In a job's TOML file:
 default options.) See docs/stacks.md.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 from moe_echo.torch.titan import MoeEchoOptions, register_converter
