@@ -375,3 +375,35 @@ def test_group_limited_sigmoid_routing_with_route_scale_equals_torchtitan():
     want = {k: p.grad for k, p in ref.named_parameters()}
     got = titan_grads(ours)
     assert max(rel(got[k], want[k]) for k in want) < TOL
+
+
+def test_distributed_checkpoint_moves_weights_between_swapped_and_torchtitan_models(tmp_path):
+    """torch.distributed.checkpoint (what torchtitan's trainer saves and loads with, walking each
+    key's attribute path): the swapped model's get_model_state_dict is torchtitan's, a DCP
+    checkpoint of it loads into torchtitan's model, and one of torchtitan's loads into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    ref = build("deepseek_v3")
+    random_bias(ref)
+    ours = copy.deepcopy(ref)
+    swap_titan_moe(ours, max_tokens=BATCH * SEQ)
+    sd = get_model_state_dict(ours)
+    sd_ref = get_model_state_dict(ref)
+    assert set(sd) == set(sd_ref) and all(torch.equal(sd[k], sd_ref[k]) for k in sd_ref)
+
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ours"))
+    other = build("deepseek_v3", seed=3)
+    state = {"model": get_model_state_dict(other)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ours"))
+    set_model_state_dict(other, state["model"])
+    assert all(torch.equal(v, sd_ref[k]) for k, v in other.state_dict().items())
+
+    fresh = build("deepseek_v3", seed=4)
+    random_bias(fresh, seed=6)
+    dcp.save({"model": get_model_state_dict(fresh)}, checkpoint_id=str(tmp_path / "titan"))
+    state = {"model": get_model_state_dict(ours)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "titan"))
+    set_model_state_dict(ours, state["model"])
+    got = ours.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in fresh.state_dict().items())
