@@ -94,10 +94,12 @@ def titan_grads(model) -> dict[str, torch.Tensor]:
     and layouts (a swapped block's MoE Echo gradients taken apart by hand)."""
     out = {}
     for name, p in model.named_parameters():
+        name = name.replace("._orig_mod", "")  # a torch.compile wrapper's
         if ".moe.moe." not in name:
             out[name] = p.grad
     for prefix, m in model.named_modules():
         if isinstance(m, TitanMoE):
+            prefix = prefix.replace("._orig_mod", "")
             e, F = m.moe, m.moe.ffn
             out[f"{prefix}.router.gate.weight"] = e.router_weight.grad
             out[f"{prefix}.experts.w1"] = e.w1.grad[:, :, :F].transpose(1, 2)
@@ -407,3 +409,22 @@ def test_distributed_checkpoint_moves_weights_between_swapped_and_torchtitan_mod
     set_model_state_dict(ours, state["model"])
     got = ours.state_dict()
     assert all(torch.equal(got[k], v) for k, v in fresh.state_dict().items())
+
+
+def test_torch_compile_of_swapped_blocks_gives_eager_bits():
+    """torchtitan's apply_compile compiles a swapped block whole (fullgraph=True): the compiled
+    TitanMoE gives the eager one's output, gradients and token counts."""
+    ref = build("deepseek_v3", layers=2)
+    eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
+    for model in (eager, compiled):
+        swap_titan_moe(model, max_tokens=BATCH * SEQ)
+    block = compiled.layers["1"]
+    block.moe = torch.compile(block.moe, fullgraph=True, backend="aot_eager")
+    tokens, labels = batch()
+    for model in (eager, compiled):
+        loss_of(model, tokens, labels)[1].backward()
+    ge, gc = titan_grads(eager), titan_grads(compiled)
+    assert all(torch.equal(ge[k], gc[k]) for k in ge)
+    a, b = eager.layers["1"].moe, compiled.layers["1"].moe
+    assert torch.equal(a.tokens_per_expert, b.tokens_per_expert) and a.tokens_per_expert.sum() > 0
+    assert b.load_balance_coeff == a.load_balance_coeff and b.expert_bias is not None
