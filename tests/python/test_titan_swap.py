@@ -428,3 +428,35 @@ def test_torch_compile_of_swapped_blocks_gives_eager_bits():
     a, b = eager.layers["1"].moe, compiled.layers["1"].moe
     assert torch.equal(a.tokens_per_expert, b.tokens_per_expert) and a.tokens_per_expert.sum() > 0
     assert b.load_balance_coeff == a.load_balance_coeff and b.expert_bias is not None
+
+
+def test_converter_swaps_the_meta_model_with_the_jobs_options():
+    """The "moe_echo" model converter (moe_echo.torch.titan_job registers it): max_tokens from
+    the job's local batch and sequence length, the [moe_echo] options to every module, the
+    workspace bound at the first forward; a world of more than one rank refused by name."""
+    import moe_echo.torch.titan_job as job
+    from torchtitan.config.job_config import JobConfig
+    from torchtitan.protocols.model_converter import _registry_model_converter_cls
+
+    from moe_echo.torch.titan import MoeEchoOptions, TitanConverter
+
+    assert _registry_model_converter_cls["moe_echo"] is TitanConverter
+    assert "moe_echo" in {f for f in job.JobConfig.__dataclass_fields__}
+    config = JobConfig()
+    config.training.local_batch_size, config.training.seq_len = 2, SEQ
+    config.moe_echo = MoeEchoOptions(recompute="moe_act", capacity_factor=1.5)
+    one = types.SimpleNamespace(world_size=1)
+    model = build("deepseek_v3", device="meta")
+    TitanConverter(config, one).convert(model)
+    mods = [m.moe for m in model.modules() if isinstance(m, TitanMoE)]
+    assert len(mods) == 2
+    for m in mods:
+        assert m.max_tokens == 2 * SEQ and m._config["recompute"] == "moe_act"
+        assert m._config["capacity_factor"] == 1.5 and m.w1.is_meta
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    model(batch()[0])
+    assert titan_workspace(model) is not None
+    with pytest.raises(ValueError, match="world size = 2 is invalid"):
+        TitanConverter(config, types.SimpleNamespace(world_size=2))

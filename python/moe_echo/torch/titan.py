@@ -373,23 +373,21 @@ class TitanConverter:
     """torchtitan's model converter ``"moe_echo"`` (registered by importing
     ``moe_echo.torch.titan_job``): swaps every MoE block of the model torchtitan built on the
     meta device for a ``TitanMoE``, with ``max_tokens`` = training.local_batch_size x
-    training.seq_len and the job's ``[moe_echo]`` options. One rank's model: pipeline, tensor,
-    context and expert parallelism are refused by name."""
+    training.seq_len and the job's ``[moe_echo]`` options. One rank only: a larger world is
+    refused."""
 
     def __init__(self, job_config, parallel_dims):
         training = job_config.training
         self.max_tokens = int(training.local_batch_size) * int(training.seq_len)
         opts = getattr(job_config, "moe_echo", None) or MoeEchoOptions()
         self.options = {f.name: getattr(opts, f.name) for f in dataclasses.fields(MoeEchoOptions)}
-        p = job_config.parallelism
-        for name in ("pipeline_parallel_degree", "tensor_parallel_degree",
-                     "context_parallel_degree", "expert_parallel_degree"):
-            value = getattr(p, name, 1)
-            if value != 1:
-                raise ValueError(
-                    f"parallelism.{name} = {value} is invalid with the moe_echo converter: "
-                    "allowed 1 (data parallelism only)"
-                )
+        world = int(getattr(parallel_dims, "world_size", 1))
+        if world != 1:
+            raise ValueError(
+                f"world size = {world} is invalid with the moe_echo converter: allowed 1 (one "
+                "rank; torchtitan's FSDP, tensor, context, pipeline and expert parallelism are "
+                "not mapped onto MoE Echo's modules yet)"
+            )
 
     def convert(self, model: nn.Module) -> None:
         options = dict(self.options)
