@@ -7,11 +7,9 @@
 # under $OUT (default out/titan): one JSON per run and $OUT/titan_round.json.
 #
 # Stages (STAGES, default "install runs compare"):
-#   install  pip-installs torchtitan 0.2.2 and what its trainer imports from the wheels under
-#            third_party/wheels/*/ (the GPU machines have no network; scripts/titan_wheels.sh
-#            gathers them there), skipping what is installed already. pyarrow alone is 55 MB and a
-#            carry holds 64 MiB: carry third_party/wheels/arrow in one call (STAGES=install) and
-#            third_party/wheels/rest in the next (the machine keeps what it installed while warm).
+#   install  pip-installs torchtitan 0.2.2 and the imports of its trainer that the GPU image lacks
+#            from third_party/titan_wheels (the GPU machines have no network: carry that folder,
+#            about 2 MB, which scripts/titan_wheels.sh fills), skipping what is installed already
 #   runs     RUNS (default "dsv3_debug qwen3_debug"; also dsv3_16b_l6 and qwen3_30b_l4, real
 #            layer shapes with fewer layers so that fp32 weights and AdamW fit one GPU), each with
 #            torchtitan's MoE, then MoE Echo's (ECHO_ARGS, e.g. "--moe_echo.recompute experts",
@@ -52,7 +50,7 @@ for stage in $stages; do
     install)
       python3 -c "import torch; print('torch', torch.__version__)"
       shopt -s nullglob
-      wheels=(third_party/wheels/*/*.whl)
+      wheels=(third_party/titan_wheels/*.whl)
       todo=()
       for w in "${wheels[@]}"; do
         dist=$(basename "$w" | cut -d- -f1)
