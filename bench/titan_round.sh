@@ -52,10 +52,10 @@ for stage in $stages; do
       shopt -s nullglob
       wheels=(third_party/titan_wheels/*.whl)
       todo=()
-      for w in "${wheels[@]}"; do
-        dist=$(basename "$w" | cut -d- -f1)
-        python3 -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" "$dist" \
-          2>/dev/null || todo+=("$w")
+      for w in "${wheels[@]}"; do  # name-version-...whl: skipped when that version is there
+        IFS=- read -r dist version _ <<<"$(basename "$w")"
+        python3 -c "import importlib.metadata as m, sys; sys.exit(m.version(sys.argv[1]) != sys.argv[2])" \
+          "$dist" "$version" 2>/dev/null || todo+=("$w")
       done
       [ ${#todo[@]} -gt 0 ] && python3 -m pip install -q --root-user-action=ignore --no-index \
         --no-deps "${todo[@]}"

@@ -33,8 +33,9 @@ fi
 
 # The Python package's build and test requirements (PyTorch and transformers pinned to the GPU
 # machines' 2.11 and 5.17; transformers for moe_echo.torch.swap_moe and its tests; torchtitan
-# 0.2.2 for moe_echo.torch.swap_titan_moe and its tests: the newest torchtitan that runs on torch
-# 2.11, as 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims of a later torch).
+# 0.2.2 for moe_echo.torch.swap_titan_moe and its tests: the newest torchtitan whose models and
+# trainer run on torch 2.11, as 0.3.0's import torch.distributed.fsdp.DataParallelMeshDims of a
+# later torch).
 python_packages=("torch==2.11.0" "transformers==5.17.0" "torchtitan==0.2.2" "nanobind>=2.0"
                  "scikit-build-core>=0.10" "pytest" "numpy" "matplotlib")
 if ! python3 - <<'PY' >/dev/null 2>&1
