@@ -19,7 +19,8 @@
 #            peak reserved/active memory and torch's max_memory_allocated; "curves_equal" when the
 #            first 10 steps differ by at most CURVE_TOL_EARLY (default 0.02, bf16 noise) and the
 #            last-10 means by at most CURVE_TOL_REL (default 0.01) of torchtitan's
-# Needs build-gpu/python (the CUDA moe_echo package, e.g. STAGES=build bash bench/four_gpu_round.sh).
+# Needs build-gpu/python (the CUDA moe_echo package, e.g. from
+# STAGES=build bash bench/four_gpu_round.sh).
 # Each run is one torchtitan job of its own (compile included); a debug pair takes a few minutes,
 # a real-shape pair most of a 10-minute call: split RUNS over calls.
 set -uo pipefail
@@ -33,7 +34,8 @@ stages=${STAGES:-install runs compare}
 run_pair() {  # name config extra-args...
   local name=$1 config=$2
   shift 2
-  local common=(--config "bench/titan/$config" --warmup 10 --training.steps "$STEPS" --compile.enable "$@")
+  local common=(--config "bench/titan/$config" --warmup 10 --training.steps "$STEPS"
+                --compile.enable "$@")
   timeout "${RUN_TIMEOUT:-560}" python3 bench/titan_train.py "${common[@]}" --label torchtitan \
     --out "$OUT/${name}_torchtitan.json" >"$OUT/${name}_torchtitan.log" 2>&1 ||
     { echo "$name torchtitan: failed"; tail -30 "$OUT/${name}_torchtitan.log"; }
@@ -54,8 +56,8 @@ for stage in $stages; do
       todo=()
       for w in "${wheels[@]}"; do  # name-version-...whl: skipped when that version is there
         IFS=- read -r dist version _ <<<"$(basename "$w")"
-        python3 -c "import importlib.metadata as m, sys; sys.exit(m.version(sys.argv[1]) != sys.argv[2])" \
-          "$dist" "$version" 2>/dev/null || todo+=("$w")
+        python3 -c "import importlib.metadata as m, sys
+sys.exit(m.version(sys.argv[1]) != sys.argv[2])" "$dist" "$version" 2>/dev/null || todo+=("$w")
       done
       [ ${#todo[@]} -gt 0 ] && python3 -m pip install -q --root-user-action=ignore --no-index \
         --no-deps "${todo[@]}"
