@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_timing import time_calls  # noqa: E402 (bench/)
 from peers import cases  # noqa: E402 (bench/peers)
 from peers.adapters import (DEFAULT_PEERS, EP_PEERS, PEERS, Ctx, environ_note,  # noqa: E402
                             teardown)
@@ -106,21 +107,6 @@ def importable(peer) -> dict | None:
             return dict(status="not installed", package=requirement, module=module,
                         error=f"{type(e).__name__}: {e}"[:2000])
     return None
-
-
-def time_calls(fn, iters: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        out.append(e0.elapsed_time(e1))
-    return out
 
 
 def tolerance(peer, ctx: Ctx, args) -> float:

@@ -89,6 +89,18 @@ def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def both_steps(ours, ref, tokens, labels):
+    """Forward and backward of the swapped model and of torchtitan's own on one batch: logits
+    and loss of each, then the gradients of each by torchtitan's parameter names."""
+    with IntHistc():
+        logits_ref, loss_ref = loss_of(ref, tokens, labels)
+        loss_ref.backward()
+    logits, loss = loss_of(ours, tokens, labels)
+    loss.backward()
+    want = {k: p.grad for k, p in ref.named_parameters()}
+    return logits, loss, logits_ref, loss_ref, titan_grads(ours), want
+
+
 def titan_grads(model) -> dict[str, torch.Tensor]:
     """Every parameter gradient of a torchtitan model, swapped or not, under torchtitan's names
     and layouts (a swapped block's MoE Echo gradients taken apart by hand)."""
@@ -158,16 +170,9 @@ def test_swapped_model_equals_torchtitan(name):
     else:  # softmax, normalized top-8 of 64, no shared expert
         assert e._config["normalize_topk"] and e.shared_width == 0 and e.top_k == 8
 
-    tokens, labels = batch()
-    with IntHistc():
-        logits_ref, loss_ref = loss_of(ref, tokens, labels)
-        loss_ref.backward()
-    logits, loss = loss_of(ours, tokens, labels)
-    loss.backward()
+    logits, loss, logits_ref, loss_ref, got, want = both_steps(ours, ref, *batch())
     assert rel(logits, logits_ref) < TOL
     assert abs(loss.item() - loss_ref.item()) < TOL * loss_ref.item()
-    want = {k: p.grad for k, p in ref.named_parameters()}
-    got = titan_grads(ours)
     assert set(got) == set(want)
     worst = max(rel(got[k], want[k]) for k in want)
     assert worst < TOL, worst
@@ -367,15 +372,8 @@ def test_group_limited_sigmoid_routing_with_route_scale_equals_torchtitan():
     e = next(m.moe for m in ours.modules() if isinstance(m, TitanMoE))
     assert (e._config["expert_groups"], e._config["topk_groups"]) == (4, 2)
     assert e._config["routed_scaling_factor"] == 2.5
-    tokens, labels = batch(seed=8)
-    with IntHistc():
-        logits_ref, loss_ref = loss_of(ref, tokens, labels)
-        loss_ref.backward()
-    logits, loss = loss_of(ours, tokens, labels)
-    loss.backward()
+    logits, _, logits_ref, _, got, want = both_steps(ours, ref, *batch(seed=8))
     assert rel(logits, logits_ref) < TOL
-    want = {k: p.grad for k, p in ref.named_parameters()}
-    got = titan_grads(ours)
     assert max(rel(got[k], want[k]) for k in want) < TOL
 
 
