@@ -85,12 +85,12 @@ class TorchCollectives:
 def expert_parameters(model: torch.nn.Module) -> list[str]:
     """Names of the parameters of `model` that hold a share of experts over an ep_group (``w1``
     and ``w2`` of every ``MoE`` built with one): each EP rank holds different ones."""
-    from moe_echo.torch.module import MoE
+    from moe_echo.torch.module import EXPERT_PARAMS, MoE
 
     names = []
     for prefix, m in model.named_modules():
         if isinstance(m, MoE) and m.ep_size > 1:
-            names += [f"{prefix}.{p}" if prefix else p for p in ("w1", "w2")]
+            names += [f"{prefix}.{p}" if prefix else p for p in EXPERT_PARAMS]
     return names
 
 

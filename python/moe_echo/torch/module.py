@@ -103,9 +103,9 @@ class MoE(nn.Module):
     With an ep_group, ``state_dict()`` holds ``w1`` and ``w2`` as DTensors of every expert
     (``Shard(0)`` over the group's device mesh), which torch.distributed.checkpoint saves once and
     loads at any EP size; ``load_state_dict`` takes such DTensors or plain tensors of every
-    expert. See docs/python.md. The keywords are the C++ layer's ``MoeConfig`` and ``EchoConfig`` fields,
-    in their order and with their defaults (``moe_echo.moe_config_fields()``,
-    ``echo_config_fields()``), then the module's own.
+    expert. See docs/python.md. The keywords are the C++ layer's ``MoeConfig`` and
+    ``EchoConfig`` fields, in their order and with their defaults
+    (``moe_echo.moe_config_fields()``, ``echo_config_fields()``), then the module's own.
 
     Args:
         <config fields>
