@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "moe_lm"))
 from cuda_timing import time_calls  # noqa: E402 (bench/, this script's folder)
 from model import Batches, MoeLM, load_corpus  # noqa: E402
+import moe_echo  # noqa: E402
 from moe_echo.torch import MoE, Workspace  # noqa: E402
+from moe_echo.torch.module import _ECHO_KEYWORDS  # noqa: E402
 
 
 def profile_kernels(run, label, top):
@@ -61,13 +63,18 @@ def run_model(args, moe: str, variant: str, batches):
                   if moe == "echo" else dict(aux_loss_coeff=1e-2), device="cuda",
                   dtype=getattr(torch, args.param_dtype))
     model.reset_parameters(0)
-    moe_bytes = 0
+    moe_bytes = stack_bytes = 0
     if moe == "echo":
+        mods = [b.moe for b in model.blocks]
+        # What the C++ MoeStack holds for the same layers on one workspace (docs/plan.md).
+        stack_bytes = moe_echo._ext.stack_memory_bytes(
+            [m._config for m in mods], mods[0]._echo_config, 1, "bfloat16", "float32",
+            keywords=_ECHO_KEYWORDS)
         if args.workspace:
             ws = Workspace(model)
             moe_bytes = ws.bytes + ws.layer_bytes
         else:
-            moe_bytes = sum(b.moe._handle.layer.workspace_bytes for b in model.blocks)
+            moe_bytes = sum(m._handle.layer.workspace_bytes for m in mods)
     graph = variant.endswith("graph")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True, capturable=graph)
     fwd = torch.compile(model, fullgraph=True) if variant.startswith("compile") else model
@@ -116,6 +123,8 @@ def run_model(args, moe: str, variant: str, batches):
                tokens_per_s=tokens / (ms * 1e-3),
                peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30,
                moe_layer_gib=moe_bytes / 2**30,  # the MoE layers' own buffers, beside torch's
+               moe_gib_per_layer=moe_bytes / 2**30 / args.layers,
+               stack_gib_per_layer=stack_bytes / 2**30 / args.layers,
                peak_with_moe_gib=(torch.cuda.max_memory_allocated() + moe_bytes) / 2**30,
                first_step_and_setup_s=setup_s,
                loss_first=float(losses[0]), loss_last=float(losses[-1]))
@@ -170,7 +179,10 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--variants", default="torch:eager,torch:compile,echo:eager,echo:graph,"
-                                          "echo:compile+graph")
+                                          "echo:compile+graph,none:compile",
+                    help="moe:variant pairs; moe none is the model without its MoE blocks, "
+                         "whose step is the dense part of the others' (their MoE part is the "
+                         "rest)")
     ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the model's parameter dtype (AdamW updates them in it)")
     ap.add_argument("--no-amp", dest="amp", action="store_false",
@@ -187,6 +199,7 @@ def main():
                     help="the MoE Echo blocks' expert GEMMs (MoE(precision=...))")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    free, total = torch.cuda.mem_get_info()  # before any model: what a run may use
     batches = Batches(load_corpus(ROOT / "examples" / "data" / "shakespeare.txt"), args.batch,
                       args.seq_len, 0)
     rows = []
@@ -209,22 +222,28 @@ def main():
                 module_rows.append(dict(config=cfg["config"], skew=cfg["skew"],
                                         error=f"{type(e).__name__}: {e}"[:500]))
             print(json.dumps(module_rows[-1]), flush=True)
+    dense = next((r["step_ms"] for r in rows if r["moe"] == "none" and "step_ms" in r), None)
+    for r in rows:
+        if dense is not None and "step_ms" in r and r["moe"] != "none":
+            r["moe_part_ms"] = r["step_ms"] - dense
     best_torch = min((r["step_ms"] for r in rows if r["moe"] == "torch" and "step_ms" in r),
                      default=None)
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+               free_gib_at_start=free / 2**30, total_gib=total / 2**30,
                config={k: v for k, v in vars(args).items() if k not in ("out", "layer_json")},
                tokens_per_step=args.batch * args.seq_len, results=rows, module=module_rows,
                best_torch_step_ms=best_torch)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"\n{'model':8s} {'variant':16s} {'step ms':>9s} {'tok/s':>10s} {'peak GiB':>9s} "
-          f"{'vs best torch':>13s}")
+          f"{'vs best torch':>13s} {'MoE part ms':>11s}")
     for r in rows:
         if "error" in r:
             print(f"{r['moe']:8s} {r['variant']:16s} error: {r['error'][:80]}")
             continue
         ratio = f"{best_torch / r['step_ms']:.2f}x" if best_torch else "-"
+        part = f"{r['moe_part_ms']:11.2f}" if "moe_part_ms" in r else f"{'-':>11s}"
         print(f"{r['moe']:8s} {r['variant']:16s} {r['step_ms']:9.2f} {r['tokens_per_s']:10,.0f} "
-              f"{r['peak_memory_gib']:9.1f} {ratio:>13s}")
+              f"{r['peak_memory_gib']:9.1f} {ratio:>13s} {part}")
     for r in module_rows:
         if "error" in r:
             print(f"module {r['config']} {r['skew']}: error {r['error'][:80]}")

@@ -185,6 +185,13 @@ class Attention(nn.Module):
         return self.proj(o.transpose(1, 2).reshape(B, S, H))
 
 
+class NoMoE(nn.Module):
+    """In place of a MoE block: adds nothing (the model's dense part alone)."""
+
+    def forward(self, x):
+        return torch.zeros((), device=x.device, dtype=x.dtype)
+
+
 class Block(nn.Module):
     def __init__(self, hidden, heads, moe: nn.Module, **kw):
         super().__init__()
@@ -198,8 +205,9 @@ class Block(nn.Module):
 
 
 class MoeLM(nn.Module):
-    """Byte-level decoder-only MoE language model. `moe` is "echo" (moe_echo.torch.MoE) or
-    "torch" (TorchMoE); `moe_args` go to the MoE blocks."""
+    """Byte-level decoder-only MoE language model. `moe` is "echo" (moe_echo.torch.MoE),
+    "torch" (TorchMoE) or "none" (no MoE block: the dense rest of the model, which benchmarks
+    time to split a step into its MoE and dense parts); `moe_args` go to the MoE blocks."""
 
     def __init__(self, *, layers, hidden, heads, experts, top_k, ffn, seq_len, max_tokens,
                  moe="echo", moe_args=None, device=None, dtype=None, vocab=256):
@@ -219,7 +227,9 @@ class MoeLM(nn.Module):
                 keep = {k: moe_args[k] for k in ("score_function", "normalize_topk",
                                                  "aux_loss_coeff", "z_loss_coeff") if k in moe_args}
                 return TorchMoE(hidden, ffn, experts, top_k, **keep, **kw)
-            raise ValueError(f"moe = {moe!r} is invalid: allowed 'echo' or 'torch'")
+            if moe == "none":
+                return NoMoE()
+            raise ValueError(f"moe = {moe!r} is invalid: allowed 'echo', 'torch' or 'none'")
 
         self.blocks = nn.ModuleList(Block(hidden, heads, make_moe(i), **kw) for i in range(layers))
         self.norm = RMSNorm(hidden, **kw)

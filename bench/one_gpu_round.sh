@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# The one-GPU round, stage by stage in one device call, each stage one of the project's own
+# scripts with its logs under $LOGS (default /tmp/one_gpu), packed into $OUT/one_gpu_<stages>.tgz
+# at the end (a GPU machine sends back few files); each stage's last lines are printed as it ends.
+# A stage starts only when the call (CALL_S seconds in all, default 570) has its least time left.
+#   build    build-gpu: CUDA, the Python package, layer_bench and the GPU op and planner tests
+#   gtests   cuda_ops_test and cuda_planner_test (the router's NaN order, block-aligned plans)
+#   pytest   tests/python/test_module_gpu.py (the workspace in one graph, out of memory, ...)
+#   e2e      bench/e2e_round.sh --workspace: the example model, MoE Echo (eager, one graph,
+#            compiled + one graph) against the plain PyTorch block (eager, compiled) and the
+#            model without MoE blocks (its dense part), then the module at layer_bench's shapes
+#   fp8      the example model at a DeepSeek-V3-like expert shape (H 7168, 32 experts of F 2048,
+#            top-8, 4 layers, bf16 parameters), compiled + one graph, bf16 then FP8 experts
+#   depth    bench/depth_round.sh: the largest model that fits, apart and on one workspace
+#   hf       bench/hf_swap_bench.py: transformers' Qwen3-MoE against the swapped model
+#   soak     bench/soak.py --device cuda --steps 2000: one captured graph a step, eager checks
+#   titan    bench/titan_round.sh (carry third_party/titan_wheels)
+#   peers    STAGES=main bench/peers_round.sh (carry third_party/wheels/base)
+# Usage (device call, carry third_party/cutlass): STAGES="build pytest e2e" bash bench/one_gpu_round.sh
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+L=${LOGS:-/tmp/one_gpu}
+OUT=${OUT:-$PWD/out/one_gpu}
+mkdir -p "$L" "$OUT"
+export PATH=/usr/local/cuda/bin:$PATH PYTHONUNBUFFERED=1
+source scripts/nccl_env.sh >/dev/null
+build=build-gpu
+export PYTHONPATH="$PWD/$build/python"
+stages=${STAGES:-build gtests pytest e2e}
+call_s=${CALL_S:-570}
+t_start=$SECONDS
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noheader
+
+least() {  # the seconds a stage needs at least
+  case $1 in
+    build) echo 200 ;; gtests) echo 40 ;; pytest) echo 90 ;; e2e) echo 150 ;; fp8) echo 90 ;;
+    depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;; titan) echo 200 ;; peers) echo 200 ;;
+    *) echo 0 ;;
+  esac
+}
+
+rows=()
+for stage in $stages; do
+  left=$((call_s - (SECONDS - t_start)))
+  need=$(least "$stage")
+  if [ "$left" -lt "$need" ]; then
+    rows+=("$(printf '%-8s skipped: %s s left, needs %s' "$stage" "$left" "$need")")
+    continue
+  fi
+  t0=$SECONDS
+  log=$L/$stage.txt
+  lim=$((left - 15))
+  case $stage in
+    build)
+      cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
+        -DMOE_ECHO_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
+        -DMOE_ECHO_CUTLASS_DIR="$PWD/third_party/cutlass" ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
+        >"$log" 2>&1 &&
+        timeout "$lim" cmake --build "$build" -j "$(nproc)" --target moe_echo_python layer_bench \
+          cuda_ops_test cuda_planner_test >>"$log" 2>&1
+      rc=$?
+      [ $rc -ne 0 ] && grep -B2 -A12 -E "error|FAILED" "$log" | head -40
+      ;;
+    gtests)
+      (timeout $((lim / 2)) "$build"/tests/gpu/cuda_ops_test
+        r1=$?
+        timeout $((lim / 2)) "$build"/tests/gpu/cuda_planner_test
+        exit $((r1 | $?))) >"$log" 2>&1
+      rc=$?
+      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$log" | head -20
+      ;;
+    pytest)
+      timeout "$lim" python3 -m pytest -q -rs tests/python/test_module_gpu.py >"$log" 2>&1
+      rc=$?
+      ;;
+    e2e)
+      OUT=$L/e2e E2E_TIMEOUT=$((lim - 40)) E2E_ARGS="--workspace ${E2E_ARGS:-}" \
+        bash bench/e2e_round.sh >"$log" 2>&1
+      rc=$?
+      ;;
+    fp8)
+      mkdir -p "$L/fp8"
+      rc=0
+      for p in bf16 fp8; do
+        timeout $(((lim - 10) / 2)) python3 bench/e2e_moe_lm.py --layers 4 --hidden 7168 \
+          --heads 56 --experts 32 --top-k 8 --ffn 2048 --param-dtype bfloat16 \
+          --variants echo:compile+graph --workspace --precision "$p" \
+          --out "$L/fp8/e2e_dsv3_$p.json" >>"$log" 2>&1 || rc=$?
+      done
+      ;;
+    depth)
+      OUT=$L/depth BUDGET_S=$((lim - 60)) bash bench/depth_round.sh >"$log" 2>&1
+      rc=$?
+      ;;
+    hf)
+      timeout "$lim" python3 bench/hf_swap_bench.py --out "$L/hf_swap.json" >"$log" 2>&1
+      rc=$?
+      ;;
+    soak)
+      timeout "$lim" python3 bench/soak.py --device cuda --steps 2000 --warmup 200 \
+        --check-every 250 --log-every 250 --out "$L/soak_cuda.json" >"$log" 2>&1
+      rc=$?
+      ;;
+    titan)
+      OUT=$L/titan RUN_TIMEOUT=$(((lim - 30) / 4)) STEPS=${TITAN_STEPS:-100} \
+        bash bench/titan_round.sh >"$log" 2>&1
+      rc=$?
+      ;;
+    peers)
+      OUT=$L/peers LOGS=$L/peers_logs STAGES=main CALL_S=$((lim - 10)) BUILD_DIR=$build \
+        bash bench/peers_round.sh >"$log" 2>&1
+      rc=$?
+      ;;
+    *)
+      echo "unknown stage $stage (allowed: build gtests pytest e2e fp8 depth hf soak titan peers)"
+      rc=2
+      ;;
+  esac
+  echo "== $stage: rc $rc, $((SECONDS - t0)) s"
+  tail -n 25 "$log" 2>/dev/null
+  rows+=("$(printf '%-8s rc %-3s %4s s' "$stage" "$rc" "$((SECONDS - t0))")")
+done
+tag=$(echo "$stages" | tr -s ' ' '_')
+tar -czf "$OUT/one_gpu_$tag.tgz" -C "$(dirname "$L")" "$(basename "$L")" 2>/dev/null
+echo
+echo "== summary ($((SECONDS - t_start)) s; logs in one_gpu_$tag.tgz)"
+for r in "${rows[@]}"; do echo "$r"; done
