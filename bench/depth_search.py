@@ -103,7 +103,8 @@ class Search:
         predicted = None
         if pa and pb:
             slope = (pb["peak_with_moe_gib"] - pa["peak_with_moe_gib"]) / (b - a)
-            free = pb["free_gib_at_start"]
+            # Allocator caches, graph pools and library workspaces take some of what is free.
+            free = pb["free_gib_at_start"] * self.args.usable
             if slope > 0:
                 predicted = b + math.floor((free - pb["peak_with_moe_gib"]) / slope)
         nxt = predicted
@@ -119,6 +120,8 @@ class Search:
                 nxt = max(1, hi - max(1, math.ceil(self.args.precision * hi)))
                 if nxt == hi:
                     break
+            elif lo < 0.8 * hi:  # the line was far off: step down from the size that did not fit
+                nxt = max(lo + 1, math.floor(0.93 * hi))
             else:
                 nxt = (lo + hi) // 2
         lo, hi = self.bracket()
@@ -141,6 +144,8 @@ def main():
                     help="the two batches that give the line")
     ap.add_argument("--precision", type=float, default=0.08,
                     help="a search ends when the bracket is within this fraction of its size")
+    ap.add_argument("--usable", type=float, default=0.95,
+                    help="the fraction of the memory free at start that the line may reach")
     ap.add_argument("--probe-timeout-s", type=int, default=240)
     ap.add_argument("--headline-layers", type=int, default=48,
                     help="a longer timed run at this depth and --batch with the workspace "

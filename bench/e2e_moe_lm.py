@@ -55,13 +55,19 @@ def run_model(args, moe: str, variant: str, batches):
     torch.manual_seed(0)
     torch._dynamo.reset()
     torch.cuda.empty_cache()
+    # On one workspace the model is built on the meta device, so that its MoE modules never hold
+    # buffers of their own (a model that fits only on one workspace can be built).
+    meta = moe == "echo" and args.workspace
     model = MoeLM(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                   top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
                   max_tokens=args.batch * args.seq_len, moe=moe,
                   moe_args=dict(echo=False, aux_loss_coeff=1e-2, recompute=args.recompute,
                                 precision=args.precision)
-                  if moe == "echo" else dict(aux_loss_coeff=1e-2), device="cuda",
-                  dtype=getattr(torch, args.param_dtype))
+                  if moe == "echo" else dict(aux_loss_coeff=1e-2),
+                  device="meta" if meta else "cuda", dtype=getattr(torch, args.param_dtype))
+    if meta:
+        model.to_empty(device="cuda")
+        ws = Workspace(model)
     model.reset_parameters(0)
     moe_bytes = stack_bytes = 0
     if moe == "echo":
@@ -71,7 +77,6 @@ def run_model(args, moe: str, variant: str, batches):
             [m._config for m in mods], mods[0]._echo_config, 1, "bfloat16", "float32",
             keywords=_ECHO_KEYWORDS)
         if args.workspace:
-            ws = Workspace(model)
             moe_bytes = ws.bytes + ws.layer_bytes
         else:
             moe_bytes = sum(m._handle.layer.workspace_bytes for m in mods)
@@ -99,6 +104,9 @@ def run_model(args, moe: str, variant: str, batches):
                 step()
         torch.cuda.current_stream().wait_stream(s)
         opt.zero_grad(set_to_none=True)
+        # The capture's private pool cannot reuse the blocks the warm-up left in torch's cache.
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             static_loss = step()

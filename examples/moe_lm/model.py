@@ -234,7 +234,8 @@ class MoeLM(nn.Module):
         self.blocks = nn.ModuleList(Block(hidden, heads, make_moe(i), **kw) for i in range(layers))
         self.norm = RMSNorm(hidden, **kw)
         self.head = nn.Linear(hidden, vocab, bias=False, **kw)
-        cos, sin = rope_tables(seq_len, hidden // heads, device)
+        self.head_dim = hidden // heads
+        cos, sin = rope_tables(seq_len, self.head_dim, device)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.reset_parameters()
@@ -243,8 +244,12 @@ class MoeLM(nn.Module):
     def reset_parameters(self, seed: int = 0):
         """Every weight from one seeded generator on the parameters' device, in module order, so
         that the "echo" and "torch" models of the same shape on one device start from the same
-        weights."""
+        weights. On the meta device it does nothing (after to_empty() it sets the rotary tables
+        too)."""
         device = next(self.parameters()).device
+        if device.type == "meta":
+            return
+        self.cos, self.sin = rope_tables(self.seq_len, self.head_dim, device)
         g = torch.Generator(device=device).manual_seed(seed)
         for name, p in self.named_parameters():
             if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":

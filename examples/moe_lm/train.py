@@ -166,6 +166,7 @@ def build(args, moe: str, echo: bool) -> MoeLM:
     # The aux and z losses enter each micro-batch's backward with gradient 1: over --micro-batches
     # of a step their coefficients are shared out, so that the step's gradient is the batch's.
     aux, z = args.aux_loss_coeff / args.micro_batches, args.z_loss_coeff / args.micro_batches
+    shared = moe == "echo" and args.workspace
     model = MoeLM(layers=args.layers, hidden=args.hidden, heads=args.heads, experts=args.experts,
                   top_k=args.top_k, ffn=args.ffn, seq_len=args.seq_len,
                   max_tokens=args.batch // args.micro_batches * args.seq_len, moe=moe,
@@ -178,10 +179,11 @@ def build(args, moe: str, echo: bool) -> MoeLM:
                                 ep_transport=args.ep_transport)
                   if moe == "echo" else
                   dict(aux_loss_coeff=aux, z_loss_coeff=z),
-                  device=device, dtype=dtype)
-    model.reset_parameters(args.seed)
-    if moe == "echo" and args.workspace:
+                  device="meta" if shared else device, dtype=dtype)
+    if shared:  # built on the meta device: the MoE blocks never hold buffers of their own
+        model.to_empty(device=device)
         Workspace(model)  # every MoE block on one workspace (the same bits)
+    model.reset_parameters(args.seed)
     return model
 
 

@@ -82,7 +82,7 @@ class CudaBackend final : public Backend {
       std::ostringstream m;
       m << "out of GPU memory: a buffer of " << bytes << " bytes (" << (bytes >> 20)
         << " MiB) with " << (free_bytes >> 20) << " MiB of " << (total_bytes >> 20)
-        << " MiB free on device " << device_;
+        << " MiB free on device " << device_ << " (cudaErrorMemoryAllocation)";
       throw OutOfMemoryError(m.str());
     }
     MOE_ECHO_CUDA_CHECK(rc);

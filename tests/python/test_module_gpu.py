@@ -282,3 +282,16 @@ def test_a_layer_that_does_not_fit_raises_torch_out_of_memory():
         MoE(4096, 8192, 1024, 8, max_tokens=1024, device="cuda")
     m = MoE(256, 128, 16, 4, max_tokens=512, device="cuda")  # the GPU is usable after
     m(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)).sum().backward()
+
+
+def test_a_module_from_meta_refuses_to_build_inside_a_capture():
+    m = MoE(256, 128, 16, 4, max_tokens=512, device="meta").to_empty(device="cuda")
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="no C\\+\\+ layer yet.*CUDA graph capture"):
+        with torch.cuda.stream(s), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=s):
+            m(x)
+    assert m._handle is None
+    m.reset_parameters()  # builds it; the GPU is usable after the refused capture
+    m(x).float().sum().backward()
+    assert torch.isfinite(m.w1.grad).all()

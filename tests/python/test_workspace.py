@@ -272,6 +272,61 @@ def test_split_forward_and_backward_give_the_bits_of_autograd(bound):
         s.backward_combine()
 
 
+def test_a_meta_model_builds_each_layer_once_on_the_workspace(monkeypatch):
+    """A model built on the meta device and moved with to_empty holds no MoE buffers until its
+    Workspace builds each layer, once, on it: a model that fits only on one workspace can be
+    built. The weights set after binding give the bits of modules built on the device."""
+    built = []
+    layer = moe_echo._ext.Layer
+
+    def counting_layer(*args, **kw):
+        built.append("workspace" in kw)
+        return layer(*args, **kw)
+
+    monkeypatch.setattr(moe_echo._ext, "Layer", counting_layer)
+    with torch.device("meta"):  # no device given: torch's default device
+        net = model(seed=3)
+    assert all(m.w1.device.type == "meta" for m in moes(net))
+    net.to_empty(device="cpu")
+    assert built == [] and all(m._handle is None and not m.bound_parameters() for m in moes(net))
+    assert all(m.router_bias.device.type == "cpu" for m in moes(net))
+    ws = Workspace(net)
+    assert built == [True] * 3
+    assert all(len(m.bound_parameters()) == 3 for m in moes(net))
+    monkeypatch.setattr(moe_echo._ext, "Layer", layer)
+    ref = model(seed=3)  # the same draws, on the device
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), ref.parameters()):
+            p.copy_(q)
+    assert ws.bytes + ws.layer_bytes < sum(m._handle.layer.workspace_bytes for m in moes(ref))
+    x = tokens(48, 12)
+    same(train_step(net, [x]), train_step(ref, [x]))
+
+
+def test_a_module_from_meta_builds_its_layer_when_first_needed():
+    """After to_empty and no Workspace: reset_parameters() builds the layer and draws the
+    constructor's weights; else the first forward builds it, but not inside torch.compile's
+    tracing (refused by name)."""
+    kw = dict(max_tokens=32, dtype=torch.float64, seed=5)
+    m = MoE(H, 12, 8, 2, device="meta", **kw).to_empty(device="cpu")
+    m.reset_parameters()
+    ref = MoE(H, 12, 8, 2, **kw)
+    for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), n
+    x = tokens(16, 13)
+    same(train_step(m, [x]), train_step(ref, [x]))
+
+    m = MoE(H, 12, 8, 2, device="meta", **kw).to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ layer yet.*torch.compile's tracing"):
+        torch.compile(m, backend="eager", fullgraph=True)(x)
+    assert m._handle is None
+    with torch.no_grad():
+        for p, q in zip(m.parameters(), ref.parameters()):
+            p.copy_(q)
+    same(train_step(m, [x]), train_step(ref, [x]))  # built by the forward, with these weights
+    assert len(m.bound_parameters()) == 3
+
+
 def test_meta_construction_then_binding():
     metas = nn.ModuleList(MoE(H, 12, 8, 2, max_tokens=32, device="meta", dtype=torch.float64)
                           for _ in range(2))

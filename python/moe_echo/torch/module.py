@@ -13,8 +13,10 @@ tensors.
 Initialization: without ``seed`` the weights are drawn from torch's default generator (one draw
 per module; ``torch.manual_seed`` repeats it), per global expert, so any EP layout holds the same
 experts; ``reset_parameters()`` sets them again the same way. A module built on the meta device
-holds parameter shells only; ``to_empty()`` builds its C++ layer, ``reset_parameters()`` then sets
-the weights.
+holds parameter shells only. ``to_empty()`` gives it parameters on the device and no C++ layer
+yet: the layer (and its buffers) is built by ``reset_parameters()``, by binding the module to a
+``moe_echo.torch.Workspace`` (then it never holds buffers of its own, so a model that fits only on
+one workspace can be built), or else by its first forward.
 
 Copies: ``copy.deepcopy``, ``torch.save``/``torch.load`` and pickling give an independent module
 with the same config, weights and router bias on a C++ layer of its own (built again from the
@@ -109,9 +111,9 @@ class MoE(nn.Module):
 
     Args:
         <config fields>
-        device, dtype: where the parameters live and their dtype (default: the CPU and torch's
-            default dtype). device "meta" builds parameter shells only: ``to_empty()`` builds
-            the C++ layer, ``reset_parameters()`` then sets the weights.
+        device, dtype: where the parameters live and their dtype (default: torch's default
+            device, so ``with torch.device("meta"):`` works, and its default dtype). device "meta" builds parameter shells only: after ``to_empty()``,
+            ``reset_parameters()``, a ``Workspace`` or the first forward builds the C++ layer.
         seed: the initial weights, drawn per global expert (any EP layout of the same seed holds
             the same experts). None (the default): a seed drawn from torch's default generator,
             so modules built in a row differ and ``torch.manual_seed`` repeats them; with an
@@ -159,7 +161,7 @@ class MoE(nn.Module):
                 f"fp8_gemms = {moe['fp8_gemms']!r} is invalid: allowed 'all' (the default) unless "
                 "precision is 'fp8'"
             )
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = torch.device(device) if device is not None else torch.get_default_device()
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = dtype if dtype is not None else torch.get_default_dtype()
@@ -230,11 +232,13 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         """Sets every parameter again as the constructor does (router, experts per global expert,
         shared experts, from ``seed`` or a new draw from torch's default generator) and zeroes the
-        router bias. On the meta device it does nothing (``to_empty()`` first). With an ep_group
-        and no ``seed`` it is collective: every rank of the group calls it at the same point."""
-        h = self._handle
-        if h is None:
+        router bias. On the meta device it does nothing (``to_empty()`` first); after
+        ``to_empty()`` it builds the C++ layer first (buffers of its own, unless a Workspace was
+        bound). With an ep_group and no ``seed`` it is collective: every rank of the group calls
+        it at the same point."""
+        if self.w1.device.type == "meta":
             return
+        h = self._layer()
         h.layer.reset_parameters(self._initial_seed())  # the layer's buffers, router bias zeroed
         for name, view in _param_views(h):
             p = self._parameters[name]
@@ -356,7 +360,12 @@ class MoE(nn.Module):
             return self
         if any(p.device != device for p in self.parameters()):
             raise ValueError("MoE parameters on different devices: allowed one device for all")
-        key = (device, _compute_dtypes(device, dtype)[1])
+        key = self._key()
+        if self._handle is None:  # from the meta device: parameters only, the layer comes later
+            self._buffers["router_bias"] = (
+                torch.zeros(self.experts, device=device, dtype=torch.float32)
+                if bias.device.type == "meta" else bias.to(device))
+            return self
         if key != self._layer_key:
             if self._workspace is not None:
                 raise ValueError(
@@ -381,6 +390,28 @@ class MoE(nn.Module):
                 if p.dtype == view.dtype:
                     view.copy_(p)
                     p.data = view
+
+    def _key(self) -> tuple:
+        """(device, compute dtype) of the C++ layer for the parameters as they are."""
+        device = self.w1.device
+        return (device, _compute_dtypes(device, self.w1.dtype)[1])
+
+    def _layer(self) -> _ops.LayerHandle:
+        """The C++ layer, built now (buffers of its own) when the module came from the meta
+        device and has none yet."""
+        if self._handle is None:
+            if self.w1.device.type == "meta":
+                raise RuntimeError("MoE is on the meta device: move it to cpu or cuda first")
+            capturing = self.w1.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if capturing or torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "MoE came from the meta device and has no C++ layer yet, which is built at "
+                    "its first forward: allowed only outside "
+                    + ("a CUDA graph capture" if capturing else "torch.compile's tracing")
+                    + "; build it first (reset_parameters(), a Workspace, or one eager forward)"
+                )
+            self._rebuild(self.w1.device, self.w1.dtype, self._buffers["router_bias"])
+        return self._handle
 
     def _bind_workspace(self, workspace) -> None:
         """The layer rebuilt on `workspace` (moe_echo.torch.Workspace calls this)."""
@@ -472,9 +503,7 @@ class MoE(nn.Module):
         """The layer's handle, after x's checks (type, shape, device, dtype, tokens)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x = {type(x).__name__} is invalid: allowed a torch.Tensor")
-        h = self._handle
-        if h is None:
-            raise RuntimeError("MoE is on the meta device: move it to cpu or cuda first")
+        h = self._layer()
         if x.dim() == 0 or x.shape[-1] != self.hidden:
             raise ValueError(
                 f"x.shape = {tuple(x.shape)} is invalid: allowed [..., hidden] with "
@@ -520,7 +549,7 @@ class MoE(nn.Module):
     @property
     def capacity(self) -> int:
         """Receive rows one round holds (rows beyond run in spill rounds)."""
-        return self._handle.layer.capacity
+        return self._layer().layer.capacity
 
     def stats(self, as_numbers: bool = False) -> dict:
         """The last forward's load statistics, as device tensors computed without a host sync
@@ -528,7 +557,7 @@ class MoE(nn.Module):
         load_before/load_after [R] rows each rank receives without/with ECHO, their
         max_over_mean, clones made, overflow_rows (rows beyond capacity, run in spill rounds).
         """
-        h = self._handle
+        h = self._layer()
         lay, plan = h.plan_layout, h.plans[h.last_slot]
         R = lay["ranks"]
         before = plan[lay["load_before"] : lay["load_before"] + R].to(torch.int64)

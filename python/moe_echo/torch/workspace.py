@@ -12,6 +12,15 @@ backward. The modules' outputs and gradients are the bits of separate modules.
     ws = moe_echo.torch.Workspace(model)     # now all on one workspace
     print(ws.bytes, ws.layer_bytes)          # the shared part, every module's own part
 
+A model whose modules would not fit with buffers of their own is built on the meta device: its
+MoE modules then hold no buffers until the workspace builds each layer once, on it.
+
+    with torch.device("meta"):
+        model = build_model()                # parameter shells
+    model.to_empty(device="cuda")            # parameters on the GPU, no MoE layer yet
+    ws = moe_echo.torch.Workspace(model)     # each MoE layer built on the one workspace
+    model.apply(init_weights)                # or each MoE's reset_parameters()
+
 The modules keep their parameters, buffers and state dicts (the layers behind them are rebuilt
 on the workspace with the same weights). Bind after the model is on its device and dtype: a bound
 module refuses to move. The modules must agree on what the workspace is shared through: device,
@@ -64,14 +73,14 @@ class Workspace:
                     f"module {i} of modules is bound to a workspace already: allowed modules "
                     "without one (a module uses one workspace)"
                 )
-            if m._handle is None:
+            if m.w1.device.type == "meta":
                 raise ValueError(
                     f"module {i} of modules is on the meta device: allowed modules on cpu or "
                     "cuda (move the model first)"
                 )
             for what, mine, theirs in (
-                ("device", m._layer_key[0], first._layer_key[0]),
-                ("compute dtype", m._layer_key[1], first._layer_key[1]),
+                ("device", m._key()[0], first._key()[0]),
+                ("compute dtype", m._key()[1], first._key()[1]),
                 ("ep_group", m._group(), first._group()),
                 ("ep_transport", m.ep_transport, first.ep_transport),
                 ("ECHO settings", m._echo_config, first._echo_config),
@@ -81,7 +90,7 @@ class Workspace:
                         f"module {i} of modules has {what} {mine!r}, which is invalid: allowed "
                         f"that of module 0 ({theirs!r}): one workspace serves modules that share it"
                     )
-        device, compute = first._layer_key
+        device, compute = first._key()
         backend = device.type
         cfg = dict(
             moe=[m._config for m in found],
