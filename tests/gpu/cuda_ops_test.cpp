@@ -858,8 +858,8 @@ TEST(CudaBackend, DtypesCopiesAndErrorsNameTheCudaError) {
     (void)b.gpu->allocate(size_t(1) << 62);
     FAIL() << "allocating 4 EiB succeeded";
   } catch (const OutOfMemoryError& e) {
-    for (const char* part : {"out of GPU memory", "4611686018427387904 bytes",
-                             "cudaErrorMemoryAllocation"}) {
+    for (const char* part :
+         {"out of GPU memory", "4611686018427387904 bytes", "cudaErrorMemoryAllocation"}) {
       EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
     }
   }
