@@ -72,10 +72,11 @@ def run_model(args, moe: str, variant: str, batches):
     moe_bytes = stack_bytes = 0
     if moe == "echo":
         mods = [b.moe for b in model.blocks]
-        # What the C++ MoeStack holds for the same layers on one workspace (docs/plan.md).
+        # What the C++ MoeStack holds for the same layers on one workspace (docs/plan.md), with
+        # the modules' expert-gradient buffers (none for fp32 parameters).
         stack_bytes = moe_echo._ext.stack_memory_bytes(
             [m._config for m in mods], mods[0]._echo_config, 1, "bfloat16", "float32",
-            keywords=_ECHO_KEYWORDS)
+            keywords=_ECHO_KEYWORDS, expert_grads=mods[0]._handle.layer.expert_grads)
         if args.workspace:
             moe_bytes = ws.bytes + ws.layer_bytes
         else:

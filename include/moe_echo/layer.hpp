@@ -170,6 +170,18 @@ class MoeWorkspace {
   std::vector<Set> sets_;
 };
 
+// What a MoeLayer allocates beside its parameters and the buffers of its step. A bool converts
+// to it (the optimizer state alone, as before).
+struct LayerOwns {
+  bool optimizer_state = true;  // AdamW's m and v (and master weights) for optimizer_step
+  // dw1 and dw2 in the layer. Without them the expert gradients are only written into tensors
+  // the caller gives (backward_into, or backward_dispatch with `into`): a plain backward is
+  // refused, and grad(w1 or w2) too.
+  bool expert_grads = true;
+  LayerOwns(bool optimizer = true, bool grads = true)  // NOLINT: converts from a bool
+      : optimizer_state(optimizer), expert_grads(grads) {}
+};
+
 class MoeLayer {
  public:
   // Validates (throws ConfigError), then allocates everything. Collective across the ranks of
@@ -179,7 +191,7 @@ class MoeLayer {
   // among others, on the same backend and communicator, not owned), the layer uses it for its
   // receive windows, temporaries and echo slots; without, it builds its own.
   MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe, const ParallelConfig& par,
-           const EchoConfig& echo, uint64_t seed = 1, bool optimizer_state = true,
+           const EchoConfig& echo, uint64_t seed = 1, LayerOwns owns = {},
            MoeWorkspace* workspace = nullptr);
   ~MoeLayer();
   MoeLayer(const MoeLayer&) = delete;
@@ -253,6 +265,11 @@ class MoeLayer {
   // discard_grad; the router weight's gradient accumulates in the layer as in backward().
   void backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
                      Stream stream = nullptr, int micro_batch = 0);
+  // backward_dispatch(dy, dx) whose split backward writes the home-expert gradients into `into`
+  // as backward_into does (read by backward_experts and backward_combine, so they must stay
+  // alive until backward_combine's work is done).
+  void backward_dispatch(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                         Stream stream = nullptr, int micro_batch = 0);
 
   // Device views that each forward of the micro-batch writes (valid until its next forward, read
   // without a sync): the plan (PlanView layout over planner_config(): rank loads before and after
@@ -329,17 +346,17 @@ class MoeLayer {
   // and its own part alone (in a model, beside the shared MoeWorkspace).
   static size_t memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                              const EchoConfig& echo, DType activation, DType float_dtype,
-                             bool optimizer_state = true);
+                             LayerOwns owns = {});
   static size_t layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                                    const EchoConfig& echo, DType activation, DType float_dtype,
-                                   bool optimizer_state = true);
+                                   LayerOwns owns = {});
   // The same two by part.
   static MoeMemory memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
                                     const EchoConfig& echo, DType activation, DType float_dtype,
-                                    bool optimizer_state = true);
+                                    LayerOwns owns = {});
   static MoeMemory layer_memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
                                           const EchoConfig& echo, DType activation,
-                                          DType float_dtype, bool optimizer_state = true);
+                                          DType float_dtype, LayerOwns owns = {});
 
  private:
   friend class LayerCore;
@@ -381,11 +398,11 @@ class MoeStack {
   // The same, before building.
   static size_t memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                              const EchoConfig& echo, DType activation, DType float_dtype,
-                             bool optimizer_state = true);
+                             LayerOwns owns = {});
   // The same by part: the workspace's and every layer's own parts added up.
   static MoeMemory memory_breakdown(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                                     const EchoConfig& echo, DType activation, DType float_dtype,
-                                    bool optimizer_state = true);
+                                    LayerOwns owns = {});
 
  private:
   std::unique_ptr<MoeWorkspace> workspace_;

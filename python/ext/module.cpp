@@ -224,7 +224,7 @@ class Layer {
  public:
   Layer(const std::string& backend, const std::string& dtype, const MoeConfig& moe,
         const EchoConfig& echo, uint64_t seed, nb::object collectives, const std::string& transport,
-        nb::object workspace)
+        nb::object workspace, bool expert_grads)
       : s_(std::make_shared<LayerState>()) {
     MoeWorkspace* ws = nullptr;
     if (workspace.is_none()) {
@@ -241,8 +241,9 @@ class Layer {
       s_->ws = w.state();
       ws = &w.workspace();
     }
+    expert_grads_ = expert_grads;
     s_->layer = std::make_unique<MoeLayer>(*s_->rt->backend, *s_->rt->comm, moe, s_->rt->par, echo,
-                                           seed, /*optimizer_state=*/false, ws);
+                                           seed, LayerOwns(/*optimizer=*/false, expert_grads), ws);
   }
 
   void forward(uintptr_t x, uintptr_t y, int64_t tokens, uintptr_t stream, int micro_batch) {
@@ -262,14 +263,12 @@ class Layer {
 
   void backward_into(uintptr_t x, uintptr_t dy, uintptr_t dx, uintptr_t dw1, uintptr_t dw2,
                      int64_t tokens, uintptr_t stream, int micro_batch) {
-    const DType act = backend().activation_dtype(), fl = backend().float_dtype();
-    const MoeConfig& m = s_->layer->moe_config();
-    const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / s_->layer->parallel_config().ep_size;
-    const MoeLayer::ExpertGrads into{Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}),
-                                     Tensor(as_ptr(dw2), fl, {EPR, F, H})};
-    s_->layer->backward_into(
-        Tensor(as_ptr(x), act, {tokens, H}), Tensor(as_ptr(dy), act, {tokens, H}),
-        Tensor(as_ptr(dx), act, {tokens, H}), into, as_stream(stream), micro_batch);
+    const DType act = backend().activation_dtype();
+    const int64_t H = s_->layer->moe_config().hidden;
+    s_->layer->backward_into(Tensor(as_ptr(x), act, {tokens, H}),
+                             Tensor(as_ptr(dy), act, {tokens, H}),
+                             Tensor(as_ptr(dx), act, {tokens, H}), expert_grads(dw1, dw2),
+                             as_stream(stream), micro_batch);
   }
 
   // The split-phase forward and backward (MoeLayer::forward_dispatch ...).
@@ -281,13 +280,25 @@ class Layer {
                                 Tensor(as_ptr(y), act, {tokens, H}), as_stream(stream),
                                 micro_batch);
   }
+  // dw1, dw2: 0, or where the split backward writes the home experts' gradients.
   void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
-                         int micro_batch) {
+                         int micro_batch, uintptr_t dw1, uintptr_t dw2) {
     const DType act = backend().activation_dtype();
     const int64_t H = s_->layer->moe_config().hidden;
-    s_->layer->backward_dispatch(Tensor(as_ptr(dy), act, {tokens, H}),
-                                 Tensor(as_ptr(dx), act, {tokens, H}), as_stream(stream),
-                                 micro_batch);
+    const Tensor tdy(as_ptr(dy), act, {tokens, H}), tdx(as_ptr(dx), act, {tokens, H});
+    if (dw1 == 0 && dw2 == 0) {
+      s_->layer->backward_dispatch(tdy, tdx, as_stream(stream), micro_batch);
+      return;
+    }
+    s_->layer->backward_dispatch(tdy, tdx, expert_grads(dw1, dw2), as_stream(stream), micro_batch);
+  }
+
+  // dw1, dw2 as the home experts' gradient tensors of the backend's float dtype.
+  MoeLayer::ExpertGrads expert_grads(uintptr_t dw1, uintptr_t dw2) const {
+    const DType fl = backend().float_dtype();
+    const MoeConfig& m = s_->layer->moe_config();
+    const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / s_->layer->parallel_config().ep_size;
+    return {Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}), Tensor(as_ptr(dw2), fl, {EPR, F, H})};
   }
 
   void zero_grad(uintptr_t stream) { s_->layer->zero_grad(as_stream(stream)); }
@@ -313,9 +324,11 @@ class Layer {
 
   MoeLayer& layer() { return *s_->layer; }
   const Backend& backend() const { return *s_->rt->backend; }
+  bool has_expert_grads() const { return expert_grads_; }
 
  private:
   std::shared_ptr<LayerState> s_;
+  bool expert_grads_ = true;
 };
 
 // The text of field `f`'s Python value (set_field reads it), or TypeError naming `keyword` when
@@ -472,18 +485,21 @@ NB_MODULE(_ext, m) {
   m.def(
       "stack_memory_bytes",
       [](const std::vector<nb::dict>& moe, const nb::dict& echo, int ranks,
-         const std::string& activation, const std::string& float_dtype, const nb::dict& keywords) {
+         const std::string& activation, const std::string& float_dtype, const nb::dict& keywords,
+         bool expert_grads) {
         const std::vector<MoeConfig> layers = moe_configs_from(moe, keywords);
         ParallelConfig par;
         par.ep_size = ranks;
         return MoeStack::memory_bytes(
             layers, par, config_from<EchoConfig>(echo, echo_config_fields(), keywords),
             parse_dtype(activation, "activation"), parse_dtype(float_dtype, "float_dtype"),
-            /*optimizer_state=*/false);
+            LayerOwns(/*optimizer=*/false, expert_grads));
       },
       "moe"_a, "echo"_a, "ranks"_a, "activation"_a, "float_dtype"_a, "keywords"_a = nb::dict(),
+      "expert_grads"_a = true,
       "bytes on one rank of layers of the MoeConfig dicts `moe` on one workspace (MoeStack), "
-      "without optimizer state, before building");
+      "without optimizer state (and without the layers' w1/w2 gradients unless expert_grads), "
+      "before building");
 
   nb::class_<Workspace>(m, "Workspace")
       .def(
@@ -512,21 +528,24 @@ NB_MODULE(_ext, m) {
           "__init__",
           [](Layer* self, const std::string& backend, const std::string& dtype, const nb::dict& moe,
              const nb::dict& echo, uint64_t seed, nb::object collectives,
-             const std::string& transport, const nb::dict& keywords, nb::object workspace) {
+             const std::string& transport, const nb::dict& keywords, nb::object workspace,
+             bool expert_grads) {
             if (!workspace.is_none() && !nb::isinstance<Workspace>(workspace))
               throw nb::type_error(
                   "workspace is invalid: allowed a moe_echo._ext.Workspace or None");
             new (self)
                 Layer(backend, dtype, config_from<MoeConfig>(moe, moe_config_fields(), keywords),
                       config_from<EchoConfig>(echo, echo_config_fields(), keywords), seed,
-                      std::move(collectives), transport, std::move(workspace));
+                      std::move(collectives), transport, std::move(workspace), expert_grads);
           },
           "backend"_a, "dtype"_a, "moe"_a, "echo"_a, "seed"_a, "collectives"_a = nb::none(),
           "transport"_a = "host", "keywords"_a = nb::dict(), "workspace"_a = nb::none(),
+          "expert_grads"_a = true,
           "a layer of MoeConfig `moe` and EchoConfig `echo`, dicts of fields (moe_config_fields(), "
           "echo_config_fields(); the others keep their defaults); `keywords` renames fields in "
           "messages; with `workspace` (a Workspace built for this config among others) the "
-          "layer uses its buffers, backend and communicator")
+          "layer uses its buffers, backend and communicator; without `expert_grads` it holds no "
+          "w1/w2 gradients (backward_into, or backward_dispatch with dw1 and dw2, only)")
       .def("forward", &Layer::forward, "x"_a, "y"_a, "tokens"_a, "stream"_a, "micro_batch"_a = 0,
            "y <- the layer of x (data pointers of [tokens, hidden] activation tensors)")
       .def("backward", &Layer::backward, "x"_a, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
@@ -553,8 +572,9 @@ NB_MODULE(_ext, m) {
           "stream"_a, "micro_batch"_a = 0,
           "split forward, last phase: round 0's outputs back into y")
       .def("backward_dispatch", &Layer::backward_dispatch, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
-           "micro_batch"_a = 0,
-           "split backward, first phase (the micro-batch's last forward's x is read again)")
+           "micro_batch"_a = 0, "dw1"_a = 0, "dw2"_a = 0,
+           "split backward, first phase (the micro-batch's last forward's x is read again); with "
+           "dw1 and dw2 the home experts' gradients are written there, as backward_into does")
       .def(
           "backward_experts",
           [](Layer& l, uintptr_t stream, int m) {
@@ -616,6 +636,7 @@ NB_MODULE(_ext, m) {
           "float_dtype",
           [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
       .def_prop_ro("capacity", [](Layer& l) { return l.layer().capacity(); })
+      .def_prop_ro("expert_grads", &Layer::has_expert_grads)
       .def_prop_ro("in_flight", [](Layer& l) { return l.layer().moe_config().in_flight; })
       .def_prop_ro("chunks", [](Layer& l) { return l.layer().moe_config().chunks; })
       .def_prop_ro("slots", [](Layer& l) { return l.layer().slots(); })

@@ -133,8 +133,12 @@ Tensor BufferRow::view(void* data) const {
 bool slot_symmetric(Slot s) { return slot_info(s).symmetric; }
 
 BufferDims::BufferDims(const MoeConfig& m, const ParallelConfig& par, const EchoConfig& echo,
-                       DType act_, DType fl_, bool optimizer_state_)
-    : moe(m), act(act_), fl(fl_), optimizer_state(optimizer_state_) {
+                       DType act_, DType fl_, LayerOwns owns)
+    : moe(m),
+      act(act_),
+      fl(fl_),
+      optimizer_state(owns.optimizer_state),
+      expert_grads(owns.expert_grads) {
   const PlannerConfig planner = planner_config(m, par, echo);
   T = m.max_tokens, H = m.hidden, F = m.ffn, E = m.experts, K = m.top_k;
   R = par.ep_size, EPR = E / R;
@@ -166,8 +170,10 @@ std::vector<BufferRow> buffer_table(const BufferDims& d, LayerTensors& l, StepPa
   t.sym("w1", l.w1, l.w1_sym, act, {EPR, H, 2 * F}).zero = true;
   t.sym("w2", l.w2, l.w2_sym, act, {EPR, F, H}).zero = true;
   t.part(&MoeMemory::grads);
-  t.own("dw1", l.dw1, fl, {EPR, H, 2 * F}, true);
-  t.own("dw2", l.dw2, fl, {EPR, F, H}, true);
+  if (d.expert_grads) {
+    t.own("dw1", l.dw1, fl, {EPR, H, 2 * F}, true);
+    t.own("dw2", l.dw2, fl, {EPR, F, H}, true);
+  }
   // The echo slots: the layer's own with EchoPlacement::step, else the workspace's pool.
   const bool own = d.own_slots, pool = SP > 0 && !own;
   if (own || pool) {

@@ -141,10 +141,11 @@ struct BufferRow {
 // The sizes a layer's buffers take from its configs.
 struct BufferDims {
   BufferDims(const MoeConfig& moe, const ParallelConfig& par, const EchoConfig& echo, DType act,
-             DType fl, bool optimizer_state);
+             DType fl, LayerOwns owns);
   MoeConfig moe;
   DType act, fl;
   bool optimizer_state;
+  bool expert_grads;
   int64_t T, H, F, E, K, R, EPR;
   int64_t G;    // slots per rank
   int64_t cap;  // receive capacity rows

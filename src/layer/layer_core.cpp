@@ -25,8 +25,8 @@ void release(Backend& backend, Communicator& comm, const std::vector<SymmetricBu
 
 namespace {
 BufferDims dims_of(const MoeConfig& m, const ParallelConfig& par, const EchoConfig& echo, DType act,
-                   DType fl, bool optimizer_state = true) {
-  return BufferDims(m, par, echo, act, fl, optimizer_state);
+                   DType fl, LayerOwns owns = {}) {
+  return BufferDims(m, par, echo, act, fl, owns);
 }
 SlotBytes slots_for(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                     const EchoConfig& echo, DType act, DType fl) {
@@ -117,7 +117,7 @@ MoeMemory& MoeMemory::operator+=(const MoeMemory& o) {
 
 LayerCore::LayerCore(MoeLayer& self, Backend& backend, Communicator& comm, const MoeConfig& moe,
                      const ParallelConfig& par, const EchoConfig& echo, uint64_t seed,
-                     bool optimizer_state, MoeWorkspace* workspace)
+                     LayerOwns owns, MoeWorkspace* workspace)
     : self_(self), backend_(backend), comm_(comm), moe_(moe), par_(par), echo_(echo) {
   validate(moe_, par_, echo_);
   MOE_ECHO_CHECK(comm.size() == par.ep_size,
@@ -130,8 +130,11 @@ LayerCore::LayerCore(MoeLayer& self, Backend& backend, Communicator& comm, const
   slots_ = slots_per_rank(moe, par, echo);
   capacity_ = capacity_rows(moe);
   rounds_ = max_rounds(moe, par, echo);
-  const BufferDims dims(moe, par, echo, backend.activation_dtype(), backend.float_dtype(),
-                        optimizer_state);
+  MOE_ECHO_CHECK(owns.expert_grads || !owns.optimizer_state,
+                 "a layer with optimizer state and without expert gradients: its optimizer_step "
+                 "reads them (allowed: expert_grads with optimizer_state)");
+  expert_grads_ = owns.expert_grads;
+  const BufferDims dims(moe, par, echo, backend.activation_dtype(), backend.float_dtype(), owns);
   if (workspace) {
     MOE_ECHO_CHECK(&workspace->backend() == &backend && &workspace->communicator() == &comm,
                    "workspace built on another backend or communicator than the layer's");
@@ -280,30 +283,29 @@ void LayerCore::init_parameters(uint64_t seed) {
 
 MoeMemory MoeLayer::layer_memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
                                            const EchoConfig& echo, DType activation,
-                                           DType float_dtype, bool optimizer_state) {
+                                           DType float_dtype, LayerOwns owns) {
   validate(moe, par, echo);
-  return layer_memory(dims_of(moe, par, echo, activation, float_dtype, optimizer_state));
+  return layer_memory(dims_of(moe, par, echo, activation, float_dtype, owns));
 }
 
 MoeMemory MoeLayer::memory_breakdown(const MoeConfig& moe, const ParallelConfig& par,
                                      const EchoConfig& echo, DType activation, DType float_dtype,
-                                     bool optimizer_state) {
-  MoeMemory memory =
-      layer_memory_breakdown(moe, par, echo, activation, float_dtype, optimizer_state);
+                                     LayerOwns owns) {
+  MoeMemory memory = layer_memory_breakdown(moe, par, echo, activation, float_dtype, owns);
   memory += MoeWorkspace::memory_breakdown({moe}, par, echo, activation, float_dtype);
   return memory;
 }
 
 size_t MoeLayer::layer_memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                                     const EchoConfig& echo, DType activation, DType float_dtype,
-                                    bool optimizer_state) {
-  return layer_memory_breakdown(moe, par, echo, activation, float_dtype, optimizer_state).total();
+                                    LayerOwns owns) {
+  return layer_memory_breakdown(moe, par, echo, activation, float_dtype, owns).total();
 }
 
 size_t MoeLayer::memory_bytes(const MoeConfig& moe, const ParallelConfig& par,
                               const EchoConfig& echo, DType activation, DType float_dtype,
-                              bool optimizer_state) {
-  return memory_breakdown(moe, par, echo, activation, float_dtype, optimizer_state).total();
+                              LayerOwns owns) {
+  return memory_breakdown(moe, par, echo, activation, float_dtype, owns).total();
 }
 
 // ---- MoeStack -----------------------------------------------------------------------------
@@ -338,17 +340,16 @@ size_t MoeStack::bytes() const {
 
 size_t MoeStack::memory_bytes(const std::vector<MoeConfig>& layers, const ParallelConfig& par,
                               const EchoConfig& echo, DType activation, DType float_dtype,
-                              bool optimizer_state) {
-  return memory_breakdown(layers, par, echo, activation, float_dtype, optimizer_state).total();
+                              LayerOwns owns) {
+  return memory_breakdown(layers, par, echo, activation, float_dtype, owns).total();
 }
 
 MoeMemory MoeStack::memory_breakdown(const std::vector<MoeConfig>& layers,
                                      const ParallelConfig& par, const EchoConfig& echo,
-                                     DType activation, DType float_dtype, bool optimizer_state) {
+                                     DType activation, DType float_dtype, LayerOwns owns) {
   MoeMemory memory = MoeWorkspace::memory_breakdown(layers, par, echo, activation, float_dtype);
   for (const MoeConfig& m : layers)
-    memory +=
-        MoeLayer::layer_memory_breakdown(m, par, echo, activation, float_dtype, optimizer_state);
+    memory += MoeLayer::layer_memory_breakdown(m, par, echo, activation, float_dtype, owns);
   return memory;
 }
 

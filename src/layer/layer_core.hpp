@@ -29,7 +29,7 @@ struct MoeWorkspace::Buffers {
 class LayerCore {
  public:
   LayerCore(MoeLayer& self, Backend& backend, Communicator& comm, const MoeConfig& moe,
-            const ParallelConfig& par, const EchoConfig& echo, uint64_t seed, bool optimizer_state,
+            const ParallelConfig& par, const EchoConfig& echo, uint64_t seed, LayerOwns owns,
             MoeWorkspace* workspace);
   ~LayerCore();
 
@@ -44,6 +44,8 @@ class LayerCore {
   // workspace set is held by another user's split), returning the state it moves to.
   FlightState begin_call(FlightCall call);
   void begin_forward(const Tensor& x, const Tensor& y, bool split);
+  // `into`'s shapes, dtype and alignment (backward_into, backward_dispatch with into).
+  void check_into(const MoeLayer::ExpertGrads& into, const char* call) const;
   void begin_backward(const Tensor& dy, const Tensor& dx, const MoeLayer::ExpertGrads& into,
                       bool split);
   // The schedule of a call with these flags: built once per distinct flags, then kept.
@@ -94,6 +96,7 @@ class LayerCore {
   PhaseObserver* observer_ = nullptr;
   bool grads_zeroed_ = false;        // zero_grad or discard_grad since the last backward
   bool expert_grads_stale_ = false;  // the last backward wrote the expert gradients elsewhere
+  bool expert_grads_ = true;         // dw1 and dw2 in the layer (LayerOwns::expert_grads)
   // EchoPlacement::step: whether the slots hold the clones of this step's placement, which
   // renewal of it is current (a forward records its epoch; its backward needs the same), and
   // the clone gradients' state.

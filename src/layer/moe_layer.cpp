@@ -47,9 +47,9 @@ std::string describe_step(const MoeConfig& moe, const ParallelConfig& par, const
 }
 
 MoeLayer::MoeLayer(Backend& backend, Communicator& comm, const MoeConfig& moe,
-                   const ParallelConfig& par, const EchoConfig& echo, uint64_t seed,
-                   bool optimizer_state, MoeWorkspace* workspace)
-    : core_(std::make_unique<LayerCore>(*this, backend, comm, moe, par, echo, seed, optimizer_state,
+                   const ParallelConfig& par, const EchoConfig& echo, uint64_t seed, LayerOwns owns,
+                   MoeWorkspace* workspace)
+    : core_(std::make_unique<LayerCore>(*this, backend, comm, moe, par, echo, seed, owns,
                                         workspace)) {}
 
 MoeLayer::~MoeLayer() = default;
@@ -151,6 +151,10 @@ void LayerCore::begin_backward(const Tensor& dy, const Tensor& dx,
   st.dx = dx;
   st.T = T;
   st.into = into;
+  MOE_ECHO_CHECK(expert_grads_ || into.dw1.data != nullptr,
+                 "backward of a layer built without expert gradients (LayerOwns::expert_grads = "
+                 "false): allowed backward_into, or backward_dispatch with `into`, which give the "
+                 "tensors to write them into");
   step::Flags& f = st.flags;
   f.backward = true;
   f.split = split;
@@ -244,6 +248,11 @@ void MoeLayer::backward_combine(Stream s, int m) {
 void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
   core_->call(FlightCall::backward_dispatch, micro_batch, s, dy, dx);
 }
+void MoeLayer::backward_dispatch(const Tensor& dy, const Tensor& dx, const ExpertGrads& into,
+                                 Stream s, int micro_batch) {
+  core_->check_into(into, "backward_dispatch");
+  core_->call(FlightCall::backward_dispatch, micro_batch, s, dy, dx, into, "backward_dispatch");
+}
 void MoeLayer::backward(const Tensor& dy, const Tensor& dx, Stream s, int micro_batch) {
   core_->call(FlightCall::backward, micro_batch, s, dy, dx);
 }
@@ -264,15 +273,19 @@ void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx
   LayerCore& l = *core_;
   l.select_micro_batch(micro_batch, "backward_into");
   check_tensor(x, "x", l.backend_.activation_dtype(), {l.fl_->last_tokens, l.moe_.hidden});
-  const int64_t EPR = l.moe_.experts / l.par_.ep_size, H = l.moe_.hidden, F = l.moe_.ffn;
-  check_tensor(into.dw1, "dw1", l.backend_.float_dtype(), {EPR, H, 2 * F});
-  check_tensor(into.dw2, "dw2", l.backend_.float_dtype(), {EPR, F, H});
-  MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(into.dw1.data) % 16 == 0 &&
-                     reinterpret_cast<uintptr_t>(into.dw2.data) % 16 == 0,
-                 "backward_into: dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
-                                          << " must be 16-byte aligned");
+  l.check_into(into, "backward_into");
   l.fl_->last_x = x;
   l.call(FlightCall::backward, micro_batch, s, dy, dx, into, "backward_into");
+}
+
+void LayerCore::check_into(const MoeLayer::ExpertGrads& into, const char* call) const {
+  const int64_t EPR = moe_.experts / par_.ep_size, H = moe_.hidden, F = moe_.ffn;
+  check_tensor(into.dw1, "dw1", backend_.float_dtype(), {EPR, H, 2 * F});
+  check_tensor(into.dw2, "dw2", backend_.float_dtype(), {EPR, F, H});
+  MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(into.dw1.data) % 16 == 0 &&
+                     reinterpret_cast<uintptr_t>(into.dw2.data) % 16 == 0,
+                 call << ": dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
+                      << " must be 16-byte aligned");
 }
 
 // ---- Parameters, gradients and the optimizer ----------------------------------------------
@@ -301,8 +314,14 @@ Tensor MoeLayer::grad(Param p) const {
   switch (p) {
     case Param::router_weight: return l.w_.d_router_weight;
     case Param::router_bias: throw Error("router_bias has no gradient");
-    case Param::w1: return l.w_.dw1.rows(0, EPR);
-    case Param::w2: return l.w_.dw2.rows(0, EPR);
+    case Param::w1:
+    case Param::w2:
+      MOE_ECHO_CHECK(l.expert_grads_,
+                     "grad(" << (p == Param::w1 ? "w1" : "w2")
+                             << ") of a layer built without expert gradients (LayerOwns::"
+                                "expert_grads = false): they were written where backward_into "
+                                "was told");
+      return p == Param::w1 ? l.w_.dw1.rows(0, EPR) : l.w_.dw2.rows(0, EPR);
     case Param::shared_w1: return l.w_.d_shared_w1;
     case Param::shared_w2: return l.w_.d_shared_w2;
   }

@@ -196,10 +196,11 @@ void LayerCore::exec(const StepOp& op, const Step& st, Stream s) {
       // micro-batch's plan leaves out a clone given no rows, which an earlier one may have had).
       const PlanView plan =
           plan_view((op.step_plan ? w_.step_plan : p.plan).as<int32_t>(), planner_);
-      comm_.reduce_clone_grads(plan, planner_, p.dw1_spare_sym, tensor(Buf::dw1).data,
-                               w_.dw1.row_numel(), w_.dw1.dtype, s);
-      comm_.reduce_clone_grads(plan, planner_, p.dw2_spare_sym, tensor(Buf::dw2).data,
-                               w_.dw2.row_numel(), w_.dw2.dtype, s);
+      const Tensor dw1 = tensor(Buf::dw1), dw2 = tensor(Buf::dw2);
+      comm_.reduce_clone_grads(plan, planner_, p.dw1_spare_sym, dw1.data, dw1.row_numel(),
+                               dw1.dtype, s);
+      comm_.reduce_clone_grads(plan, planner_, p.dw2_spare_sym, dw2.data, dw2.row_numel(),
+                               dw2.dtype, s);
       return;
     }
     case Op::bias_update:

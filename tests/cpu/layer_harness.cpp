@@ -47,7 +47,8 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
   world.run([&](int r) {
     auto be = make_cpu_backend(c.dtype);
     Communicator& comm = communicator ? communicator(world, r, *be) : world.communicator(r);
-    MoeLayer layer(*be, comm, c.moe, ParallelConfig{R, r}, c.echo, c.seed);
+    MoeLayer layer(*be, comm, c.moe, ParallelConfig{R, r}, c.echo, c.seed,
+                   LayerOwns(/*optimizer=*/c.expert_grads, c.expert_grads));
     const size_t w1n = size_t(H * 2 * F), w2n = size_t(F * H);
     if (params) set_params(*be, layer, *params, r, R);
     const int64_t T = int64_t(x[size_t(r)].size()) / H;
@@ -64,14 +65,22 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
     Tensor dw1_into(nullptr, be->float_dtype(), {EPR, H, 2 * F}),
         dw2_into(nullptr, be->float_dtype(), {EPR, F, H});
     if (c.backward_into) {
-      MOE_ECHO_CHECK(c.passes == 1 && !c.split_phases,
-                     "backward_into takes one pass without split phases, not " << c.passes);
+      MOE_ECHO_CHECK(c.passes == 1, "backward_into takes one pass, not " << c.passes);
       for (Tensor* t : {&dw1_into, &dw2_into}) {
         t->data = be->allocate(t->bytes());
         write_tensor(*be, *t, std::vector<double>(size_t(t->numel()), 1e30));
       }
-      layer.forward(xt, yt);
-      layer.backward_into(xt, gt, dxt, {dw1_into, dw2_into});
+      if (c.split_phases) {
+        layer.forward_dispatch(xt, yt);
+        layer.forward_experts();
+        layer.forward_combine();
+        layer.backward_dispatch(gt, dxt, {dw1_into, dw2_into});
+        layer.backward_experts();
+        layer.backward_combine();
+      } else {
+        layer.forward(xt, yt);
+        layer.backward_into(xt, gt, dxt, {dw1_into, dw2_into});
+      }
     }
     for (int pass = 0; pass < c.passes && !c.backward_into; ++pass) {
       if (c.split_phases) {

@@ -19,9 +19,12 @@ struct LayerCase {
   uint64_t seed = 7;
   DType dtype = DType::f64;
   int passes = 1;  // forward + backward passes after one zero_grad (gradients accumulate)
-  // backward_into tensors of the test's own (poisoned first) instead of the layer's buffers;
-  // with one pass only.
+  // backward_into tensors of the test's own (poisoned first) instead of the layer's buffers
+  // (with split phases, backward_dispatch with them); with one pass only.
   bool backward_into = false;
+  // The layer built with its own w1/w2 gradient buffers (LayerOwns; without, no optimizer
+  // state either, and backward_into only).
+  bool expert_grads = true;
   // Each forward and backward as its three split-phase calls (MoeLayer::forward_dispatch ...).
   bool split_phases = false;
 };

@@ -157,13 +157,24 @@ TEST(Layer, BackwardIntoWritesTheGradientsBackwardWould) {
                      (echo ? ", echo" : ""));
         const LayerRun ref = run_layer(c, in.x, g, in.params);
         c.backward_into = true;
-        const LayerRun into = run_layer(c, in.x, g, in.params);
-        EXPECT_EQ(into.dw1, ref.dw1);
-        EXPECT_EQ(into.dw2, ref.dw2);
-        for (int r = 0; r < R; ++r) {
-          EXPECT_EQ(into.dx[size_t(r)], ref.dx[size_t(r)]);
-          EXPECT_EQ(into.d_router[size_t(r)], ref.d_router[size_t(r)]);
+        // The whole backward and the split one (backward_dispatch with the tensors), on a layer
+        // with its own w1/w2 gradient buffers and on one without (LayerOwns::expert_grads).
+        for (int way = 0; way < 4; ++way) {
+          c.split_phases = way % 2 == 1;
+          c.expert_grads = way < 2;
+          SCOPED_TRACE(std::string(c.split_phases ? "split" : "whole") +
+                       (c.expert_grads ? "" : ", no expert gradient buffers"));
+          const LayerRun into = run_layer(c, in.x, g, in.params);
+          EXPECT_EQ(into.dw1, ref.dw1);
+          EXPECT_EQ(into.dw2, ref.dw2);
+          for (int r = 0; r < R; ++r) {
+            EXPECT_EQ(into.y[size_t(r)], ref.y[size_t(r)]);
+            EXPECT_EQ(into.dx[size_t(r)], ref.dx[size_t(r)]);
+            EXPECT_EQ(into.d_router[size_t(r)], ref.d_router[size_t(r)]);
+          }
         }
+        c.split_phases = false;
+        c.expert_grads = true;
         if (echo && R > 1) {
           EXPECT_GT(ref.stats[0].clones, 0);
         }
@@ -173,6 +184,68 @@ TEST(Layer, BackwardIntoWritesTheGradientsBackwardWould) {
       }
     }
   }
+}
+
+// Without its own w1/w2 gradient buffers a layer holds exactly their bytes less, refuses by name
+// what would write or read them (a plain backward, grad(w1), optimizer state), and keeps the
+// other gradients (the router's).
+TEST(Layer, WithoutExpertGradientBuffers) {
+  const MoeConfig m = small_moe(8, 2, 16);
+  const ParallelConfig par{1, 0};
+  const EchoConfig e;
+  const LayerOwns none(/*optimizer=*/false, /*grads=*/false), grads(false, true);
+  const size_t dw = size_t(m.experts * (m.hidden * 2 * m.ffn + m.ffn * m.hidden)) * 8;
+  EXPECT_EQ(MoeLayer::layer_memory_bytes(m, par, e, DType::f64, DType::f64, grads),
+            MoeLayer::layer_memory_bytes(m, par, e, DType::f64, DType::f64, none) + dw);
+  EXPECT_EQ(MoeStack::memory_bytes({m, m}, par, e, DType::f64, DType::f64, grads),
+            MoeStack::memory_bytes({m, m}, par, e, DType::f64, DType::f64, none) + 2 * dw);
+  auto expect_error = [](const std::function<void()>& f, const std::string& what) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected one naming: " << what;
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find(what), std::string::npos) << err.what();
+    }
+  };
+  InProcessWorld world(1);
+  world.run([&](int) {
+    auto be = make_cpu_backend(DType::f64);
+    expect_error(
+        [&] { MoeLayer(*be, world.communicator(0), m, par, e, 3, LayerOwns(true, false)); },
+        "with optimizer state and without expert gradients");
+    MoeLayer layer(*be, world.communicator(0), m, par, e, 3, none);
+    EXPECT_EQ(layer.layer_bytes(),
+              MoeLayer::layer_memory_bytes(m, par, e, DType::f64, DType::f64, none));
+    const int64_t T = 16, H = m.hidden;
+    std::vector<void*> owned;
+    auto tensor = [&](Tensor t, uint64_t seed) {
+      t.data = be->allocate(t.bytes());
+      owned.push_back(t.data);
+      write_tensor(*be, t, random_values(size_t(t.numel()), seed));
+      return t;
+    };
+    const Tensor x = tensor(Tensor(nullptr, DType::f64, {T, H}), 1),
+                 y = tensor(Tensor(nullptr, DType::f64, {T, H}), 2),
+                 dy = tensor(Tensor(nullptr, DType::f64, {T, H}), 3),
+                 dx = tensor(Tensor(nullptr, DType::f64, {T, H}), 4);
+    layer.forward(x, y);
+    expect_error([&] { layer.backward(dy, dx); },
+                 "backward of a layer built without expert gradients");
+    expect_error([&] { (void)layer.grad(Param::w1); },
+                 "grad(w1) of a layer built without expert gradients");
+    expect_error([&] { (void)layer.grad(Param::w2); },
+                 "grad(w2) of a layer built without expert gradients");
+    const MoeLayer::ExpertGrads into{
+        tensor(Tensor(nullptr, DType::f64, {m.experts, H, 2 * m.ffn}), 5),
+        tensor(Tensor(nullptr, DType::f64, {m.experts, m.ffn, H}), 6)};
+    layer.forward(x, y);
+    layer.backward_into(x, dy, dx, into);
+    double sq = 0;
+    for (double v : read_tensor(*be, layer.grad(Param::router_weight))) sq += v * v;
+    EXPECT_GT(sq, 0.0);
+    layer.zero_grad();  // skips the buffers it does not hold
+    for (void* p : owned) be->deallocate(p);
+  });
 }
 
 TEST(Layer, ForcedOverflowIsExactAndCounted) {

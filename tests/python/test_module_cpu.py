@@ -440,6 +440,38 @@ def test_dtype_change_rebuilds_the_layer():
     check_against_reference(m, torch.randn(8, 16, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("bound", [False, True])
+def test_expert_gradient_buffers_only_for_parameters_of_another_dtype(bound):
+    """Parameters of the layer's float dtype take their expert gradients straight from the
+    backward: the layer holds no w1/w2 gradient buffers. A move to another dtype of the same
+    compute dtype (float32 to bfloat16 on the CPU) rebuilds the layer with them, on its workspace
+    when bound, and back; the gradients stay those of the same weights."""
+    from moe_echo.torch import Workspace
+
+    m = make(dtype=torch.float32)
+    if bound:
+        Workspace([m])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    bytes_without = m._handle.layer.layer_bytes
+    assert not m._handle.layer.expert_grads
+
+    def grads(mod):
+        mod.zero_grad(set_to_none=True)
+        mod(x.to(mod.w1.dtype)).float().square().sum().backward()
+        return [p.grad.float() for p in (mod.w1, mod.w2)]
+
+    want = grads(m)
+    m = m.to(torch.bfloat16)
+    assert m._handle.layer.expert_grads and (m.workspace is not None) == bound
+    assert m._handle.layer.layer_bytes == bytes_without + (m.w1.numel() + m.w2.numel()) * 4
+    got = grads(m)
+    for a, b in zip(got, want):
+        assert rel(a, b) < 2e-2  # bf16 weights and inputs
+    m = m.float()
+    assert not m._handle.layer.expert_grads
+    assert m._handle.layer.layer_bytes == bytes_without
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_torch_compile_fullgraph(backend):
     torch.manual_seed(4)
@@ -578,16 +610,29 @@ def test_fp8_gemms_choose_which_gemms_are_quantized():
 
 def test_split_phases_equal_the_whole_forward_and_backward():
     """The C++ layer's split-phase calls (forward_dispatch/experts/combine and the backward's
-    three) give forward()'s and backward()'s bits, spill rounds included, and refuse a phase out
-    of order with a RuntimeError naming the call it must follow."""
+    three) give forward()'s and backward_into()'s bits, spill rounds included, and refuse a phase
+    out of order with a RuntimeError naming the call it must follow. The module's float64
+    parameters take their expert gradients straight from the backward, so its layer holds none:
+    a backward that would write them into the layer is refused by name."""
     m = make(capacity_factor=0.3)
     x = torch.randn(24, m.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     dy = torch.randn(24, m.hidden, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     m(x)  # builds the layer
     layer = m._handle.layer
+    assert not layer.expert_grads
+    with pytest.raises(RuntimeError, match="grad\\(w1\\) of a layer built without expert"):
+        layer.grad("w1")
+
+    def new_grads():
+        return [torch.full_like(p, float("nan")) for p in (m.w1, m.w2)]
+
     y_whole, dx_whole = torch.empty_like(x), torch.empty_like(x)
+    dw_whole = new_grads()
     layer.forward(x.data_ptr(), y_whole.data_ptr(), 24, 0)
-    layer.backward(x.data_ptr(), dy.data_ptr(), dx_whole.data_ptr(), 24, 0)
+    with pytest.raises(RuntimeError, match="backward of a layer built without expert gradients"):
+        layer.backward(x.data_ptr(), dy.data_ptr(), dx_whole.data_ptr(), 24, 0)
+    layer.backward_into(x.data_ptr(), dy.data_ptr(), dx_whole.data_ptr(),
+                        *(g.data_ptr() for g in dw_whole), 24, 0)
     assert m.stats(as_numbers=True)["overflow_rows"] > 0  # 48 rows, capacity 38: a spill round
     y, dx = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
     with pytest.raises(RuntimeError, match="forward_experts must follow forward_dispatch"):
@@ -597,13 +642,16 @@ def test_split_phases_equal_the_whole_forward_and_backward():
         layer.forward(x.data_ptr(), y.data_ptr(), 24, 0)
     layer.forward_experts(0)
     layer.forward_combine(0)
-    layer.backward_dispatch(dy.data_ptr(), dx.data_ptr(), 24, 0)
+    dw = new_grads()
+    layer.backward_dispatch(dy.data_ptr(), dx.data_ptr(), 24, 0, dw1=dw[0].data_ptr(),
+                            dw2=dw[1].data_ptr())
     with pytest.raises(RuntimeError, match="backward_combine must follow backward_experts"):
         layer.backward_combine(0)
     layer.backward_experts(0)
     layer.backward_combine(0)
     assert torch.equal(y, y_whole)
     assert torch.equal(dx, dx_whole)
+    assert all(torch.equal(a, b) for a, b in zip(dw, dw_whole))
     # Two micro-batches' phases interleaved (in_flight=2: micro-batch 1's forward beside
     # micro-batch 0's backward) give the same bits as one at a time.
     m2 = make(capacity_factor=0.3, in_flight=2)
@@ -612,13 +660,16 @@ def test_split_phases_equal_the_whole_forward_and_backward():
     y0, y1, dx0 = (torch.full_like(x, float("nan")) for _ in range(3))
     l2.forward(x.data_ptr(), y0.data_ptr(), 24, 0, micro_batch=0)
     l2.forward_dispatch(x.data_ptr(), y1.data_ptr(), 24, 0, micro_batch=1)
-    l2.backward_dispatch(dy.data_ptr(), dx0.data_ptr(), 24, 0, micro_batch=0)
+    dw = new_grads()
+    l2.backward_dispatch(dy.data_ptr(), dx0.data_ptr(), 24, 0, micro_batch=0,
+                         dw1=dw[0].data_ptr(), dw2=dw[1].data_ptr())
     l2.forward_experts(0, micro_batch=1)
     l2.backward_experts(0, micro_batch=0)
     l2.forward_combine(0, micro_batch=1)
     l2.backward_combine(0, micro_batch=0)
     assert torch.equal(y0, y_whole) and torch.equal(y1, y_whole)
     assert torch.equal(dx0, dx_whole)
+    assert all(torch.equal(a, b) for a, b in zip(dw, dw_whole))
     with pytest.raises(RuntimeError, match="micro_batch = 2 is invalid"):
         l2.forward_experts(0, micro_batch=2)
 

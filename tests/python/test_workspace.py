@@ -104,10 +104,17 @@ def test_memory_is_the_stacks_and_less_than_separate_modules():
     a, b = model(recompute="dispatch"), model(recompute="dispatch")
     ws = Workspace(a)
     m0 = moes(a)[0]
-    want = moe_echo._ext.stack_memory_bytes(
-        [m._config for m in moes(a)], m0._echo_config, 1, "float64", "float64",
-        keywords={"enabled": "echo", "placement": "echo_placement"})
+    configs = [m._config for m in moes(a)]
+    stack = dict(ranks=1, activation="float64", float_dtype="float64",
+                 keywords={"enabled": "echo", "placement": "echo_placement"})
+    # Parameters of the layer's float dtype: their w1/w2 gradients are written straight into
+    # the tensors the backward returns, so the layers hold no buffers of them (the C++ stack,
+    # which runs its own optimizer, does).
+    want = moe_echo._ext.stack_memory_bytes(configs, m0._echo_config, expert_grads=False, **stack)
     assert ws.bytes + ws.layer_bytes == want
+    grads = sum(m.w1.numel() + m.w2.numel() for m in moes(a)) * 8
+    assert moe_echo._ext.stack_memory_bytes(configs, m0._echo_config, **stack) == want + grads
+    assert all(not m._handle.layer.expert_grads for m in moes(a))
     separate = sum(m._handle.layer.workspace_bytes for m in moes(b))
     assert ws.bytes + ws.layer_bytes < separate
     assert "Workspace(modules=3" in repr(ws)

@@ -79,8 +79,10 @@ class LayerHandle:
         self.w1 = layer.param("w1")
         self.w2 = layer.param("w2")
         self.d_router_weight = layer.grad("router_weight")
-        self.dw1 = layer.grad("w1")
-        self.dw2 = layer.grad("w2")
+        # The layer's w1/w2 gradient buffers: None when the module's parameters are of the
+        # layer's float dtype (the backward writes their gradients straight into new tensors).
+        self.dw1 = layer.grad("w1") if layer.expert_grads else None
+        self.dw2 = layer.grad("w2") if layer.expert_grads else None
         # Shared experts [H, 2S] and [S, H] (the layer's one group; None without).
         self.shared_w1 = self.shared_w2 = self.d_shared_w1 = self.d_shared_w2 = None
         if shared:
@@ -239,10 +241,10 @@ def moe_backward(
     if h.step_placement:
         h.layer.hold_clone_grads(_hold)
     h.layer.discard_grad(stream)
-    if w1_dtype == h.dw1.dtype and w2_dtype == h.dw2.dtype:
+    if w1_dtype == h.float_dtype and w2_dtype == h.float_dtype:
         # Expert gradients straight into the tensors returned (no copy out of the layer).
-        dw1 = torch.empty(h.dw1.shape, dtype=w1_dtype, device=dy.device)
-        dw2 = torch.empty(h.dw2.shape, dtype=w2_dtype, device=dy.device)
+        dw1 = torch.empty(h.w1.shape, dtype=w1_dtype, device=dy.device)
+        dw2 = torch.empty(h.w2.shape, dtype=w2_dtype, device=dy.device)
         h.layer.backward_into(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dw1.data_ptr(),
                               dw2.data_ptr(), x.shape[0], stream, slot)
     else:
@@ -266,8 +268,8 @@ def _(dy, x, token, layer_id, router_dtype, w1_dtype, w2_dtype, shared_dtype):
     return (
         torch.empty_like(dy),
         dy.new_empty(tuple(h.d_router_weight.shape), dtype=router_dtype),
-        dy.new_empty(tuple(h.dw1.shape), dtype=w1_dtype),
-        dy.new_empty(tuple(h.dw2.shape), dtype=w2_dtype),
+        dy.new_empty(tuple(h.w1.shape), dtype=w1_dtype),
+        dy.new_empty(tuple(h.w2.shape), dtype=w2_dtype),
         shared(h.d_shared_w1),
         shared(h.d_shared_w2),
     )

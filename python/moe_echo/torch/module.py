@@ -311,7 +311,8 @@ class MoE(nn.Module):
         rank of the group builds at the same point."""
         backend, compute = _compute_dtypes(device, dtype)
         seed = seed if seed is not None else (self._seed or 0)
-        cfg = dict(moe=self._config, echo=self._echo_config, seed=seed, keywords=_ECHO_KEYWORDS)
+        cfg = dict(moe=self._config, echo=self._echo_config, seed=seed, keywords=_ECHO_KEYWORDS,
+                   expert_grads=self._needs_expert_grads(device, dtype))
         if workspace is not None:
             cfg.update(workspace=workspace._ext)
         elif self._collectives is not None:
@@ -366,6 +367,11 @@ class MoE(nn.Module):
                 torch.zeros(self.experts, device=device, dtype=torch.float32)
                 if bias.device.type == "meta" else bias.to(device))
             return self
+        if key == self._layer_key and \
+                self._handle.layer.expert_grads != self._needs_expert_grads(device, dtype):
+            # The same compute dtype, but the gradients now need the layer's buffers, or no more.
+            self._rebuild(device, dtype, bias, self._workspace)
+            return self
         if key != self._layer_key:
             if self._workspace is not None:
                 raise ValueError(
@@ -390,6 +396,15 @@ class MoE(nn.Module):
                 if p.dtype == view.dtype:
                     view.copy_(p)
                     p.data = view
+
+    @staticmethod
+    def _needs_expert_grads(device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether the C++ layer keeps w1/w2 gradient buffers for parameters of `dtype`: not
+        when `dtype` is the layer's float dtype (the backward writes those gradients straight
+        into the tensors it returns), so they are not held twice."""
+        backend, compute = _compute_dtypes(device, dtype)
+        float_dtype = torch.float32 if backend == "cuda" else getattr(torch, compute)
+        return dtype != float_dtype
 
     def _key(self) -> tuple:
         """(device, compute dtype) of the C++ layer for the parameters as they are."""

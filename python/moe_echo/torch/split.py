@@ -94,8 +94,15 @@ class SplitStep:
             h.layer.hold_clone_grads(_ops._hold)
         stream = self._stream()
         h.layer.discard_grad(stream)  # the layer's gradients: written by this backward
+        m = self._module
+        self._dw = None
+        if m.w1.dtype == h.float_dtype and m.w2.dtype == h.float_dtype:
+            # As the autograd backward: the expert gradients straight into new tensors.
+            self._dw = (torch.empty(h.w1.shape, dtype=h.float_dtype, device=self._dy.device),
+                        torch.empty(h.w2.shape, dtype=h.float_dtype, device=self._dy.device))
+        into = (self._dw[0].data_ptr(), self._dw[1].data_ptr()) if self._dw else (0, 0)
         h.layer.backward_dispatch(self._dy.data_ptr(), self._dx.data_ptr(), self._x.shape[0],
-                                  stream, self._slot)
+                                  stream, self._slot, *into)
 
     def backward_experts(self) -> None:
         """Round 0's input-gradient and weight-gradient GEMMs."""
@@ -108,7 +115,8 @@ class SplitStep:
         self._next("backward_combine")
         h, m = self._h, self._module
         h.layer.backward_combine(self._stream(), self._slot)
-        grads = [(m.router_weight, h.d_router_weight), (m.w1, h.dw1), (m.w2, h.dw2)]
+        dw1, dw2 = self._dw if self._dw else (h.dw1, h.dw2)
+        grads = [(m.router_weight, h.d_router_weight), (m.w1, dw1), (m.w2, dw2)]
         if m.shared_width > 0:
             grads += [(m.shared_w1, h.d_shared_w1), (m.shared_w2, h.d_shared_w2)]
         with torch.no_grad():
