@@ -178,3 +178,24 @@ def test_errors_name_the_parameter():
             mod.jitter_noise = 0.1
     with pytest.raises(ValueError, match="router_jitter_noise = 0.1 is invalid"):
         swap_moe(m, max_tokens=8)
+
+
+def test_deepseek_bias_in_the_state_dict_is_the_modules_after_a_rebuild():
+    """DeepSeek-V3's e_score_correction_bias in the state dict is the MoE module's router bias,
+    also after its layer was rebuilt on a Workspace (a new tensor holds it then)."""
+    from moe_echo.torch import Workspace
+
+    model = deepseek_v3().double()
+    swap_moe(model, max_tokens=64)
+    Workspace(model)
+    block = next(m for m in model.modules() if isinstance(m, HFMoE))
+    with torch.no_grad():
+        block.moe.router_bias.copy_(torch.arange(8, dtype=torch.float32) / 10)
+    sd = model.state_dict()
+    key = next(k for k in sd if k.endswith("mlp.gate.e_score_correction_bias"))
+    assert torch.equal(sd[key], block.moe.router_bias)
+    fresh = deepseek_v3().double()
+    swap_moe(fresh, max_tokens=64)
+    fresh.load_state_dict(sd)
+    got = next(m for m in fresh.modules() if isinstance(m, HFMoE)).moe.router_bias
+    assert torch.equal(got, block.moe.router_bias)

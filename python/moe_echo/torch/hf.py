@@ -200,6 +200,9 @@ def _hf_names(module: HFMoE, state_dict, prefix: str, local_metadata) -> None:
     state_dict[prefix + "experts.gate_up_proj"] = w1.transpose(1, 2).contiguous()
     state_dict[prefix + "experts.down_proj"] = w2.transpose(1, 2).contiguous()
     if module.kind == "deepseek_v3":
+        # The module's router bias now: a rebuilt layer (bound to a Workspace, moved to another
+        # dtype) holds it in a new tensor, which the gate's buffer of the same name is not.
+        state_dict[prefix + "gate.e_score_correction_bias"] = m.router_bias.detach().clone()
         F2 = m.shared_w1.shape[1] // 2
         sw1, sw2 = m.shared_w1.detach(), m.shared_w2.detach()
         state_dict[prefix + "shared_experts.gate_proj.weight"] = sw1[:, :F2].t().contiguous()
