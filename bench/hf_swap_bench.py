@@ -22,7 +22,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_timing import time_calls  # noqa: E402
 
-from moe_echo.torch import HFMoE, Workspace, swap_moe  # noqa: E402
+from moe_echo.torch import HFMoE, swap_moe  # noqa: E402
 
 
 def build(args):
@@ -44,8 +44,8 @@ def run(args, base, variant):
     model = copy.deepcopy(base)
     moe_bytes = 0
     if variant.startswith("echo"):
-        swap_moe(model, max_tokens=args.batch * args.seq_len)
-        ws = Workspace(model)
+        swap_moe(model, max_tokens=args.batch * args.seq_len, workspace=True)
+        ws = next(m for m in model.modules() if isinstance(m, HFMoE)).moe.workspace
         moe_bytes = ws.bytes + ws.layer_bytes
         assert any(isinstance(m, HFMoE) for m in model.modules())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)

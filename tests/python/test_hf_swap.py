@@ -199,3 +199,39 @@ def test_deepseek_bias_in_the_state_dict_is_the_modules_after_a_rebuild():
     fresh.load_state_dict(sd)
     got = next(m for m in fresh.modules() if isinstance(m, HFMoE)).moe.router_bias
     assert torch.equal(got, block.moe.router_bias)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_swap_onto_one_workspace_builds_each_layer_once(name, monkeypatch):
+    """swap_moe(..., workspace=True) builds every swapped layer once, on one Workspace (no
+    buffers of its own first), and gives the bits of swapping, then binding a Workspace."""
+    import moe_echo
+    from moe_echo.torch import Workspace
+
+    base = MODELS[name]().double()
+    ref = copy.deepcopy(base)
+    swap_moe(ref, max_tokens=64)
+    Workspace(ref)
+    built = []
+    layer = moe_echo._ext.Layer
+
+    def counting_layer(*args, **kw):
+        built.append("workspace" in kw)
+        return layer(*args, **kw)
+
+    monkeypatch.setattr(moe_echo._ext, "Layer", counting_layer)
+    n = swap_moe(base, max_tokens=64, workspace=True)
+    assert built == [True] * n and n > 0
+    blocks = [m for m in base.modules() if isinstance(m, HFMoE)]
+    assert len({id(b.moe.workspace) for b in blocks}) == 1
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    out = [mdl(ids, labels=ids) for mdl in (base, ref)]
+    for o in out:
+        o.loss.backward()
+    assert torch.equal(out[0].logits, out[1].logits)
+    for (k, p), q in zip(base.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), k
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), k
+    with pytest.raises(TypeError, match="workspace = 1 is invalid"):
+        swap_moe(MODELS[name](), max_tokens=64, workspace=1)

@@ -144,7 +144,8 @@ class HFMoE(nn.Module):
     (``experts.gate_up_proj``, ``experts.down_proj``; the per-expert layout of older
     checkpoints loads too), so ``save_pretrained`` writes what the original model would."""
 
-    def __init__(self, block, config, kind: str, max_tokens: int, **moe_kwargs):
+    def __init__(self, block, config, kind: str, max_tokens: int, build_layer: bool = True,
+                 **moe_kwargs):
         super().__init__()
         from moe_echo.torch.module import MoE
 
@@ -156,8 +157,12 @@ class HFMoE(nn.Module):
         kw = dict(_routing(kind, block, config), aux_loss_coeff=0.0, echo=True)
         kw.update(moe_kwargs)
         self.kind = kind
-        self.moe = MoE(H, F, E, int(block.gate.top_k), max_tokens=max_tokens,
-                       device=param.device, dtype=param.dtype, **kw)
+        if build_layer:
+            self.moe = MoE(H, F, E, int(block.gate.top_k), max_tokens=max_tokens,
+                           device=param.device, dtype=param.dtype, **kw)
+        else:  # parameters only: a Workspace builds the layer (no buffers of its own first)
+            self.moe = MoE(H, F, E, int(block.gate.top_k), max_tokens=max_tokens, device="meta",
+                           dtype=param.dtype, **kw).to_empty(device=param.device)
         self.gate = block.gate
         del self.gate.weight
         self.gate.weight = self.moe.router_weight  # one parameter: the router's
@@ -249,14 +254,16 @@ def _from_hf_names(module: HFMoE, state_dict, prefix: str, local_metadata, stric
             state_dict[prefix + "moe.shared_w2"] = state_dict.pop(s + "down_proj.weight").t()
 
 
-def swap_moe(model: nn.Module, max_tokens: int, **moe_kwargs) -> int:
+def swap_moe(model: nn.Module, max_tokens: int, workspace: bool = False, **moe_kwargs) -> int:
     """Replaces every sparse MoE block of a transformers model (Qwen3-MoE, Mixtral, Qwen2-MoE,
     DeepSeek-V3) by an ``HFMoE`` computing it with MoE Echo, with the block's weights; returns
     how many it replaced. ``max_tokens``: the most tokens one forward of a block takes (batch x
     sequence length); ``moe_kwargs`` go to each ``moe_echo.torch.MoE`` (``recompute``,
     ``capacity_factor``, ``ep_group``, ...; the routing follows the model's config). The load
     balancing loss stays transformers' own (``output_router_logits``): MoE Echo's aux loss is
-    off unless ``aux_loss_coeff`` is given."""
+    off unless ``aux_loss_coeff`` is given. With ``workspace=True`` every swapped block's layer
+    is built once, on one ``moe_echo.torch.Workspace`` (never with buffers of its own first, so
+    a model that fits only that way can be swapped); the same as ``Workspace(model)`` after."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens = {max_tokens!r} is invalid: allowed an int >= 1")
     config = getattr(model, "config", None)
@@ -266,18 +273,24 @@ def swap_moe(model: nn.Module, max_tokens: int, **moe_kwargs) -> int:
             "config)"
         )
     config = getattr(config, "text_config", None) or config
+    if not isinstance(workspace, bool):
+        raise TypeError(f"workspace = {workspace!r} is invalid: allowed True or False")
     swapped = 0
     for name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             kind = _BLOCKS.get(type(child).__name__)
             if kind is None:
                 continue
-            setattr(parent, child_name,
-                    HFMoE(child, config, kind, max_tokens=max_tokens, **moe_kwargs))
+            setattr(parent, child_name, HFMoE(child, config, kind, max_tokens=max_tokens,
+                                              build_layer=not workspace, **moe_kwargs))
             swapped += 1
     if swapped == 0:
         raise ValueError(
             f"model = {type(model).__name__} has no sparse MoE block MoE Echo can replace: "
             f"allowed models with {', '.join(_BLOCKS)}"
         )
+    if workspace:
+        from moe_echo.torch.workspace import Workspace
+
+        Workspace(model)
     return swapped
