@@ -224,9 +224,12 @@ def test_meta_swap_then_init_weights_gives_torchtitans_weights(name):
     swap_titan_moe(ours, max_tokens=BATCH * SEQ)
     assert all(m.moe.w1.is_meta for m in ours.modules() if isinstance(m, TitanMoE))
     ours.to_empty(device="cpu")
+    assert all(m.moe._handle is None for m in ours.modules() if isinstance(m, TitanMoE))
     torch.manual_seed(11)
     with torch.no_grad():
         ours.init_weights(buffer_device=torch.device("cpu"))
+    # Built by init_weights, before torchtitan compiles the blocks.
+    assert all(m.moe._handle is not None for m in ours.modules() if isinstance(m, TitanMoE))
     sd_ref, sd = ref.state_dict(), ours.state_dict()
     assert set(sd) == set(sd_ref)
     for k in sd_ref:
@@ -309,6 +312,8 @@ def test_workspace_binds_every_swapped_block_and_gives_the_same_bits():
     with torch.no_grad():
         meta.init_weights(buffer_device=torch.device("cpu"))
     assert titan_workspace(meta) is None  # bound at the first forward
+    # No buffers of their own before: the Workspace builds each layer once.
+    assert all(m.moe._handle is None for m in meta.modules() if isinstance(m, TitanMoE))
     meta(tokens)
     ws = titan_workspace(meta)
     assert ws is not None and len(ws.modules) == 2

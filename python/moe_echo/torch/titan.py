@@ -111,6 +111,9 @@ class TitanMoE(nn.Module):
                        device=w1.device, dtype=w1.dtype, **kw)
         self.has_shared = block.shared_experts is not None
         self.load_balance_coeff = block.load_balance_coeff
+        # A Workspace will build the layer at the model's first forward (swap_titan_moe on the
+        # meta device with workspace=True): init_weights leaves it unbuilt.
+        self.bind_pending = False
         counts_device = "meta" if w1.device.type == "meta" else w1.device
         self.register_buffer(
             "tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=counts_device),
@@ -205,6 +208,10 @@ class TitanMoE(nn.Module):
         self.load_state_dict(state, strict=True)
         self.moe.router_bias.zero_()
         self.tokens_per_expert.zero_()
+        if self.moe.workspace is None and not self.bind_pending:
+            # From the meta device the layer is not built yet: built here, outside any compiled
+            # region (torchtitan compiles the blocks before their first forward).
+            self.moe._layer()
 
     def extra_repr(self) -> str:
         return f"load_balance_coeff={self.load_balance_coeff}"
@@ -317,6 +324,8 @@ def swap_titan_moe(model: nn.Module, max_tokens: int, workspace: bool = False,
     if workspace:
         modules = [m.moe for m in swapped]
         if modules[0].w1.device.type == "meta":
+            for m in swapped:
+                m.bind_pending = True
             _bind_at_first_forward(model, modules)
         else:
             from moe_echo.torch.workspace import Workspace
