@@ -202,24 +202,17 @@ def test_deepseek_bias_in_the_state_dict_is_the_modules_after_a_rebuild():
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
-def test_swap_onto_one_workspace_builds_each_layer_once(name, monkeypatch):
+def test_swap_onto_one_workspace_builds_each_layer_once(name, layer_builds):
     """swap_moe(..., workspace=True) builds every swapped layer once, on one Workspace (no
     buffers of its own first), and gives the bits of swapping, then binding a Workspace."""
-    import moe_echo
     from moe_echo.torch import Workspace
 
     base = MODELS[name]().double()
     ref = copy.deepcopy(base)
     swap_moe(ref, max_tokens=64)
     Workspace(ref)
-    built = []
-    layer = moe_echo._ext.Layer
-
-    def counting_layer(*args, **kw):
-        built.append("workspace" in kw)
-        return layer(*args, **kw)
-
-    monkeypatch.setattr(moe_echo._ext, "Layer", counting_layer)
+    built = layer_builds
+    built.clear()
     n = swap_moe(base, max_tokens=64, workspace=True)
     assert built == [True] * n and n > 0
     blocks = [m for m in base.modules() if isinstance(m, HFMoE)]

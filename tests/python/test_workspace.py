@@ -279,18 +279,11 @@ def test_split_forward_and_backward_give_the_bits_of_autograd(bound):
         s.backward_combine()
 
 
-def test_a_meta_model_builds_each_layer_once_on_the_workspace(monkeypatch):
+def test_a_meta_model_builds_each_layer_once_on_the_workspace(layer_builds):
     """A model built on the meta device and moved with to_empty holds no MoE buffers until its
     Workspace builds each layer, once, on it: a model that fits only on one workspace can be
     built. The weights set after binding give the bits of modules built on the device."""
-    built = []
-    layer = moe_echo._ext.Layer
-
-    def counting_layer(*args, **kw):
-        built.append("workspace" in kw)
-        return layer(*args, **kw)
-
-    monkeypatch.setattr(moe_echo._ext, "Layer", counting_layer)
+    built = layer_builds
     with torch.device("meta"):  # no device given: torch's default device
         net = model(seed=3)
     assert all(m.w1.device.type == "meta" for m in moes(net))
@@ -300,7 +293,6 @@ def test_a_meta_model_builds_each_layer_once_on_the_workspace(monkeypatch):
     ws = Workspace(net)
     assert built == [True] * 3
     assert all(len(m.bound_parameters()) == 3 for m in moes(net))
-    monkeypatch.setattr(moe_echo._ext, "Layer", layer)
     ref = model(seed=3)  # the same draws, on the device
     with torch.no_grad():
         for p, q in zip(net.parameters(), ref.parameters()):
