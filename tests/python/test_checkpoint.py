@@ -11,6 +11,8 @@ is refused by name."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -75,37 +77,49 @@ def parallel(ranks: int, rank: int):
     return net, model, torch.optim.AdamW(net.parameters(), lr=1e-2)
 
 
-def save_worker(rank, ranks, init_file, out):
+def in_group(rank, ranks, init_file, body, *args):
+    """body(*args) on rank `rank` of a gloo group of `ranks`; everything it made (modules,
+    DTensors and their device meshes, which hold the group) is gone before the group is
+    destroyed, so that no process group outlives it until the interpreter's exit."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=ranks)
     try:
-        net, model, opt = parallel(ranks, rank)
-        assert net.moe.w1.shape[0] == E // ranks and net.state_dict()["moe.w1"].shape[0] == E
-        train(model, net, opt, range(2), rank, ranks)
-        sd_model, sd_optim = get_state_dict(net, opt)
-        dcp.save({"model": sd_model, "optim": sd_optim}, checkpoint_id=f"{out}/ckpt")
-        saved = snapshot(net, opt)
-        train(model, net, opt, [2], rank, ranks)
-        torch.save(dict(saved=saved, after=snapshot(net, opt)), f"{out}/save{rank}.pt")
+        body(*args)
     finally:
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
+
+
+def save_worker(rank, ranks, init_file, out):
+    in_group(rank, ranks, init_file, save_body, rank, ranks, out)
+
+
+def save_body(rank, ranks, out):
+    net, model, opt = parallel(ranks, rank)
+    assert net.moe.w1.shape[0] == E // ranks and net.state_dict()["moe.w1"].shape[0] == E
+    train(model, net, opt, range(2), rank, ranks)
+    sd_model, sd_optim = get_state_dict(net, opt)
+    dcp.save({"model": sd_model, "optim": sd_optim}, checkpoint_id=f"{out}/ckpt")
+    saved = snapshot(net, opt)
+    train(model, net, opt, [2], rank, ranks)
+    torch.save(dict(saved=saved, after=snapshot(net, opt)), f"{out}/save{rank}.pt")
 
 
 def load_worker(rank, ranks, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=ranks)
-    try:
-        net, model, opt = parallel(ranks, rank)
-        sd_model, sd_optim = get_state_dict(net, opt)
-        state = {"model": sd_model, "optim": sd_optim}
-        dcp.load(state, checkpoint_id=f"{out}/ckpt")
-        set_state_dict(net, opt, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        loaded = snapshot(net, opt)
-        train(model, net, opt, [2], rank, ranks)
-        torch.save(dict(loaded=loaded, after=snapshot(net, opt)), f"{out}/load{ranks}_{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    in_group(rank, ranks, init_file, load_body, rank, ranks, out)
+
+
+def load_body(rank, ranks, out):
+    net, model, opt = parallel(ranks, rank)
+    sd_model, sd_optim = get_state_dict(net, opt)
+    state = {"model": sd_model, "optim": sd_optim}
+    dcp.load(state, checkpoint_id=f"{out}/ckpt")
+    set_state_dict(net, opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    loaded = snapshot(net, opt)
+    train(model, net, opt, [2], rank, ranks)
+    torch.save(dict(loaded=loaded, after=snapshot(net, opt)), f"{out}/load{ranks}_{rank}.pt")
 
 
 def whole(parts: list[dict], key: str, name: str) -> torch.Tensor:
@@ -149,26 +163,26 @@ def test_dcp_checkpoint_at_ep2_loads_at_ep1_and_ep4(tmp_path):
 
 
 def plain_worker(rank, init_file, out):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    in_group(rank, 2, init_file, plain_body, rank, out)
+
+
+def plain_body(rank, out):
+    one = torch.load(f"{out}/one.pt")  # a plain state dict of every expert
+    m = MoE(H, F, E, K, max_tokens=T, dtype=torch.float64, seed=9, ep_group=dist.group.WORLD)
+    m.load_state_dict(one)
+    twin = MoE(H, F, E, K, max_tokens=T, dtype=torch.float64, seed=10,
+               ep_group=dist.group.WORLD)
+    twin.load_state_dict(m.state_dict())  # DTensors into DTensors
+    bad = {**one, "w1": one["w1"][:2]}
     try:
-        one = torch.load(f"{out}/one.pt")  # a plain state dict of every expert
-        m = MoE(H, F, E, K, max_tokens=T, dtype=torch.float64, seed=9, ep_group=dist.group.WORLD)
-        m.load_state_dict(one)
-        twin = MoE(H, F, E, K, max_tokens=T, dtype=torch.float64, seed=10,
-                   ep_group=dist.group.WORLD)
-        twin.load_state_dict(m.state_dict())  # DTensors into DTensors
-        bad = {**one, "w1": one["w1"][:2]}
-        try:
-            m.load_state_dict(bad)
-            raise AssertionError("a w1 of 2 experts loaded")
-        except ValueError as e:
-            assert "w1 of shape (2, 16, 32) is invalid: allowed every expert" in str(e), str(e)
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-                for k, v in twin.state_dict().items()}
-        torch.save(dict(local=m.w1.detach().clone(), twin=twin.w2.detach().clone(), full=full),
-                   f"{out}/plain{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+        m.load_state_dict(bad)
+        raise AssertionError("a w1 of 2 experts loaded")
+    except ValueError as e:
+        assert "w1 of shape (2, 16, 32) is invalid: allowed every expert" in str(e), str(e)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in twin.state_dict().items()}
+    torch.save(dict(local=m.w1.detach().clone(), twin=twin.w2.detach().clone(), full=full),
+               f"{out}/plain{rank}.pt")
 
 
 def test_plain_state_dicts_load_across_layouts(tmp_path):
