@@ -226,6 +226,9 @@ def release_worker(rank, init_file, out_dir):
     m = MoE(H, F, E, K, ep_group=dist.group.WORLD, **config(echo=True, spare_slots_per_rank=2))
     step(m, rank, 2.0)
     held = len(m._collectives._held)
+    sd = m.state_dict()  # w1 and w2 as DTensors on a device mesh of the group
+    assert sd["w1"].device_mesh.get_group() is dist.group.WORLD
+    del sd
     dist.destroy_process_group()
     del m
     gc.collect()
@@ -233,7 +236,8 @@ def release_worker(rank, init_file, out_dir):
 
 
 def test_group_released_after_destroy():
-    # After a step, destroy_process_group and deleting the module, nothing holds the group (a
+    # After a step and a state dict, destroy_process_group and deleting the module, nothing holds
+    # the group (no device mesh either; a
     # group alive at interpreter exit keeps its gloo threads, which can abort the exit), and the
     # finished collectives were kept on the calling thread until then.
     with tempfile.TemporaryDirectory() as tmp:
