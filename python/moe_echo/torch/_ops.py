@@ -221,6 +221,16 @@ def _(x, router_weight, w1, w2, shared_w1, shared_w2, layer_id):
     )
 
 
+def expert_grads_into(h: LayerHandle, w1_dtype: torch.dtype, w2_dtype: torch.dtype,
+                      device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """New tensors for the w1 and w2 gradients of a backward that writes them straight there
+    (parameters of the layer's float dtype), or None (they are cast out of the layer's)."""
+    if w1_dtype != h.float_dtype or w2_dtype != h.float_dtype:
+        return None
+    return (torch.empty(h.w1.shape, dtype=w1_dtype, device=device),
+            torch.empty(h.w2.shape, dtype=w2_dtype, device=device))
+
+
 @torch.library.custom_op("moe_echo::moe_backward", mutates_args=())
 def moe_backward(
     dy: Tensor,
@@ -241,10 +251,10 @@ def moe_backward(
     if h.step_placement:
         h.layer.hold_clone_grads(_hold)
     h.layer.discard_grad(stream)
-    if w1_dtype == h.float_dtype and w2_dtype == h.float_dtype:
+    into = expert_grads_into(h, w1_dtype, w2_dtype, dy.device)
+    if into is not None:
         # Expert gradients straight into the tensors returned (no copy out of the layer).
-        dw1 = torch.empty(h.w1.shape, dtype=w1_dtype, device=dy.device)
-        dw2 = torch.empty(h.w2.shape, dtype=w2_dtype, device=dy.device)
+        dw1, dw2 = into
         h.layer.backward_into(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dw1.data_ptr(),
                               dw2.data_ptr(), x.shape[0], stream, slot)
     else:

@@ -157,12 +157,12 @@ class HFMoE(nn.Module):
         kw = dict(_routing(kind, block, config), aux_loss_coeff=0.0, echo=True)
         kw.update(moe_kwargs)
         self.kind = kind
-        if build_layer:
-            self.moe = MoE(H, F, E, int(block.gate.top_k), max_tokens=max_tokens,
-                           device=param.device, dtype=param.dtype, **kw)
-        else:  # parameters only: a Workspace builds the layer (no buffers of its own first)
-            self.moe = MoE(H, F, E, int(block.gate.top_k), max_tokens=max_tokens, device="meta",
-                           dtype=param.dtype, **kw).to_empty(device=param.device)
+        # Without build_layer: parameters only, a Workspace builds the layer (no buffers of its
+        # own first).
+        self.moe = MoE(H, F, E, int(block.gate.top_k), max_tokens=max_tokens,
+                       device=param.device if build_layer else "meta", dtype=param.dtype, **kw)
+        if not build_layer:
+            self.moe.to_empty(device=param.device)
         self.gate = block.gate
         del self.gate.weight
         self.gate.weight = self.moe.router_weight  # one parameter: the router's

@@ -112,8 +112,9 @@ class MoE(nn.Module):
     Args:
         <config fields>
         device, dtype: where the parameters live and their dtype (default: torch's default
-            device, so ``with torch.device("meta"):`` works, and its default dtype). device "meta" builds parameter shells only: after ``to_empty()``,
-            ``reset_parameters()``, a ``Workspace`` or the first forward builds the C++ layer.
+            device, so ``with torch.device("meta"):`` works, and its default dtype). device
+            "meta" builds parameter shells only: after ``to_empty()``, ``reset_parameters()``, a
+            ``Workspace`` or the first forward builds the C++ layer.
         seed: the initial weights, drawn per global expert (any EP layout of the same seed holds
             the same experts). None (the default): a seed drawn from torch's default generator,
             so modules built in a row differ and ``torch.manual_seed`` repeats them; with an

@@ -95,11 +95,8 @@ class SplitStep:
         stream = self._stream()
         h.layer.discard_grad(stream)  # the layer's gradients: written by this backward
         m = self._module
-        self._dw = None
-        if m.w1.dtype == h.float_dtype and m.w2.dtype == h.float_dtype:
-            # As the autograd backward: the expert gradients straight into new tensors.
-            self._dw = (torch.empty(h.w1.shape, dtype=h.float_dtype, device=self._dy.device),
-                        torch.empty(h.w2.shape, dtype=h.float_dtype, device=self._dy.device))
+        # As the autograd backward: the expert gradients straight into new tensors when it can.
+        self._dw = _ops.expert_grads_into(h, m.w1.dtype, m.w2.dtype, self._dy.device)
         into = (self._dw[0].data_ptr(), self._dw[1].data_ptr()) if self._dw else (0, 0)
         h.layer.backward_dispatch(self._dy.data_ptr(), self._dx.data_ptr(), self._x.shape[0],
                                   stream, self._slot, *into)
