@@ -9,6 +9,8 @@
 #   e2e      bench/e2e_round.sh --workspace: the example model, MoE Echo (eager, one graph,
 #            compiled + one graph) against the plain PyTorch block (eager, compiled) and the
 #            model without MoE blocks (its dense part), then the module at layer_bench's shapes
+#   profile  the example model's kernels per step (torch.profiler), the plain block compiled
+#            against MoE Echo compiled + one graph, on one workspace
 #   fp8      the example model at a DeepSeek-V3-like expert shape (H 7168, 32 experts of F 2048,
 #            top-8, 4 layers, bf16 parameters), compiled + one graph, bf16 then FP8 experts
 #   depth    bench/depth_round.sh: the largest model that fits, apart and on one workspace
@@ -33,7 +35,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 
 least() {  # the seconds a stage needs at least
   case $1 in
-    build) echo 200 ;; gtests) echo 40 ;; pytest) echo 90 ;; e2e) echo 150 ;; fp8) echo 90 ;;
+    build) echo 200 ;; gtests) echo 40 ;; profile) echo 120 ;; pytest) echo 90 ;; e2e) echo 150 ;; fp8) echo 90 ;;
     depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;; titan) echo 200 ;; peers) echo 200 ;;
     *) echo 0 ;;
   esac
@@ -78,6 +80,11 @@ for stage in $stages; do
         bash bench/e2e_round.sh >"$log" 2>&1
       rc=$?
       ;;
+    profile)
+      timeout "$lim" python3 bench/e2e_moe_lm.py --workspace --steps 5 --profile 30 \
+        --variants torch:compile,echo:compile+graph --out "$L/e2e_profile.json" >"$log" 2>&1
+      rc=$?
+      ;;
     fp8)
       mkdir -p "$L/fp8"
       rc=0
@@ -102,7 +109,7 @@ for stage in $stages; do
       rc=$?
       ;;
     titan)
-      OUT=$L/titan RUN_TIMEOUT=$(((lim - 30) / 4)) STEPS=${TITAN_STEPS:-100} \
+      OUT=$L/titan STAGES="install runs compare" RUN_TIMEOUT=$(((lim - 30) / 4)) STEPS=${TITAN_STEPS:-100} \
         bash bench/titan_round.sh >"$log" 2>&1
       rc=$?
       ;;
@@ -112,7 +119,7 @@ for stage in $stages; do
       rc=$?
       ;;
     *)
-      echo "unknown stage $stage (allowed: build gtests pytest e2e fp8 depth hf soak titan peers)"
+      echo "unknown stage $stage (allowed: build gtests pytest profile e2e fp8 depth hf soak titan peers)"
       rc=2
       ;;
   esac
