@@ -15,7 +15,8 @@
 #            torchtitan's MoE, then MoE Echo's (ECHO_ARGS, e.g. "--moe_echo.recompute experts",
 #            go to that run only)
 #   compare  per run: the largest loss difference over the first 10 steps and over all steps,
-#            the means of the last 10 steps, mean tokens/s after 10 warm-up steps, torchtitan's
+#            the means of the last 10 steps (and, with NOISE=1, the same for torchtitan's own MoE
+#            run again without compile: how far torchtitan's curve moves from bf16 noise alone), mean tokens/s after 10 warm-up steps, torchtitan's
 #            peak reserved/active memory and torch's max_memory_allocated; "curves_equal" when the
 #            first 10 steps differ by at most CURVE_TOL_EARLY (default 0.02, bf16 noise) and the
 #            last-10 means by at most CURVE_TOL_REL (default 0.01) of torchtitan's
@@ -44,6 +45,14 @@ run_pair() {  # name config extra-args...
     --out "$OUT/${name}_moe_echo.json" --model.converters moe_echo ${ECHO_ARGS:-} \
     >"$OUT/${name}_moe_echo.log" 2>&1 ||
     { echo "$name moe_echo: failed"; tail -30 "$OUT/${name}_moe_echo.log"; }
+  if [ -n "${NOISE:-}" ]; then  # torchtitan's own MoE again, not compiled: its own noise floor
+    local a eager=()
+    for a in "${common[@]}"; do [ "$a" = --compile.enable ] || eager+=("$a"); done
+    timeout "${RUN_TIMEOUT:-560}" python3 bench/titan_train.py "${eager[@]}" \
+      --label torchtitan_eager --out "$OUT/${name}_torchtitan_eager.json" \
+      >"$OUT/${name}_torchtitan_eager.log" 2>&1 ||
+      { echo "$name torchtitan eager: failed"; tail -30 "$OUT/${name}_torchtitan_eager.log"; }
+  fi
   grep -h '^{' "$OUT/${name}_torchtitan.log" "$OUT/${name}_moe_echo.log" | cut -c1-600
 }
 
@@ -107,11 +116,21 @@ for path in sorted(glob.glob(f"{out}/*_torchtitan.json")):
         tps_ratio=(b["mean_tps"] / a["mean_tps"]) if a["mean_tps"] else None,
         torchtitan=side(a), moe_echo=side(b), device=a["device"],
         tolerances=dict(early=early_tol, last10_rel=rel_tol))
+    eager = f"{out}/{name}_torchtitan_eager.json"
+    if os.path.exists(eager):  # torchtitan against itself: compiled and not
+        le = json.load(open(eager))["losses"]
+        k = min(n, len(le))
+        de = [abs(x - y) for x, y in zip(la[:k], le[:k])]
+        rows[name]["torchtitan_noise"] = dict(
+            steps=k, max_diff_first10=max(de[:10]), max_diff=max(de),
+            mean_last10_eager=sum(le[k - 10:k]) / 10)
 json.dump(rows, open(f"{out}/titan_round.json", "w"), indent=1)
 for k, v in rows.items():
     print(k, json.dumps({x: v[x] for x in ("steps", "max_diff_first10", "max_diff",
                                              "mean_last10_torchtitan", "mean_last10_moe_echo",
                                              "curves_equal", "tps_ratio")}))
+    if "torchtitan_noise" in v:
+        print("   torchtitan compiled vs eager", json.dumps(v["torchtitan_noise"]))
     print("   torchtitan", json.dumps(v["torchtitan"]))
     print("   moe_echo  ", json.dumps(v["moe_echo"]))
 PY

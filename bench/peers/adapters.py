@@ -129,11 +129,30 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _torch_block(case: Case, ctx: Ctx, gemm, w1_layout: str, name: str) -> Built:
+def pad_groups(xs: torch.Tensor, counts: torch.Tensor, align: int):
+    """The expert-ordered rows xs [T K, H] with each expert's group padded with zero rows to a
+    multiple of `align` (FP8 grouped GEMMs need group sizes that are multiples of 16), in a
+    buffer of the fixed size T K + E (align - 1), without a host sync: (padded rows, the group
+    end offsets [E] int32, the padded row of each row of xs [T K])."""
+    E = counts.numel()
+    padded = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded, 0)
+    starts = ends - padded
+    first = torch.cumsum(counts, 0) - counts  # each group's first row in xs
+    expert = torch.repeat_interleave(torch.arange(E, device=xs.device), counts,
+                                     output_size=xs.shape[0])
+    dest = starts[expert] + torch.arange(xs.shape[0], device=xs.device) - first[expert]
+    out = xs.new_zeros((xs.shape[0] + E * (align - 1), xs.shape[1])).index_copy(0, dest, xs)
+    return out, ends.to(torch.int32), dest
+
+
+def _torch_block(case: Case, ctx: Ctx, gemm, w1_layout: str, name: str,
+                 align: int = 1) -> Built:
     """The script's torch block: route(), permute, gemm(rows, w1, offsets) -> [., 2F], SwiGLU,
     gemm(., w2, offsets) -> [., H], combine. w1_layout "EHN" keeps w1 [E, H, 2F] and w2
     [E, F, H]; "ENH" keeps w1 [E, 2F, H] and w2 [E, H, F] (column-major right operands, as FP8
-    grouped GEMMs need them) and hands the GEMM their transposed views."""
+    grouped GEMMs need them) and hands the GEMM their transposed views. align > 1 pads each
+    expert's rows to a multiple of it (pad_groups), as torchtitan does for FP8 grouped GEMMs."""
     E = case.experts
     wr = _param(case.router)
     if w1_layout == "EHN":
@@ -149,9 +168,14 @@ def _torch_block(case: Case, ctx: Ctx, gemm, w1_layout: str, name: str) -> Built
     def layer(x):
         top_i, top_w = route(x, wr, case.top_k)
         xs, order, counts = permute(x, top_i, E)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        a = swiglu(gemm(xs, b1(), offs))
-        return combine(gemm(a, b2(), offs), order, top_w), top_i
+        if align > 1:
+            xs, offs, dest = pad_groups(xs, counts, align)
+        else:
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+        out = gemm(swiglu(gemm(xs, b1(), offs)), b2(), offs)
+        if align > 1:  # rows past the last group are not written by the GEMMs: never read
+            out = out[dest]
+        return combine(out, order, top_w), top_i
 
     info = {}
     run = _maybe_compile(layer, ctx, info)
@@ -559,7 +583,9 @@ def build_torchao_fp8(case: Case, ctx: Ctx) -> Built:
         return _to_fp8_rowwise_then_scaled_grouped_mm(
             a, b_t, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
 
-    built = _torch_block(case, ctx, gemm, "ENH", "torchao FP8 rowwise grouped GEMMs")
+    # torchao 0.18 refuses to pad the groups itself (pad_token_groups_for_grouped_mm=True "is not
+    # yet supported"): the caller pads them to multiples of 16, as torchtitan's MoE does.
+    built = _torch_block(case, ctx, gemm, "ENH", "torchao FP8 rowwise grouped GEMMs", align=16)
     built.info["recipe"] = "fp8_rowwise (Float8TrainingOpConfig defaults: e4m3, bf16 out)"
     return built
 

@@ -153,6 +153,35 @@ def test_a_peer_with_the_wrong_layout_fails_its_check_and_a_missing_one_is_named
     assert "No module named 'no_such_module_xyz'" in absent["error"]
 
 
+def test_groups_padded_to_16_rows_give_the_same_layer(tmp_path, monkeypatch):
+    """pad_groups (what the torchao FP8 peer needs: group sizes in multiples of 16) lays each
+    expert's rows at a 16-aligned start with zero rows after them, and the padded torch block, the
+    FP8 peer's layout (ENH) with bf16-free GEMMs, agrees with the reference."""
+    xs = torch.arange(10.0).repeat_interleave(2).view(10, 2)
+    counts = torch.tensor([3, 0, 6, 1])
+    out, ends, dest = adapters.pad_groups(xs, counts, 16)
+    assert ends.tolist() == [16, 16, 32, 48] and ends.dtype == torch.int32
+    assert dest.tolist() == [0, 1, 2, 16, 17, 18, 19, 20, 21, 32]
+    assert out.shape == (10 + 4 * 15, 2) and torch.equal(out[dest], xs)
+    mask = torch.ones(out.shape[0], dtype=torch.bool)
+    mask[dest] = False
+    assert not out[mask].any()
+
+    def padded(case, ctx):
+        return adapters._torch_block(
+            case, ctx, lambda a, b, offs: torch._grouped_mm(a, b, offs=offs), "ENH",
+            "padded", align=16)
+
+    monkeypatch.setitem(adapters.PEERS, "padded", adapters.Peer(
+        "padded", "the torch block, groups padded to 16", (("torch", "torch"),), padded,
+        devices=("cpu",), exact_on_cpu=True))
+    doc = peers_bench.main(["--device", "cpu", "--tiny", "--out", str(tmp_path / "p.json"),
+                            "--slices", "deepseek-v3", "--routings", "zipf:1.2", "--peers",
+                            "padded"])
+    (rec,) = doc["results"]
+    assert rec["status"] == "ok" and rec["agrees"], rec
+
+
 def test_table_gives_each_ratio_against_its_target():
     def rec(peer, ms, precision="bf16", agrees=True, act=None, ep=1):
         return dict(peer=peer, slice="deepseek-v3", routing="uniform", ep_size=ep, status="ok",
