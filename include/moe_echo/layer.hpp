@@ -294,6 +294,9 @@ class MoeLayer {
   void hold_clone_grads(bool hold);
   // Clone gradients of earlier backwards wait in the echo slots (EchoPlacement::step).
   bool clone_grads_held() const;
+  // The layer holds w1 and w2 gradients of its own (LayerOwns::expert_grads); without them a
+  // backward writes them where backward_into's `into` says.
+  bool holds_expert_grads() const;
   Tensor grad(Param p) const;
   // Zeroes the gradients. The next backward then writes the expert gradients of its first round
   // instead of adding to zeros (no read of them); a CUDA graph captured from zero_grad through

@@ -241,7 +241,6 @@ class Layer {
       s_->ws = w.state();
       ws = &w.workspace();
     }
-    expert_grads_ = expert_grads;
     s_->layer = std::make_unique<MoeLayer>(*s_->rt->backend, *s_->rt->comm, moe, s_->rt->par, echo,
                                            seed, LayerOwns(/*optimizer=*/false, expert_grads), ws);
   }
@@ -324,11 +323,10 @@ class Layer {
 
   MoeLayer& layer() { return *s_->layer; }
   const Backend& backend() const { return *s_->rt->backend; }
-  bool has_expert_grads() const { return expert_grads_; }
+  bool has_expert_grads() const { return s_->layer->holds_expert_grads(); }
 
  private:
   std::shared_ptr<LayerState> s_;
-  bool expert_grads_ = true;
 };
 
 // The text of field `f`'s Python value (set_field reads it), or TypeError naming `keyword` when

@@ -350,6 +350,8 @@ void MoeLayer::hold_clone_grads(bool hold) {
 
 bool MoeLayer::clone_grads_held() const { return core_->clone_grads_held_; }
 
+bool MoeLayer::holds_expert_grads() const { return core_->expert_grads_; }
+
 void MoeLayer::discard_grad(Stream s) {
   LayerCore& l = *core_;
   l.check_no_split("discard_grad", false, true);
