@@ -151,8 +151,10 @@ def measure_memory(built, x, case) -> dict:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     own = max(0, built.extra_bytes() - built.params_bytes)
+    kept = own if built.layer_bytes is None else max(0, built.layer_bytes() - built.params_bytes)
     del y
     return dict(act_bytes=after_fwd - base - y_bytes + own, peak_bytes=peak + own,
+                act_bytes_on_workspace=after_fwd - base - y_bytes + kept,
                 act_bytes_torch=after_fwd - base - y_bytes, own_bytes=built.extra_bytes(),
                 own_bytes_weights_and_grads=built.params_bytes)
 

@@ -52,6 +52,10 @@ class Built:
     top_i: Callable[[], torch.Tensor | None] = lambda: None
     extra_bytes: Callable[[], int] = lambda: 0   # device bytes outside torch's allocator
     params_bytes: int = 0                        # parameters + their gradients, outside torch's
+    # Of extra_bytes, what the layer would hold on a workspace shared with other layers (its
+    # parameters, gradients, routing and kept activations; not the receive windows and
+    # temporaries that a model's layers share); None: all of extra_bytes.
+    layer_bytes: Callable[[], int] | None = None
     info: dict = dataclasses.field(default_factory=dict)
 
 
@@ -227,7 +231,7 @@ def build_moe_echo(case: Case, ctx: Ctx, precision: str = "bf16") -> Built:
     return Built(forward=m, params=[m.router_weight, m.w1, m.w2],
                  grads=lambda: dict(w1=m.w1.grad, w2=m.w2.grad, router=m.router_weight.grad),
                  extra_bytes=lambda: int(layer.workspace_bytes), params_bytes=params_bytes,
-                 info=info)
+                 layer_bytes=lambda: int(layer.layer_bytes), info=info)
 
 
 # ---- torchtitan -------------------------------------------------------------------------------

@@ -182,6 +182,18 @@ def test_groups_padded_to_16_rows_give_the_same_layer(tmp_path, monkeypatch):
     assert rec["status"] == "ok" and rec["agrees"], rec
 
 
+def test_our_layer_tells_what_it_holds_on_a_shared_workspace():
+    """The memory measurement's act_bytes_on_workspace counts MoE Echo's layer_bytes (routing,
+    kept activations, parameters and gradients): more than nothing, less than the layer's own
+    workspace, whose receive windows and temporaries a model's layers share."""
+    case = tiny_case("qwen3-30b-a3b", "uniform", dtype=torch.float32)
+    ctx = adapters.Ctx(device=torch.device("cpu"), dtype=torch.float32, compile=False)
+    built = adapters.build_moe_echo(case, ctx)
+    assert 0 < built.layer_bytes() < built.extra_bytes()
+    torch_block = adapters.build_torch_compiled(case, ctx)
+    assert torch_block.layer_bytes is None and torch_block.extra_bytes() == 0
+
+
 def test_table_gives_each_ratio_against_its_target():
     def rec(peer, ms, precision="bf16", agrees=True, act=None, ep=1):
         return dict(peer=peer, slice="deepseek-v3", routing="uniform", ep_size=ep, status="ok",
