@@ -91,6 +91,15 @@ struct CostModel {
   double clone_ms(int hidden, int ffn, int grad_bytes) const;
   // clone_ms / row_ms rounded up, at most kMaxCloneCostRows (2^31-1, where no clone pays).
   int64_t clone_cost_rows(int hidden, int ffn, int grad_bytes) const;
+  // The same priced by the simulator's step estimate over `ep` ranks (what `moe-echo simulate`
+  // and the planner it runs use): one more clone link of the busiest-linked rank moves one
+  // expert's weights in and gradient out (per parameter the larger of 2 bytes and grad_bytes, the
+  // two directions at once) through all_to_all_ms; one more row of the busiest rank costs its
+  // expert GEMM time and its share of the four dispatch/combine all-to-alls (rows_per_entry rows
+  // of 2 * hidden bytes moved per routed entry, (ep - 1) / ep of them to other ranks). Rounded up
+  // and capped as above; 0 on one rank (nothing moves).
+  int64_t step_clone_cost_rows(int hidden, int ffn, int grad_bytes, int ep,
+                               double rows_per_entry) const;
 };
 
 // Expected EP ranks a token's row goes to under uniform routing: its K distinct experts are a

@@ -72,7 +72,7 @@ struct SimulatorConfig {
   // S per rank (ECHO, EPLB restricted; EPLB periodic gets R*S replicas); the library's default.
   int spare_slots = EchoConfig{}.spare_slots_per_rank;
   int max_clones = EchoConfig{}.max_clones_per_expert;  // ECHO: clones per expert per step
-  int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (clone_ms / row_ms)
+  int64_t clone_cost_rows = -1;  // ECHO: -1 derives it from the cost model (step_clone_cost_rows)
   int eplb_period = 100;         // steps between EPLB re-placements
   int micro_batches = 1;         // M: forwards a step's rows are split over (1 to 64)
   int threads = 2;

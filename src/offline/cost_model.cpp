@@ -162,13 +162,29 @@ double CostModel::clone_ms(int hidden, int ffn, int grad_bytes) const {
   return nvlink_ms(clone_bytes(hidden, ffn, grad_bytes));
 }
 
-int64_t CostModel::clone_cost_rows(int hidden, int ffn, int grad_bytes) const {
-  // Capped at kMaxCloneCostRows, the cost at which no clone pays for itself: extreme GPU numbers
-  // (a GEMM rate near the largest double, a link near 0 GB/s) make the ratio overflow int64 or
-  // the row time vanish.
-  const double rows = std::ceil(clone_ms(hidden, ffn, grad_bytes) / row_ms(hidden, ffn));
+namespace {
+// A clone's time over a row's, rounded up, capped at kMaxCloneCostRows, the cost at which no
+// clone pays for itself: extreme GPU numbers (a GEMM rate near the largest double, a link near
+// 0 GB/s) make the ratio overflow int64 or the row time vanish.
+int64_t clone_rows(double clone_ms, double row_ms) {
+  const double rows = std::ceil(clone_ms / row_ms);
   if (rows >= 0 && rows < double(kMaxCloneCostRows)) return int64_t(rows);
   return rows < 0 ? 0 : kMaxCloneCostRows;  // NaN (0 / 0) and above: the cap
+}
+}  // namespace
+
+int64_t CostModel::clone_cost_rows(int hidden, int ffn, int grad_bytes) const {
+  return clone_rows(clone_ms(hidden, ffn, grad_bytes), row_ms(hidden, ffn));
+}
+
+int64_t CostModel::step_clone_cost_rows(int hidden, int ffn, int grad_bytes, int ep,
+                                        double rows_per_entry) const {
+  if (ep <= 1) return 0;
+  const double remote = double(ep - 1) / double(ep);
+  const double row = gemm_ms(train_flops(1.0, hidden, ffn)) +
+                     4.0 * all_to_all_ms(rows_per_entry * remote * 2.0 * double(hidden), ep);
+  const double link = all_to_all_ms(expert_bytes(hidden, ffn, double(std::max(2, grad_bytes))), ep);
+  return clone_rows(link, row);
 }
 
 double ranks_per_token(double E, double ep, double K) {

@@ -172,14 +172,20 @@ struct PeriodicEplb {
 }  // namespace
 
 PlannerConfig simulator_planner_config(const SimulatorConfig& cfg) {
+  validate(cfg);
   PlannerConfig pc;
   pc.ranks = cfg.ranks;
   pc.experts = cfg.experts;
   pc.spare_slots = cfg.spare_slots;
   pc.max_clones = cfg.max_clones;
+  // -1: a clone link priced in rows by the same terms as the step estimate (est_step_ms).
+  const double rows_per_entry =
+      ranks_per_token(cfg.experts, cfg.ranks, cfg.top_k, cfg.expert_groups, cfg.topk_groups) /
+      double(cfg.top_k);
   pc.clone_cost_rows = cfg.clone_cost_rows >= 0
                            ? cfg.clone_cost_rows
-                           : cfg.cost.clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes);
+                           : cfg.cost.step_clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes,
+                                                           cfg.ranks, rows_per_entry);
   return pc;
 }
 

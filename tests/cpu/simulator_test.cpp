@@ -68,6 +68,50 @@ TEST(CostModel, CloneCostInRowsIsCloneTimeOverRowTime) {
   EXPECT_EQ(c.clone_cost_rows(H, F, 2), int64_t(std::ceil(clone_ms / row_ms)));
 }
 
+TEST(CostModel, TheSimulatorPricesACloneLinkByItsOwnStepEstimate) {
+  CostModel c;
+  const int H = 7168, F = 2048;
+  // EP 32 over 4 nodes of 8: a link's 3 H F * 2 bytes mostly cross the 40 GB/s network; a row
+  // costs its GEMM and its share of four all-to-alls.
+  const double reach = ranks_per_token(256.0, 32.0, 8.0) / 8.0;
+  const double link_ms = c.all_to_all_ms(3.0 * H * F * 2, 32);
+  const double row_ms = c.row_ms(H, F) + 4.0 * c.all_to_all_ms(reach * 31.0 / 32.0 * 2 * H, 32);
+  EXPECT_EQ(c.step_clone_cost_rows(H, F, 2, 32, reach), int64_t(std::ceil(link_ms / row_ms)));
+  EXPECT_EQ(c.step_clone_cost_rows(H, F, 2, 32, reach), 1254);
+  // One NVLink node: the link and the rows' traffic both at NVLink speed.
+  EXPECT_EQ(c.step_clone_cost_rows(H, F, 2, 8, ranks_per_token(256.0, 8.0, 8.0) / 8.0), 580);
+  // fp32 gradients out: the larger direction sets the link's time.
+  EXPECT_GT(c.step_clone_cost_rows(H, F, 4, 8, 1.0), c.step_clone_cost_rows(H, F, 2, 8, 1.0));
+  EXPECT_EQ(c.step_clone_cost_rows(H, F, 2, 1, 1.0), 0);  // one rank: nothing moves
+  SimulatorConfig s;
+  EXPECT_EQ(simulator_planner_config(s).clone_cost_rows, 1254);  // the defaults: EP 32
+  s.clone_cost_rows = 7;
+  EXPECT_EQ(simulator_planner_config(s).clone_cost_rows, 7);  // a given cost is kept
+}
+
+TEST(Simulator, ClonesPricedByTheStepEstimateDoNotLengthenIt) {
+  // The planner minimises the busiest load plus its clone price; priced by the step estimate's
+  // own terms, ECHO's estimated step is no longer than with the NVLink-only price, at EP 32 over
+  // the network and at EP 8 inside a node (where the NVLink-only price is about 2.6x too high).
+  for (int R : {32, 8}) {
+    GeneratorConfig g;
+    g.steps = 150;
+    g.layers = 4;
+    const TraceGenerator gen(g);
+    SimulatorConfig c;
+    c.ranks = R;
+    c.policies = {Policy::echo};
+    const SimulationResult derived = simulate(gen, c);
+    c.clone_cost_rows = CostModel{}.clone_cost_rows(c.hidden, c.ffn, c.grad_bytes);
+    ASSERT_EQ(c.clone_cost_rows, 1484);
+    const SimulationResult nvlink = simulate(gen, c);
+    EXPECT_LT(derived.clone_cost_rows, c.clone_cost_rows) << "ep " << R;
+    EXPECT_LE(derived.policies[0].est_step_ms, nvlink.policies[0].est_step_ms) << "ep " << R;
+    EXPECT_LE(derived.policies[0].max_over_mean_mean, nvlink.policies[0].max_over_mean_mean)
+        << "ep " << R;
+  }
+}
+
 TEST(CostModel, LaunchOverheadWithAndWithoutGraphs) {
   CostModel c;
   EXPECT_NEAR(c.launch_ms(30, false), 30 * 4.0e-3, 1e-12);
