@@ -11,6 +11,9 @@
 #            model without MoE blocks (its dense part), then the module at layer_bench's shapes
 #   profile  the example model's kernels per step (torch.profiler), the plain block compiled
 #            against MoE Echo compiled + one graph, on one workspace
+#   gemm     bench/grouped_gemm_bench.sh at the example model's expert shape (64 experts x 1024
+#            rows, SHAPE=qwen3-30b-a3b-64e): fprop, dgrad and wgrad, the variant kernels, and
+#            torch._grouped_mm on the same GPU (builds its own targets with the variants)
 #   fp8      the example model at a DeepSeek-V3-like expert shape (H 7168, 32 experts of F 2048,
 #            top-8, 4 layers, bf16 parameters), compiled + one graph, bf16 then FP8 experts
 #   depth    bench/depth_round.sh: the largest model that fits, apart and on one workspace
@@ -35,7 +38,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 
 least() {  # the seconds a stage needs at least
   case $1 in
-    build) echo 200 ;; gtests) echo 40 ;; profile) echo 120 ;; pytest) echo 90 ;; e2e) echo 150 ;; fp8) echo 90 ;;
+    build) echo 200 ;; gtests) echo 40 ;; profile) echo 120 ;; gemm) echo 300 ;; pytest) echo 90 ;; e2e) echo 150 ;; fp8) echo 90 ;;
     depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;; titan) echo 200 ;; peers) echo 200 ;;
     *) echo 0 ;;
   esac
@@ -85,6 +88,11 @@ for stage in $stages; do
         --variants torch:compile,echo:compile+graph --out "$L/e2e_profile.json" >"$log" 2>&1
       rc=$?
       ;;
+    gemm)
+      OUT=$L/gemm SHAPE=${GEMM_SHAPE:-qwen3-30b-a3b-64e} timeout "$lim" \
+        bash bench/grouped_gemm_bench.sh >"$log" 2>&1
+      rc=$?
+      ;;
     fp8)
       mkdir -p "$L/fp8"
       rc=0
@@ -119,7 +127,7 @@ for stage in $stages; do
       rc=$?
       ;;
     *)
-      echo "unknown stage $stage (allowed: build gtests pytest profile e2e fp8 depth hf soak titan peers)"
+      echo "unknown stage $stage (allowed: build gtests pytest profile gemm e2e fp8 depth hf soak titan peers)"
       rc=2
       ;;
   esac
