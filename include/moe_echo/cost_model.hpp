@@ -12,6 +12,7 @@
 // Part of the offline tools: library moe_echo_offline (CPU only), src/offline/cost_model.cpp.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -100,6 +101,10 @@ struct CostModel {
   // and capped as above; 0 on one rank (nothing moves).
   int64_t step_clone_cost_rows(int hidden, int ffn, int grad_bytes, int ep,
                                double rows_per_entry) const;
+  // The step estimate's dispatch and combine of `rows` routed rows of the busiest rank, forward
+  // and backward: four all-to-alls of rows_per_entry rows of 2 * hidden bytes (bf16) per routed
+  // row, (ep - 1) / ep of them to other ranks; 0 on one rank.
+  double dispatch_combine_ms(double rows, int hidden, int ep, double rows_per_entry) const;
 };
 
 // Expected EP ranks a token's row goes to under uniform routing: its K distinct experts are a
@@ -125,6 +130,11 @@ inline double expert_bytes(int hidden, int ffn, double bytes_per_param) {
 // to the home expert (`grad_bytes` a parameter: 2 for bf16, 4 for fp32).
 inline double clone_bytes(int hidden, int ffn, int grad_bytes) {
   return expert_bytes(hidden, ffn, 2.0) + expert_bytes(hidden, ffn, double(grad_bytes));
+}
+// What one clone link moves each way at once through the all-to-all (the simulator's clone term):
+// per parameter the larger of the weights in (bf16) and the gradient out (`grad_bytes`).
+inline double clone_link_bytes(int hidden, int ffn, int grad_bytes) {
+  return expert_bytes(hidden, ffn, double(std::max(2, grad_bytes)));
 }
 
 }  // namespace moe_echo::offline

@@ -180,11 +180,16 @@ int64_t CostModel::clone_cost_rows(int hidden, int ffn, int grad_bytes) const {
 int64_t CostModel::step_clone_cost_rows(int hidden, int ffn, int grad_bytes, int ep,
                                         double rows_per_entry) const {
   if (ep <= 1) return 0;
+  const double row =
+      gemm_ms(train_flops(1.0, hidden, ffn)) + dispatch_combine_ms(1.0, hidden, ep, rows_per_entry);
+  return clone_rows(all_to_all_ms(clone_link_bytes(hidden, ffn, grad_bytes), ep), row);
+}
+
+double CostModel::dispatch_combine_ms(double rows, int hidden, int ep,
+                                      double rows_per_entry) const {
+  if (ep <= 1) return 0.0;
   const double remote = double(ep - 1) / double(ep);
-  const double row = gemm_ms(train_flops(1.0, hidden, ffn)) +
-                     4.0 * all_to_all_ms(rows_per_entry * remote * 2.0 * double(hidden), ep);
-  const double link = all_to_all_ms(expert_bytes(hidden, ffn, double(std::max(2, grad_bytes))), ep);
-  return clone_rows(link, row);
+  return 4.0 * all_to_all_ms(rows * rows_per_entry * remote * (double(hidden) * 2.0), ep);
 }
 
 double ranks_per_token(double E, double ep, double K) {

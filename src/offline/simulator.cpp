@@ -171,22 +171,29 @@ struct PeriodicEplb {
 
 }  // namespace
 
-PlannerConfig simulator_planner_config(const SimulatorConfig& cfg) {
-  validate(cfg);
+namespace {
+// simulator_planner_config of a validated cfg; entry_rows: rows moved per routed (token, k)
+// entry (a token's row crosses once per rank it picks).
+PlannerConfig planner_config(const SimulatorConfig& cfg, double entry_rows) {
   PlannerConfig pc;
   pc.ranks = cfg.ranks;
   pc.experts = cfg.experts;
   pc.spare_slots = cfg.spare_slots;
   pc.max_clones = cfg.max_clones;
   // -1: a clone link priced in rows by the same terms as the step estimate (est_step_ms).
-  const double rows_per_entry =
-      ranks_per_token(cfg.experts, cfg.ranks, cfg.top_k, cfg.expert_groups, cfg.topk_groups) /
-      double(cfg.top_k);
   pc.clone_cost_rows = cfg.clone_cost_rows >= 0
                            ? cfg.clone_cost_rows
                            : cfg.cost.step_clone_cost_rows(cfg.hidden, cfg.ffn, cfg.grad_bytes,
-                                                           cfg.ranks, rows_per_entry);
+                                                           cfg.ranks, entry_rows);
   return pc;
+}
+}  // namespace
+
+PlannerConfig simulator_planner_config(const SimulatorConfig& cfg) {
+  validate(cfg);
+  const double reach =
+      ranks_per_token(cfg.experts, cfg.ranks, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
+  return planner_config(cfg, reach / double(cfg.top_k));
 }
 
 SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_in) {
@@ -207,7 +214,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   const int R = cfg.ranks, E = cfg.experts, S = cfg.spare_slots, N = cfg.steps, L = cfg.layers;
   const double reach = ranks_per_token(E, R, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
   const int reach_max = max_ranks_per_token(E, R, cfg.top_k, cfg.expert_groups, cfg.topk_groups);
-  const PlannerConfig pc = simulator_planner_config(cfg);
+  const double entry_rows = reach / double(cfg.top_k);
+  const PlannerConfig pc = planner_config(cfg, entry_rows);
   const int64_t clone_cost_rows = pc.clone_cost_rows;
   validate(pc);
   // echo_step plans on the first of M micro-batches a placement that serves all M: one transfer
@@ -230,13 +238,8 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
   }
   std::vector<double> mean_rows(samples, 0);
 
-  const double row_bytes = double(cfg.hidden) * 2.0;  // bf16 activation row
-  const double link_bytes_per_clone =
-      expert_bytes(cfg.hidden, cfg.ffn, double(std::max(2, cfg.grad_bytes)));
+  const double link_bytes_per_clone = clone_link_bytes(cfg.hidden, cfg.ffn, cfg.grad_bytes);
   const double master_bytes = expert_bytes(cfg.hidden, cfg.ffn, double(cfg.master_state_bytes));
-  const double remote = R > 1 ? double(R - 1) / double(R) : 0.0;
-  // A token's row crosses once per rank it picks: rows moved per routed (token, k) entry.
-  const double rows_per_entry = reach / double(cfg.top_k);
   const CostModel& cost = cfg.cost;
 
   auto run_layer = [&](int layer) {
@@ -381,8 +384,7 @@ SimulationResult simulate(const TraceSource& trace, const SimulatorConfig& cfg_i
               cost.gemm_ms(CostModel::train_flops(double(max_load), cfg.hidden, cfg.ffn));
           // dispatch + combine, forward and backward: four all-to-alls of the busiest rank's
           // rows (one per token and rank it picks)
-          o.comm_ms[idx] +=
-              4.0 * cost.all_to_all_ms(double(max_load) * rows_per_entry * remote * row_bytes, R);
+          o.comm_ms[idx] += cost.dispatch_combine_ms(double(max_load), cfg.hidden, R, entry_rows);
           if (m == 0 || pulls_each) {
             o.clones[idx] += clones;
             o.clone_ms[idx] += cost.all_to_all_ms(double(clone_links) * link_bytes_per_clone, R);
