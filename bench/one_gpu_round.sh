@@ -38,8 +38,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 
 least() {  # the seconds a stage needs at least
   case $1 in
-    build) echo 200 ;; gtests) echo 40 ;; profile) echo 120 ;; gemm) echo 300 ;; pytest) echo 90 ;; e2e) echo 150 ;; fp8) echo 90 ;;
-    depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;; titan) echo 200 ;; peers) echo 200 ;;
+    build) echo 200 ;; gtests) echo 40 ;; pytest) echo 90 ;; profile) echo 120 ;; gemm) echo 300 ;;
+    e2e) echo 150 ;; fp8) echo 90 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;; titan) echo 200 ;; peers) echo 200 ;;
     *) echo 0 ;;
   esac
 }
@@ -117,8 +117,8 @@ for stage in $stages; do
       rc=$?
       ;;
     titan)
-      OUT=$L/titan STAGES="install runs compare" RUN_TIMEOUT=$(((lim - 30) / 4)) STEPS=${TITAN_STEPS:-100} \
-        bash bench/titan_round.sh >"$log" 2>&1
+      OUT=$L/titan STAGES="install runs compare" RUN_TIMEOUT=$(((lim - 30) / 4)) \
+        STEPS=${TITAN_STEPS:-100} bash bench/titan_round.sh >"$log" 2>&1
       rc=$?
       ;;
     peers)
@@ -127,7 +127,8 @@ for stage in $stages; do
       rc=$?
       ;;
     *)
-      echo "unknown stage $stage (allowed: build gtests pytest profile gemm e2e fp8 depth hf soak titan peers)"
+      echo "unknown stage $stage (allowed: build gtests pytest profile gemm e2e fp8 depth hf" \
+        "soak titan peers)"
       rc=2
       ;;
   esac
