@@ -39,7 +39,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 least() {  # the seconds a stage needs at least
   case $1 in
     build) echo 200 ;; gtests) echo 40 ;; pytest) echo 90 ;; profile) echo 120 ;; gemm) echo 300 ;;
-    e2e) echo 150 ;; fp8) echo 90 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;; titan) echo 200 ;; peers) echo 200 ;;
+    e2e) echo 150 ;; fp8) echo 90 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;;
+    titan) echo 200 ;; peers) echo 200 ;;
     *) echo 0 ;;
   esac
 }

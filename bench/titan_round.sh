@@ -17,9 +17,10 @@
 #   compare  per run: the largest loss difference over the first 10 steps and over all steps,
 #            the means of the last 10 steps (and, with NOISE=1, the same for torchtitan's own MoE
 #            run again without compile: how far torchtitan's curve moves from bf16 noise alone),
-#            mean tokens/s after 10 warm-up steps, torchtitan's peak reserved/active memory and torch's max_memory_allocated; "curves_equal" when the
-#            first 10 steps differ by at most CURVE_TOL_EARLY (default 0.02, bf16 noise) and the
-#            last-10 means by at most CURVE_TOL_REL (default 0.01) of torchtitan's
+#            mean tokens/s after 10 warm-up steps, torchtitan's peak reserved/active memory and
+#            torch's max_memory_allocated; "curves_equal" when the first 10 steps differ by at
+#            most CURVE_TOL_EARLY (default 0.02, bf16 noise) and the last-10 means by at most
+#            CURVE_TOL_REL (default 0.01) of torchtitan's
 # Needs build-gpu/python (the CUDA moe_echo package, e.g. from
 # STAGES=build bash bench/four_gpu_round.sh).
 # Each run is one torchtitan job of its own (compile included); a debug pair takes a few minutes,
