@@ -5,7 +5,7 @@
 # -DMOE_ECHO_GEMM_FP8_VARIANT_LIST="105;112" compiles only the FP8 ones listed.
 option(MOE_ECHO_GEMM_VARIANTS "Compile alternative grouped GEMM kernels into grouped_gemm_bench" OFF)
 option(MOE_ECHO_GEMM_FP8_VARIANTS "Compile alternative FP8 grouped GEMM kernels into grouped_gemm_bench" OFF)
-set(MOE_ECHO_GEMM_VARIANT_COUNT 7)
+set(MOE_ECHO_GEMM_VARIANT_COUNT 12)
 set(MOE_ECHO_GEMM_FP8_VARIANT_COUNT 16)
 set(MOE_ECHO_GEMM_FP8_VARIANT_LIST "" CACHE STRING "FP8 grouped GEMM variants to compile (indices)")
 

@@ -88,6 +88,34 @@ constexpr const char* kName = "wgrad 128x128x64 c1x2 pingpong";
 constexpr GemmOp kOp = GemmOp::fprop;
 using Config = gd::KernelConfig<bf16, Row, Row, 128, 128, 64, 2, 1, true>;
 constexpr const char* kName = "fprop 128x128x64 c2x1 pingpong";
+// wgrad writing (beta 0: what the layer runs when it overwrites its gradients); the production
+// kernel for it has no C operand (grouped_gemm_wgrad_write.cu), nor do variants 8 to 11.
+// Variant 7: the earlier production kernel at beta 0 (C buffers in shared memory, never read).
+#elif MOE_ECHO_GG_VARIANT == 7
+#define MOE_ECHO_GG_WRITING 1
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config = gd::KernelConfig<float, Col, Row, 128, 128, 64, 2, 1, true>;
+constexpr const char* kName = "wgrad 128x128x64 c2x1 pingpong, writing, with C buffers";
+#elif MOE_ECHO_GG_VARIANT == 8
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Col, Row, 128, 256, 64, 2, 1, false, 0, false, false, 0, true>;
+constexpr const char* kName = "wgrad 128x256x64 c2x1 coop, writing, no C";
+#elif MOE_ECHO_GG_VARIANT == 9
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Col, Row, 256, 128, 64, 2, 1, false, 0, false, false, 0, true>;
+constexpr const char* kName = "wgrad 256x128x64 c2x1 coop, writing, no C";
+#elif MOE_ECHO_GG_VARIANT == 10
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Col, Row, 128, 128, 64, 2, 1, true, 0, false, false, 0, true, 4>;
+constexpr const char* kName = "wgrad 128x128x64 c2x1 pingpong, writing, no C, 4 stores in flight";
+#elif MOE_ECHO_GG_VARIANT == 11
+constexpr GemmOp kOp = GemmOp::wgrad;
+using Config =
+    gd::KernelConfig<float, Col, Row, 128, 128, 64, 1, 2, true, 0, false, false, 0, true>;
+constexpr const char* kName = "wgrad 128x128x64 c1x2 pingpong, writing, no C";
 // FP8 blockwise (CMake option MOE_ECHO_GEMM_FP8_VARIANTS, indices from 100): layouts and scale
 // granularity as in grouped_gemm_fp8_{fprop,wgrad}.cu; tile, cluster and schedule vary.
 #elif MOE_ECHO_GG_VARIANT == 100  // (a 128x128 ping-pong tile with a scale per column of B
@@ -407,6 +435,10 @@ class Bench {
       for (void* p : {x, w, y, dy, dx, dw, static_cast<void*>(d_offs)}) CK(cudaFree(p));
       return;
     }
+    // wgrad writing (beta 0; the layer's call when it overwrites its gradients): prep, the GEMM
+    // and the kernel that zeroes the slabs of groups without rows.
+    GemmArgs wa_write = wa;
+    wa_write.accumulate = false;
     const struct {
       GemmOp op;
       const GemmArgs* args;
@@ -429,6 +461,8 @@ class Bench {
     along_n.raster_along_n = true;
     for (const auto& o : ops) {
       std::vector<Candidate> cands{{"GroupedGemm (production)", o.call}};
+      if (o.op == GemmOp::wgrad)
+        cands.push_back({"GroupedGemm (production), writing", [&] { gg.wgrad(wa_write, s_); }});
       std::vector<std::unique_ptr<gd::ProblemBuffers>> buffers;
       std::vector<std::unique_ptr<KernelRunner>> runners;
       auto add = [&](const Variant& v, const RunnerOptions& opt, const char* suffix) {
@@ -465,8 +499,19 @@ class Bench {
             add(v, n, (" +raster N" + on).c_str());
           }
         }
+      if (o.op == GemmOp::wgrad) {  // the production kernel writing (beta 0), GEMM alone
+        const Variant writing{GemmOp::wgrad, "wgrad production kernel, writing",
+                              [](const gd::ProblemArrays& p, int groups, const RunnerOptions& r) {
+                                return gd::make_wgrad_runner(p, groups, r, 0.0f);
+                              }};
+        add(writing, along_m, " +raster M");
+        add(writing, along_n, " +raster N");
+      }
       for (const Variant& v : variants())
-        if (v.op == o.op && !v.fp8) add(v, RunnerOptions{}, " +raster M");
+        if (v.op == o.op && !v.fp8) {
+          add(v, along_m, " +raster M");
+          add(v, along_n, " +raster N");
+        }
       run_op(sh, o.op, *o.args, cands, flop);
     }
     for (void* p : {x, w, y, dy, dx, dw, static_cast<void*>(d_offs)}) CK(cudaFree(p));

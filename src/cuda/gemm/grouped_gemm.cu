@@ -232,29 +232,33 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
 // wgrad writing (accumulate false): the slab of every group with rows, none of them in the window,
 // is set to zero (the sum over no rows; the other windows add to it later), and so is that of a
 // group g < zero_empty_below with no rows at all. Groups with rows in the window (the GEMM writes
-// them) or other groups with no rows at all (left as they are) leave at once.
-// Block (x, g) takes part x of group g's slab.
-__global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, int64_t row_lo,
-                                         int64_t rows, int zero_empty_below, float* c,
-                                         float* c_home, int n_home, int64_t slab_words) {
-  const int g = int(blockIdx.y);
-  const int64_t begin = offsets[g], end = offsets[g + 1];
-  const int64_t lo = begin > row_lo ? begin : row_lo;
-  const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
-  if (hi > lo || (end <= begin && g >= zero_empty_below)) return;
-  float4* slab = g < n_home ? reinterpret_cast<float4*>(c_home) + int64_t(g) * slab_words
-                            : reinterpret_cast<float4*>(c) + int64_t(g - n_home) * slab_words;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slab_words;
-       i += int64_t(gridDim.x) * blockDim.x)
-    slab[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+// them) or other groups with no rows at all (left as they are) are skipped.
+// Block (x, y) takes part x of the slabs of groups y, y + gridDim.y, ...: a grid of one wave
+// whatever the group count, so that the usual call (every group with rows in the window, nothing
+// to zero) costs a few loads per block rather than a block per part of every group.
+__global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, int groups,
+                                         int64_t row_lo, int64_t rows, int zero_empty_below,
+                                         float* c, float* c_home, int n_home, int64_t slab_words) {
+  for (int g = int(blockIdx.y); g < groups; g += int(gridDim.y)) {
+    const int64_t begin = offsets[g], end = offsets[g + 1];
+    const int64_t lo = begin > row_lo ? begin : row_lo;
+    const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
+    if (hi > lo || (end <= begin && g >= zero_empty_below)) continue;
+    float4* slab = g < n_home ? reinterpret_cast<float4*>(c_home) + int64_t(g) * slab_words
+                              : reinterpret_cast<float4*>(c) + int64_t(g - n_home) * slab_words;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slab_words;
+         i += int64_t(gridDim.x) * blockDim.x)
+      slab[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
 }
 
 void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t s) {
   if (a.window.groups <= 0) return;
   const int64_t words = d.k * d.n / 4;  // K and N are multiples of 8 (checked)
-  const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 64));
-  zero_empty_groups_kernel<<<dim3(parts, unsigned(a.window.groups)), 256, 0, s>>>(
-      a.window.group_offsets, a.window.row_lo, a.window.rows, a.zero_empty_below,
+  const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 128));
+  const unsigned lanes = unsigned(std::min(a.window.groups, 8));
+  zero_empty_groups_kernel<<<dim3(parts, lanes), 256, 0, s>>>(
+      a.window.group_offsets, a.window.groups, a.window.row_lo, a.window.rows, a.zero_empty_below,
       static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data),
       home_groups(GemmOp::wgrad, a), words);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
