@@ -38,16 +38,18 @@ def profile_kernels(run, label, top):
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-    rows = {}
+    rows, calls = {}, {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
             rows[e.name] = rows.get(e.name, 0.0) + e.device_time_total / 3e3
+            calls[e.name] = calls.get(e.name, 0) + 1
     total = sum(rows.values())
     print(f"-- {label}: {total:.1f} ms of kernels per step")
     top_rows = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
     for name, ms in top_rows:
-        print(f"   {ms:8.2f} ms  {name[:110]}")
-    return dict(kernel_ms_per_step=total, top_kernels=[dict(name=n, ms=m) for n, m in top_rows])
+        print(f"   {ms:8.2f} ms  {calls[name] / 3:6.1f} calls  {name[:100]}")
+    return dict(kernel_ms_per_step=total,
+                top_kernels=[dict(name=n, ms=m, calls_per_step=calls[n] / 3) for n, m in top_rows])
 
 
 def run_model(args, moe: str, variant: str, batches):

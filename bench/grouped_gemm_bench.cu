@@ -88,14 +88,15 @@ constexpr const char* kName = "wgrad 128x128x64 c1x2 pingpong";
 constexpr GemmOp kOp = GemmOp::fprop;
 using Config = gd::KernelConfig<bf16, Row, Row, 128, 128, 64, 2, 1, true>;
 constexpr const char* kName = "fprop 128x128x64 c2x1 pingpong";
-// wgrad writing (beta 0: what the layer runs when it overwrites its gradients); the production
-// kernel for it has no C operand (grouped_gemm_wgrad_write.cu), nor do variants 8 to 11.
-// Variant 7: the earlier production kernel at beta 0 (C buffers in shared memory, never read).
+// wgrad writing (beta 0: what the layer runs when it overwrites its gradients) without a C operand
+// at all: no C buffers in shared memory, so more main-loop stages; fp32 dW as in production.
+// Measured at the 64-expert shape on an H200 (bench/results): no faster than the production kernel
+// at beta 0 (C buffers allocated, never read).
 #elif MOE_ECHO_GG_VARIANT == 7
-#define MOE_ECHO_GG_WRITING 1
 constexpr GemmOp kOp = GemmOp::wgrad;
-using Config = gd::KernelConfig<float, Col, Row, 128, 128, 64, 2, 1, true>;
-constexpr const char* kName = "wgrad 128x128x64 c2x1 pingpong, writing, with C buffers";
+using Config =
+    gd::KernelConfig<float, Col, Row, 128, 128, 64, 2, 1, true, 0, false, false, 0, true>;
+constexpr const char* kName = "wgrad 128x128x64 c2x1 pingpong, writing, no C";
 #elif MOE_ECHO_GG_VARIANT == 8
 constexpr GemmOp kOp = GemmOp::wgrad;
 using Config =

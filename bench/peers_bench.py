@@ -453,7 +453,9 @@ def main(argv=None) -> dict:
 def summarize(docs: list) -> str:
     """One row per (slice, routing, EP size): every peer's fwd+bwd ms (x: failed its check, -:
     not run), ours over the best bf16 peer, ours FP8 over torchao FP8, our activation memory
-    over SonicMoE's, ours over Megatron at EP 2, each against its target."""
+    over SonicMoE's (what one layer keeps for its backward on a shared workspace,
+    act_bytes_on_workspace; with recompute="none" and "experts"), ours over Megatron at EP 2,
+    each against its target."""
     rows, peers = {}, []
     for doc in docs:
         for rec in doc.get("results", []):
@@ -463,7 +465,8 @@ def summarize(docs: list) -> str:
                 peers.append(rec["peer"])
     lines = []
     head = ["slice", "routing", "EP"] + peers + ["bf16 vs best", "fp8 vs torchao",
-                                                 "act vs sonic", "EP2 vs megatron"]
+                                                 "act vs sonic", "act (recompute) vs sonic",
+                                                 "EP2 vs megatron"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
 
@@ -487,8 +490,8 @@ def summarize(docs: list) -> str:
     for (s, r, ep), recs in rows.items():
         ours = recs.get("moe-echo")
         ours_ms = ms(ours) if ours and ours.get("agrees") else None
-        best = [ms(v) for k, v in recs.items() if k != "moe-echo" and v.get("precision") == "bf16"
-                and ms(v) is not None and v.get("agrees")]
+        best = [ms(v) for k, v in recs.items() if not k.startswith("moe-echo")
+                and v.get("precision") == "bf16" and ms(v) is not None and v.get("agrees")]
         bf16 = ratio(ours_ms, min(best) if best else None,
                      TARGETS["bf16_over_best_peer"].get(s, 1.0)) if ep == 1 else "-"
         o8, t8 = recs.get("moe-echo-fp8"), recs.get("torchao-fp8")
@@ -496,15 +499,22 @@ def summarize(docs: list) -> str:
                     ms(t8) if t8 and t8.get("agrees") else None,
                     TARGETS["fp8_over_torchao_fp8"].get(s, 1.0))
         son = recs.get("sonicmoe")
-        act = ratio(ours.get("act_bytes") if ours and ours.get("status") == "ok" else None,
-                    son.get("act_bytes") if son and son.get("status") == "ok" else None,
-                    TARGETS["act_bytes_over_sonicmoe"])
+        son_act = son.get("act_bytes") if son and son.get("status") == "ok" else None
+
+        def kept(rec):  # what one layer keeps for its backward on a model's shared workspace
+            if not rec or rec.get("status") != "ok":
+                return None
+            return rec.get("act_bytes_on_workspace", rec.get("act_bytes"))
+
+        act = ratio(kept(ours), son_act, TARGETS["act_bytes_over_sonicmoe"])
+        act_rc = ratio(kept(recs.get("moe-echo-recompute")), son_act,
+                       TARGETS["act_bytes_over_sonicmoe"])
         meg = recs.get("megatron")
         ep2 = ratio(ours_ms, ms(meg) if meg and meg.get("agrees") else None,
                     TARGETS["ep2_over_megatron"]) if ep == 2 else "-"
         lines.append("| " + " | ".join([str(s), str(r), str(ep)] + [cell(recs.get(p)) for p in
                                                                       peers]
-                                       + [bf16, fp8, act, ep2]) + " |")
+                                       + [bf16, fp8, act, act_rc, ep2]) + " |")
     # Peers that did not run in any of these files, with the package and the error.
     ran = {p for doc in docs for p, d in doc.get("peers", {}).items()
            if d.get("status") == "importable"}

@@ -10,8 +10,10 @@
 #             TE GroupedLinear when the te stages installed it) at SLICES x ROUTINGS
 #   sonic     carry third_party/wheels/sonic (the CuTe DSL runtime is most of it, so not the CUTLASS
 #             headers: ours runs when build-gpu/ is still there from main on a warm machine):
-#             SonicMoE directly and transformers' sonicmoe experts, beside ours and transformers'
-#             grouped_mm
+#             SonicMoE directly and transformers' sonicmoe experts, beside ours (recompute "none"
+#             and "experts") and transformers' grouped_mm; SonicMoE's compiled kernels come back
+#             as $OUT/sonic_cache.tgz (carry it as third_party/sonic_cache/ next time, within the
+#             64 MiB beside the wheels, or in a call of its own on the warm machine)
 #   ep2       on nvidia-h200-x2, carry third_party/cutlass third_party/wheels/base: build, then ours
 #             (NCCL, ECHO on) and Megatron-Core's alltoall MoELayer with the experts over 2 GPUs
 #   te-stash  carry third_party/wheels/teN (N = 1..4, one a call, the machine kept warm between
@@ -33,6 +35,7 @@ OUT=${OUT:-$PWD/out/peers}
 L=${LOGS:-/tmp/peers_logs}
 SITE=${SITE:-/tmp/peers_site}
 STASH=${STASH:-/tmp/peers_stash}
+CACHE=${CACHE:-/tmp/peers_cache}
 W=third_party/wheels
 build=${BUILD_DIR:-build-gpu}
 mkdir -p "$OUT" "$L" "$SITE" "$STASH"
@@ -156,7 +159,17 @@ for stage in $stages; do
     sonic)
       install_group sonic
       build_ours
-      run_peers sonic "${PEERS:-moe-echo,sonicmoe,hf-sonicmoe,hf-grouped_mm}" "" python3
+      # SonicMoE's kernels are compiled at their first call (QuACK's CuTe DSL GEMMs, kept as
+      # object files, and Triton's autotuned kernels): both caches live in $CACHE, seeded from a
+      # carried third_party/sonic_cache/sonic_cache.tgz and packed into $OUT to carry next time.
+      export QUACK_CACHE_DIR=$CACHE/quack TRITON_CACHE_DIR=$CACHE/triton
+      mkdir -p "$QUACK_CACHE_DIR" "$TRITON_CACHE_DIR"
+      seed=third_party/sonic_cache/sonic_cache.tgz
+      [ -f "$seed" ] && tar -xzf "$seed" -C "$CACHE" && echo "sonic: cache seeded from $seed"
+      run_peers sonic "${PEERS:-moe-echo,moe-echo-recompute,sonicmoe,hf-sonicmoe,hf-grouped_mm}" \
+        "" python3
+      tar -czf "$OUT/sonic_cache.tgz" -C "$CACHE" quack triton 2>/dev/null
+      echo "sonic: cache $(du -sh "$OUT/sonic_cache.tgz" | cut -f1) in $OUT/sonic_cache.tgz"
       ;;
     ep2)
       install_group base

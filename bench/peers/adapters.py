@@ -199,11 +199,12 @@ def _torch_block(case: Case, ctx: Ctx, gemm, w1_layout: str, name: str,
 # ---- MoE Echo ---------------------------------------------------------------------------------
 
 
-def build_moe_echo(case: Case, ctx: Ctx, precision: str = "bf16") -> Built:
+def build_moe_echo(case: Case, ctx: Ctx, precision: str = "bf16",
+                   recompute: str = "none") -> Built:
     from moe_echo.torch import MoE
 
     kw = dict(max_tokens=case.tokens, device=ctx.device, dtype=ctx.dtype, seed=1,
-              precision=precision)
+              precision=precision, recompute=recompute)
     if ctx.ep_size > 1:
         kw.update(ep_group=ctx.ep_group)  # ECHO on (the default), capacity factor 1.25
     else:
@@ -224,7 +225,8 @@ def build_moe_echo(case: Case, ctx: Ctx, precision: str = "bf16") -> Built:
     params_bytes = 2 * case.experts * H * fl + case.experts * fl + weights * (act + fl)
     if precision == "fp8":
         params_bytes += 2 * weights  # the e4m3 copies of w1 and w2 (two layouts, scales aside)
-    info = dict(precision=precision, ep_transport=getattr(m, "ep_transport", None),
+    info = dict(precision=precision, recompute=recompute,
+                ep_transport=getattr(m, "ep_transport", None),
                 echo=m._echo_config.get("enabled"),
                 capacity_factor=m._config.get("capacity_factor"),
                 layer_workspace_bytes=int(layer.workspace_bytes))
@@ -608,6 +610,11 @@ PEERS = {p.name: p for p in [
     Peer("moe-echo-fp8", "moe_echo.torch.MoE(precision='fp8'): e4m3 blockwise expert GEMMs",
          (("moe_echo", "moe_echo (this repository)"),),
          lambda c, x: build_moe_echo(c, x, "fp8"), precision="fp8", ep=True),
+    Peer("moe-echo-recompute", "moe_echo.torch.MoE(recompute='experts'), bf16: keeps only the "
+         "received rows for the backward, which runs fc1, SwiGLU and fc2 again",
+         (("moe_echo", "moe_echo (this repository)"),),
+         lambda c, x: build_moe_echo(c, x, recompute="experts"), devices=("cuda", "cpu"),
+         exact_on_cpu=True),
     Peer("torchtitan", "torchtitan 0.3.0 models.common.moe.MoE (grouped_mm experts, "
          "LocalTokenDispatcher), torch.compile'd", (("torchtitan", "torchtitan==0.3.0"),),
          build_torchtitan, devices=("cuda", "cpu"), compiled=True,

@@ -20,8 +20,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import peers_bench  # noqa: E402
 from peers import adapters, cases  # noqa: E402
 
-PEERS_ON_CPU = ["moe-echo", "torchtitan", "megatron", "hf-grouped_mm", "torch-compiled"]
-ALWAYS = ["moe-echo", "torch-compiled"]  # need nothing beyond this repository and torch
+PEERS_ON_CPU = ["moe-echo", "moe-echo-recompute", "torchtitan", "megatron", "hf-grouped_mm",
+                "torch-compiled"]
+# need nothing beyond this repository and torch
+ALWAYS = ["moe-echo", "moe-echo-recompute", "torch-compiled"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -195,18 +197,23 @@ def test_our_layer_tells_what_it_holds_on_a_shared_workspace():
 
 
 def test_table_gives_each_ratio_against_its_target():
-    def rec(peer, ms, precision="bf16", agrees=True, act=None, ep=1):
-        return dict(peer=peer, slice="deepseek-v3", routing="uniform", ep_size=ep, status="ok",
-                    fwd_bwd_ms=ms, precision=precision, agrees=agrees, act_bytes=act)
+    def rec(peer, ms, precision="bf16", agrees=True, act=None, kept=None, ep=1):
+        r = dict(peer=peer, slice="deepseek-v3", routing="uniform", ep_size=ep, status="ok",
+                 fwd_bwd_ms=ms, precision=precision, agrees=agrees, act_bytes=act)
+        if kept is not None:
+            r["act_bytes_on_workspace"] = kept
+        return r
 
-    doc = dict(results=[rec("moe-echo", 30.0, act=100), rec("torchtitan", 40.0),
+    doc = dict(results=[rec("moe-echo", 30.0, act=100, kept=88), rec("torchtitan", 40.0),
+                        rec("moe-echo-recompute", 10.0, act=90, kept=56),
                         rec("megatron", 35.0, agrees=False), rec("moe-echo-fp8", 20.0, "fp8"),
                         rec("torchao-fp8", 25.0, "fp8"), rec("sonicmoe", 50.0, act=80)])
     row = peers_bench.summarize([doc]).splitlines()[2]
     assert "35.00 x" in row                       # megatron failed its check: marked,
-    assert "0.75 (met, <= 0.85)" in row           # and not the best bf16 peer (30 / 40)
+    assert "0.75 (met, <= 0.85)" in row           # not the best bf16 peer (30 / 40), nor ours
     assert "0.80 (met, <= 0.9)" in row            # FP8: 20 / 25
-    assert "1.25 (not met, <= 1.0)" in row        # activation memory: 100 / 80
+    assert "1.10 (not met, <= 1.0)" in row        # kept on a workspace: 88 / 80
+    assert "0.70 (met, <= 1.0)" in row            # recompute="experts": 56 / 80
 
 
 def test_expert_parallel_over_two_processes_agrees_with_the_reference(tmp_path):

@@ -90,10 +90,6 @@ std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_
 // slabs of groups without rows are zeroed by launch_zero_empty_groups.
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {}, float beta = 1.0f);
-// wgrad writing (beta 0) with no C operand (grouped_gemm_wgrad_write.cu); make_wgrad_runner with
-// beta 0 returns it.
-std::unique_ptr<KernelRunner> make_wgrad_write_runner(const ProblemArrays& p, int max_groups,
-                                                      const RunnerOptions& o = {});
 
 // The FP8 blockwise kernels (grouped_gemm_fp8_{fprop,wgrad}.cu): e4m3 operands, both K-major,
 // K-major fp32 scales per 128 of K. fprop and dgrad share one kernel (bf16 D; 1 x 128 scales on A,

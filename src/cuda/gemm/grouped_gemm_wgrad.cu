@@ -4,8 +4,7 @@
 // A = a's rows read as a ColumnMajor (K x rows) matrix (M-major), B = b's rows RowMajor (N-major),
 // fp32 D with C = D and beta = 1. 128x128x64 tiles, cluster 2x1, ping-pong: one warp group's
 // fp32 epilogue (a read and a write of C) overlaps the other's main loop. Measured on an H200
-// (bench/results): 2-8% faster than 128x256x64 cooperative at the ANCHORS.md shapes. Beta 0 runs
-// the kernel of grouped_gemm_wgrad_write.cu (the same tiles without a C operand).
+// (bench/results): 2-8% faster than 128x256x64 cooperative at the ANCHORS.md shapes.
 #include "cuda/gemm/grouped_gemm_cutlass.cuh"
 
 namespace moe_echo::cuda::gemm_detail {
@@ -15,9 +14,10 @@ using WgradConfig = KernelConfig<float, cutlass::layout::ColumnMajor, cutlass::l
 
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o, float beta) {
-  if (beta == 0.0f) return make_wgrad_write_runner(p, max_groups, o);
   return std::make_unique<CutlassRunner<WgradConfig>>(
-      p, max_groups, o, beta, "grouped_gemm wgrad 128x128x64 c2x1 pingpong");
+      p, max_groups, o, beta,
+      beta != 0.0f ? "grouped_gemm wgrad 128x128x64 c2x1 pingpong"
+                   : "grouped_gemm wgrad (overwrite) 128x128x64 c2x1 pingpong");
 }
 
 }  // namespace moe_echo::cuda::gemm_detail
