@@ -207,7 +207,7 @@ def main():
     ap.add_argument("--workspace", action="store_true",
                     help="bind the MoE Echo blocks to one moe_echo.torch.Workspace")
     ap.add_argument("--recompute", default="none",
-                    choices=["none", "moe_act", "experts", "dispatch"],
+                    choices=["none", "moe_act", "experts", "dispatch", "all_but_fc1"],
                     help="what each MoE Echo block keeps for its backward (MoE(recompute=...))")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8"],
                     help="the MoE Echo blocks' expert GEMMs (MoE(precision=...))")

@@ -454,7 +454,7 @@ def summarize(docs: list) -> str:
     """One row per (slice, routing, EP size): every peer's fwd+bwd ms (x: failed its check, -:
     not run), ours over the best bf16 peer, ours FP8 over torchao FP8, our activation memory
     over SonicMoE's (what one layer keeps for its backward on a shared workspace,
-    act_bytes_on_workspace; with recompute="none" and "experts"), ours over Megatron at EP 2,
+    act_bytes_on_workspace; with recompute="none" and "all_but_fc1"), ours over Megatron at EP 2,
     each against its target."""
     rows, peers = {}, []
     for doc in docs:

@@ -11,7 +11,7 @@
 #   sonic     carry third_party/wheels/sonic (the CuTe DSL runtime is most of it, so not the CUTLASS
 #             headers: ours runs when build-gpu/ is still there from main on a warm machine):
 #             SonicMoE directly and transformers' sonicmoe experts, beside ours (recompute "none"
-#             and "experts") and transformers' grouped_mm; SonicMoE's compiled kernels come back
+#             and "all_but_fc1") and transformers' grouped_mm; SonicMoE's compiled kernels come back
 #             as $OUT/sonic_cache.tgz (carry it as third_party/sonic_cache/ next time, within the
 #             64 MiB beside the wheels, or in a call of its own on the warm machine)
 #   ep2       on nvidia-h200-x2, carry third_party/cutlass third_party/wheels/base: build, then ours

@@ -182,7 +182,8 @@ int run_plan(const PlanOptions& o) {
   out << "  " << (mem.fits() ? "fits in " : "does NOT fit in ") << fmt(mem.capacity_gb, 0)
       << " GB; against recompute none, moe_act saves " << fmt(mem.recompute_moe_act_saves_gb, 2)
       << " GB, experts " << fmt(mem.recompute_experts_saves_gb, 2) << " GB, dispatch "
-      << fmt(mem.recompute_dispatch_saves_gb, 2) << " GB\n\n";
+      << fmt(mem.recompute_dispatch_saves_gb, 2) << " GB, all_but_fc1 "
+      << fmt(mem.recompute_all_but_fc1_saves_gb, 2) << " GB\n\n";
   out << "per MoE layer and micro-batch, forward + backward, busiest rank:\n"
       << "  tokens per GPU " << lt.tokens << "; receive window " << lt.capacity_rows
       << " rows (capacity factor " << fmt(in.train.capacity_factor, 2) << ")\n"
@@ -278,7 +279,8 @@ int run_plan(const PlanOptions& o) {
                       {"microbatches_in_flight", mem.microbatches_in_flight},
                       {"recompute_moe_act_saves", mem.recompute_moe_act_saves_gb},
                       {"recompute_experts_saves", mem.recompute_experts_saves_gb},
-                      {"recompute_dispatch_saves", mem.recompute_dispatch_saves_gb}};
+                      {"recompute_dispatch_saves", mem.recompute_dispatch_saves_gb},
+                      {"recompute_all_but_fc1_saves", mem.recompute_all_but_fc1_saves_gb}};
     const MoeMemory& lib = mem.library;
     j["stage_memory_bytes"] = {{"params", lib.params},
                                {"grads", lib.grads},
@@ -394,7 +396,8 @@ void add_plan(CLI::App& app, Runner& run) {
       ->capture_default_str();
   add_option(cmd, "--recompute", o->train.recompute,
              "what each MoE layer keeps for its backward: none, moe_act (redo SwiGLU), experts "
-             "(redo fc1, SwiGLU, fc2) or dispatch (also redo the dispatch)")
+             "(redo fc1, SwiGLU, fc2), dispatch (also redo the dispatch) or all_but_fc1 (keep "
+             "fc1's output, redo the dispatch, SwiGLU and fc2)")
       ->capture_default_str();
   add_option(cmd, "--precision", o->train.precision,
              "the routed experts' GEMMs: bf16 or fp8 (memory of the e4m3 copies, time at the "

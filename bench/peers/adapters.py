@@ -610,10 +610,10 @@ PEERS = {p.name: p for p in [
     Peer("moe-echo-fp8", "moe_echo.torch.MoE(precision='fp8'): e4m3 blockwise expert GEMMs",
          (("moe_echo", "moe_echo (this repository)"),),
          lambda c, x: build_moe_echo(c, x, "fp8"), precision="fp8", ep=True),
-    Peer("moe-echo-recompute", "moe_echo.torch.MoE(recompute='experts'), bf16: keeps only the "
-         "received rows for the backward, which runs fc1, SwiGLU and fc2 again",
-         (("moe_echo", "moe_echo (this repository)"),),
-         lambda c, x: build_moe_echo(c, x, recompute="experts"), devices=("cuda", "cpu"),
+    Peer("moe-echo-recompute", "moe_echo.torch.MoE(recompute='all_but_fc1'), bf16: keeps only "
+         "fc1's output for the backward (as SonicMoE does), which runs the dispatch, SwiGLU and "
+         "fc2 again", (("moe_echo", "moe_echo (this repository)"),),
+         lambda c, x: build_moe_echo(c, x, recompute="all_but_fc1"), devices=("cuda", "cpu"),
          exact_on_cpu=True),
     Peer("torchtitan", "torchtitan 0.3.0 models.common.moe.MoE (grouped_mm experts, "
          "LocalTokenDispatcher), torch.compile'd", (("torchtitan", "torchtitan==0.3.0"),),

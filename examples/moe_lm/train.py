@@ -85,7 +85,8 @@ def parse_args(argv=None):
     ap.add_argument("--workspace", action="store_true",
                     help="bind every MoE block to one moe_echo.torch.Workspace (receive windows, "
                          "temporaries and echo slots shared by the layers; the same bits)")
-    ap.add_argument("--recompute", choices=["none", "moe_act", "experts", "dispatch"],
+    ap.add_argument("--recompute",
+                    choices=["none", "moe_act", "experts", "dispatch", "all_but_fc1"],
                     default="none",
                     help="what each MoE block keeps for its backward (MoE(recompute=...)); with "
                          "--workspace, dispatch keeps nothing at capacity size")

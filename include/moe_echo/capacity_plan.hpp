@@ -74,7 +74,8 @@ struct TrainingSpec {
   // comm_overlap, which claims the same stream beside the expert GEMMs.
   bool shared_expert_overlap = false;
   bool distributed_optimizer = true;  // optimizer state sharded over dp
-  std::string recompute = "none";     // what a layer keeps: none, moe_act, experts, dispatch
+  std::string recompute = "none";     // what a layer keeps: none, moe_act, experts, dispatch,
+                                      // all_but_fc1
   std::string precision = "bf16";     // the routed experts' GEMMs: bf16 or fp8
   std::string fp8_gemms = "all";      // with fp8: which of them (MoeConfig::fp8_gemms)
   std::string grad_dtype = "fp32";    // gradients: fp32 (the layers' float dtype)
@@ -148,7 +149,7 @@ struct MemoryBreakdown {
   double microbatches_in_flight = 1;  // on the first pipeline stage (layer-micro-batches / Lp)
   // MoE memory each recompute option saves against none.
   double recompute_moe_act_saves_gb = 0, recompute_experts_saves_gb = 0,
-         recompute_dispatch_saves_gb = 0;
+         recompute_dispatch_saves_gb = 0, recompute_all_but_fc1_saves_gb = 0;
   // The library's count for the stage (one micro-batch in flight, optimizer state unsharded):
   // what a MoeStack of stage_layers(in) allocates on one GPU, in bytes.
   MoeMemory library;

@@ -55,14 +55,18 @@ enum class Recompute {
   moe_act,   // keep the received rows, fc1's output and the experts' outputs; redo SwiGLU
   experts,   // keep the received rows; redo fc1, SwiGLU and fc2
   dispatch,  // keep only the routing (and the caller's x): redo the dispatch and the experts
+  // keep fc1's output (and the routing): redo the dispatch, SwiGLU and fc2, not fc1. fc1's output
+  // is 2F per row against the received rows' H, and fc1 is twice fc2's work.
+  all_but_fc1,
 };
 template <>
 struct EnumNames<Recompute> {
-  static constexpr const char* names[] = {"none", "moe_act", "experts", "dispatch"};
+  static constexpr const char* names[] = {"none", "moe_act", "experts", "dispatch", "all_but_fc1"};
 };
 
 const char* to_string(Recompute r);
-// Parses "none", "moe_act", "experts" or "dispatch"; throws ConfigError naming `field` otherwise.
+// Parses "none", "moe_act", "experts", "dispatch" or "all_but_fc1"; throws ConfigError naming
+// `field` otherwise.
 Recompute parse_recompute(const std::string& s, const char* field = "recompute");
 
 // What a layer's backward runs beside its communication (MoeConfig::overlap).

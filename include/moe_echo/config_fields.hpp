@@ -120,7 +120,8 @@ constexpr FieldRule by_hand(const char* text) {
     "run the shared experts on a second stream beside the router and the dispatch")                \
   X(Recompute, recompute, Recompute::none, choice(),                                               \
     "what the forward keeps for the backward: all (none), or it redoes SwiGLU (moe_act), fc1, "    \
-    "SwiGLU and fc2 (experts) or the dispatch too (dispatch); the same gradient bits")             \
+    "SwiGLU and fc2 (experts), the dispatch too (dispatch) or all of them but fc1, whose output "  \
+    "it keeps (all_but_fc1); the same gradient bits")                                              \
   X(Overlap, overlap, Overlap::none, choice(),                                                     \
     "what the backward runs beside its communication: nothing (none) or fc1's weight-gradient "    \
     "GEMM on a second stream beside the combine (wgrad); the same bits")                           \

@@ -230,9 +230,9 @@ std::vector<Finding> check(const WallsInput& in) {
     error(e.field(), e.what());
   }
   if (t.recompute != "none" && t.recompute != "moe_act" && t.recompute != "experts" &&
-      t.recompute != "dispatch")
-    error("recompute",
-          invalid("recompute", "'" + t.recompute + "'", "none, moe_act, experts or dispatch"));
+      t.recompute != "dispatch" && t.recompute != "all_but_fc1")
+    error("recompute", invalid("recompute", "'" + t.recompute + "'",
+                               "none, moe_act, experts, dispatch or all_but_fc1"));
   if (!std::isfinite(t.capacity_factor) || t.capacity_factor <= 0)
     error("capacity_factor", invalid("capacity_factor", t.capacity_factor, "a finite value > 0"));
   if (t.spare_slots < 0)
@@ -423,13 +423,16 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   mem.moe_gb = sm.gb();
   // Each option against none: the layers keep less, the workspace holds one copy of the rest
   // (per set).
-  double saves[4] = {};
+  constexpr Recompute kOptions[] = {Recompute::moe_act, Recompute::experts, Recompute::dispatch,
+                                    Recompute::all_but_fc1};
+  double saves[5] = {};
   const double none_gb = stage_memory(in, Recompute::none, inflight, optimizer_shards).gb();
-  for (Recompute o : {Recompute::moe_act, Recompute::experts, Recompute::dispatch})
+  for (Recompute o : kOptions)
     saves[int(o)] = none_gb - stage_memory(in, o, inflight, optimizer_shards).gb();
   mem.recompute_moe_act_saves_gb = saves[int(Recompute::moe_act)];
   mem.recompute_experts_saves_gb = saves[int(Recompute::experts)];
   mem.recompute_dispatch_saves_gb = saves[int(Recompute::dispatch)];
+  mem.recompute_all_but_fc1_saves_gb = saves[int(Recompute::all_but_fc1)];
   mem.reserve_gb = t.reserve_gb;
   mem.total_gb = mem.moe_gb + mem.reserve_gb;
   mem.capacity_gb = in.gpu.memory_gb;
@@ -460,9 +463,10 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   const double a2a = cost.all_to_all_ms(lt.combine_bytes * busiest, l.ep, l.etp);
   const double etp_ms = l.etp > 1 ? cost.nvlink_ms(lt.etp_bytes * busiest) : 0.0;
   // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward: dy's dispatch and
-  // dx's combine; with recompute dispatch the forward's dispatch once more
+  // dx's combine; with recompute dispatch or all_but_fc1 the forward's dispatch once more
   lt.comm_ms = a2a_dispatch + 3.0 * a2a + 4.0 * etp_ms;
-  if (recompute == Recompute::dispatch) lt.comm_ms += a2a_dispatch + etp_ms;
+  if (recompute == Recompute::dispatch || recompute == Recompute::all_but_fc1)
+    lt.comm_ms += a2a_dispatch + etp_ms;
   // Clones: weights in for the forward, and again for the backward when other layers used the
   // echo slots in between (every layer but the stage's last with one micro-batch in flight, all
   // with more); fp32 gradients home.
@@ -471,14 +475,16 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   lt.clone_ms = cost.all_to_all_ms(lt.clone_bytes, l.ep, l.etp);
   const double busiest_rows = T * K * l.etp * busiest;
   // Per row: fc1 forward and its dgrad and wgrad 4 H F each, fc2's 2 H F each (train_flops'
-  // 18 H F); with recompute experts or dispatch fc1 and fc2 forward again (SwiGLU alone, moe_act,
-  // is elementwise). Each GEMM at the FP8 or the bf16 rate as MoeConfig::fp8_gemms says.
-  const bool forward_again = recompute == Recompute::experts || recompute == Recompute::dispatch;
+  // 18 H F); with recompute experts or dispatch fc1 and fc2 forward again, with all_but_fc1 fc2
+  // alone (SwiGLU alone, moe_act, is elementwise). Each GEMM at the FP8 or the bf16 rate as
+  // MoeConfig::fp8_gemms says.
+  const bool fc1_again = recompute == Recompute::experts || recompute == Recompute::dispatch,
+             fc2_again = fc1_again || recompute == Recompute::all_but_fc1;
   const struct {
     uint32_t gemm;
     double hf;  // H F per row
-  } gemms[] = {{fp8_gemm::fprop1, forward_again ? 8.0 : 4.0},
-               {fp8_gemm::fprop2, forward_again ? 4.0 : 2.0},
+  } gemms[] = {{fp8_gemm::fprop1, fc1_again ? 8.0 : 4.0},
+               {fp8_gemm::fprop2, fc2_again ? 4.0 : 2.0},
                {fp8_gemm::dgrad1, 4.0},
                {fp8_gemm::dgrad2, 2.0},
                {fp8_gemm::wgrad1, 4.0},
@@ -519,11 +525,12 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
     r.reason = "needs " + fmt(mem.total_gb, 1) + " GB of " + fmt(mem.capacity_gb, 0) + " GB";
     // Each option that keeps less than the chosen one, with what it saves against it and what
     // its backward does again.
-    const char* redo[] = {"", "SwiGLU", "fc1, SwiGLU and fc2", "the dispatch and the experts"};
+    const char* redo[] = {"", "SwiGLU", "fc1, SwiGLU and fc2", "the dispatch and the experts",
+                          "the dispatch, SwiGLU and fc2"};
     std::string options;
-    for (Recompute o : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+    for (Recompute o : kOptions) {
       const double more = saves[int(o)] - saves[int(recompute)];
-      if (int(o) <= int(recompute) || more < 0.05) continue;
+      if (more < 0.05) continue;
       options += std::string(options.empty() ? "" : "; ") + "--recompute " + to_string(o) +
                  " saves " + fmt(more, 1) + " GB" +
                  (mem.total_gb - more <= mem.capacity_gb ? " and would fit" : "") +

@@ -77,9 +77,9 @@ TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
       {"grad_dtype bf16", [](WallsInput& i) { i.train.grad_dtype = "bf16"; }, "grad_dtype",
        "grad_dtype = 'bf16' is invalid: allowed fp32"},
       {"recompute", [](WallsInput& i) { i.train.recompute = "all"; }, "recompute",
-       "recompute = 'all' is invalid: allowed none, moe_act, experts or dispatch"},
+       "recompute = 'all' is invalid: allowed none, moe_act, experts, dispatch or all_but_fc1"},
       {"recompute's old name", [](WallsInput& i) { i.train.recompute = "swiglu"; }, "recompute",
-       "recompute = 'swiglu' is invalid: allowed none, moe_act, experts or dispatch"},
+       "recompute = 'swiglu' is invalid: allowed none, moe_act, experts, dispatch or all_but_fc1"},
       {"the library's layer", [](WallsInput& i) { i.model.top_k = 33; }, "top_k",
        "top_k = 33 is invalid: allowed top_k <= 32 (a token's entries are handled by one warp) "
        "(the MoE layer of one GPU"},
@@ -302,11 +302,13 @@ TEST(WallsModel, MemoryMatchesHandComputation) {
   EXPECT_NEAR(m.total_gb, m.moe_gb + m.reserve_gb, 1e-9);
   // A recompute option drops buffers from every layer and micro-batch in flight and holds one
   // copy in each of the workspace's two sets: moe_act SwiGLU's output (F), experts also fc1's
-  // output and the expert outputs (3 F + H), dispatch also the received rows (3 F + 2 H).
+  // output and the expert outputs (3 F + H), dispatch also the received rows (3 F + 2 H), and
+  // all_but_fc1 all of them but fc1's output (F + 2 H).
   const double copies = Lp * inflight - 2;
   EXPECT_NEAR(m.recompute_moe_act_saves_gb, copies * cap * F * 2 / 1e9, 1e-9);
   EXPECT_NEAR(m.recompute_experts_saves_gb, copies * cap * (3 * F + H) * 2 / 1e9, 1e-9);
   EXPECT_NEAR(m.recompute_dispatch_saves_gb, copies * cap * (3 * F + 2 * H) * 2 / 1e9, 1e-9);
+  EXPECT_NEAR(m.recompute_all_but_fc1_saves_gb, copies * cap * (F + 2 * H) * 2 / 1e9, 1e-9);
   // recompute applies its saving; no distributed optimizer keeps the whole state
   in.train.recompute = "experts";
   in.train.distributed_optimizer = false;
@@ -336,7 +338,7 @@ TEST(WallsModel, MoeMemoryIsWhatABuiltStackAllocates) {
   in.layout.ep = 2;
   in.train.spare_slots = 2;
   in.gpu = gpu_preset("h200");
-  for (const char* recompute : {"none", "moe_act", "experts", "dispatch"}) {
+  for (const char* recompute : {"none", "moe_act", "experts", "dispatch", "all_but_fc1"}) {
     SCOPED_TRACE(recompute);
     in.train.recompute = recompute;
     in.model.dtype = "fp32";
@@ -415,6 +417,11 @@ TEST(WallsModel, TimesMatchTheCostModel) {
   const WallsReport d = estimate_walls(rc, imb);
   EXPECT_NEAR(d.layer.gemm_ms, e.layer.gemm_ms, 1e-12);
   EXPECT_NEAR(d.layer.comm_ms, 5 * cost.all_to_all_ms(r.layer.dispatch_bytes * 1.2, 8), 1e-12);
+  // all_but_fc1: fc2 forward again (2 H F per row) and the forward's dispatch.
+  rc.train.recompute = "all_but_fc1";
+  const WallsReport a = estimate_walls(rc, imb);
+  EXPECT_NEAR(a.layer.gemm_ms, cost.gemm_ms((18 + 2) * T * K * 1.2 * H * F), 1e-12);
+  EXPECT_NEAR(a.layer.comm_ms, d.layer.comm_ms, 1e-12);
   // Precision fp8: the forward's rows cross as packed e4m3 rows (H values and H / 128 scales,
   // to 16 bytes: 2112 bytes at H 2048), the combine and the backward's in bf16.
   WallsInput f8 = in;
@@ -525,7 +532,8 @@ TEST(WallsModel, EachWallBindsWhereItShould) {
     EXPECT_FALSE(r.memory.fits());
     ASSERT_FALSE(r.advice.empty());
     // Every option that keeps less, by the library's names, dispatch among them.
-    for (const char* o : {"--recompute moe_act", "--recompute experts", "--recompute dispatch"})
+    for (const char* o : {"--recompute moe_act", "--recompute experts", "--recompute dispatch",
+                          "--recompute all_but_fc1"})
       EXPECT_NE(r.advice[0].find(o), std::string::npos) << r.advice[0];
     in.train.recompute = "experts";
     const WallsReport e = estimate_walls(in, imb);

@@ -121,7 +121,8 @@ TEST(Fp8Layer, EchoOnEqualsOffAndRecomputeEqualsNone) {
     EXPECT_LE(rel_error(run->dw1, e.dw1), kFp8LayerTol) << "dw1";
     EXPECT_LE(rel_error(run->dw2, e.dw2), kFp8LayerTol) << "dw2";
   }
-  for (Recompute rc : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute rc :
+       {Recompute::moe_act, Recompute::experts, Recompute::dispatch, Recompute::all_but_fc1}) {
     LayerCase c = on;
     c.moe.recompute = rc;
     const LayerRun r = run_layer(c, in.x, g, in.params);

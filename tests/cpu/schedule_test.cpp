@@ -240,8 +240,8 @@ TEST(Schedule, EveryCombinationKeepsTheRules) {
   for (int rounds : {1, 2, 3})
     for (int chunks : {1, 2})
       for (int shared : {0, 1, 2})  // none, on the step's stream, on the side stream
-        for (Recompute rc :
-             {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch})
+        for (Recompute rc : {Recompute::none, Recompute::moe_act, Recompute::experts,
+                             Recompute::dispatch, Recompute::all_but_fc1})
           for (bool overlap : {false, true})
             for (uint32_t fp8 : {0u, fp8_gemm::all, fp8_gemm::all & ~fp8_gemm::fprop1,
                                  fp8_gemm::wgrad1 | fp8_gemm::wgrad2})

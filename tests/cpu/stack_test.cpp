@@ -262,7 +262,8 @@ TEST(Stack, EveryRecomputeOptionGivesTheBitsOfNone) {
   c.layers = four_layers(Recompute::none);
   const StackRun none = run_stack(c);
   expect_clones_and_spills(none);
-  for (Recompute r : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute r :
+       {Recompute::moe_act, Recompute::experts, Recompute::dispatch, Recompute::all_but_fc1}) {
     SCOPED_TRACE(to_string(r));
     c.layers = four_layers(r);
     const StackRun got = run_stack(c);
@@ -274,14 +275,15 @@ TEST(Stack, EveryRecomputeOptionGivesTheBitsOfNone) {
   c.layers[0].recompute = Recompute::dispatch;
   c.layers[1].recompute = Recompute::moe_act;
   c.layers[2].recompute = Recompute::experts;
+  c.layers[3].recompute = Recompute::all_but_fc1;
   expect_same(run_stack(c), none);
   c.stacked = false;
   expect_same(run_stack(c), none);
 }
 
 TEST(Stack, BytesEqualTheEstimateAndGrowByTheLayersOwnPart) {
-  for (Recompute r :
-       {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute r : {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch,
+                      Recompute::all_but_fc1}) {
     SCOPED_TRACE(to_string(r));
     const std::vector<MoeConfig> layers = four_layers(r);
     const EchoConfig echo = echo_config();
@@ -310,17 +312,25 @@ TEST(Stack, BytesEqualTheEstimateAndGrowByTheLayersOwnPart) {
     EXPECT_EQ(b8 - b4,
               4 * MoeLayer::layer_memory_bytes(layers[3], par, echo, DType::f64, DType::f64));
   }
-  // What a layer keeps shrinks with each option: none > moe_act > experts > dispatch.
+  // What a layer keeps shrinks with each option: none > moe_act > experts > dispatch. all_but_fc1
+  // keeps fc1's output (2F a row) where experts keeps the received rows (H = 16): more than
+  // experts at F 24, less at F 4, and more than dispatch either way.
   const ParallelConfig par{2, 0};
+  auto kept = [&](Recompute r, int ffn) {
+    MoeConfig m = layer_config(ffn, 8, 2);
+    m.recompute = r;
+    return MoeLayer::layer_memory_bytes(m, par, echo_config(), DType::f64, DType::f64);
+  };
   size_t last = SIZE_MAX;
   for (Recompute r :
        {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
-    MoeConfig m = layer_config(24, 8, 2);
-    m.recompute = r;
-    const size_t b = MoeLayer::layer_memory_bytes(m, par, echo_config(), DType::f64, DType::f64);
-    EXPECT_LT(b, last) << to_string(r);
-    last = b;
+    EXPECT_LT(kept(r, 24), last) << to_string(r);
+    last = kept(r, 24);
   }
+  EXPECT_GT(kept(Recompute::all_but_fc1, 24), kept(Recompute::experts, 24));
+  EXPECT_LT(kept(Recompute::all_but_fc1, 4), kept(Recompute::experts, 4));
+  for (int ffn : {4, 24})
+    EXPECT_GT(kept(Recompute::all_but_fc1, ffn), kept(Recompute::dispatch, ffn)) << ffn;
 }
 
 // Master weights on the CPU backend (float masters of float weights: the same arithmetic): the
@@ -373,8 +383,8 @@ TEST(Stack, MasterWeightsGiveTheSameStepsOnTheCpu) {
 // the buffers it names, and a recompute option moves activations from the layers to the workspace.
 TEST(Stack, MemoryBreakdownAddsUpToTheBytesAllocated) {
   const EchoConfig echo = echo_config();
-  for (Recompute r :
-       {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute r : {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch,
+                      Recompute::all_but_fc1}) {
     SCOPED_TRACE(to_string(r));
     std::vector<MoeConfig> layers = four_layers(r);
     layers[2].shared_experts = 1;  // shared experts' parameters, activations and temporaries

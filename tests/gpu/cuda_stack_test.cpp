@@ -131,7 +131,8 @@ TEST(CudaStack, EqualsLayersBuiltApartAndEveryRecomputeGivesTheBitsOfNone) {
     Model apart(four_layers(), false, 9);
     expect_bits_equal(two_steps(apart), none, "layers built apart");
   }
-  for (Recompute r : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute r :
+       {Recompute::moe_act, Recompute::experts, Recompute::dispatch, Recompute::all_but_fc1}) {
     Model m(four_layers(r), true, 9);
     expect_bits_equal(two_steps(m), none, std::string("recompute ") + to_string(r));
   }
@@ -182,8 +183,8 @@ TEST(CudaStack, WholeTrainingStepInOneGraphEqualsTheEagerStep) {
 
 TEST(CudaStack, BytesEqualTheEstimate) {
   MOE_ECHO_SKIP_WITHOUT_GPU();
-  for (Recompute r :
-       {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute r : {Recompute::none, Recompute::moe_act, Recompute::experts, Recompute::dispatch,
+                      Recompute::all_but_fc1}) {
     const std::vector<MoeConfig> layers = four_layers(r);
     Model m(layers, true, 1);
     EXPECT_EQ(m.stack->bytes(), MoeStack::memory_bytes(layers, ParallelConfig{1, 0}, echo_config(),

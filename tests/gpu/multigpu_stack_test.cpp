@@ -179,7 +179,8 @@ TEST_P(MultiGpuStack, EqualsLayersBuiltApartAndEveryRecomputeGivesTheBitsOfNone)
     Model apart(*w, comm, three_layers(R), false, 9);
     expect_bits_equal(two_steps(apart), none, "layers built apart");
   }
-  for (Recompute r : {Recompute::moe_act, Recompute::experts, Recompute::dispatch}) {
+  for (Recompute r :
+       {Recompute::moe_act, Recompute::experts, Recompute::dispatch, Recompute::all_but_fc1}) {
     Model m(*w, comm, three_layers(R, r), true, 9);
     expect_bits_equal(two_steps(m), none, std::string("recompute ") + to_string(r));
   }

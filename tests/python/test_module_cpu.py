@@ -201,7 +201,7 @@ def test_shared_experts_match_reference(shared_ffn):
         make(shared_experts=1.5)
 
 
-@pytest.mark.parametrize("recompute", ["moe_act", "experts", "dispatch"])
+@pytest.mark.parametrize("recompute", ["moe_act", "experts", "dispatch", "all_but_fc1"])
 def test_recompute_gives_the_bits_of_none(recompute):
     # Spill rounds too (capacity 0.5): every option recomputes them; round 0 per the option.
     x = torch.randn(48, 16, dtype=torch.float64)

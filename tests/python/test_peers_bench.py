@@ -213,7 +213,7 @@ def test_table_gives_each_ratio_against_its_target():
     assert "0.75 (met, <= 0.85)" in row           # not the best bf16 peer (30 / 40), nor ours
     assert "0.80 (met, <= 0.9)" in row            # FP8: 20 / 25
     assert "1.10 (not met, <= 1.0)" in row        # kept on a workspace: 88 / 80
-    assert "0.70 (met, <= 1.0)" in row            # recompute="experts": 56 / 80
+    assert "0.70 (met, <= 1.0)" in row            # recompute="all_but_fc1": 56 / 80
 
 
 def test_expert_parallel_over_two_processes_agrees_with_the_reference(tmp_path):

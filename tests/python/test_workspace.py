@@ -81,7 +81,8 @@ def moes(net):
     return [m for m in net.modules() if isinstance(m, MoE)]
 
 
-@pytest.mark.parametrize("recompute", ["none", "moe_act", "experts", "dispatch"])
+@pytest.mark.parametrize("recompute",
+                         ["none", "moe_act", "experts", "dispatch", "all_but_fc1"])
 def test_bits_of_separate_modules(recompute):
     a, b = model(recompute=recompute), model(recompute=recompute)
     ws = Workspace(a)
