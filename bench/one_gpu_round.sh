@@ -20,7 +20,8 @@
 #   hf       bench/hf_swap_bench.py: transformers' Qwen3-MoE against the swapped model
 #   soak     bench/soak.py --device cuda --steps 2000: one captured graph a step, eager checks
 #   titan    bench/titan_round.sh (carry third_party/titan_wheels)
-#   peers    STAGES=main bench/peers_round.sh (carry third_party/wheels/base)
+#   peers    STAGES=$PEERS_STAGES (default main) bench/peers_round.sh (carry
+#            third_party/wheels/base for main, third_party/wheels/sonic for sonic)
 # Usage (device call, carry third_party/cutlass): STAGES="build pytest e2e" bash bench/one_gpu_round.sh
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -123,7 +124,8 @@ for stage in $stages; do
       rc=$?
       ;;
     peers)
-      OUT=$L/peers LOGS=$L/peers_logs STAGES=main CALL_S=$((lim - 10)) BUILD_DIR=$build \
+      OUT=$L/peers LOGS=$L/peers_logs STAGES=${PEERS_STAGES:-main} CALL_S=$((lim - 10)) \
+        BUILD_DIR=$build \
         bash bench/peers_round.sh >"$log" 2>&1
       rc=$?
       ;;
