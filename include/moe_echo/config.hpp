@@ -64,6 +64,23 @@ struct EnumNames<Recompute> {
   static constexpr const char* names[] = {"none", "moe_act", "experts", "dispatch", "all_but_fc1"};
 };
 
+// What the backward of an option does again (and so what the layer does not keep): the dispatch
+// and fan-out of x (the received rows), fc1 (its output), SwiGLU (its output), fc2 (the experts'
+// outputs).
+struct Redone {
+  bool dispatch, fc1, swiglu, fc2;
+};
+constexpr Redone redone(Recompute r) {
+  switch (r) {
+    case Recompute::none: return {false, false, false, false};
+    case Recompute::moe_act: return {false, false, true, false};
+    case Recompute::experts: return {false, true, true, true};
+    case Recompute::dispatch: return {true, true, true, true};
+    case Recompute::all_but_fc1: return {true, false, true, true};
+  }
+  return {false, false, false, false};
+}
+
 const char* to_string(Recompute r);
 // Parses "none", "moe_act", "experts", "dispatch" or "all_but_fc1"; throws ConfigError naming
 // `field` otherwise.

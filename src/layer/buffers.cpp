@@ -15,11 +15,10 @@ namespace {
 enum class Act { recv_x, h, a, recv_out };
 bool keeps(Recompute r, Act act) {
   switch (act) {
-    case Act::recv_x: return r != Recompute::dispatch && r != Recompute::all_but_fc1;
-    case Act::h:
-      return r == Recompute::none || r == Recompute::moe_act || r == Recompute::all_but_fc1;
-    case Act::a: return r == Recompute::none;
-    case Act::recv_out: return r == Recompute::none || r == Recompute::moe_act;
+    case Act::recv_x: return !redone(r).dispatch;
+    case Act::h: return !redone(r).fc1;
+    case Act::a: return !redone(r).swiglu;
+    case Act::recv_out: return !redone(r).fc2;
   }
   return true;
 }

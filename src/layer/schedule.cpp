@@ -320,14 +320,12 @@ void Builder::forward() {
 void Builder::recompute(int r) {
   const Recompute rc = r > 0 ? Recompute::dispatch : m_.recompute;
   const Window w{r, -1};
-  const bool rows = rc == Recompute::dispatch || rc == Recompute::all_but_fc1,
-             fc1 = rc == Recompute::dispatch || rc == Recompute::experts,
-             fc2 = fc1 || rc == Recompute::all_but_fc1;
+  const Redone again = redone(rc);
   if (rc != Recompute::none) mark(r, "bwd_recompute");
-  if (rows) dispatch_tokens(r);
-  if (fc1) fc1_forward(w);
-  if (rc != Recompute::none) emit(Op::swiglu, w);
-  if (fc2) gemm(w, 2, Pass::fprop, Buf::a, Buf::recv_out, rows_form(fp8_gemm::fprop2));
+  if (again.dispatch) dispatch_tokens(r);
+  if (again.fc1) fc1_forward(w);
+  if (again.swiglu) emit(Op::swiglu, w);
+  if (again.fc2) gemm(w, 2, Pass::fprop, Buf::a, Buf::recv_out, rows_form(fp8_gemm::fprop2));
 }
 
 // Recomputes, then sends the dy rows to the lead rows and, per member, d_weight = <dy, out> and

@@ -465,8 +465,8 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward: dy's dispatch and
   // dx's combine; with recompute dispatch or all_but_fc1 the forward's dispatch once more
   lt.comm_ms = a2a_dispatch + 3.0 * a2a + 4.0 * etp_ms;
-  if (recompute == Recompute::dispatch || recompute == Recompute::all_but_fc1)
-    lt.comm_ms += a2a_dispatch + etp_ms;
+  const Redone again = redone(recompute);
+  if (again.dispatch) lt.comm_ms += a2a_dispatch + etp_ms;
   // Clones: weights in for the forward, and again for the backward when other layers used the
   // echo slots in between (every layer but the stage's last with one micro-batch in flight, all
   // with more); fp32 gradients home.
@@ -478,13 +478,11 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // 18 H F); with recompute experts or dispatch fc1 and fc2 forward again, with all_but_fc1 fc2
   // alone (SwiGLU alone, moe_act, is elementwise). Each GEMM at the FP8 or the bf16 rate as
   // MoeConfig::fp8_gemms says.
-  const bool fc1_again = recompute == Recompute::experts || recompute == Recompute::dispatch,
-             fc2_again = fc1_again || recompute == Recompute::all_but_fc1;
   const struct {
     uint32_t gemm;
     double hf;  // H F per row
-  } gemms[] = {{fp8_gemm::fprop1, fc1_again ? 8.0 : 4.0},
-               {fp8_gemm::fprop2, fc2_again ? 4.0 : 2.0},
+  } gemms[] = {{fp8_gemm::fprop1, again.fc1 ? 8.0 : 4.0},
+               {fp8_gemm::fprop2, again.fc2 ? 4.0 : 2.0},
                {fp8_gemm::dgrad1, 4.0},
                {fp8_gemm::dgrad2, 2.0},
                {fp8_gemm::wgrad1, 4.0},
