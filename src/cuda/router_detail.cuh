@@ -54,13 +54,15 @@ struct RouterScratch {
   // sequence's per-expert terms f_se P_se (forward).
   int32_t* seq_counts = nullptr;  // [sequences, E]
   double* seq_terms = nullptr;    // [sequences, E]
-  // The tensor-core products (tensor_shapes only): one-group windows {0, H} and {0, T}; x^T
+  // The tensor-core products (tensor_shapes only): one-group windows {0, H} and {0, T}, then
+  // the dW product's row groups of the T rows (offsets 4 on); x^T
   // [H, T]; W's three parts, transposed [3][H, E] (forward) or as [W0; W1; W0] [3E, H]
   // (backward); dl's parts [3][T, E] and [dl0 | dl0 | dl1] [T, 3E].
   int32_t* offsets = nullptr;
   bf16 *x_t = nullptr, *w_parts = nullptr, *dl_parts = nullptr, *dl_cat = nullptr;
   float* split = nullptr;       // split-K partial sums of the tiled GEMMs
   float* dw_partial = nullptr;  // [splits, padded E, H] per-split sums of the dW product
+                                // (tensor cores: [row groups, E, H])
 };
 
 // The sequence aux loss's part of d loss / d p[t, e]: coeff / sequences * E * count_qe / (L K) / L

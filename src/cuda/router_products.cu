@@ -50,6 +50,18 @@ constexpr int kDxTokens = 8, kDxWords = 64, kDxGroups = 4;
 bool fast_products(const Tensor& x, const Tensor& w) {
   return x.size(1) % 8 == 0 && aligned16(x.data) && aligned16(w.data);
 }
+// The tensor-core dW product's row groups: its output (E x H per group) has few 128 x 128 tiles
+// (16 at E 64, H 2048), so the T token rows are cut into groups whose partial products, each in
+// its own [E, H] slab, fill the SMs; router_dw_reduce_kernel sums the slabs in group order. At
+// most kTensorDwGroups groups of at least 256 rows, and no more than the GEMM was built for.
+constexpr int64_t kTensorDwGroups = 8;
+int64_t tensor_dw_groups(int64_t T, int64_t E, int64_t H, int max_groups) {
+  const int64_t tiles = std::max<int64_t>(1, (E + 127) / 128 * ((H + 127) / 128));
+  const int64_t groups =
+      std::min({sm_count() / tiles, kTensorDwGroups, T / 256, int64_t(max_groups)});
+  return std::max<int64_t>(groups, 1);
+}
+
 // Token splits of the dW product: enough blocks for two waves, at least 64 tokens per split.
 int64_t dw_splits(int64_t T, int64_t E, int64_t H) {
   const int64_t blocks = std::max<int64_t>(1, padded_experts(E) / kDwExperts * ((H / 8 + 31) / 32));
@@ -71,12 +83,15 @@ RouterScratch carve(ScratchCarver& c, int64_t T, int64_t E, int64_t H) {
   r.seq_counts = c.take<int32_t>(T * E);
   r.seq_terms = c.take<double>(T * E);
   r.split = c.take<float>(tiled_gemm_scratch_floats());
-  r.dw_partial = c.take<float>(dw_splits(T, E, H) * padded_experts(E) * H);
   // Sized for T rounded up to 8 whatever T is, so the bytes never shrink as T grows (the arena is
   // reserved for max_tokens before any capture).
   const int64_t T8 = (T + 7) / 8 * 8;
-  if (tensor_shapes(T8, E, H)) {
-    r.offsets = c.take<int32_t>(4);
+  const bool tensor = tensor_shapes(T8, E, H);
+  r.dw_partial = c.take<float>(
+      std::max(dw_splits(T, E, H) * padded_experts(E), tensor ? kTensorDwGroups * E : int64_t(0)) *
+      H);
+  if (tensor) {
+    r.offsets = c.take<int32_t>(4 + kTensorDwGroups + 1);
     r.x_t = c.take<bf16>(H * T8);
     r.w_parts = c.take<bf16>(3 * E * H);
     r.dl_parts = c.take<bf16>(3 * T8 * E);
@@ -148,8 +163,10 @@ __device__ inline void split3(float v, bf16& hi, bf16& mid, bf16& lo) {
   lo = __float2bfloat16_rn(r - __bfloat162float(mid));
 }
 
-__global__ void router_offsets_kernel(int32_t* o, int32_t h, int32_t t) {
+// The windows' offsets: {0, h} and {0, t} (one group each), then t rows in `groups` groups.
+__global__ void router_offsets_kernel(int32_t* o, int32_t h, int32_t t, int32_t groups) {
   o[0] = 0, o[1] = h, o[2] = 0, o[3] = t;
+  for (int32_t g = 0; g <= groups; ++g) o[4 + g] = int32_t(int64_t(t) * g / groups);
 }
 
 // out[c, r] = in[r, c] for a [rows, cols] bf16 matrix, through 32 x 32 tiles in shared memory.
@@ -416,7 +433,7 @@ GroupWindow t_window(const RouterScratch& sc, int64_t T) {
 // x^T and W_i^T (the first writes, the others add).
 void tensor_logits(const Tensor& x, const Tensor& w, float* logits, const RouterScratch& sc,
                    GroupedGemm& gemm, int64_t T, int64_t E, int64_t H, cudaStream_t s) {
-  MOE_ECHO_LAUNCH(router_offsets_kernel, 1, 1, 0, s, sc.offsets, int32_t(H), int32_t(T));
+  MOE_ECHO_LAUNCH(router_offsets_kernel, 1, 1, 0, s, sc.offsets, int32_t(H), int32_t(T), 1);
   MOE_ECHO_LAUNCH(transpose_bf16_kernel, blocks_for((T + 31) / 32 * ((H + 31) / 32), 1, grid_cap()),
                   256, 0, s, T, H, x.as<bf16>(), sc.x_t);
   MOE_ECHO_LAUNCH(split_weight_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, H,
@@ -432,24 +449,31 @@ void tensor_logits(const Tensor& x, const Tensor& w, float* logits, const Router
   }
 }
 
-// dW [E, H] += sum over the parts dl_i of dl_i^T x (three wgrad products over the T rows);
+// dW [E, H] += sum over the parts dl_i of dl_i^T x (three wgrad products over the T rows, in
+// row groups whose slabs are then summed in group order);
 // dx [T, H] += [dl0 | dl0 | dl1] [W0; W1; W0] (one fprop product, added to dx).
 void tensor_grads(const Tensor& x, const Tensor& w, const Tensor& d_weight, const Tensor& dx,
                   const RouterScratch& sc, GroupedGemm& gemm, int64_t T, int64_t E, int64_t H,
                   cudaStream_t s) {
-  MOE_ECHO_LAUNCH(router_offsets_kernel, 1, 1, 0, s, sc.offsets, int32_t(H), int32_t(T));
+  const int64_t groups = tensor_dw_groups(T, E, H, gemm.max_groups());
+  MOE_ECHO_LAUNCH(router_offsets_kernel, 1, 1, 0, s, sc.offsets, int32_t(H), int32_t(T),
+                  int32_t(groups));
   MOE_ECHO_LAUNCH(split_dl_kernel, blocks_for(T * E, 256, grid_cap()), 256, 0, s, T, E,
                   padded_experts(E), sc.dl, sc.dl_parts, sc.dl_cat);
   MOE_ECHO_LAUNCH(split_weight_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, H,
                   w.as<float>(), sc.w_parts, false);
   for (int i = 0; i < 3; ++i) {
     GemmArgs g;
-    g.window = t_window(sc, T);
+    g.window = GroupWindow{{0, T}, sc.offsets + 4, int(groups)};
     g.a = Tensor(sc.dl_parts + i * T * E, DType::bf16, {T, E});
     g.b = x;
-    g.c = Tensor(d_weight.data, DType::f32, {1, E, H});
+    g.c = Tensor(sc.dw_partial, DType::f32, {groups, E, H});
+    g.accumulate = i > 0;              // the first part writes each group's slab,
+    g.zero_empty_below = int(groups);  // zero where a group has no rows
     gemm.wgrad(g, s);
   }
+  MOE_ECHO_LAUNCH(router_dw_reduce_kernel, blocks_for(E * H, 256, grid_cap()), 256, 0, s, E, E, H,
+                  groups, sc.dw_partial, d_weight.as<float>());
   GemmArgs g;
   g.window = t_window(sc, T);
   g.a = Tensor(sc.dl_cat, DType::bf16, {T, 3 * E});
