@@ -31,25 +31,29 @@ from moe_echo.torch.module import _ECHO_KEYWORDS  # noqa: E402
 
 
 def profile_kernels(run, label, top):
-    """CUDA time per kernel over 3 steps (torch.profiler), the `top` largest printed."""
+    """CUDA time per kernel over 3 steps (torch.profiler), the `top` largest printed with their
+    calls per step and longest call."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             run()
         torch.cuda.synchronize()
-    rows, calls = {}, {}
+    rows, calls, longest = {}, {}, {}
     for e in prof.events():
         if e.device_type.name == "CUDA":
             rows[e.name] = rows.get(e.name, 0.0) + e.device_time_total / 3e3
             calls[e.name] = calls.get(e.name, 0) + 1
+            longest[e.name] = max(longest.get(e.name, 0.0), e.device_time_total)
     total = sum(rows.values())
     print(f"-- {label}: {total:.1f} ms of kernels per step")
     top_rows = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
     for name, ms in top_rows:
-        print(f"   {ms:8.2f} ms  {calls[name] / 3:6.1f} calls  {name[:100]}")
+        print(f"   {ms:8.2f} ms  {calls[name] / 3:6.1f} calls  {longest[name]:8.1f} us longest  "
+              f"{name[:100]}")
     return dict(kernel_ms_per_step=total,
-                top_kernels=[dict(name=n, ms=m, calls_per_step=calls[n] / 3) for n, m in top_rows])
+                top_kernels=[dict(name=n, ms=m, calls_per_step=calls[n] / 3, longest_us=longest[n])
+                             for n, m in top_rows])
 
 
 def run_model(args, moe: str, variant: str, batches):

@@ -3,8 +3,10 @@
 # scripts with its logs under $LOGS (default /tmp/one_gpu), packed into $OUT/one_gpu_<stages>.tgz
 # at the end (a GPU machine sends back few files); each stage's last lines are printed as it ends.
 # A stage starts only when the call (CALL_S seconds in all, default 570) has its least time left.
-#   build    build-gpu: CUDA, the Python package, layer_bench and the GPU op and planner tests
-#   gtests   cuda_ops_test and cuda_planner_test (the router's NaN order, block-aligned plans)
+#   build    build-gpu: CUDA, the Python package, layer_bench and the GPU op, planner and stack
+#            tests
+#   gtests   cuda_ops_test, cuda_planner_test and cuda_stack_test (the router, block-aligned
+#            plans, every recompute option of a stack against the CPU)
 #   pytest   tests/python/test_module_gpu.py (the workspace in one graph, out of memory, ...)
 #   e2e      bench/e2e_round.sh --workspace: the example model, MoE Echo (eager, one graph,
 #            compiled + one graph) against the plain PyTorch block (eager, compiled) and the
@@ -16,6 +18,7 @@
 #            torch._grouped_mm on the same GPU (builds its own targets with the variants)
 #   fp8      the example model at a DeepSeek-V3-like expert shape (H 7168, 32 experts of F 2048,
 #            top-8, 4 layers, bf16 parameters), compiled + one graph, bf16 then FP8 experts
+#   fp8prof  the fp8 stage's model, bf16 and FP8 experts, profiled as the profile stage does
 #   depth    bench/depth_round.sh: the largest model that fits, apart and on one workspace
 #   hf       bench/hf_swap_bench.py: transformers' Qwen3-MoE against the swapped model
 #   soak     bench/soak.py --device cuda --steps 2000: one captured graph a step, eager checks
@@ -39,8 +42,8 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 
 least() {  # the seconds a stage needs at least
   case $1 in
-    build) echo 200 ;; gtests) echo 40 ;; pytest) echo 90 ;; profile) echo 120 ;; gemm) echo 300 ;;
-    e2e) echo 150 ;; fp8) echo 90 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;;
+    build) echo 200 ;; gtests) echo 60 ;; pytest) echo 90 ;; profile) echo 120 ;; gemm) echo 300 ;;
+    e2e) echo 150 ;; fp8) echo 90 ;; fp8prof) echo 100 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;;
     titan) echo 200 ;; peers) echo 200 ;;
     *) echo 0 ;;
   esac
@@ -64,15 +67,17 @@ for stage in $stages; do
         -DMOE_ECHO_CUTLASS_DIR="$PWD/third_party/cutlass" ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
         >"$log" 2>&1 &&
         timeout "$lim" cmake --build "$build" -j "$(nproc)" --target moe_echo_python layer_bench \
-          cuda_ops_test cuda_planner_test >>"$log" 2>&1
+          cuda_ops_test cuda_planner_test cuda_stack_test >>"$log" 2>&1
       rc=$?
       [ $rc -ne 0 ] && grep -B2 -A12 -E "error|FAILED" "$log" | head -40
       ;;
     gtests)
-      (timeout $((lim / 2)) "$build"/tests/gpu/cuda_ops_test
+      (timeout $((lim / 3)) "$build"/tests/gpu/cuda_ops_test
         r1=$?
-        timeout $((lim / 2)) "$build"/tests/gpu/cuda_planner_test
-        exit $((r1 | $?))) >"$log" 2>&1
+        timeout $((lim / 3)) "$build"/tests/gpu/cuda_planner_test
+        r2=$?
+        timeout $((lim / 3)) "$build"/tests/gpu/cuda_stack_test
+        exit $((r1 | r2 | $?))) >"$log" 2>&1
       rc=$?
       grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$log" | head -20
       ;;
@@ -105,6 +110,16 @@ for stage in $stages; do
           --out "$L/fp8/e2e_dsv3_$p.json" >>"$log" 2>&1 || rc=$?
       done
       ;;
+    fp8prof)
+      mkdir -p "$L/fp8"
+      rc=0
+      for p in bf16 fp8; do
+        timeout $(((lim - 10) / 2)) python3 bench/e2e_moe_lm.py --layers 4 --hidden 7168 \
+          --heads 56 --experts 32 --top-k 8 --ffn 2048 --param-dtype bfloat16 --steps 5 \
+          --profile 30 --variants echo:compile+graph --workspace --precision "$p" \
+          --out "$L/fp8/e2e_dsv3_${p}_profile.json" >>"$log" 2>&1 || rc=$?
+      done
+      ;;
     depth)
       OUT=$L/depth BUDGET_S=$((lim - 60)) bash bench/depth_round.sh >"$log" 2>&1
       rc=$?
@@ -119,7 +134,10 @@ for stage in $stages; do
       rc=$?
       ;;
     titan)
-      OUT=$L/titan STAGES="install runs compare" RUN_TIMEOUT=$(((lim - 30) / 4)) \
+      # Each run of RUNS (two jobs: torchtitan's MoE, then ours) gets its share of the call.
+      read -r -a titan_runs <<<"${RUNS:-dsv3_debug qwen3_debug}"
+      OUT=$L/titan STAGES="install runs compare" \
+        RUN_TIMEOUT=$(((lim - 30) / (2 * ${#titan_runs[@]}))) \
         STEPS=${TITAN_STEPS:-100} bash bench/titan_round.sh >"$log" 2>&1
       rc=$?
       ;;
@@ -131,7 +149,7 @@ for stage in $stages; do
       ;;
     *)
       echo "unknown stage $stage (allowed: build gtests pytest profile gemm e2e fp8 depth hf" \
-        "soak titan peers)"
+        "soak titan peers fp8prof)"
       rc=2
       ;;
   esac

@@ -269,6 +269,8 @@ INSTANTIATE_TEST_SUITE_P(
         RouterCase{256, 64, 32, 4, ScoreFunction::softmax, true},
         RouterCase{512, 512, 256, 8, ScoreFunction::sigmoid, true},
         RouterCase{1024, 2048, 128, 8, ScoreFunction::softmax, true},
+        // The dW product in 8 row groups of unequal sizes (2056 rows).
+        RouterCase{2056, 256, 64, 8, ScoreFunction::sigmoid, true},
         // Group-limited top-k, routed scaling and the sequence aux loss: DeepSeek-V3's
         // gate (8 groups, top 4, sum of the top 2, x 2.5) in the register kernels,
         // the group max, odd sizes, and E > 256 (the kernels that read memory).
