@@ -13,7 +13,7 @@
 #   runs     RUNS (default "dsv3_debug qwen3_debug"; also dsv3_16b_l6 and qwen3_30b_l4, real
 #            layer shapes with fewer layers so that fp32 weights and AdamW fit one GPU), each with
 #            torchtitan's MoE, then MoE Echo's (ECHO_ARGS, e.g. "--moe_echo.recompute experts",
-#            go to that run only)
+#            go to that run only; TITAN_ARGS, e.g. "--memory-phases 3", to both runs)
 #   compare  per run: the largest loss difference over the first 10 steps and over all steps,
 #            the means of the last 10 steps (and, with NOISE=1, the same for torchtitan's own MoE
 #            run again without compile: how far torchtitan's curve moves from bf16 noise alone),
@@ -38,6 +38,8 @@ run_pair() {  # name config extra-args...
   shift 2
   local common=(--config "bench/titan/$config" --warmup 10 --training.steps "$STEPS"
                 --compile.enable "$@")
+  # shellcheck disable=SC2206
+  common+=(${TITAN_ARGS:-})
   timeout "${RUN_TIMEOUT:-560}" python3 bench/titan_train.py "${common[@]}" --label torchtitan \
     --out "$OUT/${name}_torchtitan.json" >"$OUT/${name}_torchtitan.log" 2>&1 ||
     { echo "$name torchtitan: failed"; tail -30 "$OUT/${name}_torchtitan.log"; }
@@ -109,7 +111,8 @@ for path in sorted(glob.glob(f"{out}/*_torchtitan.json")):
     d = [abs(x - y) for x, y in zip(la[:n], lb[:n])]
     m_a, m_b = sum(la[n - 10:n]) / 10, sum(lb[n - 10:n]) / 10
     side = lambda r: {k: r[k] for k in ("mean_tps", "max_reserved_gib", "max_active_gib",
-                                         "max_allocated_gib", "wall_s", "workspace", "flavor")}
+                                         "max_allocated_gib", "wall_s", "workspace", "flavor",
+                                         "memory_phases") if k in r}
     rows[name] = dict(
         steps=n, max_diff_first10=max(d[:10]), max_diff=max(d), mean_last10_torchtitan=m_a,
         mean_last10_moe_echo=m_b,

@@ -107,6 +107,82 @@ def cpu_device():
     return IntHistc()
 
 
+def memory_phases(trainer, at_step: int, cuda: bool = True) -> dict:
+    """Hooks that fill the returned dict at optimizer step `at_step`: torch's allocated GiB when
+    the step's forward starts, its peak over forward+backward, its allocated GiB and live
+    tensors (64 MiB or more, by shape and dtype, parameters and gradients told apart) when the
+    optimizer step starts, and its peak over the optimizer step. On the CPU (`cuda` False) only
+    the live tensors, of 64 KiB or more, each storage once."""
+    import gc
+
+    import torch
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+
+    gib = 2.0**30
+    out: dict = {}
+    state = dict(step=0, forwards=0)
+    model = trainer.model_parts[0]
+
+    def forward_pre(module, inputs):
+        if state["step"] == at_step - 1 and state["forwards"] == 0 and cuda:
+            torch.cuda.synchronize()
+            out["allocated_at_forward_gib"] = torch.cuda.memory_allocated() / gib
+            torch.cuda.reset_peak_memory_stats()
+        state["forwards"] += 1
+
+    def step_pre(opt, args, kwargs):
+        # torchtitan's optimizer container is an Optimizer whose step runs the inner ones':
+        # only the outermost step counts.
+        state["depth"] = state.get("depth", 0) + 1
+        if state["depth"] > 1 or state["step"] != at_step - 1:
+            return
+        if cuda:
+            torch.cuda.synchronize()
+            out["peak_forward_backward_gib"] = torch.cuda.max_memory_allocated() / gib
+            out["allocated_at_optimizer_gib"] = torch.cuda.memory_allocated() / gib
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        grads = {p.grad.untyped_storage().data_ptr() for p in model.parameters()
+                 if p.grad is not None}
+        device = "cuda" if cuda else "cpu"
+        min_bytes = 64 * 2**20 if cuda else 64 * 2**10
+        seen, live = set(), {}
+        for o in gc.get_objects():
+            try:
+                if not (isinstance(o, torch.Tensor) and o.device.type == device):
+                    continue
+                st = o.untyped_storage()
+                ptr, nbytes = st.data_ptr(), st.nbytes()
+            except Exception:  # noqa: BLE001 (objects gc lists need not be whole tensors)
+                continue
+            if nbytes < min_bytes or ptr in seen:
+                continue
+            seen.add(ptr)
+            kind = "param" if ptr in params else "grad" if ptr in grads else "other"
+            key = f"{kind} {tuple(o.shape)} {str(o.dtype).replace('torch.', '')}"
+            n, b = live.get(key, (0, 0.0))
+            live[key] = (n + 1, b + nbytes / gib)
+        out["live_storages"] = {k: dict(count=n, gib=round(b, 6))
+                                for k, (n, b) in sorted(live.items(), key=lambda kv: -kv[1][1])}
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def step_post(opt, args, kwargs):
+        state["depth"] -= 1
+        if state["depth"] > 0:
+            return
+        if state["step"] == at_step - 1 and cuda:
+            torch.cuda.synchronize()
+            out["peak_optimizer_gib"] = torch.cuda.max_memory_allocated() / gib
+        state["step"] += 1
+        state["forwards"] = 0
+
+    model.register_forward_pre_hook(forward_pre)
+    register_optimizer_step_pre_hook(step_pre)
+    register_optimizer_step_post_hook(step_post)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help="torchtitan job TOML")
@@ -116,6 +192,11 @@ def main() -> None:
     ap.add_argument("--derive", default="", help="FLAVOR:LAYERS, a flavor with LAYERS layers")
     ap.add_argument("--warmup", type=int, default=5, help="steps left out of the mean tokens/s")
     ap.add_argument("--label", default="", help="a name for the run in the JSON")
+    ap.add_argument("--memory-phases", type=int, default=0, metavar="STEP",
+                    help="at optimizer step STEP (CUDA): torch's peak allocated memory over the "
+                    "forward+backward and over the optimizer step, and the live tensors of 64 MiB "
+                    "or more (64 KiB on the CPU) at the optimizer step, each storage once, "
+                    "grouped by shape and dtype")
     args, titan_args = ap.parse_known_args()
 
     mode = cpu_device() if args.cpu else None
@@ -170,6 +251,8 @@ def main() -> None:
     t0 = time.time()
     trainer = Trainer(config)
     trainer.metrics_processor.logger = Recorder(trainer.metrics_processor.logger)
+    phases = (memory_phases(trainer, args.memory_phases, cuda=not args.cpu)
+              if args.memory_phases else None)
     try:
         trainer.train()
     finally:
@@ -200,6 +283,7 @@ def main() -> None:
         max_reserved_gib=max((s["max_reserved_gib"] for s in steps), default=None),
         max_active_gib=max((s["max_active_gib"] for s in steps), default=None),
         max_allocated_gib=peak, workspace=workspace, wall_s=time.time() - t0,
+        memory_phases=phases,
         device=(torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu
                 else "cpu"),
     )

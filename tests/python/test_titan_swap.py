@@ -414,6 +414,42 @@ def test_distributed_checkpoint_moves_weights_between_swapped_and_torchtitan_mod
     assert all(torch.equal(got[k], v) for k, v in fresh.state_dict().items())
 
 
+def test_state_dict_views_the_parameters_as_torchtitans_checkpointer_needs(tmp_path):
+    """torchtitan's checkpointer takes the model's state dict once, at its start, and saves
+    through it: the swapped blocks' entries are views of their parameters (no second copy of the
+    weights), so a save after the weights changed holds the new weights, and a DCP load into that
+    state dict lands in the parameters."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    ours = build("deepseek_v3")
+    swap_titan_moe(ours, max_tokens=BATCH * SEQ)
+    blocks = [m for m in ours.modules() if isinstance(m, TitanMoE)]
+    params = {p.untyped_storage().data_ptr() for p in ours.parameters()}
+    params |= {b.moe.router_bias.untyped_storage().data_ptr() for b in blocks}
+    cached = get_model_state_dict(ours)
+    for k, v in cached.items():
+        assert v.untyped_storage().data_ptr() in params, k
+    with torch.no_grad():  # an optimizer step's in-place change
+        for b in blocks:
+            b.moe.w1.mul_(2.0)
+            b.moe.router_weight.add_(1.0)
+    dcp.save({"model": cached}, checkpoint_id=str(tmp_path / "later"))
+    ref = build("deepseek_v3", seed=9)
+    state = {"model": get_model_state_dict(ref)}
+    dcp.load(state, checkpoint_id=str(tmp_path / "later"))
+    now = ours.state_dict()
+    for k, v in state["model"].items():
+        assert torch.equal(v, now[k]), k
+    # A load through the cached state dict changes the parameters themselves.
+    dcp.save({"model": get_model_state_dict(ref)}, checkpoint_id=str(tmp_path / "ref"))
+    dcp.load({"model": cached}, checkpoint_id=str(tmp_path / "ref"))
+    ref_sd = ref.state_dict()
+    got = ours.state_dict()
+    for k, v in ref_sd.items():
+        assert torch.equal(got[k], v), k
+
+
 def test_torch_compile_of_swapped_blocks_gives_eager_bits():
     """torchtitan's apply_compile compiles a swapped block whole (fullgraph=True): the compiled
     TitanMoE gives the eager one's output, gradients and token counts."""

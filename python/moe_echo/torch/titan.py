@@ -234,24 +234,27 @@ class _TitanPath:
 
 
 def _titan_names(module: TitanMoE, state_dict, prefix: str, local_metadata) -> None:
-    """state_dict post-hook: MoE Echo's parameters under torchtitan's names and layouts."""
+    """state_dict post-hook: MoE Echo's parameters under torchtitan's names and layouts, as views
+    of the parameters (no copies), as ``nn.Module.state_dict`` gives its parameters: torchtitan's
+    checkpointer keeps the model's state dict from its start and saves and loads through it, so
+    a copy would hold a second set of weights in memory and save the weights of that moment."""
     m = module.moe
     for key in [k for k in state_dict if k.startswith(prefix + "moe.")]:
         del state_dict[key]
     F = m.ffn
     w1, w2 = m.w1.detach(), m.w2.detach()
-    state_dict[prefix + "experts.w1"] = w1[:, :, :F].transpose(1, 2).contiguous()
-    state_dict[prefix + "experts.w2"] = w2.transpose(1, 2).contiguous()
-    state_dict[prefix + "experts.w3"] = w1[:, :, F:].transpose(1, 2).contiguous()
-    state_dict[prefix + "router.gate.weight"] = m.router_weight.detach().clone()
+    state_dict[prefix + "experts.w1"] = w1[:, :, :F].transpose(1, 2)
+    state_dict[prefix + "experts.w2"] = w2.transpose(1, 2)
+    state_dict[prefix + "experts.w3"] = w1[:, :, F:].transpose(1, 2)
+    state_dict[prefix + "router.gate.weight"] = m.router_weight.detach()
     if module.has_shared:
         S = m.shared_width
         sw1, sw2 = m.shared_w1.detach(), m.shared_w2.detach()
-        state_dict[prefix + "shared_experts.w1.weight"] = sw1[:, :S].t().contiguous()
-        state_dict[prefix + "shared_experts.w2.weight"] = sw2.t().contiguous()
-        state_dict[prefix + "shared_experts.w3.weight"] = sw1[:, S:].t().contiguous()
+        state_dict[prefix + "shared_experts.w1.weight"] = sw1[:, :S].t()
+        state_dict[prefix + "shared_experts.w2.weight"] = sw2.t()
+        state_dict[prefix + "shared_experts.w3.weight"] = sw1[:, S:].t()
     if module.load_balance_coeff is not None:
-        state_dict[prefix + "expert_bias"] = m.router_bias.detach().clone()
+        state_dict[prefix + "expert_bias"] = m.router_bias.detach()
 
 
 def _from_titan_names(module: TitanMoE, state_dict, prefix: str, local_metadata, strict,
