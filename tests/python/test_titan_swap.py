@@ -309,14 +309,22 @@ def test_workspace_binds_every_swapped_block_and_gives_the_same_bits():
     meta = build("deepseek_v3", device="meta")
     swap_titan_moe(meta, max_tokens=BATCH * SEQ, workspace=True)
     meta.to_empty(device="cpu")
+    # No buffers of their own before: the Workspace builds each layer once, when init_weights
+    # has drawn every swapped block's weights (before torchtitan builds its optimizer and
+    # checkpointer).
+    assert all(m.moe._handle is None for m in meta.modules() if isinstance(m, TitanMoE))
     with torch.no_grad():
         meta.init_weights(buffer_device=torch.device("cpu"))
-    assert titan_workspace(meta) is None  # bound at the first forward
-    # No buffers of their own before: the Workspace builds each layer once.
-    assert all(m.moe._handle is None for m in meta.modules() if isinstance(m, TitanMoE))
-    meta(tokens)
     ws = titan_workspace(meta)
     assert ws is not None and len(ws.modules) == 2
+    assert all(m.moe.workspace is ws for m in meta.modules() if isinstance(m, TitanMoE))
+    # Without init_weights of the swapped blocks, the model's first forward binds them.
+    late = build("deepseek_v3", device="meta")
+    swap_titan_moe(late, max_tokens=BATCH * SEQ, workspace=True)
+    late.to_empty(device="cpu")
+    assert titan_workspace(late) is None
+    late(tokens)
+    assert titan_workspace(late) is not None and len(titan_workspace(late).modules) == 2
 
 
 def test_moe_kwargs_reach_every_module():
@@ -422,18 +430,28 @@ def test_state_dict_views_the_parameters_as_torchtitans_checkpointer_needs(tmp_p
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    ours = build("deepseek_v3")
-    swap_titan_moe(ours, max_tokens=BATCH * SEQ)
+    # torchtitan's trainer path: built on meta, swapped onto one Workspace, moved, initialized,
+    # then the checkpointer's state dict.
+    ours = build("deepseek_v3", device="meta")
+    swap_titan_moe(ours, max_tokens=BATCH * SEQ, workspace=True)
+    ours.to_empty(device="cpu")
+    with torch.no_grad():
+        ours.init_weights(buffer_device=torch.device("cpu"))
+    assert titan_workspace(ours) is not None
     blocks = [m for m in ours.modules() if isinstance(m, TitanMoE)]
     params = {p.untyped_storage().data_ptr() for p in ours.parameters()}
     params |= {b.moe.router_bias.untyped_storage().data_ptr() for b in blocks}
     cached = get_model_state_dict(ours)
     for k, v in cached.items():
         assert v.untyped_storage().data_ptr() in params, k
-    with torch.no_grad():  # an optimizer step's in-place change
+    tokens, labels = batch()
+    loss_of(ours, tokens, labels)[1].backward()  # training starts: nothing is rebound
+    assert {p.untyped_storage().data_ptr() for p in ours.parameters()} <= params
+    with torch.no_grad():  # an optimizer step's and the expert-bias hook's in-place changes
         for b in blocks:
             b.moe.w1.mul_(2.0)
             b.moe.router_weight.add_(1.0)
+            b.expert_bias = torch.full_like(b.moe.router_bias, 0.5)
     dcp.save({"model": cached}, checkpoint_id=str(tmp_path / "later"))
     ref = build("deepseek_v3", seed=9)
     state = {"model": get_model_state_dict(ref)}

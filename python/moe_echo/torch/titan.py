@@ -111,9 +111,12 @@ class TitanMoE(nn.Module):
                        device=w1.device, dtype=w1.dtype, **kw)
         self.has_shared = block.shared_experts is not None
         self.load_balance_coeff = block.load_balance_coeff
-        # A Workspace will build the layer at the model's first forward (swap_titan_moe on the
-        # meta device with workspace=True): init_weights leaves it unbuilt.
+        # A Workspace will build the layer (swap_titan_moe on the meta device with
+        # workspace=True): the blocks of bind_group are bound when init_weights has drawn the
+        # weights of all of them, else at the model's first forward.
         self.bind_pending = False
+        self.bind_group: list = []
+        self.weights_drawn = False
         counts_device = "meta" if w1.device.type == "meta" else w1.device
         self.register_buffer(
             "tokens_per_expert", torch.zeros(E, dtype=torch.float32, device=counts_device),
@@ -208,7 +211,20 @@ class TitanMoE(nn.Module):
         self.load_state_dict(state, strict=True)
         self.moe.router_bias.zero_()
         self.tokens_per_expert.zero_()
-        if self.moe.workspace is None and not self.bind_pending:
+        self.weights_drawn = True
+        if self.bind_pending:
+            # The last block of the model initialized binds them all to one Workspace, before
+            # torchtitan takes the state dict its checkpointer keeps (binding puts parameters of
+            # the layers' dtype and the router bias in the layers' buffers).
+            group = self.bind_group
+            if all(getattr(t, "weights_drawn", False) for t in group) and all(
+                    t.moe.workspace is None for t in group):
+                from moe_echo.torch.workspace import Workspace
+
+                Workspace([t.moe for t in group])
+                for t in group:
+                    t.bind_pending = False
+        elif self.moe.workspace is None:
             # From the meta device the layer is not built yet: built here, outside any compiled
             # region (torchtitan compiles the blocks before their first forward).
             self.moe._layer()
@@ -296,7 +312,9 @@ def swap_titan_moe(model: nn.Module, max_tokens: int, workspace: bool = False,
     (shells on the meta device); returns how many it replaced. ``max_tokens``: the most tokens
     one forward of a block takes (local batch x sequence length). ``workspace``: bind the swapped
     modules to one ``moe_echo.torch.Workspace`` (now when they are on cpu or cuda; for a model
-    on the meta device, at its first forward, after torchtitan moved and initialized it).
+    on the meta device, when ``init_weights`` has initialized all of them after ``to_empty``, as
+    torchtitan's trainer does before it builds its optimizer and checkpointer, else at the
+    model's first forward).
     ``moe_kwargs`` go to every ``moe_echo.torch.MoE`` (``recompute``, ``precision``,
     ``overlap``, ``capacity_factor``, ...); the routing and shared experts follow the block and
     are refused there, by name, as are router options MoE Echo cannot compute (a gate bias,
@@ -329,6 +347,7 @@ def swap_titan_moe(model: nn.Module, max_tokens: int, workspace: bool = False,
         if modules[0].w1.device.type == "meta":
             for m in swapped:
                 m.bind_pending = True
+                m.bind_group = swapped
             _bind_at_first_forward(model, modules)
         else:
             from moe_echo.torch.workspace import Workspace
