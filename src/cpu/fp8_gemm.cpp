@@ -27,26 +27,72 @@ const std::vector<double>& e4m3_table() {
   return table;
 }
 
+// Rows decoded together: each weight row is decoded once per block of this many rows.
+constexpr int64_t kDecodedRows = 32;
+// Rows whose sums run side by side (independent chains, each in the specification's order).
+constexpr int kLanes = 4;
+
+// block[l] += sum over k in [k0, k1) of a[l * stride + k] * b[k], for the kLanes rows of a.
+inline void lane_sums(const double* a, int64_t stride, const double* b, int64_t k0, int64_t k1,
+                      double* block) {
+  const double *a0 = a, *a1 = a + stride, *a2 = a + 2 * stride, *a3 = a + 3 * stride;
+  double s0 = block[0], s1 = block[1], s2 = block[2], s3 = block[3];
+  for (int64_t k = k0; k < k1; ++k) {
+    const double x = b[k];
+    s0 += a0[k] * x;
+    s1 += a1[k] * x;
+    s2 += a2[k] * x;
+    s3 += a3[k] * x;
+  }
+  block[0] = s0, block[1] = s1, block[2] = s2, block[3] = s3;
+}
+
 // out[i][j] for rows [begin, end) of a ([rows][Kr] codes, [rows][KT] scales) against slab rows
-// j < Nout of b ([Nout][Kr] codes, [Nout / 128][KT] scales).
+// j < Nout of b ([Nout][Kr] codes, [Nout / 128][KT] scales). Blocks of kDecodedRows rows of a
+// are decoded once, then each slab row once per block; every output's sums run in the order of
+// the specification (k within a block, then the blocks).
 template <class T>
 void rows_times_slab(const Fp8GemmArgs& a, int64_t begin, int64_t end, const uint8_t* qb,
                      const float* sb, int64_t Kr, int64_t Nout) {
-  const std::vector<double>& dec = e4m3_table();
+  const double* dec = e4m3_table().data();
   const int64_t KT = fp8_tiles(Kr);
   const uint8_t* qa = a.a.as<uint8_t>();
   const float* sa = a.a_scale.as<float>();
-  for (int64_t i = begin; i < end; ++i) {
-    T* out = a.c.as<T>() + i * Nout;
+  T* c = a.c.as<T>();
+  std::vector<double> da(static_cast<size_t>(kDecodedRows * Kr));
+  std::vector<double> db(static_cast<size_t>(Kr));
+  for (int64_t i0 = begin; i0 < end; i0 += kDecodedRows) {
+    const int64_t n = std::min(kDecodedRows, end - i0);
+    const uint8_t* rows = qa + i0 * Kr;
+    for (int64_t e = 0; e < n * Kr; ++e) da[size_t(e)] = dec[rows[e]];
     for (int64_t j = 0; j < Nout; ++j) {
-      double acc = 0;
-      for (int64_t kt = 0; kt < KT; ++kt) {
-        double block = 0;
-        for (int64_t k = kt * kFp8Tile; k < std::min(Kr, (kt + 1) * kFp8Tile); ++k)
-          block += dec[qa[i * Kr + k]] * dec[qb[j * Kr + k]];
-        acc += double(sa[i * KT + kt]) * double(sb[(j / kFp8Tile) * KT + kt]) * block;
+      const uint8_t* bj = qb + j * Kr;
+      for (int64_t k = 0; k < Kr; ++k) db[size_t(k)] = dec[bj[k]];
+      const float* sbj = sb + (j / kFp8Tile) * KT;
+      int64_t r = 0;
+      for (; r + kLanes <= n; r += kLanes) {  // kLanes rows at once: independent sums
+        double acc[kLanes] = {};
+        for (int64_t kt = 0; kt < KT; ++kt) {
+          const int64_t k0 = kt * kFp8Tile, k1 = std::min(Kr, k0 + kFp8Tile);
+          double block[kLanes] = {};
+          lane_sums(da.data() + r * Kr, Kr, db.data(), k0, k1, block);
+          for (int l = 0; l < kLanes; ++l)
+            acc[l] += double(sa[(i0 + r + l) * KT + kt]) * double(sbj[kt]) * block[l];
+        }
+        for (int l = 0; l < kLanes; ++l) c[(i0 + r + l) * Nout + j] = T(acc[l]);
       }
-      out[j] = T(acc);
+      for (; r < n; ++r) {
+        const double* ar = da.data() + r * Kr;
+        const float* sar = sa + (i0 + r) * KT;
+        double acc = 0;
+        for (int64_t kt = 0; kt < KT; ++kt) {
+          const int64_t k0 = kt * kFp8Tile, k1 = std::min(Kr, k0 + kFp8Tile);
+          double block = 0;
+          for (int64_t k = k0; k < k1; ++k) block += ar[k] * db[size_t(k)];
+          acc += double(sar[kt]) * double(sbj[kt]) * block;
+        }
+        c[(i0 + r) * Nout + j] = T(acc);
+      }
     }
   }
 }
@@ -120,7 +166,7 @@ void gemm_fp8_wgrad(const Fp8GemmArgs& a) {  // c[g] (+)= x_g^T dy_g over the pa
                                                             << " home groups)");
     return a.c.as<T>() + (int64_t(g) - home) * Kd * N;
   };
-  const std::vector<double>& dec = e4m3_table();
+  const double* dec = e4m3_table().data();
   const uint8_t* qa = a.a.as<uint8_t>();
   const uint8_t* qb = a.b.as<uint8_t>();
   const float* sa = a.a_scale.as<float>();
@@ -140,18 +186,50 @@ void gemm_fp8_wgrad(const Fp8GemmArgs& a) {  // c[g] (+)= x_g^T dy_g over the pa
                         << ") do not hold its " << rr.end - rr.begin << " rows");
     const float* sag = sa + Kd * p / kFp8Tile;
     const float* sbg = sb + N * p / kFp8Tile;
-    for (int64_t k = 0; k < Kd; ++k)
-      for (int64_t n = 0; n < N; ++n) {
-        double acc = 0;
-        for (int64_t t = 0; t < tg; ++t) {
-          double block = 0;
-          for (int64_t c = p + t * kFp8Tile; c < p + (t + 1) * kFp8Tile; ++c)
-            block += dec[qa[k * P + c]] * dec[qb[n * P + c]];
-          acc += double(sag[t * Kd + k]) * double(sbg[t * N + n]) * block;
-        }
-        T& out = dw[k * N + n];
-        out = T(a.accumulate ? double(out) + acc : acc);
+    // Blocks of kDecodedRows rows of a's group columns decoded once, then each row of b's once
+    // per block; the sums run in the specification's order (columns of a tile, then the tiles).
+    const int64_t cols = tg * kFp8Tile;
+    std::vector<double> da(static_cast<size_t>(kDecodedRows * cols));
+    std::vector<double> db(static_cast<size_t>(cols));
+    for (int64_t k0 = 0; k0 < Kd; k0 += kDecodedRows) {
+      const int64_t nk = std::min(kDecodedRows, Kd - k0);
+      for (int64_t r = 0; r < nk; ++r) {
+        const uint8_t* row = qa + (k0 + r) * P + p;
+        for (int64_t e = 0; e < cols; ++e) da[size_t(r * cols + e)] = dec[row[e]];
       }
+      for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = qb + n * P + p;
+        for (int64_t e = 0; e < cols; ++e) db[size_t(e)] = dec[row[e]];
+        int64_t r = 0;
+        for (; r + kLanes <= nk; r += kLanes) {  // kLanes rows at once: independent sums
+          double acc[kLanes] = {};
+          for (int64_t t = 0; t < tg; ++t) {
+            double block[kLanes] = {};
+            lane_sums(da.data() + r * cols, cols, db.data(), t * kFp8Tile, (t + 1) * kFp8Tile,
+                      block);
+            for (int l = 0; l < kLanes; ++l)
+              acc[l] += double(sag[t * Kd + k0 + r + l]) * double(sbg[t * N + n]) * block[l];
+          }
+          for (int l = 0; l < kLanes; ++l) {
+            T& out = dw[(k0 + r + l) * N + n];
+            out = T(a.accumulate ? double(out) + acc[l] : acc[l]);
+          }
+        }
+        for (; r < nk; ++r) {
+          const int64_t k = k0 + r;
+          const double* ar = da.data() + r * cols;
+          double acc = 0;
+          for (int64_t t = 0; t < tg; ++t) {
+            double block = 0;
+            for (int64_t e = t * kFp8Tile; e < (t + 1) * kFp8Tile; ++e)
+              block += ar[e] * db[size_t(e)];
+            acc += double(sag[t * Kd + k]) * double(sbg[t * N + n]) * block;
+          }
+          T& out = dw[k * N + n];
+          out = T(a.accumulate ? double(out) + acc : acc);
+        }
+      }
+    }
   }
 }
 
