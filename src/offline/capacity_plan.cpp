@@ -229,10 +229,11 @@ std::vector<Finding> check(const WallsInput& in) {
   } catch (const ConfigError& e) {
     error(e.field(), e.what());
   }
-  if (t.recompute != "none" && t.recompute != "moe_act" && t.recompute != "experts" &&
-      t.recompute != "dispatch" && t.recompute != "all_but_fc1")
-    error("recompute", invalid("recompute", "'" + t.recompute + "'",
-                               "none, moe_act, experts, dispatch or all_but_fc1"));
+  try {
+    parse_recompute(t.recompute, "recompute");
+  } catch (const ConfigError& e) {
+    error(e.field(), e.what());
+  }
   if (!std::isfinite(t.capacity_factor) || t.capacity_factor <= 0)
     error("capacity_factor", invalid("capacity_factor", t.capacity_factor, "a finite value > 0"));
   if (t.spare_slots < 0)
