@@ -19,6 +19,9 @@
 #   fp8      the example model at a DeepSeek-V3-like expert shape (H 7168, 32 experts of F 2048,
 #            top-8, 4 layers, bf16 parameters), compiled + one graph, bf16 then FP8 experts
 #   fp8prof  the fp8 stage's model, bf16 and FP8 experts, profiled as the profile stage does
+#   ncu      Nsight Compute (--clock-control none, SpeedOfLight) on the kernels NCU_KERNELS (a
+#            regex; default the expert GEMMs' zeroing and the FP8 quantization kernels) of the
+#            fp8 stage's FP8 model in its steps: each call's duration and DRAM throughput
 #   depth    bench/depth_round.sh: the largest model that fits, apart and on one workspace
 #   hf       bench/hf_swap_bench.py: transformers' Qwen3-MoE against the swapped model
 #   soak     bench/soak.py --device cuda --steps 2000: one captured graph a step, eager checks
@@ -43,7 +46,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noh
 least() {  # the seconds a stage needs at least
   case $1 in
     build) echo 200 ;; gtests) echo 60 ;; pytest) echo 90 ;; profile) echo 120 ;; gemm) echo 300 ;;
-    e2e) echo 150 ;; fp8) echo 90 ;; fp8prof) echo 100 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;;
+    e2e) echo 150 ;; fp8) echo 90 ;; fp8prof) echo 100 ;; ncu) echo 150 ;; depth) echo 120 ;; hf) echo 120 ;; soak) echo 60 ;;
     titan) echo 200 ;; peers) echo 200 ;;
     *) echo 0 ;;
   esac
@@ -120,6 +123,29 @@ for stage in $stages; do
           --out "$L/fp8/e2e_dsv3_${p}_profile.json" >>"$log" 2>&1 || rc=$?
       done
       ;;
+    ncu)
+      mkdir -p "$L/ncu"
+      timeout "$lim" ncu --clock-control none --target-processes all \
+        -k "regex:${NCU_KERNELS:-zero_empty_groups|quantize_cols|quantize_blocks}" \
+        -c "${NCU_COUNT:-40}" --section SpeedOfLight --csv --log-file "$L/ncu/ncu.csv" \
+        python3 bench/e2e_moe_lm.py --layers 4 --hidden 7168 --heads 56 --experts 32 --top-k 8 \
+        --ffn 2048 --param-dtype bfloat16 --steps 2 --warmup 1 --variants echo:compile+graph \
+        --workspace --precision fp8 --out "$L/ncu/e2e_dsv3_fp8.json" >"$log" 2>&1
+      rc=$?
+      python3 - "$L/ncu/ncu.csv" <<'PY' >>"$log" 2>&1
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, body = rows[0], rows[1:]
+at = {k: head.index(k) for k in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value")}
+calls = {}
+for r in body:
+    c = calls.setdefault(r[at["ID"]], {"name": r[at["Kernel Name"]].split("(")[0].split("::")[-1]})
+    c[r[at["Metric Name"]]] = f'{r[at["Metric Value"]]} {r[at["Metric Unit"]]}'
+for i, c in calls.items():
+    print(f'{i:>4} {c["name"]:<48} {c.get("Duration", "?"):>14} '
+          f'DRAM {c.get("DRAM Throughput", "?"):>10} SM {c.get("Compute (SM) Throughput", "?")}')
+PY
+      ;;
     depth)
       OUT=$L/depth BUDGET_S=$((lim - 60)) bash bench/depth_round.sh >"$log" 2>&1
       rc=$?
@@ -149,7 +175,7 @@ for stage in $stages; do
       ;;
     *)
       echo "unknown stage $stage (allowed: build gtests pytest profile gemm e2e fp8 depth hf" \
-        "soak titan peers fp8prof)"
+        "soak titan peers fp8prof ncu)"
       rc=2
       ;;
   esac
