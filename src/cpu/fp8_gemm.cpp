@@ -8,6 +8,7 @@
 // and weight rows j of its slab: fprop reads the slab transposed and quantized for it (q_t,
 // scale_t: [N][K]), dgrad the slab as it is (q, scale: [K][N], the reduction along N).
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/cpu_ops.hpp"
@@ -32,19 +33,31 @@ constexpr int64_t kDecodedRows = 32;
 // Rows whose sums run side by side (independent chains, each in the specification's order).
 constexpr int kLanes = 4;
 
-// block[l] += sum over k in [k0, k1) of a[l * stride + k] * b[k], for the kLanes rows of a.
-inline void lane_sums(const double* a, int64_t stride, const double* b, int64_t k0, int64_t k1,
-                      double* block) {
-  const double *a0 = a, *a1 = a + stride, *a2 = a + 2 * stride, *a3 = a + 3 * stride;
-  double s0 = block[0], s1 = block[1], s2 = block[2], s3 = block[3];
-  for (int64_t k = k0; k < k1; ++k) {
-    const double x = b[k];
-    s0 += a0[k] * x;
-    s1 += a1[k] * x;
-    s2 += a2[k] * x;
-    s3 += a3[k] * x;
+// acc[l] = the sum over the 128-wide tiles t of [0, K) of sa(l, t) * sb(t) * (the sum over tile
+// t's k of a[l * stride + k] * b[k]), for L rows of a at once: k in order within a tile, then
+// the tiles in order, as the specification sums.
+template <int L, class ScaleA, class ScaleB>
+void tiled_dots(const double* a, int64_t stride, const double* b, int64_t K, ScaleA sa, ScaleB sb,
+                double* acc) {
+  for (int l = 0; l < L; ++l) acc[l] = 0;
+  for (int64_t t = 0, k0 = 0; k0 < K; ++t, k0 += kFp8Tile) {
+    const int64_t k1 = std::min(K, k0 + kFp8Tile);
+    double block[L] = {};
+    for (int64_t k = k0; k < k1; ++k) {
+      const double x = b[k];
+      for (int l = 0; l < L; ++l) block[l] += a[l * stride + k] * x;
+    }
+    for (int l = 0; l < L; ++l) acc[l] += double(sa(l, t)) * double(sb(t)) * block[l];
   }
-  block[0] = s0, block[1] = s1, block[2] = s2, block[3] = s3;
+}
+
+// f(lanes, r) for rows r of [0, n): kLanes rows at a time while that many remain, then one
+// (lanes: a std::integral_constant, the rows f takes).
+template <class F>
+void by_lanes(int64_t n, F f) {
+  int64_t r = 0;
+  for (; r + kLanes <= n; r += kLanes) f(std::integral_constant<int, kLanes>{}, r);
+  for (; r < n; ++r) f(std::integral_constant<int, 1>{}, r);
 }
 
 // out[i][j] for rows [begin, end) of a ([rows][Kr] codes, [rows][KT] scales) against slab rows
@@ -69,30 +82,15 @@ void rows_times_slab(const Fp8GemmArgs& a, int64_t begin, int64_t end, const uin
       const uint8_t* bj = qb + j * Kr;
       for (int64_t k = 0; k < Kr; ++k) db[size_t(k)] = dec[bj[k]];
       const float* sbj = sb + (j / kFp8Tile) * KT;
-      int64_t r = 0;
-      for (; r + kLanes <= n; r += kLanes) {  // kLanes rows at once: independent sums
-        double acc[kLanes] = {};
-        for (int64_t kt = 0; kt < KT; ++kt) {
-          const int64_t k0 = kt * kFp8Tile, k1 = std::min(Kr, k0 + kFp8Tile);
-          double block[kLanes] = {};
-          lane_sums(da.data() + r * Kr, Kr, db.data(), k0, k1, block);
-          for (int l = 0; l < kLanes; ++l)
-            acc[l] += double(sa[(i0 + r + l) * KT + kt]) * double(sbj[kt]) * block[l];
-        }
-        for (int l = 0; l < kLanes; ++l) c[(i0 + r + l) * Nout + j] = T(acc[l]);
-      }
-      for (; r < n; ++r) {
-        const double* ar = da.data() + r * Kr;
-        const float* sar = sa + (i0 + r) * KT;
-        double acc = 0;
-        for (int64_t kt = 0; kt < KT; ++kt) {
-          const int64_t k0 = kt * kFp8Tile, k1 = std::min(Kr, k0 + kFp8Tile);
-          double block = 0;
-          for (int64_t k = k0; k < k1; ++k) block += ar[k] * db[size_t(k)];
-          acc += double(sar[kt]) * double(sbj[kt]) * block;
-        }
-        c[(i0 + r) * Nout + j] = T(acc);
-      }
+      by_lanes(n, [&](auto lanes, int64_t r) {
+        constexpr int L = decltype(lanes)::value;
+        double acc[L];
+        tiled_dots<L>(
+            da.data() + r * Kr, Kr, db.data(), Kr,
+            [&](int l, int64_t kt) { return sa[(i0 + r + l) * KT + kt]; },
+            [&](int64_t kt) { return sbj[kt]; }, acc);
+        for (int l = 0; l < L; ++l) c[(i0 + r + l) * Nout + j] = T(acc[l]);
+      });
     }
   }
 }
@@ -200,34 +198,18 @@ void gemm_fp8_wgrad(const Fp8GemmArgs& a) {  // c[g] (+)= x_g^T dy_g over the pa
       for (int64_t n = 0; n < N; ++n) {
         const uint8_t* row = qb + n * P + p;
         for (int64_t e = 0; e < cols; ++e) db[size_t(e)] = dec[row[e]];
-        int64_t r = 0;
-        for (; r + kLanes <= nk; r += kLanes) {  // kLanes rows at once: independent sums
-          double acc[kLanes] = {};
-          for (int64_t t = 0; t < tg; ++t) {
-            double block[kLanes] = {};
-            lane_sums(da.data() + r * cols, cols, db.data(), t * kFp8Tile, (t + 1) * kFp8Tile,
-                      block);
-            for (int l = 0; l < kLanes; ++l)
-              acc[l] += double(sag[t * Kd + k0 + r + l]) * double(sbg[t * N + n]) * block[l];
-          }
-          for (int l = 0; l < kLanes; ++l) {
+        by_lanes(nk, [&](auto lanes, int64_t r) {
+          constexpr int L = decltype(lanes)::value;
+          double acc[L];
+          tiled_dots<L>(
+              da.data() + r * cols, cols, db.data(), cols,
+              [&](int l, int64_t t) { return sag[t * Kd + k0 + r + l]; },
+              [&](int64_t t) { return sbg[t * N + n]; }, acc);
+          for (int l = 0; l < L; ++l) {
             T& out = dw[(k0 + r + l) * N + n];
             out = T(a.accumulate ? double(out) + acc[l] : acc[l]);
           }
-        }
-        for (; r < nk; ++r) {
-          const int64_t k = k0 + r;
-          const double* ar = da.data() + r * cols;
-          double acc = 0;
-          for (int64_t t = 0; t < tg; ++t) {
-            double block = 0;
-            for (int64_t e = t * kFp8Tile; e < (t + 1) * kFp8Tile; ++e)
-              block += ar[e] * db[size_t(e)];
-            acc += double(sag[t * Kd + k]) * double(sbg[t * N + n]) * block;
-          }
-          T& out = dw[k * N + n];
-          out = T(a.accumulate ? double(out) + acc : acc);
-        }
+        });
       }
     }
   }
