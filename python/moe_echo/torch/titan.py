@@ -111,10 +111,9 @@ class TitanMoE(nn.Module):
                        device=w1.device, dtype=w1.dtype, **kw)
         self.has_shared = block.shared_experts is not None
         self.load_balance_coeff = block.load_balance_coeff
-        # A Workspace will build the layer (swap_titan_moe on the meta device with
-        # workspace=True): the blocks of bind_group are bound when init_weights has drawn the
-        # weights of all of them, else at the model's first forward.
-        self.bind_pending = False
+        # The blocks a Workspace will build the layers of (swap_titan_moe on the meta device
+        # with workspace=True): bound when init_weights has drawn the weights of all of them,
+        # else at the model's first forward.
         self.bind_group: list = []
         self.weights_drawn = False
         counts_device = "meta" if w1.device.type == "meta" else w1.device
@@ -212,18 +211,15 @@ class TitanMoE(nn.Module):
         self.moe.router_bias.zero_()
         self.tokens_per_expert.zero_()
         self.weights_drawn = True
-        if self.bind_pending:
+        if self.bind_group:
             # The last block of the model initialized binds them all to one Workspace, before
             # torchtitan takes the state dict its checkpointer keeps (binding puts parameters of
             # the layers' dtype and the router bias in the layers' buffers).
             group = self.bind_group
-            if all(getattr(t, "weights_drawn", False) for t in group) and all(
-                    t.moe.workspace is None for t in group):
+            if all(t.weights_drawn and t.moe.workspace is None for t in group):
                 from moe_echo.torch.workspace import Workspace
 
                 Workspace([t.moe for t in group])
-                for t in group:
-                    t.bind_pending = False
         elif self.moe.workspace is None:
             # From the meta device the layer is not built yet: built here, outside any compiled
             # region (torchtitan compiles the blocks before their first forward).
@@ -346,7 +342,6 @@ def swap_titan_moe(model: nn.Module, max_tokens: int, workspace: bool = False,
         modules = [m.moe for m in swapped]
         if modules[0].w1.device.type == "meta":
             for m in swapped:
-                m.bind_pending = True
                 m.bind_group = swapped
             _bind_at_first_forward(model, modules)
         else:
