@@ -40,6 +40,9 @@ build=build-gpu
 export PYTHONPATH="$PWD/$build/python"
 stages=${STAGES:-build gtests pytest e2e}
 call_s=${CALL_S:-570}
+# The fp8, fp8prof and ncu stages' model: a DeepSeek-V3-like expert shape, compiled + one graph.
+dsv3_like=(--layers 4 --hidden 7168 --heads 56 --experts 32 --top-k 8 --ffn 2048
+           --param-dtype bfloat16 --variants echo:compile+graph --workspace)
 t_start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noheader
 
@@ -103,24 +106,15 @@ for stage in $stages; do
         bash bench/grouped_gemm_bench.sh >"$log" 2>&1
       rc=$?
       ;;
-    fp8)
+    fp8 | fp8prof)
       mkdir -p "$L/fp8"
       rc=0
+      prof=()
+      [ "$stage" = fp8prof ] && prof=(--steps 5 --profile 30)
       for p in bf16 fp8; do
-        timeout $(((lim - 10) / 2)) python3 bench/e2e_moe_lm.py --layers 4 --hidden 7168 \
-          --heads 56 --experts 32 --top-k 8 --ffn 2048 --param-dtype bfloat16 \
-          --variants echo:compile+graph --workspace --precision "$p" \
-          --out "$L/fp8/e2e_dsv3_$p.json" >>"$log" 2>&1 || rc=$?
-      done
-      ;;
-    fp8prof)
-      mkdir -p "$L/fp8"
-      rc=0
-      for p in bf16 fp8; do
-        timeout $(((lim - 10) / 2)) python3 bench/e2e_moe_lm.py --layers 4 --hidden 7168 \
-          --heads 56 --experts 32 --top-k 8 --ffn 2048 --param-dtype bfloat16 --steps 5 \
-          --profile 30 --variants echo:compile+graph --workspace --precision "$p" \
-          --out "$L/fp8/e2e_dsv3_${p}_profile.json" >>"$log" 2>&1 || rc=$?
+        timeout $(((lim - 10) / 2)) python3 bench/e2e_moe_lm.py "${dsv3_like[@]}" "${prof[@]}" \
+          --precision "$p" --out "$L/fp8/e2e_dsv3_${p}${prof:+_profile}.json" >>"$log" 2>&1 ||
+          rc=$?
       done
       ;;
     ncu)
@@ -128,9 +122,8 @@ for stage in $stages; do
       timeout "$lim" ncu --clock-control none --target-processes all \
         -k "regex:${NCU_KERNELS:-zero_empty_groups|quantize_cols|quantize_blocks}" \
         -c "${NCU_COUNT:-40}" --section SpeedOfLight --csv --log-file "$L/ncu/ncu.csv" \
-        python3 bench/e2e_moe_lm.py --layers 4 --hidden 7168 --heads 56 --experts 32 --top-k 8 \
-        --ffn 2048 --param-dtype bfloat16 --steps 2 --warmup 1 --variants echo:compile+graph \
-        --workspace --precision fp8 --out "$L/ncu/e2e_dsv3_fp8.json" >"$log" 2>&1
+        python3 bench/e2e_moe_lm.py "${dsv3_like[@]}" --steps 2 --warmup 1 --precision fp8 \
+        --out "$L/ncu/e2e_dsv3_fp8.json" >"$log" 2>&1
       rc=$?
       python3 - "$L/ncu/ncu.csv" <<'PY' >>"$log" 2>&1
 import csv, sys
