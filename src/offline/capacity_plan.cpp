@@ -214,26 +214,23 @@ std::vector<Finding> check(const WallsInput& in) {
     error("grad_dtype", invalid("grad_dtype", "'" + t.grad_dtype + "'",
                                 "fp32 (the MoE layers accumulate gradients in fp32, the "
                                 "backend's float dtype)"));
-  if (t.precision != "bf16" && t.precision != "fp8")
-    error("precision", invalid("precision", "'" + t.precision + "'", "bf16 or fp8"));
-  try {
+  // A field read by its config parser: the ConfigError it throws, as a finding.
+  auto parsed = [&](auto parse) {
+    try {
+      parse();
+    } catch (const ConfigError& e) {
+      error(e.field(), e.what());
+    }
+  };
+  parsed([&] { parse_precision(t.precision, "precision"); });
+  parsed([&] {
     parse_fp8_gemms(t.fp8_gemms, "fp8_gemms");
     if (t.precision != "fp8" && t.fp8_gemms != "all")
       error("fp8_gemms", invalid("fp8_gemms", "'" + t.fp8_gemms + "'",
                                  "all (the default) unless precision is fp8"));
-  } catch (const ConfigError& e) {
-    error(e.field(), e.what());
-  }
-  try {
-    parse_overlap(t.overlap, "overlap");
-  } catch (const ConfigError& e) {
-    error(e.field(), e.what());
-  }
-  try {
-    parse_recompute(t.recompute, "recompute");
-  } catch (const ConfigError& e) {
-    error(e.field(), e.what());
-  }
+  });
+  parsed([&] { parse_overlap(t.overlap, "overlap"); });
+  parsed([&] { parse_recompute(t.recompute, "recompute"); });
   if (!std::isfinite(t.capacity_factor) || t.capacity_factor <= 0)
     error("capacity_factor", invalid("capacity_factor", t.capacity_factor, "a finite value > 0"));
   if (t.spare_slots < 0)
