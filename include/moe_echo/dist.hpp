@@ -14,7 +14,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -131,6 +133,88 @@ class Watchdog {
   std::atomic<int64_t> last_kick_ns_;  // steady_clock
   std::atomic<bool> armed_{true};
   std::mutex mutex_;
+  std::condition_variable stop_cv_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// A process as the other ranks on its host can watch it: its pid, its start time (clock ticks
+// after boot, /proc/<pid>/stat field 22: a pid the kernel reused names another process) and a host
+// key (the boot id and the pid namespace: a pid means the same process only where they agree).
+struct ProcessId {
+  int64_t pid = 0;
+  uint64_t start_ticks = 0;
+  std::string host;  // empty where /proc cannot say (then the process is not watched)
+
+  static ProcessId self();
+  Bytes to_bytes() const;
+  // Throws moe_echo::Error on bytes that to_bytes() did not write.
+  static ProcessId from_bytes(const Bytes& bytes);
+};
+
+// What became of a watched peer: its process ended (`exited`: gone, a zombie, or its pid taken by
+// another process) or stopped (SIGSTOP, Ctrl-Z: state T for PeerMonitor::Options::stopped_grace;
+// a process stopped by a debugger, state t, is not counted); or a check of the caller's own (a
+// device wait that gave up) said so (`other`).
+struct PeerLoss {
+  enum class Kind { exited, stopped, other };
+  Kind kind = Kind::other;
+  int rank = -1;  // the peer, or -1 when `other` names none
+  int64_t pid = 0;
+  std::string message;  // "rank 1 (pid 4242) exited" and the like, from the watching rank's side
+};
+
+// Watches the processes of the other ranks of this host, so that a rank waiting for a peer on the
+// device (an NVLink barrier, whose spin no host thread can interrupt) learns at once that the peer
+// is gone instead of waiting forever, and tells which rank it was.
+//
+// A thread looks at each watched peer every `period` (/proc/<pid>/stat: gone, zombie, another
+// start time, or stopped) and calls `probe` (the caller's own check, e.g. of a device wait that
+// gave up; nullopt when all is well). The first loss it finds is kept (lost()) and handed to
+// `on_lost` once, on the thread. From then on the loss is the caller's to raise: consume() says
+// it was raised. If it is not consumed within `exit_grace` (a step replayed from a CUDA graph never
+// comes back to the library's host code, and a host-synced NCCL call never returns), the thread
+// prints "moe-echo: rank R: <message>; aborting" to stderr and ends the process with
+// Watchdog::kExitCode, as the Watchdog does and for its reasons.
+//
+// Peers whose ProcessId.host differs from this process's (another host, or another pid
+// namespace) are not watched: their losses show only as the probe's.
+class PeerMonitor {
+ public:
+  struct Options {
+    std::chrono::milliseconds period{100};
+    std::chrono::milliseconds stopped_grace{5000};
+    std::chrono::milliseconds exit_grace{10000};  // 0: never end the process
+  };
+  // peers[r] is rank r's process (rank `rank`'s own entry is not watched).
+  PeerMonitor(int rank, std::vector<ProcessId> peers,
+              std::function<std::optional<PeerLoss>()> probe,
+              std::function<void(const PeerLoss&)> on_lost, Options options);
+  ~PeerMonitor();
+  PeerMonitor(const PeerMonitor&) = delete;
+  PeerMonitor& operator=(const PeerMonitor&) = delete;
+
+  // The ranks whose processes are watched (same host key), in rank order.
+  const std::vector<int>& watched() const { return watched_; }
+  // The first loss found, if any. Thread-safe.
+  std::optional<PeerLoss> lost() const;
+  // The loss was raised to the caller's caller (no process exit after exit_grace).
+  void consume() { consumed_.store(true); }
+
+ private:
+  void watch();
+  std::optional<PeerLoss> look(int rank, int64_t now_ns);
+
+  int rank_;
+  std::vector<ProcessId> peers_;
+  std::vector<int> watched_;
+  std::vector<int64_t> stopped_since_ns_;  // per rank: 0 while not stopped
+  std::function<std::optional<PeerLoss>()> probe_;
+  std::function<void(const PeerLoss&)> on_lost_;
+  Options options_;
+  mutable std::mutex mutex_;
+  std::optional<PeerLoss> lost_;
+  std::atomic<bool> consumed_{false};
   std::condition_variable stop_cv_;
   bool stop_ = false;
   std::thread thread_;
