@@ -5,8 +5,9 @@
 # A stage starts only when the call (CALL_S seconds in all, default 570) has its least time left.
 #   build    build-gpu: CUDA, the Python package, layer_bench and the GPU op, planner and stack
 #            tests
-#   gtests   cuda_ops_test, cuda_planner_test and cuda_stack_test (the router, block-aligned
-#            plans, every recompute option of a stack against the CPU)
+#   gtests   cuda_ops_test, cuda_planner_test, cuda_stack_test and bounded_barrier_test (the
+#            router, block-aligned plans, every recompute option of a stack against the CPU, the
+#            device-API kernels' barrier giving up on a missing peer)
 #   pytest   tests/python/test_module_gpu.py (the workspace in one graph, out of memory, ...)
 #   e2e      bench/e2e_round.sh --workspace: the example model, MoE Echo (eager, one graph,
 #            compiled + one graph) against the plain PyTorch block (eager, compiled) and the
@@ -73,7 +74,7 @@ for stage in $stages; do
         -DMOE_ECHO_CUTLASS_DIR="$PWD/third_party/cutlass" ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
         >"$log" 2>&1 &&
         timeout "$lim" cmake --build "$build" -j "$(nproc)" --target moe_echo_python layer_bench \
-          cuda_ops_test cuda_planner_test cuda_stack_test >>"$log" 2>&1
+          cuda_ops_test cuda_planner_test cuda_stack_test bounded_barrier_test >>"$log" 2>&1
       rc=$?
       [ $rc -ne 0 ] && grep -B2 -A12 -E "error|FAILED" "$log" | head -40
       ;;
@@ -83,7 +84,9 @@ for stage in $stages; do
         timeout $((lim / 3)) "$build"/tests/gpu/cuda_planner_test
         r2=$?
         timeout $((lim / 3)) "$build"/tests/gpu/cuda_stack_test
-        exit $((r1 | r2 | $?))) >"$log" 2>&1
+        r3=$?
+        timeout 60 "$build"/tests/gpu/bounded_barrier_test
+        exit $((r1 | r2 | r3 | $?))) >"$log" 2>&1
       rc=$?
       grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$log" | head -20
       ;;

@@ -31,6 +31,21 @@ namespace {
 
 size_t round_up(size_t v, size_t to) { return (v + to - 1) / to * to; }
 
+constexpr size_t kProcessIdBytes = 256;  // a ProcessId's bytes, zero-padded, through all_gather
+constexpr int kBarriers = int(kBarrierRanges) * kMaxCtas;
+
+const char* barrier_op(int32_t index) {
+  switch (index / kMaxCtas) {
+    case kDispatchBarriers: return "dispatch";
+    case kCombineBarriers: return "combine";
+    case kPullBarriers: return "clone weight pull";
+    case kReduceBarriers: return "clone gradient reduction";
+    case kGatherBarriers: return "count all-gather";
+    case kAllReduceBarriers: return "all-reduce";
+    default: return "an unknown op";
+  }
+}
+
 }  // namespace
 
 // ---- Context ----------------------------------------------------------------------------------
@@ -50,25 +65,119 @@ Context::Context(HostCollectives& boot, std::unique_ptr<HostCollectives> owned_b
   boot_.all_gather(&id, ids.data(), sizeof id);
   std::memcpy(&id, ids.data(), sizeof id);
   MOE_ECHO_NCCL_CHECK(ncclCommInitRank(&comm_, size_, id, rank_));
+  try {
+    watch_peers();
+  } catch (...) {
+    destroy();
+    throw;
+  }
 }
 
 Context::~Context() { destroy(); }
 
+void Context::watch_peers() {
+  MOE_ECHO_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&wait_), sizeof(WaitState), cudaHostAllocMapped));
+  std::memset(static_cast<void*>(wait_), 0, sizeof(WaitState));
+  MOE_ECHO_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&wait_dev_), wait_, 0));
+  wait_timeout_ns_ = uint64_t(std::chrono::nanoseconds(default_timeout()).count());
+  // Every rank's process id.
+  const Bytes mine = ProcessId::self().to_bytes();
+  MOE_ECHO_CHECK(mine.size() + 8 <= kProcessIdBytes, "process id of " << mine.size() << " bytes");
+  Bytes local(kProcessIdBytes, 0), all(size_t(size_) * kProcessIdBytes);
+  const uint64_t n = mine.size();
+  std::memcpy(local.data(), &n, 8);
+  std::memcpy(local.data() + 8, mine.data(), mine.size());
+  boot_.all_gather(local.data(), all.data(), kProcessIdBytes);
+  std::vector<ProcessId> ids;
+  for (int r = 0; r < size_; ++r) {
+    const uint8_t* p = all.data() + size_t(r) * kProcessIdBytes;
+    uint64_t len = 0;
+    std::memcpy(&len, p, 8);
+    MOE_ECHO_CHECK(len + 8 <= kProcessIdBytes, "rank " << r << "'s process id");
+    ids.push_back(ProcessId::from_bytes(Bytes(p + 8, p + 8 + len)));
+  }
+  WaitState* state = wait_;
+  monitor_ = std::make_unique<PeerMonitor>(
+      rank_, std::move(ids), [this] { return failed_wait(); },
+      [state](const PeerLoss&) { state->abort = 1; }, PeerMonitor::Options{});
+}
+
+std::optional<PeerLoss> Context::failed_wait() const {
+  const int32_t why = wait_->failed;
+  if (why == kWaitOk) return std::nullopt;
+  const int peer = wait_->peer;
+  std::ostringstream m;
+  if (why == kWaitTimedOut)
+    m << "rank " << peer << " did not arrive at the " << barrier_op(wait_->where)
+      << " barrier within " << double(wait_timeout_ns_) * 1e-9
+      << " s (MOE_ECHO_TIMEOUT_S; its process is alive or not on this host)";
+  else
+    m << "this rank's wait for rank " << peer << " at the " << barrier_op(wait_->where)
+      << " barrier was aborted";
+  return PeerLoss{PeerLoss::Kind::other, peer, 0, m.str()};
+}
+
+void Context::check_alive() {
+  if (!monitor_) return;
+  std::optional<PeerLoss> loss = monitor_->lost();
+  if (!loss) return;
+  lost_ = true;
+  monitor_->consume();
+  std::ostringstream m;
+  m << "NCCL communicator, rank " << rank_ << " of " << size_ << ": " << loss->message;
+  if (loss->kind != PeerLoss::Kind::other && wait_->failed != kWaitOk)
+    m << " (this rank's wait for it at the " << barrier_op(wait_->where) << " barrier gave up)";
+  m << "; the communicator is unusable";
+  throw Error(m.str());
+}
+
+BarrierArgs Context::barrier_args() const {
+  BarrierArgs a;
+  a.epochs = epochs_;
+  a.claim = reinterpret_cast<int32_t*>(epochs_ + kBarriers);
+  a.state = wait_dev_;
+  a.timeout_ns = wait_timeout_ns_;
+  a.rank = rank_;
+  a.ranks = size_;
+  return a;
+}
+
 void Context::destroy() {
+  if (monitor_ && monitor_->lost()) lost_ = true;
   if (setup_stream_) (void)cudaStreamDestroy(setup_stream_);
   setup_stream_ = nullptr;
-  if (have_dev_) (void)ncclDevCommDestroy(comm_, &dev_);
+  if (lost_) {
+    // A peer is gone: NCCL's collective teardown would wait for it. The windows' memory stays
+    // to the process's exit (freeing memory a peer's mapping may still name is not worth it).
+    if (comm_) (void)ncclCommAbort(comm_);
+  } else {
+    release_window(inbox_);
+    if (have_dev_) (void)ncclDevCommDestroy(comm_, &dev_);
+    if (comm_) (void)ncclCommDestroy(comm_);
+  }
   have_dev_ = false;
-  if (comm_) (void)ncclCommDestroy(comm_);
   comm_ = nullptr;
+  if (epochs_) (void)cudaFree(epochs_);
+  epochs_ = nullptr;
+  monitor_.reset();  // after the device is idle: the waits it can end are over
+  if (wait_) (void)cudaFreeHost(wait_);
+  wait_ = wait_dev_ = nullptr;
 }
 
 void Context::create_device_comm() {
   ncclDevCommRequirements reqs;
-  std::memset(&reqs, 0, sizeof reqs);  // NCCL 2.28.9 has no initializer macro
-  reqs.lsaBarrierCount = int(kBarrierRanges) * kMaxCtas;
+  std::memset(&reqs, 0, sizeof reqs);  // NCCL 2.28.9 has no initializer macro; no NCCL barriers
   MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev_));
   have_dev_ = true;
+  inbox_ = make_symmetric_window(size_t(kBarriers) * size_t(size_) * sizeof(uint32_t),
+                                 "the barrier inboxes");
+  MOE_ECHO_CUDA_CHECK(cudaMemset(inbox_.ptr, 0, inbox_.bytes));
+  const size_t epoch_bytes = size_t(kBarriers + 1) * sizeof(uint32_t);
+  MOE_ECHO_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&epochs_), epoch_bytes));
+  MOE_ECHO_CUDA_CHECK(cudaMemset(epochs_, 0, epoch_bytes));
+  MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+  boot_.barrier();  // no rank arrives at a barrier before every inbox is zero
 }
 
 void Context::check_same_size(size_t bytes, const std::string& what) {
@@ -103,6 +212,11 @@ Window Context::make_plain_window(size_t bytes, const std::string& what) {
 
 void Context::release_window(Window& w) {
   if (!w.ptr) return;
+  if (lost_ || (monitor_ && monitor_->lost())) {  // see destroy()
+    lost_ = true;
+    w = Window{};
+    return;
+  }
   if (w.plain) {
     (void)cudaFree(w.ptr);
   } else {
@@ -145,6 +259,7 @@ void NcclCommBase::quiesce() const noexcept {
 }
 
 SymmetricBuffer NcclCommBase::alloc_symmetric(Backend&, size_t bytes) {
+  ctx_->check_alive();
   SymmetricBuffer buf;
   const Window w = ops_->make_window(bytes, "symmetric buffer " + std::to_string(windows_.size()));
   buf.local = w.ptr;
@@ -164,7 +279,10 @@ void NcclCommBase::free_symmetric(Backend&, SymmetricBuffer& buf) {
   buf.local = nullptr;
 }
 
-void NcclCommBase::barrier() { ctx_->boot().barrier(); }
+void NcclCommBase::barrier() {
+  ctx_->check_alive();
+  ctx_->boot().barrier();
+}
 
 const Window& NcclCommBase::window_of(const SymmetricBuffer& buf, size_t need,
                                       const char* op) const {
@@ -179,6 +297,7 @@ const Window& NcclCommBase::window_of(const SymmetricBuffer& buf, size_t need,
 }
 
 void NcclCommBase::all_gather_i32(const int32_t* local, int32_t* all, int64_t n, Stream s) {
+  ctx_->check_alive();
   MOE_ECHO_CHECK(n >= 0 && n <= opts_.max_gather_ints,
                  "all_gather_i32 of " << n << " ints per rank; this communicator was built for "
                                       << opts_.max_gather_ints
@@ -187,6 +306,7 @@ void NcclCommBase::all_gather_i32(const int32_t* local, int32_t* all, int64_t n,
 }
 
 void NcclCommBase::all_reduce_sum(const Tensor& t, Stream s) {
+  ctx_->check_alive();
   comm_args::check_sum_dtype("all_reduce_sum", t.dtype);
   if (t.numel() == 0) return;
   ops_->all_reduce_sum(t, cuda::as_cuda(s));
@@ -195,6 +315,7 @@ void NcclCommBase::all_reduce_sum(const Tensor& t, Stream s) {
 void NcclCommBase::dispatch(const RowRoute& route, RoundWindow window, const void* src,
                             size_t row_bytes, const SymmetricBuffer& recv, const FanTable& fan,
                             Stream s) {
+  ctx_->check_alive();
   comm_args::check_route("dispatch", route, window, fan, {DType::f32, DType::f64});
   const size_t rows = size_t(std::max<int64_t>(window.rows, 0)), K = size_t(route.top_k);
   const Window& w = window_of(recv, rows * row_bytes, "dispatch");
@@ -207,6 +328,7 @@ void NcclCommBase::dispatch(const RowRoute& route, RoundWindow window, const voi
 void NcclCommBase::combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
                            const Tensor& y, const int32_t* accumulate, const FanTable& fan,
                            void* values_out, Stream s) {
+  ctx_->check_alive();
   comm_args::check_route("combine", route, window, fan, {DType::f32, DType::f64});
   comm_args::check_combine_rows(route, y, {DType::bf16, DType::f32, DType::f64});
   const size_t rows = size_t(std::max<int64_t>(window.rows, 0));
@@ -221,6 +343,7 @@ void NcclCommBase::combine(const RowRoute& route, RoundWindow window, const Symm
 void NcclCommBase::pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
                                       const SymmetricBuffer& home, void* spare, size_t slot_bytes,
                                       Stream s) {
+  ctx_->check_alive();
   comm_args::check_plan("pull_clone_weights", cfg, size());
   if (cfg.spare_slots == 0 || slot_bytes == 0) return;  // the same on every rank
   const Window& w =
@@ -232,6 +355,7 @@ void NcclCommBase::pull_clone_weights(const PlanView& plan, const PlannerConfig&
 void NcclCommBase::reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
                                       const SymmetricBuffer& spare, void* home, int64_t slot_elems,
                                       DType dtype, Stream s) {
+  ctx_->check_alive();
   comm_args::check_plan("reduce_clone_grads", cfg, size());
   comm_args::check_sum_dtype("reduce_clone_grads", dtype);
   const int M = cfg.max_replicas();

@@ -25,9 +25,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "comm/bounded_barrier.cuh"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/dist.hpp"
 #include "moe_echo/host_collectives.hpp"
@@ -79,9 +81,17 @@ class Context {
   ncclComm_t comm() const { return comm_; }
   HostCollectives& boot() { return boot_; }
 
-  // Collective: the device communicator with the LSA barriers of every kernel type.
+  // Collective: the device communicator and the bounded barriers of every kernel type (their
+  // inboxes, a symmetric window, and epochs, zeroed on every rank before any rank returns).
   void create_device_comm();
   const ncclDevComm& dev() const { return dev_; }
+  // What the barrier kernels take (after create_device_comm()).
+  BarrierArgs barrier_args() const;
+  ncclWindow_t inbox() const { return inbox_.win; }
+
+  // Throws moe_echo::Error naming the lost peer (or the wait that gave up) once one was found;
+  // every op calls it first. A host read: no sync.
+  void check_alive();
   // Whether the device communicator's NVLink (LSA) team is the whole world, where LSA rank ==
   // world rank: the device-API kernels address peers by world rank.
   bool lsa_team_is_world() const { return dev_.lsaSize == size_ && dev_.lsaRank == rank_; }
@@ -104,6 +114,8 @@ class Context {
 
  private:
   void check_same_size(size_t bytes, const std::string& what);
+  void watch_peers();
+  std::optional<PeerLoss> failed_wait() const;
   void destroy();
 
   std::unique_ptr<Rendezvous> owned_rv_;         // a rendezvous of its own, if made for it
@@ -114,6 +126,13 @@ class Context {
   ncclDevComm dev_{};
   bool have_dev_ = false;
   cudaStream_t setup_stream_ = nullptr;
+  WaitState* wait_ = nullptr;      // host-mapped
+  WaitState* wait_dev_ = nullptr;  // the device's pointer to it
+  uint32_t* epochs_ = nullptr;     // [kBarrierRanges * kMaxCtas] epochs, then the claim word
+  Window inbox_;
+  uint64_t wait_timeout_ns_ = 0;
+  std::unique_ptr<PeerMonitor> monitor_;
+  bool lost_ = false;  // a loss was raised: teardown aborts
 };
 
 // The ops other than dispatch and combine, past NcclCommBase's argument checks, and the memory of

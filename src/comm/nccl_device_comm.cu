@@ -4,9 +4,11 @@
 // and store peers' symmetric windows over NVLink (LSA pointers). Invariants every kernel here
 // keeps:
 // - A barrier-using kernel always launches with the same grid on every rank (kCtas CTAs, or one
-//   CTA for the count all-gather), whatever its rank-local sizes: CTA i's LSA barrier pairs with
-//   CTA i of every peer, so a rank that skipped a launch would hang the others. Rank-local work
-//   of zero size still launches and only takes part in the barriers.
+//   CTA for the count all-gather), whatever its rank-local sizes: CTA i's barrier pairs with
+//   CTA i of every peer, so a rank that skipped a launch would leave the others waiting (until
+//   their waits give up: bounded_barrier.cuh). Rank-local work of zero size still launches and
+//   only takes part in the barriers.
+// - A barrier that gave up (a peer lost) returns false and the kernel returns without its work.
 // - Each kernel type owns a disjoint range of barrier indices ([type * kMaxCtas, +kMaxCtas)).
 // - Pattern of a data-moving kernel: barrier (acq_rel) at entry, so peers are done with the
 //   buffers about to be written or read (their earlier kernels finished); the loads and stores;
@@ -48,9 +50,23 @@ using cuda::as_cuda;
 using cuda::with_word;
 using cuda::word_size;
 
-using Coop = ncclCoopCta;
-using Barrier = ncclLsaBarrierSession<Coop>;
-constexpr ::cuda::memory_order kAcqRel = ::cuda::memory_order_acq_rel;
+// The barriers' inboxes in the symmetric window, addressed through LSA pointers.
+struct LsaInbox {
+  ncclWindow_t win;
+  int ranks;
+  __device__ uint32_t* at(int owner, uint32_t index, int from) const {
+    return static_cast<uint32_t*>(ncclGetLsaPointer(
+        win, (size_t(index) * size_t(ranks) + size_t(from)) * sizeof(uint32_t), owner));
+  }
+};
+
+// What a barrier kernel takes to meet its peers.
+struct Meet {
+  LsaInbox inbox;
+  BarrierArgs args;
+};
+
+using Barrier = BoundedBarrier<LsaInbox>;
 
 // ---- device kernels ----------------------------------------------------------------------------
 
@@ -95,14 +111,14 @@ __device__ __forceinline__ TokenLanes token_lanes(int64_t t, int K, int ranks,
 // and -1 at members[q][0] of every non-lead row q.
 template <class W, class F>
 __global__ void __launch_bounds__(kThreads)
-    dispatch_kernel(ncclDevComm dc, uint32_t bar, ncclWindow_t recv, ncclWindow_t members,
+    dispatch_kernel(Meet meet, uint32_t bar, ncclWindow_t recv, ncclWindow_t members,
                     ncclWindow_t weights, int64_t tokens, int K, int ranks,
                     const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
                     const F* __restrict__ weight, int64_t row_lo, int64_t rows, RowChunks chunks,
                     const W* __restrict__ src, int64_t row_words) {
   constexpr int kInFlight = 8;
-  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
-  b.sync(Coop(), kAcqRel);
+  Barrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
@@ -146,7 +162,7 @@ __global__ void __launch_bounds__(kThreads)
                                   row_words);
         });
   }
-  b.sync(Coop(), kAcqRel);
+  b.sync();
 }
 
 // Combine: one warp per token. y[t] <- (add ? y[t] : 0) + the red rows of its leads, pulled from
@@ -155,13 +171,13 @@ __global__ void __launch_bounds__(kThreads)
 // the call sums only (cuda::combine_sums).
 template <class Y, class W, class F>
 __global__ void __launch_bounds__(kThreads)
-    combine_kernel(ncclDevComm dc, uint32_t bar, ncclWindow_t red, ncclWindow_t values,
-                   int64_t tokens, int K, int ranks, const int32_t* __restrict__ dest_rank,
+    combine_kernel(Meet meet, uint32_t bar, ncclWindow_t red, ncclWindow_t values, int64_t tokens,
+                   int K, int ranks, const int32_t* __restrict__ dest_rank,
                    const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
                    RowChunks chunks, const int32_t* accumulate, W* y, int64_t row_words,
                    F* values_out) {
-  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
-  b.sync(Coop(), kAcqRel);
+  Barrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
   const bool add = accumulate && *accumulate != 0;
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
@@ -182,7 +198,7 @@ __global__ void __launch_bounds__(kThreads)
     const unsigned long long lane_row = __shfl_sync(kFull, from, rest ? __ffs(rest) - 1 : 0);
     sum_rows<Y, W>(y + t * row_words, row_words, add, lane_row, __popc(e.leads), lane);
   }
-  b.sync(Coop(), kAcqRel);
+  b.sync();
 }
 
 // Splits the grid over `items` work items, so that items whose data sit on different peers move
@@ -203,11 +219,11 @@ __device__ void for_item_shares(int items, F&& f) {
 // the slots are filled at once (their home ranks may differ).
 template <class W>
 __global__ void __launch_bounds__(kThreads)
-    pull_clones_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar,
+    pull_clones_kernel(Meet meet, ncclWindow_t win, uint32_t bar,
                        const int32_t* __restrict__ spare_expert, int rank, int spare_slots,
                        int experts_per_rank, W* spare, int64_t slot_words) {
-  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
-  b.sync(Coop(), kAcqRel);
+  Barrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
   const int32_t* mine = spare_expert + int64_t(rank) * spare_slots;
   int filled = 0;
   for (int s = 0; s < spare_slots; ++s) filled += mine[s] >= 0;
@@ -223,19 +239,19 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t w = int64_t(share) * kThreads + threadIdx.x; w < slot_words; w += stride)
       to[w] = from[w];
   });
-  b.sync(Coop(), kAcqRel);
+  b.sync();
 }
 
 // Every home expert of this rank with clones adds, in replica order, its clones' gradients from
 // their ranks; the experts are reduced at once (their clones may sit on different ranks).
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    reduce_clones_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar,
+    reduce_clones_kernel(Meet meet, ncclWindow_t win, uint32_t bar,
                          const int32_t* __restrict__ replica_rank,
                          const int32_t* __restrict__ replica_slot, int rank, int M,
                          int experts_per_rank, T* home, int64_t slot_elems) {
-  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
-  b.sync(Coop(), kAcqRel);
+  Barrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
   auto has_clones = [&](int j) {
     const int e = rank * experts_per_rank + j;
     for (int rep = 1; rep < M; ++rep)
@@ -288,23 +304,23 @@ __global__ void __launch_bounds__(kThreads)
       to[x] = acc;
     }
   });
-  b.sync(Coop(), kAcqRel);
+  b.sync();
 }
 
 // One CTA: this rank's n counts into slot `rank` of every peer's gather window, then the whole
 // window (every rank's counts, in rank order) into `all`.
 __global__ void __launch_bounds__(kThreads)
-    all_gather_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar, const int32_t* local,
-                      int32_t* all, int64_t n, int rank, int ranks) {
-  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar);
-  b.sync(Coop(), kAcqRel);
+    all_gather_kernel(Meet meet, ncclWindow_t win, uint32_t bar, const int32_t* local, int32_t* all,
+                      int64_t n, int rank, int ranks) {
+  Barrier b(meet.inbox, meet.args, bar);
+  if (!b.sync()) return;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) {
     const int32_t v = local[i];
     for (int p = 0; p < ranks; ++p)
       *static_cast<int32_t*>(ncclGetLsaPointer(win, (size_t(rank) * n + i) * sizeof(int32_t), p)) =
           v;
   }
-  b.sync(Coop(), kAcqRel);
+  b.sync();
   const int32_t* mine = static_cast<const int32_t*>(ncclGetLocalPointer(win, 0));
   for (int64_t i = threadIdx.x; i < int64_t(ranks) * n; i += kThreads) all[i] = __ldcg(mine + i);
 }
@@ -314,13 +330,13 @@ __global__ void __launch_bounds__(kThreads)
 // sums, and meets them again before the staging window can be overwritten by the next call.
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    all_reduce_kernel(ncclDevComm dc, ncclWindow_t win, uint32_t bar, T* t, int64_t n, int ranks) {
+    all_reduce_kernel(Meet meet, ncclWindow_t win, uint32_t bar, T* t, int64_t n, int ranks) {
   const int64_t chunk = (n + gridDim.x - 1) / gridDim.x;
   const int64_t lo = int64_t(blockIdx.x) * chunk, hi = min(n, lo + chunk);
   T* stage = static_cast<T*>(ncclGetLocalPointer(win, 0));
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) stage[i] = t[i];
-  Barrier b(Coop(), dc, ncclTeamTagLsa(), bar + blockIdx.x);
-  b.sync(Coop(), kAcqRel);
+  Barrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
   for (int64_t i = lo + threadIdx.x; i < hi; i += kThreads) {
     double acc = 0;
     for (int r = 0; r < ranks; ++r)
@@ -328,10 +344,12 @@ __global__ void __launch_bounds__(kThreads)
           double(__ldcg(static_cast<const T*>(ncclGetLsaPointer(win, size_t(i) * sizeof(T), r))));
     t[i] = T(acc);
   }
-  b.sync(Coop(), kAcqRel);
+  b.sync();
 }
 
 // ---- the device-API collective ops -------------------------------------------------------------
+
+Meet ctx_meet(const Context& c) { return Meet{LsaInbox{c.inbox(), c.size()}, c.barrier_args()}; }
 
 // Two internal windows: the count all-gather's and the all-reduce's staging.
 class DeviceCollectiveOps final : public CollectiveOps {
@@ -357,7 +375,7 @@ class DeviceCollectiveOps final : public CollectiveOps {
   }
 
   void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, cudaStream_t s) override {
-    MOE_ECHO_LAUNCH(all_gather_kernel, 1, kThreads, 0, s, ctx_.dev(), gather_.win,
+    MOE_ECHO_LAUNCH(all_gather_kernel, 1, kThreads, 0, s, ctx_meet(ctx_), gather_.win,
                     barrier_base(kGatherBarriers), local, all, n, ctx_.rank(), ctx_.size());
   }
 
@@ -368,10 +386,10 @@ class DeviceCollectiveOps final : public CollectiveOps {
     if (t.bytes() > staging_.bytes) return ctx_.all_reduce_host_api(t, s);
     const unsigned grid = unsigned(std::min<int64_t>(opts_.ctas, (n + kThreads - 1) / kThreads));
     if (t.dtype == DType::f32)
-      MOE_ECHO_LAUNCH(all_reduce_kernel<float>, grid, kThreads, 0, s, ctx_.dev(), staging_.win,
+      MOE_ECHO_LAUNCH(all_reduce_kernel<float>, grid, kThreads, 0, s, ctx_meet(ctx_), staging_.win,
                       barrier_base(kAllReduceBarriers), t.as<float>(), n, ctx_.size());
     else
-      MOE_ECHO_LAUNCH(all_reduce_kernel<double>, grid, kThreads, 0, s, ctx_.dev(), staging_.win,
+      MOE_ECHO_LAUNCH(all_reduce_kernel<double>, grid, kThreads, 0, s, ctx_meet(ctx_), staging_.win,
                       barrier_base(kAllReduceBarriers), t.as<double>(), n, ctx_.size());
   }
 
@@ -379,7 +397,7 @@ class DeviceCollectiveOps final : public CollectiveOps {
                           void* spare, size_t slot_bytes, cudaStream_t s) override {
     with_word(word_size(slot_bytes, {home.ptr, spare}), [&](auto word) {
       using W = decltype(word);
-      MOE_ECHO_LAUNCH(pull_clones_kernel<W>, unsigned(opts_.ctas), kThreads, 0, s, ctx_.dev(),
+      MOE_ECHO_LAUNCH(pull_clones_kernel<W>, unsigned(opts_.ctas), kThreads, 0, s, ctx_meet(ctx_),
                       home.win, barrier_base(kPullBarriers), plan.spare_expert, ctx_.rank(),
                       cfg.spare_slots, cfg.experts_per_rank(), static_cast<W*>(spare),
                       int64_t(slot_bytes / sizeof(W)));
@@ -390,13 +408,13 @@ class DeviceCollectiveOps final : public CollectiveOps {
                           void* home, int64_t slot_elems, DType dtype, cudaStream_t s) override {
     const int M = cfg.max_replicas(), epr = cfg.experts_per_rank();
     if (dtype == DType::f32)
-      MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, unsigned(opts_.ctas), kThreads, 0, s, ctx_.dev(),
-                      spare.win, barrier_base(kReduceBarriers), plan.replica_rank,
+      MOE_ECHO_LAUNCH(reduce_clones_kernel<float>, unsigned(opts_.ctas), kThreads, 0, s,
+                      ctx_meet(ctx_), spare.win, barrier_base(kReduceBarriers), plan.replica_rank,
                       plan.replica_slot, ctx_.rank(), M, epr, static_cast<float*>(home),
                       slot_elems);
     else
       MOE_ECHO_LAUNCH(reduce_clones_kernel<double>, unsigned(opts_.ctas), kThreads, 0, s,
-                      ctx_.dev(), spare.win, barrier_base(kReduceBarriers), plan.replica_rank,
+                      ctx_meet(ctx_), spare.win, barrier_base(kReduceBarriers), plan.replica_rank,
                       plan.replica_slot, ctx_.rank(), M, epr, static_cast<double*>(home),
                       slot_elems);
   }
@@ -426,11 +444,12 @@ class NcclDeviceComm final : public NcclCommBase {
       using F = decltype(fl);
       with_word(word_size(row_bytes, {src}), [&](auto word) {
         using W = decltype(word);
-        MOE_ECHO_LAUNCH((dispatch_kernel<W, F>), unsigned(opts().ctas), kThreads, 0, s, ctx().dev(),
-                        barrier_base(kDispatchBarriers), recv.win, members.win, weights.win,
-                        route.n / route.top_k, route.top_k, size(), route.dest_rank, route.dest_row,
-                        static_cast<const F*>(route.weight), window.row_lo, window.rows,
-                        route.chunks, static_cast<const W*>(src), int64_t(row_bytes / sizeof(W)));
+        MOE_ECHO_LAUNCH((dispatch_kernel<W, F>), unsigned(opts().ctas), kThreads, 0, s,
+                        ctx_meet(ctx()), barrier_base(kDispatchBarriers), recv.win, members.win,
+                        weights.win, route.n / route.top_k, route.top_k, size(), route.dest_rank,
+                        route.dest_row, static_cast<const F*>(route.weight), window.row_lo,
+                        window.rows, route.chunks, static_cast<const W*>(src),
+                        int64_t(row_bytes / sizeof(W)));
       });
     });
   }
@@ -446,7 +465,7 @@ class NcclDeviceComm final : public NcclCommBase {
         using Y = decltype(elem);
         using W = decltype(word);
         MOE_ECHO_LAUNCH((combine_kernel<Y, W, F>), unsigned(opts().ctas), kThreads, 0, s,
-                        ctx().dev(), barrier_base(kCombineBarriers), red.win,
+                        ctx_meet(ctx()), barrier_base(kCombineBarriers), red.win,
                         values ? values->win : static_cast<ncclWindow_t>(nullptr), y.size(0),
                         route.top_k, size(), route.dest_rank, route.dest_row, window.row_lo,
                         window.rows, route.chunks, accumulate, static_cast<W*>(y.data),
