@@ -6,8 +6,11 @@
 // symmetric windows when a layer is built; per-step ops are kernels of the NCCL device API that
 // load and store peers' windows over NVLink (LSA pointers), bracketed by LSA barriers. They never
 // wait on the host, allocate nothing and are CUDA-graph capturable, conditional-node bodies
-// included. Every rank must enqueue the same ops in the same order with the same shapes (a rank
-// that skips one leaves its peers spinning in a barrier: run under a timeout or a Watchdog).
+// included. Every rank must enqueue the same ops in the same order with the same shapes. No
+// device wait is unbounded: a wait gives up when the communicator's PeerMonitor (dist.hpp) finds a
+// peer's process on this host gone or stopped, or after MOE_ECHO_TIMEOUT_S (a live peer that
+// skipped an op, or one on another host); the op's kernel then returns without its work and every
+// later op of the communicator throws moe_echo::Error naming the peer (docs/launch.md).
 //
 // Dispatch and combine move one row per (token, destination rank) of a round window (the lead
 // row, comm.hpp): the dispatch writes the fan table on the receiver with the row, the receiver
