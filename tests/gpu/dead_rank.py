@@ -156,8 +156,12 @@ def run_case(name: str, cmd: list[str], kind: str, env: dict) -> dict:
             break
         time.sleep(0.5)
         gpu_left = gpu_pids()
-    names_rank = [l for l in after if re.search(r"\brank 1\b", l) and
-                  re.search(r"exited|stopped|killed|closed|did not arrive", l)]
+    # Ours and the launchers' words: "rank 1 (pid P) exited", "rank 1 was killed by signal 9",
+    # torchrun's failure summary ("rank : 1 (local_rank: 1)" beside "Signal 9 (SIGKILL)").
+    cause = re.compile(r"exited|stopped|killed|closed|did not arrive|Signal 9|SIGKILL|exitcode")
+    names_rank = [l for l in after if re.search(r"\brank\s*:?\s*1\b", l)]
+    if not any(cause.search(l) for l in after):
+        names_rank = []
     ok = (rc is not None and ended_s <= LIMIT_S and bool(names_rank) and not left
           and not gpu_left)
     result.update(ok=ok, victim_pid=victim, fault=fault, exit_code=rc, ended_s=round(ended_s, 2),

@@ -55,6 +55,9 @@ def main() -> None:
                 graph.replay()
                 loss.item()
                 print(f"rank {rank} step {step}", flush=True)
+    except BaseException as e:  # shown before the teardown, whatever the teardown does
+        print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
+        raise
     finally:
         dist.destroy_process_group()
 
