@@ -48,3 +48,15 @@ then
   echo "setup: installing ${python_packages[*]} (pip)"
   python3 -m pip install -q --root-user-action=ignore "${python_packages[@]}"
 fi
+
+# NCCL, pinned where the CUDA code is built (nvcc present): the multi-GPU communicator is built
+# against the nvidia-nccl-cu13 package (CMakeLists.txt looks there first), and PyTorch's NCCL
+# process groups load the same libnccl.so.2, so one process holds one NCCL. torch 2.11 names
+# 2.28.9; NCCL keeps its ABI across 2.x, and pip's note that torch's pin is unmet is expected.
+nccl_version=2.32.3
+if command -v nvcc >/dev/null 2>&1 &&
+  ! python3 -c "import importlib.metadata as m, sys; sys.exit(m.version('nvidia-nccl-cu13') != '$nccl_version')" >/dev/null 2>&1; then
+  echo "setup: installing nvidia-nccl-cu13==$nccl_version (pip)"
+  python3 -m pip install -q --root-user-action=ignore --no-deps "nvidia-nccl-cu13==$nccl_version" 2>&1 |
+    grep -v -E "dependency resolver|requires nvidia-nccl-cu13==" || true
+fi

@@ -97,6 +97,10 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
 std::unique_ptr<Communicator> make_nccl_communicator(HostCollectives& bootstrap,
                                                      const NcclOptions& options = {});
 
+// The version of the NCCL library this process runs (ncclGetVersion: 23203 for 2.32.3), which
+// may differ from the headers it was built with; PyTorch's NCCL in the same process is this one.
+int nccl_runtime_version();
+
 // The ncclComm_t behind an NCCL communicator (as void*), or nullptr for any other Communicator.
 // For benchmarks that run NCCL's own collectives next to ours.
 void* nccl_comm_handle(Communicator& comm);

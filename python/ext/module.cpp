@@ -452,6 +452,16 @@ NB_MODULE(_ext, m) {
 #endif
       },
       "True when this build has the NCCL communicator (transport='nccl')");
+  m.def(
+      "nccl_version",
+      [] {
+#ifdef MOE_ECHO_WITH_NCCL
+        return nccl_runtime_version();
+#else
+        return 0;
+#endif
+      },
+      "The NCCL library's version this process runs (ncclGetVersion, e.g. 23203), 0 without NCCL");
   m.def("version", [] {
     return std::to_string(kVersionMajor) + "." + std::to_string(kVersionMinor) + "." +
            std::to_string(kVersionPatch);

@@ -19,6 +19,7 @@
 #include "moe_echo/cuda_check.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/nccl.hpp"
+#include "moe_echo/nccl_check.hpp"
 
 namespace moe_echo {
 
@@ -117,6 +118,12 @@ std::unique_ptr<Communicator> make_nccl_communicator(const DistEnv& env,
   auto boot = make_rendezvous_collectives(*rv);
   HostCollectives& ref = *boot;
   return make(ref, std::move(boot), std::move(rv), options);
+}
+
+int nccl_runtime_version() {
+  int v = 0;
+  MOE_ECHO_NCCL_CHECK(ncclGetVersion(&v));
+  return v;
 }
 
 void* nccl_comm_handle(Communicator& comm) {
