@@ -128,9 +128,23 @@ class Communicator {
 // R ranks as threads of one process. Each thread drives one rank through communicator(r); ops
 // meet at barriers as device collectives would. A rank that waits `timeout` at a barrier (default:
 // MOE_ECHO_TIMEOUT_S, 300 s) aborts the world with an error naming the ranks that never arrived.
+//
+// Nodes (ranks_per_node P, a divisor of R; 0 or R: one node): ranks r and s share a node when
+// r / P == s / P. With more than one node, dispatch and combine move rows as a hierarchical
+// dispatcher across nodes does, with the same results bit for bit:
+// - dispatch: a token's row goes to the ranks of its own node directly, and once to every other
+//   node it has entries on (in the call), to that node's forwarder for the source (the rank of
+//   that node with the source's index in its own node), with the writes it asks there: for each
+//   of the token's entries the call moves to that node, the receive row's rank and window row,
+//   and for a lead its fan table row; the forwarder then makes those writes on its node's ranks;
+// - combine: the source asks each other node's forwarder for the lead rows (and fan values) of
+//   its tokens' entries on that node, the forwarder gathers them from its node's ranks and sends
+//   them back, and the source sums every lead in k order as the flat path does.
+// traffic() counts the rows each way.
 class InProcessWorld {
  public:
-  explicit InProcessWorld(int ranks, std::chrono::milliseconds timeout = default_timeout());
+  explicit InProcessWorld(int ranks, std::chrono::milliseconds timeout = default_timeout(),
+                          int ranks_per_node = 0);
   ~InProcessWorld();
   InProcessWorld(const InProcessWorld&) = delete;
   InProcessWorld& operator=(const InProcessWorld&) = delete;
@@ -143,6 +157,17 @@ class InProcessWorld {
   // barriers, where it cannot be interrupted) ends the process: a message naming it on stderr and
   // _exit(Watchdog::kExitCode), 124.
   void run(const std::function<void(int rank)>& fn);
+
+  int ranks_per_node() const;
+  // Rows moved by dispatch and combine since the world was made (or reset): within a node (from
+  // the source, or a forwarder's writes and gathers) and across nodes (a dispatch's one copy per
+  // (token, node), a combine's lead rows sent back).
+  struct Traffic {
+    int64_t dispatch_within = 0, dispatch_across = 0;
+    int64_t combine_within = 0, combine_across = 0;
+  };
+  Traffic traffic() const;
+  void reset_traffic();
 
   struct State;
 

@@ -5,15 +5,18 @@
 //   exit barrier:  every write is visible before anyone consumes it (read-after-write).
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/comm_args.hpp"
@@ -25,7 +28,14 @@
 namespace moe_echo {
 
 struct InProcessWorld::State {
-  State(int r, std::chrono::milliseconds t) : ranks(r), timeout(t), here(size_t(r), 0) {}
+  State(int r, std::chrono::milliseconds t, int p)
+      : ranks(r),
+        per_node(p),
+        timeout(t),
+        here(size_t(r), 0),
+        node_inbox(size_t(r)),
+        node_requests(size_t(r)),
+        node_replies(size_t(r)) {}
 
   // A reusable barrier that can be aborted, so that a failing rank never leaves the others
   // waiting forever; a rank that waits `timeout` for the others aborts the world, naming the
@@ -61,6 +71,7 @@ struct InProcessWorld::State {
   }
 
   const int ranks;
+  const int per_node;  // ranks per node
   const std::chrono::milliseconds timeout;
   std::vector<uint64_t> here;  // per rank: 1 + the barrier generation it last arrived at
   std::mutex mu;
@@ -73,6 +84,39 @@ struct InProcessWorld::State {
   std::vector<std::vector<size_t>> table_bytes;
   std::vector<const void*> staging;  // per rank, for all-gathers
   std::vector<std::unique_ptr<Communicator>> comms;
+
+  // Across nodes. A dispatch's message to a forwarder: one token's row and the writes it asks on
+  // the forwarder's node (a lead's row and fan table row, or -1 at members[row][0] of another
+  // member).
+  struct NodeWrite {
+    int32_t rank;
+    int64_t row;  // window row
+    bool lead;
+    int members;                       // fan table members written (a lead's)
+    std::vector<int32_t> member_rows;  // [K], the lead's fan table row
+    std::vector<char> member_weights;  // [members] in the fan's float dtype
+  };
+  struct NodeMessage {
+    std::vector<char> row;
+    std::vector<NodeWrite> writes;
+  };
+  // A combine's request to a forwarder: the (rank, window row) of a token's leads on its node, in
+  // k order, and of every entry there when fan values are asked; the reply holds those rows and
+  // values, in that order.
+  struct NodeRequest {
+    int source;
+    int64_t token;
+    int node;
+    std::vector<std::pair<int32_t, int64_t>> leads, entries;
+  };
+  struct NodeReply {
+    std::vector<char> rows, values;
+  };
+  std::mutex node_mu;
+  std::vector<std::vector<NodeMessage>> node_inbox;                        // per forwarder
+  std::vector<std::vector<NodeRequest>> node_requests;                     // per forwarder
+  std::vector<std::map<std::pair<int64_t, int>, NodeReply>> node_replies;  // per source
+  std::atomic<int64_t> dispatch_within{0}, dispatch_across{0}, combine_within{0}, combine_across{0};
 };
 
 namespace {
@@ -81,6 +125,8 @@ using host_comm::add_into;
 using host_comm::in_window;
 using host_comm::lead_entry;
 using host_comm::row_ptr;
+
+using State = InProcessWorld::State;
 
 class InProcessCommunicator final : public Communicator {
  public:
@@ -145,6 +191,8 @@ class InProcessCommunicator final : public Communicator {
     const int K = route.top_k;
     const size_t fl = dtype_size(fan.float_dtype);
     w_.barrier(rank_);
+    std::vector<int> message_of(size_t(nodes()), -1);
+    std::vector<std::pair<int, State::NodeMessage>> messages;  // (node, message) of one token
     for (int64_t t = 0; t < route.n / K; ++t) {
       const int64_t first = t * K;
       for (int k = 0; k < K; ++k) {
@@ -152,17 +200,61 @@ class InProcessCommunicator final : public Communicator {
         if (!in_window(route, win, i) || !host_comm::dispatch_moves(route, win, first, k)) continue;
         const int d = route.dest_rank[i];
         const int64_t row = route.dest_row[i] - win.row_lo;
-        int32_t* members = static_cast<int32_t*>(peer(fan.members, d)) + row * K;
-        if (lead_entry(route, win, first, k) != k) {
+        const bool lead = lead_entry(route, win, first, k) == k;
+        const char* token_row = static_cast<const char*>(src) + size_t(t) * row_bytes;
+        if (node_of(d) == node_of(rank_)) {  // within the node: straight to the rank
+          int32_t* members = static_cast<int32_t*>(peer(fan.members, d)) + row * K;
+          if (!lead) {
+            members[0] = -1;
+            continue;
+          }
+          std::memcpy(row_ptr(peer(recv, d), row, row_bytes), token_row, row_bytes);
+          host_comm::list_members(route, win, first, k, fan.float_dtype, members,
+                                  row_ptr(peer(fan.weights, d), row, size_t(K) * fl));
+          ++w_.dispatch_within;
+          continue;
+        }
+        int& m = message_of[size_t(node_of(d))];
+        if (m < 0) {  // the token's one copy for that node
+          m = int(messages.size());
+          messages.push_back({node_of(d), {{token_row, token_row + row_bytes}, {}}});
+          ++w_.dispatch_across;
+        }
+        State::NodeWrite wr{d, row, lead, 0, {}, {}};
+        if (lead) {
+          wr.member_rows.resize(size_t(K));
+          wr.member_weights.resize(size_t(K) * fl);
+          wr.members = host_comm::list_members(route, win, first, k, fan.float_dtype,
+                                               wr.member_rows.data(), wr.member_weights.data());
+          wr.member_weights.resize(size_t(wr.members) * fl);
+        }
+        messages[size_t(m)].second.writes.push_back(std::move(wr));
+      }
+      if (messages.empty()) continue;
+      {
+        std::lock_guard<std::mutex> lock(w_.node_mu);
+        for (auto& [node, msg] : messages)
+          w_.node_inbox[size_t(forwarder(node, rank_))].push_back(std::move(msg));
+      }
+      messages.clear();
+      std::fill(message_of.begin(), message_of.end(), -1);
+    }
+    w_.barrier(rank_);
+    // As the forwarder: every message's writes on this node's ranks.
+    for (const State::NodeMessage& msg : w_.node_inbox[size_t(rank_)])
+      for (const State::NodeWrite& wr : msg.writes) {
+        int32_t* members = static_cast<int32_t*>(peer(fan.members, wr.rank)) + wr.row * K;
+        if (!wr.lead) {
           members[0] = -1;
           continue;
         }
-        std::memcpy(row_ptr(peer(recv, d), row, row_bytes),
-                    static_cast<const char*>(src) + size_t(t) * row_bytes, row_bytes);
-        host_comm::list_members(route, win, first, k, fan.float_dtype, members,
-                                row_ptr(peer(fan.weights, d), row, size_t(K) * fl));
+        std::memcpy(row_ptr(peer(recv, wr.rank), wr.row, row_bytes), msg.row.data(), row_bytes);
+        std::memcpy(members, wr.member_rows.data(), size_t(K) * sizeof(int32_t));
+        std::memcpy(row_ptr(peer(fan.weights, wr.rank), wr.row, size_t(K) * fl),
+                    wr.member_weights.data(), wr.member_weights.size());
+        ++w_.dispatch_within;
       }
-    }
+    w_.node_inbox[size_t(rank_)].clear();
     w_.barrier(rank_);
   }
 
@@ -173,6 +265,7 @@ class InProcessCommunicator final : public Communicator {
     comm_args::check_window_fits("combine", win, red, size_t(y.size(1)) * dtype_size(y.dtype), fan);
     w_.barrier(rank_);
     const bool add = accumulate && *accumulate != 0;
+    if (nodes() > 1) ask_other_nodes(route, win, red, y, fan, values_out != nullptr);
     if (y.dtype == DType::f32)
       combine_rows<float>(route, win, red, y, add, fan, values_out);
     else
@@ -226,22 +319,110 @@ class InProcessCommunicator final : public Communicator {
     return w_.table[size_t(buf.id)][size_t(rank)];
   }
 
-  // y[t] = (add ? y[t] : 0) + sum of t's lead rows, summed in T; values pulled per entry.
+  int nodes() const { return w_.ranks / w_.per_node; }
+  int node_of(int rank) const { return rank / w_.per_node; }
+  // The rank of `node` that forwards what `source` sends there: the one with the source's index
+  // in its own node.
+  int forwarder(int node, int source) const { return node * w_.per_node + source % w_.per_node; }
+
+  // Combine across nodes, before the sums: every token's requests to the other nodes'
+  // forwarders, then (as a forwarder) the replies to the requests this rank got, so that every
+  // reply is in place at the next barrier.
+  void ask_other_nodes(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
+                       const Tensor& y, const FanTable& fan, bool values) {
+    using Request = State::NodeRequest;
+    const int K = route.top_k;
+    std::vector<int> request_of(size_t(nodes()), -1);
+    std::vector<Request> requests;
+    for (int64_t t = 0; t < route.n / K; ++t) {
+      const int64_t first = t * K;
+      if (!host_comm::combine_sums(route, win, first)) continue;
+      for (int k = 0; k < K; ++k) {
+        const int64_t i = first + k;
+        if (!in_window(route, win, i) || node_of(route.dest_rank[i]) == node_of(rank_)) continue;
+        int& q = request_of[size_t(node_of(route.dest_rank[i]))];
+        if (q < 0) {
+          q = int(requests.size());
+          requests.push_back(Request{rank_, t, node_of(route.dest_rank[i]), {}, {}});
+        }
+        const std::pair<int32_t, int64_t> at{route.dest_rank[i], route.dest_row[i] - win.row_lo};
+        if (values) requests[size_t(q)].entries.push_back(at);
+        if (lead_entry(route, win, first, k) == k) requests[size_t(q)].leads.push_back(at);
+      }
+      if (requests.empty()) continue;
+      {
+        std::lock_guard<std::mutex> lock(w_.node_mu);
+        for (Request& r : requests)
+          w_.node_requests[size_t(forwarder(r.node, rank_))].push_back(std::move(r));
+      }
+      requests.clear();
+      std::fill(request_of.begin(), request_of.end(), -1);
+    }
+    w_.barrier(rank_);
+    const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
+    const size_t fl = dtype_size(fan.float_dtype);
+    for (const Request& r : w_.node_requests[size_t(rank_)]) {
+      State::NodeReply reply;
+      for (const auto& [d, row] : r.leads) {
+        const char* from = row_ptr(peer(red, d), row, row_bytes);
+        reply.rows.insert(reply.rows.end(), from, from + row_bytes);
+      }
+      for (const auto& [d, row] : r.entries) {
+        const char* from = row_ptr(peer(fan.values, d), row, fl);
+        reply.values.insert(reply.values.end(), from, from + fl);
+      }
+      w_.combine_within += int64_t(r.leads.size());
+      w_.combine_across += int64_t(r.leads.size());
+      std::lock_guard<std::mutex> lock(w_.node_mu);
+      w_.node_replies[size_t(r.source)][{r.token, r.node}] = std::move(reply);
+    }
+    w_.node_requests[size_t(rank_)].clear();
+    w_.barrier(rank_);
+  }
+
+  // y[t] = (add ? y[t] : 0) + sum of t's lead rows, summed in T; values pulled per entry. Rows on
+  // other nodes come from the replies ask_other_nodes gathered, in the order they were asked.
   template <class T>
   void combine_rows(const RowRoute& route, RoundWindow win, const SymmetricBuffer& red,
-                    const Tensor& y, bool add, const FanTable& fan, void* values_out) const {
+                    const Tensor& y, bool add, const FanTable& fan, void* values_out) {
     const size_t row_bytes = size_t(y.size(1)) * sizeof(T), fl = dtype_size(fan.float_dtype);
+    const int K = route.top_k;
+    auto& replies = w_.node_replies[size_t(rank_)];
+    int64_t token = -1;
+    std::vector<size_t> next_row(size_t(nodes()), 0), next_value(size_t(nodes()), 0);
+    auto reply_of = [&](int64_t i) -> State::NodeReply& {
+      if (i / K != token) {
+        token = i / K;
+        std::fill(next_row.begin(), next_row.end(), 0);
+        std::fill(next_value.begin(), next_value.end(), 0);
+      }
+      return replies.at({token, node_of(route.dest_rank[i])});
+    };
     auto row_of = [&](int64_t i) {
+      const int d = route.dest_rank[i];
+      if (node_of(d) != node_of(rank_)) {
+        State::NodeReply& r = reply_of(i);
+        const size_t at = next_row[size_t(node_of(d))]++ * row_bytes;
+        return reinterpret_cast<const T*>(r.rows.data() + at);
+      }
+      ++w_.combine_within;
       return reinterpret_cast<const T*>(
-          row_ptr(peer(red, route.dest_rank[i]), route.dest_row[i] - win.row_lo, row_bytes));
+          row_ptr(peer(red, d), route.dest_row[i] - win.row_lo, row_bytes));
     };
     auto value_of = [&](int64_t i) {
-      if (values_out)
-        std::memcpy(
-            static_cast<char*>(values_out) + size_t(i) * fl,
-            row_ptr(peer(fan.values, route.dest_rank[i]), route.dest_row[i] - win.row_lo, fl), fl);
+      if (!values_out) return;
+      const int d = route.dest_rank[i];
+      const char* from;
+      if (node_of(d) != node_of(rank_)) {
+        State::NodeReply& r = reply_of(i);
+        from = r.values.data() + next_value[size_t(node_of(d))]++ * fl;
+      } else {
+        from = row_ptr(peer(fan.values, d), route.dest_row[i] - win.row_lo, fl);
+      }
+      std::memcpy(static_cast<char*>(values_out) + size_t(i) * fl, from, fl);
     };
     host_comm::sum_leads<T>(route, win, y.as<T>(), y.size(0), y.size(1), add, row_of, value_of);
+    replies.clear();
   }
 
   InProcessWorld::State& w_;
@@ -251,9 +432,21 @@ class InProcessCommunicator final : public Communicator {
 
 }  // namespace
 
-InProcessWorld::InProcessWorld(int ranks, std::chrono::milliseconds timeout)
-    : state_(std::make_unique<State>(ranks, timeout)) {
-  MOE_ECHO_CHECK(ranks >= 1, "ranks = " << ranks << ", need >= 1");
+namespace {
+
+int checked_per_node(int ranks, int per_node) {
+  if (ranks < 1) reject("ranks", ranks, ">= 1");
+  if (per_node == 0) return ranks;
+  if (per_node < 0 || ranks % per_node != 0)
+    reject("ranks_per_node", per_node,
+           "0 (one node) or a divisor of the ranks (" + std::to_string(ranks) + ")");
+  return per_node;
+}
+
+}  // namespace
+
+InProcessWorld::InProcessWorld(int ranks, std::chrono::milliseconds timeout, int ranks_per_node)
+    : state_(std::make_unique<State>(ranks, timeout, checked_per_node(ranks, ranks_per_node))) {
   state_->staging.resize(size_t(ranks), nullptr);
   for (int r = 0; r < ranks; ++r)
     state_->comms.push_back(std::make_unique<InProcessCommunicator>(*state_, r));
@@ -262,6 +455,20 @@ InProcessWorld::InProcessWorld(int ranks, std::chrono::milliseconds timeout)
 InProcessWorld::~InProcessWorld() = default;
 
 int InProcessWorld::size() const { return state_->ranks; }
+
+int InProcessWorld::ranks_per_node() const { return state_->per_node; }
+
+InProcessWorld::Traffic InProcessWorld::traffic() const {
+  return Traffic{state_->dispatch_within.load(), state_->dispatch_across.load(),
+                 state_->combine_within.load(), state_->combine_across.load()};
+}
+
+void InProcessWorld::reset_traffic() {
+  state_->dispatch_within = 0;
+  state_->dispatch_across = 0;
+  state_->combine_within = 0;
+  state_->combine_across = 0;
+}
 
 Communicator& InProcessWorld::communicator(int rank) {
   MOE_ECHO_CHECK(rank >= 0 && rank < state_->ranks, "rank " << rank << " outside the world");

@@ -112,7 +112,11 @@ struct Snapshot {
   std::vector<int32_t> members;
 };
 
-void run_case(const Case& c, DType dt, uint64_t seed) {
+// Runs the case on a world of `per_node` ranks per node (0: one node), checks it against the
+// contract, and returns what every rank held after each round (and the world's traffic).
+std::vector<std::vector<Snapshot>> run_case(const Case& c, DType dt, uint64_t seed,
+                                            int per_node = 0,
+                                            InProcessWorld::Traffic* traffic = nullptr) {
   const int R = c.ranks, K = c.top_k;
   const int64_t H = c.hidden;
   std::vector<int64_t> received;
@@ -164,7 +168,7 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
 
   std::vector<std::vector<Snapshot>> snap(static_cast<size_t>(R),
                                           std::vector<Snapshot>(static_cast<size_t>(rounds)));
-  InProcessWorld world(R);
+  InProcessWorld world(R, default_timeout(), per_node);
   world.run([&](int rank) {
     auto be = make_cpu_backend(dt);
     Communicator& comm = world.communicator(rank);
@@ -324,6 +328,8 @@ void run_case(const Case& c, DType dt, uint64_t seed) {
       EXPECT_EQ(bad_values, 0) << "values_out";
     }
   }
+  if (traffic) *traffic = world.traffic();
+  return snap;
 }
 
 // Counts the situations a case exercises: leads with several members, and (token, rank) pairs
@@ -384,6 +390,79 @@ TEST(InProcessComm, DispatchWritesLeadsAndFanTableCombineSumsLeads) {
     }
   EXPECT_GT(total.multi_member_leads, 0) << "no lead with several members was exercised";
   EXPECT_GT(total.split_pairs, 0) << "no token's members on one rank were split across windows";
+}
+
+// Ranks on several nodes: the same bits as one node in every buffer, rows crossing nodes once per
+// (token, node) in a dispatch and once per lead in a combine, and nothing across with one node.
+TEST(InProcessComm, NodesGiveTheBitsOfOneNodeWithOneCopyPerTokenAndNode) {
+  int64_t saved = 0;  // rows a dispatch did not send across thanks to one copy per node
+  for (DType dt : {DType::f64, DType::f32})
+    for (const Case& c : kCases) {
+      if (c.ranks < 2) continue;
+      const uint64_t seed = 1 + uint64_t(&c - kCases);
+      InProcessWorld::Traffic flat_traffic;
+      const auto flat = run_case(c, dt, seed, 0, &flat_traffic);
+      EXPECT_EQ(flat_traffic.dispatch_across + flat_traffic.combine_across, 0);
+      // What must cross: per round, source and token, the other nodes it has entries on
+      // (dispatch) and its leads on other nodes (combine).
+      std::vector<int64_t> received;
+      const auto routes = make_routes(c, dt, seed, received);
+      const int64_t max_rows = *std::max_element(received.begin(), received.end());
+      const int64_t cap = c.capacity > 0 ? c.capacity : std::max<int64_t>(max_rows, 1);
+      const int rounds = int(std::max<int64_t>(1, (max_rows + cap - 1) / cap));
+      for (int per_node = 1; per_node < c.ranks; ++per_node) {
+        if (c.ranks % per_node != 0) continue;
+        SCOPED_TRACE(std::string(c.name) + " " + to_string(dt) + ", " + std::to_string(per_node) +
+                     " ranks per node");
+        InProcessWorld::Traffic t;
+        const auto nodes = run_case(c, dt, seed, per_node, &t);
+        for (size_t r = 0; r < flat.size(); ++r)
+          for (size_t w = 0; w < flat[r].size(); ++w) {
+            const Snapshot &a = flat[r][w], &b = nodes[r][w];
+            EXPECT_EQ(a.members, b.members);
+            for (auto [x, y] : {std::pair{&a.recv, &b.recv},
+                                {&a.weights, &b.weights},
+                                {&a.y, &b.y},
+                                {&a.values_out, &b.values_out}}) {
+              ASSERT_EQ(x->size(), y->size());
+              for (size_t i = 0; i < x->size(); ++i)
+                ASSERT_TRUE(same((*x)[i], (*y)[i])) << "rank " << r << " round " << w;
+            }
+          }
+        int64_t across = 0, leads_across = 0, pairs_across = 0;
+        const int K = c.top_k;
+        for (int w = 0; w < rounds; ++w)
+          for (int s = 0; s < c.ranks; ++s) {
+            const SourceRoutes& sr = routes[size_t(s)];
+            for (int64_t tok = 0; tok < sr.tokens; ++tok) {
+              std::vector<bool> node_hit(size_t(c.ranks / per_node), false);
+              for (int k = 0; k < K; ++k) {
+                const int lk = lead_k(sr, K, w * cap, cap, tok, k);
+                const int d = sr.rank[size_t(tok * K + k)];
+                if (lk < 0 || d / per_node == s / per_node) continue;
+                node_hit[size_t(d / per_node)] = true;
+                if (lk == k) ++leads_across;
+              }
+              across += std::count(node_hit.begin(), node_hit.end(), true);
+            }
+          }
+        pairs_across = leads_across;  // one flat row per (token, rank) lead on another node
+        EXPECT_EQ(t.dispatch_across, across);
+        EXPECT_EQ(t.combine_across, leads_across);
+        EXPECT_EQ(t.dispatch_within, flat_traffic.dispatch_within);
+        EXPECT_EQ(t.combine_within, flat_traffic.combine_within);
+        EXPECT_LE(across, pairs_across);
+        saved += pairs_across - across;
+      }
+    }
+  EXPECT_GT(saved, 0) << "no token had two ranks of one other node";
+}
+
+TEST(InProcessWorld, RanksPerNodeMustDivideTheRanks) {
+  EXPECT_THROW(InProcessWorld(4, std::chrono::milliseconds(1000), 3), ConfigError);
+  EXPECT_THROW(InProcessWorld(4, std::chrono::milliseconds(1000), -1), ConfigError);
+  EXPECT_EQ(InProcessWorld(4, std::chrono::milliseconds(1000), 0).ranks_per_node(), 4);
+  EXPECT_EQ(InProcessWorld(4, std::chrono::milliseconds(1000), 2).ranks_per_node(), 2);
 }
 
 }  // namespace

@@ -43,7 +43,7 @@ LayerRun run_layer(const LayerCase& c, const std::vector<std::vector<double>>& x
   out.params.w1.assign(size_t(E * H * 2 * F), 0.0);
   out.params.w2.assign(size_t(E * F * H), 0.0);
   std::vector<double> objective(size_t(R), 0.0);
-  InProcessWorld world(R);
+  InProcessWorld world(R, default_timeout(), c.ranks_per_node);
   world.run([&](int r) {
     auto be = make_cpu_backend(c.dtype);
     Communicator& comm = communicator ? communicator(world, r, *be) : world.communicator(r);

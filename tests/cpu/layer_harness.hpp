@@ -27,6 +27,8 @@ struct LayerCase {
   bool expert_grads = true;
   // Each forward and backward as its three split-phase calls (MoeLayer::forward_dispatch ...).
   bool split_phases = false;
+  // The world's ranks per node (InProcessWorld): 0, one node.
+  int ranks_per_node = 0;
 };
 
 // Parameters of the whole layer (all experts), to override the seeded initial values.

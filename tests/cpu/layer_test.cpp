@@ -110,6 +110,52 @@ TEST(Layer, EchoOnEqualsEchoOffUnderSkew) {
   }
 }
 
+// Ranks on several nodes (the in-process world's hierarchical dispatch and combine: one copy of a
+// token per node, forwarded inside it) give the bits of one node: ECHO clones, spill rounds,
+// chunks, shared experts and FP8 included.
+TEST(Layer, RanksOnSeveralNodesGiveTheBitsOfOneNode) {
+  for (int variant = 0; variant < 4; ++variant) {
+    LayerCase one;
+    one.moe = small_moe(16, variant == 1 ? 6 : 2, 32);
+    one.ranks = 4;
+    one.passes = 2;
+    one.echo.enabled = variant != 2;
+    one.echo.spare_slots_per_rank = 2;
+    one.moe.capacity_factor = variant == 0 ? 0.3 : 2.0;
+    if (variant == 1) one.moe.chunks = 3;
+    if (variant == 2) {
+      one.moe.shared_experts = 2;
+      one.moe.shared_ffn = 3;
+    }
+    if (variant == 3) {
+      one.moe.ffn = 16;
+      one.moe.precision = Precision::fp8;
+    }
+    const SkewedInput in = skewed(one, 32, 1.5, 41);
+    const auto g = per_rank(4, 32, 16, 900);
+    const LayerRun a = run_layer(one, in.x, g, in.params);
+    if (variant == 0) {
+      EXPECT_GT(a.stats[0].spill_rounds, 0);
+    }
+    if (variant < 2) {  // (FP8 clones on its quantization blocks: none at these few rows)
+      EXPECT_GT(a.stats[0].clones, 0) << "variant " << variant;
+    }
+    for (int per_node : {1, 2}) {
+      SCOPED_TRACE("variant " + std::to_string(variant) + ", " + std::to_string(per_node) +
+                   " ranks per node");
+      LayerCase nodes = one;
+      nodes.ranks_per_node = per_node;
+      const LayerRun b = run_layer(nodes, in.x, g, in.params);
+      EXPECT_EQ(a.y, b.y);
+      EXPECT_EQ(a.dx, b.dx);
+      EXPECT_EQ(a.d_router, b.d_router);
+      EXPECT_EQ(a.dw1, b.dw1);
+      EXPECT_EQ(a.dw2, b.dw2);
+      EXPECT_EQ(a.stats[0].clones, b.stats[0].clones);
+    }
+  }
+}
+
 // After zero_grad the first backward writes the expert gradients; a second one without zero_grad
 // adds to them (spill rounds and clones included): two passes give twice the gradients of one.
 TEST(Layer, BackwardsAfterOneZeroGradAccumulate) {
