@@ -56,6 +56,7 @@ struct BenchOptions {
   int layers = 1;                       // L layers per step
   bool separate = false;                // L MoeLayers with their own workspaces, not one MoeStack
   bool split_phases = false;            // each forward and backward as its three split calls
+  int ranks_per_node = 0;               // CPU ranks: the in-process world's nodes (0: one node)
 };
 
 // The most layers one bench step runs.
@@ -201,6 +202,9 @@ struct Report {
   // --phases on: per phase, per timed step, the slowest rank's and the ranks' mean ms.
   std::vector<std::string> phase_names;
   std::vector<std::vector<double>> phase_max, phase_mean;
+  // CPU ranks on more than one node: the rows dispatch and combine moved over the run.
+  int ranks_per_node = 0;
+  std::optional<InProcessWorld::Traffic> traffic;
 
   void header() const {
     const MoeConfig& moe = L.moe;
@@ -369,6 +373,15 @@ void Report::summary() const {
               mean(reach), reach_max);
   std::printf("  overflow rows (beyond capacity %lld, run in spill rounds): %lld in %d steps\n",
               (long long)capacity_rows(moe), (long long)overflow, spill_steps);
+  const bool nodes = traffic && ranks_per_node < R;
+  const double per_step = 1.0 / (double(o.steps) * o.layers);
+  if (nodes)
+    std::printf(
+        "  rows a layer's step moves on %d nodes of %d ranks (all ranks): dispatch %.1f across "
+        "nodes (one per token and node), %.1f within; combine %.1f across, %.1f within\n",
+        R / ranks_per_node, ranks_per_node, traffic->dispatch_across * per_step,
+        traffic->dispatch_within * per_step, traffic->combine_across * per_step,
+        traffic->combine_within * per_step);
   if (!phase_names.empty()) {
     std::printf(
         "\n  phases (ms, median over timed steps; a phase ends where the next starts; comm\n"
@@ -498,6 +511,13 @@ void Report::summary() const {
             {"dispatch_bytes_per_step", mean(dispatch_bytes)},
             {"overflow_rows", overflow},
             {"steps_with_spill", spill_steps}};
+  if (nodes) {
+    j["config"]["ranks_per_node"] = ranks_per_node;
+    s["rows_per_layer_step"] = {{"dispatch_across_nodes", traffic->dispatch_across * per_step},
+                                {"dispatch_within_nodes", traffic->dispatch_within * per_step},
+                                {"combine_across_nodes", traffic->combine_across * per_step},
+                                {"combine_within_nodes", traffic->combine_within * per_step}};
+  }
   if (L.echo.enabled) {
     s["load_max_over_mean_echo"] = mean(after);
     s["load_max_over_mean_echo_p99"] = percentile(after, 0.99);
@@ -555,8 +575,13 @@ int run_bench(const BenchOptions& opts) {
                std::to_string(env.world_size) + "` without moe-echo launch");
 #ifdef MOE_ECHO_WITH_CUDA
   if (env.world_size > 1 || opts.layer.backend == "cuda" ||
-      (opts.layer.backend == "auto" && cuda_backend_available()))
+      (opts.layer.backend == "auto" && cuda_backend_available())) {
+    if (opts.ranks_per_node != 0)
+      reject("ranks_per_node", opts.ranks_per_node,
+             "0 on GPU ranks (their nodes are the machines NCCL finds; the option places the CPU "
+             "backend's in-process ranks on nodes)");
     return run_bench_gpu(opts, env);
+  }
 #endif
   if (env.world_size > 1)
     reject("WORLD_SIZE", env.world_size,
@@ -585,6 +610,9 @@ int run_bench(const BenchOptions& opts) {
                                      " is invalid for bench: synthetic routing needs experts <= "
                                      "hidden (" +
                                      std::to_string(moe.hidden) + ")");
+  if (o.ranks_per_node < 0 || (o.ranks_per_node > 0 && R % o.ranks_per_node != 0))
+    reject("ranks_per_node", o.ranks_per_node,
+           "0 (one node) or a divisor of the ranks (ep " + std::to_string(R) + ")");
   // Ranks of the CPU backend share this process: refuse what cannot fit rather than swap or die.
   // Per rank: the layers, and the inputs and gradients of every layer boundary (L + 1 of each).
   const int NL = o.layers;
@@ -604,7 +632,7 @@ int run_bench(const BenchOptions& opts) {
   // A line on stderr whenever the run is quiet for 5 s (GPU-sized layers on the CPU).
   Heartbeat heartbeat("bench", o.steps);
   heartbeat.stage("building the layers");
-  InProcessWorld world(R);
+  InProcessWorld world(R, default_timeout(), o.ranks_per_node);
   world.run([&](int rank) {
     auto backend = make_backend(o.layer.backend);
     std::unique_ptr<Communicator> comm_holder;
@@ -664,6 +692,8 @@ int run_bench(const BenchOptions& opts) {
     }
   });
 
+  report.ranks_per_node = world.ranks_per_node();
+  report.traffic = world.traffic();
   report.summary();
   return 0;
 }
@@ -980,6 +1010,11 @@ void add_bench(CLI::App& app, Runner& run) {
   add_option(cmd, "--comm-ctas", opts->comm_ctas,
              "GPU ranks: CTAs of the NCCL communicator's dispatch/combine kernels, 1 to 128 "
              "(default: the communicator's, 128)");
+  add_option(cmd, "--ranks-per-node", opts->ranks_per_node,
+             "CPU ranks: place the --ep in-process ranks on nodes of this many (a divisor of ep), "
+             "so that dispatch and combine move rows as across nodes: one copy of a token per "
+             "other node, forwarded inside it (the same results); the summary counts the rows "
+             "across and within nodes. 0 (default): one node");
   add_option(cmd, "--phases", opts->phases,
              "GPU: on = also time each phase of the step (router, plan, dispatch, GEMMs, ...) "
              "with CUDA events and print them after the summary, each phase summed over the "

@@ -1,0 +1,42 @@
+# `moe-echo bench --ranks-per-node`: four CPU ranks on two nodes of two compute the steps of one
+# node (identical per-step load statistics, clones and losses in the JSON), and count the rows
+# dispatch and combine move across nodes (comm_test checks the counts; none on one node).
+cmake_policy(SET CMP0054 NEW)
+foreach(per_node 0 2)
+  set(json_file ${WORK_DIR}/bench_nodes_${per_node}.json)
+  execute_process(COMMAND ${EXE} bench --ep 4 --ranks-per-node ${per_node} --steps 3
+                          --capacity-factor 0.8 --json ${json_file}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "bench --ranks-per-node ${per_node} failed (${rc}): ${out}\n${err}")
+  endif()
+  set(out_${per_node} "${out}")
+  file(READ ${json_file} j_${per_node})
+endforeach()
+if(NOT out_2 MATCHES "across nodes \\(one per token and node\\)")
+  message(FATAL_ERROR "bench on 2 nodes printed no rows across nodes: ${out_2}")
+endif()
+if(out_0 MATCHES "across nodes")
+  message(FATAL_ERROR "bench on one node printed rows across nodes: ${out_0}")
+endif()
+foreach(step 0 1 2)
+  foreach(field load_max_over_mean_no_echo load_max_over_mean_echo clones overflow_rows aux_loss
+                z_loss dispatch_bytes)
+    string(JSON a GET "${j_0}" steps ${step} ${field})
+    string(JSON b GET "${j_2}" steps ${step} ${field})
+    if(NOT a STREQUAL b)
+      message(FATAL_ERROR "step ${step} ${field}: ${a} on one node, ${b} on two")
+    endif()
+  endforeach()
+endforeach()
+string(JSON per_node GET "${j_2}" config ranks_per_node)
+string(JSON d_across GET "${j_2}" summary rows_per_layer_step dispatch_across_nodes)
+string(JSON c_across GET "${j_2}" summary rows_per_layer_step combine_across_nodes)
+if(NOT per_node EQUAL 2 OR NOT d_across GREATER 0 OR NOT c_across GREATER 0)
+  message(FATAL_ERROR "config.ranks_per_node ${per_node}; rows across nodes: dispatch "
+                      "${d_across}, combine ${c_across}")
+endif()
+string(JSON missing ERROR_VARIABLE e GET "${j_0}" summary rows_per_layer_step)
+if(NOT e)
+  message(FATAL_ERROR "one node: summary.rows_per_layer_step present: ${missing}")
+endif()
