@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The EP4 layer round on a machine with 4 GPUs, in one call: build `moe-echo` (build-ep), time our
+# The EP layer round (EP 4, or EP=2) on a machine with that many GPUs, in one call: build `moe-echo` (build-ep), time our
 # layer (`moe-echo launch -n 4 -- moe-echo bench --ep 4`, one CUDA graph per step) on the
 # ANCHORS.md EP4 configs, uniform and Zipf 1.2, ECHO off and on, plus the baseline dispatcher on
 # one config; then the PyTorch host-synced EP layer (bench/torch_ep_layer.py under torchrun) on the
 # same configs and routing, in the same job. Logs and JSON go to $OUT (default out/ep_round), one
 # combined JSON to $OUT/ep_round.json; the comparison table is printed last.
 #
-# Usage: bash bench/ep_round.sh
+# Usage: bash bench/ep_round.sh   (EP=2 on a machine with 2 GPUs; default 4)
 #   PREBUILT=dir     take moe-echo from dir instead of building (same NCCL)
 #   OURS=0, TORCH=0  leave out our runs or the PyTorch runs
 #   RUNS="..."       our runs, name:preset:skew:echo:dispatcher:capture:steps (default below)
@@ -25,7 +25,7 @@ export MOE_ECHO_TIMEOUT_S=${MOE_ECHO_TIMEOUT_S:-180}
 export PATH=/usr/local/cuda/bin:$PATH
 export PYTHONUNBUFFERED=1
 budget=${BUDGET_S:-480}
-n=4
+n=${EP:-4}
 t_start=$SECONDS
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv >"$OUT/gpu.txt" 2>&1
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
