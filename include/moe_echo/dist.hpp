@@ -169,13 +169,15 @@ struct PeerLoss {
 // is gone instead of waiting forever, and tells which rank it was.
 //
 // A thread looks at each watched peer every `period` (/proc/<pid>/stat: gone, zombie, another
-// start time, or stopped) and calls `probe` (the caller's own check, e.g. of a device wait that
-// gave up; nullopt when all is well). The first loss it finds is kept (lost()) and handed to
-// `on_lost` once, on the thread. From then on the loss is the caller's to raise: consume() says
-// it was raised. If it is not consumed within `exit_grace` (a step replayed from a CUDA graph never
-// comes back to the library's host code, and a host-synced NCCL call never returns), the thread
-// prints "moe-echo: rank R: <message>; aborting" to stderr and ends the process with
-// Watchdog::kExitCode, as the Watchdog does and for its reasons.
+// start time, or stopped) and calls `probe`, the caller's check that something of its own waits
+// on a lost peer (a device wait that gave up; nullopt while none did). The first loss found, of a
+// peer's process or else the probe's, is kept (lost()) and handed to `on_lost` once, on the
+// thread; the loss is then the caller's to raise, and consume() says it was raised. A peer that
+// ends while nothing waits on it (ranks leaving at the end of a run at different times) is only
+// kept. Once the probe reports, a loss not consumed within `exit_grace` (a step replayed from a
+// CUDA graph never comes back to the library's host code) makes the thread print
+// "moe-echo: rank R: <message>; nothing raised it within N s; aborting" to stderr and end the
+// process with Watchdog::kExitCode, as the Watchdog does and for its reasons.
 //
 // Peers whose ProcessId.host differs from this process's (another host, or another pid
 // namespace) are not watched: their losses show only as the probe's.

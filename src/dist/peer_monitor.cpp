@@ -156,29 +156,30 @@ std::optional<PeerLoss> PeerMonitor::look(int r, int64_t now) {
 }
 
 void PeerMonitor::watch() {
-  int64_t found_ns = 0;
+  int64_t stuck_ns = 0;  // when the probe first reported: something waits on the loss
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     stop_cv_.wait_for(lock, options_.period);
     if (stop_) break;
     const int64_t now = now_ns();
-    if (!lost_) {
-      lock.unlock();
-      std::optional<PeerLoss> loss;
+    lock.unlock();
+    std::optional<PeerLoss> loss;
+    if (!lost_)
       for (int r : watched_)
         if ((loss = look(r, now))) break;
-      if (!loss && probe_) loss = probe_();
-      lock.lock();
-      if (!loss) continue;
+    std::optional<PeerLoss> stuck;
+    if (probe_ && stuck_ns == 0) stuck = probe_();
+    lock.lock();
+    if (stuck) stuck_ns = now;
+    if (!lost_ && !loss) loss = stuck;
+    if (!lost_ && loss) {
       lost_ = loss;
-      found_ns = now;
       lock.unlock();
       if (on_lost_) on_lost_(*loss);
       lock.lock();
-      continue;
     }
     const int64_t grace_ns = std::chrono::nanoseconds(options_.exit_grace).count();
-    if (grace_ns == 0 || consumed_.load() || now - found_ns < grace_ns) continue;
+    if (stuck_ns == 0 || grace_ns == 0 || consumed_.load() || now - stuck_ns < grace_ns) continue;
     // As the Watchdog does: one write(2) of a local buffer, then _exit (teardown may block on the
     // very wait that failed).
     char message[768];

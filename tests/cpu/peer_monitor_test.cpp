@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "moe_echo/dist.hpp"
@@ -186,12 +187,25 @@ TEST(PeerMonitor, RefusesBadArguments) {
   EXPECT_THROW(PeerMonitor(0, {ProcessId::self()}, nullptr, nullptr, o), Error);
 }
 
-TEST(PeerMonitorDeathTest, ALossNobodyRaisesEndsTheProcessWithTheMessage) {
+// The probe of a wait that gave up once the loss is known (what the NCCL communicator's is).
+using MonitorRef = std::atomic<const PeerMonitor*>;
+std::function<std::optional<PeerLoss>()> waits_once_lost(MonitorRef& m) {
+  return [&m]() -> std::optional<PeerLoss> {
+    const PeerMonitor* p = m.load();
+    if (p && p->lost()) return PeerLoss{PeerLoss::Kind::other, 1, 0, "a wait gave up"};
+    return std::nullopt;
+  };
+}
+
+TEST(PeerMonitorDeathTest, ALossAWaitIsStuckOnAndNobodyRaisesEndsTheProcessWithTheMessage) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
         Child child;
-        PeerMonitor m(0, {ProcessId::self(), child.id()}, nullptr, nullptr, fast(300ms, 300ms));
+        MonitorRef self{nullptr};
+        PeerMonitor m(0, {ProcessId::self(), child.id()}, waits_once_lost(self), nullptr,
+                      fast(300ms, 300ms));
+        self = &m;
         ::kill(child.pid, SIGKILL);
         std::this_thread::sleep_for(5s);  // a step that never comes back to the library
         std::_Exit(0);
@@ -201,9 +215,23 @@ TEST(PeerMonitorDeathTest, ALossNobodyRaisesEndsTheProcessWithTheMessage) {
       "aborting");
 }
 
+TEST(PeerMonitor, APeerThatEndsWhileNothingWaitsOnItDoesNotEndTheProcess) {
+  Child child;
+  PeerMonitor m(
+      0, {ProcessId::self(), child.id()}, [] { return std::optional<PeerLoss>(); }, nullptr,
+      fast(300ms, 200ms));
+  ::kill(child.pid, SIGKILL);  // as a rank leaving first at the end of a run
+  ASSERT_TRUE(wait_lost(m, 2s));
+  std::this_thread::sleep_for(600ms);  // past the exit grace: still here, the loss kept
+  EXPECT_EQ(m.lost()->rank, 1);
+}
+
 TEST(PeerMonitor, AConsumedLossDoesNotEndTheProcess) {
   Child child;
-  PeerMonitor m(0, {ProcessId::self(), child.id()}, nullptr, nullptr, fast(300ms, 200ms));
+  MonitorRef self{nullptr};
+  PeerMonitor m(0, {ProcessId::self(), child.id()}, waits_once_lost(self), nullptr,
+                fast(300ms, 200ms));
+  self = &m;
   ::kill(child.pid, SIGKILL);
   ASSERT_TRUE(wait_lost(m, 2s));
   m.consume();
