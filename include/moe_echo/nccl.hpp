@@ -4,7 +4,7 @@
 //
 // Sync-free path (the default): symmetric buffers are ncclMemAlloc memory registered as NCCL
 // symmetric windows when a layer is built; per-step ops are kernels of the NCCL device API that
-// load and store peers' windows over NVLink (LSA pointers), bracketed by LSA barriers. They never
+// load and store peers' windows over NVLink (LSA pointers), bracketed by barriers. They never
 // wait on the host, allocate nothing and are CUDA-graph capturable, conditional-node bodies
 // included. Every rank must enqueue the same ops in the same order with the same shapes. No
 // device wait is unbounded: a wait gives up when the communicator's PeerMonitor (dist.hpp) finds a
@@ -80,8 +80,8 @@ struct NcclOptions {
 int select_device(const DistEnv& env);
 
 // Builds the communicator of this process's rank: NCCL unique id from rank 0 through the
-// rendezvous, ncclCommInitRank on the current device, the device communicator (LSA barriers;
-// not in host-API mode), the type the options and the NVLink team call for (above) and its
+// rendezvous, ncclCommInitRank on the current device, the device communicator and the barriers'
+// inboxes (not in host-API mode), the PeerMonitor over the ranks' processes, the type the options and the NVLink team call for (above) and its
 // internal windows. Collective and blocking: every rank calls it at the same point. The
 // rendezvous must outlive the communicator (barrier() uses it).
 std::unique_ptr<Communicator> make_nccl_communicator(Rendezvous& rendezvous,
