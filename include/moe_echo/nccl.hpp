@@ -81,9 +81,10 @@ int select_device(const DistEnv& env);
 
 // Builds the communicator of this process's rank: NCCL unique id from rank 0 through the
 // rendezvous, ncclCommInitRank on the current device, the device communicator and the barriers'
-// inboxes (not in host-API mode), the PeerMonitor over the ranks' processes, the type the options and the NVLink team call for (above) and its
-// internal windows. Collective and blocking: every rank calls it at the same point. The
-// rendezvous must outlive the communicator (barrier() uses it).
+// inboxes (not in host-API mode), the PeerMonitor over the ranks' processes, the type the options
+// and the NVLink team call for (above) and its internal windows. Collective and blocking: every
+// rank calls it at the same point. The rendezvous must outlive the communicator (barrier() uses
+// it).
 std::unique_ptr<Communicator> make_nccl_communicator(Rendezvous& rendezvous,
                                                      const NcclOptions& options = {});
 // The same with a rendezvous of its own, from the launcher's variables.
