@@ -21,8 +21,9 @@
 #            top-8, 4 layers, bf16 parameters), compiled + one graph, bf16 then FP8 experts
 #   fp8prof  the fp8 stage's model, bf16 and FP8 experts, profiled as the profile stage does
 #   ncu      Nsight Compute (--clock-control none, SpeedOfLight) on the kernels NCU_KERNELS (a
-#            regex; default the expert GEMMs' zeroing and the FP8 quantization kernels) of the
-#            fp8 stage's FP8 model in its steps: each call's duration and DRAM throughput
+#            regex; default the expert GEMMs' zeroing and the FP8 quantization kernels) of
+#            `moe-echo bench` at the fp8 stage's expert shape in FP8 (ncu over the torch.compile'd
+#            model found no kernel within a call): each call's duration and DRAM throughput
 #   depth    bench/depth_round.sh: the largest model that fits, apart and on one workspace
 #   hf       bench/hf_swap_bench.py: transformers' Qwen3-MoE against the swapped model
 #   soak     bench/soak.py --device cuda --steps 2000: one captured graph a step, eager checks
@@ -74,7 +75,8 @@ for stage in $stages; do
         -DMOE_ECHO_CUTLASS_DIR="$PWD/third_party/cutlass" ${nccl_root:+-DNCCL_ROOT=$nccl_root} \
         >"$log" 2>&1 &&
         timeout "$lim" cmake --build "$build" -j "$(nproc)" --target moe_echo_python layer_bench \
-          cuda_ops_test cuda_planner_test cuda_stack_test bounded_barrier_test >>"$log" 2>&1
+          cuda_ops_test cuda_planner_test cuda_stack_test bounded_barrier_test moe-echo \
+          >>"$log" 2>&1
       rc=$?
       [ $rc -ne 0 ] && grep -B2 -A12 -E "error|FAILED" "$log" | head -40
       ;;
@@ -122,11 +124,13 @@ for stage in $stages; do
       ;;
     ncu)
       mkdir -p "$L/ncu"
-      timeout "$lim" ncu --clock-control none --target-processes all \
+      # The C++ bench at the model's expert shape (no torch.compile, which ncu slows past a call).
+      timeout "$lim" ncu --clock-control none \
         -k "regex:${NCU_KERNELS:-zero_empty_groups|quantize_cols|quantize_blocks}" \
         -c "${NCU_COUNT:-40}" --section SpeedOfLight --csv --log-file "$L/ncu/ncu.csv" \
-        python3 bench/e2e_moe_lm.py "${dsv3_like[@]}" --steps 2 --warmup 1 --precision fp8 \
-        --out "$L/ncu/e2e_dsv3_fp8.json" >"$log" 2>&1
+        "$build"/moe-echo bench --backend cuda --hidden 7168 --ffn 2048 --experts 32 --top-k 8 \
+        --max-tokens 8192 --precision fp8 --skew uniform --echo off --steps 2 --warmup 1 \
+        >"$log" 2>&1
       rc=$?
       python3 - "$L/ncu/ncu.csv" <<'PY' >>"$log" 2>&1
 import csv, sys
