@@ -41,8 +41,9 @@ struct DistEnv {
   static DistEnv from_env();
 };
 
-// The deadline of every blocking rendezvous call and of the watchdog: MOE_ECHO_TIMEOUT_S seconds
-// (an integer >= 1; ConfigError otherwise), 300 s when unset.
+// The deadline of every blocking rendezvous call, of the watchdog and of the NCCL communicator's
+// device waits for a live peer: MOE_ECHO_TIMEOUT_S seconds (an integer >= 1; ConfigError
+// otherwise), 300 s when unset.
 std::chrono::seconds default_timeout();
 
 // A TCP port on 127.0.0.1 that was free when asked (the OS picks it; another process may take it
