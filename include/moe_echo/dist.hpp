@@ -148,6 +148,9 @@ struct ProcessId {
   std::string host;  // empty where /proc cannot say (then the process is not watched)
 
   static ProcessId self();
+  // Process `pid` as this process sees it in /proc (the same host and pid namespace); start_ticks
+  // 0 and host empty when there is no such process.
+  static ProcessId of(int64_t pid);
   Bytes to_bytes() const;
   // Throws moe_echo::Error on bytes that to_bytes() did not write.
   static ProcessId from_bytes(const Bytes& bytes);

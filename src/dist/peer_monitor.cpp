@@ -9,17 +9,15 @@
 #include <fstream>
 #include <sstream>
 
+#include "dist/dist_util.hpp"
 #include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
 namespace {
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using dist_util::get_u64;
+using dist_util::put_u64;
 
 struct Stat {
   char state = '?';
@@ -51,22 +49,15 @@ std::string first_line(const char* path) {
   return line;
 }
 
-void put_u64(Bytes& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-uint64_t get_u64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
-  return v;
-}
-
 constexpr uint64_t kProcessIdMagic = 0x6469636f7270656dull;  // "meprocid"
 
 }  // namespace
 
-ProcessId ProcessId::self() {
+ProcessId ProcessId::self() { return of(int64_t(::getpid())); }
+
+ProcessId ProcessId::of(int64_t pid) {
   ProcessId id;
-  id.pid = int64_t(::getpid());
+  id.pid = pid;
   const std::optional<Stat> st = read_stat(id.pid);
   id.start_ticks = st ? st->start_ticks : 0;
   char ns[128] = {};
@@ -161,7 +152,7 @@ void PeerMonitor::watch() {
   while (!stop_) {
     stop_cv_.wait_for(lock, options_.period);
     if (stop_) break;
-    const int64_t now = now_ns();
+    const int64_t now = dist_util::steady_ns();
     lock.unlock();
     std::optional<PeerLoss> loss;
     if (!lost_)
@@ -180,17 +171,11 @@ void PeerMonitor::watch() {
     }
     const int64_t grace_ns = std::chrono::nanoseconds(options_.exit_grace).count();
     if (stuck_ns == 0 || grace_ns == 0 || consumed_.load() || now - stuck_ns < grace_ns) continue;
-    // As the Watchdog does: one write(2) of a local buffer, then _exit (teardown may block on the
-    // very wait that failed).
     char message[768];
     const int n = std::snprintf(
         message, sizeof message, "moe-echo: rank %d: %s; nothing raised it within %g s; aborting\n",
         rank_, lost_->message.c_str(), double(options_.exit_grace.count()) / 1000.0);
-    if (n > 0) {
-      const size_t bytes = std::min(size_t(n), sizeof message - 1);
-      [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, message, bytes);
-    }
-    ::_exit(Watchdog::kExitCode);
+    dist_util::end_process(message, n, sizeof message);
   }
 }
 

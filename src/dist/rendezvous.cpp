@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/dist_util.hpp"
 #include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_collectives.hpp"
@@ -32,6 +33,8 @@
 namespace moe_echo {
 namespace {
 
+using dist_util::get_u64;
+using dist_util::put_u64;
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
@@ -64,15 +67,6 @@ std::string rank_list(const std::vector<int>& ranks) {
   std::string s = ranks.size() == 1 ? "rank " : "ranks ";
   for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
   return s;
-}
-
-void put_u64(Bytes& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(uint8_t(v >> (8 * i)));
-}
-uint64_t get_u64(const uint8_t* p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; ++i) v |= uint64_t(p[i]) << (8 * i);
-  return v;
 }
 
 Bytes frame(const Bytes& payload) {

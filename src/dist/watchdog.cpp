@@ -11,17 +11,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "dist/dist_util.hpp"
 #include "moe_echo/dist.hpp"
 #include "moe_echo/error.hpp"
 
 namespace moe_echo {
 namespace {
 
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
+using dist_util::steady_ns;
 
 int rank_from_env() {
   const char* value = std::getenv("RANK");
@@ -37,7 +34,7 @@ Watchdog::Watchdog(std::chrono::milliseconds timeout, std::string what, int rank
     : timeout_(timeout),
       what_(std::move(what)),
       rank_(rank >= 0 ? rank : rank_from_env()),
-      last_kick_ns_(now_ns()) {
+      last_kick_ns_(steady_ns()) {
   MOE_ECHO_CHECK(timeout.count() > 0, "watchdog timeout " << timeout.count() << " ms");
   thread_ = std::thread([this] { watch(); });
 }
@@ -51,7 +48,7 @@ Watchdog::~Watchdog() {
   thread_.join();
 }
 
-void Watchdog::kick() { last_kick_ns_.store(now_ns(), std::memory_order_relaxed); }
+void Watchdog::kick() { last_kick_ns_.store(steady_ns(), std::memory_order_relaxed); }
 
 void Watchdog::arm() {
   kick();
@@ -65,26 +62,20 @@ void Watchdog::watch() {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     const int64_t due_ns = last_kick_ns_.load(std::memory_order_relaxed) + timeout_ns;
-    const int64_t now = now_ns();
+    const int64_t now = steady_ns();
     if (!armed_.load() || now < due_ns) {
       // Disarmed: look again after one timeout (arm() restarts the clock anyway).
       const int64_t wait_ns = armed_.load() ? due_ns - now : timeout_ns;
       stop_cv_.wait_for(lock, std::chrono::nanoseconds(wait_ns));
       continue;
     }
-    // Formatted into a local buffer and written with one write(2): no allocation, no stream
-    // lock that a stuck thread might hold.
     char message[512];
     const int n = std::snprintf(
         message, sizeof message,
         "moe-echo: rank %d: no progress in %s for %g s (watchdog timeout; set MOE_ECHO_TIMEOUT_S "
         "to change it); aborting\n",
         rank_, what_.c_str(), double(timeout_.count()) / 1000.0);
-    if (n > 0) {
-      const size_t bytes = std::min(size_t(n), sizeof message - 1);
-      [[maybe_unused]] const ssize_t written = ::write(STDERR_FILENO, message, bytes);
-    }
-    ::_exit(kExitCode);
+    dist_util::end_process(message, n, sizeof message);
   }
 }
 

@@ -33,30 +33,11 @@ struct Child {
       ::waitpid(pid, nullptr, 0);
     }
   }
-  // The child's ProcessId as the child would send it (read from /proc after it started).
+  // The child's ProcessId as the child would send it (its /proc entry exists once fork returned).
   ProcessId id() const {
-    ProcessId me = ProcessId::self();
-    for (int i = 0; i < 100; ++i) {  // the child's /proc entry exists once fork returned
-      ProcessId id = me;
-      id.pid = pid;
-      std::string stat;
-      if (FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r")) {
-        char buf[1024] = {};
-        const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-        std::fclose(f);
-        stat.assign(buf, n);
-      }
-      const size_t close = stat.rfind(')');
-      if (close != std::string::npos) {
-        std::istringstream rest(stat.substr(close + 1));
-        std::string field;
-        for (int k = 3; k < 22; ++k) rest >> field;
-        if (rest >> id.start_ticks) return id;
-      }
-      std::this_thread::sleep_for(1ms);
-    }
-    ADD_FAILURE() << "no /proc entry for the child";
-    return me;
+    const ProcessId id = ProcessId::of(pid);
+    EXPECT_GT(id.start_ticks, 0u) << "no /proc entry for the child";
+    return id;
   }
 };
 
