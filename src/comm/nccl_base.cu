@@ -122,7 +122,6 @@ void Context::check_alive() {
   if (!monitor_) return;
   std::optional<PeerLoss> loss = monitor_->lost();
   if (!loss) return;
-  lost_ = true;
   monitor_->consume();
   std::ostringstream m;
   m << "NCCL communicator, rank " << rank_ << " of " << size_ << ": " << loss->message;
@@ -144,10 +143,10 @@ BarrierArgs Context::barrier_args() const {
 }
 
 void Context::destroy() {
-  if (monitor_ && monitor_->lost()) lost_ = true;
+  const bool lost = peer_lost();
   if (setup_stream_) (void)cudaStreamDestroy(setup_stream_);
   setup_stream_ = nullptr;
-  if (lost_) {
+  if (lost) {
     // A peer is gone: NCCL's collective teardown would wait for it. The windows' memory stays
     // to the process's exit (freeing memory a peer's mapping may still name is not worth it).
     if (comm_) (void)ncclCommAbort(comm_);
@@ -212,8 +211,7 @@ Window Context::make_plain_window(size_t bytes, const std::string& what) {
 
 void Context::release_window(Window& w) {
   if (!w.ptr) return;
-  if (lost_ || (monitor_ && monitor_->lost())) {  // see destroy()
-    lost_ = true;
+  if (peer_lost()) {  // see destroy()
     w = Window{};
     return;
   }

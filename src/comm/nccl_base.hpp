@@ -115,6 +115,8 @@ class Context {
  private:
   void check_same_size(size_t bytes, const std::string& what);
   void watch_peers();
+  // A peer was found lost (teardown then aborts).
+  bool peer_lost() const { return monitor_ && monitor_->lost().has_value(); }
   std::optional<PeerLoss> failed_wait() const;
   void destroy();
 
@@ -132,7 +134,6 @@ class Context {
   Window inbox_;
   uint64_t wait_timeout_ns_ = 0;
   std::unique_ptr<PeerMonitor> monitor_;
-  bool lost_ = false;  // a loss was raised: teardown aborts
 };
 
 // The ops other than dispatch and combine, past NcclCommBase's argument checks, and the memory of
