@@ -79,6 +79,11 @@ class Communicator {
   // a step). MoeLayer runs eager steps of a capturable communicator as graphs (see
   // Backend::enqueue_as_graph), and those of others op by op.
   virtual bool capturable() const { return true; }
+  // Host, at every step's enqueue (no device work, no sync): throws Error naming the peer when
+  // this communicator knows one was lost (the NCCL communicators' PeerMonitor); a no-op for the
+  // others. An eager step relaunches a cached graph without calling the per-step ops below, so
+  // this is where it learns of the loss.
+  virtual void check_peers() {}
 
   // Build time (collective, may block).
   virtual SymmetricBuffer alloc_symmetric(Backend& backend, size_t bytes) = 0;

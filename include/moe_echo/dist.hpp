@@ -178,8 +178,10 @@ struct PeerLoss {
 // peer's process or else the probe's, is kept (lost()) and handed to `on_lost` once, on the
 // thread; the loss is then the caller's to raise, and consume() says it was raised. A peer that
 // ends while nothing waits on it (ranks leaving at the end of a run at different times) is only
-// kept. Once the probe reports, a loss not consumed within `exit_grace` (a step replayed from a
-// CUDA graph never comes back to the library's host code) makes the thread print
+// kept. Once the probe reports, or once the loss is a stopped peer (which no launcher notices and
+// on which any wait blocks: a device barrier, a host rendezvous, another library's collective), a
+// loss not consumed within `exit_grace` (a step replayed from a CUDA graph never comes back to
+// the library's host code; a host wait may be outside it) makes the thread print
 // "moe-echo: rank R: <message>; nothing raised it within N s; aborting" to stderr and end the
 // process with Watchdog::kExitCode, as the Watchdog does and for its reasons.
 //

@@ -172,6 +172,7 @@ class NcclCommBase : public Communicator {
   int size() const final { return ctx_->size(); }
   ncclComm_t handle() const { return ctx_->comm(); }
   bool host_api() const { return ops_->host_api(); }
+  void check_peers() final { ctx_->check_alive(); }
 
   SymmetricBuffer alloc_symmetric(Backend& backend, size_t bytes) final;
   void free_symmetric(Backend& backend, SymmetricBuffer& buf) final;

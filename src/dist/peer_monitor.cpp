@@ -163,6 +163,8 @@ void PeerMonitor::watch() {
     lock.lock();
     if (stuck) stuck_ns = now;
     if (!lost_ && !loss) loss = stuck;
+    // A stopped peer blocks whatever waits on it, ours or not: its loss starts the clock itself.
+    if (loss && loss->kind == PeerLoss::Kind::stopped && stuck_ns == 0) stuck_ns = now;
     if (!lost_ && loss) {
       lost_ = loss;
       lock.unlock();

@@ -191,6 +191,7 @@ void LayerCore::enqueue(std::unique_ptr<GraphCache>& cache, int phase, Stream s)
   const size_t begin = phase < 0 ? 0 : st.schedule->phase[size_t(phase)];
   const size_t end = phase < 0 ? st.schedule->ops.size() : st.schedule->phase[size_t(phase) + 1];
   auto ops = [&](Stream g) { run(st, begin, end, g); };
+  comm_.check_peers();
   if (eager_graphs())
     backend_.enqueue_as_graph(cache, st.key(), ops, s);
   else

@@ -1411,5 +1411,85 @@ TEST(Layer, RejectsBadTensorsAndConfigs) {
   EXPECT_THROW(layer.backward(dy4, dx4), Error);  // its forward's backward already ran
 }
 
+// A communicator that learns a peer was lost (an NCCL communicator's PeerMonitor) is asked at
+// every step's enqueue, so an eager step that relaunches a cached graph (calling no per-step op)
+// still throws its error instead of running on a dead communicator.
+class LosesAPeer final : public Communicator {
+ public:
+  explicit LosesAPeer(Communicator& inner) : inner_(inner) {}
+  bool lost = false;
+  int checks = 0;
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  bool capturable() const override { return inner_.capturable(); }
+  void check_peers() override {
+    ++checks;
+    if (lost) throw Error("rank 1 (pid 4242) exited");
+  }
+  SymmetricBuffer alloc_symmetric(Backend& b, size_t bytes) override {
+    return inner_.alloc_symmetric(b, bytes);
+  }
+  void free_symmetric(Backend& b, SymmetricBuffer& buf) override { inner_.free_symmetric(b, buf); }
+  void barrier() override { inner_.barrier(); }
+  void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, Stream s) override {
+    inner_.all_gather_i32(local, all, n, s);
+  }
+  void all_reduce_sum(const Tensor& t, Stream s) override { inner_.all_reduce_sum(t, s); }
+  void dispatch(const RowRoute& route, RoundWindow window, const void* src, size_t row_bytes,
+                const SymmetricBuffer& recv, const FanTable& fan, Stream s) override {
+    inner_.dispatch(route, window, src, row_bytes, recv, fan, s);
+  }
+  void combine(const RowRoute& route, RoundWindow window, const SymmetricBuffer& red,
+               const Tensor& y, const int32_t* accumulate, const FanTable& fan, void* values_out,
+               Stream s) override {
+    inner_.combine(route, window, red, y, accumulate, fan, values_out, s);
+  }
+  void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg,
+                          const SymmetricBuffer& home, void* spare, size_t slot_bytes,
+                          Stream s) override {
+    inner_.pull_clone_weights(plan, cfg, home, spare, slot_bytes, s);
+  }
+  void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg,
+                          const SymmetricBuffer& spare, void* home, int64_t slot_elems, DType dtype,
+                          Stream s) override {
+    inner_.reduce_clone_grads(plan, cfg, spare, home, slot_elems, dtype, s);
+  }
+
+ private:
+  Communicator& inner_;
+};
+
+TEST(Layer, AStepThrowsOnceItsCommunicatorLostAPeer) {
+  const MoeConfig m = small_moe(8, 2, 16);
+  InProcessWorld world(1);
+  world.run([&](int) {
+    auto be = make_cpu_backend(DType::f64);
+    LosesAPeer comm(world.communicator(0));
+    MoeLayer layer(*be, comm, m, ParallelConfig{1, 0}, EchoConfig{}, 3);
+    const int64_t T = 16, H = m.hidden;
+    std::vector<void*> owned;
+    auto tensor = [&](uint64_t seed) {
+      Tensor t(nullptr, DType::f64, {T, H});
+      t.data = be->allocate(t.bytes());
+      owned.push_back(t.data);
+      write_tensor(*be, t, random_values(size_t(t.numel()), seed));
+      return t;
+    };
+    const Tensor x = tensor(1), y = tensor(2), dy = tensor(3), dx = tensor(4);
+    layer.forward(x, y);
+    layer.backward(dy, dx);
+    EXPECT_GE(comm.checks, 2);  // the forward's and the backward's enqueues
+    comm.lost = true;
+    try {
+      layer.forward(x, y);
+      ADD_FAILURE() << "a step ran on a communicator that lost a peer";
+    } catch (const Error& err) {
+      EXPECT_NE(std::string(err.what()).find("rank 1 (pid 4242) exited"), std::string::npos)
+          << err.what();
+    }
+    for (void* p : owned) be->deallocate(p);
+  });
+}
+
 }  // namespace
 }  // namespace moe_echo::test

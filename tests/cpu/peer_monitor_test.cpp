@@ -1,7 +1,9 @@
 // PeerMonitor and ProcessId (include/moe_echo/dist.hpp) with real processes: a forked child plays
 // the peer rank, and is killed, stopped, continued or left running.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -24,6 +26,12 @@ struct Child {
   Child() {
     pid = ::fork();
     if (pid == 0) {
+      // Dies with its parent (even stopped), and holds none of its output: a death test's
+      // parent reads that to its end, which a stopped child would never give.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      const int null = ::open("/dev/null", O_WRONLY);
+      ::dup2(null, 1);
+      ::dup2(null, 2);
       for (;;) ::pause();
     }
   }
@@ -141,6 +149,9 @@ TEST(PeerMonitor, AReusedPidOrAnotherHostIsNotTheSameProcess) {
   ASSERT_TRUE(l);
   EXPECT_EQ(l->rank, 2);
   EXPECT_EQ(l->kind, PeerLoss::Kind::exited);
+  // The child itself is alive and running: only its start time told it apart.
+  EXPECT_EQ(::kill(child.pid, 0), 0);
+  EXPECT_EQ(ProcessId::of(child.pid).start_ticks + 1, other_start.start_ticks);
 }
 
 TEST(PeerMonitor, TheProbeReportsWhatTheProcessesCannot) {
@@ -194,6 +205,23 @@ TEST(PeerMonitorDeathTest, ALossAWaitIsStuckOnAndNobodyRaisesEndsTheProcessWithT
       testing::ExitedWithCode(Watchdog::kExitCode),
       "moe-echo: rank 0: rank 1 \\(pid [0-9]+\\) exited; nothing raised it within 0.3 s; "
       "aborting");
+}
+
+TEST(PeerMonitorDeathTest, AStoppedPeerNobodyRaisesEndsTheProcessEvenWithNoWaitOfOurs) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        Child child;
+        PeerMonitor m(
+            0, {ProcessId::self(), child.id()}, [] { return std::optional<PeerLoss>(); }, nullptr,
+            fast(300ms, 300ms));
+        ::kill(child.pid, SIGSTOP);  // as a host wait of another library, blocked on it
+        std::this_thread::sleep_for(5s);
+        std::_Exit(0);
+      },
+      testing::ExitedWithCode(Watchdog::kExitCode),
+      "moe-echo: rank 0: rank 1 \\(pid [0-9]+\\) is stopped \\(SIGSTOP or a terminal stop\\) "
+      "for 0.3 s; nothing raised it within 0.3 s; aborting");
 }
 
 TEST(PeerMonitor, APeerThatEndsWhileNothingWaitsOnItDoesNotEndTheProcess) {
