@@ -183,7 +183,11 @@ struct PeerLoss {
 // loss not consumed within `exit_grace` (a step replayed from a CUDA graph never comes back to
 // the library's host code; a host wait may be outside it) makes the thread print
 // "moe-echo: rank R: <message>; nothing raised it within N s; aborting" to stderr and end the
-// process with Watchdog::kExitCode, as the Watchdog does and for its reasons.
+// process with Watchdog::kExitCode, as the Watchdog does and for its reasons. A loss that was
+// raised (consume()) while the process is still running `raised_grace` later (its teardown
+// blocked on the lost peer: another library's communicator destroyed gracefully, a host barrier)
+// ends it the same way ("...; raised N s ago and the process is still running; aborting"), as
+// torch's NCCL watchdog tears a process down after a collective's error.
 //
 // Peers whose ProcessId.host differs from this process's (another host, or another pid
 // namespace) are not watched: their losses show only as the probe's.
@@ -192,7 +196,8 @@ class PeerMonitor {
   struct Options {
     std::chrono::milliseconds period{100};
     std::chrono::milliseconds stopped_grace{5000};
-    std::chrono::milliseconds exit_grace{10000};  // 0: never end the process
+    std::chrono::milliseconds exit_grace{10000};    // 0: never end the process
+    std::chrono::milliseconds raised_grace{15000};  // 0: a raised loss never ends the process
   };
   // peers[r] is rank r's process (rank `rank`'s own entry is not watched).
   PeerMonitor(int rank, std::vector<ProcessId> peers,
@@ -206,8 +211,9 @@ class PeerMonitor {
   const std::vector<int>& watched() const { return watched_; }
   // The first loss found, if any. Thread-safe.
   std::optional<PeerLoss> lost() const;
-  // The loss was raised to the caller's caller (no process exit after exit_grace).
-  void consume() { consumed_.store(true); }
+  // The loss was raised to the caller's caller: no process exit after exit_grace; one after
+  // raised_grace if the process is still running then. Thread-safe; the first call counts.
+  void consume();
 
  private:
   void watch();
@@ -222,7 +228,7 @@ class PeerMonitor {
   Options options_;
   mutable std::mutex mutex_;
   std::optional<PeerLoss> lost_;
-  std::atomic<bool> consumed_{false};
+  std::atomic<int64_t> consumed_ns_{0};  // steady clock of the first consume(), 0 before
   std::condition_variable stop_cv_;
   bool stop_ = false;
   std::thread thread_;

@@ -100,11 +100,12 @@ PeerMonitor::PeerMonitor(int rank, std::vector<ProcessId> peers,
   MOE_ECHO_CHECK(rank >= 0 && rank < int(peers_.size()),
                  "rank " << rank << " of " << peers_.size() << " processes");
   MOE_ECHO_CHECK(options_.period.count() > 0 && options_.stopped_grace.count() >= 0 &&
-                     options_.exit_grace.count() >= 0,
-                 "PeerMonitor periods: period " << options_.period.count() << " ms, stopped_grace "
-                                                << options_.stopped_grace.count()
-                                                << " ms, exit_grace " << options_.exit_grace.count()
-                                                << " ms");
+                     options_.exit_grace.count() >= 0 && options_.raised_grace.count() >= 0,
+                 "PeerMonitor periods: period "
+                     << options_.period.count() << " ms, stopped_grace "
+                     << options_.stopped_grace.count() << " ms, exit_grace "
+                     << options_.exit_grace.count() << " ms, raised_grace "
+                     << options_.raised_grace.count() << " ms (each >= 0, the period > 0)");
   const std::string& mine = peers_[size_t(rank)].host;
   for (int r = 0; r < int(peers_.size()); ++r)
     if (r != rank && !mine.empty() && peers_[size_t(r)].host == mine && peers_[size_t(r)].pid > 0)
@@ -119,6 +120,11 @@ PeerMonitor::~PeerMonitor() {
   }
   stop_cv_.notify_all();
   thread_.join();
+}
+
+void PeerMonitor::consume() {
+  int64_t none = 0;
+  consumed_ns_.compare_exchange_strong(none, std::max<int64_t>(dist_util::steady_ns(), 1));
 }
 
 std::optional<PeerLoss> PeerMonitor::lost() const {
@@ -171,12 +177,25 @@ void PeerMonitor::watch() {
       if (on_lost_) on_lost_(*loss);
       lock.lock();
     }
-    const int64_t grace_ns = std::chrono::nanoseconds(options_.exit_grace).count();
-    if (stuck_ns == 0 || grace_ns == 0 || consumed_.load() || now - stuck_ns < grace_ns) continue;
+    if (!lost_) continue;
+    const int64_t consumed_ns = consumed_ns_.load();
     char message[768];
-    const int n = std::snprintf(
-        message, sizeof message, "moe-echo: rank %d: %s; nothing raised it within %g s; aborting\n",
-        rank_, lost_->message.c_str(), double(options_.exit_grace.count()) / 1000.0);
+    int n = 0;
+    if (consumed_ns != 0) {
+      const int64_t grace_ns = std::chrono::nanoseconds(options_.raised_grace).count();
+      if (grace_ns == 0 || now - consumed_ns < grace_ns) continue;
+      n = std::snprintf(message, sizeof message,
+                        "moe-echo: rank %d: %s; raised %g s ago and the process is still "
+                        "running; aborting\n",
+                        rank_, lost_->message.c_str(),
+                        double(options_.raised_grace.count()) / 1000.0);
+    } else {
+      const int64_t grace_ns = std::chrono::nanoseconds(options_.exit_grace).count();
+      if (stuck_ns == 0 || grace_ns == 0 || now - stuck_ns < grace_ns) continue;
+      n = std::snprintf(message, sizeof message,
+                        "moe-echo: rank %d: %s; nothing raised it within %g s; aborting\n", rank_,
+                        lost_->message.c_str(), double(options_.exit_grace.count()) / 1000.0);
+    }
     dist_util::end_process(message, n, sizeof message);
   }
 }

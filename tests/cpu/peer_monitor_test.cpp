@@ -50,11 +50,13 @@ struct Child {
 };
 
 PeerMonitor::Options fast(std::chrono::milliseconds stopped_grace = 300ms,
-                          std::chrono::milliseconds exit_grace = 0ms) {
+                          std::chrono::milliseconds exit_grace = 0ms,
+                          std::chrono::milliseconds raised_grace = 0ms) {
   PeerMonitor::Options o;
   o.period = 20ms;
   o.stopped_grace = stopped_grace;
   o.exit_grace = exit_grace;
+  o.raised_grace = raised_grace;
   return o;
 }
 
@@ -177,6 +179,9 @@ TEST(PeerMonitor, RefusesBadArguments) {
   PeerMonitor::Options o = fast();
   o.period = 0ms;
   EXPECT_THROW(PeerMonitor(0, {ProcessId::self()}, nullptr, nullptr, o), Error);
+  o = fast();
+  o.raised_grace = -1ms;
+  EXPECT_THROW(PeerMonitor(0, {ProcessId::self()}, nullptr, nullptr, o), Error);
 }
 
 // The probe of a wait that gave up once the loss is known (what the NCCL communicator's is).
@@ -233,6 +238,26 @@ TEST(PeerMonitor, APeerThatEndsWhileNothingWaitsOnItDoesNotEndTheProcess) {
   ASSERT_TRUE(wait_lost(m, 2s));
   std::this_thread::sleep_for(600ms);  // past the exit grace: still here, the loss kept
   EXPECT_EQ(m.lost()->rank, 1);
+}
+
+TEST(PeerMonitorDeathTest, ARaisedLossEndsAProcessStillRunningAfterTheRaisedGrace) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        Child child;
+        MonitorRef self{nullptr};
+        PeerMonitor m(0, {ProcessId::self(), child.id()}, waits_once_lost(self), nullptr,
+                      fast(300ms, 200ms, 400ms));
+        self = &m;
+        ::kill(child.pid, SIGKILL);
+        while (!m.lost()) std::this_thread::sleep_for(5ms);
+        m.consume();                      // raised to the program, which then never ends
+        std::this_thread::sleep_for(5s);  // (a teardown blocked on the lost peer)
+        std::_Exit(0);
+      },
+      testing::ExitedWithCode(Watchdog::kExitCode),
+      "moe-echo: rank 0: rank 1 \\(pid [0-9]+\\) exited; raised 0.4 s ago and the process is "
+      "still running; aborting");
 }
 
 TEST(PeerMonitor, AConsumedLossDoesNotEndTheProcess) {

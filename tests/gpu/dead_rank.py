@@ -168,7 +168,10 @@ def run_case(name: str, cmd: list[str], kind: str, env: dict) -> dict:
                   message=names_rank[:3], processes_left=left, gpu_processes_left=gpu_left,
                   output_after_fault=after[-40:])
     if kind == "python" and fault == "stop" and "eager" in name:
-        result["runtime_error"] = any("RuntimeError" in l for l in after)
+        # An eager step comes back to the library's host code: the loss must reach the program
+        # as an exception (not only as the monitor's exit).
+        result["runtime_error"] = any("RuntimeError" in l and "rank 1" in l for l in after)
+        result["ok"] = ok and result["runtime_error"]
     return result
 
 

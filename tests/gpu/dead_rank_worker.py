@@ -59,7 +59,9 @@ def main() -> None:
         print(f"rank {rank}: {type(e).__name__}: {e}", flush=True)
         raise
     finally:
+        print(f"rank {rank}: destroying the process group", flush=True)
         dist.destroy_process_group()
+        print(f"rank {rank}: process group destroyed", flush=True)
 
 
 if __name__ == "__main__":
