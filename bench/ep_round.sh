@@ -15,11 +15,16 @@
 #   BUDGET_S         seconds after which no further run starts (default 480)
 #   BENCH_ARGS       more arguments for every `moe-echo bench` run (e.g. "--phases on": a table of
 #                    the step's phases per run is printed last)
+#   RUNS_DIR         where each run's log and JSON go (default $OUT); another folder keeps $OUT to
+#                    three files (gpu.txt, ep_round.json, and runs.tgz packing RUNS_DIR), which
+#                    ep_round.json and runs.tgz being rewritten after every run, so a call cut
+#                    short still returns what ran
 # Needs third_party/ (scripts/gpu_deps.sh) when it builds. NVLink multicast stays off.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-$PWD/out/ep_round}
-mkdir -p "$OUT"
+RUNS_DIR=${RUNS_DIR:-$OUT}
+mkdir -p "$OUT" "$RUNS_DIR"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export MOE_ECHO_TIMEOUT_S=${MOE_ECHO_TIMEOUT_S:-180}
 export PATH=/usr/local/cuda/bin:$PATH
@@ -52,72 +57,25 @@ if [ "${OURS:-1}" != 0 ]; then
     generator=()
     command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
     cmake -S . -B build-ep "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
-      ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$OUT/build.log" 2>&1 &&
-      cmake --build build-ep -j "$(nproc)" --target moe-echo >>"$OUT/build.log" 2>&1
+      ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$RUNS_DIR/build.log" 2>&1 &&
+      cmake --build build-ep -j "$(nproc)" --target moe-echo >>"$RUNS_DIR/build.log" 2>&1
     rc=$?
     echo "build: rc=$rc $((SECONDS - t0)) s"
-    if [ "$rc" -eq 0 ]; then bin=build-ep; else grep -E "error|FAILED" "$OUT/build.log" | head -30; fi
+    if [ "$rc" -eq 0 ]; then bin=build-ep; else grep -E "error|FAILED" "$RUNS_DIR/build.log" | head -30; fi
   fi
-  if [ -n "$bin" ] && ! "$bin/moe-echo" --version >/dev/null 2>>"$OUT/build.log"; then
+  if [ -n "$bin" ] && ! "$bin/moe-echo" --version >/dev/null 2>>"$RUNS_DIR/build.log"; then
     echo "$bin/moe-echo does not run here"; bin=""
   fi
 fi
 
-# Our layer: name:preset:skew:echo:dispatcher:capture:steps (zipf skews as zipf:S).
-q=qwen3-30b-a3b m=mixtral-8x7b d=deepseek-v3
-runs=${RUNS:-"q-u-off:$q:uniform:off:syncfree:on:12 q-u-on:$q:uniform:on:syncfree:on:12
-  q-z-off:$q:zipf:1.2:off:syncfree:on:12 q-z-on:$q:zipf:1.2:on:syncfree:on:12
-  q-z-base:$q:zipf:1.2:off:baseline:off:8
-  m-u-off:$m:uniform:off:syncfree:on:8 m-z-off:$m:zipf:1.2:off:syncfree:on:8
-  m-z-on:$m:zipf:1.2:on:syncfree:on:8
-  d-u-off:$d:uniform:off:syncfree:on:6 d-z-off:$d:zipf:1.2:off:syncfree:on:6
-  d-z-on:$d:zipf:1.2:on:syncfree:on:6"}
-status=()
-if [ -n "$bin" ]; then
-  for r in $runs; do
-    IFS=: read -r name preset skew1 rest <<<"$r"
-    skew=$skew1
-    if [ "$skew1" = zipf ]; then IFS=: read -r s2 rest <<<"$rest"; skew="zipf:$s2"; fi
-    IFS=: read -r echo disp capture steps <<<"$rest"
-    lim=$(limit 240)
-    if [ "$lim" -lt 30 ]; then status+=("ours $name: skipped (budget)"); continue; fi
-    t0=$SECONDS
-    timeout "$lim" "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout $((lim - 10)) -- \
-      "$bin/moe-echo" bench --preset "$preset" --ep "$n" --skew "$skew" --echo "$echo" \
-      --spare-slots 2 --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
-      --json "$OUT/ours_$name.json" ${BENCH_ARGS:-} >"$OUT/ours_$name.log" 2>&1
-    rc=$?
-    summary=$(grep -E "^\[rank 0\]   forward" "$OUT/ours_$name.log" | sed 's/^\[rank 0\]   //')
-    status+=("$(printf 'ours  %-9s rc=%-3s %4d s  %s' "$name" "$rc" $((SECONDS - t0)) "${summary:-no summary}")")
-    [ "$rc" -ne 0 ] && grep -E "error|Error|what\(\)|watchdog|launch:" "$OUT/ours_$name.log" | head -8
-  done
-fi
-
-# The PyTorch layer: one torchrun per preset, both skews, checked against an fp32 reference first.
-if [ "${TORCH:-1}" != 0 ]; then
-  for preset in ${PRESETS:-$q $m $d}; do
-    lim=$(limit 240)
-    if [ "$lim" -lt 30 ]; then status+=("torch $preset: skipped (budget)"); continue; fi
-    check=(--check)
-    [ "$preset" = "$d" ] && check=()  # the fp32 reference of 256 experts would not fit
-    t0=$SECONDS
-    timeout "$lim" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
-      bench/torch_ep_layer.py --preset "$preset" --skew uniform,zipf:1.2 \
-      --steps "${TORCH_STEPS:-20}" --warmup "${TORCH_WARMUP:-5}" \
-      "${check[@]}" --out "$OUT/torch_$preset.json" >"$OUT/torch_$preset.log" 2>&1
-    rc=$?
-    status+=("$(printf 'torch %-13s rc=%-3s %4d s' "$preset" "$rc" $((SECONDS - t0)))")
-    grep -E "check against" "$OUT/torch_$preset.log" | sed 's/^ */    /'
-    [ "$rc" -ne 0 ] && grep -E "Error|error" "$OUT/torch_$preset.log" | head -8
-  done
-fi
-
-echo
-echo "==================== EP$n layer round: $gpus x ${gpu:-no GPU}, commit $commit, $((SECONDS - t_start)) s ===================="
-for s in "${status[@]}"; do echo "  $s"; done
-python3 - "$OUT" "$commit" "${gpu:-unknown}" "$n" <<'EOF'
+# ep_round.json from the runs so far (and runs.tgz when RUNS_DIR is not $OUT); "table" prints the
+# comparison, "quiet" only writes.
+summarize() {
+  [ "$RUNS_DIR" != "$OUT" ] && tar -czf "$OUT/runs.tgz" -C "$RUNS_DIR" . 2>/dev/null
+python3 - "$RUNS_DIR" "$OUT" "$commit" "${gpu:-unknown}" "$n" "$1" <<'EOF'
 import datetime, glob, json, os, sys
-out, commit, gpu, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+runs_dir, out, commit, gpu, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+quiet = sys.argv[6] == "quiet"
 
 def load(p):
     try:
@@ -126,7 +84,7 @@ def load(p):
         return None
 
 ours = {}
-for p in sorted(glob.glob(os.path.join(out, "ours_*.json"))):
+for p in sorted(glob.glob(os.path.join(runs_dir, "ours_*.json"))):
     j = load(p)
     if not j:
         continue
@@ -143,7 +101,7 @@ for p in sorted(glob.glob(os.path.join(out, "ours_*.json"))):
         ours[os.path.basename(p)[5:-5]]["phases_max_rank_ms"] = {
             x["phase"]: round(x["max_rank_ms"], 4) for x in s["phases"]}
 torch_rows, torch_meta = {}, {}
-for p in sorted(glob.glob(os.path.join(out, "torch_*.json"))):
+for p in sorted(glob.glob(os.path.join(runs_dir, "torch_*.json"))):
     j = load(p)
     if not j:
         continue
@@ -204,6 +162,8 @@ doc = {
     "baseline_dispatcher": baseline, "ours_runs": ours,
     "torch_runs": [v for v in torch_rows.values()]}
 json.dump(doc, open(os.path.join(out, "ep_round.json"), "w"), indent=1)
+if quiet:
+    sys.exit(0)
 
 print()
 print(f"{'preset':14s} {'skew':9s} | {'ours fwd ms':>15s} {'torch':>6s} {'ours/torch':>13s} | "
@@ -234,4 +194,61 @@ if with_phases:
                                      for k in with_phases))
 print(f"wrote {os.path.join(out, 'ep_round.json')}")
 EOF
-echo "logs: $OUT"
+}
+
+# Our layer: name:preset:skew:echo:dispatcher:capture:steps (zipf skews as zipf:S).
+q=qwen3-30b-a3b m=mixtral-8x7b d=deepseek-v3
+runs=${RUNS:-"q-u-off:$q:uniform:off:syncfree:on:12 q-u-on:$q:uniform:on:syncfree:on:12
+  q-z-off:$q:zipf:1.2:off:syncfree:on:12 q-z-on:$q:zipf:1.2:on:syncfree:on:12
+  q-z-base:$q:zipf:1.2:off:baseline:off:8
+  m-u-off:$m:uniform:off:syncfree:on:8 m-z-off:$m:zipf:1.2:off:syncfree:on:8
+  m-z-on:$m:zipf:1.2:on:syncfree:on:8
+  d-u-off:$d:uniform:off:syncfree:on:6 d-z-off:$d:zipf:1.2:off:syncfree:on:6
+  d-z-on:$d:zipf:1.2:on:syncfree:on:6"}
+status=()
+if [ -n "$bin" ]; then
+  for r in $runs; do
+    IFS=: read -r name preset skew1 rest <<<"$r"
+    skew=$skew1
+    if [ "$skew1" = zipf ]; then IFS=: read -r s2 rest <<<"$rest"; skew="zipf:$s2"; fi
+    IFS=: read -r echo disp capture steps <<<"$rest"
+    lim=$(limit 240)
+    if [ "$lim" -lt 30 ]; then status+=("ours $name: skipped (budget)"); continue; fi
+    t0=$SECONDS
+    timeout "$lim" "$bin/moe-echo" launch -n "$n" --master-port 0 --timeout $((lim - 10)) -- \
+      "$bin/moe-echo" bench --preset "$preset" --ep "$n" --skew "$skew" --echo "$echo" \
+      --spare-slots 2 --dispatcher "$disp" --capture "$capture" --steps "$steps" --warmup 2 \
+      --json "$RUNS_DIR/ours_$name.json" ${BENCH_ARGS:-} >"$RUNS_DIR/ours_$name.log" 2>&1
+    rc=$?
+    summary=$(grep -E "^\[rank 0\]   forward" "$RUNS_DIR/ours_$name.log" | sed 's/^\[rank 0\]   //')
+    status+=("$(printf 'ours  %-9s rc=%-3s %4d s  %s' "$name" "$rc" $((SECONDS - t0)) "${summary:-no summary}")")
+    [ "$rc" -ne 0 ] && grep -E "error|Error|what\(\)|watchdog|launch:" "$RUNS_DIR/ours_$name.log" | head -8
+    summarize quiet
+  done
+fi
+
+# The PyTorch layer: one torchrun per preset, both skews, checked against an fp32 reference first.
+if [ "${TORCH:-1}" != 0 ]; then
+  for preset in ${PRESETS:-$q $m $d}; do
+    lim=$(limit 240)
+    if [ "$lim" -lt 30 ]; then status+=("torch $preset: skipped (budget)"); continue; fi
+    check=(--check)
+    [ "$preset" = "$d" ] && check=()  # the fp32 reference of 256 experts would not fit
+    t0=$SECONDS
+    timeout "$lim" python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+      bench/torch_ep_layer.py --preset "$preset" --skew uniform,zipf:1.2 \
+      --steps "${TORCH_STEPS:-20}" --warmup "${TORCH_WARMUP:-5}" \
+      "${check[@]}" --out "$RUNS_DIR/torch_$preset.json" >"$RUNS_DIR/torch_$preset.log" 2>&1
+    rc=$?
+    status+=("$(printf 'torch %-13s rc=%-3s %4d s' "$preset" "$rc" $((SECONDS - t0)))")
+    grep -E "check against" "$RUNS_DIR/torch_$preset.log" | sed 's/^ */    /'
+    [ "$rc" -ne 0 ] && grep -E "Error|error" "$RUNS_DIR/torch_$preset.log" | head -8
+    summarize quiet
+  done
+fi
+
+echo
+echo "==================== EP$n layer round: $gpus x ${gpu:-no GPU}, commit $commit, $((SECONDS - t_start)) s ===================="
+for s in "${status[@]}"; do echo "  $s"; done
+summarize table
+echo "logs: $RUNS_DIR"
