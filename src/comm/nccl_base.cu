@@ -165,8 +165,14 @@ void Context::destroy() {
 }
 
 void Context::create_device_comm() {
+  // No NCCL barriers (ours are in bounded_barrier.cuh), no GIN. NCCL 2.29 and later refuse
+  // requirements not made by their initializer (it stamps size, magic and version); 2.28 has none.
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
   ncclDevCommRequirements reqs;
-  std::memset(&reqs, 0, sizeof reqs);  // NCCL 2.28.9 has no initializer macro; no NCCL barriers
+  std::memset(&reqs, 0, sizeof reqs);
+#endif
   MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev_));
   have_dev_ = true;
   inbox_ = make_symmetric_window(size_t(kBarriers) * size_t(size_) * sizeof(uint32_t),
