@@ -4,8 +4,10 @@
 # then run tests/gpu/run_multigpu.sh on that tree (the C++ multi-GPU tests: communicators, layer,
 # model stack) and, with PYTHON=1, tests/gpu/run_python.sh (the module's GPU and NCCL EP tests, and
 # the example trained over 2 GPUs against one) and, with DEAD_RANK=1, tests/gpu/dead_rank.py (one
-# rank killed or stopped mid-run under moe-echo launch and torchrun; DEAD_RANK_CASES picks cases).
-# Logs under $OUT (default out/ep_round).
+# rank killed or stopped mid-run under moe-echo launch and torchrun; DEAD_RANK_CASES picks cases)
+# and, with GIN=1, bench/gin_probe.cu on 2 ranks, as they are and as two nodes (NCCL_LSA_TEAM_SIZE=1
+# and socket GIN: GIN_NODES_ENV), each with NCCL's INIT/NET/ENV log (NCCL 2.31 or later: with an
+# older one the probe says so). Logs under $OUT (default out/ep_round).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/ep_round}
@@ -19,7 +21,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
   -DMOE_ECHO_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
   ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$out/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target moe-echo multigpu_test nccl_comm_bench \
-    moe_echo_python cuda_layer_test layer_bench >>"$out/build.log" 2>&1
+    moe_echo_python cuda_layer_test layer_bench gin_probe >>"$out/build.log" 2>&1
 rc=$?
 echo "build: rc=$rc $((SECONDS - t0)) s"
 [ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
@@ -27,4 +29,16 @@ echo "build: rc=$rc $((SECONDS - t0)) s"
 [ "${PYTHON:-0}" = 1 ] && BUILD_DIR=$build OUT=$out/python bash tests/gpu/run_python.sh
 [ "${DEAD_RANK:-0}" = 1 ] && python3 tests/gpu/dead_rank.py --build "$build" --out "$out/dead_rank" \
   ${DEAD_RANK_CASES:+--cases "$DEAD_RANK_CASES"}
+if [ "${GIN:-0}" = 1 ]; then
+  nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_GDRCOPY_ENABLE=1 NCCL_SOCKET_IFNAME=lo"}
+  for mode in one_node two_nodes; do
+    extra=""
+    [ "$mode" = two_nodes ] && extra=$nodes_env
+    env $extra NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV timeout 180 "$build/moe-echo" launch \
+      -n 2 --master-port 0 -- "$build/gin_probe" --json "$out/gin_$mode.json" \
+      >"$out/gin_$mode.log" 2>&1
+    echo "gin_probe, $mode${extra:+ ($extra)}: rc=$?"
+    grep -E "^\[rank 0\] (NCCL [0-9]|rank [0-9]|no GIN)|gin_probe:|GIN|RMA" "$out/gin_$mode.log" | head -12
+  done
+fi
 exit 0
