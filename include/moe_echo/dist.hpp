@@ -45,6 +45,10 @@ struct DistEnv {
 // device waits for a live peer: MOE_ECHO_TIMEOUT_S seconds (an integer >= 1; ConfigError
 // otherwise), 300 s when unset.
 std::chrono::seconds default_timeout();
+// How long a process may keep running once a lost peer was raised to it (PeerMonitor's
+// raised_grace in the NCCL communicator): MOE_ECHO_LOST_PEER_EXIT_S seconds, an integer >= 0
+// (0: never ended for it; default 15). ConfigError naming the variable otherwise.
+std::chrono::seconds lost_peer_exit();
 
 // A TCP port on 127.0.0.1 that was free when asked (the OS picks it; another process may take it
 // before it is used, which is rare). For tests and `moe-echo launch --master-port 0`.

@@ -76,6 +76,8 @@ Context::Context(HostCollectives& boot, std::unique_ptr<HostCollectives> owned_b
 Context::~Context() { destroy(); }
 
 void Context::watch_peers() {
+  PeerMonitor::Options watch;
+  watch.raised_grace = lost_peer_exit();  // MOE_ECHO_LOST_PEER_EXIT_S
   MOE_ECHO_CUDA_CHECK(
       cudaHostAlloc(reinterpret_cast<void**>(&wait_), sizeof(WaitState), cudaHostAllocMapped));
   std::memset(static_cast<void*>(wait_), 0, sizeof(WaitState));
@@ -100,7 +102,7 @@ void Context::watch_peers() {
   WaitState* state = wait_;
   monitor_ = std::make_unique<PeerMonitor>(
       rank_, std::move(ids), [this] { return failed_wait(); },
-      [state](const PeerLoss&) { state->abort = 1; }, PeerMonitor::Options{});
+      [state](const PeerLoss&) { state->abort = 1; }, watch);
 }
 
 std::optional<PeerLoss> Context::failed_wait() const {

@@ -74,4 +74,12 @@ std::chrono::seconds default_timeout() {
                                         "an integer number of seconds >= 1 (default 300)"));
 }
 
+std::chrono::seconds lost_peer_exit() {
+  const char* value = std::getenv("MOE_ECHO_LOST_PEER_EXIT_S");
+  if (!value) return std::chrono::seconds(15);
+  return std::chrono::seconds(
+      parse_int("MOE_ECHO_LOST_PEER_EXIT_S", value, 0, 1 << 30,
+                "an integer number of seconds >= 0 (0: never; default 15)"));
+}
+
 }  // namespace moe_echo

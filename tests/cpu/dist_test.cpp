@@ -36,8 +36,9 @@ using Vars = std::map<std::string, std::optional<std::string>>;
 class ScopedEnv {
  public:
   explicit ScopedEnv(Vars values) {
-    for (const char* name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                             "MOE_ECHO_TIMEOUT_S", "TORCHELASTIC_USE_AGENT_STORE"}) {
+    for (const char* name :
+         {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "MOE_ECHO_TIMEOUT_S",
+          "MOE_ECHO_LOST_PEER_EXIT_S", "TORCHELASTIC_USE_AGENT_STORE"}) {
       const char* old = std::getenv(name);
       saved_[name] = old ? std::optional<std::string>(old) : std::nullopt;
       ::unsetenv(name);
@@ -152,6 +153,30 @@ TEST(DistEnv, MalformedVariablesNameVariableValueAndRange) {
   expect_env_error(with("MASTER_PORT", std::nullopt), "MASTER_PORT", {"MASTER_PORT = (not set)"});
   // One variable alone is a mistake, not a single process.
   expect_env_error({{"RANK", "0"}}, "WORLD_SIZE", {"WORLD_SIZE = (not set)", "together"});
+}
+
+TEST(DistEnv, LostPeerExitVariable) {
+  {
+    ScopedEnv env(Vars{});
+    EXPECT_EQ(lost_peer_exit(), 15s);
+  }
+  {
+    ScopedEnv env(Vars{{"MOE_ECHO_LOST_PEER_EXIT_S", "0"}});
+    EXPECT_EQ(lost_peer_exit(), 0s);
+  }
+  for (const char* bad : {"-1", "abc", "2.5", ""}) {
+    ScopedEnv env(Vars{{"MOE_ECHO_LOST_PEER_EXIT_S", bad}});
+    try {
+      lost_peer_exit();
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.field(), "MOE_ECHO_LOST_PEER_EXIT_S");
+      EXPECT_NE(
+          std::string(e.what()).find("MOE_ECHO_LOST_PEER_EXIT_S = '" + std::string(bad) + "'"),
+          std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(DistEnv, TimeoutVariable) {
