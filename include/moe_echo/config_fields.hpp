@@ -170,7 +170,9 @@ constexpr FieldRule by_hand(const char* text) {
   /* its home experts): the planner minimises the busiest rank's load plus this per such link */  \
   /* (planner.hpp). */                                                                            \
   X(int64_t, clone_cost_rows, 0, in_range(0, kMaxCloneCostRows),                                  \
-    "the cost of one clone (weights in, gradient out) in routed rows of expert work")             \
+    "the cost of one clone (weights in, gradient out) in routed rows of expert work (0: free; "   \
+    "on a GPU, `moe-echo bench` and the PyTorch module take the cost model's price when it is "   \
+    "not given)")                                                                                 \
   X(EchoPlacement, placement, EchoPlacement::micro_batch, choice(),                               \
     "how long a clone placement holds: one forward (micro_batch) or a step (step, in echo slots " \
     "of the layer's own)")

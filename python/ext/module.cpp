@@ -25,6 +25,7 @@
 #include "moe_echo/backends.hpp"
 #include "moe_echo/comm.hpp"
 #include "moe_echo/config.hpp"
+#include "moe_echo/cost_model.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/host_collectives.hpp"
 #include "moe_echo/layer.hpp"
@@ -474,6 +475,17 @@ NB_MODULE(_ext, m) {
     return capacity_rows(moe);
   });
 
+  m.def(
+      "default_clone_cost_rows",
+      [](int hidden, int ffn, int grad_bytes) {
+        if (hidden < 1 || ffn < 1)
+          reject("hidden, ffn", std::to_string(hidden) + ", " + std::to_string(ffn), "both >= 1");
+        if (grad_bytes != 2 && grad_bytes != 4) reject("grad_bytes", grad_bytes, "2 or 4");
+        return offline::CostModel{}.clone_cost_rows(hidden, ffn, grad_bytes);
+      },
+      "The GPU default of EchoConfig.clone_cost_rows (what `moe-echo bench` takes on a GPU): one "
+      "clone's weights in and gradient out over NVLink, in rows of expert work, on the H200 cost "
+      "model");
   m.def(
       "moe_config_fields", [] { return fields_for_python(moe_config_fields()); },
       "MoeConfig's fields, in order: dicts of name, type, default, allowed, choices, help");

@@ -206,3 +206,24 @@ def test_a_value_outside_its_range_is_refused_by_name():
                            ("spare_slots_per_rank", -1), ("clone_cost_rows", -1)):
         with pytest.raises(ValueError, match=f"^{keyword} = "):
             MoE(**{**shape, keyword: value})
+
+
+def test_clone_cost_defaults_to_the_cost_models_price_on_cuda():
+    """ECHO's clone cost when not given: the cost model's price of one clone on CUDA (as
+    `moe-echo bench` on a GPU), fp32 gradients dearer than bf16 ones; free clones on the CPU; a
+    value given is kept."""
+    from moe_echo.torch.module import default_clone_cost_rows
+
+    # 18HF bytes (bf16 weights in, fp32 gradient out) at 310 GB/s over 18HF FLOPs at 690 TFLOP/s.
+    assert _ext.default_clone_cost_rows(7168, 2048, 4) == 2226
+    assert _ext.default_clone_cost_rows(7168, 2048, 2) == 1484  # 12HF bytes
+    cuda = torch.device("cuda")
+    assert default_clone_cost_rows(cuda, torch.float32, 7168, 2048) == 2226
+    assert default_clone_cost_rows(cuda, torch.bfloat16, 7168, 2048) == 1484
+    assert default_clone_cost_rows(torch.device("cpu"), torch.float32, 7168, 2048) == 0
+    assert MoE(64, 32, 8, 2, max_tokens=16)._echo_config["clone_cost_rows"] == 0
+    assert MoE(64, 32, 8, 2, max_tokens=16, clone_cost_rows=7)._echo_config["clone_cost_rows"] == 7
+    with pytest.raises(ValueError, match="grad_bytes = 3 is invalid"):
+        _ext.default_clone_cost_rows(64, 32, 3)
+    with pytest.raises(ValueError, match="hidden, ffn = 0, 32 is invalid"):
+        _ext.default_clone_cost_rows(0, 32, 4)

@@ -77,6 +77,18 @@ _NOT_KEYWORDS = _keywords.NOT_KEYWORDS
 _OWN_KEYWORDS = ("device", "dtype", "seed", "ep_group", "ep_transport")
 
 
+def default_clone_cost_rows(device: torch.device, dtype: torch.dtype, hidden: int,
+                            ffn: int) -> int:
+    """ECHO's clone cost when ``clone_cost_rows`` is not given: on CUDA the cost model's price of
+    one clone (its bf16 weights in and its gradient, in the parameters' dtype, out over NVLink,
+    in rows of expert work: ``_ext.default_clone_cost_rows``), what ``moe-echo bench`` takes on a
+    GPU; elsewhere 0 (free clones: the CPU backend is a reference, not timed)."""
+    if device.type != "cuda" or hidden < 1 or ffn < 1:
+        return 0
+    grad_bytes = 4 if torch.finfo(dtype).bits > 16 else 2
+    return _ext.default_clone_cost_rows(hidden, ffn, grad_bytes)
+
+
 def _config_dicts(given: dict) -> tuple[dict, dict]:
     """The MoeConfig and EchoConfig fields of MoE's keyword values `given` (every keyword's), as
     the dicts the C++ layer takes: each value checked against its field (its type and, for names,
@@ -168,6 +180,8 @@ class MoE(nn.Module):
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         if not dtype.is_floating_point:
             raise TypeError(f"dtype = {dtype} is invalid: allowed a floating dtype")
+        if "clone_cost_rows" not in config:
+            echo_fields["clone_cost_rows"] = default_clone_cost_rows(device, dtype, hidden, ffn)
         self._config, self._echo_config = moe, echo_fields
         self._seed = seed
         shared_ffn = moe["shared_ffn"] if moe["shared_ffn"] > 0 else moe["ffn"]
