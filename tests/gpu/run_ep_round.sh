@@ -7,12 +7,14 @@
 # rank killed or stopped mid-run under moe-echo launch and torchrun; DEAD_RANK_CASES picks cases)
 # and, with GIN=1, bench/gin_probe.cu on 2 ranks, as they are and as two nodes (NCCL_LSA_TEAM_SIZE=1
 # and socket GIN: GIN_NODES_ENV), each with NCCL's INIT/NET/ENV log (NCCL 2.31 or later: with an
-# older one the probe says so). Logs under $OUT (default out/ep_round).
+# older one the probe says so). Logs under $OUT (default out/ep_round); with PACK=FILE also packed
+# into that one .tgz at exit (a device call returns few files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/ep_round}
 build=${BUILD_DIR:-build-gpu}
 mkdir -p "$out"
+[ -n "${PACK:-}" ] && trap 'tar -czf "$PACK" -C "$out" . 2>/dev/null' EXIT
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH=/usr/local/cuda/bin:$PATH
 source scripts/nccl_env.sh
