@@ -192,8 +192,12 @@ int run_plan(const PlanOptions& o) {
   if (in.model.expert_groups > 1)
     out << " (top " << in.model.topk_groups << " of " << in.model.expert_groups
         << " expert groups)";
-  out << "\n"
-      << "  dispatch " << fmt(lt.dispatch_bytes / 1e6, 1) << " MB, combine "
+  out << "\n";
+  if (lt.network_rows_per_token > 0)
+    out << "  rows a token sends out of its GPU: " << fmt(lt.nvlink_rows_per_token, 2)
+        << " over NVLink, " << fmt(lt.network_rows_per_token, 2) << " over the network ("
+        << in.train.across_nodes << " across nodes)\n";
+  out << "  dispatch " << fmt(lt.dispatch_bytes / 1e6, 1) << " MB, combine "
       << fmt(lt.combine_bytes / 1e6, 1) << " MB leaving each GPU per direction (forward)";
   if (l.etp > 1) out << ", ETP gather " << fmt(lt.etp_bytes / 1e6, 1) << " MB";
   out << "\n";
@@ -243,6 +247,7 @@ int run_plan(const PlanOptions& o) {
                      {"max_clones", t.max_clones},
                      {"overlap", t.overlap},
                      {"comm_overlap", t.comm_overlap},
+                     {"across_nodes", t.across_nodes},
                      {"shared_expert_overlap", t.shared_expert_overlap},
                      {"distributed_optimizer", t.distributed_optimizer},
                      {"recompute", t.recompute},
@@ -298,6 +303,8 @@ int run_plan(const PlanOptions& o) {
                   {"shared_ms", lt.shared_ms},
                   {"ranks_per_token", lt.ranks_per_token},
                   {"max_ranks_per_token", lt.max_ranks_per_token},
+                  {"nvlink_rows_per_token", lt.nvlink_rows_per_token},
+                  {"network_rows_per_token", lt.network_rows_per_token},
                   {"dispatch_bytes", lt.dispatch_bytes},
                   {"combine_bytes", lt.combine_bytes},
                   {"etp_bytes", lt.etp_bytes},
@@ -386,6 +393,11 @@ void add_plan(CLI::App& app, Runner& run) {
   add_option(cmd, "--overlap", o->overlap,
              field_help(moe_field("overlap"), "none") +
                  "; priced as the combine's time hidden, up to fc1's weight-gradient GEMM's");
+  add_option(cmd, "--across-nodes", o->train.across_nodes,
+             "how dispatch/combine cross nodes: flat (one row per token and EP rank it picks, "
+             "what runs across nodes today) or hierarchical (one row per token and other node, "
+             "fanned out inside that node by its forwarder: the in-process world's nodes)")
+      ->capture_default_str();
   add_option(cmd, "--comm-overlap", o->train.comm_overlap,
              "price dispatch/combine hidden under the expert GEMMs, as a framework's EP "
              "communication overlap does (on/off; the layer's own overlaps are --overlap wgrad and "

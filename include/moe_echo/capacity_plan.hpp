@@ -70,6 +70,11 @@ struct TrainingSpec {
   // Price dispatch/combine hidden under the expert GEMMs, as a framework's EP communication
   // overlap does (the layer itself does not: its overlaps are `overlap` and MoeConfig::chunks).
   bool comm_overlap = false;
+  // How dispatch and combine cross nodes: "flat", one row per token and EP rank it picks (what
+  // runs across nodes today: NCCL's host API), or "hierarchical", one row per token and other
+  // node over the network, fanned out over NVLink inside that node by its forwarder (the
+  // in-process world's nodes, InProcessWorld's ranks_per_node: docs/multigpu.md).
+  std::string across_nodes = "flat";
   // Run the shared experts beside dispatch/combine (on a side stream); conflicts with
   // comm_overlap, which claims the same stream beside the expert GEMMs.
   bool shared_expert_overlap = false;
@@ -163,6 +168,11 @@ struct LayerTimes {
   // limit), and at most.
   double ranks_per_token = 0;
   int max_ranks_per_token = 0;
+  // Rows one token's dispatch (or combine) moves out of its GPU, balanced: over NVLink (to the
+  // EP ranks of its node; hierarchical: also a forwarder's fan-out of other nodes' rows) and over
+  // the network (flat: one per EP rank it picks on other nodes; hierarchical: one per other node
+  // it picks). Their sum times T and the row's bytes is dispatch_bytes.
+  double nvlink_rows_per_token = 0, network_rows_per_token = 0;
   double dispatch_bytes = 0;  // forward, leaving one GPU to other EP ranks (balanced): one row
                               // per token and rank it picks (fp8: packed e4m3 rows)
   double combine_bytes = 0;   // the same rows in the activation dtype (also dy and dx's)

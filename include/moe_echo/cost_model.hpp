@@ -83,6 +83,8 @@ struct CostModel {
   double all_to_all_ms(double bytes, int ep, int etp = 1) const;
   // Point-to-point bytes over NVLink (clone weights in, clone gradients out).
   double nvlink_ms(double bytes) const;
+  // Bytes leaving one GPU over NVLink and over the network at once: the slower of the two.
+  double links_ms(double nvlink_bytes, double network_bytes) const;
   // Host overhead of `kernels` launches, in a CUDA graph or not.
   double launch_ms(int kernels, bool cuda_graph) const;
   // Time of one routed row of training work (forward + backward) and of one clone (weights in +

@@ -286,6 +286,18 @@ std::vector<Finding> check(const WallsInput& in) {
   if (t.shared_expert_overlap && m.shared_experts == 0)
     error("shared_expert_overlap",
           invalid("shared_expert_overlap", "true", "false without shared experts"));
+  if (t.across_nodes != "flat" && t.across_nodes != "hierarchical")
+    error("across_nodes",
+          invalid("across_nodes", "'" + t.across_nodes + "'", "flat or hierarchical"));
+  if (t.across_nodes == "hierarchical" && l.ep > 1) {
+    const int per_node = std::max(1, in.gpu.gpus_per_node / std::max(1, l.etp));
+    if (l.ep > per_node && l.ep % per_node != 0)
+      error("across_nodes", invalid("across_nodes", "'hierarchical'",
+                                    "flat when ep (" + std::to_string(l.ep) +
+                                        ") is not a multiple of the EP ranks of a node (" +
+                                        std::to_string(per_node) +
+                                        "): the nodes would not hold equal shares of the experts"));
+  }
   if (t.comm_overlap && l.ep == 1)
     error("comm_overlap", invalid("comm_overlap", "true",
                                   "only with ep > 1 (ep = 1 has no dispatch or "
@@ -443,22 +455,43 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // Communication of the busiest rank: it receives imbalance x the mean rows. A token's row
   // crosses once to each rank it picks (the receiver fans it out to the experts there and sums
   // their outputs before it goes back), (ep-1)/ep of those ranks remote.
-  const double remote = double(l.ep - 1) / double(l.ep);
   lt.ranks_per_token = ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
   lt.max_ranks_per_token =
       max_ranks_per_token(m.experts, l.ep, m.top_k, m.expert_groups, m.topk_groups);
   const double token_rows = T * lt.ranks_per_token;
+  // Of the ranks a token picks, (P - 1) / ep are the other EP ranks of its node (P = per_node)
+  // and (ep - P) / ep on other nodes. Hierarchical: one row per other node it picks instead (N
+  // nodes; a node holds E/N consecutive experts, so the nodes it picks are ranks_per_token over N),
+  // and each node's forwarder passes the rows for its node's other ranks on over NVLink.
+  const double per_node = intra_node_fraction(l.ep, l.etp, in.gpu.gpus_per_node) * double(l.ep);
+  const double own_node = lt.ranks_per_token * (per_node - 1.0) / double(l.ep);
+  const double other_nodes = lt.ranks_per_token * (double(l.ep) - per_node) / double(l.ep);
+  const int nodes = int(std::lround(double(l.ep) / per_node));
+  if (t.across_nodes == "hierarchical" && nodes > 1) {
+    const double node_picks =
+        ranks_per_token(m.experts, nodes, m.top_k, m.expert_groups, m.topk_groups);
+    lt.network_rows_per_token = node_picks * double(nodes - 1) / double(nodes);
+    lt.nvlink_rows_per_token = own_node + other_nodes * (per_node - 1.0) / per_node;
+  } else {
+    lt.network_rows_per_token = other_nodes;
+    lt.nvlink_rows_per_token = own_node;
+  }
   // With precision fp8 the forward's rows cross in e4m3 with their scales (packed rows); the
   // combine and the backward's rows stay in the activation dtype.
   const MoeConfig& lc = stage.layers.front();
   const double forward_row =
       uses_fp8(lc, fp8_gemm::fprop1) ? double(fp8_packed_row_bytes(m.hidden)) : H * a;
-  lt.dispatch_bytes = token_rows * remote * forward_row;
-  lt.combine_bytes = token_rows * remote * H * a;
+  const double out_rows = T * (lt.nvlink_rows_per_token + lt.network_rows_per_token);
+  lt.dispatch_bytes = out_rows * forward_row;
+  lt.combine_bytes = out_rows * H * a;
   lt.etp_bytes = double(l.etp - 1) * token_rows * H * a;
   const double busiest = imb.mean;  // the average step's busiest rank
-  const double a2a_dispatch = cost.all_to_all_ms(lt.dispatch_bytes * busiest, l.ep, l.etp);
-  const double a2a = cost.all_to_all_ms(lt.combine_bytes * busiest, l.ep, l.etp);
+  auto links = [&](double row_bytes) {
+    const double rows = T * busiest * row_bytes;
+    return cost.links_ms(rows * lt.nvlink_rows_per_token, rows * lt.network_rows_per_token);
+  };
+  const double a2a_dispatch = l.ep > 1 ? links(forward_row) : 0.0;
+  const double a2a = l.ep > 1 ? links(H * a) : 0.0;
   const double etp_ms = l.etp > 1 ? cost.nvlink_ms(lt.etp_bytes * busiest) : 0.0;
   // forward: dispatch + combine (+ ETP all-gather and reduce-scatter); backward: dy's dispatch and
   // dx's combine; with recompute dispatch or all_but_fc1 the forward's dispatch once more

@@ -150,6 +150,12 @@ double CostModel::all_to_all_ms(double bytes, int ep, int etp) const {
 
 double CostModel::nvlink_ms(double bytes) const { return bytes / (gpu.nvlink_gbps * 1e9) * 1e3; }
 
+double CostModel::links_ms(double nvlink_bytes, double network_bytes) const {
+  return std::max(nvlink_bytes / (gpu.nvlink_gbps * 1e9),
+                  network_bytes / (gpu.network_gbps * 1e9)) *
+         1e3;
+}
+
 double CostModel::launch_ms(int kernels, bool cuda_graph) const {
   return kernels * (cuda_graph ? gpu.graph_node_us : gpu.launch_us) * 1e-3;
 }

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -16,6 +17,7 @@
 #include "moe_echo/comm.hpp"
 #include "moe_echo/error.hpp"
 #include "moe_echo/layer.hpp"
+#include "moe_echo/random.hpp"
 #include "test_util.hpp"
 
 namespace moe_echo::offline {
@@ -153,6 +155,17 @@ TEST(WallsValidation, EveryErrorRuleNamesTheParameterItsValueAndWhatIsAllowed) {
        "network_gbps = 0 is invalid: allowed a finite value > 0"},
       {"gpus per node", [](WallsInput& i) { i.gpu.gpus_per_node = 0; }, "gpus_per_node",
        "gpus_per_node = 0 is invalid"},
+      {"across nodes", [](WallsInput& i) { i.train.across_nodes = "tree"; }, "across_nodes",
+       "across_nodes = 'tree' is invalid: allowed flat or hierarchical"},
+      {"hierarchical nodes hold equal shares",
+       [](WallsInput& i) {
+         i.model.experts = 96;
+         i.layout.ep = 12;
+         i.train.across_nodes = "hierarchical";
+       },
+       "across_nodes",
+       "across_nodes = 'hierarchical' is invalid: allowed flat when ep (12) is not a multiple of "
+       "the EP ranks of a node (8)"},
   };
   for (const Rule& r : rules) {
     WallsInput in = base();
@@ -477,6 +490,70 @@ TEST(WallsModel, DispatchBytesCountOneRowPerTokenAndRank) {
   EXPECT_NEAR(bytes(8, 128, 1), T * 7.0 / 8 * H * 2, 1e-6);  // top-1: one rank per token
   EXPECT_NEAR(bytes(8, 8, 8), T * 7.0 * H * 2, 1e-6);        // every expert: every rank
   EXPECT_NEAR(bytes(8, 16, 2), T * 7.0 / 8 * H * 2 * 8 * (1 - 14.0 / 16 * 13 / 15), 1e-6);
+}
+
+// Rows a token sends out of its GPU, against a draw of tokens routed as the model routes (its
+// topk_groups groups at random, then its K experts at random among theirs, from a source rank at
+// random): flat, one row per EP rank it picks off its own (over NVLink within the node, over the
+// network beyond); hierarchical, one network row per other node it picks, and over NVLink the
+// rows for its own node's ranks plus, as a forwarder, the rows other nodes' tokens send it for the
+// other ranks of its node. One node: the two are the same.
+TEST(WallsModel, RowsAcrossNodesFlatAndHierarchical) {
+  Imbalance imb;
+  WallsInput in;
+  in.model = model_preset("deepseek-v3");  // E 256, K 8, 8 groups, top 4
+  in.layout.ep = 32;                       // 4 nodes of 8
+  const int E = in.model.experts, K = in.model.top_k, G = in.model.expert_groups;
+  const int R = in.layout.ep, P = in.gpu.gpus_per_node, N = R / P;
+  Rng rng(7, 1, 2);
+  double own = 0, other_ranks = 0, other_nodes = 0, forwarded = 0;
+  const int draws = 40000;
+  for (int d = 0; d < draws; ++d) {
+    std::vector<int> groups(static_cast<size_t>(G));
+    for (int g = 0; g < G; ++g) groups[size_t(g)] = g;
+    for (int g = 0; g < in.model.topk_groups; ++g)
+      std::swap(groups[size_t(g)], groups[size_t(g + int(rng.next() % uint64_t(G - g)))]);
+    std::vector<int> pool;
+    for (int g = 0; g < in.model.topk_groups; ++g)
+      for (int e = 0; e < E / G; ++e) pool.push_back(groups[size_t(g)] * (E / G) + e);
+    for (int k = 0; k < K; ++k)
+      std::swap(pool[size_t(k)],
+                pool[size_t(k + int(rng.next() % uint64_t(pool.size() - size_t(k))))]);
+    const int src = int(rng.next() % uint64_t(R));
+    std::vector<bool> rank_hit(static_cast<size_t>(R)), node_hit(static_cast<size_t>(N));
+    for (int k = 0; k < K; ++k) rank_hit[size_t(pool[size_t(k)] / (E / R))] = true;
+    for (int r = 0; r < R; ++r) {
+      if (!rank_hit[size_t(r)] || r == src) continue;
+      if (r / P == src / P) {
+        ++own;
+      } else {
+        ++other_ranks;
+        node_hit[size_t(r / P)] = true;
+        if (r % P != src % P) ++forwarded;  // the forwarder (src's index there) passes it on
+      }
+    }
+    other_nodes += double(std::count(node_hit.begin(), node_hit.end(), true));
+  }
+  const LayerTimes flat = estimate_walls(in, imb).layer;
+  EXPECT_NEAR(flat.nvlink_rows_per_token, own / draws, 0.02);
+  EXPECT_NEAR(flat.network_rows_per_token, other_ranks / draws, 0.03);
+  in.train.across_nodes = "hierarchical";
+  const LayerTimes tree = estimate_walls(in, imb).layer;
+  EXPECT_NEAR(tree.network_rows_per_token, other_nodes / draws, 0.02);
+  EXPECT_NEAR(tree.nvlink_rows_per_token, (own + forwarded) / draws, 0.03);
+  EXPECT_LT(tree.network_rows_per_token, 0.5 * flat.network_rows_per_token);
+  EXPECT_LT(tree.comm_ms, flat.comm_ms);
+  const double T = double(tree.tokens), row = 7168 * 2;
+  EXPECT_NEAR(tree.dispatch_bytes,
+              T * (tree.nvlink_rows_per_token + tree.network_rows_per_token) * row, 1e-3);
+  // One node: nothing crosses the network either way.
+  in.layout.ep = 8;
+  const LayerTimes one_tree = estimate_walls(in, imb).layer;
+  in.train.across_nodes = "flat";
+  const LayerTimes one_flat = estimate_walls(in, imb).layer;
+  EXPECT_EQ(one_tree.network_rows_per_token, 0.0);
+  EXPECT_EQ(one_tree.nvlink_rows_per_token, one_flat.nvlink_rows_per_token);
+  EXPECT_EQ(one_tree.comm_ms, one_flat.comm_ms);
 }
 
 // DeepSeek-V3's shared expert: its GEMMs add to the layer's time on the step's stream, or run
