@@ -1,6 +1,6 @@
-"""A dead or stalled rank never leaves the others spinning: on a machine with 2 GPUs, 2 ranks train
-on the sync-free NCCL communicator (eager, or replayed from one captured CUDA graph) until this
-driver kills one (SIGKILL) or stops it (SIGSTOP) mid-run; then every other rank must end within
+"""A dead or stalled rank never leaves the others spinning: on a machine with N GPUs, N ranks
+(--ranks, default 2) train on the sync-free NCCL communicator (eager, or replayed from one
+captured CUDA graph) until this driver kills rank 1 (SIGKILL) or stops it (SIGSTOP) mid-run; then every other rank must end within
 LIMIT_S seconds, the job's output must name the missing rank, and no process of the job may be
 left (the stopped one included) nor any process on a GPU.
 
@@ -8,7 +8,8 @@ The ranks run under `moe-echo launch` (the C++ `moe-echo bench --ep 2`, and the 
 tests/gpu/dead_rank_worker.py) and under torchrun (the Python worker). Prints a table and writes
 dead_rank.json under --out. Exit status 1 when a case fails.
 
-    python3 tests/gpu/dead_rank.py --build build-gpu --out out/dead_rank [--cases launch-bench-eager-kill,...]
+    python3 tests/gpu/dead_rank.py --build build-gpu --out out/dead_rank [--ranks N]
+        [--cases launch-bench-eager-kill,...]
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dead_rank_worker.py"
 
 
-def cases(build: Path) -> dict[str, tuple[list[str], str]]:
+def cases(build: Path, ranks: int) -> dict[str, tuple[list[str], str]]:
     """name -> (command, how the driver learns the ranks are stepping: 'python' or 'bench')."""
     exe = str(build / "moe-echo")
-    launch = [exe, "launch", "-n", "2", "--master-port", "0", "--"]
+    n = str(ranks)
+    launch = [exe, "launch", "-n", n, "--master-port", "0", "--"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2"]
-    bench = [exe, "bench", "--ep", "2", "--steps", "1000000", "--preset", "qwen3-30b-a3b"]
+                "--nproc-per-node", n]
+    bench = [exe, "bench", "--ep", n, "--steps", "1000000", "--preset", "qwen3-30b-a3b"]
     out = {}
     for fault in ("kill", "stop"):
         for mode in ("eager", "graph"):
@@ -96,7 +98,7 @@ def alive(pid: int) -> bool:
     return state[state.rfind(")") + 2] not in "ZX"
 
 
-def run_case(name: str, cmd: list[str], kind: str, env: dict) -> dict:
+def run_case(name: str, cmd: list[str], kind: str, env: dict, ranks: int) -> dict:
     fault = name.rsplit("-", 1)[1]
     lines: list[tuple[float, str]] = []
     t_start = time.monotonic()
@@ -109,8 +111,8 @@ def run_case(name: str, cmd: list[str], kind: str, env: dict) -> dict:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    # Strike once both ranks are stepping: the Python worker's step lines; for bench (whose
-    # table rows a pipe buffers), 20 s after both ranks are on their GPUs.
+    # Strike once the ranks are stepping: the Python worker's step lines; for bench (whose
+    # table rows a pipe buffers), 20 s after every rank is on its GPU.
     stepping = re.compile(r"rank 1 step [3-9]")
     marker = "dead_rank_worker.py" if kind == "python" else "bench"
     victim, on_gpus = None, None
@@ -118,7 +120,7 @@ def run_case(name: str, cmd: list[str], kind: str, env: dict) -> dict:
         if kind == "python":
             ready = any(stepping.search(l) for _, l in lines)
         else:
-            if on_gpus is None and len(gpu_pids()) >= 2:
+            if on_gpus is None and len(gpu_pids()) >= ranks:
                 on_gpus = time.monotonic()
             ready = on_gpus is not None and time.monotonic() - on_gpus > 20
         if ready:
@@ -180,8 +182,12 @@ def main() -> int:
     p.add_argument("--build", default="build-gpu")
     p.add_argument("--out", default="out/dead_rank")
     p.add_argument("--cases", default="", help="comma-separated names (default: all)")
+    p.add_argument("--ranks", type=int, default=2, help="ranks of the job (rank 1 is struck)")
     a = p.parse_args()
-    all_cases = cases(Path(a.build).resolve())
+    if a.ranks < 2:
+        print(f"--ranks = {a.ranks} is invalid: allowed 2 or more", file=sys.stderr)
+        return 2
+    all_cases = cases(Path(a.build).resolve(), a.ranks)
     pick = [c for c in a.cases.split(",") if c] or list(all_cases)
     unknown = [c for c in pick if c not in all_cases]
     if unknown:
@@ -196,13 +202,13 @@ def main() -> int:
     results = []
     for name in pick:
         cmd, kind = all_cases[name]
-        r = run_case(name, cmd, kind, env)
+        r = run_case(name, cmd, kind, env, a.ranks)
         results.append(r)
         print(f"{name:<32} {'ok' if r['ok'] else 'FAIL':<5} ended {r.get('ended_s', '-')} s "
               f"exit {r.get('exit_code', '-')}  {(r.get('message') or [r.get('why', '')])[0][:110]}",
               flush=True)
-        (out / "dead_rank.json").write_text(json.dumps(dict(limit_s=LIMIT_S, results=results),
-                                                       indent=1))
+        (out / "dead_rank.json").write_text(json.dumps(
+            dict(limit_s=LIMIT_S, ranks=a.ranks, results=results), indent=1))
     failed = [r["case"] for r in results if not r["ok"]]
     print(f"{len(results) - len(failed)}/{len(results)} cases ok" +
           (f"; failed: {', '.join(failed)}" if failed else ""))

@@ -30,7 +30,7 @@ echo "build: rc=$rc $((SECONDS - t0)) s"
 [ "${MULTIGPU:-1}" = 1 ] && BUILD_DIR=$build OUT=$out/multigpu bash tests/gpu/run_multigpu.sh
 [ "${PYTHON:-0}" = 1 ] && BUILD_DIR=$build OUT=$out/python bash tests/gpu/run_python.sh
 [ "${DEAD_RANK:-0}" = 1 ] && python3 tests/gpu/dead_rank.py --build "$build" --out "$out/dead_rank" \
-  ${DEAD_RANK_CASES:+--cases "$DEAD_RANK_CASES"}
+  --ranks "${DEAD_RANK_RANKS:-2}" ${DEAD_RANK_CASES:+--cases "$DEAD_RANK_CASES"}
 if [ "${GIN:-0}" = 1 ]; then
   nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_GDRCOPY_ENABLE=1 NCCL_SOCKET_IFNAME=lo"}
   for mode in one_node two_nodes; do
