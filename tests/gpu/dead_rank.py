@@ -1,10 +1,10 @@
 """A dead or stalled rank never leaves the others spinning: on a machine with N GPUs, N ranks
 (--ranks, default 2) train on the sync-free NCCL communicator (eager, or replayed from one
-captured CUDA graph) until this driver kills rank 1 (SIGKILL) or stops it (SIGSTOP) mid-run; then every other rank must end within
-LIMIT_S seconds, the job's output must name the missing rank, and no process of the job may be
-left (the stopped one included) nor any process on a GPU.
+captured CUDA graph) until this driver kills rank 1 (SIGKILL) or stops it (SIGSTOP) mid-run;
+then every other rank must end within LIMIT_S seconds, the job's output must name the missing
+rank, and no process of the job may be left (the stopped one included) nor any process on a GPU.
 
-The ranks run under `moe-echo launch` (the C++ `moe-echo bench --ep 2`, and the Python worker
+The ranks run under `moe-echo launch` (the C++ `moe-echo bench --ep N`, and the Python worker
 tests/gpu/dead_rank_worker.py) and under torchrun (the Python worker). Prints a table and writes
 dead_rank.json under --out. Exit status 1 when a case fails.
 
