@@ -6,6 +6,15 @@
 // with %globaltimer. Rank 0 prints what NCCL reports (version, device API, GIN type, LSA teams)
 // and a line per rank (rounds, bytes, time, words wrong), and writes them to `--json`.
 //
+// Then `--protocol-rounds` rounds of the protocol a device-initiated dispatch across nodes is to
+// use, one kernel launch a round with no host sync between: each rank sends every other rank a
+// number of 1 KiB messages that changes from round to round (0 to 64), each put carrying an
+// increment of the sender's data signal, then the count with an increment of its count signal;
+// the receiver waits for the count signal, reads the count and waits for the data signal to reach
+// what it has consumed so far plus that count (the consumed counts kept in device memory across
+// launches), checks every word, and signals a credit back, which the sender waits for before it
+// writes into that peer's slots again.
+//
 // Run under `moe-echo launch -n N -- build/gin_probe`. Two GPUs of one host act as two nodes with
 // NCCL_LSA_TEAM_SIZE=1 (each rank its own NVLink team, so every peer is reached through GIN);
 // socket GIN (NCCL 2.32, no InfiniBand) also wants NCCL_IB_DISABLE=1 NCCL_GDRCOPY_ENABLE=1
@@ -48,6 +57,7 @@ namespace {
 struct Options {
   size_t bytes = size_t(1) << 20;
   int iters = 50;
+  int protocol_rounds = 200;
   double timeout_s = 30;
   bool require_gin = false;
   std::string json;
@@ -60,7 +70,20 @@ struct Result {
   int32_t round = -1;  // the round it stopped in
   int32_t rounds_done = 0;
   uint64_t wrong_words = 0;
-  uint64_t ns = 0;  // %globaltimer from the first round's puts to the last barrier
+  uint64_t ns = 0;            // %globaltimer from the first round's puts to the last barrier
+  uint64_t messages = 0;      // protocol: messages received and checked
+  uint64_t wrong_counts = 0;  // protocol: counts that were not what the sender sends
+};
+
+// The protocol rounds' state on the device, kept across launches: per peer, the signal values at
+// the start and what was consumed since.
+constexpr int kMaxRanks = 64;
+constexpr int kMaxMessages = 64;
+constexpr size_t kMessageBytes = 1024;
+struct Protocol {
+  uint64_t count_base[kMaxRanks], data_base[kMaxRanks], credit_base[kMaxRanks];
+  uint64_t data_seen[kMaxRanks];
+  uint64_t t0;
 };
 
 #ifdef GIN_PROBE_HAVE_GIN
@@ -143,6 +166,112 @@ __global__ void exchange(ncclDevComm dc, ncclWindow_t win, size_t slot, int iter
     out->ns = now_ns() - t0;
   }
 }
+
+// Signals of the protocol (the plain rounds use [0, R)): from rank p, its count R + p, its data
+// 2R + p, its credit 3R + p.
+__device__ int messages(int src, int dst, int round) {
+  return int(word(src * kMaxRanks + dst, round, 7) % uint32_t(kMaxMessages + 1));
+}
+
+__global__ void protocol_start(ncclDevComm dc, Protocol* st) {
+  ncclGin gin(dc, 0);
+  const int R = dc.nRanks;
+  for (int p = threadIdx.x; p < R; p += blockDim.x) {
+    st->count_base[p] = gin.readSignal(ncclGinSignal_t(R + p));
+    st->data_base[p] = gin.readSignal(ncclGinSignal_t(2 * R + p));
+    st->credit_base[p] = gin.readSignal(ncclGinSignal_t(3 * R + p));
+    st->data_seen[p] = 0;
+  }
+  if (threadIdx.x == 0) st->t0 = now_ns();
+}
+
+// One round. The protocol part of the window (at `base`): R send regions of kMaxMessages
+// messages, R receive regions, R counts.
+__global__ void protocol_round(ncclDevComm dc, ncclWindow_t win, size_t base, int round,
+                               uint64_t timeout_cycles, Protocol* st, Result* out) {
+  __shared__ int failed;
+  __shared__ unsigned long long wrong, wrong_counts, got;
+  if (threadIdx.x == 0) failed = out->status, wrong = 0, wrong_counts = 0, got = 0;
+  __syncthreads();
+  if (failed) return;  // an earlier round gave up: so does every later one
+  ncclGin gin(dc, 0);
+  const int R = dc.nRanks, me = dc.rank;
+  const size_t region = size_t(kMaxMessages) * kMessageBytes;
+  const size_t send = base, recv = base + size_t(R) * region, counts = recv + size_t(R) * region;
+  const size_t words = kMessageBytes / sizeof(uint32_t);
+  auto wait = [&](int signal, uint64_t least, int peer, int why) {
+    const ncclResult_t rc = gin.waitSignal(ncclCoopCta(), ncclGinSignal_t(signal), least, 64,
+                                           ::cuda::memory_order_acquire, timeout_cycles);
+    if (threadIdx.x == 0 && rc != ncclSuccess) failed = why, out->peer = peer;
+    __syncthreads();
+    return failed == 0;
+  };
+  // Every peer has consumed what this rank sent it last round.
+  for (int p = 0; p < R; ++p)
+    if (p != me && round > 0 && !wait(3 * R + p, st->credit_base[p] + uint64_t(round), p, 3)) break;
+  if (failed) {
+    if (threadIdx.x == 0) out->status = failed, out->round = round;
+    return;
+  }
+  // The messages, then each peer's count.
+  for (int p = 0; p < R; ++p) {
+    if (p == me) continue;
+    auto* m = static_cast<uint32_t*>(ncclGetLocalPointer(win, send + size_t(p) * region));
+    const int n = messages(me, p, round);
+    for (size_t i = threadIdx.x; i < size_t(n) * words; i += blockDim.x)
+      m[i] = word(me * kMaxRanks + p, round, i);
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < R * kMaxMessages; j += blockDim.x) {
+    const int p = j / kMaxMessages, i = j % kMaxMessages;
+    if (p == me || i >= messages(me, p, round)) continue;
+    gin.put(ncclTeamWorld(dc), p, win, recv + size_t(me) * region + size_t(i) * kMessageBytes, win,
+            send + size_t(p) * region + size_t(i) * kMessageBytes, kMessageBytes,
+            ncclGin_SignalInc{ncclGinSignal_t(2 * R + me)});
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < R; p += blockDim.x)
+    if (p != me)
+      gin.putValue(ncclTeamWorld(dc), p, win, counts + size_t(me) * sizeof(uint64_t),
+                   uint64_t(messages(me, p, round)), ncclGin_SignalInc{ncclGinSignal_t(R + me)});
+  // Receive: the count, then that many messages.
+  for (int p = 0; p < R && !failed; ++p) {
+    if (p == me) continue;
+    if (!wait(R + p, st->count_base[p] + uint64_t(round) + 1, p, 1)) break;
+    const uint64_t sent =
+        *static_cast<volatile uint64_t*>(ncclGetLocalPointer(win, counts + size_t(p) * 8));
+    const int want = messages(p, me, round);
+    const int n = int(sent > uint64_t(kMaxMessages) ? uint64_t(kMaxMessages) : sent);
+    if (threadIdx.x == 0 && n != want) atomicAdd(&wrong_counts, 1ull);
+    if (!wait(2 * R + p, st->data_base[p] + st->data_seen[p] + uint64_t(n), p, 1)) break;
+    const auto* m =
+        static_cast<const uint32_t*>(ncclGetLocalPointer(win, recv + size_t(p) * region));
+    unsigned long long bad = 0;
+    for (size_t i = threadIdx.x; i < size_t(n) * words; i += blockDim.x)
+      bad += m[i] != word(p * kMaxRanks + me, round, i);
+    if (bad) atomicAdd(&wrong, bad);
+    __syncthreads();
+    if (threadIdx.x == 0) st->data_seen[p] += uint64_t(n), got += uint64_t(n);
+  }
+  __syncthreads();
+  if (!failed) {
+    gin.flush(ncclCoopCta());  // this rank's send regions may be written again
+    for (int p = threadIdx.x; p < R; p += blockDim.x)
+      if (p != me) gin.signal(ncclTeamWorld(dc), p, ncclGin_SignalInc{ncclGinSignal_t(3 * R + me)});
+  }
+  if (threadIdx.x == 0) {
+    out->messages += got;
+    out->wrong_words += wrong;
+    out->wrong_counts += wrong_counts;
+    if (failed) {
+      out->status = failed;
+      out->round = round;
+    } else {
+      out->rounds_done = round + 1;
+    }
+    out->ns = now_ns() - st->t0;
+  }
+}
 #endif
 
 Options parse(int argc, char** argv) {
@@ -167,6 +296,13 @@ Options parse(int argc, char** argv) {
       if (v.empty() || *end || n < 1 || n > 1000000)
         reject("iters", "'" + v + "'", "an integer in [1, 1000000]");
       o.iters = int(n);
+    } else if (a == "--protocol-rounds") {
+      const std::string v = value();
+      char* end = nullptr;
+      const long n = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end || n < 0 || n > 1000000)
+        reject("protocol-rounds", "'" + v + "'", "an integer in [0, 1000000]");
+      o.protocol_rounds = int(n);
     } else if (a == "--timeout-s") {
       const std::string v = value();
       char* end = nullptr;
@@ -179,7 +315,8 @@ Options parse(int argc, char** argv) {
       o.require_gin = true;
     } else {
       reject("argument", "'" + a + "'",
-             "--bytes B, --iters N, --timeout-s S, --json FILE, --require-gin");
+             "--bytes B, --iters N, --protocol-rounds N, --timeout-s S, --json FILE, "
+             "--require-gin");
     }
   }
   return o;
@@ -193,7 +330,7 @@ int main(int argc, char** argv) {
     check_output_path("json", o.json);
     const DistEnv env = DistEnv::from_env();
     const int R = env.world_size, me = env.rank;
-    if (R < 2 || R > 64)
+    if (R < 2 || R > kMaxRanks)
       reject("WORLD_SIZE", R, "2 to 64 ranks (run under `moe-echo launch -n N`)");
 #ifndef GIN_PROBE_HAVE_GIN
     if (me == 0)
@@ -238,7 +375,9 @@ int main(int argc, char** argv) {
     } else {
       doc["gin"] = true;
       const size_t slot = (o.bytes + 4095) / 4096 * 4096;
-      const size_t win_bytes = slot * size_t(1 + R);
+      const size_t protocol_base = slot * size_t(1 + R);
+      const size_t win_bytes =
+          protocol_base + size_t(2 * R) * kMaxMessages * kMessageBytes + size_t(R) * 8;
       void* buf = nullptr;
       ncclWindow_t win{};
       PROBE_NCCL(ncclMemAlloc(&buf, win_bytes));
@@ -246,7 +385,7 @@ int main(int argc, char** argv) {
       ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
       reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
       reqs.ginContextCount = 1;
-      reqs.ginSignalCount = R;
+      reqs.ginSignalCount = 4 * R;
       reqs.worldGinBarrierCount = 1;
       reqs.ginVaSignalsRequired = false;
       ncclDevComm dc{};
@@ -300,6 +439,63 @@ int main(int argc, char** argv) {
               s > 0 ? moved / s * 1e-9 : 0.0, slot, R - 1);
       }
       doc["per_rank"] = per_rank;
+      if (rc == 0 && o.protocol_rounds > 0) {
+        Protocol* st = nullptr;
+        MOE_ECHO_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st), sizeof(Protocol)));
+        *res = Result{};
+        void* start_args[] = {&dc, &st};
+        MOE_ECHO_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(&protocol_start),
+                                             dim3(1), dim3(64), start_args, 0, nullptr));
+        MOE_ECHO_CUDA_CHECK(cudaGetLastError());
+        MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+        rv.barrier();  // no rank sends before every rank has read its signals' starting values
+        for (int round = 0; round < o.protocol_rounds; ++round) {
+          size_t at = protocol_base;
+          uint64_t timeout = timeout_cycles;
+          void* round_args[] = {&dc, &win, &at, &round, &timeout, &st, &res_dev};
+          MOE_ECHO_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(&protocol_round),
+                                               dim3(1), dim3(512), round_args, 0, nullptr));
+          MOE_ECHO_CUDA_CHECK(cudaGetLastError());
+        }
+        MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+        (void)cudaFree(st);
+        const Result pm = *res;
+        const std::vector<Bytes> pall =
+            rv.all_gather_bytes(Bytes(reinterpret_cast<const uint8_t*>(&pm),
+                                      reinterpret_cast<const uint8_t*>(&pm) + sizeof pm));
+        nlohmann::json proto = nlohmann::json::array();
+        for (int r = 0; r < R; ++r) {
+          Result x;
+          std::memcpy(&x, pall[size_t(r)].data(), sizeof x);
+          const char* what = x.status == 0   ? "ok"
+                             : x.status == 1 ? "count or data signal wait timed out"
+                                             : "credit wait timed out";
+          proto.push_back({{"rank", r},
+                           {"status", what},
+                           {"peer", x.peer},
+                           {"round", x.round},
+                           {"rounds_done", x.rounds_done},
+                           {"messages", x.messages},
+                           {"wrong_counts", x.wrong_counts},
+                           {"wrong_words", x.wrong_words},
+                           {"seconds", double(x.ns) * 1e-9}});
+          if (x.status != 0 || x.wrong_words != 0 || x.wrong_counts != 0) rc = 1;
+          if (me == 0)
+            std::printf(
+                "rank %d, protocol: %s%s, %d of %d rounds, %llu messages, %llu wrong "
+                "counts, %llu wrong words, %.3f ms\n",
+                r, what,
+                x.status != 0 ? (" (peer " + std::to_string(x.peer) + ", round " +
+                                 std::to_string(x.round) + ")")
+                                    .c_str()
+                              : "",
+                x.rounds_done, o.protocol_rounds, static_cast<unsigned long long>(x.messages),
+                static_cast<unsigned long long>(x.wrong_counts),
+                static_cast<unsigned long long>(x.wrong_words), double(x.ns) * 1e-6);
+        }
+        doc["protocol"] = proto;
+        doc["protocol_rounds"] = o.protocol_rounds;
+      }
       if (rc == 0) {
         PROBE_NCCL(ncclDevCommDestroy(comm, &dc));
         PROBE_NCCL(ncclCommWindowDeregister(comm, win));
