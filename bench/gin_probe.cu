@@ -24,6 +24,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -274,6 +275,18 @@ __global__ void protocol_round(ncclDevComm dc, ncclWindow_t win, size_t base, in
 }
 #endif
 
+// Every rank's result, in rank order.
+std::vector<Result> gather(Rendezvous& rv, const Result& mine) {
+  const auto* p = reinterpret_cast<const uint8_t*>(&mine);
+  std::vector<Result> all;
+  for (const Bytes& b : rv.all_gather_bytes(Bytes(p, p + sizeof mine))) {
+    Result x;
+    std::memcpy(&x, b.data(), sizeof x);
+    all.push_back(x);
+  }
+  return all;
+}
+
 Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
@@ -282,33 +295,26 @@ Options parse(int argc, char** argv) {
       if (i + 1 >= argc) reject(a.substr(2), "(missing)", "a value after " + a);
       return argv[++i];
     };
+    // The option's value as a number in [lo, hi] whose `ok` holds, or the option's error.
+    auto number = [&](double lo, double hi, bool integer, const std::string& allowed,
+                      bool (*ok)(double) = nullptr) {
+      const std::string v = value();
+      char* end = nullptr;
+      const double x =
+          integer ? double(std::strtoll(v.c_str(), &end, 10)) : std::strtod(v.c_str(), &end);
+      if (v.empty() || *end || !(x >= lo && x <= hi) || (ok && !ok(x)))
+        reject(a.substr(2), "'" + v + "'", allowed);
+      return x;
+    };
     if (a == "--bytes") {
-      const std::string v = value();
-      char* end = nullptr;
-      const long long b = std::strtoll(v.c_str(), &end, 10);
-      if (v.empty() || *end || b < 4 || b % 4 != 0 || b > (1ll << 30))
-        reject("bytes", "'" + v + "'", "a multiple of 4 in [4, 2^30]");
-      o.bytes = size_t(b);
+      o.bytes = size_t(number(4, double(1ll << 30), true, "a multiple of 4 in [4, 2^30]",
+                              [](double x) { return std::fmod(x, 4.0) == 0; }));
     } else if (a == "--iters") {
-      const std::string v = value();
-      char* end = nullptr;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 1 || n > 1000000)
-        reject("iters", "'" + v + "'", "an integer in [1, 1000000]");
-      o.iters = int(n);
+      o.iters = int(number(1, 1000000, true, "an integer in [1, 1000000]"));
     } else if (a == "--protocol-rounds") {
-      const std::string v = value();
-      char* end = nullptr;
-      const long n = std::strtol(v.c_str(), &end, 10);
-      if (v.empty() || *end || n < 0 || n > 1000000)
-        reject("protocol-rounds", "'" + v + "'", "an integer in [0, 1000000]");
-      o.protocol_rounds = int(n);
+      o.protocol_rounds = int(number(0, 1000000, true, "an integer in [0, 1000000]"));
     } else if (a == "--timeout-s") {
-      const std::string v = value();
-      char* end = nullptr;
-      o.timeout_s = std::strtod(v.c_str(), &end);
-      if (v.empty() || *end || !(o.timeout_s > 0 && o.timeout_s <= 3600))
-        reject("timeout-s", "'" + v + "'", "seconds in (0, 3600]");
+      o.timeout_s = number(0, 3600, false, "seconds in (0, 3600]", [](double x) { return x > 0; });
     } else if (a == "--json") {
       o.json = value();
     } else if (a == "--require-gin") {
@@ -407,14 +413,10 @@ int main(int argc, char** argv) {
       MOE_ECHO_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(&exchange), dim3(1),
                                            dim3(512), args, 0, nullptr));
       MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
-      const Result mine = *res;
-      const Bytes mb(reinterpret_cast<const uint8_t*>(&mine),
-                     reinterpret_cast<const uint8_t*>(&mine) + sizeof mine);
-      const std::vector<Bytes> all = rv.all_gather_bytes(mb);
+      const std::vector<Result> all = gather(rv, *res);
       nlohmann::json per_rank = nlohmann::json::array();
       for (int r = 0; r < R; ++r) {
-        Result x;
-        std::memcpy(&x, all[size_t(r)].data(), sizeof x);
+        const Result& x = all[size_t(r)];
         const double s = double(x.ns) * 1e-9;
         const double moved = double(slot) * double(R - 1) * double(x.rounds_done);
         const char* what = x.status == 0   ? "ok"
@@ -459,14 +461,10 @@ int main(int argc, char** argv) {
         }
         MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
         (void)cudaFree(st);
-        const Result pm = *res;
-        const std::vector<Bytes> pall =
-            rv.all_gather_bytes(Bytes(reinterpret_cast<const uint8_t*>(&pm),
-                                      reinterpret_cast<const uint8_t*>(&pm) + sizeof pm));
+        const std::vector<Result> pall = gather(rv, *res);
         nlohmann::json proto = nlohmann::json::array();
         for (int r = 0; r < R; ++r) {
-          Result x;
-          std::memcpy(&x, pall[size_t(r)].data(), sizeof x);
+          const Result& x = pall[size_t(r)];
           const char* what = x.status == 0   ? "ok"
                              : x.status == 1 ? "count or data signal wait timed out"
                                              : "credit wait timed out";

@@ -155,6 +155,22 @@ TEST(DistEnv, MalformedVariablesNameVariableValueAndRange) {
   expect_env_error({{"RANK", "0"}}, "WORLD_SIZE", {"WORLD_SIZE = (not set)", "together"});
 }
 
+// Each of `bad` as the value of `var` makes `read` throw ConfigError naming var and the value.
+void expect_rejected(const std::string& var, std::initializer_list<const char*> bad,
+                     const std::function<void()>& read) {
+  for (const char* value : bad) {
+    ScopedEnv env(Vars{{var, value}});
+    try {
+      read();
+      ADD_FAILURE() << "no error for " << var << " = '" << value << "'";
+    } catch (const ConfigError& e) {
+      EXPECT_EQ(e.field(), var);
+      EXPECT_NE(std::string(e.what()).find(var + " = '" + value + "'"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(DistEnv, LostPeerExitVariable) {
   {
     ScopedEnv env(Vars{});
@@ -164,34 +180,11 @@ TEST(DistEnv, LostPeerExitVariable) {
     ScopedEnv env(Vars{{"MOE_ECHO_LOST_PEER_EXIT_S", "0"}});
     EXPECT_EQ(lost_peer_exit(), 0s);
   }
-  for (const char* bad : {"-1", "abc", "2.5", ""}) {
-    ScopedEnv env(Vars{{"MOE_ECHO_LOST_PEER_EXIT_S", bad}});
-    try {
-      lost_peer_exit();
-      ADD_FAILURE() << "no error for " << bad;
-    } catch (const ConfigError& e) {
-      EXPECT_EQ(e.field(), "MOE_ECHO_LOST_PEER_EXIT_S");
-      EXPECT_NE(
-          std::string(e.what()).find("MOE_ECHO_LOST_PEER_EXIT_S = '" + std::string(bad) + "'"),
-          std::string::npos)
-          << e.what();
-    }
-  }
+  expect_rejected("MOE_ECHO_LOST_PEER_EXIT_S", {"-1", "abc", "2.5", ""}, [] { lost_peer_exit(); });
 }
 
 TEST(DistEnv, TimeoutVariable) {
-  for (const char* bad : {"0", "-5", "abc", "1.5", ""}) {
-    ScopedEnv env(Vars{{"MOE_ECHO_TIMEOUT_S", bad}});
-    try {
-      default_timeout();
-      ADD_FAILURE() << "no error for " << bad;
-    } catch (const ConfigError& e) {
-      EXPECT_EQ(e.field(), "MOE_ECHO_TIMEOUT_S");
-      EXPECT_NE(std::string(e.what()).find("MOE_ECHO_TIMEOUT_S = '" + std::string(bad) + "'"),
-                std::string::npos)
-          << e.what();
-    }
-  }
+  expect_rejected("MOE_ECHO_TIMEOUT_S", {"0", "-5", "abc", "1.5", ""}, [] { default_timeout(); });
 }
 
 DistEnv local_env(int rank, int world, int port) {
