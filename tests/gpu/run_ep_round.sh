@@ -5,10 +5,12 @@
 # model stack) and, with PYTHON=1, tests/gpu/run_python.sh (the module's GPU and NCCL EP tests, and
 # the example trained over 2 GPUs against one) and, with DEAD_RANK=1, tests/gpu/dead_rank.py (one
 # rank killed or stopped mid-run under moe-echo launch and torchrun; DEAD_RANK_CASES picks cases)
-# and, with GIN=1, bench/gin_probe.cu on 2 ranks, as they are and as two nodes (NCCL_LSA_TEAM_SIZE=1
-# and socket GIN: GIN_NODES_ENV), each with NCCL's INIT/NET/ENV log (NCCL 2.31 or later: with an
-# older one the probe says so). Logs under $OUT (default out/ep_round); with PACK=FILE also packed
-# into that one .tgz at exit (a device call returns few files).
+# and, with GIN=1, bench/dmabuf_probe.cu (whether the CPU maps GPU memory through DMA-BUF, which
+# NCCL's socket GIN needs without GDRCopy) and bench/gin_probe.cu on 2 ranks, as they are and as
+# two nodes (NCCL_LSA_TEAM_SIZE=1 and socket GIN: GIN_NODES_ENV; GIN_ENV adds variables to both),
+# each with NCCL's INIT/NET/ENV log (NCCL 2.31 or later: with an older one the probe says so).
+# Logs under $OUT (default out/ep_round); with PACK=FILE also packed into that one .tgz at exit (a
+# device call returns few files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/ep_round}
@@ -23,7 +25,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
   -DMOE_ECHO_PYTHON=ON -DPython_EXECUTABLE="$(command -v python3)" \
   ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$out/build.log" 2>&1 &&
   cmake --build "$build" -j "$(nproc)" --target moe-echo multigpu_test nccl_comm_bench \
-    moe_echo_python cuda_layer_test layer_bench gin_probe >>"$out/build.log" 2>&1
+    moe_echo_python cuda_layer_test layer_bench gin_probe dmabuf_probe >>"$out/build.log" 2>&1
 rc=$?
 echo "build: rc=$rc $((SECONDS - t0)) s"
 [ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
@@ -32,11 +34,14 @@ echo "build: rc=$rc $((SECONDS - t0)) s"
 [ "${DEAD_RANK:-0}" = 1 ] && python3 tests/gpu/dead_rank.py --build "$build" --out "$out/dead_rank" \
   --ranks "${DEAD_RANK_RANKS:-2}" ${DEAD_RANK_CASES:+--cases "$DEAD_RANK_CASES"}
 if [ "${GIN:-0}" = 1 ]; then
+  "$build/dmabuf_probe" >"$out/dmabuf_probe.log" 2>&1
+  echo "dmabuf_probe: rc=$?"
+  cat "$out/dmabuf_probe.log"
   nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_GDRCOPY_ENABLE=1 NCCL_SOCKET_IFNAME=lo"}
   for mode in one_node two_nodes; do
     extra=""
     [ "$mode" = two_nodes ] && extra=$nodes_env
-    env $extra NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV timeout 180 "$build/moe-echo" launch \
+    env $extra ${GIN_ENV:-} NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV timeout 180 "$build/moe-echo" launch \
       -n 2 --master-port 0 -- "$build/gin_probe" --json "$out/gin_$mode.json" \
       >"$out/gin_$mode.log" 2>&1
     echo "gin_probe, $mode${extra:+ ($extra)}: rc=$?"
