@@ -62,6 +62,8 @@ void validate(const GpuSpec& gpu);
 // numbered with expert tensor parallelism innermost (as Megatron does), so min(ep, G / etp) EP
 // ranks share a node of G GPUs and the rest of the destinations are across the network.
 double intra_node_fraction(int ep, int etp, int gpus_per_node);
+// The EP ranks a node of `gpus_per_node` GPUs holds: gpus_per_node / etp, at least 1.
+int ep_ranks_per_node(int etp, int gpus_per_node);
 
 struct CostModel {
   GpuSpec gpu;

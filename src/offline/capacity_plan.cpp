@@ -290,7 +290,7 @@ std::vector<Finding> check(const WallsInput& in) {
     error("across_nodes",
           invalid("across_nodes", "'" + t.across_nodes + "'", "flat or hierarchical"));
   if (t.across_nodes == "hierarchical" && l.ep > 1) {
-    const int per_node = std::max(1, in.gpu.gpus_per_node / std::max(1, l.etp));
+    const int per_node = ep_ranks_per_node(l.etp, in.gpu.gpus_per_node);
     if (l.ep > per_node && l.ep % per_node != 0)
       error("across_nodes", invalid("across_nodes", "'hierarchical'",
                                     "flat when ep (" + std::to_string(l.ep) +
@@ -463,7 +463,7 @@ WallsReport estimate_walls(const WallsInput& in, const Imbalance& imb) {
   // and (ep - P) / ep on other nodes. Hierarchical: one row per other node it picks instead (N
   // nodes; a node holds E/N consecutive experts, so the nodes it picks are ranks_per_token over N),
   // and each node's forwarder passes the rows for its node's other ranks on over NVLink.
-  const double per_node = intra_node_fraction(l.ep, l.etp, in.gpu.gpus_per_node) * double(l.ep);
+  const double per_node = double(std::min(l.ep, ep_ranks_per_node(l.etp, in.gpu.gpus_per_node)));
   const double own_node = lt.ranks_per_token * (per_node - 1.0) / double(l.ep);
   const double other_nodes = lt.ranks_per_token * (double(l.ep) - per_node) / double(l.ep);
   const int nodes = int(std::lround(double(l.ep) / per_node));

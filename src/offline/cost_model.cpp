@@ -126,10 +126,13 @@ void apply_measured_file(GpuSpec& g, const std::string& path) {
   apply_measured_json(g, text, path);
 }
 
+int ep_ranks_per_node(int etp, int gpus_per_node) {
+  return std::max(1, gpus_per_node / std::max(1, etp));
+}
+
 double intra_node_fraction(int ep, int etp, int gpus_per_node) {
   if (ep <= 1) return 1.0;
-  const int ranks_per_node = std::max(1, gpus_per_node / std::max(1, etp));
-  return double(std::min(ep, ranks_per_node)) / double(ep);
+  return double(std::min(ep, ep_ranks_per_node(etp, gpus_per_node))) / double(ep);
 }
 
 double CostModel::gemm_ms(double flops) const { return flops / (gpu.gemm_tflops * 1e12) * 1e3; }
