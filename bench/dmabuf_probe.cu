@@ -27,8 +27,8 @@ const char* err(CUresult r) {
 // back from the device. Returns 0 when all of it works.
 int try_map(const char* what, CUdeviceptr ptr, size_t bytes) {
   int fd = -1;
-  CUresult r = cuMemGetHandleForAddressRange(&fd, ptr, bytes, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-                                             0);
+  CUresult r =
+      cuMemGetHandleForAddressRange(&fd, ptr, bytes, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0);
   std::printf("%s: cuMemGetHandleForAddressRange(DMA_BUF_FD): %s (fd %d)\n", what, err(r), fd);
   if (r != CUDA_SUCCESS) return 1;
   void* host = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
