@@ -273,7 +273,93 @@ struct Shape {
   std::string name;
   int experts;
   int64_t rows, K, N;  // K = H, N = 2F (fc1)
+  // Rows per group in memory order (empty: balanced, rows * g / experts apart).
+  std::vector<int32_t> sizes = {};
+  // Runs only when --shape names it, with the production kernel in either tile order only.
+  bool on_request = false;
+  // Laid out by split_order(): groups [0, split_at) and [split_at, experts) also run their wgrad
+  // as two kernels on two streams (0: not split).
+  int split_at = 0;
 };
+
+// The rows an EP 2 rank's experts get under Zipf-s routing: 2 * experts experts with popularity
+// (rho + 1)^-s (rho a seeded permutation), `tokens` tokens each drawing top_k distinct experts by
+// Gumbel top-k (as moe-echo bench's synthetic routing draws them), rows of experts [0, experts)
+// counted: the group sizes of rank 0's expert GEMMs, in expert order.
+std::vector<int32_t> zipf_sizes(int experts, int64_t tokens, int top_k, double s, uint64_t seed) {
+  const int all = 2 * experts;
+  std::mt19937_64 rng(seed);
+  std::vector<int> rho(size_t(all), 0);
+  for (int e = 0; e < all; ++e) rho[size_t(e)] = e;
+  std::shuffle(rho.begin(), rho.end(), rng);
+  std::vector<double> logp(static_cast<size_t>(all)), key(static_cast<size_t>(all));
+  for (int e = 0; e < all; ++e) logp[size_t(e)] = -s * std::log(double(rho[size_t(e)]) + 1.0);
+  std::uniform_real_distribution<double> u(1e-300, 1.0);
+  std::vector<int32_t> sizes(size_t(experts), 0);
+  std::vector<int> order(static_cast<size_t>(all));
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int e = 0; e < all; ++e) {
+      key[size_t(e)] = logp[size_t(e)] - std::log(-std::log(u(rng)));
+      order[size_t(e)] = e;
+    }
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int a, int b) { return key[size_t(a)] > key[size_t(b)]; });
+    for (int k = 0; k < top_k; ++k)
+      if (order[size_t(k)] < experts) ++sizes[size_t(order[size_t(k)])];
+  }
+  return sizes;
+}
+
+// The same sizes laid out for two kernels on two streams: from the largest size down, each goes
+// to the half with fewer rows so far; the first half keeps its sizes from the largest down, the
+// second from the smallest up, so the two kernels start on the hottest and on the coldest groups
+// and end with about the same rows. Returns the layout and where the second half begins.
+std::pair<std::vector<int32_t>, int> split_order(std::vector<int32_t> sizes) {
+  std::sort(sizes.begin(), sizes.end(), std::greater<int32_t>());
+  std::vector<int32_t> a, b;
+  int64_t ra = 0, rb = 0;
+  for (int32_t n : sizes) {
+    if (ra <= rb) {
+      a.push_back(n);
+      ra += n;
+    } else {
+      b.push_back(n);
+      rb += n;
+    }
+  }
+  std::reverse(b.begin(), b.end());
+  const int at = int(a.size());
+  a.insert(a.end(), b.begin(), b.end());
+  return {a, at};
+}
+
+// Sizes scaled to `rows` in all (each rounded down, the rest to the largest): the shape of the
+// draw at the balanced shape's rows, so that times compare at the same FLOPs.
+std::vector<int32_t> scaled(std::vector<int32_t> sizes, int64_t rows) {
+  int64_t sum = 0;
+  for (int32_t n : sizes) sum += n;
+  int64_t left = rows;
+  for (int32_t& n : sizes) {
+    n = int32_t(int64_t(n) * rows / std::max<int64_t>(sum, 1));
+    left -= n;
+  }
+  *std::max_element(sizes.begin(), sizes.end()) += int32_t(left);
+  return sizes;
+}
+
+// An EP 2 rank's fc1 of a preset (half its experts, the rows of 8192 tokens at top_k), balanced,
+// under Zipf 1.2 routing in expert order, and the same sizes laid out by split_order().
+std::vector<Shape> ep2_fc1(const moe_echo::ModelPreset& p) {
+  const int e = p.experts / 2;
+  const std::string base = std::string(p.name) + "-ep2";
+  const int64_t rows = int64_t(p.tokens) * p.top_k, K = p.hidden, N = 2 * int64_t(p.ffn);
+  const std::vector<int32_t> z =
+      scaled(zipf_sizes(e, 2 * int64_t(p.tokens), p.top_k, 1.2, 7), rows);
+  const auto [split, at] = split_order(z);
+  return {{base, e, rows, K, N, {}, true, 0},
+          {base + "-zipf1.2", e, rows, K, N, z, true, 0},
+          {base + "-zipf1.2-split", e, rows, K, N, split, true, at}};
+}
 
 // fc1 of `experts` experts of a model on one GPU, with every row of the model's tokens per rank:
 // T * K rows, K = H, N = 2F.
@@ -381,6 +467,9 @@ class Bench {
     CK(cudaMalloc(&d_got_, kSamples * sizeof(double)));
   }
   ~Bench() {
+    if (side_) cudaStreamDestroy(side_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
     cudaFree(d_idx_);
     cudaFree(d_ref_);
     cudaFree(d_got_);
@@ -391,7 +480,10 @@ class Bench {
     const int E = sh.experts;
     const int64_t R = sh.rows, K = sh.K, N = sh.N;
     std::vector<int32_t> offs(size_t(E) + 1);
-    for (int g = 0; g <= E; ++g) offs[size_t(g)] = int32_t(R * g / E);
+    for (int g = 0; g <= E; ++g)
+      offs[size_t(g)] = sh.sizes.empty() ? int32_t(R * g / E)
+                        : g == 0         ? 0
+                                         : offs[size_t(g) - 1] + sh.sizes[size_t(g) - 1];
     // Buffers: x [R, K], w [E, K, N], y [R, N], dy [R, N], dx [R, K] bf16; dw [E, K, N] fp32.
     auto alloc = [](size_t bytes) {
       void* p = nullptr;
@@ -479,7 +571,10 @@ class Bench {
                          }});
       };
       for (const Variant& v : production)
-        if (v.op == o.op) {
+        if (v.op == o.op && sh.on_request) {
+          add(v, along_m, " +raster M");
+          add(v, along_n, " +raster N");
+        } else if (v.op == o.op) {
           add(v, along_m, " +raster M");
           add(v, along_n, " +raster N");
           for (int sw : {2, 4, 8}) {
@@ -500,7 +595,8 @@ class Bench {
             add(v, n, (" +raster N" + on).c_str());
           }
         }
-      if (o.op == GemmOp::wgrad) {  // the production kernel writing (beta 0), GEMM alone
+      if (o.op == GemmOp::wgrad && sh.split_at > 0) add_split_wgrad(sh, wa, offs, x, dy, dw, cands);
+      if (o.op == GemmOp::wgrad && !sh.on_request) {  // the production kernel writing (beta 0)
         const Variant writing{GemmOp::wgrad, "wgrad production kernel, writing",
                               [](const gd::ProblemArrays& p, int groups, const RunnerOptions& r) {
                                 return gd::make_wgrad_runner(p, groups, r, 0.0f);
@@ -509,7 +605,7 @@ class Bench {
         add(writing, along_n, " +raster N");
       }
       for (const Variant& v : variants())
-        if (v.op == o.op && !v.fp8) {
+        if (v.op == o.op && !v.fp8 && !sh.on_request) {
           add(v, along_m, " +raster M");
           add(v, along_n, " +raster N");
         }
@@ -520,6 +616,64 @@ class Bench {
 
   const std::vector<Result>& results() const { return results_; }
 
+ private:
+  // The wgrad of a split shape as two production kernels at once, each persistent on half the
+  // SMs, on two streams: groups [0, split_at) (hottest first) on the bench's stream, the others
+  // (coldest first) on a second one that forks from it and joins it again, so the two kernels'
+  // tiles, bound by the fp32 gradient write (cold groups) and by their K loops (hot ones), run side
+  // by side instead of wave after wave. The same tiles as one kernel: the same bits.
+  void add_split_wgrad(const Shape& sh, const GemmArgs& wa, const std::vector<int32_t>& offs,
+                       void* x, void* dy, void* dw, std::vector<Candidate>& cands) {
+    const int E = sh.experts, half = sh.split_at;
+    const int64_t K = sh.K, N = sh.N, mid = offs[size_t(half)], R = offs[size_t(E)];
+    if (!side_) {
+      CK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      CK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      CK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+    }
+    split_args_[0] = wa;
+    split_args_[0].window.groups = half;
+    split_args_[0].window.rows = mid;
+    split_args_[0].a = Tensor(x, DType::bf16, {mid, K});
+    split_args_[0].b = Tensor(dy, DType::bf16, {mid, N});
+    split_args_[0].c = Tensor(dw, DType::f32, {half, K, N});
+    split_args_[1] = wa;
+    split_args_[1].window.group_offsets = wa.window.group_offsets + half;
+    split_args_[1].window.groups = E - half;
+    split_args_[1].window.row_lo = mid;
+    split_args_[1].window.rows = R - mid;
+    split_args_[1].a = Tensor(static_cast<char*>(x) + mid * K * 2, DType::bf16, {R - mid, K});
+    split_args_[1].b = Tensor(static_cast<char*>(dy) + mid * N * 2, DType::bf16, {R - mid, N});
+    split_args_[1].c =
+        Tensor(static_cast<char*>(dw) + int64_t(half) * K * N * 4, DType::f32, {E - half, K, N});
+    const int sms[2] = {sm_count_ / 2, sm_count_ - sm_count_ / 2};
+    for (int i = 0; i < 2; ++i) {
+      split_buffers_[i] = std::make_unique<gd::ProblemBuffers>(split_args_[i].window.groups);
+      RunnerOptions o;
+      o.sm_count = sms[i];
+      o.raster_along_n = gd::raster_along_n(K, N, 128, 128);
+      split_runners_[i] =
+          gd::make_wgrad_runner(split_buffers_[i]->arrays(), split_args_[i].window.groups, o);
+      split_dims_[i] = gd::check_args(GemmOp::wgrad, split_args_[i], split_args_[i].window.groups);
+    }
+    cands.push_back({"two production kernels on " + std::to_string(sms[0]) + " + " +
+                         std::to_string(sms[1]) + " SMs, two streams, hot and cold groups first",
+                     [this] {
+                       CK(cudaEventRecord(fork_, s_));
+                       CK(cudaStreamWaitEvent(side_, fork_, 0));
+                       const cudaStream_t st[2] = {s_, side_};
+                       for (int i = 0; i < 2; ++i) {
+                         gd::launch_prep(GemmOp::wgrad, split_args_[i], split_dims_[i],
+                                         split_buffers_[i]->arrays(), split_args_[i].window.groups,
+                                         st[i]);
+                         split_runners_[i]->run(st[i]);
+                       }
+                       CK(cudaEventRecord(join_, side_));
+                       CK(cudaStreamWaitEvent(s_, join_, 0));
+                     }});
+  }
+
+ public:
  private:
   static constexpr int kSamples = 192;
 
@@ -733,6 +887,12 @@ class Bench {
   int rounds_;
   bool fp8_ = false;
   cudaStream_t s_ = nullptr;
+  cudaStream_t side_ = nullptr;  // add_split_wgrad's second stream and its fork and join
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  GemmArgs split_args_[2];
+  gd::GemmDims split_dims_[2];
+  std::unique_ptr<gd::ProblemBuffers> split_buffers_[2];
+  std::unique_ptr<KernelRunner> split_runners_[2];
   int sm_count_ = 0;
   int64_t* d_idx_ = nullptr;
   double* d_ref_ = nullptr;
@@ -797,7 +957,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: grouped_gemm_bench [--out F.json] [--commit SHA] [--preheat-ms T] "
-                   "[--block-ms T] [--rounds N] [--shape NAME] [--fp8]\n");
+                   "[--block-ms T] [--rounds N] [--shape NAME[,NAME...]] [--fp8]\n");
       return 2;
     }
   }
@@ -812,18 +972,32 @@ int main(int argc, char** argv) {
     // The whole Qwen3-30B-A3B layer's 64 experts on one GPU (the end-to-end model's MoE blocks):
     // 1024 rows per expert instead of 4096.
     const Shape all64 = fc1(moe_echo::kQwen3_30B_A3B, 64);
-    const Shape shapes[] = {fc1(moe_echo::kQwen3_30B_A3B, 16),
-                            {all64.name + "-64e", all64.experts, all64.rows, all64.K, all64.N},
-                            fc1(moe_echo::kDeepSeekV3, 32),
-                            fc1(moe_echo::kMixtral8x7B, 8),
-                            {ep4.name + "-ep4-fc1", ep4.experts, ep4.rows, ep4.K, ep4.N},
-                            {ep4.name + "-ep4-fc2", ep4.experts, ep4.rows, ep4.N / 2, ep4.K}};
+    std::vector<Shape> shapes = {fc1(moe_echo::kQwen3_30B_A3B, 16),
+                                 {all64.name + "-64e", all64.experts, all64.rows, all64.K, all64.N},
+                                 fc1(moe_echo::kDeepSeekV3, 32),
+                                 fc1(moe_echo::kMixtral8x7B, 8),
+                                 {ep4.name + "-ep4-fc1", ep4.experts, ep4.rows, ep4.K, ep4.N},
+                                 {ep4.name + "-ep4-fc2", ep4.experts, ep4.rows, ep4.N / 2, ep4.K}};
+    // On request (--shape): an EP 2 rank's fc1 at DeepSeek-V3 and Qwen3-30B-A3B, balanced and
+    // with Zipf 1.2 group sizes (what skewed routing costs the GEMMs at the same rows).
+    for (const auto* p : {&moe_echo::kDeepSeekV3, &moe_echo::kQwen3_30B_A3B})
+      for (Shape& sh : ep2_fc1(*p)) shapes.push_back(std::move(sh));
+    std::vector<Shape> picked;
+    for (const Shape& sh : shapes)
+      if (only.empty() ? !sh.on_request
+                       : ("," + only + ",").find("," + sh.name + ",") != std::string::npos)
+        picked.push_back(sh);
+    if (picked.empty()) {
+      std::string names;
+      for (const Shape& sh : shapes) names += (names.empty() ? "" : ", ") + sh.name;
+      throw std::runtime_error("--shape '" + only +
+                               "' names no shape (allowed, comma-separated: " + names + ")");
+    }
     std::printf(
         "device %s, %d SMs; %zu variant kernels; pre-heat %.0f ms, %d rounds of >= %.0f ms\n",
         prop.name, prop.multiProcessorCount, variants().size(), preheat_ms, rounds, block_ms);
     Bench bench(preheat_ms, block_ms, rounds, fp8);
-    for (const Shape& sh : shapes)
-      if (only.empty() || only == sh.name) bench.run_shape(sh);
+    for (const Shape& sh : picked) bench.run_shape(sh);
 
     const std::time_t now = std::time(nullptr);
     char date[32];
@@ -834,19 +1008,23 @@ int main(int argc, char** argv) {
     appendf(doc, "  \"git_commit\": \"%s\",\n", json_escape(commit).c_str());
     appendf(doc,
             "  \"config\": {\"dtype\": \"bf16 in, fp32 accumulate; fprop/dgrad bf16 out, "
-            "wgrad fp32 +=\", \"groups\": \"balanced\", \"inputs\": \"uniform [-1, 1) bf16\", "
+            "wgrad fp32 +=\", \"groups\": \"balanced unless a shape lists its sizes\", \"inputs\": "
+            "\"uniform [-1, 1) bf16\", "
             "\"timing\": \"CUDA events per call (prep + GEMM); pre-heat %.0f ms per (shape, op), "
             "then %d rounds interleaving the kernels, each >= %.0f ms and >= 20 calls; "
             "ms_median = median of round medians\", \"flop\": \"2 * rows * K * N\"},\n",
             preheat_ms, rounds, block_ms);
     appendf(doc, "  \"shapes\": [\n");
-    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; ++i)
-      appendf(
-          doc,
-          "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": %lld}%s\n",
-          shapes[i].name.c_str(), shapes[i].experts, (long long)shapes[i].rows,
-          (long long)shapes[i].K, (long long)shapes[i].N,
-          i + 1 < sizeof shapes / sizeof shapes[0] ? "," : "");
+    for (size_t i = 0; i < picked.size(); ++i) {
+      std::string sizes;
+      for (int32_t n : picked[i].sizes) sizes += (sizes.empty() ? "" : ", ") + std::to_string(n);
+      appendf(doc,
+              "    {\"name\": \"%s\", \"experts\": %d, \"rows\": %lld, \"K\": %lld, \"N\": "
+              "%lld, \"sizes\": [%s]}%s\n",
+              picked[i].name.c_str(), picked[i].experts, (long long)picked[i].rows,
+              (long long)picked[i].K, (long long)picked[i].N, sizes.c_str(),
+              i + 1 < picked.size() ? "," : "");
+    }
     appendf(doc, "  ],\n  \"results\": [\n");
     const auto& rs = bench.results();
     for (size_t i = 0; i < rs.size(); ++i) {
