@@ -300,9 +300,11 @@ def init_worker(rank, init_file, out_dir):
         torch.manual_seed(22 if rank == 0 else 2000 + rank)
         m.reset_parameters()  # collective
         torch.save(dict(built=built, reset=whole_state(m)), Path(out_dir) / f"rank{rank}.pt")
-        # Released while the group lives: with the module and the gathered DTensors left to the
-        # interpreter's exit, about one run in ten aborts there ("terminate called without an
-        # active exception", no Python frame), as a thread that needs the GIL then does.
+        # Released while the group lives: left to the interpreter's exit, the works of
+        # full_tensor()'s gloo collectives may be destroyed on ProcessGroupGloo's worker thread,
+        # whose release of their tensors takes the GIL while the interpreter finalizes, which
+        # ends that thread inside a noexcept frame: "terminate called without an active
+        # exception" (seen about once in 10-25 runs; docs/python.md).
         del m, built
         gc.collect()
     finally:
