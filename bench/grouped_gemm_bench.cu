@@ -244,6 +244,8 @@ std::unique_ptr<KernelRunner> make(const ProblemArrays& p, int max_groups, const
 #include "moe_echo/backend.hpp"
 #include "moe_echo/host_io.hpp"
 #include "moe_echo/presets.hpp"
+#include "moe_echo/random.hpp"
+#include "moe_echo/synthetic.hpp"
 
 namespace gg_bench {
 
@@ -282,24 +284,22 @@ struct Shape {
   int split_at = 0;
 };
 
-// The rows an EP 2 rank's experts get under Zipf-s routing: 2 * experts experts with popularity
-// (rho + 1)^-s (rho a seeded permutation), `tokens` tokens each drawing top_k distinct experts by
-// Gumbel top-k (as moe-echo bench's synthetic routing draws them), rows of experts [0, experts)
-// counted: the group sizes of rank 0's expert GEMMs, in expert order.
-std::vector<int32_t> zipf_sizes(int experts, int64_t tokens, int top_k, double s, uint64_t seed) {
+// The rows an EP 2 rank's experts get under Zipf 1.2 routing: 2 * experts experts with the
+// popularity of moe-echo bench's synthetic tokens at step 0 (SyntheticTokens::log_popularity),
+// `tokens` tokens each drawing top_k distinct experts by Gumbel top-k, as the router picks for
+// those tokens; rows of experts [0, experts) counted: the group sizes of rank 0's expert GEMMs.
+std::vector<int32_t> zipf_sizes(int experts, int hidden, int64_t tokens, int top_k, uint64_t seed) {
   const int all = 2 * experts;
-  std::mt19937_64 rng(seed);
-  std::vector<int> rho(size_t(all), 0);
-  for (int e = 0; e < all; ++e) rho[size_t(e)] = e;
-  std::shuffle(rho.begin(), rho.end(), rng);
-  std::vector<double> logp(static_cast<size_t>(all)), key(static_cast<size_t>(all));
-  for (int e = 0; e < all; ++e) logp[size_t(e)] = -s * std::log(double(rho[size_t(e)]) + 1.0);
-  std::uniform_real_distribution<double> u(1e-300, 1.0);
+  const std::vector<double> logp =
+      moe_echo::SyntheticTokens(all, hidden, moe_echo::parse_skew("zipf:1.2"), seed)
+          .log_popularity(0);
+  moe_echo::Rng rng(seed, 0x2195);
+  std::vector<double> key(logp.size());
+  std::vector<int> order(logp.size());
   std::vector<int32_t> sizes(size_t(experts), 0);
-  std::vector<int> order(static_cast<size_t>(all));
   for (int64_t t = 0; t < tokens; ++t) {
     for (int e = 0; e < all; ++e) {
-      key[size_t(e)] = logp[size_t(e)] - std::log(-std::log(u(rng)));
+      key[size_t(e)] = logp[size_t(e)] + rng.gumbel();
       order[size_t(e)] = e;
     }
     std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
@@ -354,7 +354,7 @@ std::vector<Shape> ep2_fc1(const moe_echo::ModelPreset& p) {
   const std::string base = std::string(p.name) + "-ep2";
   const int64_t rows = int64_t(p.tokens) * p.top_k, K = p.hidden, N = 2 * int64_t(p.ffn);
   const std::vector<int32_t> z =
-      scaled(zipf_sizes(e, 2 * int64_t(p.tokens), p.top_k, 1.2, 7), rows);
+      scaled(zipf_sizes(e, p.hidden, 2 * int64_t(p.tokens), p.top_k, 7), rows);
   const auto [split, at] = split_order(z);
   return {{base, e, rows, K, N, {}, true, 0},
           {base + "-zipf1.2", e, rows, K, N, z, true, 0},
@@ -571,12 +571,10 @@ class Bench {
                          }});
       };
       for (const Variant& v : production)
-        if (v.op == o.op && sh.on_request) {
+        if (v.op == o.op) {
           add(v, along_m, " +raster M");
           add(v, along_n, " +raster N");
-        } else if (v.op == o.op) {
-          add(v, along_m, " +raster M");
-          add(v, along_n, " +raster N");
+          if (sh.on_request) continue;  // the tile orders only
           for (int sw : {2, 4, 8}) {
             // Tile swizzle: blocks of sw tiles across the raster, so that the tiles in flight
             // share more A and B panels in L2.
@@ -617,6 +615,8 @@ class Bench {
   const std::vector<Result>& results() const { return results_; }
 
  private:
+  static constexpr int kSamples = 192;
+
   // The wgrad of a split shape as two production kernels at once, each persistent on half the
   // SMs, on two streams: groups [0, split_at) (hottest first) on the bench's stream, the others
   // (coldest first) on a second one that forks from it and joins it again, so the two kernels'
@@ -649,9 +649,8 @@ class Bench {
     const int sms[2] = {sm_count_ / 2, sm_count_ - sm_count_ / 2};
     for (int i = 0; i < 2; ++i) {
       split_buffers_[i] = std::make_unique<gd::ProblemBuffers>(split_args_[i].window.groups);
-      RunnerOptions o;
-      o.sm_count = sms[i];
-      o.raster_along_n = gd::raster_along_n(K, N, 128, 128);
+      // 128 x 128: the wgrad kernel's tile (grouped_gemm_wgrad.cu), for CUTLASS's tile order rule.
+      const RunnerOptions o = gd::runner_options(sms[i], gd::raster_along_n(K, N, 128, 128));
       split_runners_[i] =
           gd::make_wgrad_runner(split_buffers_[i]->arrays(), split_args_[i].window.groups, o);
       split_dims_[i] = gd::check_args(GemmOp::wgrad, split_args_[i], split_args_[i].window.groups);
@@ -672,10 +671,6 @@ class Bench {
                        CK(cudaStreamWaitEvent(s_, join_, 0));
                      }});
   }
-
- public:
- private:
-  static constexpr int kSamples = 192;
 
   void run_fp8_shape(const Shape& sh, const moe_echo::GroupWindow& win, const GemmArgs& fa,
                      const GemmArgs& da, const GemmArgs& wa, moe_echo::cuda::GroupedGemm& gg,
