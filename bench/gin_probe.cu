@@ -76,6 +76,17 @@ struct Result {
   uint64_t wrong_counts = 0;  // protocol: counts that were not what the sender sends
 };
 
+// What every rank's line of the JSON holds for either kind of round; `what` names its status.
+nlohmann::json rank_json(int rank, const Result& x, const char* what) {
+  return {{"rank", rank},
+          {"status", what},
+          {"peer", x.peer},
+          {"round", x.round},
+          {"rounds_done", x.rounds_done},
+          {"wrong_words", x.wrong_words},
+          {"seconds", double(x.ns) * 1e-9}};
+}
+
 // The protocol rounds' state on the device, kept across launches: per peer, the signal values at
 // the start and what was consumed since.
 constexpr int kMaxRanks = 64;
@@ -422,15 +433,10 @@ int main(int argc, char** argv) {
         const char* what = x.status == 0   ? "ok"
                            : x.status == 1 ? "signal wait timed out"
                                            : "barrier timed out";
-        per_rank.push_back({{"rank", r},
-                            {"status", what},
-                            {"peer", x.peer},
-                            {"round", x.round},
-                            {"rounds_done", x.rounds_done},
-                            {"wrong_words", x.wrong_words},
-                            {"seconds", s},
-                            {"bytes_sent", moved},
-                            {"gb_per_s_sent", s > 0 ? moved / s * 1e-9 : 0.0}});
+        nlohmann::json one = rank_json(r, x, what);
+        one["bytes_sent"] = moved;
+        one["gb_per_s_sent"] = s > 0 ? moved / s * 1e-9 : 0.0;
+        per_rank.push_back(one);
         if (x.status != 0 || x.wrong_words != 0) rc = 1;
         if (me == 0)
           std::printf(
@@ -468,15 +474,10 @@ int main(int argc, char** argv) {
           const char* what = x.status == 0   ? "ok"
                              : x.status == 1 ? "count or data signal wait timed out"
                                              : "credit wait timed out";
-          proto.push_back({{"rank", r},
-                           {"status", what},
-                           {"peer", x.peer},
-                           {"round", x.round},
-                           {"rounds_done", x.rounds_done},
-                           {"messages", x.messages},
-                           {"wrong_counts", x.wrong_counts},
-                           {"wrong_words", x.wrong_words},
-                           {"seconds", double(x.ns) * 1e-9}});
+          nlohmann::json one = rank_json(r, x, what);
+          one["messages"] = x.messages;
+          one["wrong_counts"] = x.wrong_counts;
+          proto.push_back(one);
           if (x.status != 0 || x.wrong_words != 0 || x.wrong_counts != 0) rc = 1;
           if (me == 0)
             std::printf(
