@@ -66,7 +66,6 @@ Vars torchrun_env(int rank, int world) {
           {"MASTER_PORT", "29555"}};
 }
 
-// from_env() must throw ConfigError for `name` with a message holding each of `parts`.
 // With `values` set, `read` (by default DistEnv::from_env) throws ConfigError naming `name`, its
 // message holding every one of `parts`.
 void expect_env_error(
