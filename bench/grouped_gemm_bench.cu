@@ -631,45 +631,51 @@ class Bench {
       CK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
       CK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     }
-    split_args_[0] = wa;
-    split_args_[0].window.groups = half;
-    split_args_[0].window.rows = mid;
-    split_args_[0].a = Tensor(x, DType::bf16, {mid, K});
-    split_args_[0].b = Tensor(dy, DType::bf16, {mid, N});
-    split_args_[0].c = Tensor(dw, DType::f32, {half, K, N});
-    split_args_[1] = wa;
-    split_args_[1].window.group_offsets = wa.window.group_offsets + half;
-    split_args_[1].window.groups = E - half;
-    split_args_[1].window.row_lo = mid;
-    split_args_[1].window.rows = R - mid;
-    split_args_[1].a = Tensor(static_cast<char*>(x) + mid * K * 2, DType::bf16, {R - mid, K});
-    split_args_[1].b = Tensor(static_cast<char*>(dy) + mid * N * 2, DType::bf16, {R - mid, N});
-    split_args_[1].c =
-        Tensor(static_cast<char*>(dw) + int64_t(half) * K * N * 4, DType::f32, {E - half, K, N});
     const int sms[2] = {sm_count_ / 2, sm_count_ - sm_count_ / 2};
-    for (int i = 0; i < 2; ++i) {
-      split_buffers_[i] = std::make_unique<gd::ProblemBuffers>(split_args_[i].window.groups);
-      // 128 x 128: the wgrad kernel's tile (grouped_gemm_wgrad.cu), for CUTLASS's tile order rule.
-      const RunnerOptions o = gd::runner_options(sms[i], gd::raster_along_n(K, N, 128, 128));
-      split_runners_[i] =
-          gd::make_wgrad_runner(split_buffers_[i]->arrays(), split_args_[i].window.groups, o);
-      split_dims_[i] = gd::check_args(GemmOp::wgrad, split_args_[i], split_args_[i].window.groups);
+    for (int writing = 0; writing < 2; ++writing) {
+      SplitWgrad& sp = split_[writing];
+      GemmArgs* args = sp.args;
+      args[0] = wa;
+      args[0].accumulate = !writing;
+      args[0].window.groups = half;
+      args[0].window.rows = mid;
+      args[0].a = Tensor(x, DType::bf16, {mid, K});
+      args[0].b = Tensor(dy, DType::bf16, {mid, N});
+      args[0].c = Tensor(dw, DType::f32, {half, K, N});
+      args[1] = args[0];
+      args[1].window.group_offsets = wa.window.group_offsets + half;
+      args[1].window.groups = E - half;
+      args[1].window.row_lo = mid;
+      args[1].window.rows = R - mid;
+      args[1].a = Tensor(static_cast<char*>(x) + mid * K * 2, DType::bf16, {R - mid, K});
+      args[1].b = Tensor(static_cast<char*>(dy) + mid * N * 2, DType::bf16, {R - mid, N});
+      args[1].c =
+          Tensor(static_cast<char*>(dw) + int64_t(half) * K * N * 4, DType::f32, {E - half, K, N});
+      for (int i = 0; i < 2; ++i) {
+        sp.buffers[i] = std::make_unique<gd::ProblemBuffers>(args[i].window.groups);
+        // 128 x 128: the wgrad kernel's tile (grouped_gemm_wgrad.cu), for CUTLASS's tile order
+        // rule.
+        const RunnerOptions o = gd::runner_options(sms[i], gd::raster_along_n(K, N, 128, 128));
+        sp.runners[i] = gd::make_wgrad_runner(sp.buffers[i]->arrays(), args[i].window.groups, o,
+                                              writing ? 0.0f : 1.0f);
+        sp.dims[i] = gd::check_args(GemmOp::wgrad, args[i], args[i].window.groups);
+      }
+      cands.push_back(
+          {"two production kernels on " + std::to_string(sms[0]) + " + " + std::to_string(sms[1]) +
+               " SMs, two streams, hot and cold groups first" + (writing ? ", writing" : ""),
+           [this, &sp] {
+             CK(cudaEventRecord(fork_, s_));
+             CK(cudaStreamWaitEvent(side_, fork_, 0));
+             const cudaStream_t st[2] = {s_, side_};
+             for (int i = 0; i < 2; ++i) {
+               gd::launch_prep(GemmOp::wgrad, sp.args[i], sp.dims[i], sp.buffers[i]->arrays(),
+                               sp.args[i].window.groups, st[i]);
+               sp.runners[i]->run(st[i]);
+             }
+             CK(cudaEventRecord(join_, side_));
+             CK(cudaStreamWaitEvent(s_, join_, 0));
+           }});
     }
-    cands.push_back({"two production kernels on " + std::to_string(sms[0]) + " + " +
-                         std::to_string(sms[1]) + " SMs, two streams, hot and cold groups first",
-                     [this] {
-                       CK(cudaEventRecord(fork_, s_));
-                       CK(cudaStreamWaitEvent(side_, fork_, 0));
-                       const cudaStream_t st[2] = {s_, side_};
-                       for (int i = 0; i < 2; ++i) {
-                         gd::launch_prep(GemmOp::wgrad, split_args_[i], split_dims_[i],
-                                         split_buffers_[i]->arrays(), split_args_[i].window.groups,
-                                         st[i]);
-                         split_runners_[i]->run(st[i]);
-                       }
-                       CK(cudaEventRecord(join_, side_));
-                       CK(cudaStreamWaitEvent(s_, join_, 0));
-                     }});
   }
 
   void run_fp8_shape(const Shape& sh, const moe_echo::GroupWindow& win, const GemmArgs& fa,
@@ -770,7 +776,8 @@ class Bench {
   // Sampled fp64 check of one call (outputs poisoned first; wgrad's accumulator zeroed).
   double check(const Shape& sh, GemmOp op, const GemmArgs& a, const Candidate& c) {
     const int64_t K = sh.K, N = sh.N;
-    if (op == GemmOp::wgrad) {
+    // A wgrad that adds starts from zeros; one that writes, like fprop and dgrad, from NaN.
+    if (op == GemmOp::wgrad && c.label.find("writing") == std::string::npos) {
       CK(cudaMemsetAsync(a.c.data, 0, a.c.bytes(), s_));
     } else {
       CK(cudaMemsetAsync(a.c.data, 0xFF, a.c.bytes(), s_));
@@ -884,10 +891,13 @@ class Bench {
   cudaStream_t s_ = nullptr;
   cudaStream_t side_ = nullptr;  // add_split_wgrad's second stream and its fork and join
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
-  GemmArgs split_args_[2];
-  gd::GemmDims split_dims_[2];
-  std::unique_ptr<gd::ProblemBuffers> split_buffers_[2];
-  std::unique_ptr<KernelRunner> split_runners_[2];
+  struct SplitWgrad {  // add_split_wgrad's two halves at one beta
+    GemmArgs args[2];
+    gd::GemmDims dims[2];
+    std::unique_ptr<gd::ProblemBuffers> buffers[2];
+    std::unique_ptr<KernelRunner> runners[2];
+  };
+  SplitWgrad split_[2];  // adding (beta 1), writing (beta 0)
   int sm_count_ = 0;
   int64_t* d_idx_ = nullptr;
   double* d_ref_ = nullptr;
