@@ -17,10 +17,12 @@
 #   ep2       on nvidia-h200-x2, carry third_party/cutlass third_party/wheels/base: build, then ours
 #             (NCCL, ECHO on) and Megatron-Core's alltoall MoELayer with the experts over 2 GPUs
 #   te-stash  carry third_party/wheels/teN (N = 1..4, one a call, the machine kept warm between
-#             calls): keeps the part in $STASH
+#             calls): keeps the part in $STASH; on a fresh machine first a call carrying
+#             third_party/cutlass third_party/wheels/base (builds ours, installs Megatron-Core)
 #   te        carry third_party/wheels/te5: joins the 5 parts, installs Transformer Engine and
-#             builds its torch extension (a few minutes), then TE GroupedLinear and Megatron-Core
-#             with TE's grouped MLP, beside ours
+#             builds its torch extension (about 130 s; its wheel comes back in $OUT, and a carried
+#             third_party/wheels/te_torch/ is used instead), then TE GroupedLinear and
+#             Megatron-Core with TE's grouped MLP, beside ours
 # A machine that went back between calls loses $SITE, $STASH and build-gpu/: the stage then says
 # which peer is missing and why, and the others run.
 # Env: SLICES, ROUTINGS (default all three slices, uniform and zipf:1.2), PEERS (a stage's peer
@@ -118,17 +120,29 @@ install_te() {
   cat "$STASH"/te.tar.part[1-5] | tar -xf - -C /tmp/te_src || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" /tmp/te_src/te/*.whl >>"$L/install.log" 2>&1 || return 1
-  local t0=$SECONDS
-  # The torch extension: a CppExtension against this torch (no CUDA kernels of its own);
-  # NCCL EP off (its headers are not in the toolkit here), no download of a prebuilt wheel.
-  PYTHONPATH=$(site_path) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_WITH_NCCL_EP=0 NVTE_CUDA_ARCHS=90 \
-    NVTE_FRAMEWORK=pytorch MAX_JOBS=$(nproc) python3 -m pip install --no-index --no-deps \
-    --no-build-isolation --no-cache-dir --target "$SITE" \
-    /tmp/te_src/te/transformer_engine_torch-*.tar.gz >"$L/te_build.log" 2>&1
-  local rc=$?
-  echo "te: torch extension build rc $rc, $((SECONDS - t0)) s"
-  [ $rc -eq 0 ] || tail -30 "$L/te_build.log"
-  return $rc
+  # The torch extension: a CppExtension against this torch (no CUDA kernels of its own), built
+  # into a wheel (NCCL EP off: its headers are not in the toolkit here; no download of a prebuilt
+  # wheel) that goes to $OUT to be carried as third_party/wheels/te_torch/ next time. Its files
+  # live in transformer_engine/wheel_lib/, a folder the core wheel also has, which pip --target
+  # would skip: the wheel is unpacked into $SITE instead.
+  local whl rc=0 t0=$SECONDS
+  whl=$(ls "$W"/te_torch/transformer_engine_torch-*.whl 2>/dev/null | head -1)
+  if [ -z "$whl" ]; then
+    rm -rf /tmp/te_whl
+    PYTHONPATH=$(site_path) NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_WITH_NCCL_EP=0 NVTE_CUDA_ARCHS=90 \
+      NVTE_FRAMEWORK=pytorch MAX_JOBS=$(nproc) python3 -m pip wheel --no-index --no-deps \
+      --no-build-isolation --no-cache-dir -w /tmp/te_whl \
+      /tmp/te_src/te/transformer_engine_torch-*.tar.gz >"$L/te_build.log" 2>&1
+    rc=$?
+    echo "te: torch extension build rc $rc, $((SECONDS - t0)) s"
+    [ $rc -eq 0 ] || { tail -30 "$L/te_build.log"; return $rc; }
+    whl=$(ls /tmp/te_whl/transformer_engine_torch-*.whl | head -1)
+    cp -f "$whl" "$OUT"/
+  else
+    echo "te: torch extension from $whl"
+  fi
+  unzip -o -q "$whl" -d "$SITE" || return 1
+  ls "$SITE"/transformer_engine/wheel_lib/transformer_engine_torch*.so
 }
 
 run_peers() {  # run_peers NAME PEERS "ARGS" LAUNCHER...: peers_bench.py ARGS into $L/*NAME*.json
@@ -179,6 +193,10 @@ for stage in $stages; do
         --nproc-per-node 2 --no-python python3
       ;;
     te-stash)
+      # A fresh machine's first call carries third_party/cutlass and wheels/base instead of a
+      # part: our build and Megatron-Core for the te stage, whose te5 leaves no room for them.
+      [ -d "$W/base" ] && install_group base
+      [ -d third_party/cutlass ] && build_ours
       stash_te
       ;;
     te)
