@@ -141,7 +141,7 @@ install_te() {
   else
     echo "te: torch extension from $whl"
   fi
-  unzip -o -q "$whl" -d "$SITE" || return 1
+  python3 -m zipfile -e "$whl" "$SITE" || return 1
   ls "$SITE"/transformer_engine/wheel_lib/transformer_engine_torch*.so
 }
 
