@@ -19,6 +19,8 @@
 #   te-stash  carry third_party/wheels/teN (N = 1..4, one a call, the machine kept warm between
 #             calls): keeps the part in $STASH; on a fresh machine first a call carrying
 #             third_party/cutlass third_party/wheels/base (builds ours, installs Megatron-Core)
+#   te-ep2    the te stage's install on nvidia-h200-x2 (te-stash calls there first), then ours
+#             and Megatron-Core's alltoall MoELayer with TE's grouped MLP over 2 GPUs
 #   te        carry third_party/wheels/te5: joins the 5 parts, installs Transformer Engine and
 #             builds its torch extension (about 130 s; its wheel comes back in $OUT, and a carried
 #             third_party/wheels/te_torch/ is used instead), then TE GroupedLinear and
@@ -204,7 +206,13 @@ for stage in $stages; do
       build_ours
       run_peers te "${PEERS:-moe-echo,te-grouped-linear,megatron}" "" python3
       ;;
-    *) echo "unknown stage $stage (allowed: main sonic ep2 te-stash te)" ;;
+    te-ep2)
+      install_te
+      build_ours
+      run_peers te_ep2 "${PEERS:-moe-echo,megatron}" "--ep 2" torchrun --standalone \
+        --nproc-per-node 2 --no-python python3
+      ;;
+    *) echo "unknown stage $stage (allowed: main sonic ep2 te-stash te te-ep2)" ;;
   esac
 done
 tag=$(echo "$stages" | tr -s ' ' '_')
