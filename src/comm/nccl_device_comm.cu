@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "comm/dispatch_token.cuh"
 #include "comm/nccl_base.hpp"
 #include "comm/nccl_rows.cuh"
 #include "comm/token_lanes.cuh"
@@ -70,37 +71,21 @@ using Barrier = BoundedBarrier<LsaInbox>;
 
 // ---- device kernels ----------------------------------------------------------------------------
 
-// A token's entries as its warp sees them: lane k < K holds entry t * K + k (comm.hpp's leads and
-// members). `in`: the entry's receive row lies in the window; `group`: the in-window lanes with
-// the same destination rank, i.e. the members of (token, rank) in k order; `low`: the lowest
-// window row of the group, the lead's; `lead`: the lane holding it; `leads`: every lead lane
-// (the same value on every lane).
-struct TokenLanes {
-  int rank;
-  int32_t row;  // window row at `rank`
-  bool in, lead;
-  unsigned group, leads;
-  int64_t low;
-};
-
-__device__ __forceinline__ TokenLanes token_lanes(int64_t t, int K, int ranks,
-                                                  const int32_t* __restrict__ dest_rank,
-                                                  const int32_t* __restrict__ dest_row,
-                                                  int64_t row_lo, int64_t rows, int lane) {
-  TokenLanes e{-1, -1, false, false, 0u, 0u};
+// The lanes of token t (lane k < K: entry t * K + k) in the window [row_lo, row_lo + rows).
+__device__ __forceinline__ cuda::TokenLanes token_lanes(int64_t t, int K, int ranks,
+                                                        const int32_t* __restrict__ dest_rank,
+                                                        const int32_t* __restrict__ dest_row,
+                                                        int64_t row_lo, int64_t rows, int lane) {
+  int rank = -1;
+  int64_t q = -1;
+  bool in = false;
   if (lane < K) {
     const int64_t i = t * K + lane;
-    const int64_t q = int64_t(dest_row[i]) - row_lo;
-    e.rank = dest_rank[i];
-    e.in = e.rank >= 0 && e.rank < ranks && q >= 0 && q < rows;
-    e.row = int32_t(q);
+    q = int64_t(dest_row[i]) - row_lo;
+    rank = dest_rank[i];
+    in = rank >= 0 && rank < ranks && q >= 0 && q < rows;
   }
-  const unsigned in_lanes = __ballot_sync(kFull, e.in);
-  e.group = __match_any_sync(kFull, e.in ? e.rank : -1) & in_lanes;
-  e.low = cuda::group_low_row(e.row, e.group, K);
-  e.lead = e.in && e.row == e.low;
-  e.leads = __ballot_sync(kFull, e.lead);
-  return e;
+  return cuda::lanes_of(rank, q, in, K);
 }
 
 // Dispatch: one warp per token. The lanes find the token's leads in the window (with chunks,
@@ -122,45 +107,13 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
-    if (chunks.bounds) {  // the pairs whose lead row is in the chunk
-      const bool moves = e.in && cuda::row_chunk(chunks, e.rank, e.low) == chunks.chunk;
-      const unsigned moving = __ballot_sync(kFull, moves);
-      e.in = moves;
-      e.lead = e.lead && moves;
-      e.group &= moving;
-      e.leads &= moving;
-    }
-    if (e.leads == 0) continue;  // the same on every lane
-    // Fan table: the lead in slot 0 of its row, the other members after it in k order.
-    const int32_t lead_row = int32_t(e.low);
-    if (e.in) {
-      int32_t* m = static_cast<int32_t*>(ncclGetLsaPointer(members, 0, e.rank));
-      F* w = static_cast<F*>(ncclGetLsaPointer(weights, 0, e.rank));
-      const int j = cuda::member_slot(e.group, e.group & e.leads, lane);
-      m[int64_t(lead_row) * K + j] = e.row;
-      w[int64_t(lead_row) * K + j] = weight ? weight[t * K + lane] : F(1);
-      if (!e.lead) m[int64_t(e.row) * K] = -1;
-    }
-    for (unsigned l = e.leads; l; l &= l - 1) {
-      const int ll = __ffs(l) - 1;
-      const int members_of_l = __popc(__shfl_sync(kFull, e.group, ll));
-      const int r = __shfl_sync(kFull, e.rank, ll);
-      const int32_t p = __shfl_sync(kFull, e.row, ll);
-      if (lane >= members_of_l && lane < K)
-        static_cast<int32_t*>(ncclGetLsaPointer(members, 0, r))[int64_t(p) * K + lane] = -1;
-    }
-    // The row.
-    const unsigned long long to =
-        e.lead ? reinterpret_cast<unsigned long long>(
-                     ncclGetLsaPointer(recv, size_t(e.row) * size_t(row_words) * sizeof(W), e.rank))
-               : 0ull;
-    cuda::warp_row_steps<kInFlight>(
-        src + t * row_words, row_words, lane, [&](const W(&v)[kInFlight], int64_t w0) {
-          for (unsigned l = e.leads; l; l &= l - 1)  // the steps are uniform: shuffles are safe
-            cuda::warp_store_step(reinterpret_cast<W*>(__shfl_sync(kFull, to, __ffs(l) - 1)), v, w0,
-                                  row_words);
-        });
+    cuda::TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    cuda::keep_chunk(e, chunks);
+    dispatch_token<kInFlight>(
+        e, K, weight ? weight[t * K + min(lane, K - 1)] : F(1), weight != nullptr,
+        src + t * row_words, row_words, lane,
+        [&](ncclWindow_t w, size_t off, int r) { return ncclGetLsaPointer(w, off, r); }, recv,
+        members, weights);
   }
   b.sync();
 }
@@ -182,7 +135,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    const TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    const cuda::TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
     if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
     if (values_out && e.in)
       values_out[t * K + lane] =

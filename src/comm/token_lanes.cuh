@@ -46,4 +46,40 @@ __device__ __forceinline__ int member_slot(unsigned group, unsigned lead_bit, in
                                             : 1 + __popc(group & ~lead_bit & ((1u << lane) - 1u));
 }
 
+// A token's entries as its warp sees them: lane k < K holds entry k. `in`: the entry's receive
+// row lies in the window; `group`: the in-window lanes with the same destination rank, i.e. the
+// members of (token, rank) in k order; `low`: the lowest window row of the group, the lead's;
+// `lead`: the lane holding it; `leads`: every lead lane (the same value on every lane).
+struct TokenLanes {
+  int rank;
+  int32_t row;  // window row at `rank`
+  bool in, lead;
+  unsigned group, leads;
+  int64_t low;
+};
+
+// The lanes of an entry at (rank, window row q), `in` when it is in the window. Every lane of the
+// warp calls it.
+__device__ __forceinline__ TokenLanes lanes_of(int rank, int64_t q, bool in, int K) {
+  TokenLanes e{rank, int32_t(q), in, false, 0u, 0u, 0};
+  const unsigned in_lanes = __ballot_sync(0xffffffffu, e.in);
+  e.group = __match_any_sync(0xffffffffu, e.in ? e.rank : -1) & in_lanes;
+  e.low = group_low_row(e.row, e.group, K);
+  e.lead = e.in && e.row == e.low;
+  e.leads = __ballot_sync(0xffffffffu, e.lead);
+  return e;
+}
+
+// Keeps the (token, rank) pairs whose lead row is in the call's chunk (every pair without
+// chunks). Every lane of the warp calls it.
+__device__ __forceinline__ void keep_chunk(TokenLanes& e, const RowChunks& chunks) {
+  if (!chunks.bounds) return;
+  const bool moves = e.in && row_chunk(chunks, e.rank, e.low) == chunks.chunk;
+  const unsigned moving = __ballot_sync(0xffffffffu, moves);
+  e.in = moves;
+  e.lead = e.lead && moves;
+  e.group &= moving;
+  e.leads &= moving;
+}
+
 }  // namespace moe_echo::cuda
