@@ -73,6 +73,11 @@ struct NcclOptions {
   // Every op on NCCL's host API (see above) even when the ranks share one NVLink team, as they
   // would across nodes; needs the baseline dispatcher.
   bool host_api = false;
+  // The sync-free dispatcher across nodes (NCCL's GIN, docs/multigpu.md) stages what crosses
+  // nodes in a window sized for at most gin_max_tokens tokens a call, of rows of at most
+  // gin_max_row_bytes bytes; a call past either is refused, naming the option.
+  int64_t gin_max_tokens = 4096;
+  size_t gin_max_row_bytes = 16384;
 };
 
 // Makes GPU `env.local_rank` this thread's current device and returns its index. Throws

@@ -49,6 +49,10 @@ enum BarrierRange : uint32_t {
   kReduceBarriers,
   kGatherBarriers,
   kAllReduceBarriers,
+  kGinSendBarriers,  // the dispatch and combine across nodes (nccl_gin_comm.cu), node barriers
+  kGinForwardBarriers,
+  kGinReplyBarriers,
+  kGinSumBarriers,
   kBarrierRanges
 };
 constexpr uint32_t barrier_base(BarrierRange r) { return uint32_t(r) * kMaxCtas; }
@@ -162,7 +166,9 @@ class CollectiveOps {
 // Collective (each makes its internal windows and connects the peers): the device-API ops (every
 // rank in one NVLink team, the device communicator created) and the host-API ones.
 std::unique_ptr<CollectiveOps> make_device_collective_ops(Context& ctx, const NcclOptions& o);
-std::unique_ptr<CollectiveOps> make_host_api_collective_ops(Context& ctx);
+// With `symmetric`, make_window gives symmetric windows (what the layer's buffers need where a
+// device dispatch reaches them), the ops staying NCCL's host API.
+std::unique_ptr<CollectiveOps> make_host_api_collective_ops(Context& ctx, bool symmetric = false);
 
 class NcclCommBase : public Communicator {
  public:
@@ -227,5 +233,12 @@ std::unique_ptr<Communicator> make_device_comm(std::unique_ptr<Context> ctx, con
 std::unique_ptr<Communicator> make_host_comm(std::unique_ptr<Context> ctx,
                                              std::unique_ptr<CollectiveOps> ops,
                                              const NcclOptions& o);
+// Whether NCCL joins these ranks with GIN (device-initiated puts and signals) and a device API,
+// and the ranks of every NVLink team are consecutive world ranks of one size: what the
+// communicator across nodes needs (false when built against NCCL before 2.31). `why` says
+// which is missing.
+bool gin_ready(Context& ctx, std::string* why);
+// Collective: the communicator across nodes (nccl_gin_comm.cu), after gin_ready.
+std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context> ctx, const NcclOptions& o);
 
 }  // namespace moe_echo::nccl

@@ -4,7 +4,8 @@
 //
 //   dispatcher  host_api  ranks in one NVLink team  type            collective ops
 //   syncfree    false     yes                       NcclDeviceComm  device API
-//   syncfree    false     no                        refused: the sync-free kernels need the team
+//   syncfree    false     no, GIN (gin_ready)       NcclGinComm     host API, symmetric windows
+//   syncfree    false     no, no GIN                refused, saying why
 //   baseline    false     yes                       NcclHostComm    device API
 //   baseline    false     no                        NcclHostComm    host API (host-API mode)
 //   baseline    true      either                    NcclHostComm    host API (host-API mode)
@@ -70,11 +71,22 @@ std::unique_ptr<Communicator> make(HostCollectives& boot, std::unique_ptr<HostCo
     if (!ctx->lsa_team_is_world()) {
       const ncclDevComm& dev = ctx->dev();
       if (o.dispatcher != Dispatcher::baseline) {
+        std::string why;
+        if (nccl::gin_ready(*ctx, &why)) {
+          if (rank == 0)
+            std::fprintf(stderr,
+                         "moe-echo: the %d ranks span %d NVLink teams of %d: the sync-free "
+                         "dispatch and combine reach other nodes through NCCL's GIN\n",
+                         size, size / dev.lsaSize, dev.lsaSize);
+          auto comm = nccl::make_gin_comm(std::move(ctx), o);
+          boot.barrier();
+          return comm;
+        }
         std::ostringstream m;
         m << "the NCCL communicator's NVLink (LSA) team holds " << dev.lsaSize << " of " << size
           << " ranks (this rank is " << dev.lsaRank << " in it, " << rank
-          << " in the world): the sync-free dispatcher needs every rank on one node, joined "
-             "by NVLink; across nodes use the baseline dispatcher (--dispatcher baseline), "
+          << " in the world), and the sync-free dispatcher across nodes cannot run: " << why
+          << "; across nodes without it use the baseline dispatcher (--dispatcher baseline), "
              "which runs every op on NCCL's host API";
         throw Error(m.str());
       }

@@ -162,17 +162,18 @@ struct DeviceScratch {
 // Over plain device memory: no peer reads a buffer of this rank, NCCL moves everything.
 class HostApiCollectiveOps final : public CollectiveOps {
  public:
-  explicit HostApiCollectiveOps(Context& ctx)
-      : ctx_(ctx), rank_(ctx.rank()), size_(ctx.size()), comm_(ctx.comm()) {
+  HostApiCollectiveOps(Context& ctx, bool symmetric)
+      : ctx_(ctx), rank_(ctx.rank()), size_(ctx.size()), comm_(ctx.comm()), symmetric_(symmetric) {
     connect_ = ctx_.make_plain_window(4096, "the connecting all-reduce's buffer");
     ctx_.connect(connect_.ptr);
   }
   ~HostApiCollectiveOps() override { ctx_.release_window(connect_); }
 
-  bool host_api() const override { return true; }
+  bool host_api() const override { return !symmetric_; }
 
   Window make_window(size_t bytes, const std::string& what) override {
-    return ctx_.make_plain_window(bytes, what);
+    return symmetric_ ? ctx_.make_symmetric_window(bytes, what)
+                      : ctx_.make_plain_window(bytes, what);
   }
 
   void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, cudaStream_t s) override {
@@ -288,6 +289,7 @@ class HostApiCollectiveOps final : public CollectiveOps {
   Context& ctx_;
   const int rank_, size_;
   const ncclComm_t comm_;
+  const bool symmetric_;  // symmetric windows for the layer's buffers (the GIN communicator)
   Window connect_;
   PinnedVector<int32_t> h_plan_fields_;
   DeviceScratch clone_scratch_;
@@ -581,8 +583,8 @@ class NcclHostComm final : public NcclCommBase {
 
 }  // namespace
 
-std::unique_ptr<CollectiveOps> make_host_api_collective_ops(Context& ctx) {
-  return std::make_unique<HostApiCollectiveOps>(ctx);
+std::unique_ptr<CollectiveOps> make_host_api_collective_ops(Context& ctx, bool symmetric) {
+  return std::make_unique<HostApiCollectiveOps>(ctx, symmetric);
 }
 
 std::unique_ptr<Communicator> make_host_comm(std::unique_ptr<Context> ctx,

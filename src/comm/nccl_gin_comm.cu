@@ -1,0 +1,758 @@
+// The sync-free communicator across nodes (nccl_base.hpp: make_gin_comm): dispatch and combine
+// as device kernels that store into the ranks of their own node through LSA pointers, as the
+// one-node kernels do (nccl_device_comm.cu), and reach other nodes with NCCL's GIN: puts and
+// signals a kernel issues, one copy of a token's row per other node it has entries on, to that
+// node's forwarder for the source (the rank with the source's index in its node), which makes the
+// writes on its node's ranks. What moves and the bits it gives are those of the in-process world
+// with nodes (in_process.cpp), the reference: the forwarder runs the one-node dispatch of a token
+// (dispatch_token.cuh) on the entries the source sent with the row, and the combine sums every
+// lead row of a token in k order at the source, one row per lead across nodes.
+//
+// Kernels of a dispatch (every rank launches each, with the same grid):
+//   gin_send     node barrier at entry (the node's ranks are done with the buffers about to be
+//                written); the credits of the previous dispatch (every forwarder has read what
+//                this rank sent it); per token the writes on this node's ranks, and per other
+//                node one message (the token's entries on that node, their weights, the row) put
+//                into the forwarder's staging with an increment of this rank's data signal there;
+//                the last CTA puts each forwarder the count of messages, with an increment of the
+//                count signal.
+//   gin_forward  per other node's source: its count, then that many messages; each message's
+//                dispatch on this node's ranks; the last CTA signals each source its credit; node
+//                barrier at exit (every store of the dispatch is visible to the node's ranks).
+// Kernels of a combine:
+//   gin_request  per token the combine sums and other node it has entries on, a request (the
+//                entries there, and the row of the reply region the leads' rows go to) put into
+//                the forwarder's staging; the last CTA puts the counts.
+//   gin_reply    node barrier at entry (every rank of the node has its reduced rows); per other
+//                node's source, its requests; per request the leads' reduced rows (k order) and
+//                the entries' fan values put into the source's reply region; node barrier at
+//                exit (the node's reduced rows may be written again).
+//   gin_sum      the replies (this rank knows how many it asked for); per token the sum of its
+//                lead rows in k order, from the node's ranks (LSA) and the reply region; node
+//                barrier at exit.
+// The signals only grow; what each has reached at the end of the last call that consumed it is
+// kept in device memory (GinState::seen), so a call waits for "seen + what this call brings". A
+// wait gives up like the barriers' (bounded_barrier.cuh): the abort flag or the wait timeout.
+//
+// The other ops: NCCL's host-API collectives (all-gather, all-reduce: capturable, no host sync)
+// and clone weights and gradients as grouped sends and receives after the plan is copied to the
+// host (a host sync), over symmetric windows; so the communicator is not capturable.
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "comm/nccl_base.hpp"
+#include "moe_echo/cuda_check.hpp"
+#include "moe_echo/error.hpp"
+#include "moe_echo/nccl_check.hpp"
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 31, 0)
+#define MOE_ECHO_HAVE_GIN 1
+#include <nccl_device.h>
+
+#include "comm/dispatch_token.cuh"
+#include "comm/nccl_rows.cuh"
+#include "comm/token_lanes.cuh"
+#include "cuda/common.cuh"
+#include "cuda/warp_copy.cuh"
+#endif
+
+namespace moe_echo::nccl {
+
+#ifndef MOE_ECHO_HAVE_GIN
+
+bool gin_ready(Context&, std::string* why) {
+  if (why) *why = "built against NCCL before 2.31, which has no bounded GIN waits";
+  return false;
+}
+std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context>, const NcclOptions&) {
+  throw Error("make_gin_comm: built against NCCL before 2.31");
+}
+
+#else
+
+namespace {
+
+using cuda::as_cuda;
+using cuda::with_word;
+using cuda::word_size;
+
+constexpr int kMaxGinRanks = 64;
+constexpr int kMaxNodes = 64;
+constexpr int kMaxTopK = 32;
+
+// Signal kinds; signal kind * ranks + p belongs to peer p (its sender, or the credit's giver).
+enum Sig : int { kDData, kDCount, kDCredit, kReqData, kReqCount, kRepData, kSigKinds };
+
+// Device memory kept between kernels (zeroed, then `seen` read from the signals at setup).
+struct GinState {
+  uint64_t seen[kSigKinds][kMaxGinRanks];  // each signal's value consumed so far
+  uint32_t sent[kMaxNodes];                // gin_send: messages to each node this call
+  uint32_t asked[kMaxNodes];               // gin_request: requests to each node this call
+  uint32_t lead_rows[kMaxNodes];           // gin_request: reply rows asked of each node
+  uint32_t asked_last[kMaxNodes];          // the last combine's requests, for gin_sum
+  uint32_t values_last;                    // whether the last combine asked for fan values
+  uint32_t done[5];                        // CTAs done, per kernel: the last one closes the call
+  uint32_t dispatches;                     // gin_send calls so far (their credits)
+};
+
+// Where things are: the ranks, the nodes, and the staging window's regions (per other node).
+struct Geo {
+  int rank, ranks, per_node, lsa_rank, node, nodes;
+  int64_t max_tokens;
+  size_t msg_max, req_max, rep_row_max;  // strides: a message, a request, a reply row
+  size_t d_send, d_recv, q_send, q_recv, r_send, r_recv, v_send, v_recv, counts;
+  __host__ __device__ size_t d_region() const { return size_t(max_tokens) * msg_max; }
+  __host__ __device__ size_t q_region() const { return size_t(max_tokens) * req_max; }
+  __host__ __device__ size_t r_region() const {
+    return size_t(max_tokens) * size_t(per_node) * rep_row_max;
+  }
+  __host__ __device__ size_t v_region() const { return size_t(max_tokens) * kMaxTopK * 8; }
+  __device__ int node_of(int r) const { return r / per_node; }
+  __device__ int lsa_of(int r) const { return r - node_of(r) * per_node; }
+  // The rank of node n that forwards for this rank / the source of node n this rank forwards for.
+  __device__ int peer_on(int n) const { return n * per_node + lsa_rank; }
+  __device__ int sig(Sig k, int p) const { return int(k) * ranks + p; }
+};
+
+__host__ __device__ inline size_t round16(size_t b) { return (b + 15) / 16 * 16; }
+__host__ __device__ size_t header_bytes(int K, size_t fl) {
+  return (size_t(K) * (8 + fl) + 15) / 16 * 16;
+}
+__host__ __device__ size_t request_bytes(int K) { return (8 + size_t(K) * 8 + 15) / 16 * 16; }
+
+// The node's barrier inboxes (LSA pointers by the rank's index in its node; the window's words
+// are laid out with the world's stride).
+struct NodeInbox {
+  ncclWindow_t win;
+  int stride;
+  __device__ uint32_t* at(int owner, uint32_t index, int from) const {
+    return static_cast<uint32_t*>(ncclGetLsaPointer(
+        win, (size_t(index) * size_t(stride) + size_t(from)) * sizeof(uint32_t), owner));
+  }
+};
+using NodeBarrier = BoundedBarrier<NodeInbox>;
+struct NodeMeet {
+  NodeInbox inbox;
+  BarrierArgs args;  // rank and ranks: within the node
+};
+
+// Thread 0: waits until signal `sig` reached `least` (bounded like the barriers'); false when it
+// gave up (then recorded).
+__device__ bool wait_signal(const ncclGin& gin, int sig, uint64_t least, const BarrierArgs& a,
+                            int peer, uint32_t where) {
+  uint64_t start = 0;
+  for (uint32_t polls = 1;; ++polls) {
+    if (int64_t(gin.readSignal(ncclGinSignal_t(sig)) - least) >= 0) return true;
+    if (polls % kPollsPerLook != 0) continue;
+    const uint64_t now = global_ns();
+    if (start == 0) start = now;
+    if (a.state->abort) {
+      give_up(a, kWaitAborted, peer, where);
+      return false;
+    }
+    if (a.timeout_ns && now - start > a.timeout_ns) {
+      give_up(a, kWaitTimedOut, peer, where);
+      return false;
+    }
+  }
+}
+
+// Every thread: whether this CTA is the kernel's last to get here (then every other CTA's work
+// is visible to it). Resets the counter for the next call.
+__device__ bool last_cta(uint32_t* done) {
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (last) *done = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
+// LSA pointers by world rank, within the node.
+struct NodeAt {
+  Geo g;
+  __device__ void* operator()(ncclWindow_t w, size_t off, int r) const {
+    return ncclGetLsaPointer(w, off, g.lsa_of(r));
+  }
+};
+
+// ---- dispatch
+// ------------------------------------------------------------------------------------
+
+template <class W, class F>
+__global__ void __launch_bounds__(kThreads)
+    gin_send(NodeMeet meet, uint32_t bar, ncclDevComm dc, ncclWindow_t stage, Geo g, GinState* st,
+             ncclWindow_t recv, ncclWindow_t members, ncclWindow_t weights, int64_t tokens, int K,
+             const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
+             const F* __restrict__ weight, int64_t row_lo, int64_t rows, RowChunks chunks,
+             const W* __restrict__ src, int64_t row_words) {
+  constexpr int kInFlight = 8;
+  NodeBarrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
+  ncclGin gin(dc, 0);
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    failed = 0;
+    const uint32_t calls = st->dispatches;
+    for (int n = 0; n < g.nodes && calls > 0 && !failed; ++n) {
+      const int f = g.peer_on(n);
+      if (n != g.node)
+        failed = !wait_signal(gin, g.sig(kDCredit, f), st->seen[kDCredit][f] + calls, meet.args, f,
+                              bar + blockIdx.x);
+    }
+  }
+  __syncthreads();
+  if (failed) return;
+  const size_t hdr = header_bytes(K, sizeof(F));
+  const size_t msg = round16(hdr + size_t(row_words) * sizeof(W));
+  auto* stage_base = static_cast<char*>(ncclGetLocalPointer(stage, 0));
+  const NodeAt at{g};
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
+    int rank = -1;
+    int64_t q = -1;
+    bool in = false;
+    if (lane < K) {
+      const int64_t i = t * K + lane;
+      q = int64_t(dest_row[i]) - row_lo;
+      rank = dest_rank[i];
+      in = rank >= 0 && rank < g.ranks && q >= 0 && q < rows;
+    }
+    cuda::TokenLanes e = cuda::lanes_of(rank, q, in, K);
+    cuda::keep_chunk(e, chunks);
+    const int node = e.in ? g.node_of(e.rank) : -1;
+    const F wt = weight ? weight[t * K + min(lane, K - 1)] : F(1);
+    // This node's ranks: the one-node dispatch of the token's entries here.
+    const unsigned here = __ballot_sync(kFull, node == g.node);
+    cuda::TokenLanes mine = e;
+    mine.in = e.in && node == g.node;
+    mine.lead = e.lead && node == g.node;
+    mine.group &= here;
+    mine.leads &= here;
+    dispatch_token<kInFlight>(mine, K, wt, weight != nullptr, src + t * row_words, row_words, lane,
+                              at, recv, members, weights);
+    // Every other node: one message to its forwarder.
+    for (unsigned away = __ballot_sync(kFull, e.in && node != g.node); away;) {
+      const int n = __shfl_sync(kFull, node, __ffs(away) - 1);
+      const unsigned there = __ballot_sync(kFull, node == n);
+      away &= ~there;
+      uint32_t j = 0;
+      if (lane == 0) j = atomicAdd(&st->sent[n], 1u);
+      j = __shfl_sync(kFull, j, 0);
+      const size_t off = g.d_send + size_t(n) * g.d_region() + size_t(j) * msg;
+      char* m = stage_base + off;
+      if (lane < K) {
+        const bool on = (there >> lane) & 1u;
+        reinterpret_cast<int2*>(m)[lane] = on ? make_int2(e.rank, e.row) : make_int2(-1, -1);
+        reinterpret_cast<F*>(m + size_t(K) * 8)[lane] = on && weight ? wt : F(1);
+      }
+      cuda::warp_copy_row<kInFlight>(reinterpret_cast<W*>(m + hdr), src + t * row_words, row_words,
+                                     lane);
+      __syncwarp();
+      if (lane == 0)
+        gin.put(ncclTeamWorld(dc), g.peer_on(n), stage,
+                g.d_recv + size_t(g.node) * g.d_region() + size_t(j) * msg, stage, off, msg,
+                ncclGin_SignalInc{ncclGinSignal_t(g.sig(kDData, g.rank))});
+    }
+  }
+  gin.flush(ncclCoopCta());
+  if (last_cta(&st->done[0]) && threadIdx.x == 0) {
+    for (int n = 0; n < g.nodes; ++n) {
+      if (n == g.node) continue;
+      const uint64_t count = st->sent[n];
+      st->sent[n] = 0;
+      gin.putValue(ncclTeamWorld(dc), g.peer_on(n), stage,
+                   g.counts + size_t(0 * g.ranks + g.rank) * 8, count,
+                   ncclGin_SignalInc{ncclGinSignal_t(g.sig(kDCount, g.rank))});
+    }
+    ++st->dispatches;
+  }
+}
+
+template <class W, class F>
+__global__ void __launch_bounds__(kThreads)
+    gin_forward(NodeMeet meet, uint32_t bar, ncclDevComm dc, ncclWindow_t stage, Geo g,
+                GinState* st, ncclWindow_t recv, ncclWindow_t members, ncclWindow_t weights, int K,
+                int64_t row_words) {
+  constexpr int kInFlight = 8;
+  NodeBarrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  ncclGin gin(dc, 0);
+  __shared__ uint32_t count[kMaxNodes];
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    failed = 0;
+    for (int n = 0; n < g.nodes && !failed; ++n) {
+      count[n] = 0;
+      if (n == g.node) continue;
+      const int s = g.peer_on(n);
+      if (!wait_signal(gin, g.sig(kDCount, s), st->seen[kDCount][s] + 1, meet.args, s,
+                       bar + blockIdx.x)) {
+        failed = 1;
+        break;
+      }
+      const auto* c = static_cast<const volatile uint64_t*>(
+          ncclGetLocalPointer(stage, g.counts + size_t(0 * g.ranks + s) * 8));
+      count[n] = uint32_t(*c);
+      failed = !wait_signal(gin, g.sig(kDData, s), st->seen[kDData][s] + count[n], meet.args, s,
+                            bar + blockIdx.x);
+    }
+  }
+  __syncthreads();
+  if (failed) return;
+  const size_t hdr = header_bytes(K, sizeof(F));
+  const size_t msg = round16(hdr + size_t(row_words) * sizeof(W));
+  const auto* stage_base = static_cast<const char*>(ncclGetLocalPointer(stage, 0));
+  const NodeAt at{g};
+  const int lane = int(threadIdx.x) & 31;
+  int64_t total = 0;
+  for (int n = 0; n < g.nodes; ++n) total += count[n];
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t x = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; x < total; x += warps) {
+    int n = 0;
+    int64_t j = x;
+    while (j >= int64_t(count[n])) j -= count[n++];
+    const char* m = stage_base + g.d_recv + size_t(n) * g.d_region() + size_t(j) * msg;
+    int rank = -1;
+    int64_t q = -1;
+    F wt = F(1);
+    if (lane < K) {
+      const int2 rr = reinterpret_cast<const int2*>(m)[lane];
+      rank = rr.x, q = rr.y;
+      wt = reinterpret_cast<const F*>(m + size_t(K) * 8)[lane];
+    }
+    const cuda::TokenLanes e = cuda::lanes_of(rank, q, rank >= 0, K);
+    dispatch_token<kInFlight>(e, K, wt, true, reinterpret_cast<const W*>(m + hdr), row_words, lane,
+                              at, recv, members, weights);
+  }
+  if (last_cta(&st->done[1]) && threadIdx.x == 0) {
+    for (int n = 0; n < g.nodes; ++n) {
+      if (n == g.node) continue;
+      const int s = g.peer_on(n);
+      st->seen[kDCount][s] += 1;
+      st->seen[kDData][s] += count[n];
+      gin.signal(ncclTeamWorld(dc), s, ncclGin_SignalInc{ncclGinSignal_t(g.sig(kDCredit, g.rank))});
+    }
+  }
+  b.sync();
+}
+
+// ---- combine
+// -------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads)
+    gin_request(ncclDevComm dc, ncclWindow_t stage, Geo g, GinState* st, int2* slots,
+                int64_t tokens, int K, const int32_t* __restrict__ dest_rank,
+                const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
+                RowChunks chunks, bool want_values) {
+  ncclGin gin(dc, 0);
+  const size_t req = request_bytes(K);
+  auto* stage_base = static_cast<char*>(ncclGetLocalPointer(stage, 0));
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
+    int rank = -1;
+    int64_t q = -1;
+    bool in = false;
+    if (lane < K) {
+      const int64_t i = t * K + lane;
+      q = int64_t(dest_row[i]) - row_lo;
+      rank = dest_rank[i];
+      in = rank >= 0 && rank < g.ranks && q >= 0 && q < rows;
+    }
+    const cuda::TokenLanes e = cuda::lanes_of(rank, q, in, K);
+    if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
+    const int node = e.in ? g.node_of(e.rank) : -1;
+    for (unsigned away = __ballot_sync(kFull, e.in && node != g.node); away;) {
+      const int n = __shfl_sync(kFull, node, __ffs(away) - 1);
+      const unsigned there = __ballot_sync(kFull, node == n);
+      away &= ~there;
+      int2 jo = make_int2(0, 0);
+      if (lane == 0) {
+        jo.x = int(atomicAdd(&st->asked[n], 1u));
+        jo.y = int(atomicAdd(&st->lead_rows[n], unsigned(__popc(e.leads & there))));
+        slots[t * g.nodes + n] = jo;
+      }
+      jo.x = __shfl_sync(kFull, jo.x, 0);
+      jo.y = __shfl_sync(kFull, jo.y, 0);
+      const size_t off = g.q_send + size_t(n) * g.q_region() + size_t(jo.x) * req;
+      char* m = stage_base + off;
+      if (lane == 0) reinterpret_cast<int2*>(m)[0] = make_int2(jo.y, want_values ? 1 : 0);
+      if (lane < K)
+        reinterpret_cast<int2*>(m + 8)[lane] =
+            ((there >> lane) & 1u) ? make_int2(e.rank, e.row) : make_int2(-1, -1);
+      __syncwarp();
+      if (lane == 0)
+        gin.put(ncclTeamWorld(dc), g.peer_on(n), stage,
+                g.q_recv + size_t(g.node) * g.q_region() + size_t(jo.x) * req, stage, off, req,
+                ncclGin_SignalInc{ncclGinSignal_t(g.sig(kReqData, g.rank))});
+    }
+  }
+  gin.flush(ncclCoopCta());
+  if (last_cta(&st->done[2]) && threadIdx.x == 0) {
+    for (int n = 0; n < g.nodes; ++n) {
+      st->asked_last[n] = st->asked[n];
+      if (n != g.node)
+        gin.putValue(ncclTeamWorld(dc), g.peer_on(n), stage,
+                     g.counts + size_t(1 * g.ranks + g.rank) * 8, uint64_t(st->asked[n]),
+                     ncclGin_SignalInc{ncclGinSignal_t(g.sig(kReqCount, g.rank))});
+      st->asked[n] = 0;
+      st->lead_rows[n] = 0;
+    }
+    st->values_last = want_values ? 1u : 0u;
+  }
+}
+
+template <class W, class F>
+__global__ void __launch_bounds__(kThreads)
+    gin_reply(NodeMeet meet, uint32_t bar, ncclDevComm dc, ncclWindow_t stage, Geo g, GinState* st,
+              ncclWindow_t red, ncclWindow_t values, int K, int64_t row_words) {
+  constexpr int kInFlight = 8;
+  NodeBarrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
+  ncclGin gin(dc, 0);
+  __shared__ uint32_t count[kMaxNodes];
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    failed = 0;
+    for (int n = 0; n < g.nodes && !failed; ++n) {
+      count[n] = 0;
+      if (n == g.node) continue;
+      const int s = g.peer_on(n);
+      if (!wait_signal(gin, g.sig(kReqCount, s), st->seen[kReqCount][s] + 1, meet.args, s,
+                       bar + blockIdx.x)) {
+        failed = 1;
+        break;
+      }
+      const auto* c = static_cast<const volatile uint64_t*>(
+          ncclGetLocalPointer(stage, g.counts + size_t(1 * g.ranks + s) * 8));
+      count[n] = uint32_t(*c);
+      failed = !wait_signal(gin, g.sig(kReqData, s), st->seen[kReqData][s] + count[n], meet.args, s,
+                            bar + blockIdx.x);
+    }
+  }
+  __syncthreads();
+  if (failed) return;
+  const size_t req = request_bytes(K);
+  const size_t row_bytes = size_t(row_words) * sizeof(W), rstride = round16(row_bytes);
+  auto* stage_base = static_cast<char*>(ncclGetLocalPointer(stage, 0));
+  const NodeAt at{g};
+  const int lane = int(threadIdx.x) & 31;
+  int64_t total = 0;
+  for (int n = 0; n < g.nodes; ++n) total += count[n];
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t x = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; x < total; x += warps) {
+    int n = 0;
+    int64_t j = x;
+    while (j >= int64_t(count[n])) j -= count[n++];
+    const char* m = stage_base + g.q_recv + size_t(n) * g.q_region() + size_t(j) * req;
+    const int2 head = reinterpret_cast<const int2*>(m)[0];
+    int rank = -1;
+    int64_t q = -1;
+    if (lane < K) {
+      const int2 rr = reinterpret_cast<const int2*>(m + 8)[lane];
+      rank = rr.x, q = rr.y;
+    }
+    const cuda::TokenLanes e = cuda::lanes_of(rank, q, rank >= 0, K);
+    const int s = g.peer_on(n);
+    F* vals = reinterpret_cast<F*>(stage_base + g.v_send + size_t(n) * g.v_region() +
+                                   size_t(j) * kMaxTopK * sizeof(F));
+    if (head.y && lane < K)
+      vals[lane] =
+          e.in ? *static_cast<const F*>(at(values, size_t(e.row) * sizeof(F), e.rank)) : F(0);
+    const size_t rows_off = g.r_send + size_t(n) * g.r_region() + size_t(head.x) * rstride;
+    int i = 0;
+    for (unsigned l = e.leads; l; l &= l - 1, ++i) {
+      const int ll = __ffs(l) - 1;
+      const int r = __shfl_sync(kFull, e.rank, ll);
+      const int32_t p = __shfl_sync(kFull, e.row, ll);
+      cuda::warp_copy_row<kInFlight>(
+          reinterpret_cast<W*>(stage_base + rows_off + size_t(i) * rstride),
+          static_cast<const W*>(at(red, size_t(p) * row_bytes, r)), row_words, lane);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      gin.put(ncclTeamWorld(dc), s, stage,
+              g.r_recv + size_t(g.node) * g.r_region() + size_t(head.x) * rstride, stage, rows_off,
+              size_t(i) * rstride, ncclGin_SignalInc{ncclGinSignal_t(g.sig(kRepData, g.rank))});
+      if (head.y)
+        gin.put(ncclTeamWorld(dc), s, stage,
+                g.v_recv + size_t(g.node) * g.v_region() + size_t(j) * kMaxTopK * sizeof(F), stage,
+                g.v_send + size_t(n) * g.v_region() + size_t(j) * kMaxTopK * sizeof(F),
+                size_t(K) * sizeof(F), ncclGin_SignalInc{ncclGinSignal_t(g.sig(kRepData, g.rank))});
+    }
+  }
+  gin.flush(ncclCoopCta());
+  if (last_cta(&st->done[3]) && threadIdx.x == 0) {
+    for (int n = 0; n < g.nodes; ++n) {
+      if (n == g.node) continue;
+      const int s = g.peer_on(n);
+      st->seen[kReqCount][s] += 1;
+      st->seen[kReqData][s] += count[n];
+    }
+  }
+  b.sync();
+}
+
+template <class Y, class W, class F>
+__global__ void __launch_bounds__(kThreads)
+    gin_sum(NodeMeet meet, uint32_t bar, ncclDevComm dc, ncclWindow_t stage, Geo g, GinState* st,
+            const int2* slots, ncclWindow_t red, ncclWindow_t values, int64_t tokens, int K,
+            const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
+            int64_t row_lo, int64_t rows, RowChunks chunks, const int32_t* accumulate, W* y,
+            int64_t row_words, F* values_out) {
+  NodeBarrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  ncclGin gin(dc, 0);
+  __shared__ int failed;
+  const uint32_t per_request = 1u + st->values_last;
+  if (threadIdx.x == 0) {
+    failed = 0;
+    for (int n = 0; n < g.nodes && !failed; ++n) {
+      const int f = g.peer_on(n);
+      if (n != g.node)
+        failed = !wait_signal(gin, g.sig(kRepData, f),
+                              st->seen[kRepData][f] + uint64_t(st->asked_last[n]) * per_request,
+                              meet.args, f, bar + blockIdx.x);
+    }
+  }
+  __syncthreads();
+  if (failed) return;
+  const bool add = accumulate && *accumulate != 0;
+  const size_t row_bytes = size_t(row_words) * sizeof(W), rstride = round16(row_bytes);
+  const auto* stage_base = static_cast<const char*>(ncclGetLocalPointer(stage, 0));
+  const NodeAt at{g};
+  const int lane = int(threadIdx.x) & 31;
+  const int64_t warps = int64_t(gridDim.x) * kWarps;
+  for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
+    int rank = -1;
+    int64_t q = -1;
+    bool in = false;
+    if (lane < K) {
+      const int64_t i = t * K + lane;
+      q = int64_t(dest_row[i]) - row_lo;
+      rank = dest_rank[i];
+      in = rank >= 0 && rank < g.ranks && q >= 0 && q < rows;
+    }
+    const cuda::TokenLanes e = cuda::lanes_of(rank, q, in, K);
+    if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
+    const int node = e.in ? g.node_of(e.rank) : -1;
+    const bool away = e.in && node != g.node;
+    const int2 jo = away ? slots[t * g.nodes + node] : make_int2(0, 0);
+    if (values_out && e.in)
+      values_out[t * K + lane] =
+          away ? reinterpret_cast<const F*>(stage_base + g.v_recv + size_t(node) * g.v_region() +
+                                            size_t(jo.x) * kMaxTopK * sizeof(F))[lane]
+               : *static_cast<const F*>(at(values, size_t(e.row) * sizeof(F), e.rank));
+    if (e.leads == 0 && add) continue;
+    unsigned long long from = 0ull;
+    // The lead lanes of the token's node, for the index of a lead among its node's leads.
+    const unsigned same_node = __match_any_sync(kFull, node);
+    if (e.lead)
+      from = away
+                 ? reinterpret_cast<unsigned long long>(
+                       stage_base + g.r_recv + size_t(node) * g.r_region() +
+                       (size_t(jo.y) + size_t(__popc(e.leads & same_node & ((1u << lane) - 1u)))) *
+                           rstride)
+                 : reinterpret_cast<unsigned long long>(at(red, size_t(e.row) * row_bytes, e.rank));
+    // Lane j takes the address of the j-th lead (k order).
+    unsigned rest = e.leads;
+    for (int j = 0; j < lane && rest; ++j) rest &= rest - 1;
+    const unsigned long long lane_row = __shfl_sync(kFull, from, rest ? __ffs(rest) - 1 : 0);
+    sum_rows<Y, W>(y + t * row_words, row_words, add, lane_row, __popc(e.leads), lane);
+  }
+  if (last_cta(&st->done[4]) && threadIdx.x == 0) {
+    for (int n = 0; n < g.nodes; ++n)
+      if (n != g.node)
+        st->seen[kRepData][g.peer_on(n)] += uint64_t(st->asked_last[n]) * per_request;
+  }
+  b.sync();
+}
+
+__global__ void read_signals(ncclDevComm dc, int signals, GinState* st, int ranks) {
+  ncclGin gin(dc, 0);
+  for (int i = int(threadIdx.x); i < signals; i += int(blockDim.x))
+    st->seen[i / ranks][i % ranks] = gin.readSignal(ncclGinSignal_t(i));
+}
+
+// ---- the communicator
+// ----------------------------------------------------------------------------
+
+class NcclGinComm final : public NcclCommBase {
+ public:
+  NcclGinComm(std::unique_ptr<Context> ctx, std::unique_ptr<CollectiveOps> ops,
+              const NcclOptions& o)
+      : NcclCommBase(std::move(ctx), std::move(ops), o) {
+    Context& c = this->ctx();
+    const ncclDevComm& d = c.dev();
+    g_.rank = c.rank(), g_.ranks = c.size(), g_.per_node = d.lsaSize, g_.lsa_rank = d.lsaRank;
+    g_.node = g_.rank / g_.per_node, g_.nodes = g_.ranks / g_.per_node;
+    g_.max_tokens = o.gin_max_tokens;
+    g_.msg_max = round16(header_bytes(kMaxTopK, 8) + o.gin_max_row_bytes);
+    g_.req_max = request_bytes(kMaxTopK);
+    g_.rep_row_max = round16(o.gin_max_row_bytes);
+    const size_t N = size_t(g_.nodes);
+    size_t at = 0;
+    auto take = [&](size_t region) {
+      const size_t here = at;
+      at += N * round16(region);
+      return here;
+    };
+    g_.d_send = take(g_.d_region()), g_.d_recv = take(g_.d_region());
+    g_.q_send = take(g_.q_region()), g_.q_recv = take(g_.q_region());
+    g_.r_send = take(g_.r_region()), g_.r_recv = take(g_.r_region());
+    g_.v_send = take(g_.v_region()), g_.v_recv = take(g_.v_region());
+    g_.counts = at;
+    at += 2 * size_t(g_.ranks) * 8;
+    stage_ = c.make_symmetric_window(at,
+                                     "the GIN staging window (NcclOptions::gin_max_tokens, "
+                                     "gin_max_row_bytes)");
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+    ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+#else
+    ncclDevCommRequirements reqs;
+    std::memset(&reqs, 0, sizeof reqs);
+#endif
+    reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+    reqs.ginContextCount = 1;
+    reqs.ginSignalCount = kSigKinds * g_.ranks;
+    reqs.ginVaSignalsRequired = false;
+    MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(c.comm(), &reqs, &gin_dev_));
+    have_gin_dev_ = true;
+    MOE_ECHO_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st_), sizeof(GinState)));
+    MOE_ECHO_CUDA_CHECK(cudaMemset(st_, 0, sizeof(GinState)));
+    MOE_ECHO_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&slots_), size_t(g_.max_tokens) * N * sizeof(int2)));
+    MOE_ECHO_LAUNCH(read_signals, 1, 256, 0, nullptr, gin_dev_, kSigKinds * g_.ranks, st_,
+                    g_.ranks);
+    MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
+    c.boot().barrier();  // no rank puts before every rank has read its signals
+  }
+
+  ~NcclGinComm() override {
+    quiesce();
+    if (slots_) (void)cudaFree(slots_);
+    if (st_) (void)cudaFree(st_);
+    if (have_gin_dev_) (void)ncclDevCommDestroy(ctx().comm(), &gin_dev_);
+    ctx().release_window(stage_);
+  }
+
+  bool capturable() const override { return false; }  // the clone ops' host sync
+
+ private:
+  NodeMeet node_meet() {
+    BarrierArgs a = ctx().barrier_args();
+    a.rank = g_.lsa_rank;
+    a.ranks = g_.per_node;
+    return NodeMeet{NodeInbox{ctx().inbox(), ctx().size()}, a};
+  }
+
+  void check_call(int64_t tokens, int K, size_t row_bytes, const char* op) const {
+    if (tokens > g_.max_tokens)
+      reject("gin_max_tokens", g_.max_tokens,
+             std::string("at least the ") + std::to_string(tokens) + " tokens of this " + op);
+    if (row_bytes > opts().gin_max_row_bytes)
+      reject("gin_max_row_bytes", opts().gin_max_row_bytes,
+             std::string("at least the ") + std::to_string(row_bytes) + "-byte rows of this " + op);
+    if (K > kMaxTopK) reject("top_k", K, "at most 32 across nodes");
+  }
+
+  void dispatch_rows(const RowRoute& route, RoundWindow window, const void* src, size_t row_bytes,
+                     const Window& recv, const Window& members, const Window& weights, DType fdt,
+                     cudaStream_t s) override {
+    const int K = route.top_k;
+    const int64_t tokens = route.n / K;
+    check_call(tokens, K, row_bytes, "dispatch");
+    const unsigned grid = unsigned(opts().ctas);
+    with_float(fdt, [&](auto fl) {
+      using F = decltype(fl);
+      with_word(word_size(row_bytes, {src}), [&](auto word) {
+        using W = decltype(word);
+        const int64_t words = int64_t(row_bytes / sizeof(W));
+        MOE_ECHO_LAUNCH((gin_send<W, F>), grid, kThreads, 0, s, node_meet(),
+                        barrier_base(kGinSendBarriers), gin_dev_, stage_.win, g_, st_, recv.win,
+                        members.win, weights.win, tokens, K, route.dest_rank, route.dest_row,
+                        static_cast<const F*>(route.weight), window.row_lo, window.rows,
+                        route.chunks, static_cast<const W*>(src), words);
+        MOE_ECHO_LAUNCH((gin_forward<W, F>), grid, kThreads, 0, s, node_meet(),
+                        barrier_base(kGinForwardBarriers), gin_dev_, stage_.win, g_, st_, recv.win,
+                        members.win, weights.win, K, words);
+      });
+    });
+  }
+
+  void combine_rows(const RowRoute& route, RoundWindow window, const Window& red, const Tensor& y,
+                    const int32_t* accumulate, const Window* values, DType fdt, void* values_out,
+                    cudaStream_t s) override {
+    const int K = route.top_k;
+    const size_t row_bytes = size_t(y.size(1)) * dtype_size(y.dtype);
+    check_call(y.size(0), K, row_bytes, "combine");
+    const bool vec = row_bytes % 16 == 0 && cuda::aligned16(y.data);
+    const unsigned grid = unsigned(opts().ctas);
+    const ncclWindow_t vwin = values ? values->win : static_cast<ncclWindow_t>(nullptr);
+    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, gin_dev_, stage_.win, g_, st_, slots_,
+                    y.size(0), K, route.dest_rank, route.dest_row, window.row_lo, window.rows,
+                    route.chunks, values_out != nullptr);
+    with_float(fdt, [&](auto fl) {
+      using F = decltype(fl);
+      with_rows(y.dtype, vec, [&](auto elem, auto word) {
+        using Y = decltype(elem);
+        using W = decltype(word);
+        const int64_t words = int64_t(row_bytes / sizeof(W));
+        MOE_ECHO_LAUNCH((gin_reply<W, F>), grid, kThreads, 0, s, node_meet(),
+                        barrier_base(kGinReplyBarriers), gin_dev_, stage_.win, g_, st_, red.win,
+                        vwin, K, words);
+        MOE_ECHO_LAUNCH((gin_sum<Y, W, F>), grid, kThreads, 0, s, node_meet(),
+                        barrier_base(kGinSumBarriers), gin_dev_, stage_.win, g_, st_, slots_,
+                        red.win, vwin, y.size(0), K, route.dest_rank, route.dest_row, window.row_lo,
+                        window.rows, route.chunks, accumulate, static_cast<W*>(y.data), words,
+                        static_cast<F*>(values_out));
+      });
+    });
+  }
+
+  Geo g_{};
+  Window stage_;
+  ncclDevComm gin_dev_{};
+  bool have_gin_dev_ = false;
+  GinState* st_ = nullptr;
+  int2* slots_ = nullptr;  // gin_request's (request, reply row) per (token, node), for gin_sum
+};
+
+}  // namespace
+
+bool gin_ready(Context& ctx, std::string* why) {
+  ncclCommProperties_t props = NCCL_COMM_PROPERTIES_INITIALIZER;
+  MOE_ECHO_NCCL_CHECK(ncclCommQueryProperties(ctx.comm(), &props));
+  const ncclDevComm& d = ctx.dev();
+  std::ostringstream m;
+  if (props.ginType == NCCL_GIN_TYPE_NONE || !props.deviceApiSupport)
+    m << "NCCL offers no GIN (device-initiated networking) between these ranks";
+  else if (ctx.size() > kMaxGinRanks || ctx.size() % d.lsaSize != 0 ||
+           d.lsaRank != ctx.rank() % d.lsaSize || ctx.size() / d.lsaSize > kMaxNodes)
+    m << "the NVLink teams are not " << d.lsaSize << " consecutive world ranks each (rank "
+      << ctx.rank() << " is " << d.lsaRank << " of " << d.lsaSize << " in its team, " << ctx.size()
+      << " ranks, at most " << kMaxGinRanks << ")";
+  if (why) *why = m.str();
+  return m.str().empty();
+}
+
+std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context> ctx, const NcclOptions& o) {
+  if (o.gin_max_tokens < 1) reject("gin_max_tokens", o.gin_max_tokens, ">= 1");
+  if (o.gin_max_row_bytes < 16) reject("gin_max_row_bytes", o.gin_max_row_bytes, ">= 16");
+  auto ops = make_host_api_collective_ops(*ctx, /*symmetric=*/true);
+  return std::make_unique<NcclGinComm>(std::move(ctx), std::move(ops), o);
+}
+
+#endif  // MOE_ECHO_HAVE_GIN
+
+}  // namespace moe_echo::nccl
