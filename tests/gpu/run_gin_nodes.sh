@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Two GPUs of one host as two nodes, on NCCL's GIN through the test-only plugin of tests/gpu/gin_ipc
+# (CUDA IPC between the host's processes instead of a network), in one call: build moe-echo,
+# multigpu_test, gin_probe and the plugin against NCCL 2.31 or later (scripts/nccl_stash.sh's
+# NCCL_ROOT), run gin_probe as two nodes (each rank its own NVLink team: NCCL_LSA_TEAM_SIZE=1),
+# then, when it found GIN, the multi-GPU tests as two nodes: there the default (sync-free)
+# communicator is the one across nodes (NcclGinComm), checked against the baseline bit for bit.
+# Logs under $OUT (default out/gin_nodes); with PACK=FILE also packed into that one .tgz.
+# Env: BUILD_DIR (build-gpu-gin), GIN_TEST_FILTER (the gtest filter of the multi-GPU tests),
+# GIN_NODES_ENV (replaces the two-node variables).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:-out/gin_nodes}
+build=${BUILD_DIR:-build-gpu-gin}
+mkdir -p "$out"
+[ -n "${PACK:-}" ] && trap 'tar -czf "$PACK" -C "$out" . 2>/dev/null' EXIT
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH=/usr/local/cuda/bin:$PATH
+source scripts/nccl_env.sh
+t0=$SECONDS
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_ECHO_CUDA=ON \
+  ${nccl_root:+-DNCCL_ROOT=$nccl_root} >"$out/build.log" 2>&1 &&
+  cmake --build "$build" -j "$(nproc)" --target moe-echo multigpu_test gin_probe \
+    moe_echo_gin_ipc >>"$out/build.log" 2>&1
+rc=$?
+echo "build: rc=$rc $((SECONDS - t0)) s (NCCL ${nccl_root:-from the system})"
+[ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
+ln -sf "$PWD/$build/tests/gpu/multigpu_test" "$build/multigpu_test"
+plugin=$PWD/$build/libmoe_echo_gin_ipc.so
+nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_RMA_PLUGIN=$plugin"}
+echo "two nodes: $nodes_env"
+# shellcheck disable=SC2086
+env $nodes_env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV timeout 180 "$build/moe-echo" \
+  launch -n 2 --master-port 0 -- "$build/gin_probe" --timeout-s 20 --json "$out/gin.json" >"$out/gin.log" 2>&1
+echo "gin_probe, two nodes on the plugin: rc=$?"
+grep -E "^\[rank 0\] (NCCL [0-9]|rank [0-9]|no GIN)|gin_probe:|GIN|RMA|gin_ipc" "$out/gin.log" |
+  head -20
+if ! grep -q '"gin": *true' "$out/gin.json"* 2>/dev/null && ! grep -q "GIN type [23]" "$out/gin.log"; then
+  echo "no GIN between the two emulated nodes: the multi-GPU tests as two nodes are skipped"
+  exit 0
+fi
+# shellcheck disable=SC2086
+env $nodes_env NCCL_DEBUG=WARN PREBUILT=$build RANKS=2 OUT=$out/multigpu MOE_ECHO_TIMEOUT_S=60 \
+  TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240} \
+  TEST_FILTER="${GIN_TEST_FILTER:-MultiGpuRows.*:MultiGpuCollectives.*:MultiGpuLayer.*}" \
+  bash tests/gpu/run_multigpu.sh
+exit 0
