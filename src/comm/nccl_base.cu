@@ -42,6 +42,10 @@ const char* barrier_op(int32_t index) {
     case kReduceBarriers: return "clone gradient reduction";
     case kGatherBarriers: return "count all-gather";
     case kAllReduceBarriers: return "all-reduce";
+    case kGinSendBarriers: return "dispatch across nodes (send, credits)";
+    case kGinForwardBarriers: return "dispatch across nodes (forward, the sources' messages)";
+    case kGinReplyBarriers: return "combine across nodes (reply, the requests)";
+    case kGinSumBarriers: return "combine across nodes (sum, the replies)";
     default: return "an unknown op";
   }
 }
@@ -185,6 +189,24 @@ void Context::create_device_comm() {
   MOE_ECHO_CUDA_CHECK(cudaMemset(epochs_, 0, epoch_bytes));
   MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
   boot_.barrier();  // no rank arrives at a barrier before every inbox is zero
+}
+
+void Context::enable_gin(int signals) {
+  MOE_ECHO_CHECK(have_dev_, "enable_gin: no device communicator");
+#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
+  ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
+  reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
+  reqs.ginContextCount = 1;
+  reqs.ginSignalCount = signals;
+  reqs.ginVaSignalsRequired = false;
+  MOE_ECHO_NCCL_CHECK(ncclDevCommDestroy(comm_, &dev_));
+  have_dev_ = false;
+  MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(comm_, &reqs, &dev_));
+  have_dev_ = true;
+#else
+  throw Error("enable_gin: built against NCCL " + std::to_string(NCCL_VERSION_CODE) +
+              ", which has no GIN requirements (" + std::to_string(signals) + " signals asked)");
+#endif
 }
 
 void Context::check_same_size(size_t bytes, const std::string& what) {

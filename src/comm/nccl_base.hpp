@@ -89,6 +89,9 @@ class Context {
   // inboxes, a symmetric window, and epochs, zeroed on every rank before any rank returns).
   void create_device_comm();
   const ncclDevComm& dev() const { return dev_; }
+  // Collective: the device communicator made again with one GIN context of `signals` signals
+  // (the windows registered so far stay; NCCL 2.29 or later).
+  void enable_gin(int signals);
   // What the barrier kernels take (after create_device_comm()).
   BarrierArgs barrier_args() const;
   ncclWindow_t inbox() const { return inbox_.win; }

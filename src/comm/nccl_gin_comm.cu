@@ -616,24 +616,13 @@ class NcclGinComm final : public NcclCommBase {
     stage_ = c.make_symmetric_window(at,
                                      "the GIN staging window (NcclOptions::gin_max_tokens, "
                                      "gin_max_row_bytes)");
-#ifdef NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER
-    ncclDevCommRequirements reqs = NCCL_DEV_COMM_REQUIREMENTS_INITIALIZER;
-#else
-    ncclDevCommRequirements reqs;
-    std::memset(&reqs, 0, sizeof reqs);
-#endif
-    reqs.ginConnectionType = NCCL_GIN_CONNECTION_FULL;
-    reqs.ginContextCount = 1;
-    reqs.ginSignalCount = kSigKinds * g_.ranks;
-    reqs.ginVaSignalsRequired = false;
-    MOE_ECHO_NCCL_CHECK(ncclDevCommCreate(c.comm(), &reqs, &gin_dev_));
-    have_gin_dev_ = true;
+    // One device communicator, made again with GIN after the staging window is registered.
+    c.enable_gin(kSigKinds * g_.ranks);
     MOE_ECHO_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st_), sizeof(GinState)));
     MOE_ECHO_CUDA_CHECK(cudaMemset(st_, 0, sizeof(GinState)));
     MOE_ECHO_CUDA_CHECK(
         cudaMalloc(reinterpret_cast<void**>(&slots_), size_t(g_.max_tokens) * N * sizeof(int2)));
-    MOE_ECHO_LAUNCH(read_signals, 1, 256, 0, nullptr, gin_dev_, kSigKinds * g_.ranks, st_,
-                    g_.ranks);
+    MOE_ECHO_LAUNCH(read_signals, 1, 256, 0, nullptr, c.dev(), kSigKinds * g_.ranks, st_, g_.ranks);
     MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
     c.boot().barrier();  // no rank puts before every rank has read its signals
   }
@@ -642,7 +631,6 @@ class NcclGinComm final : public NcclCommBase {
     quiesce();
     if (slots_) (void)cudaFree(slots_);
     if (st_) (void)cudaFree(st_);
-    if (have_gin_dev_) (void)ncclDevCommDestroy(ctx().comm(), &gin_dev_);
     ctx().release_window(stage_);
   }
 
@@ -679,13 +667,13 @@ class NcclGinComm final : public NcclCommBase {
         using W = decltype(word);
         const int64_t words = int64_t(row_bytes / sizeof(W));
         MOE_ECHO_LAUNCH((gin_send<W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinSendBarriers), gin_dev_, stage_.win, g_, st_, recv.win,
+                        barrier_base(kGinSendBarriers), ctx().dev(), stage_.win, g_, st_, recv.win,
                         members.win, weights.win, tokens, K, route.dest_rank, route.dest_row,
                         static_cast<const F*>(route.weight), window.row_lo, window.rows,
                         route.chunks, static_cast<const W*>(src), words);
         MOE_ECHO_LAUNCH((gin_forward<W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinForwardBarriers), gin_dev_, stage_.win, g_, st_, recv.win,
-                        members.win, weights.win, K, words);
+                        barrier_base(kGinForwardBarriers), ctx().dev(), stage_.win, g_, st_,
+                        recv.win, members.win, weights.win, K, words);
       });
     });
   }
@@ -699,7 +687,7 @@ class NcclGinComm final : public NcclCommBase {
     const bool vec = row_bytes % 16 == 0 && cuda::aligned16(y.data);
     const unsigned grid = unsigned(opts().ctas);
     const ncclWindow_t vwin = values ? values->win : static_cast<ncclWindow_t>(nullptr);
-    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, gin_dev_, stage_.win, g_, st_, slots_,
+    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, ctx().dev(), stage_.win, g_, st_, slots_,
                     y.size(0), K, route.dest_rank, route.dest_row, window.row_lo, window.rows,
                     route.chunks, values_out != nullptr);
     with_float(fdt, [&](auto fl) {
@@ -709,10 +697,10 @@ class NcclGinComm final : public NcclCommBase {
         using W = decltype(word);
         const int64_t words = int64_t(row_bytes / sizeof(W));
         MOE_ECHO_LAUNCH((gin_reply<W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinReplyBarriers), gin_dev_, stage_.win, g_, st_, red.win,
+                        barrier_base(kGinReplyBarriers), ctx().dev(), stage_.win, g_, st_, red.win,
                         vwin, K, words);
         MOE_ECHO_LAUNCH((gin_sum<Y, W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinSumBarriers), gin_dev_, stage_.win, g_, st_, slots_,
+                        barrier_base(kGinSumBarriers), ctx().dev(), stage_.win, g_, st_, slots_,
                         red.win, vwin, y.size(0), K, route.dest_rank, route.dest_row, window.row_lo,
                         window.rows, route.chunks, accumulate, static_cast<W*>(y.data), words,
                         static_cast<F*>(values_out));
@@ -722,8 +710,6 @@ class NcclGinComm final : public NcclCommBase {
 
   Geo g_{};
   Window stage_;
-  ncclDevComm gin_dev_{};
-  bool have_gin_dev_ = false;
   GinState* st_ = nullptr;
   int2* slots_ = nullptr;  // gin_request's (request, reply row) per (token, node), for gin_sum
 };

@@ -86,7 +86,9 @@ const std::string& skip_reason() { return g_skip; }
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   ::testing::AddGlobalTestEnvironment(new moe_echo::test::WorldEnvironment);
-  moe_echo::Watchdog watchdog(moe_echo::default_timeout(), "a multi-GPU test");
+  // Twice the communicators' wait timeout (the same variable), so that a wait that gives up
+  // reports which op and peer it waited for before the watchdog ends the rank.
+  moe_echo::Watchdog watchdog(2 * moe_echo::default_timeout(), "a multi-GPU test");
   ::testing::UnitTest::GetInstance()->listeners().Append(new moe_echo::test::Progress(watchdog));
   return RUN_ALL_TESTS();
 }

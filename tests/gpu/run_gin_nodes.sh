@@ -7,7 +7,8 @@
 # communicator is the one across nodes (NcclGinComm), checked against the baseline bit for bit.
 # Logs under $OUT (default out/gin_nodes); with PACK=FILE also packed into that one .tgz.
 # Env: BUILD_DIR (build-gpu-gin), GIN_TEST_FILTER (the gtest filter of the multi-GPU tests),
-# GIN_NODES_ENV (replaces the two-node variables).
+# GIN_NODES_ENV (replaces the two-node variables), PROBE=0 (no gin_probe), GIN_NCCL_DEBUG (NCCL's
+# log level in the tests), ONE_NODE_FILTER (then the tests of that filter as one node too).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/gin_nodes}
@@ -29,19 +30,29 @@ ln -sf "$PWD/$build/tests/gpu/multigpu_test" "$build/multigpu_test"
 plugin=$PWD/$build/libmoe_echo_gin_ipc.so
 nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_RMA_PLUGIN=$plugin"}
 echo "two nodes: $nodes_env"
-# shellcheck disable=SC2086
-env $nodes_env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV timeout 180 "$build/moe-echo" \
-  launch -n 2 --master-port 0 -- "$build/gin_probe" --timeout-s 20 --json "$out/gin.json" >"$out/gin.log" 2>&1
-echo "gin_probe, two nodes on the plugin: rc=$?"
-grep -E "^\[rank 0\] (NCCL [0-9]|rank [0-9]|no GIN)|gin_probe:|GIN|RMA|gin_ipc" "$out/gin.log" |
-  head -20
-if ! grep -q '"gin": *true' "$out/gin.json"* 2>/dev/null && ! grep -q "GIN type [23]" "$out/gin.log"; then
-  echo "no GIN between the two emulated nodes: the multi-GPU tests as two nodes are skipped"
-  exit 0
+if [ "${PROBE:-1}" = 1 ]; then
+  # shellcheck disable=SC2086
+  env $nodes_env NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET,ENV timeout 180 "$build/moe-echo" \
+    launch -n 2 --master-port 0 -- "$build/gin_probe" --timeout-s 20 --json "$out/gin.json" \
+    >"$out/gin.log" 2>&1
+  echo "gin_probe, two nodes on the plugin: rc=$?"
+  grep -E "^\[rank 0\] (NCCL [0-9]|rank [0-9]|no GIN)|gin_probe:|GIN|RMA|gin_ipc" "$out/gin.log" |
+    head -20
+  if ! grep -q '"gin": *true' "$out/gin.json"* 2>/dev/null; then
+    echo "no GIN between the two emulated nodes: the multi-GPU tests as two nodes are skipped"
+    exit 0
+  fi
 fi
+# The communicators' waits give up after MOE_ECHO_TIMEOUT_S and say where (the tests' watchdog
+# waits twice that).
 # shellcheck disable=SC2086
-env $nodes_env NCCL_DEBUG=WARN PREBUILT=$build RANKS=2 OUT=$out/multigpu MOE_ECHO_TIMEOUT_S=60 \
-  TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240} \
+env $nodes_env NCCL_DEBUG=${GIN_NCCL_DEBUG:-WARN} PREBUILT=$build RANKS=2 OUT=$out/multigpu \
+  MOE_ECHO_TIMEOUT_S=${MOE_ECHO_TIMEOUT_S:-30} TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240} \
   TEST_FILTER="${GIN_TEST_FILTER:-MultiGpuRows.*:MultiGpuCollectives.*:MultiGpuLayer.*}" \
   bash tests/gpu/run_multigpu.sh
+# The same binaries as one node (every rank in one NVLink team), with ONE_NODE_FILTER.
+if [ -n "${ONE_NODE_FILTER:-}" ]; then
+  NCCL_DEBUG=WARN PREBUILT=$build RANKS=2 OUT=$out/one_node TEST_FILTER="$ONE_NODE_FILTER" \
+    MOE_ECHO_TIMEOUT_S=${MOE_ECHO_TIMEOUT_S:-30} bash tests/gpu/run_multigpu.sh
+fi
 exit 0
