@@ -125,9 +125,18 @@ std::optional<PeerLoss> Context::failed_wait() const {
 }
 
 void Context::check_alive() {
-  if (!monitor_) return;
-  std::optional<PeerLoss> loss = monitor_->lost();
-  if (!loss) return;
+  std::optional<PeerLoss> loss = monitor_ ? monitor_->lost() : std::nullopt;
+  if (!loss) {
+    // An error NCCL met on its own threads (a proxy, GIN's progress) fails the next op.
+    ncclResult_t async = ncclSuccess;
+    if (comm_ && ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+        async != ncclInProgress)
+      throw Error("NCCL communicator, rank " + std::to_string(rank_) + " of " +
+                  std::to_string(size_) + ": NCCL reported " + ncclGetErrorString(async) +
+                  " on its own threads (" + ncclGetLastError(comm_) +
+                  "); the communicator is unusable");
+    return;
+  }
   monitor_->consume();
   std::ostringstream m;
   m << "NCCL communicator, rank " << rank_ << " of " << size_ << ": " << loss->message;

@@ -178,6 +178,25 @@ __device__ bool last_cta(uint32_t* done) {
   return last;
 }
 
+// Every thread: flushes this CTA's puts (their sources may be written again), giving up like a
+// wait (clock cycles bound it: at most 2 GHz, so at least timeout_ns); false when it gave up.
+// `peer`: the rank named when it gives up (a rank of another node).
+__device__ bool flush_cta(const ncclGin& gin, const BarrierArgs& a, uint32_t where, int peer) {
+  __shared__ int gave_up;
+  if (a.timeout_ns == 0) {
+    gin.flush(ncclCoopCta());
+    return true;
+  }
+  const ncclResult_t rc =
+      gin.flush(ncclCoopCta(), ::cuda::memory_order_acquire, ncclGin_None{}, 2 * a.timeout_ns);
+  if (threadIdx.x == 0) {
+    gave_up = rc != ncclSuccess;
+    if (gave_up) give_up(a, kWaitTimedOut, peer, where);
+  }
+  __syncthreads();
+  return !gave_up;
+}
+
 // LSA pointers by world rank, within the node.
 struct NodeAt {
   Geo g;
@@ -266,7 +285,7 @@ __global__ void __launch_bounds__(kThreads)
                 ncclGin_SignalInc{ncclGinSignal_t(g.sig(kDData, g.rank))});
     }
   }
-  gin.flush(ncclCoopCta());
+  if (!flush_cta(gin, meet.args, bar + blockIdx.x, g.peer_on((g.node + 1) % g.nodes))) return;
   if (last_cta(&st->done[0]) && threadIdx.x == 0) {
     for (int n = 0; n < g.nodes; ++n) {
       if (n == g.node) continue;
@@ -351,10 +370,10 @@ __global__ void __launch_bounds__(kThreads)
 // -------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kThreads)
-    gin_request(ncclDevComm dc, ncclWindow_t stage, Geo g, GinState* st, int2* slots,
-                int64_t tokens, int K, const int32_t* __restrict__ dest_rank,
-                const int32_t* __restrict__ dest_row, int64_t row_lo, int64_t rows,
-                RowChunks chunks, bool want_values) {
+    gin_request(BarrierArgs args, uint32_t bar, ncclDevComm dc, ncclWindow_t stage, Geo g,
+                GinState* st, int2* slots, int64_t tokens, int K,
+                const int32_t* __restrict__ dest_rank, const int32_t* __restrict__ dest_row,
+                int64_t row_lo, int64_t rows, RowChunks chunks, bool want_values) {
   ncclGin gin(dc, 0);
   const size_t req = request_bytes(K);
   auto* stage_base = static_cast<char*>(ncclGetLocalPointer(stage, 0));
@@ -398,7 +417,7 @@ __global__ void __launch_bounds__(kThreads)
                 ncclGin_SignalInc{ncclGinSignal_t(g.sig(kReqData, g.rank))});
     }
   }
-  gin.flush(ncclCoopCta());
+  if (!flush_cta(gin, args, bar + blockIdx.x, g.peer_on((g.node + 1) % g.nodes))) return;
   if (last_cta(&st->done[2]) && threadIdx.x == 0) {
     for (int n = 0; n < g.nodes; ++n) {
       st->asked_last[n] = st->asked[n];
@@ -492,7 +511,7 @@ __global__ void __launch_bounds__(kThreads)
                 size_t(K) * sizeof(F), ncclGin_SignalInc{ncclGinSignal_t(g.sig(kRepData, g.rank))});
     }
   }
-  gin.flush(ncclCoopCta());
+  if (!flush_cta(gin, meet.args, bar + blockIdx.x, g.peer_on((g.node + 1) % g.nodes))) return;
   if (last_cta(&st->done[3]) && threadIdx.x == 0) {
     for (int n = 0; n < g.nodes; ++n) {
       if (n == g.node) continue;
@@ -622,6 +641,7 @@ class NcclGinComm final : public NcclCommBase {
     MOE_ECHO_CUDA_CHECK(cudaMemset(st_, 0, sizeof(GinState)));
     MOE_ECHO_CUDA_CHECK(
         cudaMalloc(reinterpret_cast<void**>(&slots_), size_t(g_.max_tokens) * N * sizeof(int2)));
+    load_kernels();
     MOE_ECHO_LAUNCH(read_signals, 1, 256, 0, nullptr, c.dev(), kSigKinds * g_.ranks, st_, g_.ranks);
     MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
     c.boot().barrier();  // no rank puts before every rank has read its signals
@@ -637,6 +657,35 @@ class NcclGinComm final : public NcclCommBase {
   bool capturable() const override { return false; }  // the clone ops' host sync
 
  private:
+  // Loads every kernel of this file now. CUDA loads a kernel at its first launch by default, and
+  // loading may wait for the device's running kernels; a first launch while a kernel of a
+  // dispatch waits on the peer's GIN traffic (whose plugin thread may in turn wait for this
+  // device) would never end.
+  static void load_kernels() {
+    cudaFuncAttributes a;
+    auto load = [&](const void* f) { MOE_ECHO_CUDA_CHECK(cudaFuncGetAttributes(&a, f)); };
+    for (DType fdt : {DType::f32, DType::f64})
+      with_float(fdt, [&](auto fl) {
+        using F = decltype(fl);
+        for (size_t w : {16, 8, 4, 2, 1})
+          with_word(w, [&](auto word) {
+            using W = decltype(word);
+            load(reinterpret_cast<const void*>(&gin_send<W, F>));
+            load(reinterpret_cast<const void*>(&gin_forward<W, F>));
+          });
+        for (DType y : {DType::bf16, DType::f32, DType::f64})
+          for (bool vec : {false, true})
+            with_rows(y, vec, [&](auto elem, auto word) {
+              using Y = decltype(elem);
+              using W = decltype(word);
+              load(reinterpret_cast<const void*>(&gin_reply<W, F>));
+              load(reinterpret_cast<const void*>(&gin_sum<Y, W, F>));
+            });
+      });
+    load(reinterpret_cast<const void*>(&gin_request));
+    load(reinterpret_cast<const void*>(&read_signals));
+  }
+
   NodeMeet node_meet() {
     BarrierArgs a = ctx().barrier_args();
     a.rank = g_.lsa_rank;
@@ -687,7 +736,8 @@ class NcclGinComm final : public NcclCommBase {
     const bool vec = row_bytes % 16 == 0 && cuda::aligned16(y.data);
     const unsigned grid = unsigned(opts().ctas);
     const ncclWindow_t vwin = values ? values->win : static_cast<ncclWindow_t>(nullptr);
-    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, ctx().dev(), stage_.win, g_, st_, slots_,
+    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, node_meet().args,
+                    barrier_base(kGinReplyBarriers), ctx().dev(), stage_.win, g_, st_, slots_,
                     y.size(0), K, route.dest_rank, route.dest_row, window.row_lo, window.rows,
                     route.chunks, values_out != nullptr);
     with_float(fdt, [&](auto fl) {
