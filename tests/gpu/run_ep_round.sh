@@ -42,7 +42,8 @@ if [ "${GIN:-0}" = 1 ]; then
   cat "$out/dmabuf_probe.log"
   nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_GDRCOPY_ENABLE=1 NCCL_SOCKET_IFNAME=lo"}
   # NCCL's GIN proxy over the CUDA IPC plugin, which NCCL loads by absolute path.
-  ipc_env="NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_RMA_PLUGIN=$(cd "$build" && pwd)/libmoe_echo_gin_ipc.so"
+  ipc_env="NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 CUDA_MODULE_LOADING=EAGER"
+  ipc_env="$ipc_env NCCL_RMA_PLUGIN=$(cd "$build" && pwd)/libmoe_echo_gin_ipc.so"
   for mode in one_node two_nodes two_nodes_ipc; do
     extra=""
     [ "$mode" = two_nodes ] && extra=$nodes_env

@@ -28,7 +28,10 @@ echo "build: rc=$rc $((SECONDS - t0)) s (NCCL ${nccl_root:-from the system})"
 [ $rc -ne 0 ] && { grep -B2 -A12 -E "error|FAILED" "$out/build.log" | head -60; exit 1; }
 ln -sf "$PWD/$build/tests/gpu/multigpu_test" "$build/multigpu_test"
 plugin=$PWD/$build/libmoe_echo_gin_ipc.so
-nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_RMA_PLUGIN=$plugin"}
+# CUDA_MODULE_LOADING=EAGER: the plugin applies puts and signals with CUDA calls from NCCL's
+# progress thread, and a kernel's first launch under lazy loading may wait for the device's
+# running kernels, which may be waiting for those puts.
+nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_RMA_PLUGIN=$plugin CUDA_MODULE_LOADING=EAGER"}
 echo "two nodes: $nodes_env"
 if [ "${PROBE:-1}" = 1 ]; then
   # shellcheck disable=SC2086
@@ -45,11 +48,37 @@ if [ "${PROBE:-1}" = 1 ]; then
 fi
 # The communicators' waits give up after MOE_ECHO_TIMEOUT_S and say where (the tests' watchdog
 # waits twice that).
+# Should the tests stop making progress, every thread's kernel stack and state of each test
+# process after HANG_DUMP_S seconds without a new line in the log (what it waits in).
+(
+  log=$out/multigpu/multigpu_n2.log
+  last=""
+  quiet=0
+  while sleep 5; do
+    now=$(wc -l <"$log" 2>/dev/null || echo 0)
+    if [ "$now" = "$last" ]; then quiet=$((quiet + 5)); else quiet=0; last=$now; fi
+    [ "$quiet" -lt "${HANG_DUMP_S:-45}" ] && continue
+    for pid in $(pgrep -f "$build/multigpu_test" 2>/dev/null); do
+      for t in /proc/"$pid"/task/*; do
+        echo "== pid $pid thread $(basename "$t") $(cat "$t/comm" 2>/dev/null)" \
+          "wchan $(cat "$t/wchan" 2>/dev/null) state $(awk '{print $3}' "$t/stat" 2>/dev/null)"
+        cat "$t/stack" 2>/dev/null | head -12
+      done
+    done >"$out/hang_threads.txt" 2>&1
+    command -v gdb >/dev/null &&
+      for pid in $(pgrep -f "$build/multigpu_test"); do
+        timeout 60 gdb -batch -p "$pid" -ex "thread apply all bt 12" 2>/dev/null
+      done >"$out/hang_gdb.txt" 2>&1
+    break
+  done
+) &
+watcher=$!
 # shellcheck disable=SC2086
 env $nodes_env NCCL_DEBUG=${GIN_NCCL_DEBUG:-WARN} PREBUILT=$build RANKS=2 OUT=$out/multigpu \
   MOE_ECHO_TIMEOUT_S=${MOE_ECHO_TIMEOUT_S:-30} TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240} \
   TEST_FILTER="${GIN_TEST_FILTER:-MultiGpuRows.*:MultiGpuCollectives.*:MultiGpuLayer.*}" \
   bash tests/gpu/run_multigpu.sh
+kill "$watcher" 2>/dev/null
 # The same binaries as one node (every rank in one NVLink team), with ONE_NODE_FILTER.
 if [ -n "${ONE_NODE_FILTER:-}" ]; then
   NCCL_DEBUG=WARN PREBUILT=$build RANKS=2 OUT=$out/one_node TEST_FILTER="$ONE_NODE_FILTER" \
