@@ -812,6 +812,9 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     NcclOptions no;
     no.dispatcher = dispatcher;
     if (o.comm_ctas) no.ctas = *o.comm_ctas;
+    // Across nodes: staging for this run's tokens and rows (activations in or out of the layer).
+    no.gin_max_tokens = std::max(T, 1);
+    no.gin_max_row_bytes = std::max<size_t>(16, size_t(H) * size_t(act_bytes));
     comm = make_nccl_communicator(*rv, no);
   }
 #endif

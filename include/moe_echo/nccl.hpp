@@ -75,7 +75,8 @@ struct NcclOptions {
   bool host_api = false;
   // The sync-free dispatcher across nodes (NCCL's GIN, docs/multigpu.md) stages what crosses
   // nodes in a window sized for at most gin_max_tokens tokens a call, of rows of at most
-  // gin_max_row_bytes bytes; a call past either is refused, naming the option.
+  // gin_max_row_bytes bytes; a call past either is refused, naming the option. The environment's
+  // MOE_ECHO_GIN_MAX_TOKENS and MOE_ECHO_GIN_MAX_ROW_BYTES replace them where set.
   int64_t gin_max_tokens = 4096;
   size_t gin_max_row_bytes = 16384;
 };

@@ -40,6 +40,8 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <charconv>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <sstream>
@@ -695,10 +697,10 @@ class NcclGinComm final : public NcclCommBase {
 
   void check_call(int64_t tokens, int K, size_t row_bytes, const char* op) const {
     if (tokens > g_.max_tokens)
-      reject("gin_max_tokens", g_.max_tokens,
+      reject("gin_max_tokens (MOE_ECHO_GIN_MAX_TOKENS)", g_.max_tokens,
              std::string("at least the ") + std::to_string(tokens) + " tokens of this " + op);
     if (row_bytes > opts().gin_max_row_bytes)
-      reject("gin_max_row_bytes", opts().gin_max_row_bytes,
+      reject("gin_max_row_bytes (MOE_ECHO_GIN_MAX_ROW_BYTES)", opts().gin_max_row_bytes,
              std::string("at least the ") + std::to_string(row_bytes) + "-byte rows of this " + op);
     if (K > kMaxTopK) reject("top_k", K, "at most 32 across nodes");
   }
@@ -782,7 +784,31 @@ bool gin_ready(Context& ctx, std::string* why) {
   return m.str().empty();
 }
 
-std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context> ctx, const NcclOptions& o) {
+namespace {
+
+// The environment's `name` as an integer in [lo, hi], or `fallback` where it is not set.
+int64_t env_int(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (!v) return fallback;
+  const std::string s = v;
+  long long x = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), x);
+  if (s.empty() || ec != std::errc() || end != s.data() + s.size() || x < lo || x > hi)
+    reject(name, "'" + s + "'",
+           "an integer from " + std::to_string(lo) + " to " + std::to_string(hi));
+  return x;
+}
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context> ctx,
+                                            const NcclOptions& options) {
+  // The environment replaces the staging sizes (for callers that set no options: the PyTorch
+  // module).
+  NcclOptions o = options;
+  o.gin_max_tokens = env_int("MOE_ECHO_GIN_MAX_TOKENS", o.gin_max_tokens, 1, int64_t(1) << 24);
+  o.gin_max_row_bytes = size_t(
+      env_int("MOE_ECHO_GIN_MAX_ROW_BYTES", int64_t(o.gin_max_row_bytes), 16, int64_t(1) << 24));
   if (o.gin_max_tokens < 1) reject("gin_max_tokens", o.gin_max_tokens, ">= 1");
   if (o.gin_max_row_bytes < 16) reject("gin_max_row_bytes", o.gin_max_row_bytes, ">= 16");
   auto ops = make_host_api_collective_ops(*ctx, /*symmetric=*/true);
