@@ -819,6 +819,10 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
   }
 #endif
   if (!comm) comm = cuda::make_local_communicator();
+  if (capture && !comm->capturable())
+    reject("capture", "on",
+           "off on ranks that span nodes (the communicator across nodes copies the ECHO plan to "
+           "the host in its clone ops, which a CUDA graph cannot hold)");
   auto barrier = [&] {
     if (rv) rv->barrier();
   };
