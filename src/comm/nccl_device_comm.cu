@@ -71,23 +71,6 @@ using Barrier = BoundedBarrier<LsaInbox>;
 
 // ---- device kernels ----------------------------------------------------------------------------
 
-// The lanes of token t (lane k < K: entry t * K + k) in the window [row_lo, row_lo + rows).
-__device__ __forceinline__ cuda::TokenLanes token_lanes(int64_t t, int K, int ranks,
-                                                        const int32_t* __restrict__ dest_rank,
-                                                        const int32_t* __restrict__ dest_row,
-                                                        int64_t row_lo, int64_t rows, int lane) {
-  int rank = -1;
-  int64_t q = -1;
-  bool in = false;
-  if (lane < K) {
-    const int64_t i = t * K + lane;
-    q = int64_t(dest_row[i]) - row_lo;
-    rank = dest_rank[i];
-    in = rank >= 0 && rank < ranks && q >= 0 && q < rows;
-  }
-  return cuda::lanes_of(rank, q, in, K);
-}
-
 // Dispatch: one warp per token. The lanes find the token's leads in the window (with chunks,
 // those of the pairs whose lead row is in the call's chunk at its rank); the warp reads the token
 // row once (kInFlight 16-byte words per lane in flight) and stores it into every lead's receive
@@ -107,7 +90,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    cuda::TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    cuda::TokenLanes e = cuda::route_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
     cuda::keep_chunk(e, chunks);
     dispatch_token<kInFlight>(
         e, K, weight ? weight[t * K + min(lane, K - 1)] : F(1), weight != nullptr,
@@ -135,7 +118,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    const cuda::TokenLanes e = token_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
+    const cuda::TokenLanes e =
+        cuda::route_lanes(t, K, ranks, dest_rank, dest_row, row_lo, rows, lane);
     if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
     if (values_out && e.in)
       values_out[t * K + lane] =

@@ -199,6 +199,42 @@ __device__ bool flush_cta(const ncclGin& gin, const BarrierArgs& a, uint32_t whe
   return !gave_up;
 }
 
+// Every thread: as a forwarder, each other node's source's count of messages (put into counts
+// slot `slot` with increments of signal kind `count_kind`), then that many increments of
+// `data_kind` (thread 0 waits, bounded); count[n] per node n (0 for this one). False on every
+// thread when a wait gave up.
+__device__ bool receive(const ncclGin& gin, const Geo& g, const GinState* st, ncclWindow_t stage,
+                        Sig count_kind, Sig data_kind, int slot, uint32_t* count,
+                        const BarrierArgs& a, uint32_t where) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    failed = 0;
+    for (int n = 0; n < g.nodes && !failed; ++n) {
+      count[n] = 0;
+      if (n == g.node) continue;
+      const int s = g.peer_on(n);
+      if (!wait_signal(gin, g.sig(count_kind, s), st->seen[count_kind][s] + 1, a, s, where)) {
+        failed = 1;
+        break;
+      }
+      const auto* c = static_cast<const volatile uint64_t*>(
+          ncclGetLocalPointer(stage, g.counts + size_t(slot * g.ranks + s) * 8));
+      count[n] = uint32_t(*c);
+      failed =
+          !wait_signal(gin, g.sig(data_kind, s), st->seen[data_kind][s] + count[n], a, s, where);
+    }
+  }
+  __syncthreads();
+  return !failed;
+}
+
+// Message x of the received ones, node after node: its node n and its index there.
+__device__ int64_t message_of(int64_t x, const uint32_t* count, int& n) {
+  n = 0;
+  while (x >= int64_t(count[n])) x -= count[n++];
+  return x;
+}
+
 // LSA pointers by world rank, within the node.
 struct NodeAt {
   Geo g;
@@ -241,16 +277,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    int rank = -1;
-    int64_t q = -1;
-    bool in = false;
-    if (lane < K) {
-      const int64_t i = t * K + lane;
-      q = int64_t(dest_row[i]) - row_lo;
-      rank = dest_rank[i];
-      in = rank >= 0 && rank < g.ranks && q >= 0 && q < rows;
-    }
-    cuda::TokenLanes e = cuda::lanes_of(rank, q, in, K);
+    cuda::TokenLanes e = cuda::route_lanes(t, K, g.ranks, dest_rank, dest_row, row_lo, rows, lane);
     cuda::keep_chunk(e, chunks);
     const int node = e.in ? g.node_of(e.rank) : -1;
     const F wt = weight ? weight[t * K + min(lane, K - 1)] : F(1);
@@ -310,27 +337,7 @@ __global__ void __launch_bounds__(kThreads)
   NodeBarrier b(meet.inbox, meet.args, bar + blockIdx.x);
   ncclGin gin(dc, 0);
   __shared__ uint32_t count[kMaxNodes];
-  __shared__ int failed;
-  if (threadIdx.x == 0) {
-    failed = 0;
-    for (int n = 0; n < g.nodes && !failed; ++n) {
-      count[n] = 0;
-      if (n == g.node) continue;
-      const int s = g.peer_on(n);
-      if (!wait_signal(gin, g.sig(kDCount, s), st->seen[kDCount][s] + 1, meet.args, s,
-                       bar + blockIdx.x)) {
-        failed = 1;
-        break;
-      }
-      const auto* c = static_cast<const volatile uint64_t*>(
-          ncclGetLocalPointer(stage, g.counts + size_t(0 * g.ranks + s) * 8));
-      count[n] = uint32_t(*c);
-      failed = !wait_signal(gin, g.sig(kDData, s), st->seen[kDData][s] + count[n], meet.args, s,
-                            bar + blockIdx.x);
-    }
-  }
-  __syncthreads();
-  if (failed) return;
+  if (!receive(gin, g, st, stage, kDCount, kDData, 0, count, meet.args, bar + blockIdx.x)) return;
   const size_t hdr = header_bytes(K, sizeof(F));
   const size_t msg = round16(hdr + size_t(row_words) * sizeof(W));
   const auto* stage_base = static_cast<const char*>(ncclGetLocalPointer(stage, 0));
@@ -341,8 +348,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t x = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; x < total; x += warps) {
     int n = 0;
-    int64_t j = x;
-    while (j >= int64_t(count[n])) j -= count[n++];
+    const int64_t j = message_of(x, count, n);
     const char* m = stage_base + g.d_recv + size_t(n) * g.d_region() + size_t(j) * msg;
     int rank = -1;
     int64_t q = -1;
@@ -382,16 +388,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    int rank = -1;
-    int64_t q = -1;
-    bool in = false;
-    if (lane < K) {
-      const int64_t i = t * K + lane;
-      q = int64_t(dest_row[i]) - row_lo;
-      rank = dest_rank[i];
-      in = rank >= 0 && rank < g.ranks && q >= 0 && q < rows;
-    }
-    const cuda::TokenLanes e = cuda::lanes_of(rank, q, in, K);
+    const cuda::TokenLanes e =
+        cuda::route_lanes(t, K, g.ranks, dest_rank, dest_row, row_lo, rows, lane);
     if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
     const int node = e.in ? g.node_of(e.rank) : -1;
     for (unsigned away = __ballot_sync(kFull, e.in && node != g.node); away;) {
@@ -443,27 +441,8 @@ __global__ void __launch_bounds__(kThreads)
   if (!b.sync()) return;
   ncclGin gin(dc, 0);
   __shared__ uint32_t count[kMaxNodes];
-  __shared__ int failed;
-  if (threadIdx.x == 0) {
-    failed = 0;
-    for (int n = 0; n < g.nodes && !failed; ++n) {
-      count[n] = 0;
-      if (n == g.node) continue;
-      const int s = g.peer_on(n);
-      if (!wait_signal(gin, g.sig(kReqCount, s), st->seen[kReqCount][s] + 1, meet.args, s,
-                       bar + blockIdx.x)) {
-        failed = 1;
-        break;
-      }
-      const auto* c = static_cast<const volatile uint64_t*>(
-          ncclGetLocalPointer(stage, g.counts + size_t(1 * g.ranks + s) * 8));
-      count[n] = uint32_t(*c);
-      failed = !wait_signal(gin, g.sig(kReqData, s), st->seen[kReqData][s] + count[n], meet.args, s,
-                            bar + blockIdx.x);
-    }
-  }
-  __syncthreads();
-  if (failed) return;
+  if (!receive(gin, g, st, stage, kReqCount, kReqData, 1, count, meet.args, bar + blockIdx.x))
+    return;
   const size_t req = request_bytes(K);
   const size_t row_bytes = size_t(row_words) * sizeof(W), rstride = round16(row_bytes);
   auto* stage_base = static_cast<char*>(ncclGetLocalPointer(stage, 0));
@@ -474,8 +453,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t x = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; x < total; x += warps) {
     int n = 0;
-    int64_t j = x;
-    while (j >= int64_t(count[n])) j -= count[n++];
+    const int64_t j = message_of(x, count, n);
     const char* m = stage_base + g.q_recv + size_t(n) * g.q_region() + size_t(j) * req;
     const int2 head = reinterpret_cast<const int2*>(m)[0];
     int rank = -1;
@@ -555,16 +533,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = int(threadIdx.x) & 31;
   const int64_t warps = int64_t(gridDim.x) * kWarps;
   for (int64_t t = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; t < tokens; t += warps) {
-    int rank = -1;
-    int64_t q = -1;
-    bool in = false;
-    if (lane < K) {
-      const int64_t i = t * K + lane;
-      q = int64_t(dest_row[i]) - row_lo;
-      rank = dest_rank[i];
-      in = rank >= 0 && rank < g.ranks && q >= 0 && q < rows;
-    }
-    const cuda::TokenLanes e = cuda::lanes_of(rank, q, in, K);
+    const cuda::TokenLanes e =
+        cuda::route_lanes(t, K, g.ranks, dest_rank, dest_row, row_lo, rows, lane);
     if (!cuda::combine_sums(chunks, e.in, e.rank, e.row)) continue;
     const int node = e.in ? g.node_of(e.rank) : -1;
     const bool away = e.in && node != g.node;

@@ -70,6 +70,24 @@ __device__ __forceinline__ TokenLanes lanes_of(int rank, int64_t q, bool in, int
   return e;
 }
 
+// The lanes of token t of a route (lane k < K: entry t * K + k) in the window [row_lo, row_lo +
+// rows) of destination ranks [0, ranks).
+__device__ __forceinline__ TokenLanes route_lanes(int64_t t, int K, int ranks,
+                                                  const int32_t* __restrict__ dest_rank,
+                                                  const int32_t* __restrict__ dest_row,
+                                                  int64_t row_lo, int64_t rows, int lane) {
+  int rank = -1;
+  int64_t q = -1;
+  bool in = false;
+  if (lane < K) {
+    const int64_t i = t * K + lane;
+    q = int64_t(dest_row[i]) - row_lo;
+    rank = dest_rank[i];
+    in = rank >= 0 && rank < ranks && q >= 0 && q < rows;
+  }
+  return lanes_of(rank, q, in, K);
+}
+
 // Keeps the (token, rank) pairs whose lead row is in the call's chunk (every pair without
 // chunks). Every lane of the warp calls it.
 __device__ __forceinline__ void keep_chunk(TokenLanes& e, const RowChunks& chunks) {
