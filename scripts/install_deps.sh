@@ -37,11 +37,12 @@ fi
 # trainer run on torch 2.11, as 0.3.0's import torch.distributed.fsdp.DataParallelMeshDims of a
 # later torch).
 python_packages=("torch==2.11.0" "transformers==5.17.0" "torchtitan==0.2.2" "nanobind>=2.0"
-                 "scikit-build-core>=0.10" "pytest" "numpy" "matplotlib")
+                 "scikit-build-core>=0.10" "pytest" "pytest-timeout" "numpy" "matplotlib")
 if ! python3 - <<'PY' >/dev/null 2>&1
 import importlib.metadata as m, sys
 need = {"torch": "2.11.", "transformers": "5.17.", "torchtitan": "0.2.2", "nanobind": "",
-        "scikit-build-core": "", "pytest": "", "numpy": "", "matplotlib": ""}
+        "scikit-build-core": "", "pytest": "", "pytest-timeout": "", "numpy": "",
+        "matplotlib": ""}
 sys.exit(any(not m.version(k).startswith(v) for k, v in need.items()))
 PY
 then

@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <random>
 #include <string>
@@ -22,10 +21,32 @@
 namespace moe_echo::test {
 namespace {
 
+// A reusable barrier: the last lane to arrive starts the next generation; the others yield until
+// they see it. (Written here rather than std::barrier, whose libstdc++ 12 implementation sleeps on
+// atomic waits; a lane that polls a generation counter cannot miss a wake-up.)
+class LaneBarrier {
+ public:
+  explicit LaneBarrier(int lanes) : lanes_(lanes) {}
+  void arrive_and_wait() {
+    const uint64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == lanes_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    while (generation_.load(std::memory_order_acquire) == generation) std::this_thread::yield();
+  }
+
+ private:
+  const int lanes_;
+  std::atomic<int> arrived_{0};
+  std::atomic<uint64_t> generation_{0};
+};
+
 // What the lanes of one emulated warp share: a barrier and one exchange slot per lane.
 struct WarpShared {
   explicit WarpShared(int lanes) : barrier(lanes), slots(size_t(lanes)) {}
-  std::barrier<> barrier;
+  LaneBarrier barrier;
   std::vector<int64_t> slots;
 };
 
