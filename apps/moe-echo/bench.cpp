@@ -815,14 +815,18 @@ int run_bench_gpu(const BenchOptions& opts, const DistEnv& env) {
     // Across nodes: staging for this run's tokens and rows (activations in or out of the layer).
     no.gin_max_tokens = std::max(T, 1);
     no.gin_max_row_bytes = std::max<size_t>(16, size_t(H) * size_t(act_bytes));
+    // and for a clone's weights or gradient (an expert's fc1 slot, the larger), so that the
+    // clone ops across nodes are kernels too and a step can be captured.
+    no.gin_clone_slot_bytes = size_t(H) * 2 * size_t(moe.ffn) *
+                              std::max(size_t(act_bytes), dtype_size(backend->float_dtype()));
     comm = make_nccl_communicator(*rv, no);
   }
 #endif
   if (!comm) comm = cuda::make_local_communicator();
   if (capture && !comm->capturable())
     reject("capture", "on",
-           "off on ranks that span nodes (the communicator across nodes copies the ECHO plan to "
-           "the host in its clone ops, which a CUDA graph cannot hold)");
+           "off with this communicator (its ops wait on the host, which a CUDA graph cannot "
+           "hold)");
   auto barrier = [&] {
     if (rv) rv->barrier();
   };

@@ -79,6 +79,15 @@ struct NcclOptions {
   // MOE_ECHO_GIN_MAX_TOKENS and MOE_ECHO_GIN_MAX_ROW_BYTES replace them where set.
   int64_t gin_max_tokens = 4096;
   size_t gin_max_row_bytes = 16384;
+  // Across nodes, clone weights and gradients move between nodes through a window of
+  // gin_clone_slots slots of gin_clone_slot_bytes bytes (a slot a clone at a time, in a
+  // pipeline), by device kernels with no host sync, so that the communicator is capturable. With
+  // gin_clone_slot_bytes 0 (the default) they move by NCCL's host API after the plan is copied to
+  // the host (a host sync; the communicator is then not capturable). A clone op whose slot is
+  // larger is refused, naming the option. MOE_ECHO_GIN_CLONE_SLOT_BYTES and
+  // MOE_ECHO_GIN_CLONE_SLOTS replace them where set.
+  size_t gin_clone_slot_bytes = 0;
+  int gin_clone_slots = 2;
 };
 
 // Makes GPU `env.local_rank` this thread's current device and returns its index. Throws

@@ -46,6 +46,8 @@ const char* barrier_op(int32_t index) {
     case kGinForwardBarriers: return "dispatch across nodes (forward, the sources' messages)";
     case kGinReplyBarriers: return "combine across nodes (reply, the requests)";
     case kGinSumBarriers: return "combine across nodes (sum, the replies)";
+    case kGinPullBarriers: return "clone weight pull across nodes";
+    case kGinReduceBarriers: return "clone gradient reduction across nodes";
     default: return "an unknown op";
   }
 }

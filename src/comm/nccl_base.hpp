@@ -53,6 +53,8 @@ enum BarrierRange : uint32_t {
   kGinForwardBarriers,
   kGinReplyBarriers,
   kGinSumBarriers,
+  kGinPullBarriers,  // the clone ops across nodes (nccl_gin_comm.cu), node barriers
+  kGinReduceBarriers,
   kBarrierRanges
 };
 constexpr uint32_t barrier_base(BarrierRange r) { return uint32_t(r) * kMaxCtas; }

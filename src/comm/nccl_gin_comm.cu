@@ -35,8 +35,10 @@
 // wait gives up like the barriers' (bounded_barrier.cuh): the abort flag or the wait timeout.
 //
 // The other ops: NCCL's host-API collectives (all-gather, all-reduce: capturable, no host sync)
-// and clone weights and gradients as grouped sends and receives after the plan is copied to the
-// host (a host sync), over symmetric windows; so the communicator is not capturable.
+// over symmetric windows, and the clone ops as the kernel gin_clones (LSA within the node, puts
+// through a clone staging window of P slots across nodes: see "clone ops" below) where that window
+// is configured (NcclOptions::gin_clone_slot_bytes), so that the communicator is capturable; else
+// grouped sends and receives after the plan is copied to the host (a host sync).
 #include <nccl.h>
 
 #include <algorithm>
@@ -87,9 +89,20 @@ using cuda::word_size;
 constexpr int kMaxGinRanks = 64;
 constexpr int kMaxNodes = 64;
 constexpr int kMaxTopK = 32;
+constexpr int kMaxCloneSlots = 8;  // NcclOptions::gin_clone_slots
 
 // Signal kinds; signal kind * ranks + p belongs to peer p (its sender, or the credit's giver).
-enum Sig : int { kDData, kDCount, kDCredit, kReqData, kReqCount, kRepData, kSigKinds };
+enum Sig : int {
+  kDData,
+  kDCount,
+  kDCredit,
+  kReqData,
+  kReqCount,
+  kRepData,
+  kClData,    // a clone op's item put into the consumer's clone staging (by its source)
+  kClCredit,  // a clone op's credit: the consumer's staging slot for the item is free
+  kSigKinds
+};
 
 // Device memory kept between kernels (zeroed, then `seen` read from the signals at setup).
 struct GinState {
@@ -99,7 +112,8 @@ struct GinState {
   uint32_t lead_rows[kMaxNodes];           // gin_request: reply rows asked of each node
   uint32_t asked_last[kMaxNodes];          // the last combine's requests, for gin_sum
   uint32_t values_last;                    // whether the last combine asked for fan values
-  uint32_t done[5];                        // CTAs done, per kernel: the last one closes the call
+  uint32_t done[6];                        // CTAs done, per kernel: the last one closes the call
+  uint32_t item_done[kMaxCloneSlots];      // a clone op's consumer CTAs done with a staged item
   uint32_t dispatches;                     // gin_send calls so far (their credits)
 };
 
@@ -108,6 +122,8 @@ struct Geo {
   int rank, ranks, per_node, lsa_rank, node, nodes;
   int64_t max_tokens;
   size_t msg_max, req_max, rep_row_max;  // strides: a message, a request, a reply row
+  int clone_slots;                       // P: the clone staging's slots (of clone_slot_bytes)
+  size_t clone_slot_bytes;
   size_t d_send, d_recv, q_send, q_recv, r_send, r_recv, v_send, v_recv, counts;
   __host__ __device__ size_t d_region() const { return size_t(max_tokens) * msg_max; }
   __host__ __device__ size_t q_region() const { return size_t(max_tokens) * req_max; }
@@ -569,6 +585,174 @@ __global__ void __launch_bounds__(kThreads)
   b.sync();
 }
 
+// ---- clone ops
+// -------------------------------------------------------------------------------------
+
+// The items of a clone op at a consumer rank d, in order. Pull: d's spare slots s that hold an
+// expert, from the expert's home rank (its home slot). Reduce: d's home experts j and their
+// replicas rep = 1..M-1, from the replica's rank (its spare slot), so that d adds them in replica
+// order, as one node does. An item from d's own node moves over LSA; one from another node
+// through d's clone staging: its source puts it into slot i % P (i: its index among d's items
+// from other nodes) once d has granted it a credit, with an increment of the source's data
+// signal at d. d grants the first P credits at entry and item i + P's once every consumer CTA is
+// done with item i: P slots whatever the plan.
+struct ClonePlan {
+  const int32_t* spare_expert;  // [R * S]
+  const int32_t* replica_rank;  // [E * M]
+  const int32_t* replica_slot;  // [E * M]
+  int S, M, epr;
+};
+
+struct CloneItem {
+  int src;       // the source rank
+  int src_slot;  // pull: the home slot at src; reduce: the spare slot at src
+  int dst_slot;  // pull: the spare slot at d; reduce: the home expert at d
+};
+
+// f(item) for d's items in order, while f returns true.
+template <bool kPull, class Fn>
+__device__ void for_items(const ClonePlan& p, int d, Fn&& f) {
+  if constexpr (kPull) {
+    for (int s = 0; s < p.S; ++s) {
+      const int e = p.spare_expert[int64_t(d) * p.S + s];
+      if (e >= 0 && !f(CloneItem{e / p.epr, e % p.epr, s})) return;
+    }
+  } else {
+    for (int j = 0; j < p.epr; ++j) {
+      const int64_t e = int64_t(d) * p.epr + j;
+      for (int rep = 1; rep < p.M; ++rep) {
+        const int r = p.replica_rank[e * p.M + rep];
+        if (r >= 0 && !f(CloneItem{r, p.replica_slot[e * p.M + rep] - p.epr, j})) return;
+      }
+    }
+  }
+}
+
+// f(item, i) for d's items from other nodes, i their index, while f returns true.
+template <bool kPull, class Fn>
+__device__ void for_staged(const ClonePlan& p, const Geo& g, int d, Fn&& f) {
+  int i = 0;
+  for_items<kPull>(
+      p, d, [&](const CloneItem& it) { return g.node_of(it.src) == g.node_of(d) || f(it, i++); });
+}
+
+// A clone op (pull: copy the words E of a slot; reduce: add its elements E) on every rank, with
+// the same grid of at least 2 CTAs: CTA 0 sends (this rank's first P credits, then per rank d of
+// another node, a thread each, the items this rank is the source of at d, in d's order, each
+// after its credit); CTAs 1.. consume this rank's items in order (a share of each slot's elements
+// per CTA). `src_win`: pull, the home slots; reduce, the spare slots (slot_elems E each).
+// `dst`: pull, the spare slots; reduce, the home experts' gradients.
+template <bool kPull, class E>
+__global__ void __launch_bounds__(kThreads)
+    gin_clones(NodeMeet meet, uint32_t bar, ncclDevComm dc, ncclWindow_t cstage, Geo g,
+               GinState* st, ClonePlan p, ncclWindow_t src_win, E* dst, int64_t slot_elems) {
+  NodeBarrier b(meet.inbox, meet.args, bar + blockIdx.x);
+  if (!b.sync()) return;
+  ncclGin gin(dc, 0);
+  const size_t slot_bytes = size_t(slot_elems) * sizeof(E);
+  const int P = g.clone_slots;
+  const uint32_t where = bar + blockIdx.x;
+  const int away_peer = g.peer_on((g.node + 1) % g.nodes);
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0)
+      for_staged<kPull>(p, g, g.rank, [&](const CloneItem& it, int i) {
+        if (i >= P) return false;
+        gin.signal(ncclTeamWorld(dc), it.src,
+                   ncclGin_SignalInc{ncclGinSignal_t(g.sig(kClCredit, g.rank))});
+        return true;
+      });
+    const int d = int(threadIdx.x);
+    if (d < g.ranks && g.node_of(d) != g.node) {
+      uint64_t m = 0;
+      for_staged<kPull>(p, g, d, [&](const CloneItem& it, int i) {
+        if (it.src != g.rank) return true;
+        if (!wait_signal(gin, g.sig(kClCredit, d), st->seen[kClCredit][d] + ++m, meet.args, d,
+                         where)) {
+          failed = 1;
+          return false;
+        }
+        gin.put(ncclTeamWorld(dc), d, cstage, size_t(i % P) * g.clone_slot_bytes, src_win,
+                size_t(it.src_slot) * slot_bytes, slot_bytes,
+                ncclGin_SignalInc{ncclGinSignal_t(g.sig(kClData, g.rank))});
+        return true;
+      });
+    }
+    __syncthreads();
+    if (failed || !flush_cta(gin, meet.args, where, away_peer)) return;
+  } else {
+    __shared__ uint32_t from[kMaxGinRanks];  // items consumed so far from each source
+    for (int r = int(threadIdx.x); r < g.ranks; r += kThreads) from[r] = 0;
+    __syncthreads();
+    const int consumers = int(gridDim.x) - 1;
+    const int64_t first = int64_t(blockIdx.x - 1) * kThreads + threadIdx.x;
+    const int64_t stride = int64_t(consumers) * kThreads;
+    const auto* stage = static_cast<const char*>(ncclGetLocalPointer(cstage, 0));
+    int i = 0;  // staged items consumed
+    for_items<kPull>(p, g.rank, [&](const CloneItem& it) {
+      E* to = dst + int64_t(it.dst_slot) * slot_elems;
+      const bool away = g.node_of(it.src) != g.node;
+      const E* from_row;
+      if (!away) {
+        from_row = static_cast<const E*>(
+            ncclGetLsaPointer(src_win, size_t(it.src_slot) * slot_bytes, g.lsa_of(it.src)));
+      } else {
+        if (threadIdx.x == 0)
+          failed =
+              !wait_signal(gin, g.sig(kClData, it.src), st->seen[kClData][it.src] + ++from[it.src],
+                           meet.args, it.src, where);
+        __syncthreads();
+        if (failed) return false;
+        from_row = reinterpret_cast<const E*>(stage + size_t(i % P) * g.clone_slot_bytes);
+      }
+      for (int64_t x = first; x < slot_elems; x += stride) {
+        // The staging slot is written again within this kernel: past L1.
+        const E v = away ? __ldcg(from_row + x) : from_row[x];
+        if constexpr (kPull)
+          to[x] = v;
+        else
+          to[x] += v;
+      }
+      if (away) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          if (atomicAdd(&st->item_done[i % P], 1u) == uint32_t(consumers) - 1) {
+            st->item_done[i % P] = 0;
+            const int next = i + P;
+            for_staged<kPull>(p, g, g.rank, [&](const CloneItem& nx, int k) {
+              if (k < next) return true;
+              gin.signal(ncclTeamWorld(dc), nx.src,
+                         ncclGin_SignalInc{ncclGinSignal_t(g.sig(kClCredit, g.rank))});
+              return false;
+            });
+          }
+        }
+        ++i;
+      }
+      return true;
+    });
+    if (failed) return;
+  }
+  if (last_cta(&st->done[5]) && threadIdx.x == 0) {
+    // What this call consumed of each signal: the items from each source on another node, and
+    // the credits each consumer on another node granted this rank.
+    for_staged<kPull>(p, g, g.rank, [&](const CloneItem& it, int) {
+      st->seen[kClData][it.src] += 1;
+      return true;
+    });
+    for (int d = 0; d < g.ranks; ++d)
+      if (g.node_of(d) != g.node)
+        for_staged<kPull>(p, g, d, [&](const CloneItem& it, int) {
+          if (it.src == g.rank) st->seen[kClCredit][d] += 1;
+          return true;
+        });
+  }
+  b.sync();
+}
+
 __global__ void read_signals(ncclDevComm dc, int signals, GinState* st, int ranks) {
   ncclGin gin(dc, 0);
   for (int i = int(threadIdx.x); i < signals; i += int(blockDim.x))
@@ -578,55 +762,75 @@ __global__ void read_signals(ncclDevComm dc, int signals, GinState* st, int rank
 // ---- the communicator
 // ----------------------------------------------------------------------------
 
-class NcclGinComm final : public NcclCommBase {
+// What the kernels above share on a rank: where things are, the staging windows and the device
+// state. Made before the collective ops and the communicator, which both launch its kernels.
+class GinCore {
  public:
-  NcclGinComm(std::unique_ptr<Context> ctx, std::unique_ptr<CollectiveOps> ops,
-              const NcclOptions& o)
-      : NcclCommBase(std::move(ctx), std::move(ops), o) {
-    Context& c = this->ctx();
+  GinCore(Context& c, const NcclOptions& o) : ctx_(c), opts_(o) {
     const ncclDevComm& d = c.dev();
-    g_.rank = c.rank(), g_.ranks = c.size(), g_.per_node = d.lsaSize, g_.lsa_rank = d.lsaRank;
-    g_.node = g_.rank / g_.per_node, g_.nodes = g_.ranks / g_.per_node;
-    g_.max_tokens = o.gin_max_tokens;
-    g_.msg_max = round16(header_bytes(kMaxTopK, 8) + o.gin_max_row_bytes);
-    g_.req_max = request_bytes(kMaxTopK);
-    g_.rep_row_max = round16(o.gin_max_row_bytes);
-    const size_t N = size_t(g_.nodes);
+    g.rank = c.rank(), g.ranks = c.size(), g.per_node = d.lsaSize, g.lsa_rank = d.lsaRank;
+    g.node = g.rank / g.per_node, g.nodes = g.ranks / g.per_node;
+    g.max_tokens = o.gin_max_tokens;
+    g.msg_max = round16(header_bytes(kMaxTopK, 8) + o.gin_max_row_bytes);
+    g.req_max = request_bytes(kMaxTopK);
+    g.rep_row_max = round16(o.gin_max_row_bytes);
+    g.clone_slots = o.gin_clone_slots;
+    g.clone_slot_bytes = round16(o.gin_clone_slot_bytes);
+    const size_t N = size_t(g.nodes);
     size_t at = 0;
     auto take = [&](size_t region) {
       const size_t here = at;
       at += N * round16(region);
       return here;
     };
-    g_.d_send = take(g_.d_region()), g_.d_recv = take(g_.d_region());
-    g_.q_send = take(g_.q_region()), g_.q_recv = take(g_.q_region());
-    g_.r_send = take(g_.r_region()), g_.r_recv = take(g_.r_region());
-    g_.v_send = take(g_.v_region()), g_.v_recv = take(g_.v_region());
-    g_.counts = at;
-    at += 2 * size_t(g_.ranks) * 8;
-    stage_ = c.make_symmetric_window(at,
-                                     "the GIN staging window (NcclOptions::gin_max_tokens, "
-                                     "gin_max_row_bytes)");
-    // One device communicator, made again with GIN after the staging window is registered.
-    c.enable_gin(kSigKinds * g_.ranks);
-    MOE_ECHO_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st_), sizeof(GinState)));
-    MOE_ECHO_CUDA_CHECK(cudaMemset(st_, 0, sizeof(GinState)));
+    g.d_send = take(g.d_region()), g.d_recv = take(g.d_region());
+    g.q_send = take(g.q_region()), g.q_recv = take(g.q_region());
+    g.r_send = take(g.r_region()), g.r_recv = take(g.r_region());
+    g.v_send = take(g.v_region()), g.v_recv = take(g.v_region());
+    g.counts = at;
+    at += 2 * size_t(g.ranks) * 8;
+    stage = c.make_symmetric_window(at,
+                                    "the GIN staging window (NcclOptions::gin_max_tokens, "
+                                    "gin_max_row_bytes)");
+    if (g.clone_slot_bytes > 0)
+      clone_stage = c.make_symmetric_window(
+          size_t(g.clone_slots) * g.clone_slot_bytes,
+          "the GIN clone staging window (NcclOptions::gin_clone_slots, gin_clone_slot_bytes)");
+    // One device communicator, made again with GIN after the staging windows are registered.
+    c.enable_gin(kSigKinds * g.ranks);
+    MOE_ECHO_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&st), sizeof(GinState)));
+    MOE_ECHO_CUDA_CHECK(cudaMemset(st, 0, sizeof(GinState)));
     MOE_ECHO_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&slots_), size_t(g_.max_tokens) * N * sizeof(int2)));
+        cudaMalloc(reinterpret_cast<void**>(&slots), size_t(g.max_tokens) * N * sizeof(int2)));
     load_kernels();
-    MOE_ECHO_LAUNCH(read_signals, 1, 256, 0, nullptr, c.dev(), kSigKinds * g_.ranks, st_, g_.ranks);
+    MOE_ECHO_LAUNCH(read_signals, 1, 256, 0, nullptr, c.dev(), kSigKinds * g.ranks, st, g.ranks);
     MOE_ECHO_CUDA_CHECK(cudaDeviceSynchronize());
     c.boot().barrier();  // no rank puts before every rank has read its signals
   }
+  // After the device is idle (the communicator's quiesce()).
+  ~GinCore() {
+    if (slots) (void)cudaFree(slots);
+    if (st) (void)cudaFree(st);
+    ctx_.release_window(clone_stage);
+    ctx_.release_window(stage);
+  }
+  GinCore(const GinCore&) = delete;
+  GinCore& operator=(const GinCore&) = delete;
 
-  ~NcclGinComm() override {
-    quiesce();
-    if (slots_) (void)cudaFree(slots_);
-    if (st_) (void)cudaFree(st_);
-    ctx().release_window(stage_);
+  Context& ctx() const { return ctx_; }
+  const NcclOptions& opts() const { return opts_; }
+
+  NodeMeet node_meet() const {
+    BarrierArgs a = ctx_.barrier_args();
+    a.rank = g.lsa_rank;
+    a.ranks = g.per_node;
+    return NodeMeet{NodeInbox{ctx_.inbox(), ctx_.size()}, a};
   }
 
-  bool capturable() const override { return false; }  // the clone ops' host sync
+  Geo g{};
+  Window stage, clone_stage;
+  GinState* st = nullptr;
+  int2* slots = nullptr;  // gin_request's (request, reply row) per (token, node), for gin_sum
 
  private:
   // Loads every kernel of this file now. CUDA loads a kernel at its first launch by default, and
@@ -653,24 +857,109 @@ class NcclGinComm final : public NcclCommBase {
               load(reinterpret_cast<const void*>(&gin_reply<W, F>));
               load(reinterpret_cast<const void*>(&gin_sum<Y, W, F>));
             });
+        load(reinterpret_cast<const void*>(&gin_clones<false, F>));
+      });
+    for (size_t w : {16, 8, 4, 2, 1})
+      with_word(w, [&](auto word) {
+        load(reinterpret_cast<const void*>(&gin_clones<true, decltype(word)>));
       });
     load(reinterpret_cast<const void*>(&gin_request));
     load(reinterpret_cast<const void*>(&read_signals));
   }
 
-  NodeMeet node_meet() {
-    BarrierArgs a = ctx().barrier_args();
-    a.rank = g_.lsa_rank;
-    a.ranks = g_.per_node;
-    return NodeMeet{NodeInbox{ctx().inbox(), ctx().size()}, a};
+  Context& ctx_;
+  NcclOptions opts_;
+};
+
+// The ops other than dispatch and combine across nodes: NCCL's host-API collectives over
+// symmetric windows, and the clone ops as the gin_clones kernels where the clone staging window
+// exists (NcclOptions::gin_clone_slot_bytes > 0), else NCCL's host API too.
+class GinCollectiveOps final : public CollectiveOps {
+ public:
+  GinCollectiveOps(std::unique_ptr<CollectiveOps> host, const GinCore& core)
+      : host_(std::move(host)), core_(core) {}
+
+  bool host_api() const override { return host_->host_api(); }
+  Window make_window(size_t bytes, const std::string& what) override {
+    return host_->make_window(bytes, what);
+  }
+  void all_gather_i32(const int32_t* local, int32_t* all, int64_t n, cudaStream_t s) override {
+    host_->all_gather_i32(local, all, n, s);
+  }
+  void all_reduce_sum(const Tensor& t, cudaStream_t s) override { host_->all_reduce_sum(t, s); }
+
+  // Whether the clone ops are device kernels (no host sync).
+  bool device_clones() const { return core_.g.clone_slot_bytes > 0; }
+
+  void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg, const Window& home,
+                          void* spare, size_t slot_bytes, cudaStream_t s) override {
+    if (!device_clones()) return host_->pull_clone_weights(plan, cfg, home, spare, slot_bytes, s);
+    check_slot(slot_bytes, "pull_clone_weights");
+    with_word(word_size(slot_bytes, {home.ptr, spare}), [&](auto word) {
+      using W = decltype(word);
+      launch<true>(plan, cfg, home, static_cast<W*>(spare), int64_t(slot_bytes / sizeof(W)),
+                   kGinPullBarriers, s);
+    });
   }
 
+  void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg, const Window& spare,
+                          void* home, int64_t slot_elems, DType dtype, cudaStream_t s) override {
+    if (!device_clones())
+      return host_->reduce_clone_grads(plan, cfg, spare, home, slot_elems, dtype, s);
+    check_slot(size_t(slot_elems) * dtype_size(dtype), "reduce_clone_grads");
+    with_float(dtype, [&](auto fl) {
+      using F = decltype(fl);
+      launch<false>(plan, cfg, spare, static_cast<F*>(home), slot_elems, kGinReduceBarriers, s);
+    });
+  }
+
+ private:
+  void check_slot(size_t bytes, const char* op) const {
+    if (bytes > core_.opts().gin_clone_slot_bytes)
+      reject("gin_clone_slot_bytes (MOE_ECHO_GIN_CLONE_SLOT_BYTES)",
+             core_.opts().gin_clone_slot_bytes,
+             std::string("at least the ") + std::to_string(bytes) + "-byte slots of this " + op);
+  }
+
+  template <bool kPull, class E>
+  void launch(const PlanView& plan, const PlannerConfig& cfg, const Window& src, E* dst,
+              int64_t slot_elems, BarrierRange range, cudaStream_t s) {
+    const ClonePlan p{plan.spare_expert, plan.replica_rank,  plan.replica_slot,
+                      cfg.spare_slots,   cfg.max_replicas(), cfg.experts_per_rank()};
+    MOE_ECHO_LAUNCH((gin_clones<kPull, E>), unsigned(core_.opts().ctas), kThreads, 0, s,
+                    core_.node_meet(), barrier_base(range), core_.ctx().dev(),
+                    core_.clone_stage.win, core_.g, core_.st, p, src.win, dst, slot_elems);
+  }
+
+  std::unique_ptr<CollectiveOps> host_;
+  const GinCore& core_;
+};
+
+class NcclGinComm final : public NcclCommBase {
+ public:
+  NcclGinComm(std::unique_ptr<Context> ctx, std::unique_ptr<CollectiveOps> ops,
+              std::unique_ptr<GinCore> core, bool device_clones, const NcclOptions& o)
+      : NcclCommBase(std::move(ctx), std::move(ops), o),
+        core_(std::move(core)),
+        capturable_(device_clones) {}
+
+  ~NcclGinComm() override {
+    quiesce();
+    core_.reset();
+  }
+
+  // Every op a kernel or a host-API collective, with no host sync, where the clone ops are
+  // kernels too (NcclOptions::gin_clone_slot_bytes > 0); else the clone ops copy the plan to the
+  // host.
+  bool capturable() const override { return capturable_; }
+
+ private:
   void check_call(int64_t tokens, int K, size_t row_bytes, const char* op) const {
-    if (tokens > g_.max_tokens)
-      reject("gin_max_tokens (MOE_ECHO_GIN_MAX_TOKENS)", g_.max_tokens,
+    if (tokens > core_->g.max_tokens)
+      reject("gin_max_tokens (MOE_ECHO_GIN_MAX_TOKENS)", core_->g.max_tokens,
              std::string("at least the ") + std::to_string(tokens) + " tokens of this " + op);
-    if (row_bytes > opts().gin_max_row_bytes)
-      reject("gin_max_row_bytes (MOE_ECHO_GIN_MAX_ROW_BYTES)", opts().gin_max_row_bytes,
+    if (row_bytes > core_->opts().gin_max_row_bytes)
+      reject("gin_max_row_bytes (MOE_ECHO_GIN_MAX_ROW_BYTES)", core_->opts().gin_max_row_bytes,
              std::string("at least the ") + std::to_string(row_bytes) + "-byte rows of this " + op);
     if (K > kMaxTopK) reject("top_k", K, "at most 32 across nodes");
   }
@@ -687,14 +976,14 @@ class NcclGinComm final : public NcclCommBase {
       with_word(word_size(row_bytes, {src}), [&](auto word) {
         using W = decltype(word);
         const int64_t words = int64_t(row_bytes / sizeof(W));
-        MOE_ECHO_LAUNCH((gin_send<W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinSendBarriers), ctx().dev(), stage_.win, g_, st_, recv.win,
-                        members.win, weights.win, tokens, K, route.dest_rank, route.dest_row,
-                        static_cast<const F*>(route.weight), window.row_lo, window.rows,
-                        route.chunks, static_cast<const W*>(src), words);
-        MOE_ECHO_LAUNCH((gin_forward<W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinForwardBarriers), ctx().dev(), stage_.win, g_, st_,
-                        recv.win, members.win, weights.win, K, words);
+        MOE_ECHO_LAUNCH((gin_send<W, F>), grid, kThreads, 0, s, core_->node_meet(),
+                        barrier_base(kGinSendBarriers), ctx().dev(), core_->stage.win, core_->g,
+                        core_->st, recv.win, members.win, weights.win, tokens, K, route.dest_rank,
+                        route.dest_row, static_cast<const F*>(route.weight), window.row_lo,
+                        window.rows, route.chunks, static_cast<const W*>(src), words);
+        MOE_ECHO_LAUNCH((gin_forward<W, F>), grid, kThreads, 0, s, core_->node_meet(),
+                        barrier_base(kGinForwardBarriers), ctx().dev(), core_->stage.win, core_->g,
+                        core_->st, recv.win, members.win, weights.win, K, words);
       });
     });
   }
@@ -708,32 +997,30 @@ class NcclGinComm final : public NcclCommBase {
     const bool vec = row_bytes % 16 == 0 && cuda::aligned16(y.data);
     const unsigned grid = unsigned(opts().ctas);
     const ncclWindow_t vwin = values ? values->win : static_cast<ncclWindow_t>(nullptr);
-    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, node_meet().args,
-                    barrier_base(kGinReplyBarriers), ctx().dev(), stage_.win, g_, st_, slots_,
-                    y.size(0), K, route.dest_rank, route.dest_row, window.row_lo, window.rows,
-                    route.chunks, values_out != nullptr);
+    MOE_ECHO_LAUNCH(gin_request, grid, kThreads, 0, s, core_->node_meet().args,
+                    barrier_base(kGinReplyBarriers), ctx().dev(), core_->stage.win, core_->g,
+                    core_->st, core_->slots, y.size(0), K, route.dest_rank, route.dest_row,
+                    window.row_lo, window.rows, route.chunks, values_out != nullptr);
     with_float(fdt, [&](auto fl) {
       using F = decltype(fl);
       with_rows(y.dtype, vec, [&](auto elem, auto word) {
         using Y = decltype(elem);
         using W = decltype(word);
         const int64_t words = int64_t(row_bytes / sizeof(W));
-        MOE_ECHO_LAUNCH((gin_reply<W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinReplyBarriers), ctx().dev(), stage_.win, g_, st_, red.win,
-                        vwin, K, words);
-        MOE_ECHO_LAUNCH((gin_sum<Y, W, F>), grid, kThreads, 0, s, node_meet(),
-                        barrier_base(kGinSumBarriers), ctx().dev(), stage_.win, g_, st_, slots_,
-                        red.win, vwin, y.size(0), K, route.dest_rank, route.dest_row, window.row_lo,
-                        window.rows, route.chunks, accumulate, static_cast<W*>(y.data), words,
-                        static_cast<F*>(values_out));
+        MOE_ECHO_LAUNCH((gin_reply<W, F>), grid, kThreads, 0, s, core_->node_meet(),
+                        barrier_base(kGinReplyBarriers), ctx().dev(), core_->stage.win, core_->g,
+                        core_->st, red.win, vwin, K, words);
+        MOE_ECHO_LAUNCH((gin_sum<Y, W, F>), grid, kThreads, 0, s, core_->node_meet(),
+                        barrier_base(kGinSumBarriers), ctx().dev(), core_->stage.win, core_->g,
+                        core_->st, core_->slots, red.win, vwin, y.size(0), K, route.dest_rank,
+                        route.dest_row, window.row_lo, window.rows, route.chunks, accumulate,
+                        static_cast<W*>(y.data), words, static_cast<F*>(values_out));
       });
     });
   }
 
-  Geo g_{};
-  Window stage_;
-  GinState* st_ = nullptr;
-  int2* slots_ = nullptr;  // gin_request's (request, reply row) per (token, node), for gin_sum
+  std::unique_ptr<GinCore> core_;
+  bool capturable_ = false;
 };
 
 }  // namespace
@@ -781,8 +1068,21 @@ std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context> ctx,
       env_int("MOE_ECHO_GIN_MAX_ROW_BYTES", int64_t(o.gin_max_row_bytes), 16, int64_t(1) << 24));
   if (o.gin_max_tokens < 1) reject("gin_max_tokens", o.gin_max_tokens, ">= 1");
   if (o.gin_max_row_bytes < 16) reject("gin_max_row_bytes", o.gin_max_row_bytes, ">= 16");
-  auto ops = make_host_api_collective_ops(*ctx, /*symmetric=*/true);
-  return std::make_unique<NcclGinComm>(std::move(ctx), std::move(ops), o);
+  o.gin_clone_slot_bytes = size_t(env_int("MOE_ECHO_GIN_CLONE_SLOT_BYTES",
+                                          int64_t(o.gin_clone_slot_bytes), 0, int64_t(1) << 40));
+  o.gin_clone_slots =
+      int(env_int("MOE_ECHO_GIN_CLONE_SLOTS", o.gin_clone_slots, 1, kMaxCloneSlots));
+  if (o.gin_clone_slots < 1 || o.gin_clone_slots > kMaxCloneSlots)
+    reject("gin_clone_slots", o.gin_clone_slots, "from 1 to " + std::to_string(kMaxCloneSlots));
+  if (o.gin_clone_slot_bytes > 0 && o.ctas < 2)
+    reject("ctas", o.ctas,
+           "at least 2 where gin_clone_slot_bytes > 0 (a CTA sends, the others "
+           "take what comes)");
+  auto core = std::make_unique<GinCore>(*ctx, o);
+  auto ops = std::make_unique<GinCollectiveOps>(make_host_api_collective_ops(*ctx, true), *core);
+  const bool device_clones = ops->device_clones();
+  return std::make_unique<NcclGinComm>(std::move(ctx), std::move(ops), std::move(core),
+                                       device_clones, o);
 }
 
 #endif  // MOE_ECHO_HAVE_GIN

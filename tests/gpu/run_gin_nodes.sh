@@ -8,7 +8,9 @@
 # Logs under $OUT (default out/gin_nodes); with PACK=FILE also packed into that one .tgz.
 # Env: BUILD_DIR (build-gpu-gin), GIN_TEST_FILTER (the gtest filter of the multi-GPU tests),
 # GIN_NODES_ENV (replaces the two-node variables), PROBE=0 (no gin_probe), GIN_NCCL_DEBUG (NCCL's
-# log level in the tests), ONE_NODE_FILTER (then the tests of that filter as one node too).
+# log level in the tests), ONE_NODE_FILTER (then the tests of that filter as one node too),
+# GIN_CLONE_SLOT_BYTES (the clone staging's slot bytes, MOE_ECHO_GIN_CLONE_SLOT_BYTES; 0: the clone
+# ops on NCCL's host API).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-out/gin_nodes}
@@ -32,6 +34,9 @@ plugin=$PWD/$build/libmoe_echo_gin_ipc.so
 # progress thread, and a kernel's first launch under lazy loading may wait for the device's
 # running kernels, which may be waiting for those puts.
 nodes_env=${GIN_NODES_ENV:-"NCCL_LSA_TEAM_SIZE=1 NCCL_IB_DISABLE=1 NCCL_RMA_PLUGIN=$plugin CUDA_MODULE_LOADING=EAGER"}
+# The clone ops across nodes as device kernels through a clone staging of this many bytes a slot
+# (enough for every slot of the tests); 0: through NCCL's host API (not capturable).
+export MOE_ECHO_GIN_CLONE_SLOT_BYTES=${GIN_CLONE_SLOT_BYTES:-1048576}
 echo "two nodes: $nodes_env"
 if [ "${PROBE:-1}" = 1 ]; then
   # shellcheck disable=SC2086
