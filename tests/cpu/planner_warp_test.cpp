@@ -7,7 +7,12 @@
 // where there is no GPU.
 #include <gtest/gtest.h>
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <random>
 #include <string>
@@ -21,26 +26,41 @@
 namespace moe_echo::test {
 namespace {
 
-// A reusable barrier: the last lane to arrive starts the next generation; the others yield until
-// they see it. (Written here rather than std::barrier, whose libstdc++ 12 implementation sleeps on
-// atomic waits; a lane that polls a generation counter cannot miss a wake-up.)
+// A reusable barrier on a futex: the last lane to arrive starts the next generation and wakes
+// the others, which yield a few times and then sleep in the kernel until the generation word
+// changes (FUTEX_WAIT returns at once when it already has: no wake-up is lost). 32 lanes on a
+// machine of 2 cores must sleep, not spin, while they wait. (Written here rather than std::barrier,
+// whose libstdc++ 12 implementation waits on atomics through a shared waiter pool.)
 class LaneBarrier {
  public:
   explicit LaneBarrier(int lanes) : lanes_(lanes) {}
   void arrive_and_wait() {
-    const uint64_t generation = generation_.load(std::memory_order_acquire);
+    const uint32_t generation = generation_.load(std::memory_order_acquire);
     if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == lanes_) {
       arrived_.store(0, std::memory_order_relaxed);
       generation_.store(generation + 1, std::memory_order_release);
+      futex(FUTEX_WAKE_PRIVATE, INT_MAX);
       return;
     }
-    while (generation_.load(std::memory_order_acquire) == generation) std::this_thread::yield();
+    for (int spin = 0; spin < kYields; ++spin) {
+      if (generation_.load(std::memory_order_acquire) != generation) return;
+      std::this_thread::yield();
+    }
+    while (generation_.load(std::memory_order_acquire) == generation)
+      futex(FUTEX_WAIT_PRIVATE, generation);
   }
 
  private:
+  void futex(int op, uint32_t value) {
+    static_assert(sizeof(generation_) == sizeof(uint32_t) &&
+                  std::atomic<uint32_t>::is_always_lock_free);
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), op, value, nullptr, nullptr, 0);
+  }
+
+  static constexpr int kYields = 16;  // before sleeping: most waits are short with few lanes
   const int lanes_;
   std::atomic<int> arrived_{0};
-  std::atomic<uint64_t> generation_{0};
+  std::atomic<uint32_t> generation_{0};
 };
 
 // What the lanes of one emulated warp share: a barrier and one exchange slot per lane.
