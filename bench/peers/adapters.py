@@ -217,18 +217,22 @@ def build_moe_echo(case: Case, ctx: Ctx, precision: str = "bf16",
     layer = m._handle.layer
     E, H, Fh = case.local_experts, case.hidden, case.ffn
     # What the C++ layer holds that is weights and gradients: router weight and bias (fp32),
-    # w1 and w2 (bf16 on the GPU) and their fp32 gradient buffers; the rest of workspace_bytes
-    # (routing, kept activations, receive windows, temporaries) counts as activation memory.
+    # w1 and w2 (bf16 on the GPU) and their fp32 gradient buffers where it keeps them (not where
+    # the backward writes the gradients straight into the tensors it returns); the rest of
+    # workspace_bytes (routing, kept activations, receive windows, temporaries) counts as
+    # activation memory.
     act = torch.empty((), dtype=ctx.dtype).element_size()
     fl = 8 if ctx.dtype == torch.float64 else 4
     weights = 3 * E * H * Fh
-    params_bytes = 2 * case.experts * H * fl + case.experts * fl + weights * (act + fl)
+    grads = fl if layer.expert_grads else 0
+    params_bytes = 2 * case.experts * H * fl + case.experts * fl + weights * (act + grads)
     if precision == "fp8":
         params_bytes += 2 * weights  # the e4m3 copies of w1 and w2 (two layouts, scales aside)
     info = dict(precision=precision, recompute=recompute,
                 ep_transport=getattr(m, "ep_transport", None),
                 echo=m._echo_config.get("enabled"),
                 capacity_factor=m._config.get("capacity_factor"),
+                expert_grads_in_layer=bool(layer.expert_grads),
                 layer_workspace_bytes=int(layer.workspace_bytes))
     return Built(forward=m, params=[m.router_weight, m.w1, m.w2],
                  grads=lambda: dict(w1=m.w1.grad, w2=m.w2.grad, router=m.router_weight.grad),

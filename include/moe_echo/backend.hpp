@@ -145,6 +145,8 @@ struct GemmArgs {
   GroupWindow window;
   Tensor a;  // fprop: x [rows, K]          dgrad: dy [rows, N]     wgrad: x [rows, K]
   Tensor b;  // fprop: w [G, K, N]          dgrad: w [G, K, N]      wgrad: dy [rows, N]
+  // wgrad: c is of the float dtype, or of the activation dtype when written (accumulate false):
+  // then each group's sum is rounded once to it.
   Tensor c;  // fprop: out y [rows, N]      dgrad: out dx [rows, K] wgrad: += dw [G, K, N] float
   // wgrad only: false writes dw[g] = a^T b over the window's rows instead of adding to it (no read
   // of dw), and zero for a group whose rows all lie outside the window (later windows add to it);

@@ -254,7 +254,9 @@ class MoeLayer {
   void backward_combine(Stream stream = nullptr, int micro_batch = 0);
 
   // Where backward_into puts the home experts' gradients: dw1 [E/R, H, 2F] and dw2 [E/R, F, H],
-  // both of the backend's float dtype, in its memory (16-byte aligned on CUDA).
+  // both of the backend's float dtype, in its memory (16-byte aligned on CUDA); or both of its
+  // activation dtype where activation_dtype_grads() (each rounded once from the GEMM's fp32 sum,
+  // the bits of the float ones cast, without writing or reading those).
   struct ExpertGrads {
     Tensor dw1, dw2;
   };
@@ -297,6 +299,13 @@ class MoeLayer {
   // The layer holds w1 and w2 gradients of its own (LayerOwns::expert_grads); without them a
   // backward writes them where backward_into's `into` says.
   bool holds_expert_grads() const;
+  // Whether backward_into (and backward_dispatch with `into`) takes expert gradients of the
+  // activation dtype too: each expert's gradient comes from one GEMM that nothing adds to
+  // afterwards (no spill round, no chunks, no echo slots, bf16 precision), so that GEMM writes it
+  // rounded. The same for every layer of these configs (before building one).
+  bool activation_dtype_grads() const;
+  static bool activation_dtype_grads(const MoeConfig& moe, const ParallelConfig& par,
+                                     const EchoConfig& echo);
   Tensor grad(Param p) const;
   // Zeroes the gradients. The next backward then writes the expert gradients of its first round
   // instead of adding to zeros (no read of them); a CUDA graph captured from zero_grad through

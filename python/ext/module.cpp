@@ -262,13 +262,13 @@ class Layer {
   }
 
   void backward_into(uintptr_t x, uintptr_t dy, uintptr_t dx, uintptr_t dw1, uintptr_t dw2,
-                     int64_t tokens, uintptr_t stream, int micro_batch) {
+                     int64_t tokens, uintptr_t stream, int micro_batch, bool act_grads) {
     const DType act = backend().activation_dtype();
     const int64_t H = s_->layer->moe_config().hidden;
     s_->layer->backward_into(Tensor(as_ptr(x), act, {tokens, H}),
                              Tensor(as_ptr(dy), act, {tokens, H}),
-                             Tensor(as_ptr(dx), act, {tokens, H}), expert_grads(dw1, dw2),
-                             as_stream(stream), micro_batch);
+                             Tensor(as_ptr(dx), act, {tokens, H}),
+                             expert_grads(dw1, dw2, act_grads), as_stream(stream), micro_batch);
   }
 
   // The split-phase forward and backward (MoeLayer::forward_dispatch ...).
@@ -282,7 +282,7 @@ class Layer {
   }
   // dw1, dw2: 0, or where the split backward writes the home experts' gradients.
   void backward_dispatch(uintptr_t dy, uintptr_t dx, int64_t tokens, uintptr_t stream,
-                         int micro_batch, uintptr_t dw1, uintptr_t dw2) {
+                         int micro_batch, uintptr_t dw1, uintptr_t dw2, bool act_grads) {
     const DType act = backend().activation_dtype();
     const int64_t H = s_->layer->moe_config().hidden;
     const Tensor tdy(as_ptr(dy), act, {tokens, H}), tdx(as_ptr(dx), act, {tokens, H});
@@ -290,12 +290,14 @@ class Layer {
       s_->layer->backward_dispatch(tdy, tdx, as_stream(stream), micro_batch);
       return;
     }
-    s_->layer->backward_dispatch(tdy, tdx, expert_grads(dw1, dw2), as_stream(stream), micro_batch);
+    s_->layer->backward_dispatch(tdy, tdx, expert_grads(dw1, dw2, act_grads), as_stream(stream),
+                                 micro_batch);
   }
 
-  // dw1, dw2 as the home experts' gradient tensors of the backend's float dtype.
-  MoeLayer::ExpertGrads expert_grads(uintptr_t dw1, uintptr_t dw2) const {
-    const DType fl = backend().float_dtype();
+  // dw1, dw2 as the home experts' gradient tensors of the backend's float dtype, or of its
+  // activation dtype with `act` (MoeLayer::activation_dtype_grads).
+  MoeLayer::ExpertGrads expert_grads(uintptr_t dw1, uintptr_t dw2, bool act) const {
+    const DType fl = act ? backend().activation_dtype() : backend().float_dtype();
     const MoeConfig& m = s_->layer->moe_config();
     const int64_t H = m.hidden, F = m.ffn, EPR = m.experts / s_->layer->parallel_config().ep_size;
     return {Tensor(as_ptr(dw1), fl, {EPR, H, 2 * F}), Tensor(as_ptr(dw2), fl, {EPR, F, H})};
@@ -325,6 +327,7 @@ class Layer {
   MoeLayer& layer() { return *s_->layer; }
   const Backend& backend() const { return *s_->rt->backend; }
   bool has_expert_grads() const { return s_->layer->holds_expert_grads(); }
+  bool activation_dtype_grads() const { return s_->layer->activation_dtype_grads(); }
 
  private:
   std::shared_ptr<LayerState> s_;
@@ -503,6 +506,19 @@ NB_MODULE(_ext, m) {
       "Layer is built)");
 
   m.def(
+      "activation_dtype_grads",
+      [](const nb::dict& moe, const nb::dict& echo, int ranks, const nb::dict& keywords) {
+        ParallelConfig par;
+        par.ep_size = ranks;
+        return MoeLayer::activation_dtype_grads(
+            config_from<MoeConfig>(moe, moe_config_fields(), keywords), par,
+            config_from<EchoConfig>(echo, echo_config_fields(), keywords));
+      },
+      "moe"_a, "echo"_a, "ranks"_a, "keywords"_a = nb::dict(),
+      "whether layers of these configs on `ranks` ranks take w1/w2 gradients of the activation "
+      "dtype in backward_into (MoeLayer::activation_dtype_grads), before building one");
+
+  m.def(
       "stack_memory_bytes",
       [](const std::vector<nb::dict>& moe, const nb::dict& echo, int ranks,
          const std::string& activation, const std::string& float_dtype, const nb::dict& keywords,
@@ -572,8 +588,9 @@ NB_MODULE(_ext, m) {
            "micro_batch"_a = 0,
            "dx <- gradient of x; parameter gradients accumulate (+=) in the layer's buffers")
       .def("backward_into", &Layer::backward_into, "x"_a, "dy"_a, "dx"_a, "dw1"_a, "dw2"_a,
-           "tokens"_a, "stream"_a, "micro_batch"_a = 0,
-           "backward that writes the home experts' w1/w2 gradients into dw1, dw2 (float dtype)")
+           "tokens"_a, "stream"_a, "micro_batch"_a = 0, "act_grads"_a = false,
+           "backward that writes the home experts' w1/w2 gradients into dw1, dw2 (float dtype; "
+           "activation dtype with act_grads, where activation_dtype_grads)")
       .def(
           "forward_dispatch", &Layer::forward_dispatch, "x"_a, "y"_a, "tokens"_a, "stream"_a,
           "micro_batch"_a = 0,
@@ -592,7 +609,7 @@ NB_MODULE(_ext, m) {
           "stream"_a, "micro_batch"_a = 0,
           "split forward, last phase: round 0's outputs back into y")
       .def("backward_dispatch", &Layer::backward_dispatch, "dy"_a, "dx"_a, "tokens"_a, "stream"_a,
-           "micro_batch"_a = 0, "dw1"_a = 0, "dw2"_a = 0,
+           "micro_batch"_a = 0, "dw1"_a = 0, "dw2"_a = 0, "act_grads"_a = false,
            "split backward, first phase (the micro-batch's last forward's x is read again); with "
            "dw1 and dw2 the home experts' gradients are written there, as backward_into does")
       .def(
@@ -657,6 +674,7 @@ NB_MODULE(_ext, m) {
           [](const Layer& l) { return std::string(dtype_name(l.backend().float_dtype())); })
       .def_prop_ro("capacity", [](Layer& l) { return l.layer().capacity(); })
       .def_prop_ro("expert_grads", &Layer::has_expert_grads)
+      .def_prop_ro("activation_dtype_grads", &Layer::activation_dtype_grads)
       .def_prop_ro("in_flight", [](Layer& l) { return l.layer().moe_config().in_flight; })
       .def_prop_ro("chunks", [](Layer& l) { return l.layer().moe_config().chunks; })
       .def_prop_ro("slots", [](Layer& l) { return l.layer().slots(); })

@@ -281,8 +281,13 @@ void MoeLayer::backward_into(const Tensor& x, const Tensor& dy, const Tensor& dx
 
 void LayerCore::check_into(const MoeLayer::ExpertGrads& into, const char* call) const {
   const int64_t EPR = moe_.experts / par_.ep_size, H = moe_.hidden, F = moe_.ffn;
-  check_tensor(into.dw1, "dw1", backend_.float_dtype(), {EPR, H, 2 * F});
-  check_tensor(into.dw2, "dw2", backend_.float_dtype(), {EPR, F, H});
+  // The float dtype, or the activation dtype where each gradient is one GEMM's.
+  const DType act = backend_.activation_dtype();
+  const DType dt = into.dw1.data && into.dw1.dtype == act && step::one_gemm_expert_grads(modes_)
+                       ? act
+                       : backend_.float_dtype();
+  check_tensor(into.dw1, "dw1", dt, {EPR, H, 2 * F});
+  check_tensor(into.dw2, "dw2", dt, {EPR, F, H});
   MOE_ECHO_CHECK(reinterpret_cast<uintptr_t>(into.dw1.data) % 16 == 0 &&
                      reinterpret_cast<uintptr_t>(into.dw2.data) % 16 == 0,
                  call << ": dw1 at " << into.dw1.data << " and dw2 at " << into.dw2.data
@@ -352,6 +357,13 @@ void MoeLayer::hold_clone_grads(bool hold) {
 bool MoeLayer::clone_grads_held() const { return core_->clone_grads_held_; }
 
 bool MoeLayer::holds_expert_grads() const { return core_->expert_grads_; }
+
+bool MoeLayer::activation_dtype_grads() const { return step::one_gemm_expert_grads(core_->modes_); }
+
+bool MoeLayer::activation_dtype_grads(const MoeConfig& moe, const ParallelConfig& par,
+                                      const EchoConfig& echo) {
+  return step::one_gemm_expert_grads(step::modes_of(moe, par, echo));
+}
 
 void MoeLayer::discard_grad(Stream s) {
   LayerCore& l = *core_;

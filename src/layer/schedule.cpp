@@ -30,6 +30,10 @@ Modes modes_of(const MoeConfig& moe, const ParallelConfig& par, const EchoConfig
   return m;
 }
 
+bool one_gemm_expert_grads(const Modes& m) {
+  return m.rounds == 1 && m.chunks == 1 && !m.spare_slots && !m.fp8;
+}
+
 uint64_t Flags::bits() const {
   uint64_t v = 0;
   int i = 0;

@@ -151,6 +151,10 @@ struct Modes {
   bool uses(uint32_t gemm) const { return fp8 && (fp8_gemms & gemm) != 0; }
 };
 Modes modes_of(const MoeConfig& moe, const ParallelConfig& par, const EchoConfig& echo);
+// Whether a backward that writes the expert gradients writes each one with one bf16 GEMM that
+// nothing adds to afterwards (no spill round, no chunks, no echo slots whose gradients are added
+// home, no FP8): then they may be rounded to the activation dtype by that GEMM itself.
+bool one_gemm_expert_grads(const Modes& m);
 
 // One call's flags (from the layer's state when the call begins; the graph key holds them).
 struct Flags {

@@ -289,6 +289,24 @@ TEST(Schedule, EveryCombinationKeepsTheRules) {
                              !(f.backward && m.overlap_wgrad);
                       EXPECT_FALSE(off) << to_string(o.op) << " in\n" << what;
                     }
+                    // Where a backward writing the expert gradients may round them to the
+                    // activation dtype (one_gemm_expert_grads), one plain wgrad per fc writes
+                    // each and nothing adds to them afterwards.
+                    if (one_gemm_expert_grads(m) && f.backward && f.overwrite_grads) {
+                      int writes[3] = {0, 0, 0}, others = 0;
+                      for (const StepOp& o : s.ops) {
+                        if (o.op == Op::wgrad && o.overwrite && o.form == Form::plain)
+                          ++writes[o.fc];
+                        else if (o.op == Op::wgrad || o.op == Op::reduce_clone_grads ||
+                                 o.op == Op::zero_home_grads)
+                          ++others;
+                      }
+                      EXPECT_EQ(writes[1], 1) << what;
+                      EXPECT_EQ(writes[2], 1) << what;
+                      EXPECT_EQ(others, 0) << what;
+                    }
+                    EXPECT_EQ(one_gemm_expert_grads(m),
+                              rounds == 1 && chunks == 1 && slots == 0 && fp8 == 0);
                     ++checked;
                     if (::testing::Test::HasFailure()) return;
                   }

@@ -4,7 +4,8 @@
 // and compares with cpu::gemm_{fprop,dgrad,wgrad}<float> on the same values (bf16 -> float is
 // exact) by relative norm: bf16 outputs below 1e-2, the fp32 wgrad increment below 1e-3. Rows
 // outside every group must keep their poison bit for bit, and an empty group's fp32 wgrad slab
-// its previous bits. Shapes: empty groups, one group holding every row, windows that cut groups
+// its previous bits; wgrad writing bf16 gives the fp32 kernel's values rounded once, bit for bit.
+// Shapes: empty groups, one group holding every row, windows that cut groups
 // (row_lo > 0), 255/256/257 rows, 0 and 1 row, K and N multiples of 8 but not of 16, fewer
 // groups than max_groups after a call with more, both tile orders, and a CUDA graph replayed with
 // group sizes changed on the device between replays. Skipped where no GPU is visible.
@@ -364,6 +365,71 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
         EXPECT_LT(err, 1e-3) << "wgrad overwrite: relative error " << err;
       }
     }
+}
+
+// wgrad writing bf16 (accumulate false, c and c_home bf16): every value is the fp32 writing
+// kernel's rounded once to bf16 (round to nearest even, as a cast of the fp32 gradient gives),
+// bit for bit, with the same zeroed and kept groups, with and without a home split; the old
+// values are NaN where the kernel writes or zeroes, so a read of them would show.
+TEST(GroupedGemmGpu, WgradWritingBf16IsTheFp32SumRoundedOnce) {
+  SKIP_WITHOUT_GPU();
+  cuda::GroupedGemm gg(8);
+  uint64_t seed = 6000;
+  for (const Case& c : cases())
+    for (const int below : {0, 4})
+      for (const bool split : {false, true}) {
+        CaseData d(c);
+        if (split && d.G < 2) continue;
+        SCOPED_TRACE(c.name + " zero_empty_below " + std::to_string(below) +
+                     (split ? " home split" : ""));
+        d.refill(c, seed += 10);
+        const int Gs = std::max(d.G, 1);
+        const size_t slab = size_t(c.K * c.N), total = size_t(Gs) * slab;
+        // The start: NaN, but the kept groups (no rows at all, at or past `below`) hold hdw0.
+        std::vector<float> start(total, std::numeric_limits<float>::quiet_NaN());
+        for (int g = below; g < d.G; ++g)
+          if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
+            for (size_t j = size_t(g) * slab; j < size_t(g + 1) * slab; ++j)
+              start[j] = from_bf16(to_bf16(d.hdw0[j]));
+        d.dw.upload(start);
+        GemmArgs args = d.wgrad_args(c);
+        args.accumulate = false;
+        args.zero_empty_below = below;
+        gg.wgrad(args, nullptr);
+        CK(cudaDeviceSynchronize());
+        const std::vector<float> want = d.dw.download<float>(total);
+
+        std::vector<uint16_t> start16(total);
+        for (size_t j = 0; j < total; ++j) start16[j] = to_bf16(start[j]);
+        DeviceBuffer dw16(total * 2);
+        dw16.upload(start16);
+        const int home = split ? d.G / 2 : 0;
+        if (split) {
+          args.c_home = Tensor(dw16.get(), DType::bf16, {home, c.K, c.N});
+          args.c = Tensor(static_cast<uint16_t*>(dw16.get()) + home * slab, DType::bf16,
+                          {Gs - home, c.K, c.N});
+        } else {
+          args.c = Tensor(dw16.get(), DType::bf16, {Gs, c.K, c.N});
+        }
+        gg.wgrad(args, nullptr);
+        CK(cudaGetLastError());
+        CK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> got = dw16.download<uint16_t>(total);
+        int64_t differ = 0;
+        for (size_t j = 0; j < total; ++j) differ += got[j] != to_bf16(want[j]);
+        EXPECT_EQ(differ, 0) << "bf16 values that are not the fp32 kernel's rounded once";
+      }
+  // Adding into bf16 is refused, naming c.
+  CaseData d(cases()[0]);
+  GemmArgs args = d.wgrad_args(cases()[0]);
+  args.c = Tensor(d.dw.get(), DType::bf16, {d.G, cases()[0].K, cases()[0].N});
+  args.accumulate = true;
+  try {
+    gg.wgrad(args, nullptr);
+    ADD_FAILURE() << "a bf16 wgrad that adds was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bf16 when it is written"), std::string::npos) << e.what();
+  }
 }
 
 // wgrad with c_home: groups g < c_home.size(0) go to c_home (accumulating or writing, empty ones

@@ -440,6 +440,25 @@ def test_dtype_change_rebuilds_the_layer():
     check_against_reference(m, torch.randn(8, 16, dtype=torch.float64))
 
 
+def test_activation_dtype_gradients_only_where_each_is_one_gemms():
+    """Where each expert's gradient is one GEMM's that nothing adds to afterwards (no spill
+    round, no chunks, no echo slots, bf16 GEMMs), the layer takes w1/w2 gradients of its
+    activation dtype in backward_into (bf16 parameters on CUDA get them rounded once, with no
+    fp32 buffers); the rule before building a layer is the built layer's."""
+    from moe_echo import _ext
+    from moe_echo.torch.module import _ECHO_KEYWORDS
+
+    cases = [(dict(capacity_factor=8.0, echo=False), True),
+             (dict(capacity_factor=8.0), False),  # echo slots: clones' gradients added home
+             (dict(capacity_factor=0.3, echo=False), False),  # spill rounds add to round 0's
+             (dict(capacity_factor=8.0, echo=False, chunks=2), False),
+             (dict(capacity_factor=8.0, echo=False, precision="fp8"), False)]
+    for kw, want in cases:
+        m = make(hidden=32, ffn=16, dtype=torch.float32, **kw)
+        rule = _ext.activation_dtype_grads(m._config, m._echo_config, m.ep_size, _ECHO_KEYWORDS)
+        assert rule == want == m._handle.layer.activation_dtype_grads, kw
+
+
 @pytest.mark.parametrize("bound", [False, True])
 def test_expert_gradient_buffers_only_for_parameters_of_another_dtype(bound):
     """Parameters of the layer's float dtype take their expert gradients straight from the

@@ -92,6 +92,34 @@ def test_cuda_matches_cpu(capacity_factor, shared_experts):
         assert sg["overflow_rows"] > 0
 
 
+@pytest.mark.parametrize("capacity_factor", [8.0, 0.3])
+def test_bf16_parameters_get_the_float_gradients_rounded_once(capacity_factor):
+    """bf16 expert weights: where each expert's gradient is one GEMM's (no spill round, no echo
+    slots), the backward writes it in bf16 straight into the tensor it returns, with no fp32
+    gradient buffers in the layer; with spill rounds (capacity factor 0.3) it is cast out of the
+    layer's fp32 gradients. Either way the bits are those of float32 parameters' gradients cast
+    to bf16 (the same weights, the same GEMMs)."""
+    torch.manual_seed(3)
+    kw = dict(max_tokens=512, capacity_factor=capacity_factor, echo=False, device="cuda")
+    f32 = MoE(256, 128, 16, 4, **kw)
+    b16 = MoE(256, 128, 16, 4, dtype=torch.bfloat16, **kw)
+    with torch.no_grad():
+        for pf, pb in zip(f32.parameters(), b16.parameters()):
+            pf.copy_(pf.bfloat16().float())
+            pb.copy_(pf)
+    one_gemm = capacity_factor > 1
+    assert b16._handle.layer.activation_dtype_grads == one_gemm
+    assert b16._handle.layer.expert_grads == (not one_gemm)
+    x = torch.randn(384, 256, device="cuda").bfloat16()
+    g = torch.randn(384, 256, device="cuda")
+    step(f32, x, g)
+    step(b16, x, g)
+    for name in ("w1", "w2"):
+        want = getattr(f32, name).grad.bfloat16()
+        got = getattr(b16, name).grad
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), name
+
+
 def test_eager_step_never_waits_on_host():
     torch.manual_seed(1)
     m = MoE(256, 128, 16, 4, max_tokens=512, capacity_factor=0.3, device="cuda")

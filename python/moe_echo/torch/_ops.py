@@ -222,13 +222,18 @@ def _(x, router_weight, w1, w2, shared_w1, shared_w2, layer_id):
 
 
 def expert_grads_into(h: LayerHandle, w1_dtype: torch.dtype, w2_dtype: torch.dtype,
-                      device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """New tensors for the w1 and w2 gradients of a backward that writes them straight there
-    (parameters of the layer's float dtype), or None (they are cast out of the layer's)."""
-    if w1_dtype != h.float_dtype or w2_dtype != h.float_dtype:
+                      device: torch.device) -> tuple[Tensor, Tensor, bool] | None:
+    """New tensors for the w1 and w2 gradients of a backward that writes them straight there,
+    and whether they are of the activation dtype: parameters of the layer's float dtype, or of
+    its activation dtype where the layer writes each expert's gradient with one GEMM
+    (``activation_dtype_grads``: rounded once, the float gradients' bits cast); else None (they
+    are cast out of the layer's)."""
+    act = w1_dtype == w2_dtype == h.activation_dtype != h.float_dtype and \
+        h.layer.activation_dtype_grads
+    if not act and (w1_dtype != h.float_dtype or w2_dtype != h.float_dtype):
         return None
     return (torch.empty(h.w1.shape, dtype=w1_dtype, device=device),
-            torch.empty(h.w2.shape, dtype=w2_dtype, device=device))
+            torch.empty(h.w2.shape, dtype=w2_dtype, device=device), act)
 
 
 @torch.library.custom_op("moe_echo::moe_backward", mutates_args=())
@@ -254,9 +259,9 @@ def moe_backward(
     into = expert_grads_into(h, w1_dtype, w2_dtype, dy.device)
     if into is not None:
         # Expert gradients straight into the tensors returned (no copy out of the layer).
-        dw1, dw2 = into
+        dw1, dw2, act = into
         h.layer.backward_into(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), dw1.data_ptr(),
-                              dw2.data_ptr(), x.shape[0], stream, slot)
+                              dw2.data_ptr(), x.shape[0], stream, slot, act)
     else:
         h.layer.backward(x.data_ptr(), dy.data_ptr(), dx.data_ptr(), x.shape[0], stream, slot)
         dw1, dw2 = h.dw1.to(w1_dtype, copy=True), h.dw2.to(w2_dtype, copy=True)

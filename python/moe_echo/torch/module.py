@@ -412,14 +412,19 @@ class MoE(nn.Module):
                     view.copy_(p)
                     p.data = view
 
-    @staticmethod
-    def _needs_expert_grads(device: torch.device, dtype: torch.dtype) -> bool:
+    def _needs_expert_grads(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether the C++ layer keeps w1/w2 gradient buffers for parameters of `dtype`: not
-        when `dtype` is the layer's float dtype (the backward writes those gradients straight
-        into the tensors it returns), so they are not held twice."""
+        when `dtype` is the layer's float dtype, nor when it is its activation dtype and each
+        expert's gradient is one GEMM's (``_ext.activation_dtype_grads``: the GEMM rounds it
+        once), since the backward then writes those gradients straight into the tensors it
+        returns and they are not held twice."""
         backend, compute = _compute_dtypes(device, dtype)
         float_dtype = torch.float32 if backend == "cuda" else getattr(torch, compute)
-        return dtype != float_dtype
+        activation = torch.bfloat16 if backend == "cuda" else getattr(torch, compute)
+        if dtype == float_dtype:
+            return False
+        return not (dtype == activation and _ext.activation_dtype_grads(
+            self._config, self._echo_config, self.ep_size, _ECHO_KEYWORDS))
 
     def _key(self) -> tuple:
         """(device, compute dtype) of the C++ layer for the parameters as they are."""

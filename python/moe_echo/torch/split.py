@@ -97,7 +97,8 @@ class SplitStep:
         m = self._module
         # As the autograd backward: the expert gradients straight into new tensors when it can.
         self._dw = _ops.expert_grads_into(h, m.w1.dtype, m.w2.dtype, self._dy.device)
-        into = (self._dw[0].data_ptr(), self._dw[1].data_ptr()) if self._dw else (0, 0)
+        into = (self._dw[0].data_ptr(), self._dw[1].data_ptr(), self._dw[2]) if self._dw \
+            else (0, 0, False)
         h.layer.backward_dispatch(self._dy.data_ptr(), self._dx.data_ptr(), self._x.shape[0],
                                   stream, self._slot, *into)
 
@@ -112,7 +113,7 @@ class SplitStep:
         self._next("backward_combine")
         h, m = self._h, self._module
         h.layer.backward_combine(self._stream(), self._slot)
-        dw1, dw2 = self._dw if self._dw else (h.dw1, h.dw2)
+        dw1, dw2 = self._dw[:2] if self._dw else (h.dw1, h.dw2)
         grads = [(m.router_weight, h.d_router_weight), (m.w1, dw1), (m.w2, dw2)]
         if m.shared_width > 0:
             grads += [(m.shared_w1, h.d_shared_w1), (m.shared_w2, h.d_shared_w2)]

@@ -39,8 +39,8 @@ constexpr size_t align16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int groups,
                             int max_groups, int64_t row_lo, int64_t rows, const char* a,
                             const char* b, const char* b_home, char* c, char* c_home, int n_home,
-                            int64_t K, int64_t N, ProblemArrays p) {
-  constexpr int64_t kBf16 = 2, kF32 = 4;
+                            int64_t K, int64_t N, int64_t c_elem, ProblemArrays p) {
+  constexpr int64_t kBf16 = 2;
   for (int g = int(threadIdx.x); g < max_groups; g += int(blockDim.x)) {
     const auto [m, r] = window_group_rows(offsets, g, groups, row_lo, rows);  // r: first row
     int32_t shape[3] = {0, 0, 0};       // (M, N, K) of the CUTLASS problem
@@ -66,7 +66,8 @@ __global__ void prep_kernel(GemmOp op, const int32_t* __restrict__ offsets, int 
         if (m > 0) shape[0] = int32_t(K), shape[1] = int32_t(N), shape[2] = int32_t(m);
         p.ptr_a[g] = a + r * K * kBf16;
         p.ptr_b[g] = b + r * N * kBf16;
-        p.ptr_c[g] = gw < n_home ? c_home + gw * K * N * kF32 : c + (gw - n_home) * K * N * kF32;
+        p.ptr_c[g] =
+            gw < n_home ? c_home + gw * K * N * c_elem : c + (gw - n_home) * K * N * c_elem;
         p.ld_a[g] = K, p.ld_b[g] = N, p.ld_c[g] = N;
         break;
     }
@@ -194,23 +195,29 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
                                               << " need " << w.rows << " rows and b "
                                               << a.b.describe() << " " << w.groups << " groups");
       break;
-    case GemmOp::wgrad:  // a [rows, K], b [rows, N], c f32 [G, K, N]
+    case GemmOp::wgrad: {  // a [rows, K], b [rows, N], c f32 [G, K, N] (bf16 when writing)
       check_tensor(a.a, "grouped_gemm wgrad a", DType::bf16, {-1, -1});
       check_tensor(a.b, "grouped_gemm wgrad b", DType::bf16, {-1, -1});
       d.k = a.a.size(1), d.n = a.b.size(1);
+      const DType cdt = wgrad_c_dtype(a);
+      MOE_ECHO_CHECK(cdt == DType::f32 || (cdt == DType::bf16 && !a.accumulate),
+                     "grouped_gemm wgrad: c " << (a.c_home.data ? a.c_home : a.c).describe()
+                                              << " must be f32, or bf16 when it is written "
+                                                 "(accumulate false)");
       if (a.c.data || !a.c_home.data)
-        check_tensor(a.c, "grouped_gemm wgrad c", DType::f32, {-1, d.k, d.n});
+        check_tensor(a.c, "grouped_gemm wgrad c", cdt, {-1, d.k, d.n});
       MOE_ECHO_CHECK(a.a.size(0) >= w.rows && a.b.size(0) >= w.rows &&
                          gemm_home_groups(a.c_home) + (a.c.data ? a.c.size(0) : 0) >= w.groups,
                      "grouped_gemm wgrad: a " << a.a.describe() << ", b " << a.b.describe()
                                               << " need " << w.rows << " rows and c "
                                               << a.c.describe() << " " << w.groups << " groups");
       if (a.c_home.data) {
-        check_tensor(a.c_home, "grouped_gemm wgrad c_home", DType::f32, {-1, d.k, d.n});
+        check_tensor(a.c_home, "grouped_gemm wgrad c_home", cdt, {-1, d.k, d.n});
         MOE_ECHO_CHECK(aligned16(a.c_home.data), "grouped_gemm wgrad: c_home at "
                                                      << a.c_home.data << " is not 16-byte aligned");
       }
       break;
+    }
   }
   // TMA moves 16-byte aligned boxes: every row of every operand must start 16-byte aligned.
   MOE_ECHO_CHECK(
@@ -229,7 +236,8 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
   return d;
 }
 
-// wgrad writing (accumulate false): the slab of every group with rows, none of them in the window,
+// wgrad writing (accumulate false): the slab (f32 or bf16, in 16-byte words) of every group with
+// rows, none of them in the window,
 // is set to zero (the sum over no rows; the other windows add to it later), and so is that of a
 // group g < zero_empty_below with no rows at all. Groups with rows in the window (the GEMM writes
 // them) or other groups with no rows at all (left as they are) are skipped.
@@ -238,28 +246,29 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
 // to zero) costs a few loads per block rather than a block per part of every group.
 __global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, int groups,
                                          int64_t row_lo, int64_t rows, int zero_empty_below,
-                                         float* c, float* c_home, int n_home, int64_t slab_words) {
+                                         uint4* c, uint4* c_home, int n_home, int64_t slab_words) {
   for (int g = int(blockIdx.y); g < groups; g += int(gridDim.y)) {
     const int64_t begin = offsets[g], end = offsets[g + 1];
     const int64_t lo = begin > row_lo ? begin : row_lo;
     const int64_t hi = end < row_lo + rows ? end : row_lo + rows;
     if (hi > lo || (end <= begin && g >= zero_empty_below)) continue;
-    float4* slab = g < n_home ? reinterpret_cast<float4*>(c_home) + int64_t(g) * slab_words
-                              : reinterpret_cast<float4*>(c) + int64_t(g - n_home) * slab_words;
+    uint4* slab =
+        g < n_home ? c_home + int64_t(g) * slab_words : c + int64_t(g - n_home) * slab_words;
     for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < slab_words;
          i += int64_t(gridDim.x) * blockDim.x)
-      slab[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      slab[i] = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
 void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t s) {
   if (a.window.groups <= 0) return;
-  const int64_t words = d.k * d.n / 4;  // K and N are multiples of 8 (checked)
+  // K and N are multiples of 8 (checked): whole 16-byte words of f32 or bf16.
+  const int64_t words = d.k * d.n * int64_t(dtype_size(wgrad_c_dtype(a))) / 16;
   const unsigned parts = unsigned(std::min<int64_t>((words + 255) / 256, 128));
   const unsigned lanes = unsigned(std::min(a.window.groups, 8));
   zero_empty_groups_kernel<<<dim3(parts, lanes), 256, 0, s>>>(
       a.window.group_offsets, a.window.groups, a.window.row_lo, a.window.rows, a.zero_empty_below,
-      static_cast<float*>(a.c.data), static_cast<float*>(a.c_home.data),
+      static_cast<uint4*>(a.c.data), static_cast<uint4*>(a.c_home.data),
       home_groups(GemmOp::wgrad, a), words);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
@@ -271,7 +280,8 @@ void launch_prep(GemmOp op, const GemmArgs& a, const GemmDims& d, const ProblemA
       op, a.window.group_offsets, a.window.groups, max_groups, a.window.row_lo, a.window.rows,
       static_cast<const char*>(a.a.data), static_cast<const char*>(a.b.data),
       static_cast<const char*>(a.b_home.data), static_cast<char*>(a.c.data),
-      static_cast<char*>(a.c_home.data), home_groups(op, a), d.k, d.n, p);
+      static_cast<char*>(a.c_home.data), home_groups(op, a), d.k, d.n,
+      op == GemmOp::wgrad ? int64_t(dtype_size(wgrad_c_dtype(a))) : int64_t(2), p);
   MOE_ECHO_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -312,15 +322,25 @@ int GemmKernels::checked_max_groups(const char* owner, int groups) {
 }  // namespace gemm_detail
 
 struct GroupedGemm::Impl : gemm_detail::GemmKernels {
-  Impl(int groups, int sms) : GemmKernels("GroupedGemm", groups, sms, make_kernel) {}
+  Impl(int groups, int sms) : GemmKernels("GroupedGemm", groups, sms, make_kernel) {
+    for (int along_n = 0; along_n < 2; ++along_n)
+      wgrad_bf16[along_n] = gemm_detail::make_wgrad_bf16_runner(
+          wgrad.buffers.arrays(), max_groups, gemm_detail::runner_options(sm_count, along_n));
+  }
 
   // `other`: the op's other beta (fprop adds, wgrad writes).
   void call(gemm_detail::OpKernels& op, const GemmArgs& a, cudaStream_t s, bool other = false) {
     const gemm_detail::GemmDims d = gemm_detail::check_args(op.op, a, max_groups);
     gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
-    op.pick(a.window, d.k, d.n, other).run(s);
+    if (op.op == GemmOp::wgrad &&
+        gemm_detail::wgrad_c_dtype(a) == DType::bf16)  // writing (checked)
+      wgrad_bf16[gemm_detail::raster_index(op.op, a.window, d.k, d.n, *op.runner[0])]->run(s);
+    else
+      op.pick(a.window, d.k, d.n, other).run(s);
     if (op.op == GemmOp::wgrad && other) gemm_detail::launch_zero_empty_groups(a, d, s);
   }
+
+  std::unique_ptr<gemm_detail::KernelRunner> wgrad_bf16[2];  // as wgrad's runner[2], bf16 D
 };
 
 GroupedGemm::GroupedGemm(int max_groups, int sm_count)

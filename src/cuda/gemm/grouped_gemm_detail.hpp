@@ -90,6 +90,10 @@ std::unique_ptr<KernelRunner> make_dgrad_runner(const ProblemArrays& p, int max_
 // slabs of groups without rows are zeroed by launch_zero_empty_groups.
 std::unique_ptr<KernelRunner> make_wgrad_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {}, float beta = 1.0f);
+// wgrad writing bf16 (grouped_gemm_wgrad_bf16.cu): beta 0, bf16 D, no C; the fp32 accumulators
+// rounded once. The slabs of groups without rows are zeroed by launch_zero_empty_groups.
+std::unique_ptr<KernelRunner> make_wgrad_bf16_runner(const ProblemArrays& p, int max_groups,
+                                                     const RunnerOptions& o = {});
 
 // The FP8 blockwise kernels (grouped_gemm_fp8_{fprop,wgrad}.cu): e4m3 operands, both K-major,
 // K-major fp32 scales per 128 of K. fprop and dgrad share one kernel (bf16 D; 1 x 128 scales on A,
@@ -198,10 +202,13 @@ struct GemmDims {
   int64_t n = 0;
 };
 GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups);
+// The dtype of a wgrad's output slabs (c_home's where there is a home split, else c's).
+inline DType wgrad_c_dtype(const GemmArgs& a) { return a.c_home.data ? a.c_home.dtype : a.c.dtype; }
 // The window's groups (0 to max_groups, with offsets) and rows (from row_lo >= 0, below 2^31), for
 // the op `name` ("grouped_gemm fprop", "grouped_gemm fp8 wgrad", ...).
 void check_window(const char* name, const GroupWindow& w, int max_groups);
-// Zeroes the f32 slab c[g] of every group g with rows, none in the window (wgrad writing).
+// Zeroes the slab c[g] (f32 or bf16) of every group g with rows, none in the window (wgrad
+// writing).
 void launch_zero_empty_groups(const GemmArgs& a, const GemmDims& d, cudaStream_t s);
 
 // Enqueues the prep kernel (one block) that fills p from a.window.group_offsets.
