@@ -140,8 +140,10 @@ std::vector<int32_t> plan_on_emulated_warp(const std::vector<int32_t>& map,
   return storage;
 }
 
+// Over shapes x 4 routing modes x `modes_per_shape` draws x the clone costs `costs`.
 template <int L>
-void check_shapes(int modes_per_shape, uint64_t seed, int row_block = 1) {
+void check_shapes(int modes_per_shape, uint64_t seed, int row_block = 1,
+                  std::vector<int64_t> costs = {0, 40, 2226}) {
   struct Shape {
     int R, EPR, S, clones;
   };
@@ -153,7 +155,7 @@ void check_shapes(int modes_per_shape, uint64_t seed, int row_block = 1) {
   for (const Shape& sh : shapes)
     for (int mode = 0; mode < 4; ++mode)
       for (int rep = 0; rep < modes_per_shape; ++rep)
-        for (int64_t cost : {int64_t(0), int64_t(40), int64_t(2226)}) {
+        for (int64_t cost : costs) {
           PlannerConfig cfg;
           cfg.ranks = sh.R;
           cfg.experts = sh.R * sh.EPR;
@@ -179,7 +181,9 @@ void check_shapes(int modes_per_shape, uint64_t seed, int row_block = 1) {
 TEST(PlannerWarp, OneLaneEqualsTheHostPlanner) { check_shapes<1>(1, 11); }
 TEST(PlannerWarp, FourLanesEqualTheHostPlanner) { check_shapes<4>(2, 12); }
 TEST(PlannerWarp, EightLanesEqualTheHostPlanner) { check_shapes<8>(1, 13); }
-TEST(PlannerWarp, ThirtyTwoLanesEqualTheHostPlanner) { check_shapes<32>(1, 14); }
+// A whole warp, at one clone cost (the 4- and 8-lane runs take all three): 32 threads meet at
+// every shuffle, which costs most under the sanitizers.
+TEST(PlannerWarp, ThirtyTwoLanesEqualTheHostPlanner) { check_shapes<32>(1, 14, 1, {40}); }
 // Whole blocks of an expert's rows (FP8 weight gradients): align_blocks on lane 0 after the warp's
 // refinement, as the kernel runs it.
 TEST(PlannerWarp, WholeBlocksEqualTheHostPlanner) {
