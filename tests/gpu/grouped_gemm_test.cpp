@@ -309,6 +309,20 @@ TEST(GroupedGemmGpu, MatchesCpuReference) {
   for (const Case& c : cases()) run_case(gg, c, seed += 10);
 }
 
+// The start of a wgrad that writes: NaN everywhere (a kernel that read it would leave NaN) but in
+// the groups it keeps (no rows at all, at or past `below`), which hold hdw0 (rounded to bf16 with
+// `bf16`).
+std::vector<float> writing_start(const Case& c, const CaseData& d, int below, bool bf16) {
+  const size_t slab = size_t(c.K * c.N);
+  std::vector<float> start(size_t(std::max(d.G, 1)) * slab,
+                           std::numeric_limits<float>::quiet_NaN());
+  for (int g = below; g < d.G; ++g)
+    if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
+      for (size_t j = size_t(g) * slab; j < size_t(g + 1) * slab; ++j)
+        start[j] = bf16 ? from_bf16(to_bf16(d.hdw0[j])) : d.hdw0[j];
+  return start;
+}
+
 // wgrad with accumulate = false: the product where the group has rows in the window, zero where
 // its rows are all outside (the old values are NaN, so a kernel that read them would leave NaN); a
 // group with no rows at all keeps its bits, or is zero when below zero_empty_below.
@@ -324,11 +338,7 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
       const int Gs = std::max(d.G, 1);
       const size_t slab = size_t(c.K * c.N);
       const GroupWindow w = window_of(c, c.offsets.data());
-      std::vector<float> start(size_t(Gs) * slab, std::numeric_limits<float>::quiet_NaN());
-      for (int g = below; g < d.G; ++g)
-        if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
-          std::copy(d.hdw0.begin() + g * slab, d.hdw0.begin() + (g + 1) * slab,
-                    start.begin() + g * slab);
+      const std::vector<float> start = writing_start(c, d, below, false);
       d.dw.upload(start);
       GemmArgs args = d.wgrad_args(c);
       args.accumulate = false;
@@ -385,12 +395,7 @@ TEST(GroupedGemmGpu, WgradWritingBf16IsTheFp32SumRoundedOnce) {
         d.refill(c, seed += 10);
         const int Gs = std::max(d.G, 1);
         const size_t slab = size_t(c.K * c.N), total = size_t(Gs) * slab;
-        // The start: NaN, but the kept groups (no rows at all, at or past `below`) hold hdw0.
-        std::vector<float> start(total, std::numeric_limits<float>::quiet_NaN());
-        for (int g = below; g < d.G; ++g)
-          if (c.offsets[size_t(g + 1)] == c.offsets[size_t(g)])
-            for (size_t j = size_t(g) * slab; j < size_t(g + 1) * slab; ++j)
-              start[j] = from_bf16(to_bf16(d.hdw0[j]));
+        const std::vector<float> start = writing_start(c, d, below, true);
         d.dw.upload(start);
         GemmArgs args = d.wgrad_args(c);
         args.accumulate = false;
