@@ -81,7 +81,7 @@ watcher=$!
 # shellcheck disable=SC2086
 env $nodes_env NCCL_DEBUG=${GIN_NCCL_DEBUG:-WARN} PREBUILT=$build RANKS=2 OUT=$out/multigpu \
   MOE_ECHO_TIMEOUT_S=${MOE_ECHO_TIMEOUT_S:-30} TEST_TIMEOUT_S=${TEST_TIMEOUT_S:-240} \
-  TEST_FILTER="${GIN_TEST_FILTER:-MultiGpuRows.*:MultiGpuCollectives.*:MultiGpuLayer.*}" \
+  TEST_FILTER="${GIN_TEST_FILTER:-MultiGpuRows.*:MultiGpuCollectives.*:MultiGpuLayer.*:MultiGpuGraph.*}" \
   bash tests/gpu/run_multigpu.sh
 kill "$watcher" 2>/dev/null
 # The same binaries as one node (every rank in one NVLink team), with ONE_NODE_FILTER.
