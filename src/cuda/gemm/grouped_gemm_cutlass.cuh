@@ -1,10 +1,11 @@
 // The CUTLASS 4.2 sm90a ptr-array grouped GEMM behind every GroupedGemm op, as one template.
 // Include it only from a translation unit that instantiates one kernel (each instantiation costs
-// about 80 s and 3.4 GB of compiler memory on two cores): grouped_gemm_{fprop,dgrad,wgrad}.cu,
-// and the benchmark's optional variants.
+// about 80 s and 3.4 GB of compiler memory on two cores): grouped_gemm_{fprop,dgrad,wgrad,
+// wgrad_bf16}.cu, and the benchmark's optional variants.
 //
 // bf16 operands, fp32 accumulation, epilogue D = alpha * acc + beta * C with C = D (the same
-// matrix): beta = 0 for fprop/dgrad (bf16 D, C never read), beta = 1 for wgrad (fp32 D, +=).
+// matrix): beta = 0 for fprop/dgrad (bf16 D, C never read), beta = 1 for wgrad (fp32 D, +=);
+// wgrad_bf16 writes a bf16 D with no C at all (NoSource).
 // Problem shapes live only on the device (host_problem_shapes = nullptr), so the persistent grid
 // is sized by the SM count and the workspace (per-SM TMA descriptors) by it too: both are fixed
 // here, once, and run() is a bare launch.

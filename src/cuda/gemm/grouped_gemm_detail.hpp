@@ -80,7 +80,8 @@ class KernelRunner {
   virtual int tile_n() const = 0;
 };
 
-// The three production kernels, one translation unit each (grouped_gemm_{fprop,dgrad,wgrad}.cu).
+// The production kernels, one translation unit each (grouped_gemm_{fprop,dgrad,wgrad}.cu, and
+// grouped_gemm_wgrad_bf16.cu below).
 // fprop: beta 0 writes c, beta 1 adds to it (bf16 C = D read, one rounding of c + a @ b).
 std::unique_ptr<KernelRunner> make_fprop_runner(const ProblemArrays& p, int max_groups,
                                                 const RunnerOptions& o = {}, float beta = 0.0f);
