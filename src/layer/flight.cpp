@@ -91,8 +91,10 @@ FlightState transition(FlightState s, FlightCall call, int m) {
 
 std::vector<uint64_t> Step::key() const {
   auto address = [](const void* p) { return uint64_t(reinterpret_cast<uintptr_t>(p)); };
+  // The gradients' dtype too: the wgrad kernels of a float and an activation-dtype `into` differ.
   return {address(x.data), address(y.data),        address(dy.data),       address(dx.data),
-          uint64_t(T),     address(into.dw1.data), address(into.dw2.data), flags.bits()};
+          uint64_t(T),     address(into.dw1.data), address(into.dw2.data), uint64_t(into.dw1.dtype),
+          flags.bits()};
 }
 
 }  // namespace moe_echo
