@@ -817,6 +817,8 @@ class GinCore {
   GinCore(const GinCore&) = delete;
   GinCore& operator=(const GinCore&) = delete;
 
+  // Whether the clone ops are device kernels (the clone staging window exists): no host sync.
+  bool device_clones() const { return g.clone_slot_bytes > 0; }
   Context& ctx() const { return ctx_; }
   const NcclOptions& opts() const { return opts_; }
 
@@ -888,12 +890,10 @@ class GinCollectiveOps final : public CollectiveOps {
   }
   void all_reduce_sum(const Tensor& t, cudaStream_t s) override { host_->all_reduce_sum(t, s); }
 
-  // Whether the clone ops are device kernels (no host sync).
-  bool device_clones() const { return core_.g.clone_slot_bytes > 0; }
-
   void pull_clone_weights(const PlanView& plan, const PlannerConfig& cfg, const Window& home,
                           void* spare, size_t slot_bytes, cudaStream_t s) override {
-    if (!device_clones()) return host_->pull_clone_weights(plan, cfg, home, spare, slot_bytes, s);
+    if (!core_.device_clones())
+      return host_->pull_clone_weights(plan, cfg, home, spare, slot_bytes, s);
     check_slot(slot_bytes, "pull_clone_weights");
     with_word(word_size(slot_bytes, {home.ptr, spare}), [&](auto word) {
       using W = decltype(word);
@@ -904,7 +904,7 @@ class GinCollectiveOps final : public CollectiveOps {
 
   void reduce_clone_grads(const PlanView& plan, const PlannerConfig& cfg, const Window& spare,
                           void* home, int64_t slot_elems, DType dtype, cudaStream_t s) override {
-    if (!device_clones())
+    if (!core_.device_clones())
       return host_->reduce_clone_grads(plan, cfg, spare, home, slot_elems, dtype, s);
     check_slot(size_t(slot_elems) * dtype_size(dtype), "reduce_clone_grads");
     with_float(dtype, [&](auto fl) {
@@ -938,10 +938,8 @@ class GinCollectiveOps final : public CollectiveOps {
 class NcclGinComm final : public NcclCommBase {
  public:
   NcclGinComm(std::unique_ptr<Context> ctx, std::unique_ptr<CollectiveOps> ops,
-              std::unique_ptr<GinCore> core, bool device_clones, const NcclOptions& o)
-      : NcclCommBase(std::move(ctx), std::move(ops), o),
-        core_(std::move(core)),
-        capturable_(device_clones) {}
+              std::unique_ptr<GinCore> core, const NcclOptions& o)
+      : NcclCommBase(std::move(ctx), std::move(ops), o), core_(std::move(core)) {}
 
   ~NcclGinComm() override {
     quiesce();
@@ -951,7 +949,7 @@ class NcclGinComm final : public NcclCommBase {
   // Every op a kernel or a host-API collective, with no host sync, where the clone ops are
   // kernels too (NcclOptions::gin_clone_slot_bytes > 0); else the clone ops copy the plan to the
   // host.
-  bool capturable() const override { return capturable_; }
+  bool capturable() const override { return core_->device_clones(); }
 
  private:
   void check_call(int64_t tokens, int K, size_t row_bytes, const char* op) const {
@@ -1020,7 +1018,6 @@ class NcclGinComm final : public NcclCommBase {
   }
 
   std::unique_ptr<GinCore> core_;
-  bool capturable_ = false;
 };
 
 }  // namespace
@@ -1080,9 +1077,7 @@ std::unique_ptr<Communicator> make_gin_comm(std::unique_ptr<Context> ctx,
            "take what comes)");
   auto core = std::make_unique<GinCore>(*ctx, o);
   auto ops = std::make_unique<GinCollectiveOps>(make_host_api_collective_ops(*ctx, true), *core);
-  const bool device_clones = ops->device_clones();
-  return std::make_unique<NcclGinComm>(std::move(ctx), std::move(ops), std::move(core),
-                                       device_clones, o);
+  return std::make_unique<NcclGinComm>(std::move(ctx), std::move(ops), std::move(core), o);
 }
 
 #endif  // MOE_ECHO_HAVE_GIN

@@ -323,6 +323,15 @@ std::vector<float> writing_start(const Case& c, const CaseData& d, int below, bo
   return start;
 }
 
+// A wgrad that writes (accumulate false, zero_empty_below `below`) into d.dw, which holds `start`.
+GemmArgs writing_args(const Case& c, CaseData& d, const std::vector<float>& start, int below) {
+  d.dw.upload(start);
+  GemmArgs args = d.wgrad_args(c);
+  args.accumulate = false;
+  args.zero_empty_below = below;
+  return args;
+}
+
 // wgrad with accumulate = false: the product where the group has rows in the window, zero where
 // its rows are all outside (the old values are NaN, so a kernel that read them would leave NaN); a
 // group with no rows at all keeps its bits, or is zero when below zero_empty_below.
@@ -339,10 +348,7 @@ TEST(GroupedGemmGpu, WgradOverwriteNeverReadsTheOldGradient) {
       const size_t slab = size_t(c.K * c.N);
       const GroupWindow w = window_of(c, c.offsets.data());
       const std::vector<float> start = writing_start(c, d, below, false);
-      d.dw.upload(start);
-      GemmArgs args = d.wgrad_args(c);
-      args.accumulate = false;
-      args.zero_empty_below = below;
+      const GemmArgs args = writing_args(c, d, start, below);
       gg.wgrad(args, nullptr);
       CK(cudaGetLastError());
       CK(cudaDeviceSynchronize());
@@ -396,10 +402,7 @@ TEST(GroupedGemmGpu, WgradWritingBf16IsTheFp32SumRoundedOnce) {
         const int Gs = std::max(d.G, 1);
         const size_t slab = size_t(c.K * c.N), total = size_t(Gs) * slab;
         const std::vector<float> start = writing_start(c, d, below, true);
-        d.dw.upload(start);
-        GemmArgs args = d.wgrad_args(c);
-        args.accumulate = false;
-        args.zero_empty_below = below;
+        GemmArgs args = writing_args(c, d, start, below);
         gg.wgrad(args, nullptr);
         CK(cudaDeviceSynchronize());
         const std::vector<float> want = d.dw.download<float>(total);

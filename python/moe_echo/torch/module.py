@@ -420,10 +420,9 @@ class MoE(nn.Module):
         returns and they are not held twice."""
         backend, compute = _compute_dtypes(device, dtype)
         float_dtype = torch.float32 if backend == "cuda" else getattr(torch, compute)
-        activation = torch.bfloat16 if backend == "cuda" else getattr(torch, compute)
         if dtype == float_dtype:
             return False
-        return not (dtype == activation and _ext.activation_dtype_grads(
+        return not (dtype == getattr(torch, compute) and _ext.activation_dtype_grads(
             self._config, self._echo_config, self.ep_size, _ECHO_KEYWORDS))
 
     def _key(self) -> tuple:

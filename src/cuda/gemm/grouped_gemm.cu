@@ -237,13 +237,12 @@ GemmDims check_args(GemmOp op, const GemmArgs& a, int max_groups) {
 }
 
 // wgrad writing (accumulate false): the slab (f32 or bf16, in 16-byte words) of every group with
-// rows, none of them in the window,
-// is set to zero (the sum over no rows; the other windows add to it later), and so is that of a
-// group g < zero_empty_below with no rows at all. Groups with rows in the window (the GEMM writes
-// them) or other groups with no rows at all (left as they are) are skipped.
-// Block (x, y) takes part x of the slabs of groups y, y + gridDim.y, ...: a grid of one wave
-// whatever the group count, so that the usual call (every group with rows in the window, nothing
-// to zero) costs a few loads per block rather than a block per part of every group.
+// rows, none of them in the window, is set to zero (the sum over no rows; the other windows add
+// to it later), and so is that of a group g < zero_empty_below with no rows at all. Groups with
+// rows in the window (the GEMM writes them) or other groups with no rows at all (left as they are)
+// are skipped. Block (x, y) takes part x of the slabs of groups y, y + gridDim.y, ...: a grid of
+// one wave whatever the group count, so that the usual call (every group with rows in the window,
+// nothing to zero) costs a few loads per block rather than a block per part of every group.
 __global__ void zero_empty_groups_kernel(const int32_t* __restrict__ offsets, int groups,
                                          int64_t row_lo, int64_t rows, int zero_empty_below,
                                          uint4* c, uint4* c_home, int n_home, int64_t slab_words) {
@@ -334,7 +333,7 @@ struct GroupedGemm::Impl : gemm_detail::GemmKernels {
     gemm_detail::launch_prep(op.op, a, d, op.buffers.arrays(), max_groups, s);
     if (op.op == GemmOp::wgrad &&
         gemm_detail::wgrad_c_dtype(a) == DType::bf16)  // writing (checked)
-      wgrad_bf16[gemm_detail::raster_index(op.op, a.window, d.k, d.n, *op.runner[0])]->run(s);
+      wgrad_bf16[op.along_n(a.window, d.k, d.n)]->run(s);
     else
       op.pick(a.window, d.k, d.n, other).run(s);
     if (op.op == GemmOp::wgrad && other) gemm_detail::launch_zero_empty_groups(a, d, s);

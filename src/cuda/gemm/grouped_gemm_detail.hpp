@@ -149,8 +149,12 @@ struct OpKernels {
   // The kernel whose tile order suits a call over `w` with the weights' K and N (raster_index);
   // `other`: the one of the other beta.
   KernelRunner& pick(const GroupWindow& w, int64_t k, int64_t n, bool other) {
-    const int along_n = raster_index(op, w, k, n, *runner[0]);
-    return other ? *alt[along_n] : *runner[along_n];
+    const int n_first = along_n(w, k, n);
+    return other ? *alt[n_first] : *runner[n_first];
+  }
+  // The tile order (index into runner and alt) that suits a call over `w` (raster_index).
+  int along_n(const GroupWindow& w, int64_t k, int64_t n) const {
+    return raster_index(op, w, k, n, *runner[0]);
   }
   GemmOp op;
   ProblemBuffers buffers;
